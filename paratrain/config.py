@@ -1,0 +1,223 @@
+"""Run configuration: sectioned dataclasses, TOML files and command-line overrides.
+
+Each section is a dataclass whose fields carry their own help text; the
+command line is derived from them (``--steps``, ``--global-batch``, ...), so a
+new option is one field here and nothing else. A TOML file has one table per
+section (``[train]``, ``[data]``, ...); unknown sections or keys are errors.
+The resolved configuration is written as JSON into every run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option and the fix."""
+
+
+def option(default: Any, help: str, flag: str | None = None, choices: tuple | None = None):
+    """A config field with its help text (and optionally its CLI flag and allowed values)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
+@dataclass
+class ModelSection:
+    name: str = option("tiny", "named model config (see `paratrain models`)", flag="--model")
+    n_layers: int | None = option(None, "override the number of transformer blocks")
+    dim: int | None = option(None, "override the hidden size")
+    n_heads: int | None = option(None, "override the number of query heads")
+    n_kv_heads: int | None = option(None, "override the number of key/value heads")
+    ffn_dim: int | None = option(None, "override the feed-forward hidden size")
+    vocab_size: int | None = option(None, "override the vocabulary size (must hold the tokenizer's)")
+    tie_embeddings: bool | None = option(None, "override whether the output layer shares the embedding")
+
+
+@dataclass
+class DataSection:
+    path: str = option(
+        "default",
+        "corpus: 'default' (this Python's standard-library sources), a text file, "
+        "a directory, a glob, or a directory made by `paratrain prepare`",
+        flag="--data",
+    )
+    tokenizer: str = option(
+        "auto",
+        "'byte', 'bpe:N' (train an N-token BPE locally), a tokenizer.json path, or 'auto' "
+        "(the tokenizer stored with a prepared corpus, else 'byte')")
+    seq_len: int = option(256, "tokens per training sequence")
+    eval_fraction: float = option(0.02, "fraction of the token stream held out for evaluation")
+
+
+@dataclass
+class TrainSection:
+    steps: int = option(150, "optimizer steps")
+    global_batch: int = option(16, "sequences per optimizer step, summed over all data ranks")
+    micro_batch: int = option(16, "sequences per forward/backward; accumulation = global / (micro * data ranks)")
+    lr: float = option(3e-3, "peak learning rate (AdamW)")
+    min_lr: float = option(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = option(20, "steps of linear warmup from 0 to --lr")
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay (matrices only, not norms)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
+    seed: int = option(0, "seed for initialization and data order")
+    eval_every: int = option(50, "evaluate every N steps (and at the end); 0 evaluates only at the end")
+    eval_batches: int = option(8, "micro-batches of held-out data per evaluation")
+    sample_tokens: int = option(200, "tokens to generate as a text sample at the end (0 disables)")
+    peak_flops: float = option(1e12, "peak FLOP/s of one device, the denominator of MFU")
+
+
+@dataclass
+class RunSection:
+    out: str = option("", "run directory for config.json, metrics.jsonl and checkpoints "
+                          "(default: a new runs/<model>-<time>)")
+    overwrite: bool = option(False, "reuse --out even if it already holds a run")
+    nproc: int = option(1, "local processes to launch (through torch's elastic launcher)")
+    max_restarts: int = option(0, "restarts of the whole process group after a failure (with --nproc)")
+    progress: bool = option(True, "show a progress bar on the console")
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Config:
+        """Build a config from nested dicts; unknown sections or keys are errors."""
+        sections = {}
+        for section in dataclasses.fields(cls):
+            values = dict(data.get(section.name, {}))
+            sections[section.name] = _build_section(section.name, section.default_factory, values)
+        unknown = sorted(set(data) - set(sections))
+        if unknown:
+            raise ConfigError(f"unknown config section(s) {unknown}; known: {sorted(sections)}")
+        return cls(**sections)
+
+
+def _build_section(name: str, section_cls: type, values: dict):
+    known = {f.name: f for f in dataclasses.fields(section_cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [{name}]; known: {sorted(known)}")
+    return section_cls(**{k: coerce(f"{name}.{k}", section_cls, known[k], v) for k, v in values.items()})
+
+
+def _base_type(section_cls: type, f: dataclasses.Field) -> type:
+    """The concrete type of a field, with `X | None` reduced to X."""
+    hint = typing.get_type_hints(section_cls)[f.name]
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def coerce(where: str, section_cls: type, f: dataclasses.Field, value: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    kind = _base_type(section_cls, f)
+    if value is None:
+        return None
+    try:
+        if kind is bool:
+            value = _to_bool(value)
+        elif kind is int and not isinstance(value, bool):
+            value = int(value) if not isinstance(value, float) or value.is_integer() else _bad()
+        elif kind is float and not isinstance(value, bool):
+            value = float(value)
+        elif kind is str:
+            value = str(value)
+        else:
+            _bad()
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {list(choices)}")
+    return value
+
+
+def _bad():
+    raise ValueError
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+def load_toml(path: str | Path) -> dict:
+    """Read a TOML config file into nested dicts (validated later by Config.from_dict)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file {str(path)!r}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: invalid TOML ({e})") from None
+
+
+def iter_options():
+    """Yield (section name, section class, field, flag) for every configurable option."""
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory):
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            yield section.name, section.default_factory, f, flag
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Check every rule that can be checked before any process starts; raise ConfigError."""
+    t, d, r = cfg.train, cfg.data, cfg.run
+    for name, value in [("--steps", t.steps), ("--global-batch", t.global_batch),
+                        ("--micro-batch", t.micro_batch), ("--seq-len", d.seq_len),
+                        ("--nproc", r.nproc), ("--eval-batches", t.eval_batches)]:
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    for name, value in [("--lr", t.lr), ("--min-lr", t.min_lr), ("--weight-decay", t.weight_decay),
+                        ("--grad-clip", t.grad_clip), ("--warmup-steps", t.warmup_steps),
+                        ("--eval-every", t.eval_every), ("--sample-tokens", t.sample_tokens),
+                        ("--max-restarts", r.max_restarts)]:
+        if value < 0:
+            raise ConfigError(f"{name} must not be negative, got {value}")
+    if not 0.0 < d.eval_fraction < 0.5:
+        raise ConfigError(f"--eval-fraction must be in (0, 0.5), got {d.eval_fraction}")
+    if t.peak_flops <= 0:
+        raise ConfigError(f"--peak-flops must be positive, got {t.peak_flops}")
+    for name, value in [("--beta1", t.beta1), ("--beta2", t.beta2)]:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    check_batch(t.global_batch, t.micro_batch, world_size)
+
+
+def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:
+    """Return the gradient-accumulation steps, or explain which divisibility rule fails."""
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        lower = global_batch - global_batch % per_step
+        options = [b for b in (lower, lower + per_step) if b > 0]
+        hint = " or ".join(f"--global-batch {b}" for b in options)
+        divisors = [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0]
+        raise ConfigError(
+            f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x "
+            f"{dp} data rank(s); use {hint}, or --micro-batch in {divisors}")
+    return global_batch // per_step

@@ -1,0 +1,119 @@
+"""Where this process stands: rank, world size, device and backend, read from the launcher.
+
+The same entry point runs as one process, under ``paratrain train --nproc``,
+under ``torchrun`` (single or multi-node) and under Slurm's ``srun``: each of
+them describes the job in environment variables, and this module reads them.
+Device and backend follow the machine: CUDA + NCCL with one GPU per local
+rank when CUDA is available, CPU + gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is incomplete or contradictory."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that prints, writes metrics and saves single-file artifacts."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank and world size from torchrun's variables, else Slurm's, else one process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return _slurm_env(env)
+    return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)
+
+
+def _slurm_env(env: Mapping[str, str]) -> DistEnv:
+    """One srun task per device: Slurm's task ids become ranks."""
+    if "MASTER_ADDR" not in env:
+        raise LaunchError(
+            "running under srun without MASTER_ADDR; export MASTER_ADDR=$(scontrol show hostnames "
+            "$SLURM_JOB_NODELIST | head -n 1) and MASTER_PORT before srun")
+    tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
+    return DistEnv(
+        rank=int(env["SLURM_PROCID"]),
+        world_size=int(env["SLURM_NTASKS"]),
+        local_rank=int(env.get("SLURM_LOCALID", "0")),
+        local_world_size=int(tasks_per_node.split("(")[0]),
+    )
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device(env: DistEnv) -> torch.device:
+    """One CUDA device per local rank when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[DistEnv, torch.device]:
+    """Join the process group described by the environment (if there is more than one process).
+
+    Returns this process's DistEnv and the device it computes on. Safe to call
+    when a process group already exists (tests, user scripts).
+    """
+    env = detect_env()
+    device = default_device(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if device.type == "cpu" and env.local_world_size > 1:
+        # Processes sharing one machine's cores would oversubscribe them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if env.distributed and not dist.is_initialized():
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=backend_for(device),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return env, device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

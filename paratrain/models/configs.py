@@ -1,0 +1,133 @@
+"""Model shapes: the `ModelConfig` dataclass, its analytic counts, and the named configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ModelConfigError(ValueError):
+    """A model configuration field has an invalid value, or a model name is unknown."""
+
+
+_POSITIVE_INTS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder.
+
+    Fields:
+        vocab_size: number of token ids; rows of the embedding table and of the output projection.
+        dim: width of the residual stream (hidden size).
+        n_layers: number of transformer blocks.
+        n_heads: number of query heads; `dim // n_heads` is the head size.
+        n_kv_heads: number of key/value heads (grouped-query attention); divides `n_heads`.
+        ffn_dim: hidden width of the SwiGLU feed-forward network.
+        max_seq_len: longest sequence the model is meant for; `generate` crops its context to it.
+        norm_eps: epsilon added to the mean square in RMSNorm.
+        rope_theta: base of the rotary embedding frequencies.
+        tie_embeddings: the output projection reuses the embedding table (one parameter).
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"{name}={value!r} is invalid; use a positive integer")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ModelConfigError(f"{name}={value!r} is invalid; use a positive number")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ModelConfigError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
+        if self.dim % self.n_heads:
+            raise ModelConfigError(
+                f"dim={self.dim} is not divisible by n_heads={self.n_heads}; use a multiple of n_heads"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                "use a divisor of n_heads"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(
+                f"dim/n_heads={self.head_dim} is odd but rotary embeddings need an even head size; "
+                "change dim or n_heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Exact number of parameters of `Transformer(self)`, a tied table counted once."""
+        embedding = self.vocab_size * self.dim
+        output = 0 if self.tie_embeddings else embedding
+        return embedding + self.n_layers * self._block_params() + self.dim + output
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at sequence length `seq_len`.
+
+        PaLM (Chowdhery et al. 2022, appendix B): 6·N + 12·L·H·Q·T with H·Q = dim and
+        T = seq_len. N counts every parameter used in a matmul: all of them except the
+        input embedding table, whose lookup does no arithmetic; the output projection counts
+        even when tied to that table. The attention term is not halved for the causal mask,
+        following the same convention, so MFU figures stay comparable with published ones.
+        """
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ModelConfigError(f"seq_len={seq_len!r} is invalid; use a positive integer")
+        matmul_params = self.n_layers * self._block_params() + self.dim + self.vocab_size * self.dim
+        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+    def _block_params(self) -> int:
+        hd = self.head_dim
+        attention = 2 * self.dim * self.n_heads * hd + 2 * self.dim * self.n_kv_heads * hd
+        feed_forward = 3 * self.dim * self.ffn_dim
+        norms = 2 * self.dim
+        return attention + feed_forward + norms
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    # Small enough to train on a CPU in minutes; 8 query and 4 kv heads divide by tp=2 and tp=4.
+    "tiny": ModelConfig(
+        vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=1024
+    ),
+    "small": ModelConfig(
+        vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536,
+        max_seq_len=2048, tie_embeddings=True,
+    ),
+    "llama2-7b": ModelConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_seq_len=4096
+    ),
+    "llama2-13b": ModelConfig(
+        vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, max_seq_len=4096
+    ),
+    "llama2-70b": ModelConfig(
+        vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq_len=4096
+    ),
+    "llama3-8b": ModelConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        max_seq_len=8192, rope_theta=500000.0,
+    ),
+}
+
+
+def get_model_config(name: str) -> ModelConfig:
+    """The named config from `MODEL_CONFIGS`; raises `ModelConfigError` listing the names if unknown."""
+    try:
+        return MODEL_CONFIGS[name]
+    except KeyError:
+        choices = ", ".join(MODEL_CONFIGS)
+        raise ModelConfigError(f"unknown model {name!r}; choose one of: {choices}") from None

@@ -1,0 +1,211 @@
+"""Llama-style decoder in plain PyTorch: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+
+Parallel strategies act on this model from outside, so it is written to survive them:
+
+- Head counts are read from the weight shapes in `forward`, never from the config, so a
+  tensor-parallel plan can slice `wq`/`wk`/`wv`/`w1`/`w3` by output features and `wo`/`w2`
+  by input features without changing this file.
+- Blocks live in a `ModuleDict` keyed "0".."L-1": a pipeline stage deletes the blocks it
+  does not own and the remaining parameter names stay those of the full model.
+- `tok_embeddings`, `norm` and `output` may be set to `None` by a pipeline stage.
+- Construction on the meta device holds no data; `init_weights` draws each parameter from
+  its own generator keyed by (seed, name), so values do not depend on device, dtype, or
+  which parameters a rank holds.
+
+Shape legend: B batch, S sequence, D dim, H heads (local), K kv heads (local), E head size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models.configs import ModelConfig
+
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale; statistics in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Scale after the cast back, as Hugging Face does, so bf16 runs round the same way.
+        return self.weight * normed.to(x.dtype)
+
+
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [S, E] for positions 0..seq_len-1, in the rotate-half layout.
+
+    Computed in fp32 with the same operations as Hugging Face's Llama, so exported
+    checkpoints give identical logits there.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x_BSHE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + E/2) pair of every head by its position's angle."""
+    x1, x2 = x_BSHE.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x_BSHE * cos_SE[:, None, :] + rotated * sin_SE[:, None, :]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.dim, q_dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(q_dim, config.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        q_BSHE = apply_rotary(self.wq(x_BSD).view(b, s, -1, self.head_dim), cos_SE, sin_SE)
+        k_BSKE = apply_rotary(self.wk(x_BSD).view(b, s, -1, self.head_dim), cos_SE, sin_SE)
+        v_BSKE = self.wv(x_BSD).view(b, s, -1, self.head_dim)
+        q_BHSE, k_BKSE, v_BKSE = (t.transpose(1, 2) for t in (q_BSHE, k_BSKE, v_BSKE))
+        # Query head h reads kv head h // (H/K): Hugging Face's layout, and the one that keeps
+        # contiguous tensor-parallel slices of q heads aligned with slices of kv heads.
+        group = q_BHSE.shape[1] // k_BKSE.shape[1]
+        k_BHSE = k_BKSE.repeat_interleave(group, dim=1)
+        v_BHSE = v_BKSE.repeat_interleave(group, dim=1)
+        out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, is_causal=True)
+        return self.wo(out_BHSE.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention, then feed-forward."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SE, sin_SE)
+        return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder: embedding, `n_layers` blocks, final norm, output projection.
+
+    Build on meta and materialize with
+    `model.to_empty(device=...)` then `model.init_weights(seed)`.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self._tie_weights()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, vocab] for token ids [B, S].
+
+        A pipeline stage without `tok_embeddings` takes hidden states [B, S, D] instead,
+        and one without `output` returns hidden states.
+        """
+        h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # Recomputed each call (S·E/2 products): a cached buffer would hold garbage after
+        # meta construction + to_empty, and wrappers would have one more tensor to broadcast.
+        cos_SE, sin_SE = rotary_tables(
+            h_BSD.shape[1], self.config.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype
+        )
+        for layer in self.layers.values():
+            h_BSD = layer(h_BSD, cos_SE, sin_SE)
+        h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
+        return self.output(h_BSD) if self.output is not None else h_BSD
+
+    def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
+        """`nn.Module.to_empty`, keeping the output projection tied to the embedding table."""
+        super().to_empty(device=device, recurse=recurse)
+        self._tie_weights()
+        return self
+
+    def param_init_std(self, name: str) -> float | None:
+        """Std of the normal init of parameter `name`; None for norm scales, which start at 1.
+
+        0.02 everywhere, except the projections that write into the residual stream
+        (`wo`, `w2`), which get 0.02/sqrt(2·n_layers) so the stream's variance does not grow
+        with depth (GPT-2).
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith((".wo.weight", ".w2.weight")):
+            return INIT_STD / math.sqrt(2 * self.config.n_layers)
+        return INIT_STD
+
+    def param_init(self, name: str, shape, seed: int) -> torch.Tensor:
+        """Full fp32 CPU initial value of parameter `name` (named from this model's root).
+
+        A sharded materialization calls this with the global shape and keeps its slice.
+        """
+        if self.config.tie_embeddings and name == "output.weight":
+            # A stage that holds only the output projection still gets the shared table.
+            name = "tok_embeddings.weight"
+        return init_parameter(name, shape, seed, std=self.param_init_std(name))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill every parameter this module holds with its deterministic initial value."""
+        for name, param in self.named_parameters():
+            param.copy_(self.param_init(name, param.shape, seed))
+
+    def num_params(self) -> int:
+        """Number of parameters held, each shared tensor counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def _tie_weights(self) -> None:
+        # Called again after to_empty, which replaces the two references separately.
+        if self.config.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+
+def init_parameter(name: str, shape, seed: int, *, std: float | None) -> torch.Tensor:
+    """Full fp32 CPU initial value of parameter `name`: normal(0, std), or ones if std is None.
+
+    The generator is seeded from sha256(f"{seed}:{name}"), not Python's salted `hash`,
+    so the value is the same in every process and whatever else is being initialized.
+    """
+    if std is None:
+        return torch.ones(shape)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)

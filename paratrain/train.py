@@ -1,0 +1,321 @@
+"""The training loop: data -> forward -> loss -> backward -> reduce -> step, read top to bottom.
+
+``train(config)`` is the whole program behind ``paratrain train``; a user can
+call it from their own script. Every process of a job runs it: rank and world
+size come from the launcher's environment (see ``paratrain.distributed``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from paratrain.config import Config, ConfigError, check_batch, validate
+from paratrain.data import DataSampler, build_dataset, resolve_text_files
+from paratrain.data.prepare import is_prepared_dir
+from paratrain.distributed import DistEnv, init_distributed, shutdown
+from paratrain.metrics import MetricsLog, mfu, peak_memory_bytes, perplexity, unigram_entropy
+from paratrain.models import ModelConfig, Transformer, generate, get_model_config
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports back to its caller."""
+
+    out_dir: Path
+    first_loss: float
+    final_loss: float
+    eval_loss: float
+    unigram_entropy: float
+    sample: str
+
+
+def train(cfg: Config) -> RunResult:
+    """Train as configured; every process of the job calls this."""
+    owns_group = not dist.is_initialized()
+    env, device = init_distributed()
+    try:
+        return _run(cfg, env, device)
+    finally:
+        if owns_group:
+            shutdown()
+
+
+def _run(cfg: Config, env: DistEnv, device: torch.device) -> RunResult:
+    validate(cfg, world_size=env.world_size)
+    t = cfg.train
+    out = prepare_run_dir(cfg, env)
+    train_set, eval_set, tokenizer = load_data(cfg, env, out)
+    model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
+    model = build_model(model_cfg, device, t.seed)
+    optimizer = make_optimizer(model, cfg)
+    accumulation = check_batch(t.global_batch, t.micro_batch, env.world_size)
+    sampler = DataSampler(len(train_set), t.global_batch, env.rank, env.world_size, seed=t.seed)
+    entropy = unigram_entropy(train_set.stream.tokens, model_cfg.vocab_size)
+    flops_per_token = model_cfg.flops_per_token(cfg.data.seq_len)
+    log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
+    if env.is_main:
+        print(f"paratrain: {cfg.model.name} ({model.num_params():,} parameters), "
+              f"{env.world_size} process(es) on {device.type}, {len(train_set):,} training sequences "
+              f"of {cfg.data.seq_len} tokens, {accumulation} micro-batch(es) per step; "
+              f"unigram entropy of the data {entropy:.3f} nats", flush=True)
+
+    bar = tqdm(total=t.steps, desc="train", disable=not (env.is_main and cfg.run.progress), dynamic_ncols=True)
+    first_loss = loss = eval_loss = float("nan")
+    for step in range(1, t.steps + 1):
+        start = time.perf_counter()
+        lr = set_learning_rate(optimizer, step, cfg)
+        ids = sampler.next_batch()
+        batches = [train_set.get_batch(ids[i:i + t.micro_batch]) for i in range(0, len(ids), t.micro_batch)]
+        loss, grad_norm, tokens = train_step(model, optimizer, batches, device, t.grad_clip)
+        elapsed = time.perf_counter() - start
+        first_loss = loss if step == 1 else first_loss
+        record = {
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+            "tokens_seen": step * tokens, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
+            "mfu": mfu(flops_per_token, tokens / elapsed, t.peak_flops, env.world_size),
+            "peak_mem_bytes": peak_memory_bytes(device),
+        }
+        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            eval_loss = evaluate(model, eval_set, t.micro_batch, t.eval_batches, env, device)
+            record.update(eval_loss=eval_loss, eval_ppl=perplexity(eval_loss))
+            if env.is_main:
+                bar.write(f"step {step}: train loss {loss:.4f}, eval loss {eval_loss:.4f} "
+                          f"(ppl {perplexity(eval_loss):.2f})")
+        if log:
+            log.write(record)
+        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", refresh=False)
+        bar.update(1)
+    bar.close()
+
+    sample = ""
+    if env.is_main:
+        log.close()
+        save_final(out, model, model_cfg, tokenizer)
+        prompt, sample = sample_text(model, tokenizer, eval_set, t.sample_tokens, t.seed, device)
+        if sample:
+            print(f"--- prompt (held-out text) ---\n{prompt}\n--- the model's continuation ---\n{sample}\n---")
+        print(f"train loss {first_loss:.3f} -> {loss:.3f}, eval loss {eval_loss:.3f} "
+              f"(unigram entropy of the data: {entropy:.3f})\nrun written to {out}", flush=True)
+    return RunResult(out, first_loss, loss, eval_loss, entropy, sample)
+
+
+def train_step(model, optimizer, batches, device, grad_clip: float) -> tuple[float, float, int]:
+    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, global tokens).
+
+    The loss is the mean over every target token of the global batch: each
+    micro-batch contributes its token-loss *sum* divided by the token count of
+    the whole step across all ranks, so accumulation and data parallelism give
+    exactly the gradient of one process holding the whole batch, whatever the
+    number of padded tokens in each micro-batch.
+    """
+    local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+    global_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=device)).item())
+    loss_sum = torch.zeros((), device=device)
+    for inputs, labels in batches:
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        token_losses = token_loss_sum(model(inputs), labels)
+        (token_losses / global_tokens).backward()
+        loss_sum += token_losses.detach()
+    average_gradients(model)
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = all_reduce_sum(loss_sum).item() / global_tokens
+    return loss, float(grad_norm), global_tokens
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the non-ignored targets."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def average_gradients(model: torch.nn.Module) -> None:
+    """Sum gradients over all processes in one flat all-reduce.
+
+    The loss is already divided by the global token count, so the sum is the
+    gradient of the global mean. This is the simplest correct data parallelism:
+    one blocking collective after backward, no overlap.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def evaluate(model, dataset, micro_batch: int, num_batches: int, env: DistEnv, device) -> float:
+    """Mean token loss over the first held-out sequences, split across ranks."""
+    model.eval()
+    count = min(len(dataset), micro_batch * num_batches)
+    mine = list(range(env.rank, count, env.world_size))
+    totals = torch.zeros(2, device=device)
+    for i in range(0, len(mine), micro_batch):
+        inputs, labels = dataset.get_batch(mine[i:i + micro_batch])
+        labels = labels.to(device)
+        totals[0] += token_loss_sum(model(inputs.to(device)), labels)
+        totals[1] += (labels != IGNORE_INDEX).sum()
+    model.train()
+    all_reduce_sum(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def load_data(cfg: Config, env: DistEnv, out: Path):
+    """Train and held-out datasets and the tokenizer.
+
+    A tokenizer trained here (bpe:N) is trained once, by rank 0, into the run's
+    cache; the other ranks then memory-map what it wrote.
+    """
+    d = cfg.data
+    spec = d.tokenizer
+    if spec == "auto":
+        spec = "auto" if d.path != "default" and is_prepared_dir(d.path) else "byte"
+    cache = out / "data-cache" if spec.startswith("bpe:") else None
+    progress = cfg.run.progress and env.is_main
+
+    def build():
+        return build_dataset(d.path, spec, d.seq_len, cache, eval_fraction=d.eval_fraction, progress=progress)
+
+    if cache is None:
+        return build()
+    result = build() if env.is_main else None
+    barrier()
+    return result or build()
+
+
+def preflight(cfg: Config) -> None:
+    """The checks that need neither a process group nor the data: run before launching processes."""
+    resolve_model_config(cfg, tokenizer_vocab=0)
+    path = cfg.data.path
+    if path != "default" and not is_prepared_dir(path):
+        resolve_text_files(path)
+
+
+def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
+    """The named model config with the user's overrides applied; checks that the vocabulary fits."""
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "name" and v is not None}
+    model_cfg = dataclasses.replace(get_model_config(cfg.model.name), **overrides)
+    if tokenizer_vocab > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but model {cfg.model.name!r} only "
+                          f"{model_cfg.vocab_size}; pass --vocab-size {tokenizer_vocab} or a smaller tokenizer")
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's max_seq_len "
+                          f"{model_cfg.max_seq_len}")
+    return model_cfg
+
+
+def build_model(model_cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
+    """Construct without allocating (meta device), then materialize and initialize on `device`."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices (embeddings included), not on norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+
+
+def learning_rate(step: int, cfg: Config) -> float:
+    """Linear warmup to lr over warmup_steps, then cosine decay to min_lr at the last step."""
+    t = cfg.train
+    if step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, cfg: Config) -> float:
+    lr = learning_rate(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def default_run_dir(cfg: Config, environ=os.environ) -> str:
+    """A fresh run directory name, the same on every rank of one job."""
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+    if int(environ.get("WORLD_SIZE", "1")) > 1:
+        if run_id == "none":
+            raise ConfigError("--out is required when the launcher gives no run id (torchrun --rdzv-id)")
+        return f"runs/{cfg.model.name}-{run_id}"
+    return f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:
+    """Create the run directory and write config.json; never silently mix two runs."""
+    if not cfg.run.out:
+        cfg.run.out = default_run_dir(cfg)
+    out = Path(cfg.run.out)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if (out / "metrics.jsonl").exists() and not (cfg.run.overwrite or restarted):
+        raise ConfigError(f"--out {out} already holds a run; choose another --out or pass --overwrite")
+    barrier()  # every rank has checked before rank 0 writes
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "config.json").write_text(cfg.to_json() + "\n")
+    return out
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_final(out: Path, model: Transformer, model_cfg: ModelConfig, tokenizer) -> Path:
+    """Weights (safetensors), model config and tokenizer, written to a temporary name then renamed."""
+    final, tmp = out / "final", out / "final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "paratrain"})
+    (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
+    tokenizer.save(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def sample_text(model, tokenizer, eval_set, num_tokens: int, seed: int, device) -> tuple[str, str]:
+    """(prompt, continuation): the model continues the start of the held-out text."""
+    if num_tokens == 0:
+        return "", ""
+    prompt = eval_set.get_batch([0])[0][:, :64].to(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = generate(model, prompt, num_tokens, temperature=0.8, top_k=40, generator=generator)
+    return tokenizer.decode(prompt[0].tolist()), tokenizer.decode(tokens[0, prompt.shape[1]:].tolist())

@@ -1,0 +1,106 @@
+"""The training loop: metrics, checkpoint, accumulation and token-weighted loss, multi-process equivalence."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain.config import Config
+from paratrain.metrics import read_metrics
+from paratrain.models import ModelConfig, Transformer
+from paratrain.testing import run_on_ranks
+from paratrain.train import IGNORE_INDEX, build_model, learning_rate, train, train_step
+
+
+def small_config(out, **train_overrides) -> Config:
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 2, 64, 4, 2, 128
+    cfg.data.seq_len = 32
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 6, 8, 8
+    cfg.train.warmup_steps, cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 2, 3, 2, 16
+    for key, value in train_overrides.items():
+        setattr(cfg.train, key, value)
+    cfg.run.out, cfg.run.progress = str(out), False
+    return cfg
+
+
+def test_run_writes_metrics_config_and_final_weights(tmp_path):
+    cfg = small_config(tmp_path / "run")
+    result = train(cfg)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7))
+    for key in ["loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes"]:
+        assert all(r[key] > 0 for r in records), key
+    assert all(r["tokens"] == 8 * 32 for r in records)
+    assert {r["step"] for r in records if "eval_loss" in r} == {3, 6}
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert result.final_loss == records[-1]["loss"] and result.sample
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert Config.from_dict(saved) == cfg
+
+    model_cfg = ModelConfig(**json.loads((tmp_path / "run" / "final" / "model_config.json").read_text()))
+    weights = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    model = Transformer(model_cfg)
+    model.load_state_dict(weights, strict=True)
+    assert not torch.equal(weights["layers.0.attention.wq.weight"],
+                           build_model(model_cfg, torch.device("cpu"), 0).layers["0"].attention.wq.weight)
+
+
+def test_refuses_to_mix_two_runs_in_one_directory(tmp_path):
+    train(small_config(tmp_path / "run", steps=1))
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(small_config(tmp_path / "run", steps=1))
+
+
+def test_learning_rate_schedule():
+    cfg = small_config("unused", steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
+    assert learning_rate(5, cfg) == pytest.approx(0.5)
+    assert learning_rate(10, cfg) == pytest.approx(1.0)
+    assert learning_rate(100, cfg) == pytest.approx(0.1)
+    assert 0.1 < learning_rate(55, cfg) < 1.0
+
+
+def _tiny_model(seed=0):
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    return build_model(cfg, torch.device("cpu"), seed)
+
+
+def _uneven_batch(generator):
+    inputs = torch.randint(0, 64, (4, 16), generator=generator)
+    labels = torch.randint(0, 64, (4, 16), generator=generator)
+    for row, keep in enumerate([16, 3, 9, 1]):  # very different token counts per sequence
+        labels[row, keep:] = IGNORE_INDEX
+    return inputs, labels
+
+
+def test_accumulation_with_uneven_masks_equals_one_batch():
+    """Token-weighted loss: 4 micro-batches of 1 equal one batch of 4, padding included."""
+    inputs, labels = _uneven_batch(torch.Generator().manual_seed(0))
+    whole, split = _tiny_model(), _tiny_model()
+    opt_whole = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    opt_split = torch.optim.AdamW(split.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss_whole, norm_whole, tokens = train_step(whole, opt_whole, [(inputs, labels)], torch.device("cpu"), 1.0)
+        micro = [(inputs[i:i + 1], labels[i:i + 1]) for i in range(4)]
+        loss_split, norm_split, _ = train_step(split, opt_split, micro, torch.device("cpu"), 1.0)
+        assert tokens == 16 + 3 + 9 + 1
+        assert loss_split == pytest.approx(loss_whole, rel=1e-6)
+        assert norm_split == pytest.approx(norm_whole, rel=1e-5)
+    for a, b in zip(whole.parameters(), split.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _train_on_ranks(rank, world_size, out, accumulate):
+    cfg = small_config(out, steps=4, micro_batch=8 // world_size // accumulate)
+    result = train(cfg)
+    return result.final_loss
+
+
+def test_two_processes_match_one(tmp_path):
+    """Two data ranks (the foundation's all-reduce) give the losses of one process with the same batch."""
+    train(small_config(tmp_path / "one", steps=4))
+    reference = [r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl")]
+    run_on_ranks(_train_on_ranks, 2, str(tmp_path / "two"), 2, timeout=120)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
+    assert losses == pytest.approx(reference, rel=1e-5)
