@@ -1,0 +1,1 @@
+"""Parallelism strategies applied to plain modules: data parallel and ZeRO (tensor and pipeline to come)."""

@@ -1,0 +1,39 @@
+"""The one sharding layout of ZeRO: every parameter split along its first dimension.
+
+Rank r of N holds rows [r·c, min((r+1)·c, d0)) of a parameter whose first
+dimension is d0, with c = ceil(d0 / N); flat communication buffers pad each
+rank's piece to c rows so that chunks are equal. A shard is therefore always
+a rectangular slice of the global tensor (offset r·c on dim 0), which is what
+checkpoints record and what lets any layout be loaded into any other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rows_per_rank(d0: int, n: int) -> int:
+    """Rows of the padded chunk every rank holds."""
+    return math.ceil(d0 / n)
+
+
+def row_range(d0: int, n: int, rank: int) -> tuple[int, int]:
+    """The real (unpadded) rows [lo, hi) that `rank` owns; empty for trailing ranks of a short tensor."""
+    c = rows_per_rank(d0, n)
+    return min(rank * c, d0), min((rank + 1) * c, d0)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View a tensor as 2-D rows × rest (a 0-d tensor is one row of one element)."""
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(t.shape[0], -1)
+
+
+def padded_chunk_numel(shape: torch.Size, n: int) -> int:
+    """Elements of one rank's padded chunk of a tensor of `shape`."""
+    d0 = shape[0] if len(shape) else 1
+    rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return rows_per_rank(d0, n) * rest

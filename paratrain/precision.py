@@ -1,0 +1,84 @@
+"""Mixed precision: which dtype computes, which reduces gradients, which holds the master weights.
+
+The model's parameters are stored in ``param_dtype`` and the forward and
+backward run in it; gradients are communicated in ``reduce_dtype``; the
+optimizer updates fp32 master weights (for ``fp32`` the parameters themselves
+are the master copy). fp16's narrow range needs dynamic loss scaling:
+:class:`LossScaler` multiplies the loss, skips a step whose gradients hold
+inf/nan on any rank, and adapts the scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PrecisionError(ValueError):
+    """An unknown precision or reduce dtype."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A mixed-precision policy."""
+
+    name: str
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the optimizer needs a separate fp32 master copy of the parameters."""
+        return self.param_dtype != self.master_dtype
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return self.param_dtype == torch.float16
+
+
+def precision_policy(name: str = "fp32", reduce_dtype: str | None = None) -> Precision:
+    """fp32, bf16 or fp16 compute; gradients reduced in `reduce_dtype` (default: fp32)."""
+    if name not in DTYPES:
+        raise PrecisionError(f"--precision {name!r} is not one of {list(DTYPES)}")
+    if reduce_dtype is not None and reduce_dtype not in DTYPES:
+        raise PrecisionError(f"--reduce-dtype {reduce_dtype!r} is not one of {list(DTYPES)}")
+    reduce = DTYPES[reduce_dtype] if reduce_dtype else torch.float32
+    return Precision(name=name, param_dtype=DTYPES[name], reduce_dtype=reduce)
+
+
+class LossScaler:
+    """Dynamic loss scaling: back off on overflow, grow after `growth_interval` clean steps."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.clean_steps = 0
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def update(self, found_inf: bool) -> None:
+        """Adapt the scale after a step (found_inf must already agree across ranks)."""
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps, self.skipped_steps = state["scale"], state["clean_steps"], state["skipped_steps"]

@@ -1,0 +1,96 @@
+"""Shared pieces of the multi-rank parity tests: a tiny model, a fixed global batch, a reference run.
+
+The distributed side of every parity test runs `train_steps` on its slice of
+the same global batch that the single-process reference sees whole; the loss
+is the sum of token losses over the global token count on both sides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models import ModelConfig, Transformer
+
+TINY = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+STEPS, BATCH, SEQ, LR = 20, 8, 16, 1e-2
+
+
+def make_model(cfg: ModelConfig = TINY, seed: int = 0) -> Transformer:
+    """Built on the meta device, then materialized and initialized (as the trainer does)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def batches(vocab: int = 64, steps: int = STEPS, batch: int = BATCH, seq: int = SEQ, uneven: bool = True):
+    """Deterministic global batches; with `uneven`, rows keep very different numbers of target tokens."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        y = torch.randint(0, vocab, (batch, seq), generator=g)
+        if uneven:
+            keep = torch.randint(1, seq + 1, (batch,), generator=g)
+            y[torch.arange(seq)[None, :] >= keep[:, None]] = -100
+        out.append((x, y))
+    return out
+
+
+def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    logits = getattr(logits, "logits", logits)  # Hugging Face models return an output object
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+
+
+def adamw(params):
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR)
+
+
+def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None = None):
+    """Single process, whole global batch: per-step losses and final parameters."""
+    optimizer = adamw(list(model.parameters()))
+    losses = []
+    for x, y in data:
+        tokens = (y != -100).sum()
+        loss = loss_sum(model, x, y) / tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def parallel_run(model, optimizer, data, rank: int, world: int, comm_axis_all_reduce, clip: float = 1.0,
+                 micro: int | None = None):
+    """This rank's share of each global batch (split in `micro`-row micro-batches): losses per step."""
+    losses = []
+    for x, y in data:
+        per_rank = x.shape[0] // world
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        tokens = (y != -100).sum()  # global count: every rank sees the global batch here
+        micro = micro or per_rank
+        total = torch.zeros(())
+        pieces = range(0, per_rank, micro)
+        for i in pieces:
+            last = i + micro >= per_rank
+            ctx = model.no_sync() if not last else contextlib.nullcontext()
+            with ctx:
+                part = loss_sum(model, xs[i:i + micro], ys[i:i + micro])
+                (part / tokens).backward()
+            total += part.detach()
+        model.clip_grad_norm_(clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        comm_axis_all_reduce(total)
+        losses.append((total / tokens).item())
+    return losses
+

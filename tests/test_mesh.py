@@ -1,0 +1,65 @@
+"""Mesh coordinates and groups are pure arithmetic; the comm layer counts bytes as a ring sends them."""
+
+import pytest
+import torch
+
+from paratrain.comm import Comm
+from paratrain.mesh import MeshError, MeshShape, build_mesh
+from paratrain.testing import run_on_ranks
+
+
+def test_tp_is_innermost_and_pp_outermost():
+    shape = MeshShape(pp=2, dp=2, tp=2)
+    assert shape.world_size == 8
+    assert [shape.coords(r) for r in (0, 1, 2, 7)] == [
+        {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 0, "tp": 1}, {"pp": 0, "dp": 1, "tp": 0},
+        {"pp": 1, "dp": 1, "tp": 1}]
+    assert shape.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert shape.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("pp, dp, tp", [(1, 4, 1), (2, 3, 2), (4, 1, 2), (3, 2, 1)])
+def test_every_rank_is_in_exactly_one_group_per_axis(pp, dp, tp):
+    shape = MeshShape(pp=pp, dp=dp, tp=tp)
+    for axis in ("pp", "dp", "tp"):
+        members = sorted(r for g in shape.groups(axis) for r in g)
+        assert members == list(range(shape.world_size))
+        for group in shape.groups(axis):
+            assert len(group) == shape.size(axis)
+            coords = [shape.coords(r) for r in group]
+            assert [c[axis] for c in coords] == list(range(shape.size(axis)))
+    for r in range(shape.world_size):
+        assert shape.rank_of(**shape.coords(r)) == r
+
+
+def test_degrees_must_multiply_to_the_world():
+    assert MeshShape.for_world(8, tp=2) == MeshShape(pp=1, dp=4, tp=2)
+    with pytest.raises(MeshError, match=r"pp × dp × tp = 1 × 3 × 2 = 6 but the world has 8"):
+        MeshShape.for_world(8, dp=3, tp=2)
+    with pytest.raises(MeshError, match="not divisible by tp × pp = 3 × 1"):
+        MeshShape.for_world(8, tp=3)
+    with pytest.raises(MeshError, match="--tp must be at least 1"):
+        MeshShape(tp=0)
+
+
+def _counted(rank, world):
+    mesh = build_mesh(MeshShape(dp=world))
+    comm = Comm(mesh)
+    x = torch.ones(1000)
+    comm.all_reduce(x, "dp")
+    out = torch.empty(1000 * world)
+    comm.all_gather(out, torch.full((1000,), float(rank)), "dp")
+    shard = torch.empty(1000)
+    comm.reduce_scatter(shard, torch.ones(1000 * world), "dp")
+    comm.all_reduce(torch.ones(10), "tp")  # a group of one: nothing to send
+    return comm.summary(), x[0].item(), out.view(world, -1)[:, 0].tolist(), shard[0].item()
+
+
+def test_comm_counts_ring_bytes_and_results_are_right():
+    summary, reduced, gathered, scattered = run_on_ranks(_counted, 4, timeout=60)[0]
+    assert reduced == 4 and gathered == [0, 1, 2, 3] and scattered == 4
+    assert summary["dp"]["all_reduce"] == {"calls": 1, "bytes": 2 * 4000 * 3 // 4}
+    assert summary["dp"]["all_gather"] == {"calls": 1, "bytes": 4 * 4000 * 3 // 4}
+    assert summary["dp"]["reduce_scatter"] == {"calls": 1, "bytes": 4 * 4000 * 3 // 4}
+    assert "tp" not in summary
