@@ -60,10 +60,10 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         group = groups.get(section) or groups.setdefault(
             section, parser.add_argument_group(f"[{section}] options"))
         default = f.default
-        help_text = f"{f.metadata['help']} (default: {default if default != '' else 'auto'})"
+        choices = f.metadata.get("choices")
+        allowed = f"; one of {', '.join(map(str, choices))}" if choices else ""
+        help_text = f"{f.metadata['help']}{allowed} (default: {default if default != '' else 'auto'})"
         kwargs = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=help_text)
-        if f.metadata.get("choices"):
-            kwargs["choices"] = f.metadata["choices"]
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:

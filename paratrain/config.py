@@ -76,6 +76,18 @@ class TrainSection:
 
 
 @dataclass
+class ParallelSection:
+    dp: int = option(0, "data-parallel degree (0: the world size divided by tp × pp)")
+    zero: int = option(0, "ZeRO stage: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + parameters",
+                       choices=(0, 1, 2, 3))
+    precision: str = option("fp32", "compute dtype; master weights and optimizer state stay fp32",
+                            choices=("fp32", "bf16", "fp16"))
+    reduce_dtype: str = option("fp32", "dtype of gradient communication", choices=("fp32", "bf16", "fp16"))
+    activation_checkpointing: int = option(0, "recompute activations of every k-th block in backward (0: off)")
+    bucket_mb: float = option(25.0, "gradient bucket size in MB (DDP, ZeRO-1/2)")
+
+
+@dataclass
 class RunSection:
     out: str = option("", "run directory for config.json, metrics.jsonl and checkpoints "
                           "(default: a new runs/<model>-<time>)")
@@ -90,6 +102,7 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     run: RunSection = field(default_factory=RunSection)
 
     def to_dict(self) -> dict:
@@ -206,7 +219,22 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     for name, value in [("--beta1", t.beta1), ("--beta2", t.beta2)]:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
-    check_batch(t.global_batch, t.micro_batch, world_size)
+    p = cfg.parallel
+    for name, value in [("--dp", p.dp), ("--activation-checkpointing", p.activation_checkpointing)]:
+        if value < 0:
+            raise ConfigError(f"{name} must not be negative, got {value}")
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
+    check_batch(t.global_batch, t.micro_batch, data_ranks(cfg, world_size))
+
+
+def data_ranks(cfg: Config, world_size: int) -> int:
+    """The data-parallel degree: --dp, or the whole world; must equal the world (no tp/pp yet)."""
+    dp = cfg.parallel.dp or world_size
+    if dp != world_size:
+        raise ConfigError(f"--dp {dp} does not match {world_size} process(es): pp × dp × tp must equal the "
+                          f"number of processes; use --dp {world_size} (or leave --dp unset)")
+    return dp
 
 
 def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:

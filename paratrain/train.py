@@ -25,9 +25,11 @@ from tqdm import tqdm
 from paratrain.config import Config, ConfigError, check_batch, validate
 from paratrain.data import DataSampler, build_dataset, resolve_text_files
 from paratrain.data.prepare import is_prepared_dir
-from paratrain.distributed import DistEnv, init_distributed, shutdown
+from paratrain.distributed import DistEnv, default_device, detect_env, shutdown
 from paratrain.metrics import MetricsLog, mfu, peak_memory_bytes, perplexity, unigram_entropy
+from paratrain.mesh import Mesh, init_mesh
 from paratrain.models import ModelConfig, Transformer, generate, get_model_config
+from paratrain.parallel.api import ParallelModel, maybe_no_sync, parallelize
 
 IGNORE_INDEX = -100
 
@@ -47,37 +49,40 @@ class RunResult:
 def train(cfg: Config) -> RunResult:
     """Train as configured; every process of the job calls this."""
     owns_group = not dist.is_initialized()
-    env, device = init_distributed()
+    env = detect_env()
+    validate(cfg, world_size=env.world_size)  # before any process group exists
+    mesh = init_mesh(dp=cfg.parallel.dp or None)
     try:
-        return _run(cfg, env, device)
+        return _run(cfg, env, mesh, default_device(env))
     finally:
         if owns_group:
             shutdown()
 
 
-def _run(cfg: Config, env: DistEnv, device: torch.device) -> RunResult:
-    validate(cfg, world_size=env.world_size)
-    t = cfg.train
+def _run(cfg: Config, env: DistEnv, mesh: Mesh, device: torch.device) -> RunResult:
+    t, p = cfg.train, cfg.parallel
     out = prepare_run_dir(cfg, env)
     train_set, eval_set, tokenizer = load_data(cfg, env, out)
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    model = build_model(model_cfg, device, t.seed)
-    optimizer = make_optimizer(model, cfg)
-    accumulation = check_batch(t.global_batch, t.micro_batch, env.world_size)
-    sampler = DataSampler(len(train_set), t.global_batch, env.rank, env.world_size, seed=t.seed)
+    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, device)
+    dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
+    accumulation = check_batch(t.global_batch, t.micro_batch, dp)
+    sampler = DataSampler(len(train_set), t.global_batch, dp_rank, dp, seed=t.seed)
     entropy = unigram_entropy(train_set.stream.tokens, model_cfg.vocab_size)
     flops_per_token = model_cfg.flops_per_token(cfg.data.seq_len)
     log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
     if env.is_main:
-        print(f"paratrain: {cfg.model.name} ({model.num_params():,} parameters), "
-              f"{env.world_size} process(es) on {device.type}, {len(train_set):,} training sequences "
-              f"of {cfg.data.seq_len} tokens, {accumulation} micro-batch(es) per step; "
-              f"unigram entropy of the data {entropy:.3f} nats", flush=True)
+        print(f"paratrain: {cfg.model.name} ({model_cfg.num_params():,} parameters), "
+              f"{env.world_size} process(es) on {device.type} (dp={dp}, zero={p.zero}, {p.precision}), "
+              f"{len(train_set):,} training sequences of {cfg.data.seq_len} tokens, "
+              f"{accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats",
+              flush=True)
 
     bar = tqdm(total=t.steps, desc="train", disable=not (env.is_main and cfg.run.progress), dynamic_ncols=True)
     first_loss = loss = eval_loss = float("nan")
     for step in range(1, t.steps + 1):
         start = time.perf_counter()
+        model.comm.reset()
         lr = set_learning_rate(optimizer, step, cfg)
         ids = sampler.next_batch()
         batches = [train_set.get_batch(ids[i:i + t.micro_batch]) for i in range(0, len(ids), t.micro_batch)]
@@ -88,10 +93,13 @@ def _run(cfg: Config, env: DistEnv, device: torch.device) -> RunResult:
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
             "tokens_seen": step * tokens, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
             "mfu": mfu(flops_per_token, tokens / elapsed, t.peak_flops, env.world_size),
+            "comm_bytes": model.comm.bytes_by_axis(),
             "peak_mem_bytes": peak_memory_bytes(device),
+            "peak_mem_bytes_per_rank": gather_per_rank(model.comm, peak_memory_bytes(device), device),
+            "skipped_steps": model.scaler.skipped_steps,
         }
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-            eval_loss = evaluate(model, eval_set, t.micro_batch, t.eval_batches, env, device)
+            eval_loss = evaluate(model, eval_set, t.micro_batch, t.eval_batches, dp_rank, dp, device)
             record.update(eval_loss=eval_loss, eval_ppl=perplexity(eval_loss))
             if env.is_main:
                 bar.write(f"step {step}: train loss {loss:.4f}, eval loss {eval_loss:.4f} "
@@ -102,11 +110,11 @@ def _run(cfg: Config, env: DistEnv, device: torch.device) -> RunResult:
         bar.update(1)
     bar.close()
 
-    sample = ""
+    weights = model.full_state_dict()  # collective under ZeRO-3: every rank takes part
+    prompt, sample = sample_text(model, tokenizer, eval_set, t.sample_tokens, t.seed, device)
     if env.is_main:
         log.close()
-        save_final(out, model, model_cfg, tokenizer)
-        prompt, sample = sample_text(model, tokenizer, eval_set, t.sample_tokens, t.seed, device)
+        save_final(out, weights, model_cfg, tokenizer)
         if sample:
             print(f"--- prompt (held-out text) ---\n{prompt}\n--- the model's continuation ---\n{sample}\n---")
         print(f"train loss {first_loss:.3f} -> {loss:.3f}, eval loss {eval_loss:.3f} "
@@ -114,30 +122,52 @@ def _run(cfg: Config, env: DistEnv, device: torch.device) -> RunResult:
     return RunResult(out, first_loss, loss, eval_loss, entropy, sample)
 
 
-def train_step(model, optimizer, batches, device, grad_clip: float) -> tuple[float, float, int]:
+def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, device: torch.device):
+    """The reference model built on the meta device, materialized and wrapped for the mesh.
+
+    Under ZeRO-3 each rank materializes only its shard of every parameter
+    (never the whole model); otherwise every rank initializes the whole model
+    with the same seed and the engine checks nothing drifted by broadcasting.
+    """
+    p, seed = cfg.parallel, cfg.train.seed
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    init = None
+    if p.zero == 3:
+        init = lambda name, shape: model.param_init(name, shape, seed)  # noqa: E731
+    else:
+        model.to_empty(device=device)
+        model.init_weights(seed)
+    return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg), zero=p.zero,
+                       precision=p.precision, reduce_dtype=p.reduce_dtype,
+                       activation_checkpointing=p.activation_checkpointing, bucket_mb=p.bucket_mb,
+                       grad_reduction="sum", init=init)
+
+
+def train_step(model: ParallelModel, optimizer, batches, device, grad_clip: float) -> tuple[float, float, int]:
     """One optimizer step over this rank's micro-batches; returns (loss, grad norm, global tokens).
 
     The loss is the mean over every target token of the global batch: each
     micro-batch contributes its token-loss *sum* divided by the token count of
-    the whole step across all ranks, so accumulation and data parallelism give
-    exactly the gradient of one process holding the whole batch, whatever the
-    number of padded tokens in each micro-batch.
+    the whole step across all ranks, and the engine sums gradients over the
+    data ranks, so accumulation and data parallelism give exactly the gradient
+    of one process holding the whole batch, whatever the number of padded
+    tokens in each micro-batch. Only the last micro-batch communicates.
     """
     local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-    global_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=device)).item())
+    global_tokens = int(model.comm_sum(torch.tensor(float(local_tokens), device=device)).item())
     loss_sum = torch.zeros((), device=device)
-    for inputs, labels in batches:
+    for i, (inputs, labels) in enumerate(batches):
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        token_losses = token_loss_sum(model(inputs), labels)
-        (token_losses / global_tokens).backward()
+        with maybe_no_sync(model, enabled=i < len(batches) - 1):
+            token_losses = token_loss_sum(model(inputs), labels)
+            model.scale_loss(token_losses / global_tokens).backward()
         loss_sum += token_losses.detach()
-    average_gradients(model)
-    max_norm = grad_clip if grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
+    grad_norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
+    optimizer.step()  # skipped by every rank together if fp16 gradients overflowed
     optimizer.zero_grad(set_to_none=True)
-    loss = all_reduce_sum(loss_sum).item() / global_tokens
-    return loss, float(grad_norm), global_tokens
+    loss = model.comm_sum(loss_sum).item() / global_tokens
+    return loss, grad_norm, global_tokens
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -146,36 +176,13 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def average_gradients(model: torch.nn.Module) -> None:
-    """Sum gradients over all processes in one flat all-reduce.
-
-    The loss is already divided by the global token count, so the sum is the
-    gradient of the global mean. This is the simplest correct data parallelism:
-    one blocking collective after backward, no overlap.
-    """
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 @torch.no_grad()
-def evaluate(model, dataset, micro_batch: int, num_batches: int, env: DistEnv, device) -> float:
-    """Mean token loss over the first held-out sequences, split across ranks."""
+def evaluate(model: ParallelModel, dataset, micro_batch: int, num_batches: int, dp_rank: int, dp: int,
+             device) -> float:
+    """Mean token loss over the first held-out sequences, split across data ranks."""
     model.eval()
     count = min(len(dataset), micro_batch * num_batches)
-    mine = list(range(env.rank, count, env.world_size))
+    mine = list(range(dp_rank, count, dp))
     totals = torch.zeros(2, device=device)
     for i in range(0, len(mine), micro_batch):
         inputs, labels = dataset.get_batch(mine[i:i + micro_batch])
@@ -183,7 +190,7 @@ def evaluate(model, dataset, micro_batch: int, num_batches: int, env: DistEnv, d
         totals[0] += token_loss_sum(model(inputs.to(device)), labels)
         totals[1] += (labels != IGNORE_INDEX).sum()
     model.train()
-    all_reduce_sum(totals)
+    model.comm_sum(totals)
     return (totals[0] / totals[1]).item()
 
 
@@ -240,9 +247,9 @@ def build_model(model_cfg: ModelConfig, device: torch.device, seed: int) -> Tran
     return model
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices (embeddings included), not on norm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = list(params)
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -292,17 +299,26 @@ def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:
     return out
 
 
+def gather_per_rank(comm, value: int, device) -> list[int]:
+    """One integer from every data rank, in rank order."""
+    n = comm.mesh.size("dp")
+    out = torch.zeros(n, dtype=torch.float64, device=device)
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    comm.all_gather(out, mine, "dp")
+    return [int(v) for v in out.tolist()]
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
-def save_final(out: Path, model: Transformer, model_cfg: ModelConfig, tokenizer) -> Path:
+def save_final(out: Path, weights: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer) -> Path:
     """Weights (safetensors), model config and tokenizer, written to a temporary name then renamed."""
     final, tmp = out / "final", out / "final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
+    tensors = {name: w.detach().to("cpu", torch.float32).contiguous() for name, w in weights.items()}
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "paratrain"})
     (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
     tokenizer.save(tmp)
@@ -317,5 +333,6 @@ def sample_text(model, tokenizer, eval_set, num_tokens: int, seed: int, device) 
         return "", ""
     prompt = eval_set.get_batch([0])[0][:, :64].to(device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = generate(model, prompt, num_tokens, temperature=0.8, top_k=40, generator=generator)
+    tokens = generate(model, prompt, num_tokens, temperature=0.8, top_k=40, generator=generator,
+                      max_context=model.module.config.max_seq_len)
     return tokenizer.decode(prompt[0].tolist()), tokenizer.decode(tokens[0, prompt.shape[1]:].tolist())

@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 from paratrain.config import Config
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.parallel.api import parallelize
 from paratrain.testing import run_on_ranks
 from paratrain.train import IGNORE_INDEX, build_model, learning_rate, train, train_step
 
@@ -74,33 +76,45 @@ def _uneven_batch(generator):
     return inputs, labels
 
 
+def _accumulation(rank, world):
+    mesh = build_mesh(MeshShape(dp=world))
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    whole, opt_whole = parallelize(_tiny_model(), mesh, optimizer=adamw, grad_reduction="sum")
+    split, opt_split = parallelize(_tiny_model(), mesh, optimizer=adamw, grad_reduction="sum")
+    inputs, labels = _uneven_batch(torch.Generator().manual_seed(0))
+    steps = []
+    for _ in range(3):
+        whole_step = train_step(whole, opt_whole, [(inputs, labels)], torch.device("cpu"), 1.0)
+        micro = [(inputs[i:i + 1], labels[i:i + 1]) for i in range(4)]
+        steps.append((whole_step, train_step(split, opt_split, micro, torch.device("cpu"), 1.0)))
+    return steps, list(whole.module.parameters()), list(split.module.parameters())
+
+
 def test_accumulation_with_uneven_masks_equals_one_batch():
     """Token-weighted loss: 4 micro-batches of 1 equal one batch of 4, padding included."""
-    inputs, labels = _uneven_batch(torch.Generator().manual_seed(0))
-    whole, split = _tiny_model(), _tiny_model()
-    opt_whole = torch.optim.AdamW(whole.parameters(), lr=1e-2)
-    opt_split = torch.optim.AdamW(split.parameters(), lr=1e-2)
-    for _ in range(3):
-        loss_whole, norm_whole, tokens = train_step(whole, opt_whole, [(inputs, labels)], torch.device("cpu"), 1.0)
-        micro = [(inputs[i:i + 1], labels[i:i + 1]) for i in range(4)]
-        loss_split, norm_split, _ = train_step(split, opt_split, micro, torch.device("cpu"), 1.0)
+    steps, whole, split = run_on_ranks(_accumulation, 1, timeout=60)[0]
+    for (loss_whole, norm_whole, tokens), (loss_split, norm_split, _) in steps:
         assert tokens == 16 + 3 + 9 + 1
         assert loss_split == pytest.approx(loss_whole, rel=1e-6)
         assert norm_split == pytest.approx(norm_whole, rel=1e-5)
-    for a, b in zip(whole.parameters(), split.parameters()):
+    for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _train_on_ranks(rank, world_size, out, accumulate):
+def _train_on_ranks(rank, world_size, out, accumulate, zero):
     cfg = small_config(out, steps=4, micro_batch=8 // world_size // accumulate)
+    cfg.parallel.zero = zero
     result = train(cfg)
     return result.final_loss
 
 
-def test_two_processes_match_one(tmp_path):
-    """Two data ranks (the foundation's all-reduce) give the losses of one process with the same batch."""
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_two_processes_match_one(tmp_path, zero):
+    """Two data ranks with accumulation give the losses of one process with the same global batch."""
     train(small_config(tmp_path / "one", steps=4))
-    reference = [r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl")]
-    run_on_ranks(_train_on_ranks, 2, str(tmp_path / "two"), 2, timeout=120)
-    losses = [r["loss"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
-    assert losses == pytest.approx(reference, rel=1e-5)
+    reference = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    run_on_ranks(_train_on_ranks, 2, str(tmp_path / "two"), 2, zero, timeout=120)
+    records = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert all(r["comm_bytes"]["dp"] > 0 and len(r["peak_mem_bytes_per_rank"]) == 2 for r in records)
+    assert "dp" not in reference[0]["comm_bytes"], "one process communicates nothing"

@@ -17,15 +17,17 @@ def generate(
     temperature: float = 0.8,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Extend token ids [B, S] by `max_new_tokens` sampled tokens; returns [B, S + max_new_tokens].
 
     temperature 0 picks the most likely token; otherwise logits are divided by it and,
     if `top_k` is given, all but the k most likely tokens are excluded. The whole context
-    is re-run at each step (no KV cache), cropped to the last `model.config.max_seq_len` tokens.
+    is re-run at each step (no KV cache), cropped to the last `max_context` tokens (default:
+    `model.config.max_seq_len`; pass it for a wrapped model).
     """
     _check_args(max_new_tokens, temperature, top_k)
-    context = model.config.max_seq_len
+    context = max_context or model.config.max_seq_len
     for _ in range(max_new_tokens):
         logits = model(tokens[:, -context:])[:, -1, :].float()
         tokens = torch.cat((tokens, _sample(logits, temperature, top_k, generator)), dim=1)

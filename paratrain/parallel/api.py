@@ -52,6 +52,11 @@ class ParallelModel(nn.Module):
         self._grads_ready = False
         return self.module(*args, **kwargs)
 
+    def comm_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` in place over the data ranks (for losses and token counts); returns it."""
+        self.comm.all_reduce(tensor, "dp")
+        return tensor
+
     def no_sync(self):
         """Gradient accumulation: backward passes inside only accumulate locally."""
         return self.engine.no_sync()
