@@ -1,0 +1,101 @@
+"""Mixed precision: loss scaling, skipped steps agreed by all ranks; activation checkpointing is exact."""
+
+import math
+
+import pytest
+import torch
+
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.parallel.api import parallelize
+from paratrain.precision import LossScaler, PrecisionError, precision_policy
+from paratrain.testing import run_on_ranks
+from parallel_cases import adamw, batches, loss_sum, make_model, parallel_run, reference_run
+
+
+def test_policies():
+    assert precision_policy("fp32").mixed is False
+    bf16 = precision_policy("bf16", "bf16")
+    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == torch.bfloat16 and bf16.mixed
+    assert precision_policy("fp16").needs_loss_scaling
+    with pytest.raises(PrecisionError, match="--precision 'fp8'"):
+        precision_policy("fp8")
+
+
+def test_loss_scaler_backs_off_and_grows():
+    scaler = LossScaler(enabled=True, init_scale=1024.0, growth_interval=3)
+    scaler.update(found_inf=True)
+    assert scaler.scale == 512.0 and scaler.skipped_steps == 1
+    for _ in range(3):
+        scaler.update(found_inf=False)
+    assert scaler.scale == 1024.0
+    state = scaler.state_dict()
+    fresh = LossScaler(enabled=True)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+
+
+def _overflow_on_rank_1(rank, world, zero):
+    mesh = build_mesh(MeshShape(dp=world))
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, precision="fp16",
+                                   grad_reduction="sum")
+    x, y = batches(steps=1)[0]
+    history = []
+    for step in range(3):
+        before = {k: v.clone() for k, v in model.full_state_dict().items()}
+        loss = loss_sum(model, x[rank::world], y[rank::world]) / (y != -100).sum()
+        if step == 1 and rank == 1:
+            loss = loss * math.inf  # one rank overflows: every rank must skip this step
+        model.scale_loss(loss).backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        after = model.full_state_dict()
+        moved = any(not torch.equal(before[k], after[k]) for k in before)
+        history.append((moved, model.scaler.scale, model.scaler.skipped_steps))
+    return history
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(zero):
+    for history in run_on_ranks(_overflow_on_rank_1, 2, zero, timeout=120):
+        (moved0, scale0, _), (moved1, scale1, skipped1), (moved2, _, skipped2) = history
+        assert moved0 and not moved1 and moved2
+        assert scale1 == scale0 / 2 and skipped1 == 1 and skipped2 == 1
+
+
+def _checkpointed(rank, world, zero, every):
+    mesh = build_mesh(MeshShape(dp=world))
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum",
+                                   activation_checkpointing=every)
+    names = [n for n, _ in model.module.named_parameters()]
+    losses = parallel_run(model, optimizer, batches(steps=5), rank, world, lambda t: model.comm.all_reduce(t, "dp"))
+    saved = _saved_tensors(model)
+    return losses, {k: v.clone() for k, v in model.full_state_dict().items()}, names, saved
+
+
+def _saved_tensors(model) -> int:
+    """How many tensors autograd keeps for backward in one forward."""
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += 1
+        return t
+
+    x, y = batches(steps=1)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_sum(model, x, y)
+    return count
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_activation_checkpointing_is_exact_and_saves_less(zero):
+    ref_losses, ref_params = reference_run(make_model(), batches(steps=5))
+    losses, params, names, saved_every = run_on_ranks(_checkpointed, 2, zero, 1, timeout=120)[0]
+    _, _, _, saved_half = run_on_ranks(_checkpointed, 2, zero, 2, timeout=120)[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert names == [n for n, _ in make_model().named_parameters()], "parameter names are unchanged"
+    reference_saved = _saved_tensors(make_model())
+    assert saved_every < saved_half < reference_saved
