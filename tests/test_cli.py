@@ -36,6 +36,9 @@ def paratrain(*argv, timeout=120):
     (["--seq-len", "4096"], "exceeds the model's max_seq_len"),
     (["--stepz", "3"], "unrecognized arguments: --stepz"),
     (["--lr", "fast"], "--lr: expected float"),
+    (["--nproc", "2", "--dp", "3"], "--dp 3 does not match 2 process(es)"),
+    (["--zero", "4"], "--zero: 4 is not one of [0, 1, 2, 3]"),
+    (["--precision", "fp8"], "--precision: 'fp8' is not one of"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     code = exit_code(["train", "--out", str(tmp_path / "run"), *argv])
