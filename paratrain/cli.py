@@ -3,6 +3,7 @@
     paratrain train [--config FILE] [--steps N ...]   train (one process, --nproc N, or under torchrun/srun)
     paratrain prepare --data PATH --out DIR          tokenize a corpus into memory-mapped token files
     paratrain models [--json]                        list the named model configs and their sizes
+    paratrain plan --model NAME (--gpus N | --dp --tp --pp --zero ...)   estimate memory and time; search layouts
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -18,6 +19,7 @@ from paratrain.config import Config, ConfigError, coerce, iter_options, load_tom
 from paratrain.data import DataError
 from paratrain.distributed import LaunchError, detect_env
 from paratrain.models import MODEL_CONFIGS, ModelConfigError
+from paratrain.plan.cli import add_plan_parser, cmd_plan
 
 USER_ERRORS = (ConfigError, DataError, ModelConfigError, LaunchError)
 
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="list named model configs", description=(
         "List the named model configs with their exact parameter counts."))
     models.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    add_plan_parser(commands)
     return parser
 
 
@@ -122,7 +125,7 @@ def cmd_models(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "models": cmd_models}
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "models": cmd_models, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,84 @@
+"""The planner: memory, FLOPs, communication and step time of a layout, and the search over layouts.
+
+    from paratrain.plan import Layout, Workload, estimate, get_hardware, search
+    work = Workload.for_model(get_model_config("llama2-70b"), seq_len=4096, global_batch=1024)
+    best = search(work, world_size=64, hardware=get_hardware("h100-80gb")).best
+
+Pure arithmetic: no processes, no torch.distributed. `paratrain plan` is its command line.
+"""
+
+from paratrain.plan.compute import (
+    HARDWARE_PRESETS,
+    Collective,
+    Hardware,
+    StepFlops,
+    StepTime,
+    comm_bytes_per_rank,
+    get_hardware,
+    ring_bytes,
+    step_flops,
+    step_time,
+)
+from paratrain.plan.memory import (
+    GB,
+    Layout,
+    LayoutError,
+    MemoryBreakdown,
+    ModelStates,
+    PlanError,
+    Recompute,
+    Schedule,
+    Workload,
+    estimate_memory,
+    gpt_num_params,
+    in_flight_microbatches,
+    layer_activation_bytes,
+    model_state_bytes,
+    stage_param_count,
+)
+from paratrain.plan.search import (
+    Estimate,
+    SearchResult,
+    SearchSpace,
+    Violation,
+    estimate,
+    layout_violations,
+    search,
+    validate_layout,
+)
+
+__all__ = [
+    "GB",
+    "HARDWARE_PRESETS",
+    "Collective",
+    "Estimate",
+    "Hardware",
+    "Layout",
+    "LayoutError",
+    "MemoryBreakdown",
+    "ModelStates",
+    "PlanError",
+    "Recompute",
+    "Schedule",
+    "SearchResult",
+    "SearchSpace",
+    "StepFlops",
+    "StepTime",
+    "Violation",
+    "Workload",
+    "comm_bytes_per_rank",
+    "estimate",
+    "estimate_memory",
+    "get_hardware",
+    "gpt_num_params",
+    "in_flight_microbatches",
+    "layer_activation_bytes",
+    "layout_violations",
+    "model_state_bytes",
+    "ring_bytes",
+    "search",
+    "stage_param_count",
+    "step_flops",
+    "step_time",
+    "validate_layout",
+]

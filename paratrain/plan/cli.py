@@ -1,0 +1,374 @@
+"""`paratrain plan`: estimate one layout, or search the layouts of a GPU count.
+
+    paratrain plan --model llama2-7b --dp 8 --zero 1 --seq 4096 --global-batch 64
+    paratrain plan --params 7.5B --dp 64 --zero 3            # model states only (ZeRO Table 1)
+    paratrain plan --model llama2-70b --gpus 64 --gpu-memory 80GB --gpus-per-node 8 \\
+                   --seq 4096 --global-batch 1024            # search
+
+Bad input raises `PlanError` (a ValueError) with one line; `cmd_plan` prints it and
+returns 2, like the main CLI does for its own errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+
+from paratrain.models.configs import MODEL_CONFIGS, ModelConfig, ModelConfigError, get_model_config
+from paratrain.plan.compute import HARDWARE_PRESETS, Hardware, get_hardware
+from paratrain.plan.memory import (
+    DTYPE_BYTES,
+    GB,
+    Layout,
+    LayoutError,
+    MemoryBreakdown,
+    PlanError,
+    Recompute,
+    Schedule,
+    Workload,
+)
+from paratrain.plan.search import (
+    Estimate,
+    SearchResult,
+    SearchSpace,
+    estimate,
+    layout_violations,
+    search,
+    validate_layout,
+)
+
+_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_BYTE_UNITS = {"": GB, "B": 1, "KB": 1e3, "MB": 1e6, "GB": GB, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
+               "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_count(text: str, flag: str = "--params") -> int:
+    """'7.5B' → 7_500_000_000; also K, M, T suffixes and plain integers (underscores and commas allowed)."""
+    match = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*)\s*([KMBGT]?)\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise PlanError(f"{flag} {text!r} is not a count; use e.g. 7.5B, 70B, 1T or 6738415616")
+    value = float(match.group(1).replace("_", "").replace(",", "")) * _SUFFIXES[match.group(2).upper()]
+    if value < 1:
+        raise PlanError(f"{flag} {text!r} must be at least 1")
+    return int(round(value))
+
+
+def parse_bytes(text: str, flag: str = "--gpu-memory") -> float:
+    """'80GB' → 80e9 bytes (GB = 10⁹, GiB = 2³⁰); a bare number is GB."""
+    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*)\s*([KMGT]?I?B?)\s*", str(text), re.IGNORECASE)
+    if not match or match.group(2).upper() not in _BYTE_UNITS or float(match.group(1)) <= 0:
+        raise PlanError(f"{flag} {text!r} is not a memory size; use e.g. 80GB, 40GiB or 141")
+    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `plan` subcommand to the main CLI's subparsers; returns its parser."""
+    parser = subparsers.add_parser("plan", help="estimate memory, FLOPs and step time; search layouts",
+                                   description=(
+        "Estimate per-rank memory (ZeRO model states, Korthikanti activations), FLOPs, communication "
+        "and step time of a training layout, or with --gpus N search every layout of N GPUs and rank "
+        "the ones that fit by estimated step time. GB = 10^9 bytes."))
+    model = parser.add_argument_group("model (one of --model, --params, or --layers/--hidden/--heads)")
+    model.add_argument("--model", help=f"named model config: {', '.join(MODEL_CONFIGS)} (see `paratrain models`)")
+    model.add_argument("--params", help="parameter count only, e.g. 7.5B: model states, no activations "
+                                        "(dp and ZeRO only)")
+    model.add_argument("--layers", type=int, help="transformer blocks (explicit sizes, or override --model)")
+    model.add_argument("--hidden", type=int, help="hidden size")
+    model.add_argument("--heads", type=int, help="query heads")
+    model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    model.add_argument("--vocab", type=int, help="vocabulary size (default 32000)")
+    model.add_argument("--ffn", type=int, help="feed-forward width (default: 8/3 × hidden rounded up to 256)")
+
+    batch = parser.add_argument_group("batch and precision")
+    batch.add_argument("--seq", type=int, help="tokens per sequence (default: the model's max_seq_len, else 2048)")
+    batch.add_argument("--global-batch", type=int, help="sequences per optimizer step over all data ranks "
+                                                        "(default: dp × micro-batch; required with --gpus)")
+    batch.add_argument("--micro-batch", type=int, help="sequences per forward/backward per data rank "
+                                                       "(default 1; --gpus searches 1, 2, 4, 8, 16)")
+    batch.add_argument("--precision", default="bf16", choices=list(DTYPE_BYTES),
+                       help="bf16/fp16: mixed precision with fp32 master weights (K = 12); fp32: K = 8 "
+                            "(default bf16)")
+    batch.add_argument("--reduce-dtype", choices=list(DTYPE_BYTES),
+                       help="dtype of gradients and their reduction (default: the --precision dtype)")
+
+    layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
+    layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
+    layout.add_argument("--dp", type=int, help="data-parallel degree (default 1, or what --gpus leaves)")
+    layout.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
+    layout.add_argument("--pp", type=int, help="pipeline-parallel degree (default 1)")
+    layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    layout.add_argument("--virtual-stages", type=int, default=None,
+                        help="model chunks per pipeline rank for --schedule interleaved (default 2 there, else 1)")
+    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="Megatron sequence parallelism (needs tp > 1; default off, searched with --gpus)")
+    layout.add_argument("--recompute", choices=[r.value for r in Recompute],
+                        help="activation checkpointing (default none; searched with --gpus)")
+    layout.add_argument("--schedule", choices=[s.value for s in Schedule], default="1f1b",
+                        help="pipeline schedule: gpipe holds m micro-batches, 1f1b min(p, m), interleaved "
+                             "p + (p-1)/v (default 1f1b)")
+
+    _add_hardware_options(parser)
+    return parser
+
+
+def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--hardware", default="h100-80gb", choices=list(HARDWARE_PRESETS),
+                    help="GPU preset: memory, peak FLOP/s, NVLink and InfiniBand bandwidth (default h100-80gb)")
+    hw.add_argument("--gpu-memory", help="device memory, e.g. 80GB or 80GiB (default: the preset's)")
+    hw.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp must fit in one (default 8)")
+    hw.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s at --precision (default: the preset's)")
+    hw.add_argument("--efficiency", type=float, default=0.5, help="achievable fraction of peak (default 0.5)")
+    hw.add_argument("--intra-node-gbps", type=float,
+                    help="intra-node (NVLink) bandwidth per GPU, one direction, in GB/s (gigaBYTES)")
+    hw.add_argument("--inter-node-gbps", type=float,
+                    help="inter-node (InfiniBand) bandwidth per GPU, one direction, in GB/s (gigaBYTES)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="layouts to show with --gpus (default 10)")
+    out.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+
+
+# -- from arguments to planner objects ----------------------------------------------------
+
+
+def _explicit_sizes(args) -> dict:
+    names = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads", "kv_heads": "n_kv_heads",
+             "vocab": "vocab_size", "ffn": "ffn_dim"}
+    return {field: getattr(args, arg) for arg, field in names.items() if getattr(args, arg) is not None}
+
+
+def model_from_args(args) -> tuple[ModelConfig | None, str]:
+    """The model config and a display name; (None, '7.5B parameters') for --params."""
+    sizes = _explicit_sizes(args)
+    if args.params is not None:
+        if args.model or sizes:
+            raise PlanError("--params gives the parameter count only; do not combine it with --model or sizes")
+        return None, "model states only"
+    if args.model:
+        cfg = get_model_config(args.model)
+        return (dataclasses.replace(cfg, **sizes) if sizes else cfg), args.model
+    missing = [flag for flag, key in (("--layers", "n_layers"), ("--hidden", "dim"), ("--heads", "n_heads"))
+               if key not in sizes]
+    if missing:
+        raise PlanError(f"missing {', '.join(missing)}: give --model NAME, --params N or --layers/--hidden/--heads")
+    dim = sizes["dim"]
+    sizes.setdefault("n_kv_heads", sizes["n_heads"])
+    sizes.setdefault("vocab_size", 32000)
+    sizes.setdefault("ffn_dim", -(-(8 * dim // 3) // 256) * 256)
+    return ModelConfig(**sizes, max_seq_len=max(args.seq or 2048, 2048)), "custom"
+
+
+def workload_from_args(args) -> tuple[Workload, str]:
+    model, name = model_from_args(args)
+    seq = args.seq or (model.max_seq_len if model is not None else 2048)
+    common = dict(seq_len=seq, global_batch=args.global_batch, precision=args.precision,
+                  reduce_dtype=args.reduce_dtype)
+    if model is None:
+        return Workload.for_params(parse_count(args.params), **common), name
+    return Workload.for_model(model, **common), name
+
+
+def hardware_from_args(args) -> Hardware:
+    overrides = {"gpus_per_node": args.gpus_per_node, "efficiency": args.efficiency,
+                 "memory_bytes": parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+                 "intra_node_bytes_per_s": args.intra_node_gbps * 1e9 if args.intra_node_gbps else None,
+                 "inter_node_bytes_per_s": args.inter_node_gbps * 1e9 if args.inter_node_gbps else None}
+    if args.peak_tflops is not None:
+        overrides[f"peak_{args.precision}"] = args.peak_tflops * 1e12
+    return get_hardware(args.hardware, **overrides)
+
+
+def _virtual_stages(args) -> int:
+    if args.virtual_stages is not None:
+        return args.virtual_stages
+    return 2 if args.schedule == Schedule.INTERLEAVED.value else 1
+
+
+def layout_from_args(args) -> Layout:
+    def given(value, default):
+        return default if value is None else value
+
+    return Layout(dp=given(args.dp, 1), tp=given(args.tp, 1), pp=given(args.pp, 1), zero=given(args.zero, 0),
+                  micro_batch=given(args.micro_batch, 1), virtual_stages=_virtual_stages(args),
+                  sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute or "none",
+                  schedule=args.schedule)
+
+
+def space_from_args(args) -> SearchSpace:
+    def one(value, default):
+        return (value,) if value is not None else default
+
+    return SearchSpace(
+        dp=args.dp, tp=args.tp, pp=args.pp, zero=one(args.zero, (0, 1, 2, 3)),
+        micro_batch=one(args.micro_batch, SearchSpace.micro_batch),
+        recompute=one(Recompute(args.recompute) if args.recompute else None, tuple(Recompute)),
+        sequence_parallel=one(args.sequence_parallel, (False, True)),
+        schedule=Schedule(args.schedule), virtual_stages=_virtual_stages(args))
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_plan(args) -> int:
+    """Run `paratrain plan`; a bad input prints one line on stderr and returns 2."""
+    try:
+        workload, name = workload_from_args(args)
+        hardware = hardware_from_args(args)
+        if args.gpus is not None:
+            return _run_search(args, workload, name, hardware)
+        return _run_single(args, workload, name, hardware)
+    except (PlanError, ModelConfigError) as e:  # one-line user errors (LayoutError is a PlanError)
+        print(f"paratrain plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_single(args, workload: Workload, name: str, hardware: Hardware) -> int:
+    layout = layout_from_args(args)
+    validate_layout(layout.world_size, layout.dp, layout.tp, layout.pp, workload.model,
+                    workload.global_batch, layout.micro_batch)
+    if workload.global_batch is None:
+        workload = dataclasses.replace(workload, global_batch=layout.dp * layout.micro_batch)
+    broken = layout_violations(workload, layout, gpus_per_node=hardware.gpus_per_node)
+    errors = [v for v in broken if v.rule != "tp_node"]
+    if errors:
+        raise LayoutError(f"invalid layout {layout.label()}: {errors[0].message}")
+    est = estimate(workload, layout, hardware, memory_limit=hardware.memory_bytes)
+    reason = broken[0].message if broken else est.reason
+    if args.json:
+        row = {**est.to_dict(hardware), "feasible": reason is None, "reason": reason}
+        print(json.dumps({"mode": "estimate", **_header_dict(workload, name, hardware, layout.world_size),
+                          "layouts": [row]}, indent=2))
+        return 0
+    print(_header(workload, name, hardware, layout.world_size))
+    print(f"layout: {layout.label()}, {layout.num_microbatches(workload.global_batch)} micro-batch(es) per step")
+    print()
+    print(format_memory(est.memory, hardware.memory_bytes))
+    if reason and est.reason != reason:
+        print(f"  infeasible: {reason}")
+    print()
+    print(format_time(est, hardware))
+    return 0
+
+
+def _run_search(args, workload: Workload, name: str, hardware: Hardware) -> int:
+    if args.gpus < 1:
+        raise PlanError(f"--gpus must be a positive integer, got {args.gpus}")
+    if workload.global_batch is None:
+        raise PlanError("--gpus needs --global-batch (sequences per optimizer step)")
+    if args.top < 1:
+        raise PlanError(f"--top must be a positive integer, got {args.top}")
+    result = search(workload, args.gpus, hardware, space_from_args(args), top=args.top)
+    if args.json:
+        doc = {"mode": "search", **_header_dict(workload, name, hardware, args.gpus),
+               "searched": result.searched, "num_feasible": result.num_feasible,
+               "num_infeasible": result.num_infeasible,
+               "layouts": [e.to_dict(hardware) for e in result.ranked],
+               "infeasible": result.failure_summary()}
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(format_search(result, workload, name, hardware, args.gpus))
+    return 0
+
+
+# -- formatting -----------------------------------------------------------------------------
+
+
+def _header_dict(workload: Workload, name: str, hardware: Hardware, gpus: int) -> dict:
+    model = dataclasses.asdict(workload.model) if workload.model is not None else None
+    return {"workload": {"model": name, "num_params": workload.num_params, "config": model,
+                         "seq_len": workload.seq_len, "global_batch": workload.global_batch,
+                         "precision": workload.precision, "reduce_dtype": workload.reduce_dtype or workload.precision},
+            "hardware": {**dataclasses.asdict(hardware), "gpus": gpus}}
+
+
+def _header(workload: Workload, name: str, hardware: Hardware, gpus: int) -> str:
+    what = f"{name} ({workload.num_params / 1e9:.2f}B parameters)" if workload.model else \
+        f"{workload.num_params / 1e9:g}B parameters, model states only"
+    return (f"{what}, seq {workload.seq_len}, global batch {workload.global_batch}, {workload.precision}; "
+            f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
+            f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s × {hardware.efficiency:g}, "
+            f"{hardware.gpus_per_node} per node)")
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:,.2f}"
+
+
+def format_memory(memory: MemoryBreakdown, limit: float | None = None) -> str:
+    """The per-rank memory table, in GB."""
+    states = " (activations not estimated: no model shape)" if memory.model_states_only else ""
+    lines = [f"memory per rank (pipeline stage {memory.stage}){states}       GB",
+             f"  params             {_gb(memory.params):>12}",
+             f"  grads              {_gb(memory.grads):>12}",
+             f"  optimizer_state    {_gb(memory.optimizer_state):>12}   = fp32 master "
+             f"{_gb(memory.master_weights)} + Adam moments {_gb(memory.adam_moments)}",
+             f"  activations        {_gb(memory.activations):>12}",
+             f"  comm_buffers       {_gb(memory.comm_buffers):>12}",
+             f"  total              {_gb(memory.total):>12}"]
+    if limit is not None:
+        verdict = "fits in" if memory.total <= limit else "does NOT fit in"
+        lines[-1] += f"   {verdict} {limit / GB:g} GB"
+    return "\n".join(lines)
+
+
+def format_time(est: Estimate, hardware: Hardware) -> str:
+    """Step time breakdown, FLOPs and communication volume of one estimate."""
+    t = est.time
+    rows = [("compute", t.compute), ("tp comm (exposed)", t.tp_comm), ("pp comm (exposed)", t.pp_comm),
+            ("dp comm (exposed)", t.dp_comm), ("pipeline bubble", t.bubble), ("optimizer step", t.optimizer)]
+    lines = ["step time                      s   share"]
+    lines += [f"  {label:<20} {value:>9.3f}  {value / t.total:>5.1%}" for label, value in rows]
+    lines.append(f"  {'total':<20} {t.total:>9.3f}   MFU {est.mfu(hardware):.1%}")
+    lines.append(f"  (dp comm in all {t.dp_comm_total:.3f} s, the rest hidden behind compute)")
+    lines.append(f"FLOPs per step: model {est.flops.model:.3e}, hardware {est.flops.hardware:.3e} "
+                 "(hardware adds recomputation)")
+    comm = ", ".join(f"{axis} {_gb(value)}" for axis, value in est.comm_bytes.items())
+    lines.append(f"communication per rank per step (GB sent): {comm}")
+    return "\n".join(lines)
+
+
+def format_search(result: SearchResult, workload: Workload, name: str, hardware: Hardware, gpus: int) -> str:
+    lines = [_header(workload, name, hardware, gpus),
+             f"searched {result.searched:,} layouts: {result.num_feasible:,} fit, "
+             f"{result.num_infeasible:,} do not", ""]
+    if result.ranked:
+        lines.append(f"top {len(result.ranked)} by estimated step time:")
+        lines.append(f"   #   dp  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}  step s    MFU"
+                     "  compute   comm  bubble")
+        for i, est in enumerate(result.ranked, 1):
+            lines.append(_search_row(i, est, hardware))
+        best = result.ranked[0]
+        lines += ["", f"best: {best.layout.label()}", format_memory(best.memory, hardware.memory_bytes),
+                  "", format_time(best, hardware)]
+    else:
+        lines.append("no layout fits; see why below")
+    if result.failures:
+        lines += ["", f"why {result.num_infeasible:,} layouts do not fit:"]
+        for entry in result.failure_summary():
+            lines.append(f"  {entry['count']:>7,}  {entry['summary']}")
+    return "\n".join(lines)
+
+
+def _search_row(i: int, est: Estimate, hardware: Hardware) -> str:
+    lay, t = est.layout, est.time
+    sched = "-" if lay.pp == 1 else lay.schedule.value + (f" v={lay.chunks}" if lay.chunks > 1 else "")
+    return (f"  {i:>2}  {lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
+            f"{lay.num_microbatches(est.workload.global_batch):>5}  {lay.recompute.value:<9}  "
+            f"{'yes' if lay.sequence_parallel else 'no':<4} {sched:<16}{est.memory.total / GB:>6.1f}"
+            f"  {t.total:>6.2f}  {est.mfu(hardware):>5.1%}  {t.compute:>7.2f} {t.exposed_comm:>6.2f} "
+            f"{t.bubble:>7.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m paratrain.plan.cli ...`: the plan command on its own."""
+    parser = argparse.ArgumentParser(prog="paratrain")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    return cmd_plan(parser.parse_args(["plan", *(argv if argv is not None else sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""Per-rank memory of a training layout: model states, activations, communication buffers.
+
+Everything here is arithmetic on a `Workload` (what is trained) and a `Layout`
+(how it is split). Bytes are exact products of the formulas below; GB means
+10⁹ bytes, as in the ZeRO paper.
+
+Model states (Rajbhandari et al. 2019, "ZeRO", §3.1 and Table 1). Ψ is the
+number of parameters this rank holds before data-parallel sharding (the
+model split over tp and pp, see `stage_param_count`), N the data-parallel
+degree. Mixed-precision Adam keeps 16-bit parameters (2Ψ), 16-bit gradients
+(2Ψ) and K = 12 bytes of optimizer state per parameter: the fp32 master copy
+(4Ψ) and the two fp32 moments (8Ψ)::
+
+    baseline  (2 + 2 + K)Ψ       ZeRO-1  (2 + 2 + K/N)Ψ
+    ZeRO-2    2Ψ + (2 + K)Ψ/N    ZeRO-3  (2 + 2 + K)Ψ/N
+
+fp32 training has no separate master copy (the parameters are the master):
+parameters 4Ψ, gradients 4Ψ, K = 8, sharded at the same ZeRO stages. Gradients
+take the reduce dtype's size when it differs from the parameter dtype.
+
+The seed arithmetic of DESIGN.md ("7B → 14 GB of fp16 weights; 56 GB of fp32
+Adam moments; 70 GB in all") counts the 16-bit weights (2Ψ) and the two fp32
+moments (8Ψ = 56 GB) only: 8 bytes per parameter is m and v, not master + m + v
+(that would be 12Ψ = 84 GB). It is a lower bound that leaves out the 16-bit
+gradients (14 GB) and the fp32 master copy (28 GB); full mixed-precision
+model states are 16Ψ = 112 GB. The breakdown reports `master_weights` and
+`adam_moments` separately so both readings can be printed.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", §4 and Table 2), see `layer_activation_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from paratrain.models.configs import ModelConfig
+
+GB = 10**9
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MASTER_BYTES = 4  # fp32 master copy of each parameter (mixed precision only)
+ADAM_MOMENT_BYTES = 8  # fp32 first and second moments
+LOGIT_BYTES = 4  # logits are materialized in fp32 for the softmax cross-entropy
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb, and paratrain's bucket_mb
+ZERO3_PREFETCH_UNITS = 2  # units gathered at once (computing + prefetched), and gradients in flight
+
+
+class PlanError(ValueError):
+    """Bad input to the planner; the message names the field and the fix."""
+
+
+class LayoutError(PlanError):
+    """A layout that cannot run; the message names the rule and the nearest valid layouts."""
+
+
+class Recompute(str, Enum):
+    """Activation checkpointing (Korthikanti et al. 2022 §5)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"  # recompute only the attention core (softmax, dropout, scores × V)
+    FULL = "full"  # keep each layer's input, recompute the whole layer in backward
+
+
+class Schedule(str, Enum):
+    """Pipeline schedule (Narayanan et al. 2021 §2.2)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+def _enum(cls, value, flag: str):
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in cls)
+        raise PlanError(f"{flag} {value!r} is not one of: {choices}") from None
+
+
+def _positive_int(value, flag: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{flag} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: a model (its shape, or only its parameter count) and the batch.
+
+    Fields:
+        model: the model's shape; None when only `num_params` is known (model states only,
+            no activations, no tensor or pipeline parallelism).
+        num_params: Ψ of the whole model (a tied embedding counted once).
+        seq_len: tokens per sequence.
+        global_batch: sequences per optimizer step over all data ranks; None means one
+            micro-batch per data rank.
+        precision: "bf16" or "fp16" (mixed precision with fp32 master weights) or "fp32".
+        reduce_dtype: dtype of gradients and their reduction; None means the parameter dtype.
+    """
+
+    model: ModelConfig | None
+    num_params: int
+    seq_len: int = 2048
+    global_batch: int | None = None
+    precision: str = "bf16"
+    reduce_dtype: str | None = None
+
+    def __post_init__(self):
+        _positive_int(self.num_params, "--params")
+        _positive_int(self.seq_len, "--seq")
+        if self.global_batch is not None:
+            _positive_int(self.global_batch, "--global-batch")
+        for flag, value in (("--precision", self.precision), ("--reduce-dtype", self.reduce_dtype)):
+            if value is not None and value not in DTYPE_BYTES:
+                raise PlanError(f"{flag} {value!r} is not one of: {', '.join(DTYPE_BYTES)}")
+        if self.model is not None and self.model.num_params() != self.num_params:
+            raise PlanError(f"num_params={self.num_params} differs from the model's {self.model.num_params()}")
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, seq_len: int = 2048, **kwargs) -> Workload:
+        return cls(model=model, num_params=model.num_params(), seq_len=seq_len, **kwargs)
+
+    @classmethod
+    def for_params(cls, num_params: float, seq_len: int = 2048, **kwargs) -> Workload:
+        return cls(model=None, num_params=int(round(num_params)), seq_len=seq_len, **kwargs)
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.precision]
+
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype or self.precision]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the work is split: degrees, ZeRO stage, micro-batch, recomputation, schedule.
+
+    Fields:
+        dp, tp, pp: data-, tensor- and pipeline-parallel degrees (ranks laid out pp × dp × tp).
+        zero: ZeRO stage 0 (plain DDP) to 3.
+        micro_batch: sequences per forward/backward on one data rank.
+        virtual_stages: model chunks per pipeline rank (v > 1 only with the interleaved schedule).
+        sequence_parallel: shard the norm/dropout regions along the sequence over tp.
+        recompute: activation checkpointing mode.
+        schedule: pipeline schedule (irrelevant when pp = 1).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
+            _positive_int(getattr(self, name), "--" + name.replace("_", "-"))
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"--zero {self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "--recompute"))
+        object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "--schedule"))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: v for the interleaved schedule, else 1."""
+        return self.virtual_stages if self.schedule is Schedule.INTERLEAVED else 1
+
+    def num_microbatches(self, global_batch: int | None) -> int:
+        """Micro-batches per step on each data rank: global / (dp × micro-batch), at least 1."""
+        if global_batch is None:
+            return 1
+        return max(1, global_batch // (self.dp * self.micro_batch))
+
+    def label(self) -> str:
+        """Short one-line description, e.g. 'dp=8 tp=8 pp=1 zero=1 mb=1 recompute=selective sp'."""
+        text = f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch} " \
+               f"recompute={self.recompute.value}"
+        if self.sequence_parallel:
+            text += " sp"
+        if self.pp > 1:
+            text += f" {self.schedule.value}" + (f" v={self.chunks}" if self.chunks > 1 else "")
+        return text
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of parameters, gradients and optimizer state on one rank (floats, unrounded)."""
+
+    params: float
+    grads: float
+    master_weights: float
+    adam_moments: float
+
+    @property
+    def optimizer_state(self) -> float:
+        return self.master_weights + self.adam_moments
+
+
+def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
+                      reduce_dtype: str | None = None) -> ModelStates:
+    """Model states of a rank holding `num_params` (Ψ) parameters, ZeRO-sharded over `dp` (N).
+
+    Rajbhandari et al. 2019 §3.1/§5: the optimizer state (K = 12 for mixed precision: fp32
+    master 4 + moments 8; K = 8 for fp32, whose parameters are the master) is divided by N
+    from ZeRO-1, gradients from ZeRO-2, parameters at ZeRO-3.
+    """
+    param_bytes = DTYPE_BYTES[precision]
+    grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
+    master = MASTER_BYTES if precision != "fp32" else 0
+    psi, n = float(num_params), dp
+    return ModelStates(
+        params=param_bytes * psi / (n if zero >= 3 else 1),
+        grads=grad_bytes * psi / (n if zero >= 2 else 1),
+        master_weights=master * psi / (n if zero >= 1 else 1),
+        adam_moments=ADAM_MOMENT_BYTES * psi / (n if zero >= 1 else 1),
+    )
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                           sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
+                           precision: str = "bf16") -> float:
+    """Activation bytes one transformer layer keeps for backward, for one micro-batch, per tp rank.
+
+    Korthikanti et al. 2022, with s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp,
+    16-bit activations and 1-byte dropout masks:
+
+    - no parallelism (§4.1, eq. 1):       s·b·h·(34 + 5·a·s/h)
+    - tensor parallel (§4.2.1, eq. 2):    s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    - tensor + sequence parallel (eq. 3): s·b·h/t·(34 + 5·a·s/h)
+    - selective recompute (§5, eq. 6):    the 5·a·s/h term (attention scores, softmax, its
+      dropout) is recomputed, so dropped: s·b·h·(10 + 24/t), or s·b·h/t·34 with SP
+    - full recompute (§5):                only the layer input, 2·s·b·h (÷t with SP)
+
+    The constants are those of a GPT block (4h MLP, multi-head attention, dropout); they are
+    used for Llama-style blocks too. fp32 activations double every term (an approximation:
+    the 1-byte masks do not double).
+    """
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    sbh = float(s * b * h)
+    scores = 5 * a * s / h  # attention scores, softmax output and its dropout mask
+    if recompute is Recompute.FULL:
+        per_layer = 2 * sbh / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per_layer = sbh / t * (34 + (0 if recompute is Recompute.SELECTIVE else scores))
+    else:
+        per_layer = sbh * (10 + 24 / t + (0 if recompute is Recompute.SELECTIVE else scores / t))
+    return per_layer * DTYPE_BYTES[precision] / 2
+
+
+def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1) -> float:
+    """fp32 logits of one micro-batch on the last stage: b·s·V·4, ÷t with a vocab-parallel head."""
+    return float(micro_batch * seq_len * vocab_size * LOGIT_BYTES) / tp
+
+
+def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
+    """Transformer layers of pipeline stage `stage` (the first n_layers mod pp stages take one more)."""
+    return n_layers // pp + (1 if stage < n_layers % pp else 0)
+
+
+def block_param_count(model: ModelConfig) -> int:
+    """Parameters of one transformer block, from ModelConfig.num_params() minus the non-block parts."""
+    embedding = model.vocab_size * model.dim
+    output = 0 if model.tie_embeddings else embedding
+    blocks = model.num_params() - embedding - output - model.dim
+    assert blocks % model.n_layers == 0, "every block has the same shape"
+    return blocks // model.n_layers
+
+
+def stage_param_count(model: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Parameters one tensor-parallel rank of pipeline stage `stage` holds.
+
+    Megatron partitioning (Shoeybi et al. 2019): every matrix of a block is split over tp
+    (q/k/v/gate/up by columns, out/down by rows), the two RMSNorm weights (2h) are replicated;
+    the embedding and the output head are vocab-parallel (V·h/t). The first stage holds the
+    embedding, the last the final norm and the output head; a tied head is a second copy on
+    the last stage when pp > 1 (as in Megatron), one shared table when pp = 1.
+    """
+    norms = 2 * model.dim
+    sharded = block_param_count(model) - norms
+    count = layers_on_stage(model.n_layers, pp, stage) * (-(-sharded // tp) + norms)
+    table = -(-(model.vocab_size * model.dim) // tp)
+    if stage == 0:
+        count += table
+    if stage == pp - 1:
+        count += model.dim + (table if not model.tie_embeddings or pp > 1 else 0)
+    return count
+
+
+def in_flight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, virtual_stages: int = 1,
+                           stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline stage `stage` holds at its peak, in whole-stage units.
+
+    Narayanan et al. 2021 §2.2: with one stage (pp = 1) micro-batches run one after another
+    (gradient accumulation): 1. GPipe runs every forward before any backward: m. 1F1B starts
+    backward as soon as possible: stage i holds min(pp − i, m), the first stage min(p, m).
+    Interleaved 1F1B (v chunks per rank, Megatron's warm-up): rank i runs
+    2·(p − i − 1) + (v − 1)·p forward chunks before its first backward, holding one more in the
+    steady state, each chunk 1/v of the stage's layers; so rank 0 holds p + (p − 1)/v stages'
+    worth, Korthikanti et al.'s factor 1 + (p − 1)/(p·v) on the L layers. Capped at v·m chunks.
+    """
+    p, m, v = pp, num_microbatches, virtual_stages
+    if p == 1:
+        return 1.0
+    if schedule is Schedule.GPIPE:
+        return float(m)
+    if schedule is Schedule.INTERLEAVED:
+        chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
+        return min(chunks, v * m) / v
+    return float(min(p - stage, m))
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on one rank (the worst pipeline stage), by kind."""
+
+    stage: int
+    params: float
+    grads: float
+    master_weights: float
+    adam_moments: float
+    activations: float
+    comm_buffers: float
+    model_states_only: bool = False
+
+    @property
+    def optimizer_state(self) -> float:
+        """fp32 master weights + Adam moments (K·Ψ, sharded from ZeRO-1)."""
+        return self.master_weights + self.adam_moments
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer_state + self.activations + self.comm_buffers
+
+    def as_dict(self) -> dict[str, int | bool]:
+        """Integer bytes per kind (JSON-ready); `optimizer_state` includes `master_weights`."""
+        keys = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "total",
+                "master_weights", "adam_moments")
+        out: dict[str, int | bool] = {key: int(round(getattr(self, key))) for key in keys}
+        out["stage"] = self.stage
+        out["model_states_only"] = self.model_states_only
+        return out
+
+
+def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> float:
+    """Activations of one rank of `stage`: layers × in-flight micro-batches, logits, recompute working set.
+
+    Per layer `layer_activation_bytes`; times the layers on the stage and the micro-batches the
+    schedule keeps in flight there (`in_flight_microbatches`); plus, on the last stage, the fp32
+    logits of those micro-batches; plus, with full recomputation, one layer's activations
+    rebuilt during its backward (the recompute working set, Korthikanti et al. §5).
+    """
+    model, lay = workload.model, layout
+    if model is None:
+        return 0.0
+    s, b = workload.seq_len, lay.micro_batch
+    m = lay.num_microbatches(workload.global_batch)
+    in_flight = in_flight_microbatches(lay.schedule, lay.pp, m, lay.chunks, stage)
+    per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
+                                       lay.recompute, workload.precision)
+    total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
+    if stage == lay.pp - 1:
+        total += logits_bytes(s, b, model.vocab_size, lay.tp) * in_flight
+    if lay.recompute is Recompute.FULL:
+        total += layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
+                                        Recompute.NONE, workload.precision)
+    return total
+
+
+def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -> float:
+    """Transient communication buffers.
+
+    ZeRO-3 (one unit per block, plus the root's remaining parameters: embedding, head, final
+    norm, as paratrain.parallel.zero3_units wraps them): `ZERO3_PREFETCH_UNITS` units gathered
+    in the parameter dtype (the one computing, the one prefetched) and as many unit gradients
+    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. DDP and
+    ZeRO-1/2 with dp > 1: two gradient buckets in flight. Nothing when only the parameter
+    count is known.
+    """
+    model, lay = workload.model, layout
+    if model is None or lay.dp == 1:
+        return 0.0
+    if lay.zero == 3:
+        block = block_param_count(model)
+        unit = max(block, model.num_params() - model.n_layers * block) / lay.tp
+        return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes)
+    return 2.0 * min(DEFAULT_BUCKET_BYTES, stage_params * workload.grad_bytes)
+
+
+def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
+    """Memory of one rank of pipeline stage `stage`."""
+    if workload.model is None:
+        psi = workload.num_params / (layout.tp * layout.pp)
+    else:
+        psi = stage_param_count(workload.model, layout.tp, layout.pp, stage)
+    states = model_state_bytes(psi, layout.dp, layout.zero, workload.precision, workload.reduce_dtype)
+    return MemoryBreakdown(
+        stage=stage, params=states.params, grads=states.grads, master_weights=states.master_weights,
+        adam_moments=states.adam_moments, activations=stage_activation_bytes(workload, layout, stage),
+        comm_buffers=comm_buffer_bytes(workload, layout, psi), model_states_only=workload.model is None,
+    )
+
+
+def estimate_memory(workload: Workload, layout: Layout) -> MemoryBreakdown:
+    """Peak memory per rank: the breakdown of the pipeline stage with the largest total."""
+    return max((stage_memory(workload, layout, stage) for stage in range(layout.pp)), key=lambda m: m.total)
+
+
+def gpt_num_params(n_layers: int, hidden: int, vocab_size: int = 51200, seq_len: int = 2048) -> int:
+    """Exact parameter count of a GPT-2-style model (Narayanan et al. 2021, Table 1's models).
+
+    Per layer: QKV 3h² + 3h, projection h² + h, MLP 8h² + 5h, two LayerNorms 4h → 12h² + 13h;
+    learned positions s·h; tied embedding V·h; the final LayerNorm 2h. This is the paper's
+    12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) plus the final LayerNorm's 2h (which the paper's
+    formula omits; under 10⁻⁶ of the total).
+    """
+    l, h = n_layers, hidden
+    return l * (12 * h * h + 13 * h) + (vocab_size + seq_len) * h + 2 * h

@@ -1,0 +1,310 @@
+"""Layout rules, the full estimate of one layout, and the search over layouts for a GPU count.
+
+`layout_violations` lists every rule a layout breaks (each a `Violation` with a rule name
+and a one-line reason); `validate_layout` is the check the trainer runs before any process
+group exists; `search` enumerates candidate layouts, drops those that break a rule or do not
+fit in memory (keeping why), and ranks the rest by estimated step time.
+
+Why ZeRO-3 is not combined with pp > 1: a pipeline stage runs the forward and the backward
+of every micro-batch at different times, interleaved with other micro-batches, so ZeRO-3
+would all-gather the stage's parameters twice per micro-batch (m× the traffic of plain
+ZeRO-3) or keep them gathered between uses, which gives back the memory ZeRO-3 saves.
+DeepSpeed's pipeline engine rejects ZeRO-2/3 for this reason; with pp > 1, ZeRO-1 shards the
+optimizer state, which is most of the saving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from paratrain.models.configs import ModelConfig
+from paratrain.plan.compute import Hardware, StepFlops, StepTime, comm_bytes_per_rank, step_flops, step_time
+from paratrain.plan.memory import (
+    GB,
+    Layout,
+    LayoutError,
+    MemoryBreakdown,
+    Recompute,
+    Schedule,
+    Workload,
+    estimate_memory,
+)
+
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: a short rule name (for grouping) and the one-line reason."""
+
+    rule: str
+    message: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_violations(model: ModelConfig, tp: int) -> list[Violation]:
+    checks = (("heads", "heads", model.n_heads), ("kv_heads", "kv heads", model.n_kv_heads),
+              ("ffn", "ffn", model.ffn_dim), ("vocab", "vocab", model.vocab_size))
+    return [Violation(f"{rule}_tp", f"{name} {size} not divisible by tp {tp}")
+            for rule, name, size in checks if size % tp]
+
+
+def _degree_violations(model: ModelConfig | None, dp: int, tp: int, pp: int, world_size: int | None,
+                       global_batch: int | None, micro_batch: int) -> list[Violation]:
+    """Rules on the degrees alone: world size, model divisibility, batch divisibility."""
+    out = []
+    if world_size is not None and dp * tp * pp != world_size:
+        out.append(Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} "
+                                      f"≠ {world_size} ranks"))
+    if model is None and (tp > 1 or pp > 1):
+        out.append(Violation("shape", "tp and pp need the model's shape; give --model or --layers/--hidden/--heads "
+                                      "instead of --params"))
+    if model is not None:
+        out += _tp_violations(model, tp)
+        if model.n_layers % pp:
+            out.append(Violation("layers_pp", f"layers {model.n_layers} not divisible by pp {pp}"))
+    if global_batch is not None and global_batch % (dp * micro_batch):
+        out.append(Violation("batch", f"global batch {global_batch} not divisible by dp × micro-batch = "
+                                      f"{dp} × {micro_batch}"))
+    return out
+
+
+def layout_violations(workload: Workload, layout: Layout, world_size: int | None = None,
+                      gpus_per_node: int | None = None) -> list[Violation]:
+    """Every rule `layout` breaks for `workload` (empty when it can run). Memory is not checked here."""
+    lay, model = layout, workload.model
+    out = _degree_violations(model, lay.dp, lay.tp, lay.pp, world_size, workload.global_batch, lay.micro_batch)
+    if gpus_per_node is not None and lay.tp > gpus_per_node:
+        out.insert(0, Violation("tp_node", f"tp {lay.tp} exceeds {gpus_per_node} GPUs per node"))
+    if lay.zero == 3 and lay.pp > 1:
+        out.append(Violation("zero3_pp", f"zero 3 excluded with pp {lay.pp} (re-gathers parameters every "
+                                         "micro-batch; use zero 1)"))
+    if lay.sequence_parallel and lay.tp == 1:
+        out.append(Violation("sp_tp", "sequence parallel needs tp > 1"))
+    out += _schedule_violations(workload, lay)
+    return out
+
+
+def _schedule_violations(workload: Workload, lay: Layout) -> list[Violation]:
+    if lay.virtual_stages > 1 and lay.schedule is not Schedule.INTERLEAVED:
+        return [Violation("virtual_stages", f"--virtual-stages {lay.virtual_stages} needs --schedule interleaved")]
+    if lay.schedule is not Schedule.INTERLEAVED or lay.pp == 1:
+        return []
+    out = []
+    v, m = lay.virtual_stages, lay.num_microbatches(workload.global_batch)
+    if workload.model is not None and workload.model.n_layers % (lay.pp * v):
+        out.append(Violation("layers_chunks", f"layers {workload.model.n_layers} not divisible by "
+                                              f"pp × v = {lay.pp} × {v}"))
+    if m % lay.pp:  # Megatron's interleaved schedule runs micro-batches in groups of p
+        out.append(Violation("microbatches_pp", f"interleaved schedule needs micro-batches {m} divisible by "
+                                                f"pp {lay.pp}"))
+    return out
+
+
+def nearest_layouts(world_size: int, dp: int, tp: int, pp: int, model: ModelConfig | None,
+                    global_batch: int | None, micro_batch: int, count: int = 3) -> list[tuple[int, int, int]]:
+    """Valid (dp, tp, pp) for `world_size`, closest to the requested degrees (log-distance)."""
+    valid = []
+    for t in _divisors(world_size):
+        for p in _divisors(world_size // t):
+            d = world_size // (t * p)
+            if not _degree_violations(model, d, t, p, world_size, global_batch, micro_batch):
+                distance = abs(math.log2(d / dp)) + abs(math.log2(t / tp)) + abs(math.log2(p / pp))
+                valid.append((distance, -d, (d, t, p)))
+    return [layout for _, _, layout in sorted(valid)[:count]]
+
+
+def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: ModelConfig | None,
+                    global_batch: int | None, micro_batch: int) -> None:
+    """Raise `LayoutError` (a ValueError) if the degrees cannot run `model_cfg` on `world_size` ranks.
+
+    Rules: dp × tp × pp = world size; tp divides the heads, the kv heads, the ffn width and the
+    vocabulary (Megatron partitioning); pp divides the layers; dp × micro-batch divides the
+    global batch. The one-line message names the first broken rule and the nearest valid layouts.
+    """
+    for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    broken = _degree_violations(model_cfg, dp, tp, pp, world_size, global_batch, micro_batch)
+    if not broken:
+        return
+    near = nearest_layouts(world_size, dp, tp, pp, model_cfg, global_batch, micro_batch)
+    hint = ("; nearest valid layouts: " + ", ".join(f"dp={d} tp={t} pp={p}" for d, t, p in near) if near else
+            f"; no layout of {world_size} ranks fits global batch {global_batch} with micro-batch {micro_batch}"
+            " (change the batch sizes)")
+    raise LayoutError(f"invalid layout dp={dp} tp={tp} pp={pp}: {broken[0].message}{hint}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Everything the planner says about one layout."""
+
+    workload: Workload
+    layout: Layout
+    memory: MemoryBreakdown
+    flops: StepFlops
+    time: StepTime
+    comm_bytes: dict[str, int]
+    memory_limit: float | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.memory_limit is None or self.memory.total <= self.memory_limit
+
+    @property
+    def reason(self) -> str | None:
+        if self.feasible:
+            return None
+        return f"needs {self.memory.total / GB:.1f} GB > {self.memory_limit / GB:g} GB"
+
+    def mfu(self, hardware: Hardware) -> float:
+        """Model FLOPs utilization: model FLOPs / (step time × ranks × peak)."""
+        peak = hardware.peak(self.workload.precision) * self.layout.world_size
+        return self.flops.model / (self.time.total * peak)
+
+    def to_dict(self, hardware: Hardware) -> dict:
+        lay = self.layout
+        batch = self.workload.global_batch or lay.dp * lay.micro_batch
+        return {
+            "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "micro_batch": lay.micro_batch,
+            "num_microbatches": lay.num_microbatches(self.workload.global_batch),
+            "virtual_stages": lay.chunks, "sequence_parallel": lay.sequence_parallel,
+            "recompute": lay.recompute.value, "schedule": lay.schedule.value,
+            "memory_per_rank": self.memory.as_dict(),
+            "step_time_s": self.time.total,
+            "breakdown": self.time.as_dict(),
+            "comm_bytes_per_rank": dict(self.comm_bytes),
+            "flops_per_step": {"model": self.flops.model, "hardware": self.flops.hardware},
+            "mfu": self.mfu(hardware),
+            "tokens_per_s": batch * self.workload.seq_len / self.time.total,
+            "feasible": self.feasible, "reason": self.reason,
+        }
+
+
+def estimate(workload: Workload, layout: Layout, hardware: Hardware, memory_limit: float | None = None) -> Estimate:
+    """Memory, FLOPs, step time and communication of one layout (rules are not checked here)."""
+    return Estimate(workload=workload, layout=layout, memory=estimate_memory(workload, layout),
+                    flops=step_flops(workload, layout), time=step_time(workload, layout, hardware),
+                    comm_bytes=comm_bytes_per_rank(workload, layout), memory_limit=memory_limit)
+
+
+@dataclass
+class SearchResult:
+    """Feasible estimates ranked by step time, and the infeasible candidates grouped by rule."""
+
+    ranked: list[Estimate]
+    failures: dict[str, list[tuple[Layout, str]]] = field(default_factory=dict)
+    searched: int = 0
+    num_feasible: int = 0
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def num_infeasible(self) -> int:
+        return sum(len(items) for items in self.failures.values())
+
+    def failure_summary(self) -> list[dict]:
+        """One entry per rule, most frequent first: count, a one-line summary, an example layout.
+
+        Reasons that differ in one number are collapsed ("tp 16/32/64 exceeds 8 GPUs per
+        node"); out-of-memory failures are sorted by the memory they need, so the summary
+        gives the closest miss and the worst.
+        """
+        out = []
+        for rule, items in sorted(self.failures.items(), key=lambda kv: -len(kv[1])):
+            reasons = list(dict.fromkeys(message for _, message in items))
+            if rule == "memory" and len(reasons) > 1:
+                summary = f"{reasons[0]} (closest) … {reasons[-1]} (worst)"
+            else:
+                summary = _collapse(reasons)
+            out.append({"rule": rule, "count": len(items), "summary": summary, "reasons": reasons[:10],
+                        "example": items[0][0].label()})
+        return out
+
+
+def _collapse(reasons: list[str]) -> str:
+    """Join reasons; when they differ only in one number, write that number as a/b/c."""
+    if len(reasons) == 1:
+        return reasons[0]
+    parts = [re.split(r"(\d+)", reason) for reason in reasons]  # numbers at the odd indices
+    if len({len(p) for p in parts}) != 1:
+        return "; ".join(reasons)
+    varying = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+    if len(varying) != 1 or varying[0] % 2 == 0:
+        return "; ".join(reasons)
+    i = varying[0]
+    values = sorted({p[i] for p in parts}, key=int)
+    return "".join(parts[0][:i]) + "/".join(values) + "".join(parts[0][i + 1:])
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which values each layout field may take (None: every sensible value)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    micro_batch: tuple[int, ...] = DEFAULT_MICRO_BATCHES
+    recompute: tuple[Recompute, ...] = tuple(Recompute)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+
+
+def _candidates(world_size: int, space: SearchSpace):
+    """Every layout of the space over `world_size` ranks, skipping exact duplicates.
+
+    ZeRO > 0 with dp = 1 shards nothing (the same layout as zero 0) and sequence parallelism
+    is a tp > 1 option, so those are not enumerated.
+    """
+    for tp in [space.tp] if space.tp else _divisors(world_size):
+        for pp in [space.pp] if space.pp else _divisors(max(1, world_size // tp)):
+            dp = space.dp or max(1, world_size // (tp * pp))
+            v = space.virtual_stages if space.schedule is Schedule.INTERLEAVED and pp > 1 else 1
+            choices = itertools.product(space.zero, space.micro_batch, space.recompute, space.sequence_parallel)
+            for zero, mb, recompute, sp in choices:
+                if (zero > 0 and dp == 1 and 0 in space.zero) or (sp and tp == 1 and False in space.sequence_parallel):
+                    continue
+                yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, sequence_parallel=sp,
+                             recompute=recompute, schedule=space.schedule, virtual_stages=v)
+
+
+def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),
+           top: int | None = None) -> SearchResult:
+    """Rank every valid layout of `world_size` ranks that fits in `hardware.memory_bytes` by step time.
+
+    Rules are checked first (cheap, and shared by every micro-batch and ZeRO choice); memory
+    and time are estimated only for layouts that pass them.
+    """
+    result = SearchResult(ranked=[])
+    failures: dict[str, list[tuple[Layout, str]]] = defaultdict(list)
+    too_big: list[tuple[float, Layout, str]] = []
+    for layout in _candidates(world_size, space):
+        result.searched += 1
+        broken = layout_violations(workload, layout, world_size, hardware.gpus_per_node)
+        if broken:
+            failures[broken[0].rule].append((layout, broken[0].message))
+            continue
+        est = estimate(workload, layout, hardware, memory_limit=hardware.memory_bytes)
+        if est.feasible:
+            result.ranked.append(est)
+        else:
+            too_big.append((est.memory.total, layout, est.reason))
+    result.ranked.sort(key=lambda e: (e.time.total, e.memory.total))
+    result.num_feasible = len(result.ranked)
+    if top is not None:
+        result.ranked = result.ranked[:top]
+    too_big.sort(key=lambda item: item[0])
+    failures["memory"] = [(layout, reason) for _, layout, reason in too_big]
+    result.failures = {rule: items for rule, items in failures.items() if items}
+    return result
