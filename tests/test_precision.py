@@ -55,7 +55,7 @@ def _overflow_on_rank_1(rank, world, zero):
     return history
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(zero):
     for history in run_on_ranks(_overflow_on_rank_1, 2, zero, timeout=120):
         (moved0, scale0, _), (moved1, scale1, skipped1), (moved2, _, skipped2) = history
@@ -88,7 +88,7 @@ def _saved_tensors(model) -> int:
     return count
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_activation_checkpointing_is_exact_and_saves_less(zero):
     ref_losses, ref_params = reference_run(make_model(), batches(steps=5))
     losses, params, names, saved_every = run_on_ranks(_checkpointed, 2, zero, 1, timeout=120)[0]
@@ -97,5 +97,6 @@ def test_activation_checkpointing_is_exact_and_saves_less(zero):
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
     assert names == [n for n, _ in make_model().named_parameters()], "parameter names are unchanged"
-    reference_saved = _saved_tensors(make_model())
-    assert saved_every < saved_half < reference_saved
+    if zero != 3:  # ZeRO-3 keeps its own saved-tensor hooks innermost, hiding what this count sees
+        reference_saved = _saved_tensors(make_model())
+        assert saved_every < saved_half < reference_saved

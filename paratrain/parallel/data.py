@@ -131,7 +131,9 @@ class DataParallelEngine:
             with torch.no_grad():
                 rows = as_rows(slot.param.detach())[lo:hi]
                 if self.precision.mixed:
-                    slot.master = rows.to(self.precision.master_dtype).reshape(hi - lo, *slot.param.shape[1:])
+                    # copy=True: a view would keep the whole fp32 parameter alive after the cast below.
+                    master = rows.to(self.precision.master_dtype, copy=True)
+                    slot.master = master.reshape(hi - lo, *slot.param.shape[1:])
                     slot.param.data = slot.param.data.to(self.precision.param_dtype)
                 elif self.stage == 0:
                     slot.master = slot.param  # plain DDP: the optimizer updates the parameters themselves
@@ -310,24 +312,28 @@ class DataParallelEngine:
             slot.param.grad = None
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and master copies that exist on this rank now."""
-        params = sum(_nbytes(s.param) for s in self.slots)
-        if self.stage == 2:
-            grads = sum(_nbytes(b.shard_grad) for b in self.buckets if b.shard_grad is not None)
-        else:
-            grads = sum(_nbytes(b.buffer) for b in self.buckets if b.buffer is not None)
-        grads += sum(_nbytes(s.param.grad) for s in self.slots if s.param.grad is not None)
-        master = sum(_nbytes(s.master) for s in self.slots) if self.precision.mixed else 0
-        # fp32 copies of reduced gradients made for the optimizer (mixed precision only)
-        grads += sum(_nbytes(s.master.grad) for s in self.slots
-                     if self.precision.mixed and s.master.grad is not None)
+        """Bytes of parameters, gradients and master copies that exist on this rank now.
+
+        Counted by storage, so a gradient that is a view of a bucket (DDP) is counted once.
+        """
+        params = _storage_bytes(s.param for s in self.slots)
+        grads = _storage_bytes([b.shard_grad if self.stage == 2 else b.buffer for b in self.buckets]
+                               + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
+        master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}
+
+
+def _storage_bytes(tensors) -> int:
+    """Total bytes of the distinct storages behind `tensors` (None entries ignored)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _row_numel(t: torch.Tensor) -> int:
     return as_rows(t).shape[1]
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 

@@ -1,0 +1,452 @@
+"""Data-parallel benchmark: paratrain's DDP / ZeRO-1/2/3 against PyTorch's own implementations.
+
+    python benchmarks/bench_dp.py                       # defaults: ~3M-param Transformer, 2 and 4 ranks
+    python benchmarks/bench_dp.py --steps 3 --warmup 1 --ranks 2 --variants ddp zero1
+
+Pairs (paratrain variant <-> PyTorch counterpart):
+    ddp    zero=0  <-> torch.nn.parallel.DistributedDataParallel
+    zero1  zero=1  <-> ZeroRedundancyOptimizer(AdamW) + DistributedDataParallel
+    zero2  zero=2  <-> FSDP2 fully_shard(reshard_after_forward=False)
+    zero3  zero=3  <-> FSDP2 fully_shard(reshard_after_forward=True)
+
+Every variant runs in its own `run_on_ranks` launch (fresh processes, one thread
+per rank) on the same model, init, data and number of steps. See
+benchmarks/README.md for what each column means and how bytes are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.models import ModelConfig, Transformer
+from paratrain.parallel.api import parallelize
+from paratrain.testing import RankError, run_on_ranks
+
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One benchmarked implementation: which framework and how it is configured."""
+
+    pair: str  # ddp | zero1 | zero2 | zero3
+    framework: str  # paratrain | pytorch
+    label: str
+    zero: int = 0  # paratrain's ZeRO stage
+    torch_kind: str = ""  # ddp | zero_opt | fsdp2
+    reshard: bool = False  # FSDP2 reshard_after_forward
+
+
+PAIRS = {
+    "ddp": (Spec("ddp", "paratrain", "paratrain DDP (zero=0)", zero=0),
+            Spec("ddp", "pytorch", "torch DDP", torch_kind="ddp")),
+    "zero1": (Spec("zero1", "paratrain", "paratrain ZeRO-1", zero=1),
+              Spec("zero1", "pytorch", "torch ZeroRedundancyOptimizer+DDP", torch_kind="zero_opt")),
+    "zero2": (Spec("zero2", "paratrain", "paratrain ZeRO-2", zero=2),
+              Spec("zero2", "pytorch", "torch FSDP2 reshard_after_forward=False", torch_kind="fsdp2")),
+    "zero3": (Spec("zero3", "paratrain", "paratrain ZeRO-3", zero=3),
+              Spec("zero3", "pytorch", "torch FSDP2 reshard_after_forward=True", torch_kind="fsdp2", reshard=True)),
+}
+
+
+# ---------------------------------------------------------------- per-rank pieces
+def proc_status_kb(field: str) -> int:
+    """A `VmXXX:` line of /proc/self/status, in kB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.M).group(1))
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs); False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            return f.write("5") == 1
+    except OSError:
+        return False
+
+
+def warm_process(args) -> None:
+    """Fault in the code and allocator pages every variant needs, so the RSS peak measures data.
+
+    Ranks fork from a forkserver that imported torch but never ran it: the first
+    forward/backward/step pages in tens of MB of libtorch code, which would otherwise
+    dominate the peak of a small model. A tiny model runs one step before the peak is reset.
+    """
+    if importlib.util.find_spec("paratrain.parallel.zero3") is not None:
+        importlib.import_module("paratrain.parallel.zero3")
+    tiny = build_model(ModelConfig(vocab_size=args.vocab, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
+                                   max_seq_len=args.seq), 0)
+    opt = torch.optim.AdamW(tiny.parameters())
+    x = torch.randint(0, args.vocab, (1, args.seq))
+    F.cross_entropy(tiny(x).flatten(0, 1), x.flatten()).backward()
+    opt.step()
+
+
+def build_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """Meta construction, then materialize and initialize: identical values for every variant."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def global_batch(step: int, world: int, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s global batch (micro_batch × world rows), the same for every variant."""
+    g = torch.Generator().manual_seed(args.seed * 100003 + step)
+    shape = (args.micro_batch * world, args.seq)
+    return torch.randint(0, args.vocab, shape, generator=g), torch.randint(0, args.vocab, shape, generator=g)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (DTensors: their local shard); views count once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class DistCounter:
+    """Bytes this rank sends in torch.distributed's Python collectives, by paratrain.comm's ring formulas.
+
+    Patches the `torch.distributed` attributes that PyTorch's implementations call
+    at run time (FSDP2: all_gather_single / reduce_scatter_single; ZeroRedundancyOptimizer:
+    broadcast). DDP's reducer calls the process group from C++ and is invisible
+    here: `extra_per_step` adds its gradient all-reduce analytically.
+    """
+
+    # collective -> (position of the full-size tensor or tensor list in its signature, ring factor):
+    # all-reduce of S bytes sends 2·S·(N−1)/N, all-gather / reduce-scatter of a full S sends S·(N−1)/N, and
+    # a broadcast S·(N−1)/N (a pipelined broadcast has N−1 receivers of S; averaged over ranks — paratrain's
+    # Comm counts the root's S instead, but paratrain broadcasts nothing during a step).
+    RULES = {"all_reduce": (0, 2), "broadcast": (0, 1), "all_gather_single": (0, 1), "all_gather_into_tensor": (0, 1),
+             "all_gather": (0, 1), "reduce_scatter_single": (1, 1), "reduce_scatter_tensor": (1, 1),
+             "reduce_scatter": (1, 1)}
+
+    def __init__(self, extra_per_step: float = 0.0):
+        self.extra_per_step, self.bytes, self.counting, self._saved = extra_per_step, 0.0, False, {}
+
+    def sent(self, original, index: int, factor: int, args, kwargs) -> float:
+        bound = inspect.signature(original).bind(*args, **kwargs).arguments
+        n = dist.get_world_size(bound.get("group"))
+        full = list(bound.values())[index]
+        nbytes = sum(t.numel() * t.element_size() for t in (full if isinstance(full, (list, tuple)) else [full]))
+        return factor * nbytes * (n - 1) / n
+
+    def install(self) -> None:
+        for name, (index, factor) in self.RULES.items():
+            original = self._saved[name] = getattr(dist, name)
+
+            def wrapper(*args, _original=original, _rule=(index, factor), **kwargs):
+                if self.counting:
+                    self.bytes += self.sent(_original, *_rule, args, kwargs)
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, functools.wraps(original)(wrapper))
+
+    def uninstall(self) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def reset(self) -> None:
+        self.bytes, self.counting = 0.0, True
+
+    def read(self) -> float:
+        self.counting = False
+        return self.bytes + self.extra_per_step
+
+
+@dataclass
+class Runner:
+    """What the training loop needs from one implementation."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    clip: object  # clip(max_norm)
+    comm_reset: object
+    comm_read: object  # -> bytes sent since reset
+    state_bytes: object  # -> {"params":..., "grads":..., "optimizer":..., "total":...}
+    close: object = lambda: None
+
+
+def adamw_factory(args):
+    return functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def setup_paratrain(model, spec: Spec, world: int, args) -> Runner:
+    mesh = build_mesh(MeshShape(dp=world))
+    pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args), zero=spec.zero)
+    engine = pmodel.engine
+
+    def state_bytes():
+        # Counted like PyTorch's side, by distinct storages (paratrain's resident_bytes() is kept for reference:
+        # it adds views of one storage twice, e.g. DDP's param.grad, which is a view of its bucket).
+        params = list(model.parameters()) + engine.masters()
+        units = [u.full for u in getattr(engine, "units", [])]
+        buckets = [t for b in getattr(engine, "buckets", []) for t in (b.buffer, b.shard_grad)]
+        grads = [p.grad for p in params] + buckets
+        moments = optimizer_tensors(opt)
+        b = {"params": storage_bytes(params + units), "grads": storage_bytes(grads), "optimizer": storage_bytes(moments),
+             "total": storage_bytes(params + units + grads + moments)}
+        return {**b, "paratrain_resident_bytes": pmodel.resident_bytes(opt)["total"]}
+
+    return Runner(pmodel, opt, pmodel.clip_grad_norm_, pmodel.comm.reset,
+                  lambda: sum(pmodel.comm.bytes_by_axis().values()), state_bytes)
+
+
+def optimizer_tensors(opt) -> list[torch.Tensor]:
+    """Optimizer state tensors (Adam's moments), not the scalar step counters."""
+    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def setup_pytorch(model, spec: Spec, world: int, args) -> Runner:
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    ddp_allreduce = 2 * grad_bytes * (world - 1) / world  # every gradient, once per step, in fp32
+    if spec.torch_kind in ("ddp", "zero_opt"):
+        # gradient_as_bucket_view: gradients live in DDP's buckets, not in a second copy beside them.
+        wrapped = DDP(model, gradient_as_bucket_view=True)
+        counter = DistCounter(extra_per_step=ddp_allreduce)
+        opt = (ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
+                                       weight_decay=args.weight_decay) if spec.torch_kind == "zero_opt"
+               else adamw_factory(args)(wrapped.parameters()))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, reshard_after_forward=spec.reshard)
+        wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard)
+        opt, counter = adamw_factory(args)(wrapped.parameters()), DistCounter()
+    counter.install()
+    local_opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's state in .optim
+
+    def state_bytes():
+        params = list(wrapped.parameters())
+        grads, moments = [p.grad for p in params], optimizer_tensors(local_opt)
+        b = {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(moments)}
+        return {**b, "total": storage_bytes(params + grads + moments)}
+
+    clip = lambda max_norm: torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm)  # noqa: E731
+    return Runner(wrapped, opt, clip, counter.reset, counter.read, state_bytes, counter.uninstall)
+
+
+def bench_rank(rank: int, world: int, spec: Spec, args) -> dict:
+    """One rank of one variant: warm-up + measured steps; timings, losses, comm and memory."""
+    warm_process(args)
+    reset_ok = reset_peak_rss()
+    rss0, hwm0 = proc_status_kb("VmRSS"), proc_status_kb("VmHWM")
+    model = build_model(model_config(args), args.seed)
+    setup = setup_paratrain if spec.framework == "paratrain" else setup_pytorch
+    run = setup(model, spec, world, args)
+    times, losses, comm, state = [], [], [], None
+    for step in range(args.warmup + args.steps):
+        x, y = (t[rank * args.micro_batch:(rank + 1) * args.micro_batch] for t in global_batch(step, world, args))
+        dist.barrier()
+        run.comm_reset()
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(run.model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        if args.clip > 0:
+            run.clip(args.clip)
+        run.optimizer.step()
+        elapsed = time.perf_counter() - t0
+        sent = run.comm_read()
+        if step >= args.warmup:
+            times.append(elapsed)
+            comm.append(sent)
+        if step == args.warmup + args.steps - 1:
+            state = run.state_bytes()  # after the last step, before gradients are released
+        run.optimizer.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # the global mean loss (not counted: the counters are off)
+        losses.append(total.item() / world)
+    run.close()
+    return {"times": times, "losses": losses, "comm": comm, "state": state, "rss0_kb": rss0,
+            "hwm0_kb": hwm0, "hwm_kb": proc_status_kb("VmHWM"), "rss_end_kb": proc_status_kb("VmRSS"),
+            "hwm_reset": reset_ok}
+
+
+# ---------------------------------------------------------------- driver
+def model_config(args) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                       n_kv_heads=args.kv_heads, ffn_dim=args.ffn, max_seq_len=args.seq)
+
+
+def run_variant(spec: Spec, world: int, args) -> dict:
+    """Launch one variant on `world` fresh ranks and reduce the per-rank results to one row."""
+    row = {"pair": spec.pair, "variant": spec.label, "framework": spec.framework, "ranks": world}
+    if spec.zero == 3 and spec.framework == "paratrain" and not importlib.util.find_spec("paratrain.parallel.zero3"):
+        return {**row, "error": "not available (paratrain.parallel.zero3 does not exist)"}
+    print(f"  {spec.label} on {world} ranks ...", file=sys.stderr, flush=True)
+    try:
+        results = run_on_ranks(bench_rank, world, spec, args, timeout=args.timeout)
+    except RankError as exc:
+        return {**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}", "detail": str(exc)}
+    r0 = results[0]
+    step = statistics.median(r0["times"])
+    return {**row, "step_s": step, "tokens_per_s": args.micro_batch * args.seq * world / step,
+            "step_times_s": r0["times"], "losses": r0["losses"],
+            "peak_rss_delta_mb": max((r["hwm_kb"] - r["rss0_kb"]) / 1024 for r in results),
+            "rss_start_mb": max(r["rss0_kb"] for r in results) / 1024,
+            "hwm_start_mb": max(r["hwm0_kb"] for r in results) / 1024,
+            "rss_end_mb": max(r["rss_end_kb"] for r in results) / 1024,
+            "hwm_reset": all(r["hwm_reset"] for r in results),
+            "state_mb": max(r["state"]["total"] for r in results) / MB,
+            "state_breakdown_mb": {k: max(r["state"][k] for r in results) / MB for k in results[0]["state"]},
+            "comm_mb_per_step": max(statistics.mean(r["comm"]) for r in results) / MB}
+
+
+def compare(rows: list[dict]) -> None:
+    """Fill the paratrain rows' ratios against the PyTorch row of the same pair and world size."""
+    by_key = {(r["pair"], r["ranks"], r["framework"]): r for r in rows}
+    for r in rows:
+        ref = by_key.get((r["pair"], r["ranks"], "pytorch"))
+        if r["framework"] != "paratrain" or "error" in r or ref is None or "error" in ref:
+            continue
+        r["time_ratio"] = r["step_s"] / ref["step_s"]
+        r["state_ratio"] = r["state_mb"] / ref["state_mb"]
+        r["rss_ratio"] = r["peak_rss_delta_mb"] / ref["peak_rss_delta_mb"] if ref["peak_rss_delta_mb"] > 0 else None
+        r["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
+        r["final_loss"], r["ref_final_loss"] = r["losses"][-1], ref["losses"][-1]
+
+
+def fmt_load(load) -> str:
+    return "/".join(f"{x:.1f}" for x in load)
+
+
+def fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    head = ["variant", "ranks", "step ms median (min–max)", "tokens/s", "peak RSS Δ MB/rank", "RSS end MB/rank",
+            "model state MB/rank", "comm MB/rank/step", "time ratio", "state ratio", "RSS ratio",
+            "loss max rel diff"]
+    lines = [f"# Data-parallel benchmark, {meta['date']}", "",
+             f"- machine: {meta['platform']}, {meta['cpu_count']} CPUs ({meta['cpu_model']}), torch {meta['torch']}",
+             f"- command: `{meta['command']}`",
+             f"- model: {meta['model']} — {meta['params']:,} parameters ({meta['params'] * 4 / MB:.1f} MB fp32)",
+             f"- per rank: micro-batch {meta['micro_batch']} × seq {meta['seq']}; AdamW lr {meta['lr']}, "
+             f"clip {meta['clip']}; {meta['warmup']} warm-up + {meta['steps']} measured steps",
+             "- ratios are paratrain / PyTorch counterpart (the row below it); ≤ 1.0 means paratrain is "
+             "faster / smaller",
+             "- timings come from a 2-core shared machine (ranks oversubscribe the cores, other jobs may run): "
+             "they are noisy; model-state and comm bytes are exact. Load average (1, 5, 15 min) at start "
+             f"{fmt_load(meta['load_avg_start'])}, at end {fmt_load(meta['load_avg_end'])}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['ranks']} | {r['error']} |" + " |" * (len(head) - 3))
+            continue
+        spread = f"{r['step_s'] * 1e3:.1f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
+        cells = [r["variant"], str(r["ranks"]), spread, fmt(r["tokens_per_s"], ",.0f"),
+                 fmt(r["peak_rss_delta_mb"], ".1f"), fmt(r["rss_end_mb"], ".0f"), fmt(r["state_mb"], ".2f"),
+                 fmt(r["comm_mb_per_step"], ".2f"), fmt(r.get("time_ratio"), ".2f"), fmt(r.get("state_ratio"), ".2f"),
+                 fmt(r.get("rss_ratio"), ".2f"), fmt(r.get("loss_max_rel_diff"), ".1e")]
+        lines.append("| " + " | ".join(cells) + " |")
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        lines += ["", f"RSS of a rank when measuring starts (after imports and a warm-up step of a tiny model): "
+                      f"{min(r['rss_start_mb'] for r in ok):.0f}–{max(r['rss_start_mb'] for r in ok):.0f} MB; "
+                      f"VmHWM reset to it through /proc/self/clear_refs: {all(r['hwm_reset'] for r in ok)}."]
+    for r in rows:
+        if "detail" in r:
+            tail = "\n".join(r["detail"].rstrip().splitlines()[-8:])
+            lines += ["", f"**{r['variant']}, {r['ranks']} ranks failed:**", "```", tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        found = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        cpu = found.group(1).strip() if found else cpu
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": cpu,
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def parse_args(argv=None):
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    intro, _examples, rest = __doc__.split("\n\n", 2)
+    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to run, one launch per variant each")
+    p.add_argument("--variants", nargs="+", choices=list(PAIRS), default=list(PAIRS),
+                   help="pairs to run (each runs its paratrain and its PyTorch side)")
+    p.add_argument("--steps", type=int, default=10, help="measured optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="steps run first and excluded from timing and comm")
+    p.add_argument("--dim", type=int, default=256, help="model width")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (GQA)")
+    p.add_argument("--ffn", type=int, default=688, help="SwiGLU hidden width")
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    p.add_argument("--seq", type=int, default=128, help="sequence length")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="init and data seed")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per launch")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                   help="directory for dp-<time>.md and .json")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or min(args.ranks) < 1:
+        p.error("--steps must be >= 1, --warmup >= 0, --ranks >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    now = datetime.datetime.now()
+    cfg = model_config(args)
+    meta = {"date": now.isoformat(timespec="seconds"), **machine(),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "model": repr(cfg),
+            "params": cfg.num_params(), **{k: getattr(args, k) for k in
+                                           ("micro_batch", "seq", "lr", "clip", "warmup", "steps", "seed")}}
+    meta["load_avg_start"] = os.getloadavg()
+    rows = []
+    for world in args.ranks:
+        for pair in args.variants:
+            rows.extend(run_variant(spec, world, args) for spec in PAIRS[pair])
+    meta["load_avg_end"] = os.getloadavg()
+    compare(rows)
+    text = markdown(rows, meta)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"dp-{now:%Y%m%d-%H%M%S}")
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "args": vars(args), "rows": rows}, f, indent=1)
+    print(f"wrote {stem}.md and {stem}.json", file=sys.stderr)
+    return 1 if any("error" in r and not r["error"].startswith("not available") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

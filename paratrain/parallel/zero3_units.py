@@ -1,0 +1,222 @@
+"""ZeRO-3 units: which parameters are gathered together, and one unit's flat layout.
+
+A unit is a module whose parameters are all-gathered by one collective before
+its forward (and again for its backward) and whose gradients are
+reduce-scattered by one collective after its backward. By default the units
+are the "blocks": every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` that
+holds parameters (the reference model's ``layers`` entries). The root unit
+holds whatever no other unit claims (embeddings, final norm, output). A
+parameter belongs to the nearest unit above the module that holds it; a
+parameter object held by modules of two units (tied weights) is in both and is
+gathered by each, its two gradients adding up in its one shard.
+
+Flat layout of a unit over N ranks, following ``shard.py``: parameter p has
+d0_p rows of rest_p elements (a 0-d parameter is one row of one element), and
+c_p = ceil(d0_p / N) rows per rank. Rank r's chunk is the concatenation over p
+of its c_p·rest_p elements (its real rows, then zero padding), C = Σ_p c_p·rest_p
+elements in all. The all-gather output and the reduce-scatter input are
+[N, C], row r being rank r's chunk. Within [N, C] the rows of one parameter are
+not contiguous (they are interleaved with the other parameters' rows), so the
+full parameters live in a second, contiguous buffer of Σ_p d0_p·rest_p
+elements, filled by one copy right after the gather; each full parameter is a
+view of it and the [N, C] gather output is dropped at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from paratrain.comm import Comm
+from paratrain.parallel.shard import rows_per_rank
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+UnitSpec = Callable[[str, nn.Module], bool] | tuple[type, ...] | None
+
+
+def row_shape(shape: torch.Size) -> torch.Size:
+    """The shape a parameter is sharded in: itself, or one row for a 0-d parameter."""
+    return shape if len(shape) else torch.Size([1])
+
+
+def unit_modules(model: nn.Module, spec: UnitSpec) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every non-root unit, in registration order.
+
+    `spec` is None (blocks of ModuleList/ModuleDict), a tuple of module classes,
+    or a predicate (qualified name, module) -> bool.
+    """
+    if spec is None:
+        blocks = {id(child) for m in model.modules() if isinstance(m, _CONTAINERS)
+                  for child in m.children() if not isinstance(child, _CONTAINERS) and _has_params(child)}
+        pick = lambda name, m: id(m) in blocks  # noqa: E731
+    elif isinstance(spec, tuple):
+        pick = lambda name, m: isinstance(m, spec)  # noqa: E731
+    else:
+        pick = spec
+    return [(name, m) for name, m in model.named_modules() if m is not model and pick(name, m)]
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def parameter_slots(model: nn.Module, unit_ids: set[int]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) holding a parameter, keyed by the id of its nearest unit (the root's for the rest)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {id(model): []}
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, owner: int) -> None:
+        if id(module) in seen:  # a module reachable twice is one module (as in named_modules)
+            return
+        seen.add(id(module))
+        owner = id(module) if id(module) in unit_ids else owner
+        slots.setdefault(owner, [])
+        slots[owner] += [(module, attr) for attr, p in module._parameters.items() if p is not None]
+        for child in module._modules.values():
+            if child is not None:
+                walk(child, owner)
+
+    walk(model, id(model))
+    return slots
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """One parameter's place in its unit's flat buffers."""
+
+    index: int          # the engine's parameter index (its master)
+    shape: torch.Size   # full shape
+    chunk_offset: int   # element offset inside one rank's chunk
+    full_offset: int    # element offset inside the full-parameter buffer
+
+    @property
+    def rows(self) -> int:
+        return row_shape(self.shape)[0]
+
+    @property
+    def rest(self) -> int:
+        return math.prod(row_shape(self.shape)[1:])
+
+    def chunk_numel(self, num_ranks: int) -> int:
+        return rows_per_rank(self.rows, num_ranks) * self.rest
+
+    def tiles(self, rows2d: torch.Tensor, chunks: torch.Tensor, num_ranks: int):
+        """Matching (rows part, chunks part) pairs: the full [d0, rest] rows against their [N, c·rest] chunks.
+
+        Ranks whose c rows are all real take one rectangular copy; a last, partly
+        filled rank takes a second one; padding and empty ranks are left alone.
+        """
+        c = rows_per_rank(self.rows, num_ranks)
+        whole, tail = divmod(self.rows, c) if c else (0, 0)
+        pairs = [(rows2d[:whole * c].reshape(whole, c * self.rest), chunks[:whole])]
+        if tail:
+            pairs.append((rows2d[whole * c:].reshape(-1), chunks[whole, :tail * self.rest]))
+        return pairs
+
+
+class Unit:
+    """The parameters of one unit, their slots in the model, and their gathered state.
+
+    States: free (only shards exist), pending (an async all-gather in flight),
+    gathered (`full` holds every full parameter). A fresh buffer is allocated
+    per gather, so a view that escaped an earlier gather still reads the values
+    it was computed with.
+    """
+
+    def __init__(self, name: str, module: nn.Module, slots: list[tuple[nn.Module, str, int]],
+                 shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int):
+        """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit."""
+        self.name, self.module, self.num_ranks = name, module, num_ranks
+        order = list(dict.fromkeys(index for _, _, index in slots))  # each parameter once, in first-use order
+        self.slots = [(mod, attr, order.index(index)) for mod, attr, index in slots]
+        self.shards = [shards[i] for i in order]
+        self.params: list[FlatParam] = []
+        chunk_offset = full_offset = 0
+        for i in order:
+            self.params.append(FlatParam(i, full_shapes[i], chunk_offset, full_offset))
+            chunk_offset += self.params[-1].chunk_numel(num_ranks)
+            full_offset += math.prod(full_shapes[i])
+        self.chunk_numel, self.full_numel = chunk_offset, full_offset
+        self.full: torch.Tensor | None = None
+        self._pending = None
+
+    # -- gather -----------------------------------------------------------
+    def launch_gather(self, comm: Comm, dtype: torch.dtype) -> None:
+        """Copy the local rows (cast to `dtype`, zero-padded) into one chunk and start the all-gather."""
+        device = self.shards[0].device
+        chunk = torch.zeros(self.chunk_numel, dtype=dtype, device=device)
+        for fp, shard in zip(self.params, self.shards):
+            chunk[fp.chunk_offset:fp.chunk_offset + shard.numel()].copy_(shard.detach().reshape(-1))
+        gathered = torch.empty(self.num_ranks * self.chunk_numel, dtype=dtype, device=device)
+        work = comm.all_gather(gathered, chunk, axis="dp", async_op=True)
+        self._pending = (work, gathered, chunk)  # chunk must outlive the collective
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gather and copy it out into the contiguous full-parameter buffer."""
+        work, gathered, _ = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        chunks = gathered.view(self.num_ranks, self.chunk_numel)
+        full = torch.empty(self.full_numel, dtype=gathered.dtype, device=gathered.device)
+        for fp in self.params:
+            rows2d = full[fp.full_offset:fp.full_offset + math.prod(fp.shape)].view(fp.rows, fp.rest)
+            part = chunks[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
+            for dst, src in fp.tiles(rows2d, part, self.num_ranks):
+                dst.copy_(src)
+        self.full = full
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def free(self) -> None:
+        """Drop the full parameters (waiting first for a gather still in flight: gloo writes into its buffer)."""
+        if self._pending is not None:
+            work = self._pending[0]
+            if work is not None:
+                work.wait()
+            self._pending = None
+        self.full = None
+
+    def views(self) -> list[torch.Tensor]:
+        """Each full parameter as a view of the gathered buffer, in unit parameter order."""
+        return [self.full[fp.full_offset:fp.full_offset + math.prod(fp.shape)].view(fp.shape) for fp in self.params]
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the gather buffers alive now."""
+        alive = [self.full] + (list(self._pending[1:]) if self._pending else [])
+        return sum(t.numel() * t.element_size() for t in alive if t is not None)
+
+    # -- module slots ------------------------------------------------------
+    def install(self, tensors) -> None:
+        """Put `tensors` (one per unit parameter) in the unit's module slots."""
+        for mod, attr, k in self.slots:
+            mod._parameters[attr] = tensors[k]
+
+    def restore(self) -> None:
+        """Put the shards back in the module slots (the at-rest state)."""
+        self.install(self.shards)
+
+    # -- reduce-scatter ----------------------------------------------------
+    def flatten_grads(self, grads, dtype: torch.dtype, divide_by: int) -> torch.Tensor:
+        """Full gradients (None: no gradient, counted as zeros) as the [N·C] reduce-scatter input in `dtype`."""
+        flat = torch.zeros(self.num_ranks, self.chunk_numel, dtype=dtype, device=self.shards[0].device)
+        for fp, grad in zip(self.params, grads):
+            if grad is None:
+                continue
+            part = flat[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
+            for src, dst in fp.tiles(grad.reshape(fp.rows, fp.rest), part, self.num_ranks):
+                dst.copy_(src)
+        if divide_by != 1:
+            flat.div_(divide_by)
+        return flat.view(-1)
+
+    def shard_pieces(self, chunk: torch.Tensor):
+        """(parameter index, this rank's real rows) views of a reduce-scatter output chunk."""
+        return [(fp.index, chunk[fp.chunk_offset:fp.chunk_offset + shard.numel()].view(shard.shape))
+                for fp, shard in zip(self.params, self.shards)]
