@@ -9,10 +9,8 @@ which a launch per scenario would pay again and again on this 2-core machine.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
-import gc
 import math
 
 import pytest
@@ -27,6 +25,7 @@ from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import Attention, FeedForward
 from paratrain.parallel.shard import row_range
 from paratrain.parallel.autograd import queue_end_of_backward
+from parallel_cases import start_peak_measurement, vm_bytes
 from paratrain.parallel.zero3 import FullyShardedEngine, ZeroConfigError
 from paratrain.parallel.zero3_units import row_shape
 from paratrain.precision import Precision, precision_policy
@@ -385,27 +384,13 @@ def _materialize(rank: int, world_size: int) -> dict:
 BIG = ModelConfig(vocab_size=1024, dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=2816)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _vm_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _materialization_peak(mesh: Mesh) -> dict:
     """Peak RSS growth while materializing BIG (204 MiB in fp32) from meta into shards."""
     # Built before the window: the first meta construction of a process imports ≈75 MB of modules.
     model = _meta_transformer(BIG)
-    # A fixed mmap threshold makes every tensor over 64 KiB its own mapping, returned on free: RSS
-    # then follows the tensors alive, not the history of glibc's heap (which varies by rank).
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-    before = _vm_kib("VmRSS")
+    before = start_peak_measurement()
     engine, _ = _shard(model, mesh, init=functools.partial(model.param_init, seed=SEED))
-    return {"peak_growth": (_vm_kib("VmHWM") - before) * 1024, "shard_bytes": _nbytes(engine.masters())}
+    return {"peak_growth": vm_bytes("VmHWM") - before, "shard_bytes": _nbytes(engine.masters())}
 
 
 def test_meta_materialization_keeps_only_the_shard():

@@ -1,0 +1,443 @@
+"""Tensor and sequence parallelism: primitives, layers and loss against their single-device twins,
+the plan applied to the reference model against one process, communication and memory as numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+# Test-only use of a private torch module: the one way to see every tensor an op creates.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from paratrain.comm import Comm
+from paratrain.mesh import Mesh, MeshShape, build_mesh
+from paratrain.models import ModelConfig, Transformer
+from paratrain.models.llama import rotary_tables
+from paratrain.parallel.tensor import (
+    ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, clip_grad_norm_tp_,
+    copy_to_tp, full_parameters, gather_from_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence,
+    scatter_to_tp, tp_rng, vocab_parallel_cross_entropy,
+)
+from paratrain.parallel.tp_plan import LLAMA_SP_PLAN, LLAMA_TP_PLAN, Colwise, apply_tensor_parallel
+from paratrain.testing import run_on_ranks
+from parallel_cases import BATCH, SEQ, TINY, adamw, batches, make_model, reference_run
+
+# kv heads must divide by tp: tp=4 runs the same shape with 8 query / 4 kv heads.
+CONFIGS = {2: TINY, 4: dataclasses.replace(TINY, n_heads=8, n_kv_heads=4)}
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def _tp_mesh(world):
+    mesh = build_mesh(MeshShape(tp=world))
+    return mesh, Comm(mesh)
+
+
+def _fake_mesh(tp, coord):
+    """A mesh at tp coordinate `coord` without process groups: for code paths that never communicate."""
+    return Mesh(shape=MeshShape(tp=tp), rank=coord, groups={"pp": None, "dp": None, "tp": None})
+
+
+def _config(tp, tied=False):
+    return dataclasses.replace(CONFIGS[tp], tie_embeddings=tied)
+
+
+def _meta_model(cfg):
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def _apply(model, mesh, comm, sp, **kwargs):
+    plan = LLAMA_SP_PLAN if sp else LLAMA_TP_PLAN
+    return apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sp,
+                                 init=lambda name, shape: model.param_init(name, shape, 0), **kwargs)
+
+
+# -- differentiable primitives -------------------------------------------------------------------
+
+def _primitives_case(rank, world):
+    mesh, comm = _tp_mesh(world)
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 2 * world, 3 * world, generator=g)  # replicated value, [B, S, H]
+    per_rank = torch.randn(world, *full.shape, generator=g)  # a different tensor on each rank
+    mine, chunk = per_rank[rank], lambda t, dim: t.chunk(world, dim)[rank]
+
+    x = full.clone().requires_grad_()
+    y = copy_to_tp(x, comm, "tp")
+    (y * mine).sum().backward()
+    _close(y, full, "copy_to_tp forward")
+    _close(x.grad, per_rank.sum(0), "copy_to_tp backward all-reduces")
+
+    x = mine.clone().requires_grad_()
+    y = reduce_from_tp(x, comm, "tp")
+    (y * full).sum().backward()
+    _close(y, per_rank.sum(0), "reduce_from_tp forward all-reduces")
+    _close(x.grad, full, "reduce_from_tp backward")
+
+    x = chunk(full, -1).clone().requires_grad_()
+    y = gather_from_tp(x, comm, "tp", dim=-1)
+    (y * mine).sum().backward()
+    _close(y, full, "gather_from_tp forward")
+    _close(x.grad, chunk(mine, -1), "gather_from_tp backward splits")
+
+    x = full.clone().requires_grad_()
+    y = scatter_to_tp(x, comm, "tp", dim=-1)
+    (y * chunk(full, -1)).sum().backward()
+    _close(y, chunk(full, -1), "scatter_to_tp forward")
+    _close(x.grad, full, "scatter_to_tp backward all-gathers")
+
+    x = chunk(full, 1).clone().requires_grad_()
+    y = gather_sequence(x, comm, "tp", dim=1)
+    (y * mine).sum().backward()
+    _close(y, full, "gather_sequence forward")
+    _close(x.grad, chunk(per_rank.sum(0), 1), "gather_sequence backward reduce-scatters")
+
+    x = mine.clone().requires_grad_()
+    y = reduce_scatter_sequence(x, comm, "tp", dim=1)
+    (y * chunk(full, 1)).sum().backward()
+    _close(y, chunk(per_rank.sum(0), 1), "reduce_scatter_sequence forward")
+    _close(x.grad, full, "reduce_scatter_sequence backward all-gathers")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_primitives_forward_and_backward(world):
+    run_on_ranks(_primitives_case, world, timeout=60)
+
+
+# -- parallel layers vs their single-device twins -------------------------------------------------
+
+def _layers_case(rank, world, sp):
+    mesh, comm = _tp_mesh(world)
+    torch.manual_seed(0)  # same full layers and data on every rank
+    b, s, d_in, d_out, vocab = 2, 8, 12, 8 * world, 4 * world
+    seq = (lambda t: t.chunk(world, 1)[rank]) if sp else (lambda t: t)
+    part = lambda t, dim: t.chunk(world, dim)[rank]  # noqa: E731
+    lin = nn.Linear(d_in, d_out)
+    x, gy = torch.randn(b, s, d_in), torch.randn(b, s, d_out)
+    x_ref = x.clone().requires_grad_()
+    y_ref = lin(x_ref)
+    (y_ref * gy).sum().backward()
+
+    for gather in (False, True):
+        col = ColumnParallelLinear.from_full(lin, comm, "tp", gather_output=gather, sequence_parallel=sp)
+        xin = seq(x).clone().requires_grad_()
+        y = col(xin)
+        expected, grad_out = (y_ref, gy) if gather else (part(y_ref, -1), part(gy, -1))
+        _close(y, expected.detach(), f"column(gather={gather}) output")
+        (y * grad_out).sum().backward()
+        _close(xin.grad, seq(x_ref.grad), f"column(gather={gather}) input grad")
+        _close(col.weight.grad, part(lin.weight.grad, 0), "column weight grad")
+        _close(col.bias.grad, part(lin.bias.grad, 0), "column bias grad")
+
+    row_full = nn.Linear(d_out, d_in)
+    xr = torch.randn(b, s, d_out)
+    gr = torch.randn(b, s, d_in)
+    xr_ref = xr.clone().requires_grad_()
+    yr_ref = row_full(xr_ref)
+    (yr_ref * gr).sum().backward()
+    row = RowParallelLinear.from_full(row_full, comm, "tp", sequence_parallel=sp)
+    xin = part(xr, -1).clone().requires_grad_()
+    y = row(xin)
+    _close(y, seq(yr_ref).detach(), "row output")
+    (y * seq(gr)).sum().backward()
+    _close(xin.grad, part(xr_ref.grad, -1), "row input grad")
+    _close(row.weight.grad, part(row_full.weight.grad, 1), "row weight grad")
+    bias_grad = row.bias.grad.clone()
+    assert row.sequence_partial_params() == (["bias"] if sp else [])
+    if sp:  # each rank saw 1/t of the positions
+        comm.all_reduce(bias_grad, "tp")
+    _close(bias_grad, row_full.bias.grad, "row bias grad")
+
+    emb_full = nn.Embedding(vocab, 6)
+    ids = torch.randint(0, vocab, (b, s))
+    ge = torch.randn(b, s, 6)
+    (emb_full(ids) * ge).sum().backward()
+    emb = VocabParallelEmbedding.from_full(emb_full, comm, "tp", sequence_parallel=sp)
+    out = emb(ids)
+    _close(out, seq(emb_full(ids)).detach(), "embedding output")
+    (out * seq(ge)).sum().backward()
+    _close(emb.weight.grad, part(emb_full.weight.grad, 0), "embedding weight grad")
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_match_single_device(world, sp):
+    run_on_ranks(_layers_case, world, sp, timeout=60)
+
+
+def test_layers_init_from_full_init_equals_slice():
+    """Built on meta and initialized from a full-init function = the slice of the full init."""
+    full = {"weight": torch.randn(8, 6), "bias": torch.randn(8)}
+    init = lambda name, shape: full[name].clone()  # noqa: E731
+    for coord in range(2):
+        comm = Comm(_fake_mesh(2, coord))
+        col = ColumnParallelLinear(6, 8, True, comm, device="meta")
+        col.init_from(init)
+        row = RowParallelLinear(8, 6, True, comm, device="meta")
+        row.init_from(lambda name, shape: full[name].T.clone() if name == "weight" else torch.ones(shape))
+        assert col.weight.shape == (4, 6) and torch.equal(col.weight, full["weight"][4 * coord:4 * coord + 4])
+        assert torch.equal(col.bias, full["bias"][4 * coord:4 * coord + 4])
+        assert torch.equal(row.weight, full["weight"].T[:, 4 * coord:4 * coord + 4])
+
+
+# -- vocab-parallel cross-entropy -----------------------------------------------------------------
+
+def _cross_entropy_case(rank, world):
+    mesh, comm = _tp_mesh(world)
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 40, 8 * world
+    # Large offsets: the max subtraction must be global for exp() not to overflow.
+    full = torch.randn(n, vocab, generator=g) * 4 + 80
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[::7] = -100
+    weights = torch.randn(n, generator=g)
+    for reduction in ("sum", "mean", "none"):
+        ref_in = full.clone().requires_grad_()
+        ref = F.cross_entropy(ref_in, targets, ignore_index=-100, reduction=reduction)
+        local = full.chunk(world, -1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, targets, comm, "tp", ignore_index=-100, reduction=reduction)
+        _close(loss, ref.detach(), f"loss ({reduction})")
+        ((ref * weights).sum() if reduction == "none" else ref).backward()
+        ((loss * weights).sum() if reduction == "none" else loss).backward()
+        _close(local.grad, ref_in.grad.chunk(world, -1)[rank], f"logits grad ({reduction})")
+    # 3-d logits as the model returns them.
+    local = full.view(4, 10, vocab).chunk(world, -1)[rank]
+    _close(vocab_parallel_cross_entropy(local, targets.view(4, 10), comm, "tp"),
+           F.cross_entropy(full, targets, reduction="sum"), "3-d logits")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_cross_entropy_matches_full(world):
+    run_on_ranks(_cross_entropy_case, world, timeout=60)
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    """Records the shape of every tensor any op creates (forward, loss, backward, collectives)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+NO_FULL_VOCAB = ModelConfig(vocab_size=256, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def _training_step_shapes(model, loss_fn, x, y):
+    recorder = _ShapeRecorder()
+    with recorder:
+        loss_fn(model(x), y).backward()
+    return recorder.shapes
+
+
+def _no_full_vocab_case(rank, world, sp):
+    mesh, comm = _tp_mesh(world)
+    model = _meta_model(NO_FULL_VOCAB)
+    info = _apply(model, mesh, comm, sp)
+    x, y = batches(vocab=256, steps=1, batch=4, seq=8)[0]
+    return _training_step_shapes(model, info.loss_fn, x, y)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_no_rank_materializes_full_vocab_logits(sp):
+    vocab, n = NO_FULL_VOCAB.vocab_size, 4 * 8
+    x, y = batches(vocab=vocab, steps=1, batch=4, seq=8)[0]
+    loss = lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="sum")  # noqa: E731
+    reference = _training_step_shapes(make_model(NO_FULL_VOCAB), loss, x, y)
+    assert (4, 8, vocab) in reference and (n, vocab) in reference  # the recorder sees logits and their grads
+    for shapes in run_on_ranks(_no_full_vocab_case, 2, sp, timeout=60):
+        assert (4, 8, vocab // 2) in shapes and (n, vocab // 2) in shapes  # ...and the sharded ones here
+        assert not [s for s in shapes if vocab in s], "a tensor with a full-vocabulary dim was created"
+        assert max(torch.Size(s).numel() for s in shapes) < n * vocab
+
+
+# -- the plan on the reference model vs one process -----------------------------------------------
+
+_REFERENCE = {}
+
+
+def _reference(cfg):
+    if cfg not in _REFERENCE:
+        _REFERENCE[cfg] = reference_run(make_model(cfg), batches())
+    return _REFERENCE[cfg]
+
+
+def _train_case(rank, world, cfg, sp, sp_grad_hooks=True):
+    mesh, comm = _tp_mesh(world)
+    model = _meta_model(cfg)
+    info = _apply(model, mesh, comm, sp, sp_grad_hooks=sp_grad_hooks)
+    optimizer = adamw(list(model.parameters()))
+    losses = []
+    for x, y in batches():  # the same global batch on every tp rank
+        loss = info.loss_fn(model(x), y) / (y != -100).sum()
+        loss.backward()
+        if not sp_grad_hooks:
+            info.all_reduce_sequence_partial_grads(model)
+        clip_grad_norm_tp_(model, info, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, full_parameters(model, info)
+
+
+def _check_against_reference(cfg, results):
+    ref_losses, ref_params = _reference(cfg)
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert params.keys() == ref_params.keys()
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_matches_one_process(world, sp, tied):
+    cfg = _config(world, tied)
+    _check_against_reference(cfg, run_on_ranks(_train_case, world, cfg, sp, timeout=120))
+
+
+def test_sequence_partial_grads_reduced_by_the_engine_instead_of_hooks():
+    cfg = _config(2)
+    _check_against_reference(cfg, run_on_ranks(_train_case, 2, cfg, True, False, timeout=120))
+
+
+# -- communication: Megatron's numbers ------------------------------------------------------------
+
+def _ring(kind, elements, n):
+    """Bytes one rank sends for a collective over a full tensor of fp32 `elements` (Comm's convention)."""
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * elements * 4 * (n - 1) / n
+
+
+def _comm_case(rank, world, sp):
+    mesh, comm = _tp_mesh(world)
+    cfg = _config(world)
+    model = _meta_model(cfg)
+    info = _apply(model, mesh, comm, sp)
+    x, y = batches(steps=1)[0]
+    # One transformer layer alone, as the model calls it.
+    block = model.layers["1"]
+    cos, sin = rotary_tables(SEQ, cfg.head_dim, cfg.rope_theta, "cpu", torch.float32)
+    h = torch.randn(BATCH, SEQ // world if sp else SEQ, cfg.dim, requires_grad=True)
+    comm.reset()
+    block(h, cos, sin).sum().backward()
+    layer = comm.summary()["tp"]
+    comm.reset()
+    info.loss_fn(model(x), y).backward()
+    return layer, comm.summary()["tp"]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_communication_per_layer_is_megatrons(world, sp):
+    """Per layer 2 all-reduces of b·s·h forward and 2 backward; SP: as many all-gathers + reduce-scatters."""
+    cfg = _config(world)
+    e, tokens, layers = BATCH * SEQ * cfg.dim, BATCH * SEQ, cfg.n_layers
+    layer, step = run_on_ranks(_comm_case, world, sp, timeout=60)[0]
+    megatron_layer = 4 * _ring("all_reduce", e, world)
+    if sp:
+        # All-gather before each column pair (fwd) = reduce-scatter of its grad (bwd); reduce-scatter
+        # after each row layer (fwd) = all-gather of its grad (bwd). The norms' weight grads (h
+        # elements each) are all-reduced separately: 2 per layer, 1 for the final norm.
+        assert layer["all_gather"]["calls"] == 4 and layer["reduce_scatter"]["calls"] == 4
+        assert layer["all_reduce"] == {"calls": 2, "bytes": 2 * _ring("all_reduce", cfg.dim, world)}
+        measured = layer["all_gather"]["bytes"] + layer["reduce_scatter"]["bytes"]
+    else:
+        assert set(layer) == {"all_reduce"} and layer["all_reduce"]["calls"] == 4
+        measured = layer["all_reduce"]["bytes"]
+    assert measured == pytest.approx(megatron_layer, rel=0.05)
+
+    # The whole step adds: the embedding (fwd all-reduce; SP: reduce-scatter at the first block
+    # + all-gather of its grad), the head's input (bwd all-reduce; SP: all-gather + reduce-scatter)
+    # and the loss (all-reduce of the row max, then of sum-exp and target logit: 3·b·s elements).
+    loss_bytes = _ring("all_reduce", tokens, world) + _ring("all_reduce", 2 * tokens, world)
+    if sp:
+        assert step["all_gather"]["calls"] == step["reduce_scatter"]["calls"] == 4 * layers + 2
+        assert step["all_reduce"]["calls"] == 2 * layers + 1 + 2
+        expected = (layers * megatron_layer + 4 * _ring("all_gather", e, world)
+                    + (2 * layers + 1) * _ring("all_reduce", cfg.dim, world) + loss_bytes)
+        measured = sum(kind["bytes"] for kind in step.values())
+    else:
+        assert set(step) == {"all_reduce"} and step["all_reduce"]["calls"] == 4 * layers + 2 + 2
+        expected = layers * megatron_layer + 2 * _ring("all_reduce", e, world) + loss_bytes
+        measured = step["all_reduce"]["bytes"]
+    assert measured == pytest.approx(expected, rel=0.05)
+
+
+# -- memory, initialization, RNG: no processes needed -------------------------------------------
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_params_are_slices_of_one_process_init_and_1_over_tp_of_the_bytes(tp, tied):
+    cfg = _config(tp, tied)
+    reference = make_model(cfg)
+    ref_params = dict(reference.named_parameters())
+    sharded_modules = [n for n, m in reference.named_modules()
+                       if isinstance(m, (nn.Linear, nn.Embedding))]
+    full_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for n in sharded_modules
+                                                           for p in reference.get_submodule(n).parameters()}.values())
+    for coord in range(tp):
+        mesh = _fake_mesh(tp, coord)
+        from_meta = _meta_model(cfg)
+        info = _apply(from_meta, mesh, Comm(mesh), sp=False)
+        from_full = make_model(cfg)  # the other path: slice an existing full model
+        apply_tensor_parallel(from_full, LLAMA_TP_PLAN, mesh, Comm(mesh))
+        for model in (from_meta, from_full):
+            for name, param in model.named_parameters():
+                dim = info.sharded.get(name)
+                expected = ref_params[name] if dim is None else ref_params[name].chunk(tp, dim)[coord]
+                assert torch.equal(param, expected), name
+        if tied:
+            assert from_meta.output.weight is from_meta.tok_embeddings.weight
+        shards = {id(p): p for n in sharded_modules for p in from_meta.get_submodule(n).parameters()}
+        assert sum(p.numel() * p.element_size() for p in shards.values()) * tp == full_bytes
+
+
+def test_tp_rng_masks_equal_where_replicated_and_differ_where_sharded():
+    def mask(coord, sharded):
+        g = tp_rng(_fake_mesh(2, coord), seed=0, name="attention.dropout", sharded=sharded)
+        return torch.rand(64, generator=g) < 0.5
+
+    assert torch.equal(mask(0, sharded=False), mask(1, sharded=False))
+    assert not torch.equal(mask(0, sharded=True), mask(1, sharded=True))
+    assert torch.equal(mask(1, sharded=True), mask(1, sharded=True))  # a stream, reproducible
+
+
+# -- clear errors -------------------------------------------------------------------------------
+
+ERROR_CASES = {
+    "heads": (dict(dim=24, n_heads=3, n_kv_heads=3), LLAMA_TP_PLAN, False, "3 query heads (wq)"),
+    "kv_heads": (dict(n_heads=4, n_kv_heads=1), LLAMA_TP_PLAN, False, "1 key/value heads (wk)"),
+    "ffn": (dict(ffn_dim=63), LLAMA_TP_PLAN, False, "layers.0.feed_forward.w1: out_features=63"),
+    "vocab": (dict(vocab_size=63), LLAMA_TP_PLAN, False, "tok_embeddings: num_embeddings (vocabulary)=63"),
+    "no_match": ({}, {**LLAMA_TP_PLAN, "layers.*.mlp.fc": Colwise()}, False, "'layers.*.mlp.fc' matches no module"),
+    "sp_without_norms": ({}, LLAMA_TP_PLAN, True, "attention_norm.weight is neither sharded nor marked"),
+    "tie_half_planned": (dict(tie_embeddings=True),
+                         {k: v for k, v in LLAMA_TP_PLAN.items() if k != "output"}, False,
+                         "output.weight is tied to tok_embeddings.weight, which the plan shards"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_clear_errors(case):
+    changes, plan, sp, message = ERROR_CASES[case]
+    model = make_model(dataclasses.replace(TINY, n_layers=1, **changes))
+    mesh = _fake_mesh(2, 0)
+    with pytest.raises(TensorParallelError) as error:
+        apply_tensor_parallel(model, plan, mesh, Comm(mesh), sequence_parallel=sp)
+    assert isinstance(error.value, ValueError)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    # every check runs before anything is replaced
+    assert type(model.tok_embeddings) is nn.Embedding and type(model.output) is nn.Linear
