@@ -108,7 +108,7 @@ def _train_on_ranks(rank, world_size, out, accumulate, zero):
     return result.final_loss
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_two_processes_match_one(tmp_path, zero):
     """Two data ranks with accumulation give the losses of one process with the same global batch."""
     train(small_config(tmp_path / "one", steps=4))
