@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 
-from paratrain.config import Config, ConfigError, coerce, iter_options, load_toml, validate
+from paratrain.config import Config, ConfigError, coerce, iter_options, load_toml
 from paratrain.data import DataError
 from paratrain.distributed import LaunchError, detect_env
 from paratrain.models import MODEL_CONFIGS, ModelConfigError
@@ -90,8 +90,7 @@ def cmd_train(args) -> int:
     cfg = config_from_args(args)
     env = detect_env()
     launching = cfg.run.nproc > 1 and not env.distributed
-    validate(cfg, world_size=cfg.run.nproc if launching else env.world_size)
-    preflight(cfg)
+    preflight(cfg, world_size=cfg.run.nproc if launching else env.world_size)
     if not launching:
         train(cfg)
         return 0

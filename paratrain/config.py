@@ -78,6 +78,10 @@ class TrainSection:
 @dataclass
 class ParallelSection:
     dp: int = option(0, "data-parallel degree (0: the world size divided by tp × pp)")
+    tp: int = option(1, "tensor-parallel degree: each layer's weight matrices split over tp ranks "
+                        "(must divide the heads, kv heads, ffn size and vocabulary)")
+    sequence_parallel: bool = option(False, "with --tp > 1, split norms and residuals along the sequence "
+                                            "(same communication, 1/tp of those activations)")
     zero: int = option(0, "ZeRO stage: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + parameters",
                        choices=(0, 1, 2, 3))
     precision: str = option("fp32", "compute dtype; master weights and optimizer state stay fp32",
@@ -228,12 +232,32 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check_batch(t.global_batch, t.micro_batch, data_ranks(cfg, world_size))
 
 
-def data_ranks(cfg: Config, world_size: int) -> int:
-    """The data-parallel degree: --dp, or the whole world; must equal the world (no tp/pp yet)."""
-    dp = cfg.parallel.dp or world_size
-    if dp != world_size:
-        raise ConfigError(f"--dp {dp} does not match {world_size} process(es): pp × dp × tp must equal the "
-                          f"number of processes; use --dp {world_size} (or leave --dp unset)")
+def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
+    """The data-parallel degree: --dp, or what --tp × --pp leave of the world; checked with the model if given.
+
+    The rules are the planner's (`paratrain.plan.validate_layout`), so `train` refuses exactly
+    the layouts `plan` calls infeasible, naming the nearest valid ones.
+    """
+    from paratrain.mesh import MeshError, MeshShape
+    from paratrain.plan.memory import PlanError
+    from paratrain.plan.search import validate_layout
+
+    p, t = cfg.parallel, cfg.train
+    if p.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {p.tp}")
+    dp = p.dp or max(1, world_size // p.tp)
+    try:
+        if model_cfg is None:  # degrees alone; the model's divisibility rules once it is known
+            dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp).dp
+        else:
+            validate_layout(world_size, dp, p.tp, 1, model_cfg, t.global_batch, t.micro_batch)
+    except (PlanError, MeshError) as e:
+        raise ConfigError(str(e)) from None
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("--sequence-parallel needs --tp > 1")
+    if p.sequence_parallel and cfg.data.seq_len % p.tp:
+        raise ConfigError(f"--seq-len {cfg.data.seq_len} is not divisible by --tp {p.tp}, which sequence "
+                          f"parallelism needs; use --seq-len {cfg.data.seq_len - cfg.data.seq_len % p.tp or p.tp}")
     return dp
 
 

@@ -31,8 +31,12 @@ def _worker(config: dict) -> None:
     train(Config.from_dict(config))
 
 
-def launch_local(cfg: Config) -> None:
-    """Run `train(cfg)` on cfg.run.nproc local processes; raise LaunchFailed on failure."""
+def launch_local(cfg: Config, entry=None) -> None:
+    """Run `train(cfg)` on cfg.run.nproc local processes; raise LaunchFailed on failure.
+
+    `entry` replaces the per-process entry point (a module-level function taking the config
+    as a dict, which must call `train`); `paratrain verify` uses it to inject faults.
+    """
     run_id = uuid.uuid4().hex[:8]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch = LaunchConfig(
@@ -52,7 +56,7 @@ def launch_local(cfg: Config) -> None:
     # internals; the one line from describe_failure says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        elastic_launch(launch, _worker)(cfg.to_dict())
+        elastic_launch(launch, entry or _worker)(cfg.to_dict())
     except ChildFailedError as e:
         raise LaunchFailed(describe_failure(e)) from None
 
@@ -64,10 +68,12 @@ def describe_failure(error: ChildFailedError) -> str:
         how = f"was killed by {failure.signal_name()}"
     else:
         how = f"exited with code {failure.exitcode}"
-    detail = ""
-    if isinstance(failure.message, dict):
-        detail = failure.message.get("message", {}).get("message", "")
-        detail = detail.strip().splitlines()[0] if detail.strip() else ""
+    # A worker's own error file gives {"message": {"message": text, ...}} or {"message": text}; a
+    # signal gives a plain string that repeats what `how` already says.
+    detail = failure.message if isinstance(failure.message, dict) else ""
+    while isinstance(detail, dict):
+        detail = detail.get("message", "")
+    detail = str(detail).strip().splitlines()[0] if str(detail).strip() else ""
     others = sorted(r for r in error.failures if r != rank)
     also = f" (ranks {others} stopped too)" if others else ""
     return f"rank {rank} {how}{': ' + detail if detail else ''}{also}"

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from paratrain.config import Config, ConfigError, check_batch, validate
+from paratrain.config import Config, ConfigError, check_batch, data_ranks, validate
 from paratrain.data import DataSampler, build_dataset, resolve_text_files
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv, default_device, detect_env, shutdown
@@ -50,8 +49,8 @@ def train(cfg: Config) -> RunResult:
     """Train as configured; every process of the job calls this."""
     owns_group = not dist.is_initialized()
     env = detect_env()
-    validate(cfg, world_size=env.world_size)  # before any process group exists
-    mesh = init_mesh(dp=cfg.parallel.dp or None)
+    preflight(cfg, env.world_size)  # before any process group exists
+    mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp)
     try:
         return _run(cfg, env, mesh, default_device(env))
     finally:
@@ -73,7 +72,8 @@ def _run(cfg: Config, env: DistEnv, mesh: Mesh, device: torch.device) -> RunResu
     log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
     if env.is_main:
         print(f"paratrain: {cfg.model.name} ({model_cfg.num_params():,} parameters), "
-              f"{env.world_size} process(es) on {device.type} (dp={dp}, zero={p.zero}, {p.precision}), "
+              f"{env.world_size} process(es) on {device.type} (dp={dp}, tp={p.tp}{', sp' if p.sequence_parallel else ''}, "
+              f"zero={p.zero}, {p.precision}), "
               f"{len(train_set):,} training sequences of {cfg.data.seq_len} tokens, "
               f"{accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats",
               flush=True)
@@ -125,23 +125,21 @@ def _run(cfg: Config, env: DistEnv, mesh: Mesh, device: torch.device) -> RunResu
 def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, device: torch.device):
     """The reference model built on the meta device, materialized and wrapped for the mesh.
 
-    Under ZeRO-3 each rank materializes only its shard of every parameter
-    (never the whole model); otherwise every rank initializes the whole model
-    with the same seed and the engine checks nothing drifted by broadcasting.
+    With tensor parallelism or ZeRO-3, parallelize() materializes each rank's slices only
+    (never the whole model); otherwise every rank initializes the whole model with the same
+    seed and the engine checks nothing drifted by broadcasting.
     """
     p, seed = cfg.parallel, cfg.train.seed
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    init = None
-    if p.zero == 3:
-        init = lambda name, shape: model.param_init(name, shape, seed)  # noqa: E731
-    else:
+    if p.zero < 3 and p.tp == 1:
         model.to_empty(device=device)
         model.init_weights(seed)
     return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg), zero=p.zero,
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
                        activation_checkpointing=p.activation_checkpointing, bucket_mb=p.bucket_mb,
-                       grad_reduction="sum", init=init)
+                       grad_reduction="sum", sequence_parallel=p.sequence_parallel, device=device,
+                       init=lambda name, shape: model.param_init(name, shape, seed))
 
 
 def train_step(model: ParallelModel, optimizer, batches, device, grad_clip: float) -> tuple[float, float, int]:
@@ -160,7 +158,7 @@ def train_step(model: ParallelModel, optimizer, batches, device, grad_clip: floa
     for i, (inputs, labels) in enumerate(batches):
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with maybe_no_sync(model, enabled=i < len(batches) - 1):
-            token_losses = token_loss_sum(model(inputs), labels)
+            token_losses = model.loss_fn(model(inputs), labels, ignore_index=IGNORE_INDEX)
             model.scale_loss(token_losses / global_tokens).backward()
         loss_sum += token_losses.detach()
     grad_norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
@@ -168,12 +166,6 @@ def train_step(model: ParallelModel, optimizer, batches, device, grad_clip: floa
     optimizer.zero_grad(set_to_none=True)
     loss = model.comm_sum(loss_sum).item() / global_tokens
     return loss, grad_norm, global_tokens
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the non-ignored targets."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 @torch.no_grad()
@@ -187,7 +179,7 @@ def evaluate(model: ParallelModel, dataset, micro_batch: int, num_batches: int, 
     for i in range(0, len(mine), micro_batch):
         inputs, labels = dataset.get_batch(mine[i:i + micro_batch])
         labels = labels.to(device)
-        totals[0] += token_loss_sum(model(inputs.to(device)), labels)
+        totals[0] += model.loss_fn(model(inputs.to(device)), labels, ignore_index=IGNORE_INDEX)
         totals[1] += (labels != IGNORE_INDEX).sum()
     model.train()
     model.comm_sum(totals)
@@ -217,9 +209,10 @@ def load_data(cfg: Config, env: DistEnv, out: Path):
     return result or build()
 
 
-def preflight(cfg: Config) -> None:
-    """The checks that need neither a process group nor the data: run before launching processes."""
-    resolve_model_config(cfg, tokenizer_vocab=0)
+def preflight(cfg: Config, world_size: int) -> None:
+    """Every check that needs neither a process group nor the data: run before launching processes."""
+    validate(cfg, world_size)
+    data_ranks(cfg, world_size, resolve_model_config(cfg, tokenizer_vocab=0))
     path = cfg.data.path
     if path != "default" and not is_prepared_dir(path):
         resolve_text_files(path)
@@ -333,6 +326,6 @@ def sample_text(model, tokenizer, eval_set, num_tokens: int, seed: int, device) 
         return "", ""
     prompt = eval_set.get_batch([0])[0][:, :64].to(device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = generate(model, prompt, num_tokens, temperature=0.8, top_k=40, generator=generator,
-                      max_context=model.module.config.max_seq_len)
+    tokens = generate(model.causal_logits, prompt, num_tokens, temperature=0.8, top_k=40,
+                      generator=generator, max_context=model.module.config.max_seq_len)
     return tokenizer.decode(prompt[0].tolist()), tokenizer.decode(tokens[0, prompt.shape[1]:].tolist())

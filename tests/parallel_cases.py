@@ -43,9 +43,13 @@ def batches(vocab: int = 64, steps: int = STEPS, batch: int = BATCH, seq: int = 
 
 
 def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses, in at least fp32; through the model's own loss when it has one (vocab-parallel)."""
     logits = model(x)
     logits = getattr(logits, "logits", logits)  # Hugging Face models return an output object
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+    if hasattr(model, "loss_fn"):
+        return model.loss_fn(logits, y)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
 
 
 def adamw(params):
@@ -78,7 +82,7 @@ def parallel_run(model, optimizer, data, rank: int, world: int, comm_axis_all_re
         xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
         tokens = (y != -100).sum()  # global count: every rank sees the global batch here
         micro = micro or per_rank
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=torch.float64)  # exact for fp64 runs, harmless for fp32
         pieces = range(0, per_rank, micro)
         for i in pieces:
             last = i + micro >= per_rank

@@ -36,7 +36,12 @@ def paratrain(*argv, timeout=120):
     (["--seq-len", "4096"], "exceeds the model's max_seq_len"),
     (["--stepz", "3"], "unrecognized arguments: --stepz"),
     (["--lr", "fast"], "--lr: expected float"),
-    (["--nproc", "2", "--dp", "3"], "--dp 3 does not match 2 process(es)"),
+    (["--nproc", "2", "--dp", "3"], "pp × dp × tp = 1 × 3 × 1 = 3 but the world has 2 process(es)"),
+    (["--nproc", "4", "--tp", "8"], "world size 4 is not divisible by tp × pp = 8 × 1"),
+    (["--nproc", "2", "--tp", "2", "--n-kv-heads", "1"], "kv heads 1 not divisible by tp 2"),
+    (["--nproc", "2", "--tp", "2", "--ffn-dim", "687"], "ffn 687 not divisible by tp 2"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "63"], "--seq-len 63 is not divisible by --tp 2"),
     (["--zero", "4"], "--zero: 4 is not one of [0, 1, 2, 3]"),
     (["--precision", "fp8"], "--precision: 'fp8' is not one of"),
 ])

@@ -118,3 +118,21 @@ def test_two_processes_match_one(tmp_path, zero):
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
     assert all(r["comm_bytes"]["dp"] > 0 and len(r["peak_mem_bytes_per_rank"]) == 2 for r in records)
     assert "dp" not in reference[0]["comm_bytes"], "one process communicates nothing"
+
+
+def _train_layout(rank, world_size, out, zero, tp, sp):
+    cfg = small_config(out, steps=4, micro_batch=4 // (world_size // tp))
+    cfg.parallel.zero, cfg.parallel.tp, cfg.parallel.sequence_parallel = zero, tp, sp
+    return train(cfg).sample
+
+
+@pytest.mark.parametrize("zero,tp,sp", [(1, 2, True), (3, 2, False)], ids=["dp2_tp2_sp_zero1", "dp2_tp2_zero3"])
+def test_tensor_and_data_parallel_trainer_matches_one(tmp_path, zero, tp, sp):
+    """`paratrain train --tp 2 --dp 2`: the losses of one process, and a text sample (gathered logits)."""
+    train(small_config(tmp_path / "one", steps=4))
+    reference = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    samples = run_on_ranks(_train_layout, 4, str(tmp_path / "four"), zero, tp, sp, timeout=180)
+    records = read_metrics(tmp_path / "four" / "metrics.jsonl")
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    assert all(r["comm_bytes"]["tp"] > 0 and r["comm_bytes"]["dp"] > 0 for r in records)
+    assert samples[0] and len(set(samples)) == 1, "every rank samples the same text"

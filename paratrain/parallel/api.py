@@ -14,17 +14,24 @@ parameters are brought up to date (ZeRO: all-gather of updated shards).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.data import DataParallelEngine
+from paratrain.parallel.tensor import gather_full, tp_norm_sq
+from paratrain.parallel.tp_plan import LLAMA_SP_PLAN, LLAMA_TP_PLAN, TensorParallelInfo, apply_tensor_parallel
 from paratrain.precision import LossScaler, Precision, precision_policy
+
+# Axes whose ranks hold different parts of the model: a flag or a norm over the whole model sums over them.
+MODEL_AXES = ("dp", "tp", "pp")
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                           torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
@@ -38,12 +45,14 @@ class ParallelConfigError(ValueError):
 class ParallelModel(nn.Module):
     """The user's module under a data-parallel engine; call it like the module itself."""
 
-    def __init__(self, module: nn.Module, engine, comm: Comm, precision: Precision):
+    def __init__(self, module: nn.Module, engine, comm: Comm, precision: Precision,
+                 tp_info: TensorParallelInfo | None = None):
         super().__init__()
         self.module = module
         self.engine = engine
         self.comm = comm
         self.precision = precision
+        self.tp_info = tp_info
         self.scaler = LossScaler(enabled=precision.needs_loss_scaling)
         self._found_inf = False
         self._grads_ready = False
@@ -51,6 +60,36 @@ class ParallelModel(nn.Module):
     def forward(self, *args, **kwargs):
         self._grads_ready = False
         return self.module(*args, **kwargs)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                reduction: str = "sum") -> torch.Tensor:
+        """Cross-entropy of this model's logits (fp32): vocab-parallel when tensor parallelism shards them."""
+        if self.tp_info is not None:
+            return self.tp_info.loss_fn(logits, targets, ignore_index, reduction)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
+                               reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (all-gathered over tp when the model shards them; collective)."""
+        info = self.tp_info
+        if info is None or not info.vocab_sharded_logits:
+            return logits
+        return gather_full(logits, logits.dim() - 1, info.comm, info.axis)
+
+    @torch.no_grad()
+    def causal_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary logits of a causal model for token ids of any length (for generation).
+
+        Sequence parallelism needs a length divisible by tp: the ids are padded on the right,
+        which a causal model's earlier positions never see, and the padded positions dropped.
+        """
+        length = tokens.shape[1]
+        if self.tp_info is not None and self.tp_info.sequence_parallel:
+            pad = -length % self.comm.mesh.size(self.tp_info.axis)
+            tokens = F.pad(tokens, (0, pad))
+        return self.full_logits(self(tokens))[:, :length]
 
     def comm_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over the data ranks (for losses and token counts); returns it."""
@@ -70,6 +109,7 @@ class ParallelModel(nn.Module):
         if self._grads_ready:
             return self._found_inf
         self.engine.finish_grad_sync()
+        self._reduce_sequence_partial_grads()
         self._found_inf = False
         if self.scaler.enabled:
             flag = torch.zeros((), device=self._device())
@@ -77,7 +117,7 @@ class ParallelModel(nn.Module):
                 if master.grad is not None:
                     master.grad.div_(self.scaler.scale)
                     flag += (~torch.isfinite(master.grad)).any().float()
-            self.comm.all_reduce(flag, "dp")
+            self._sum_over_model_axes(flag)
             self._found_inf = bool(flag.item() > 0)
         self._grads_ready = True
         return self._found_inf
@@ -91,9 +131,14 @@ class ParallelModel(nn.Module):
         norm of the unsharded gradient.
         """
         self.finish_gradients()
-        sq = self.engine.local_grad_sq_sum()
+        if self.tp_info is None:
+            sq = self.engine.local_grad_sq_sum()
+        else:  # tp-sharded gradients summed over tp, replicated ones counted once
+            named = zip(self.engine.master_names(), self.engine.masters())
+            sq = tp_norm_sq(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
         if self.engine.grads_sharded:
             self.comm.all_reduce(sq, "dp")
+        self.comm.all_reduce(sq, "pp")  # each stage holds other layers
         norm = math.sqrt(sq.item())
         if math.isfinite(norm) and max_norm < math.inf and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
@@ -101,6 +146,33 @@ class ParallelModel(nn.Module):
                 if master.grad is not None:
                     master.grad.mul_(coef)
         return norm
+
+    @torch.no_grad()
+    def _reduce_sequence_partial_grads(self) -> None:
+        """Under sequence parallelism, sum over tp the grads that each tp rank computed from its sequence shard.
+
+        Done here, on the master gradients after the data-parallel reduction, rather than by hooks
+        on the parameters: under ZeRO-3 the parameters autograd sees are transient gathered views,
+        and the sum is linear, so reducing over dp first and tp second gives the same gradient.
+        """
+        if self.tp_info is None or not self.tp_info.sequence_partial:
+            return
+        wanted = set(self.tp_info.sequence_partial)
+        grads = [m.grad for n, m in zip(self.engine.master_names(), self.engine.masters())
+                 if n in wanted and m.grad is not None and m.grad.numel()]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.all_reduce(flat, self.tp_info.axis)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _sum_over_model_axes(self, tensor: torch.Tensor) -> torch.Tensor:
+        for axis in MODEL_AXES:
+            self.comm.all_reduce(tensor, axis)
+        return tensor
 
     def _before_step(self, *_):
         if self.finish_gradients():
@@ -115,9 +187,12 @@ class ParallelModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on every rank (collective under ZeRO-3)."""
         if hasattr(self.engine, "full_state_dict"):
-            return self.engine.full_state_dict()
-        # Below ZeRO-3 every rank holds every parameter whole.
-        return {slot.name: slot.param.detach() for slot in self.engine.slots}
+            state = self.engine.full_state_dict()
+        else:  # below ZeRO-3 every data rank holds its parameters whole
+            state = {slot.name: slot.param.detach() for slot in self.engine.slots}
+        if self.tp_info is not None:
+            state = {name: self.tp_info.gather(name, value) for name, value in state.items()}
+        return state
 
     def resident_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes of model state on this rank, from the tensors that exist: params, grads, master, optimizer."""
@@ -139,28 +214,43 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
                 zero: int = 0, precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int = 0, bucket_mb: float = 25.0, grad_reduction: str = "mean",
-                units=None, init: Callable | None = None, comm: Comm | None = None):
+                tp_plan: Mapping | None = None, sequence_parallel: bool = False,
+                units=None, init: Callable | None = None, device=None, comm: Comm | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
         needs an element-wise optimizer.
-    zero: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
+    zero: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters), over the dp axis.
     precision: "fp32", "bf16" or "fp16" compute, fp32 master weights; reduce_dtype: gradient
         communication dtype (default fp32).
     activation_checkpointing: 0 off, k > 0 recompute every k-th block.
     grad_reduction: "mean" averages gradients over data ranks (the DDP convention); "sum"
         when the loss is already normalized over the global batch.
-    units / init: ZeRO-3 wrapping units and parameter initializer (see FullyShardedEngine).
+    tp_plan: module-name pattern → tensor-parallel style (see `paratrain.parallel.tp_plan`), applied
+        over the tp axis; None with tp > 1 takes the reference model's plan (`LLAMA_TP_PLAN`, or
+        `LLAMA_SP_PLAN` with `sequence_parallel`). With tensor parallelism use `model.loss_fn`:
+        the logits are sharded along the vocabulary.
+    units / init: ZeRO-3 wrapping units and the initializer `init(name, full_shape)` of a model
+        built on the meta device (each rank then materializes only its slices).
+    device: where a meta model is materialized (default: torch's default device).
     """
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     if zero not in (0, 1, 2, 3):
         raise ParallelConfigError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     comm = comm or Comm(mesh)
-    # 1. Activation checkpointing first: ZeRO-3 gathers parameters in forward hooks, and
+    tp_info = None
+    # 1. Tensor parallelism first: it swaps modules for twins holding this rank's slices, and
+    #    everything after (recomputation, gradient buckets, ZeRO shards) must see those slices.
+    if mesh.size("tp") > 1 or tp_plan is not None:
+        tp_info, init = _apply_tensor_parallel(model, mesh, comm, tp_plan, sequence_parallel, init,
+                                               materialize=zero < 3, device=device)
+    elif sequence_parallel:
+        raise ParallelConfigError("--sequence-parallel needs tensor parallelism (--tp > 1)")
+    # 2. Activation checkpointing next: ZeRO-3 gathers parameters in forward hooks, and
     #    recomputation must pass through those hooks to find whole parameters again.
     if activation_checkpointing:
         checkpoint_blocks(model, every=activation_checkpointing)
-    # 2. The data-parallel engine last: it sees the final parameters it has to reduce.
+    # 3. The data-parallel engine last: it sees the final parameters it has to reduce.
     if zero == 3:
         from paratrain.parallel.zero3 import FullyShardedEngine
 
@@ -169,7 +259,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     else:
         engine = DataParallelEngine(model, mesh, comm, policy, stage=zero, bucket_mb=bucket_mb,
                                     grad_reduction=grad_reduction)
-    wrapped = ParallelModel(model, engine, comm, policy)
+    wrapped = ParallelModel(model, engine, comm, policy, tp_info)
     if optimizer is None:
         return wrapped, None
     opt = optimizer(engine.masters())
@@ -180,6 +270,42 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     opt.register_step_pre_hook(wrapped._before_step)
     opt.register_step_post_hook(wrapped._after_step)
     return wrapped, opt
+
+
+def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, sequence_parallel: bool,
+                           init, materialize: bool, device):
+    """Apply the plan; return its info and the initializer the data-parallel engine gets next.
+
+    A meta model is materialized here, slice by slice, unless ZeRO-3 follows: then the modules
+    stay on meta and ZeRO-3 gets an initializer of tp-local shapes (the slice of the full init),
+    so no rank ever holds more than its tp × dp share of a layer.
+    """
+    if plan is None:
+        from paratrain.models import Transformer
+
+        if not isinstance(model, Transformer):
+            raise ParallelConfigError(f"tensor parallelism needs a plan for {type(model).__name__}: pass "
+                                      "tp_plan={module pattern: style} (see paratrain.parallel.tp_plan)")
+        plan = LLAMA_SP_PLAN if sequence_parallel else LLAMA_TP_PLAN
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init is None:
+        if not hasattr(model, "param_init"):
+            raise ParallelConfigError(f"{type(model).__name__} is on the meta device: pass "
+                                      "init=(name, full_shape) -> full fp32 tensor")
+        init = lambda name, shape: model.param_init(name, shape, 0)  # noqa: E731
+    info = apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sequence_parallel,
+                                 init=init if on_meta and materialize else None, device=device,
+                                 sp_grad_hooks=False)  # ParallelModel reduces those grads itself
+    if not on_meta or materialize:
+        return info, None
+    return info, functools.partial(_tp_local_init, init, info)
+
+
+def _tp_local_init(init, info: TensorParallelInfo, name: str, local_shape) -> torch.Tensor:
+    """This tp rank's slice of `init(name, global shape)`."""
+    shape, offset = info.global_shape(name, local_shape)
+    full = init(name, shape)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
 
 
 def block_lists(model: nn.Module) -> list[nn.Module]:

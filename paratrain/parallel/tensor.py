@@ -447,13 +447,14 @@ def clip_grad_norm_tp_(model: nn.Module, info: TensorParallelInfo, max_norm: flo
 
 
 @torch.no_grad()
+def gather_full(value: torch.Tensor, dim: int | None, comm: Comm, axis: str) -> torch.Tensor:
+    """The whole tensor from this rank's slice split along `dim` over `axis` (a copy; None: not split)."""
+    return value.detach().clone() if dim is None else _all_gather(value.detach(), dim, comm, axis)
+
+
 def full_parameters(model: nn.Module, info: TensorParallelInfo) -> dict[str, torch.Tensor]:
     """Every parameter at its full shape (sharded ones all-gathered over tp), by name."""
-    out = {}
-    for name, param in model.named_parameters():
-        dim = info.sharded.get(name)
-        out[name] = param.detach().clone() if dim is None else _all_gather(param.detach(), dim, info.comm, info.axis)
-    return out
+    return {name: info.gather(name, param) for name, param in model.named_parameters()}
 
 
 def tp_rng(mesh, seed: int, name: str, *, sharded: bool, axis: str = "tp", device="cpu") -> torch.Generator:

@@ -47,7 +47,7 @@ from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.tensor import (
     ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, TensorParallelLayer,
-    check_divisible, enter_tp_region, reduce_scatter_sequence, vocab_parallel_cross_entropy,
+    check_divisible, enter_tp_region, gather_full, reduce_scatter_sequence, vocab_parallel_cross_entropy,
 )
 
 
@@ -299,6 +299,10 @@ class TensorParallelInfo:
             offset[dim] = self.comm.mesh.coord(self.axis) * shape[dim]
             shape[dim] *= self.comm.mesh.size(self.axis)
         return tuple(shape), tuple(offset)
+
+    def gather(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The full tensor of parameter `name` from this rank's `value` (collective over tp when sharded)."""
+        return gather_full(value, self.sharded.get(name), self.comm, self.axis)
 
     @torch.no_grad()
     def all_reduce_sequence_partial_grads(self, model: nn.Module) -> None:
