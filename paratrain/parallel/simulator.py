@@ -1,0 +1,317 @@
+"""Check, time and draw pipeline schedules without running them.
+
+`validate` proves a schedule executable by the runtime: every action on a
+stage its rank holds, each (micro-batch, stage) forwarded and backwarded
+exactly once, point-to-point messages sent in the order they are received,
+and no deadlock. `simulate` times it under a cost model; `draw_timeline`
+plots the result.
+
+Cost model. ``f``, ``b`` and ``w`` are the costs of one micro-batch through
+one rank's share of the model: ``f`` the forward, ``b`` the whole backward,
+``w`` the weight-grad part of it (default b/2). An action on one of a rank's
+``v`` chunks costs 1/v of that, so schedules of the same model compare
+directly. Without a split backward, B costs b/v; with it (zero-bubble), B
+costs (b-w)/v and W costs w/v. ``comm`` is added between an action and a
+dependency that ran on another rank.
+
+In flight. A micro-batch is in flight on a stage from its F until its
+activations are released: the end of B without a split backward, the end of
+W with one (W still holds the layer inputs and output-grads). A rank's count
+is over its (micro-batch, stage) pairs, so with v chunks one unit is 1/v of a
+rank's layers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from paratrain.parallel.schedules import Action, Kind, Schedule, ScheduleError
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One action with its simulated start and end."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """A simulated schedule: per-rank timelines and what they add up to."""
+
+    schedule: Schedule
+    timeline: tuple[tuple[TimedAction, ...], ...]  # per rank, in execution order
+    makespan: float
+    busy: tuple[float, ...]  # compute time per rank
+    peak_in_flight: tuple[int, ...]  # per rank, in (micro-batch, stage) units
+
+    @property
+    def rank_bubble_fraction(self) -> tuple[float, ...]:
+        """Idle time / makespan, per rank."""
+        return tuple(1.0 - busy / self.makespan if self.makespan else 0.0 for busy in self.busy)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time over all ranks / (ranks × makespan)."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+
+
+def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
+    """The actions that must finish before `action` may start (in the runtime: the data it receives)."""
+    mb, stage = action.microbatch, action.stage
+    if action.kind is Kind.F:
+        return (Action(Kind.F, mb, stage - 1),) if stage > 0 else ()
+    if action.kind is Kind.W:
+        return (Action(Kind.B, mb, stage),)
+    if stage == schedule.num_stages - 1:
+        return (Action(Kind.F, mb, stage),)
+    return Action(Kind.F, mb, stage), Action(Kind.B, mb, stage + 1)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError naming the first problem; return None if the runtime can execute `schedule`."""
+    check_structure(schedule)
+    _execute(schedule, lambda action: 0.0, 0.0)
+    check_p2p_order(schedule)
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Every action on a held stage; one F, B (and W when split) per (mb, stage); F before B before W."""
+    kinds = (Kind.F, Kind.B, Kind.W) if schedule.split_backward else (Kind.F, Kind.B)
+    position: dict[Action, int] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for index, action in enumerate(actions):
+            if not 0 <= action.stage < schedule.num_stages or schedule.rank_of(action.stage) != rank:
+                raise ScheduleError(f"rank {rank} runs {action} but holds only stages {schedule.stages_of(rank)}")
+            if action.kind not in kinds:
+                raise ScheduleError(f"rank {rank} runs {action} but {schedule.name!r} does not split the backward")
+            if action in position:
+                raise ScheduleError(f"rank {rank} runs {action} twice")
+            position[action] = index
+    extra = [a for a in position if not 0 <= a.microbatch < schedule.num_microbatches]
+    if extra:
+        raise ScheduleError(f"{extra[0]} names a micro-batch outside 0..{schedule.num_microbatches - 1}")
+    for mb in range(schedule.num_microbatches):
+        for stage in range(schedule.num_stages):
+            _check_stage_order(schedule, position, kinds, mb, stage)
+
+
+def _check_stage_order(schedule: Schedule, position: dict[Action, int], kinds: tuple[Kind, ...],
+                       mb: int, stage: int) -> None:
+    actions = [Action(kind, mb, stage) for kind in kinds]
+    for action in actions:
+        if action not in position:
+            raise ScheduleError(f"{action} is missing from rank {schedule.rank_of(stage)}")
+    for earlier, later in zip(actions, actions[1:]):
+        if position[later] < position[earlier]:
+            raise ScheduleError(f"rank {schedule.rank_of(stage)} runs {later} before {earlier}")
+
+
+# ('activation' | 'grad', micro-batch, sending stage)
+Message = tuple[str, int, int]
+
+
+def messages(schedule: Schedule, rank: int) -> tuple[list[tuple[int, Message]], list[tuple[int, Message]]]:
+    """The (peer, message) sends and receives of `rank`, in the order the runtime issues them."""
+    sends: list[tuple[int, Message]] = []
+    receives: list[tuple[int, Message]] = []
+    last = schedule.num_stages - 1
+    for action in schedule.actions[rank]:
+        mb, stage = action.microbatch, action.stage
+        if action.kind is Kind.F:
+            if stage > 0:
+                receives.append((schedule.rank_of(stage - 1), ("activation", mb, stage - 1)))
+            if stage < last:
+                sends.append((schedule.rank_of(stage + 1), ("activation", mb, stage)))
+        elif action.kind is Kind.B:
+            if stage < last:
+                receives.append((schedule.rank_of(stage + 1), ("grad", mb, stage + 1)))
+            if stage > 0:
+                sends.append((schedule.rank_of(stage - 1), ("grad", mb, stage)))
+    return sends, receives
+
+
+def check_p2p_order(schedule: Schedule) -> None:
+    """Raise ScheduleError unless, for each ordered pair of ranks A→B, the messages A sends B
+    come in the order B receives them.
+
+    NCCL matches point-to-point messages between two ranks in issue order,
+    without tags, so a mismatch lands one tensor in another's buffer (or
+    hangs). The order is checked over all of A→B's traffic together
+    (activations and grads share a pair when pp = 2 with interleaving), which
+    implies it for each direction of traffic alone.
+    """
+    sent: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    received: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for rank in range(schedule.pp):
+        sends, receives = messages(schedule, rank)
+        for peer, message in sends:
+            sent[(rank, peer)].append(message)
+        for peer, message in receives:
+            received[(peer, rank)].append(message)
+    for pair in sorted(set(sent) | set(received)):
+        if sent[pair] != received[pair]:
+            first = next(i for i, (s, r) in enumerate(zip(sent[pair] + [None], received[pair] + [None])) if s != r)
+            raise ScheduleError(f"p2p order mismatch: message {first} from rank {pair[0]} to rank {pair[1]} is "
+                                f"{_message(sent[pair], first)} as sent but {_message(received[pair], first)} "
+                                "as received")
+
+
+def _message(sequence: list[Message], index: int) -> str:
+    if index >= len(sequence):
+        return "nothing"
+    traffic, mb, stage = sequence[index]
+    return f"{traffic}(mb={mb}, stage={stage})"
+
+
+def _execute(schedule: Schedule, cost: Callable[[Action], float], comm: float) -> list[list[TimedAction]]:
+    """Event-driven execution: each rank runs its list in order, an action starting when its
+    dependencies are done (plus `comm` across ranks). Raises ScheduleError on a deadlock."""
+    end: dict[Action, float] = {}
+    timeline: list[list[TimedAction]] = [[] for _ in schedule.actions]
+    remaining = sum(len(actions) for actions in schedule.actions)
+    while remaining:
+        progressed = False
+        for rank, actions in enumerate(schedule.actions):
+            while len(timeline[rank]) < len(actions):
+                action = actions[len(timeline[rank])]
+                deps = dependencies(schedule, action)
+                if any(dep not in end for dep in deps):
+                    break
+                ready = [end[dep] + (comm if schedule.rank_of(dep.stage) != rank else 0.0) for dep in deps]
+                start = max([timeline[rank][-1].end if timeline[rank] else 0.0, *ready])
+                end[action] = start + cost(action)
+                timeline[rank].append(TimedAction(action, start, end[action]))
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(_deadlock_message(schedule, timeline, end))
+    return timeline
+
+
+def _deadlock_message(schedule: Schedule, timeline: list[list[TimedAction]], end: dict[Action, float]) -> str:
+    blocked = [(rank, actions[len(timeline[rank])]) for rank, actions in enumerate(schedule.actions)
+               if len(timeline[rank]) < len(actions)]
+    rank, action = blocked[0]
+    missing = next(dep for dep in dependencies(schedule, action) if dep not in end)
+    owner = schedule.rank_of(missing.stage)
+    if missing not in schedule.actions[owner]:
+        return f"rank {rank} waits for {missing} (needed by {action}), which no rank runs: deadlock"
+    owner_next = schedule.actions[owner][len(timeline[owner])]
+    if owner_next == missing:
+        return (f"rank {rank} waits for {missing} (needed by {action}), which rank {owner} cannot start "
+                "for lack of its own inputs: deadlock")
+    return (f"rank {rank} waits for {missing} (needed by {action}), which rank {owner} runs after "
+            f"{owner_next}, itself blocked: deadlock")
+
+
+def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most (micro-batch, stage) pairs between their F and their release (B, or W if split)."""
+    release = Kind.W if schedule.split_backward else Kind.B
+    peaks = []
+    for actions in schedule.actions:
+        count = peak = 0
+        for action in actions:
+            count += (action.kind is Kind.F) - (action.kind is release)
+            peak = max(peak, count)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def simulate(schedule: Schedule, f: float = 1.0, b: float = 2.0, w: float | None = None,
+             comm: float = 0.0) -> SimResult:
+    """Time `schedule` with per-rank costs f (forward), b (whole backward), w (its weight-grad part).
+
+    See the module docstring for the cost convention. Validates the schedule first.
+    """
+    w = b / 2 if w is None else w
+    if min(f, b, w, comm) < 0 or w > b:
+        raise ScheduleError(f"costs must be >= 0 with w <= b, got f={f}, b={b}, w={w}, comm={comm}")
+    validate(schedule)
+    v = schedule.virtual_stages
+    split = schedule.split_backward
+    per_kind = {Kind.F: f / v, Kind.B: (b - w if split else b) / v, Kind.W: w / v}
+    timeline = _execute(schedule, lambda action: per_kind[action.kind], comm)
+    makespan = max((rank[-1].end for rank in timeline if rank), default=0.0)
+    busy = tuple(sum(t.end - t.start for t in rank) for rank in timeline)
+    return SimResult(schedule=schedule, timeline=tuple(tuple(rank) for rank in timeline),
+                     makespan=makespan, busy=busy, peak_in_flight=peak_in_flight(schedule))
+
+
+def draw_timeline(source: Schedule | SimResult, path: str | Path, title: str | None = None) -> Path:
+    """Draw one row per rank, one box per action (colour = kind, shade = chunk, label = micro-batch) to a PNG.
+
+    A Schedule is simulated with the default costs first. Gaps are bubbles; the
+    title carries the bubble fraction.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training hosts
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    result = source if isinstance(source, SimResult) else simulate(source)
+    schedule = result.schedule
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.35 * _count(result))), 0.6 * schedule.pp + 1.6))
+    for rank, row in enumerate(result.timeline):
+        for timed in row:
+            _draw_box(ax, schedule, rank, timed, result.makespan)
+    ax.set_xlim(0, result.makespan)
+    ax.set_ylim(schedule.pp - 0.5, -0.5)
+    ax.set_yticks(range(schedule.pp), [f"rank {rank}" for rank in range(schedule.pp)])
+    ax.set_xlabel("time (units of the costs f, b, w)")
+    ax.set_title(title or _default_title(result))
+    legend = [Patch(color=_colour(kind, chunk, schedule.virtual_stages), label=_legend_label(kind, chunk, schedule))
+              for kind in _kinds(schedule) for chunk in range(schedule.virtual_stages)]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+_BASE_COLOURS = {Kind.F: (0.20, 0.45, 0.80), Kind.B: (0.90, 0.45, 0.15), Kind.W: (0.25, 0.65, 0.30)}
+
+
+def _colour(kind: Kind, chunk: int, num_chunks: int) -> tuple[float, float, float]:
+    """The kind's colour, lightened towards white for later chunks."""
+    mix = 0.55 * chunk / max(num_chunks - 1, 1)
+    return tuple(c + (1.0 - c) * mix for c in _BASE_COLOURS[kind])
+
+
+def _draw_box(ax, schedule: Schedule, rank: int, timed: TimedAction, makespan: float) -> None:
+    action = timed.action
+    chunk = schedule.chunk_of(action.stage)
+    width = timed.end - timed.start
+    ax.barh(rank, width, left=timed.start, height=0.8,
+            color=_colour(action.kind, chunk, schedule.virtual_stages), edgecolor="black", linewidth=0.5)
+    # Labels only where they fit; the colour still tells the kind of a thin box.
+    if width / makespan > 0.008:
+        ax.text(timed.start + width / 2, rank, str(action.microbatch), ha="center", va="center", fontsize=7)
+
+
+def _count(result: SimResult) -> int:
+    return max(len(row) for row in result.timeline)
+
+
+def _kinds(schedule: Schedule) -> tuple[Kind, ...]:
+    return (Kind.F, Kind.B, Kind.W) if schedule.split_backward else (Kind.F, Kind.B)
+
+
+def _legend_label(kind: Kind, chunk: int, schedule: Schedule) -> str:
+    names = {Kind.F: "forward", Kind.B: "backward (input)" if schedule.split_backward else "backward",
+             Kind.W: "weight grad"}
+    return names[kind] + (f", chunk {chunk}" if schedule.virtual_stages > 1 else "")
+
+
+def _default_title(result: SimResult) -> str:
+    s = result.schedule
+    chunks = f", v={s.virtual_stages}" if s.virtual_stages > 1 else ""
+    return f"{s.name}: pp={s.pp}, m={s.num_microbatches}{chunks} — bubble {result.bubble_fraction:.1%}"
