@@ -1,0 +1,106 @@
+"""Saving in the background: training pauses only while this rank's shards are copied into CPU memory.
+
+    saver = AsyncCheckpointer(root, keep_latest=2)      # collective: creates its own gloo group
+    for step in ...:
+        ...
+        if step % every == 0:
+            saver.save(step, shards, rank_state, shared_state)   # returns after the copy
+    saver.close()                                                # waits for the last save
+
+At most one save is in flight: `save` first waits for the previous one.
+The background thread runs the same protocol as `save_checkpoint`, so
+`latest` and retention move only once its commit is complete, and a crash
+while it runs leaves the previous checkpoints as they were. An error of the
+background save is raised by the next `save`, `wait` or `close` call.
+
+The ranks coordinate over a process group created for the checkpointer
+alone: collectives of a background thread on the training group would
+interleave with the training's own and deadlock or mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch.distributed as dist
+
+from paratrain.checkpoint.coordinator import Coordinator, LocalCoordinator, dedicated_coordinator
+from paratrain.checkpoint.format import CheckpointError
+from paratrain.checkpoint.save import RankPayload, Shards, check_save_options, prepare_payload, run_save
+
+
+class AsyncCheckpointer:
+    """Checkpoints written and committed by a background thread, one at a time.
+
+    `coordinator` must not be used by anything else while a save runs; by
+    default a dedicated gloo group over the ranks of `group` (None: the
+    world) is created here, collectively, or a LocalCoordinator without
+    torch.distributed.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_latest: int | None = None,
+                 coordinator: Coordinator | None = None, group: dist.ProcessGroup | None = None):
+        check_save_options(0, keep_latest)
+        self.root = Path(root)
+        self.keep_latest = keep_latest
+        self._owns_group = coordinator is None and dist.is_initialized()
+        if coordinator is None:
+            coordinator = dedicated_coordinator(group) if dist.is_initialized() else LocalCoordinator()
+        self.coordinator = coordinator
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last: Path | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a background save is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, step: int, shards: Shards, rank_state: dict | None = None, shared_state: dict | None = None,
+             *, overwrite: bool = False) -> None:
+        """Start saving checkpoint `step` (arguments as `save_checkpoint`); return once the tensors are copied.
+
+        Collective like `save_checkpoint`. Waits for the previous save first
+        and raises its error, if it failed.
+        """
+        self.wait()
+        check_save_options(step, self.keep_latest)
+        payload = prepare_payload(self.coordinator.rank, shards, rank_state, shared_state, copy=True)
+        self._thread = threading.Thread(target=self._run, args=(step, payload, overwrite),
+                                        name=f"paratrain-checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, step: int, payload: RankPayload, overwrite: bool) -> None:
+        try:
+            self._last = run_save(self.root, step, payload, self.coordinator, self.keep_latest, overwrite)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by wait()
+            self._error = exc
+
+    def wait(self) -> Path | None:
+        """Block until no save is in flight; return the last committed directory, or raise the background error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"background checkpoint save failed: {type(error).__name__}: {error}") from error
+        return self._last
+
+    def close(self) -> Path | None:
+        """Wait for the save in flight, then release the dedicated group. Returns what `wait` returns."""
+        try:
+            return self.wait()
+        finally:
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group(self.coordinator.group)
+                self._owns_group = False
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,132 @@
+"""Fault injection for the reliability tests: one environment variable names the faults, hooks perform them.
+
+    PARATRAIN_FAULT="sigkill@rank1:step7"                      # attempt 0 only (the default)
+    PARATRAIN_FAULT="raise@rank1:step3:attempt*"               # every attempt
+    PARATRAIN_FAULT="ckpt_kill_before_commit@rank0:step8:attempt1,nan@rank1:step6"
+
+A fault fires when the code reaches a hook ``maybe_fault(kind, rank, step)``
+with the same kind, rank and step, and ``TORCHELASTIC_RESTART_COUNT`` (0 when
+unset; torchrun increments it at every restart) equals the fault's attempt,
+so a restarted job does not hit the same fault again (unless ``attempt*``).
+
+Two sorts of kind:
+
+* actions, performed inside `maybe_fault`: ``sigkill`` (SIGKILL this
+  process), ``raise`` (RuntimeError), ``hang`` and ``hang_data`` (sleep
+  forever), ``oom`` (MemoryError), and the checkpoint writer's hooks
+  ``ckpt_kill_after_shard`` (after this rank's shard file is written, before
+  the ranks meet), ``ckpt_kill_before_commit`` (rank 0, after index.json,
+  before the manifest that commits), ``kill_in_purge`` (rank 0, while
+  deleting old checkpoints), ``ckpt_enospc`` (OSError ENOSPC in the middle
+  of writing a shard file) and ``ckpt_slow_write`` (each shard file takes
+  `SLOW_WRITE_SECONDS` longer, to keep an async save in flight);
+* flags, which `maybe_fault` only reports (it returns True) and the caller
+  acts on: ``nan``, ``infgrad``, ``desync_shape``, ``perturb``.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+FAULT_ENV = "PARATRAIN_FAULT"
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+SLOW_WRITE_SECONDS = 2.0
+
+ACTIONS = frozenset({
+    "sigkill", "raise", "hang", "hang_data", "oom",
+    "ckpt_kill_after_shard", "ckpt_kill_before_commit", "kill_in_purge", "ckpt_enospc", "ckpt_slow_write",
+})
+FLAGS = frozenset({"nan", "infgrad", "desync_shape", "perturb"})
+KINDS = ACTIONS | FLAGS
+_KILLS = frozenset({"sigkill", "ckpt_kill_after_shard", "ckpt_kill_before_commit", "kill_in_purge"})
+_SPEC = re.compile(r"(?P<kind>[a-z_0-9]+)@rank(?P<rank>\d+):step(?P<step>\d+)(?::attempt(?P<attempt>\d+|\*))?")
+
+
+class FaultSpecError(ValueError):
+    """PARATRAIN_FAULT or TORCHELASTIC_RESTART_COUNT cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: `kind` on `rank` at `step`, on restart `attempt` (None: every attempt)."""
+
+    kind: str
+    rank: int
+    step: int
+    attempt: int | None = 0
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """The faults of a PARATRAIN_FAULT value (comma-separated specs); FaultSpecError naming a bad one."""
+    return _parse(text.strip())
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(text: str) -> tuple[Fault, ...]:
+    faults = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        match = _SPEC.fullmatch(part)
+        if match is None:
+            raise FaultSpecError(f"{FAULT_ENV}: cannot parse {part!r}; expected "
+                                 f"kind@rank<r>:step<k>[:attempt<a>|:attempt*], e.g. sigkill@rank1:step7")
+        if match["kind"] not in KINDS:
+            raise FaultSpecError(f"{FAULT_ENV}: unknown fault kind {match['kind']!r} in {part!r}; "
+                                 f"known: {', '.join(sorted(KINDS))}")
+        attempt = match["attempt"]
+        faults.append(Fault(match["kind"], int(match["rank"]), int(match["step"]),
+                            None if attempt == "*" else int(attempt or 0)))
+    return tuple(faults)
+
+
+def current_attempt(environ: Mapping[str, str] | None = None) -> int:
+    """The restart attempt torchrun reports (0 for the first run or without torchrun)."""
+    value = (os.environ if environ is None else environ).get(RESTART_ENV, "0")
+    if not value.strip().isdigit():
+        raise FaultSpecError(f"{RESTART_ENV}={value!r} is not a non-negative integer")
+    return int(value)
+
+
+def active_faults(environ: Mapping[str, str] | None = None) -> tuple[Fault, ...]:
+    """The faults that apply to this attempt."""
+    env = os.environ if environ is None else environ
+    faults = parse_faults(env.get(FAULT_ENV, ""))
+    if not faults:
+        return ()
+    attempt = current_attempt(env)
+    return tuple(f for f in faults if f.attempt is None or f.attempt == attempt)
+
+
+def fault_requested(kind: str, rank: int, step: int, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a fault of `kind` is injected at this rank and step in this attempt."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(sorted(KINDS))}")
+    return any(f.kind == kind and f.rank == rank and f.step == step for f in active_faults(environ))
+
+
+def maybe_fault(kind: str, rank: int, step: int, environ: Mapping[str, str] | None = None) -> bool:
+    """The hook: perform the fault if it is injected here (actions), or return whether it is (flags)."""
+    if not fault_requested(kind, rank, step, environ):
+        return False
+    if kind in _KILLS:
+        os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # SIGKILL to oneself is not always delivered before kill() returns
+            time.sleep(1)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault: raise at rank {rank}, step {step}")
+    if kind == "oom":
+        raise MemoryError(f"injected fault: out of memory at rank {rank}, step {step}")
+    if kind == "ckpt_enospc":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected at rank {rank}, step {step})")
+    if kind == "ckpt_slow_write":
+        time.sleep(SLOW_WRITE_SECONDS)
+    if kind in ("hang", "hang_data"):
+        while True:
+            time.sleep(3600)
+    return True

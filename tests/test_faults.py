@@ -1,0 +1,67 @@
+"""Fault injection: parsing PARATRAIN_FAULT, attempt gating, and the faults that need no process to test.
+
+The kills are exercised for real by the checkpoint tests (a rank killed after
+writing its shard).
+"""
+
+import errno
+
+import pytest
+
+from paratrain.faults import (
+    FAULT_ENV, RESTART_ENV, Fault, FaultSpecError, active_faults, fault_requested, maybe_fault, parse_faults,
+)
+
+
+def test_parse_several_specs_with_attempts():
+    assert parse_faults("sigkill@rank1:step7, nan@rank0:step6:attempt2,raise@rank1:step3:attempt*") == (
+        Fault("sigkill", 1, 7, 0), Fault("nan", 0, 6, 2), Fault("raise", 1, 3, None))
+    assert parse_faults("") == ()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sigkill@rank1", r"cannot parse 'sigkill@rank1'; expected kind@rank<r>:step<k>"),
+    ("sigkill@rank1:step7:attempt", "cannot parse"),
+    ("sigkil@rank1:step7", r"unknown fault kind 'sigkil' in 'sigkil@rank1:step7'; known: "),
+    ("nan@rank-1:step2", "cannot parse"),
+])
+def test_bad_specs_are_value_errors_naming_the_spec(text, message):
+    with pytest.raises(FaultSpecError, match=message) as info:
+        parse_faults(text)
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_fault_fires_only_on_its_rank_step_and_attempt():
+    env = {FAULT_ENV: "nan@rank1:step6,infgrad@rank0:step2:attempt1,perturb@rank0:step5:attempt*"}
+    assert fault_requested("nan", 1, 6, env)
+    assert not fault_requested("nan", 0, 6, env) and not fault_requested("nan", 1, 5, env)
+    assert not fault_requested("infgrad", 0, 2, env)
+    assert fault_requested("infgrad", 0, 2, {**env, RESTART_ENV: "1"})
+    assert not fault_requested("nan", 1, 6, {**env, RESTART_ENV: "1"})
+    assert all(fault_requested("perturb", 0, 5, {**env, RESTART_ENV: str(a)}) for a in range(3))
+    assert [f.kind for f in active_faults({**env, RESTART_ENV: "1"})] == ["infgrad", "perturb"]
+    assert maybe_fault("nan", 1, 6, env) is True  # flags are returned for the caller to act on
+    assert maybe_fault("nan", 1, 7, env) is False
+    with pytest.raises(FaultSpecError, match=f"{RESTART_ENV}='x' is not a non-negative integer"):
+        fault_requested("nan", 1, 6, {**env, RESTART_ENV: "x"})
+    with pytest.raises(ValueError, match="unknown fault kind 'nope'"):
+        fault_requested("nope", 0, 0, env)
+
+
+def test_actions_raise_what_they_simulate():
+    env = {FAULT_ENV: "raise@rank1:step3,oom@rank0:step4,ckpt_enospc@rank2:step8"}
+    with pytest.raises(RuntimeError, match="injected fault: raise at rank 1, step 3"):
+        maybe_fault("raise", 1, 3, env)
+    with pytest.raises(MemoryError):
+        maybe_fault("oom", 0, 4, env)
+    with pytest.raises(OSError) as info:
+        maybe_fault("ckpt_enospc", 2, 8, env)
+    assert info.value.errno == errno.ENOSPC
+
+
+def test_the_environment_is_read_when_no_mapping_is_given(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "nan@rank0:step1")
+    monkeypatch.delenv(RESTART_ENV, raising=False)
+    assert fault_requested("nan", 0, 1)
+    monkeypatch.setenv(RESTART_ENV, "1")
+    assert not fault_requested("nan", 0, 1)
