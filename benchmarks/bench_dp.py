@@ -389,15 +389,8 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
-def parse_args(argv=None):
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    intro, _examples, rest = __doc__.split("\n\n", 2)
-    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to run, one launch per variant each")
-    p.add_argument("--variants", nargs="+", choices=list(PAIRS), default=list(PAIRS),
-                   help="pairs to run (each runs its paratrain and its PyTorch side)")
+def add_common_args(p: argparse.ArgumentParser, micro_batch_default: int, micro_batch_help: str) -> None:
+    """The options every benchmark shares: run length, model shape, data, optimizer, seed, timeout."""
     p.add_argument("--steps", type=int, default=10, help="measured optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="steps run first and excluded from timing and comm")
     p.add_argument("--dim", type=int, default=256, help="model width")
@@ -407,12 +400,24 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=688, help="SwiGLU hidden width")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--micro-batch", type=int, default=micro_batch_default, help=micro_batch_help)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per launch")
+
+
+def parse_args(argv=None):
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    intro, _examples, rest = __doc__.split("\n\n", 2)
+    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to run, one launch per variant each")
+    p.add_argument("--variants", nargs="+", choices=list(PAIRS), default=list(PAIRS),
+                   help="pairs to run (each runs its paratrain and its PyTorch side)")
+    add_common_args(p, micro_batch_default=4, micro_batch_help="sequences per rank per step")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="directory for dp-<time>.md and .json")
     args = p.parse_args(argv)
@@ -421,15 +426,31 @@ def parse_args(argv=None):
     return args
 
 
+def run_meta(args, now: datetime.datetime) -> dict:
+    """Date, machine, command, model and run settings of one benchmark invocation (load average at start)."""
+    cfg = model_config(args)
+    return {"date": now.isoformat(timespec="seconds"), **machine(),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "model": repr(cfg),
+            "params": cfg.num_params(), **{k: getattr(args, k) for k in
+                                           ("micro_batch", "seq", "lr", "clip", "warmup", "steps", "seed")},
+            "load_avg_start": os.getloadavg()}
+
+
+def write_results(out: str, prefix: str, now: datetime.datetime, text: str, payload: dict) -> None:
+    """Write `<out>/<prefix>-<time>.md` (the markdown report) and `.json` (everything)."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"{prefix}-{now:%Y%m%d-%H%M%S}")
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {stem}.md and {stem}.json", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     now = datetime.datetime.now()
-    cfg = model_config(args)
-    meta = {"date": now.isoformat(timespec="seconds"), **machine(),
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "model": repr(cfg),
-            "params": cfg.num_params(), **{k: getattr(args, k) for k in
-                                           ("micro_batch", "seq", "lr", "clip", "warmup", "steps", "seed")}}
-    meta["load_avg_start"] = os.getloadavg()
+    meta = run_meta(args, now)
     rows = []
     for world in args.ranks:
         for pair in args.variants:
@@ -438,13 +459,7 @@ def main(argv=None) -> int:
     compare(rows)
     text = markdown(rows, meta)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"dp-{now:%Y%m%d-%H%M%S}")
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "args": vars(args), "rows": rows}, f, indent=1)
-    print(f"wrote {stem}.md and {stem}.json", file=sys.stderr)
+    write_results(args.out, "dp", now, text, {"meta": meta, "args": vars(args), "rows": rows})
     return 1 if any("error" in r and not r["error"].startswith("not available") for r in rows) else 0
 
 
