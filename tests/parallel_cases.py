@@ -14,9 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models import ModelConfig, Transformer
+from paratrain.testing import run_on_ranks
 
 TINY = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS, BATCH, SEQ, LR = 20, 8, 16, 1e-2
+
+
+def launch_once(cache: dict, world: int, fn, *args, timeout: float = 600):
+    """Every rank's return value of `fn(rank, world, *args)`, launched once per world size and cached.
+
+    Parity tests train many cases in one launch (each rank process pays seconds of start-up),
+    then each test reads its case; a failure is cached too and re-raised by every test.
+    """
+    if world not in cache:
+        try:
+            cache[world] = run_on_ranks(fn, world, *args, timeout=timeout)
+        except Exception as error:  # noqa: BLE001 - reported by every test of this world size
+            cache[world] = error
+    if isinstance(cache[world], Exception):
+        raise cache[world]
+    return cache[world]
 
 
 def make_model(cfg: ModelConfig = TINY, seed: int = 0) -> Transformer:
@@ -52,15 +69,15 @@ def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
 
 
-def adamw(params):
+def adamw(params, lr: float = LR):
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR)
+    return torch.optim.AdamW(groups, lr=lr)
 
 
-def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None = None):
+def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None = None, lr: float = LR):
     """Single process, whole global batch: per-step losses and final parameters."""
-    optimizer = adamw(list(model.parameters()))
+    optimizer = adamw(list(model.parameters()), lr=lr)
     losses = []
     for x, y in data:
         tokens = (y != -100).sum()

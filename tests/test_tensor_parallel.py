@@ -23,7 +23,7 @@ from paratrain.parallel.tensor import (
 )
 from paratrain.parallel.tp_plan import LLAMA_SP_PLAN, LLAMA_TP_PLAN, Colwise, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
-from parallel_cases import BATCH, SEQ, STEPS, TINY, adamw, batches, make_model
+from parallel_cases import BATCH, SEQ, STEPS, TINY, adamw, batches, launch_once, make_model
 
 # kv heads must divide by tp: tp=4 runs the same shape with 8 query / 4 kv heads.
 CONFIGS = {2: TINY, 4: dataclasses.replace(TINY, n_heads=8, n_kv_heads=4)}
@@ -352,15 +352,8 @@ def _results(name):
     """Every rank's (losses, full parameters) of RUNS[name]; all runs of one tp degree share one launch
     (each rank process pays ~3 s importing torch._dynamo at its first optimizer, so once per degree)."""
     world = RUNS[name].world
-    if world not in _RESULTS:
-        runs = {n: r for n, r in RUNS.items() if r.world == world}
-        try:
-            _RESULTS[world] = run_on_ranks(_train_runs, world, runs, timeout=300)
-        except Exception as error:  # noqa: BLE001 - reported by every test of this degree
-            _RESULTS[world] = error
-    if isinstance(_RESULTS[world], Exception):
-        raise _RESULTS[world]
-    return [per_rank[name] for per_rank in _RESULTS[world]]
+    runs = {n: r for n, r in RUNS.items() if r.world == world}
+    return [per_rank[name] for per_rank in launch_once(_RESULTS, world, _train_runs, runs, timeout=300)]
 
 
 def _check_against_reference(run, results, tol):

@@ -214,7 +214,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
                 zero: int = 0, precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int = 0, bucket_mb: float = 25.0, grad_reduction: str = "mean",
-                tp_plan: Mapping | None = None, sequence_parallel: bool = False,
+                tp_plan: Mapping | None = None, sequence_parallel: bool = False, schedule: str = "1f1b",
+                virtual_stages: int = 1, stage_boundaries: list[int] | None = None,
                 units=None, init: Callable | None = None, device=None, comm: Comm | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
@@ -230,6 +231,11 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         over the tp axis; None with tp > 1 takes the reference model's plan (`LLAMA_TP_PLAN`, or
         `LLAMA_SP_PLAN` with `sequence_parallel`). With tensor parallelism use `model.loss_fn`:
         the logits are sharded along the vocabulary.
+    schedule / virtual_stages / stage_boundaries: with pp > 1 the model (paratrain's Transformer or
+        an nn.Sequential) is split into pp × virtual_stages stages, balanced by parameter count
+        unless `stage_boundaries` (first layer of each later stage) are given, and the returned
+        `PipelineModel` runs whole steps (`train_step`) by the schedule ("gpipe", "1f1b",
+        "interleaved", "zb-h1").
     units / init: ZeRO-3 wrapping units and the initializer `init(name, full_shape)` of a model
         built on the meta device (each rank then materializes only its slices).
     device: where a meta model is materialized (default: torch's default device).
@@ -238,19 +244,33 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     if zero not in (0, 1, 2, 3):
         raise ParallelConfigError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     comm = comm or Comm(mesh)
+    split = None
+    # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built
+    #    there), and everything after works on that smaller module under the same names.
+    if mesh.size("pp") > 1:
+        split = _split_pipeline(model, mesh, zero, virtual_stages, stage_boundaries)
+        model = split.module
+    elif virtual_stages != 1:
+        raise ParallelConfigError("--virtual-stages needs pipeline parallelism (--pp > 1)")
     tp_info = None
-    # 1. Tensor parallelism first: it swaps modules for twins holding this rank's slices, and
+    # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and
     #    everything after (recomputation, gradient buckets, ZeRO shards) must see those slices.
     if mesh.size("tp") > 1 or tp_plan is not None:
         tp_info, init = _apply_tensor_parallel(model, mesh, comm, tp_plan, sequence_parallel, init,
-                                               materialize=zero < 3, device=device)
+                                               materialize=zero < 3, device=device, whole_model=split is None)
+        if split is not None and sequence_parallel:
+            from paratrain.parallel.stages import sequence_parallel_boundaries
+
+            tp_info.handles += sequence_parallel_boundaries(split, comm, tp_info.axis)
     elif sequence_parallel:
         raise ParallelConfigError("--sequence-parallel needs tensor parallelism (--tp > 1)")
-    # 2. Activation checkpointing next: ZeRO-3 gathers parameters in forward hooks, and
+    if zero < 3:
+        _materialize(model, init, device)
+    # 3. Activation checkpointing next: ZeRO-3 gathers parameters in forward hooks, and
     #    recomputation must pass through those hooks to find whole parameters again.
     if activation_checkpointing:
         checkpoint_blocks(model, every=activation_checkpointing)
-    # 3. The data-parallel engine last: it sees the final parameters it has to reduce.
+    # 4. The data-parallel engine last: it sees the final parameters it has to reduce.
     if zero == 3:
         from paratrain.parallel.zero3 import FullyShardedEngine
 
@@ -260,20 +280,50 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         engine = DataParallelEngine(model, mesh, comm, policy, stage=zero, bucket_mb=bucket_mb,
                                     grad_reduction=grad_reduction)
     wrapped = ParallelModel(model, engine, comm, policy, tp_info)
-    if optimizer is None:
-        return wrapped, None
-    opt = optimizer(engine.masters())
-    if zero > 0 and not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
+    if optimizer is not None:
+        opt = optimizer(engine.masters())
+        if zero > 0 and not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
+            raise ParallelConfigError(
+                f"ZeRO shards optimizer state element by element, which {type(opt).__name__} does not allow; "
+                f"use zero=0 or one of {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}")
+        opt.register_step_pre_hook(wrapped._before_step)
+        opt.register_step_post_hook(wrapped._after_step)
+    if split is not None:
+        from paratrain.parallel.pipeline import PipelineModel
+
+        # Built last: a stage's shell shares the modules the steps above may have replaced.
+        wrapped = PipelineModel(wrapped, split, schedule, mesh)
+    return wrapped, (opt if optimizer is not None else None)
+
+
+def _split_pipeline(model: nn.Module, mesh: Mesh, zero: int, virtual_stages: int, boundaries):
+    from paratrain.parallel.stages import split_for_pipeline
+
+    if zero == 3:
         raise ParallelConfigError(
-            f"ZeRO shards optimizer state element by element, which {type(opt).__name__} does not allow; "
-            f"use zero=0 or one of {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}")
-    opt.register_step_pre_hook(wrapped._before_step)
-    opt.register_step_post_hook(wrapped._after_step)
-    return wrapped, opt
+            "--zero 3 with --pp > 1 is refused: ZeRO-3 would all-gather every stage's parameters for each "
+            "micro-batch's forward and again for its backward (4·m gathers per step) and could not defer its "
+            "gradient reduce-scatter across micro-batches; use --zero 1 or 2, which shard the optimizer state")
+    return split_for_pipeline(model, mesh.size("pp"), mesh.coord("pp"), virtual_stages, boundaries)
+
+
+@torch.no_grad()
+def _materialize(model: nn.Module, init, device) -> None:
+    """Give a meta model real storage on `device`, each parameter filled with `init(name, shape)`."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    if init is None:
+        if not hasattr(model, "param_init"):
+            raise ParallelConfigError(f"{type(model).__name__} is on the meta device: pass "
+                                      "init=(name, full_shape) -> full fp32 tensor")
+        init = functools.partial(model.param_init, seed=0)
+    model.to_empty(device=device or torch.get_default_device())
+    for name, param in model.named_parameters():
+        param.copy_(init(name, param.shape))
 
 
 def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, sequence_parallel: bool,
-                           init, materialize: bool, device):
+                           init, materialize: bool, device, whole_model: bool):
     """Apply the plan; return its info and the initializer the data-parallel engine gets next.
 
     A meta model is materialized here, slice by slice, unless ZeRO-3 follows: then the modules
@@ -295,7 +345,8 @@ def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, seque
         init = lambda name, shape: model.param_init(name, shape, 0)  # noqa: E731
     info = apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sequence_parallel,
                                  init=init if on_meta and materialize else None, device=device,
-                                 sp_grad_hooks=False)  # ParallelModel reduces those grads itself
+                                 sp_grad_hooks=False,  # ParallelModel reduces those grads itself
+                                 strict=whole_model)  # a pipeline stage lacks the other stages' modules
     if not on_meta or materialize:
         return info, None
     return info, functools.partial(_tp_local_init, init, info)

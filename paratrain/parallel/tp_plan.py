@@ -328,7 +328,7 @@ class TensorParallelInfo:
 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], mesh: Mesh, comm: Comm,
                           sequence_parallel: bool = False, init: InitFn | None = None, *, axis: str = "tp",
-                          device=None, sp_grad_hooks: bool = True) -> TensorParallelInfo:
+                          device=None, sp_grad_hooks: bool = True, strict: bool = True) -> TensorParallelInfo:
     """Replace the modules `plan` names by their tensor-parallel twins, in place; describe the result.
 
     The model may be materialized (each layer keeps its slice of the existing weights) or on the
@@ -336,10 +336,11 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], mesh: Mes
     the whole model is materialized on `device` and each rank keeps its slice, so shards equal
     slices of the single-process initialization. Everything is checked before anything changes:
     a pattern matching no module, a module matched twice, or a size tp does not divide raise
-    TensorParallelError. Tied parameters split the same way become one shared shard.
+    TensorParallelError. Tied parameters split the same way become one shared shard. With
+    `strict=False` a pattern may match nothing (a pipeline stage holds only part of the model).
     """
     tp = mesh.size(axis)
-    matches = _match(model, plan)
+    matches = _match(model, plan, strict)
     for name, module, style in matches:
         style.check(name, module, tp)
     _check_ties(model, matches)
@@ -373,13 +374,13 @@ def _all_reduced(comm: Comm, axis: str, grad: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _match(model: nn.Module, plan: Mapping[str, Style]) -> list[tuple[str, nn.Module, Style]]:
+def _match(model: nn.Module, plan: Mapping[str, Style], strict: bool = True) -> list[tuple[str, nn.Module, Style]]:
     """(name, module, style) in model order; every pattern must match, no module twice."""
     modules = [(n, m) for n, m in model.named_modules() if n]
     owner: dict[str, str] = {}
     for pattern in plan:
         hits = [n for n, _ in modules if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        if not hits and strict:
             examples = ", ".join(n for n, _ in modules[:4])
             raise TensorParallelError(f"plan pattern {pattern!r} matches no module of {type(model).__name__} "
                                       f"(names look like: {examples}); fix or drop the pattern")

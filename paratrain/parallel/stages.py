@@ -1,0 +1,212 @@
+"""Splitting a model into pipeline stages: which layers each stage holds, and this rank's part.
+
+With `pp` ranks and `v` virtual stages per rank the model is cut into S = pp·v stages of
+consecutive layers, balanced by parameter count (or by given per-layer costs, or at given
+boundaries); stage s lives on rank s % pp (Megatron's interleaving). A rank keeps only its
+stages: the model is pruned (on the meta device, before anything is allocated) to the layers,
+and on the first and last stage the embedding and the head, that it owns. Parameter names stay
+those of the whole model (`layers.5.attention.wq.weight` on the stage that holds block 5), so a
+tensor-parallel plan, the data-parallel engine and checkpoints see ordinary names. Each stage
+runs through a "shell": a light module sharing the rank's blocks that computes only that stage.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class PipelineError(ValueError):
+    """A model or layout the pipeline cannot split; the message names the rule and the fix."""
+
+
+def balanced_boundaries(costs: list[float], num_stages: int, first_extra: float = 0.0,
+                        last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [a, b), one per stage, minimizing the largest stage cost.
+
+    `first_extra` / `last_extra` are the costs the first / last stage carry besides layers
+    (embedding; norm and head). Every stage gets at least one layer.
+    """
+    n = len(costs)
+    if num_stages > n:
+        raise PipelineError(f"{num_stages} pipeline stages (pp × virtual stages) but only {n} layers; "
+                            f"use at most {n} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    @functools.lru_cache(maxsize=None)
+    def best(stage: int, start: int) -> tuple[float, tuple[int, ...]]:
+        """(largest cost, cut points) of stages stage.. over layers start..n."""
+        remaining = num_stages - stage
+        if remaining == 1:
+            return prefix[n] - prefix[start] + last_extra + (first_extra if stage == 0 else 0.0), ()
+        options = []
+        for end in range(start + 1, n - remaining + 2):
+            cost = prefix[end] - prefix[start] + (first_extra if stage == 0 else 0.0)
+            rest, cuts = best(stage + 1, end)
+            options.append((max(cost, rest), (end, *cuts)))
+        return min(options)
+
+    cuts = (0, *best(0, 0)[1], n)
+    return [(cuts[i], cuts[i + 1]) for i in range(num_stages)]
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+@dataclass
+class StageSplit:
+    """Which layers each global stage holds, and this rank's pruned module with one shell per stage.
+
+    `module` holds every parameter of this rank's stages under their whole-model names; a
+    shell is a lightweight module sharing `module`'s submodules that computes one stage.
+    """
+
+    kind: str  # "transformer" or "sequential"
+    ranges: list[tuple[int, int]]
+    stages: tuple[int, ...]  # this rank's global stages, in chunk order
+    module: nn.Module
+    param_owner: dict[str, int]  # every parameter name of the whole model → the stage holding it
+    param_shapes: dict[str, torch.Size]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranges)
+
+    def shell(self, stage: int) -> nn.Module:
+        """A module computing global stage `stage` (build after any module replacement, e.g. a TP plan)."""
+        first, last = stage == 0, stage == self.num_stages - 1
+        keys = [str(i) for i in range(*self.ranges[stage])]
+        if self.kind == "sequential":
+            return nn.Sequential(dict((k, self.module._modules[k]) for k in keys))
+        model = self.module
+        shell = type(model).__new__(type(model))
+        nn.Module.__init__(shell)
+        shell.config = model.config
+        shell.tok_embeddings = model.tok_embeddings if first else None
+        shell.layers = nn.ModuleDict({k: model.layers[k] for k in keys})
+        shell.norm = model.norm if last else None
+        shell.output = model.output if last else None
+        return shell
+
+
+def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int = 1,
+                       boundaries: list[int] | None = None, layer_costs: list[float] | None = None) -> StageSplit:
+    """Prune `model` (in place; meta or materialized) to the stages that pipeline rank `rank` holds.
+
+    Stages are balanced by parameter count unless `layer_costs` (e.g. measured per-layer times)
+    or explicit `boundaries` (the first layer of each stage after the first) are given.
+    """
+    kind = _model_kind(model)
+    layers = list(model.layers.values()) if kind == "transformer" else list(model)
+    num_stages = pp * virtual_stages
+    ranges = _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs)
+    names = dict(model.named_parameters())
+    owner = {name: _owning_stage(name, kind, ranges) for name in names}
+    _check_no_shared_across_stages(model, kind, ranges)
+    stages = tuple(s for s in range(num_stages) if s % pp == rank)
+    keep = {str(i) for s in stages for i in range(*ranges[s])}
+    if kind == "transformer":
+        for key in [k for k in model.layers if k not in keep]:
+            del model.layers[key]
+        if 0 not in stages:
+            model.tok_embeddings = None
+        if num_stages - 1 not in stages:
+            model.norm, model.output = None, None
+    else:
+        for key in [k for k in model._modules if k not in keep]:
+            del model._modules[key]
+    return StageSplit(kind, ranges, stages, model, owner, {n: p.shape for n, p in names.items()})
+
+
+def sequence_parallel_boundaries(split: StageSplit, comm, axis: str = "tp") -> list:
+    """Under sequence parallelism, make every stage boundary carry the whole sequence.
+
+    Inside a stage the residual stream is split along the sequence over tp. The last block of a
+    stage before the last all-gathers its output (backward: keeps this rank's chunk of the
+    gradient), and the first block of a stage after the first takes its chunk of the whole
+    sequence it received (backward: all-gathers the gradient). A stage's input then has the
+    model's full length, which the reference model sizes its rotary tables from; the point-to-
+    point bytes are those of plain pipelining. Returns the hook handles.
+    """
+    from paratrain.parallel.tensor import gather_from_tp, scatter_to_tp
+
+    if split.kind != "transformer":
+        raise PipelineError("sequence parallelism with pipeline stages needs paratrain's Transformer")
+    handles = []
+    for stage in split.stages:
+        first, last = split.ranges[stage][0], split.ranges[stage][1] - 1
+        if stage > 0:
+            hook = functools.partial(_first_input_to_shard, comm, axis, scatter_to_tp)
+            handles.append(split.module.layers[str(first)].register_forward_pre_hook(hook))
+        if stage < split.num_stages - 1:
+            hook = functools.partial(_output_to_whole, comm, axis, gather_from_tp)
+            handles.append(split.module.layers[str(last)].register_forward_hook(hook))
+    return handles
+
+
+def _first_input_to_shard(comm, axis, scatter, module, args):
+    return (scatter(args[0], comm, axis, dim=1), *args[1:])
+
+
+def _output_to_whole(comm, axis, gather, module, args, output):
+    return gather(output, comm, axis, dim=1)
+
+
+def _model_kind(model: nn.Module) -> str:
+    from paratrain.models import Transformer
+
+    if isinstance(model, Transformer):
+        return "transformer"
+    if isinstance(model, nn.Sequential):
+        if [str(i) for i in range(len(model))] != list(model._modules):
+            raise PipelineError("pipeline parallelism needs an nn.Sequential with its default child names 0..n-1")
+        return "sequential"
+    raise PipelineError(f"pipeline parallelism splits paratrain's Transformer or an nn.Sequential, not "
+                        f"{type(model).__name__}; express the model as an nn.Sequential of its layers")
+
+
+def _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs) -> list[tuple[int, int]]:
+    n = len(layers)
+    if boundaries is not None:
+        cuts = [0, *boundaries, n]
+        if len(cuts) != num_stages + 1 or any(a >= b for a, b in zip(cuts, cuts[1:])):
+            raise PipelineError(f"stage boundaries {list(boundaries)} must be {num_stages - 1} increasing layer "
+                                f"indices strictly inside 0..{n}")
+        return [(cuts[i], cuts[i + 1]) for i in range(num_stages)]
+    if layer_costs is not None and len(layer_costs) != n:
+        raise PipelineError(f"{len(layer_costs)} layer costs given for {n} layers")
+    costs = layer_costs or [_numel(layer) for layer in layers]
+    first = last = 0.0
+    if kind == "transformer" and layer_costs is None:
+        first, last = _numel(model.tok_embeddings), _numel(model.norm) + _numel(model.output)
+    return balanced_boundaries(costs, num_stages, first, last)
+
+
+def _owning_stage(name: str, kind: str, ranges: list[tuple[int, int]]) -> int:
+    parts = name.split(".")
+    if kind == "transformer":
+        if parts[0] != "layers":
+            return 0 if parts[0] == "tok_embeddings" else len(ranges) - 1
+        index = int(parts[1])
+    else:
+        index = int(parts[0])
+    return next(s for s, (a, b) in enumerate(ranges) if a <= index < b)
+
+
+def _check_no_shared_across_stages(model: nn.Module, kind: str, ranges: list[tuple[int, int]]) -> None:
+    """A parameter used by two stages would need its gradients summed across them: refuse it."""
+    seen: dict[int, tuple[str, int]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        stage = _owning_stage(name, kind, ranges)
+        other, other_stage = seen.setdefault(id(param), (name, stage))
+        if other_stage != stage:
+            raise PipelineError(f"{name} is the same parameter as {other} but they fall on pipeline stages "
+                                f"{stage} and {other_stage}; untie them (e.g. --tie-embeddings false) or use pp=1")
+
+
