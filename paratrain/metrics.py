@@ -1,11 +1,13 @@
-"""Per-step measurements: throughput, model FLOPs utilisation, peak memory, the JSONL log."""
+"""Per-step measurements: throughput, model FLOPs utilisation, peak memory, time breakdown, the JSONL log."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,3 +58,43 @@ def read_metrics(path: str | Path) -> list[dict]:
     """Read a metrics.jsonl file back into a list of records."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class StepTimer:
+    """Where one optimizer step's time goes, for the metrics of each step.
+
+    The trainer runs each phase of a step (data, forward_backward, optimizer; and the checkpoint
+    save after the step, which it reports with the next step) inside `phase(name)`. The seconds a phase's collectives kept this rank blocked
+    (`Comm.blocked_s`: synchronous collectives and waits on asynchronous ones) are taken out
+    of the phase and reported as exposed communication per axis, the pp axis's as the
+    pipeline wait (a stage idle until its neighbour's activation or gradient arrives). What
+    remains of forward_backward is compute; recomputation under activation checkpointing is
+    part of it.
+    """
+
+    PHASES = ("data", "forward_backward", "optimizer", "checkpoint")
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        blocked, start = self._blocked(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start - (self._blocked() - blocked)
+
+    def _blocked(self) -> float:
+        return sum(self.comm.blocked_s.values())
+
+    def breakdown(self, step_time_s: float) -> dict:
+        """{compute_s, optimizer_s, data_s, checkpoint_s, comm_exposed_s: {axis: s}, pipeline_wait_s, other_s}."""
+        exposed = {axis: s for axis, s in self.comm.blocked_s.items() if axis != "pp"}
+        result = {"compute_s": self.seconds["forward_backward"], "optimizer_s": self.seconds["optimizer"],
+                  "data_s": self.seconds["data"], "checkpoint_s": self.seconds["checkpoint"],
+                  "comm_exposed_s": exposed, "pipeline_wait_s": self.comm.blocked_s.get("pp", 0.0)}
+        accounted = sum(self.seconds.values()) + self._blocked()
+        result["other_s"] = max(0.0, step_time_s - accounted)
+        return result

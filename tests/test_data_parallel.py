@@ -189,3 +189,22 @@ def _lbfgs(rank, world):
 def test_non_elementwise_optimizer_is_refused():
     with pytest.raises(RankFailure, match="ParallelConfigError: ZeRO shards optimizer state .*LBFGS"):
         run_on_ranks(_lbfgs, 1, timeout=60)
+
+
+def _grads_during_accumulation(rank, world, zero):
+    mesh = build_mesh(MeshShape(dp=world))
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum")
+    x, y = batches(steps=1)[0]
+    with model.no_sync():
+        loss_sum(model, x[:2], y[:2]).backward()
+    in_grad = [n for n, p in model.module.named_parameters() if p.grad is not None]
+    return in_grad, model.resident_bytes(optimizer)["grads"]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_accumulation_holds_each_gradient_once(zero):
+    """Under no_sync every micro-batch adds into the buckets: no .grad beside them (one copy, Ψ·4 bytes)."""
+    psi = sum(p.numel() for p in make_model().parameters())
+    for in_grad, grad_bytes in run_on_ranks(_grads_during_accumulation, 2, zero, timeout=120):
+        assert in_grad == []
+        assert grad_bytes == pytest.approx(psi * 4, rel=0.05)  # padding of row chunks only

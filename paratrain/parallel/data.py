@@ -1,10 +1,12 @@
 """Data parallelism and ZeRO-1/2: gradients in flat buckets, reduced while backward runs.
 
 Every rank holds the whole model and computes on its slice of the batch.
-Gradients are copied, as autograd finishes each parameter's gradient, into
-flat buckets (in the order they become ready: reverse registration order);
-the moment a bucket is complete its collective is launched asynchronously, so
-communication overlaps the rest of backward. Buckets are launched strictly in
+Gradients are added, as autograd finishes each parameter's gradient, into
+flat buckets (in the order they become ready: reverse registration order) and
+dropped from `.grad`, so a gradient exists once; under gradient accumulation
+(`no_sync`) every micro-batch adds into the same buckets. In the synced
+backward, the moment a bucket is complete its collective is launched
+asynchronously, so communication overlaps the rest of backward. Buckets are launched strictly in
 bucket order, so every rank issues the same collectives in the same order
 even when different ranks finish parameters in a different order.
 
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paratrain.comm import Comm, wait_all
+from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.autograd import queue_end_of_backward
 from paratrain.parallel.shard import as_rows, padded_chunk_numel, row_range, rows_per_rank
@@ -91,6 +93,7 @@ class DataParallelEngine:
         self._index = {s.param: i for i, s in enumerate(self.slots)}
         self._sync = True
         self._in_backward = False
+        self._accumulating = False  # buckets hold this step's gradients, from its first micro-batch on
         self._next_launch = 0
         self._used_mask: torch.Tensor | None = None
         self.backward_finished_at = 0.0
@@ -155,9 +158,17 @@ class DataParallelEngine:
     def master_names(self) -> list[str]:
         return [s.name for s in self.slots]
 
+    def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
+        """Per master (in `masters()` order): parameter name, the rows [lo, hi) of the parameter it holds, the parameter's shape.
+
+        For checkpoints: DDP masters hold every row (and are equal on all dp ranks); ZeRO-1/2
+        masters hold this rank's rows of `shard.py`'s layout.
+        """
+        return [(s.name, s.rows, s.param.shape) for s in self.slots]
+
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (in .grad) without communicating; the next synced backward reduces all."""
+        """Accumulate gradients locally (in the buckets) without communicating; the next synced backward reduces all."""
         self._sync = False
         try:
             yield
@@ -166,42 +177,43 @@ class DataParallelEngine:
 
     # -- backward: buckets fill and launch -------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._sync:
-            return
-        if not self._in_backward:
+        if not self._accumulating:
+            self._start_accumulation()
+        if self._sync and not self._in_backward:
             self._start_backward()
         bucket, slot = self._where[param]
         self._pack(bucket, slot, param.grad)
         self._used_mask[self._index[param]] = 1.0
-        param.grad = None
-        bucket.ready += 1
-        self._launch_ready_buckets(in_backward=True)
+        param.grad = None  # the bucket holds it now: gradients never exist twice
+        if self._sync:
+            bucket.ready += 1
+            self._launch_ready_buckets(in_backward=True)
 
-    def _start_backward(self) -> None:
-        self._in_backward = True
-        self._next_launch = 0
-        device = self.slots[0].param.device
-        self._used_mask = torch.zeros(len(self.slots), device=device)
+    def _start_accumulation(self) -> None:
+        """The first gradient of a step: zeroed buckets collect every micro-batch's gradients until the synced one."""
+        self._accumulating = True
+        self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device)
         for bucket in self.buckets:
-            bucket.ready, bucket.work = 0, None
             if bucket.buffer is None:
                 bucket.buffer = self._new_buffer(bucket)
             else:
                 bucket.buffer.zero_()
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.ready, bucket.work = 0, None
         queue_end_of_backward(self._end_of_backward)
 
     def _pack(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
-        """Copy a gradient into the bucket: rank r's padded rows into chunk r."""
+        """Add a gradient into the bucket (÷ the pre-division): rank r's padded rows into chunk r."""
         rows = as_rows(grad)
         c = rows_per_rank(rows.shape[0], self.shards)
         chunks = bucket.buffer.view(self.shards, bucket.chunk_numel)
         for r in range(self.shards):
             piece = rows[r * c:(r + 1) * c].reshape(-1)
-            dest = chunks[r, slot.offset:slot.offset + piece.numel()]
-            dest.copy_(piece)
-        if self.pre_divide != 1:
-            for r in range(self.shards):
-                chunks[r, slot.offset:slot.offset + slot.chunk_numel].div_(self.pre_divide)
+            chunks[r, slot.offset:slot.offset + piece.numel()].add_(piece, alpha=1.0 / self.pre_divide)
 
     def _launch_ready_buckets(self, in_backward: bool) -> None:
         """Launch complete buckets in bucket order (a later bucket waits for an earlier one)."""
@@ -225,19 +237,14 @@ class DataParallelEngine:
             bucket.work = self.comm.reduce_scatter(out, bucket.buffer, "dp", async_op=True)
 
     def _end_of_backward(self) -> None:
-        """Runs once autograd has finished: pack what accumulated under no_sync, launch the rest, wait."""
+        """Runs once autograd has finished: launch the buckets still waiting (parameters this backward
+        did not reach, whose gradients came from earlier micro-batches or from none), then wait."""
         self.backward_finished_at = time.perf_counter()
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                if slot.param.grad is not None:  # accumulated under no_sync, untouched by this backward
-                    self._pack(bucket, slot, slot.param.grad)
-                    self._used_mask[self._index[slot.param]] = 1.0
-                    slot.param.grad = None
         self._launch_ready_buckets(in_backward=False)
         mask_work = self.comm.all_reduce(self._used_mask, "dp", async_op=True)
-        wait_all([b.work for b in self.buckets] + [mask_work])
+        self.comm.wait([b.work for b in self.buckets] + [mask_work], "dp")
         self._assign_master_grads()
-        self._in_backward = False
+        self._in_backward = self._accumulating = False
 
     def finish_grad_sync(self) -> None:
         """Make master gradients final. Backward does this itself when it ends; this is idempotent."""
@@ -296,10 +303,11 @@ class DataParallelEngine:
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's master gradients (its shard for ZeRO, everything for DDP)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.slots[0].param.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.slots[0].param.device)
         for slot in self.slots:
-            if slot.master.grad is not None:
-                total += slot.master.grad.float().pow(2).sum()
+            grad = slot.master.grad
+            if grad is not None:  # each square in at least fp32, the sum over tensors in fp64
+                total += grad.to(torch.promote_types(grad.dtype, torch.float32)).pow(2).sum()
         return total
 
     @property
@@ -317,7 +325,8 @@ class DataParallelEngine:
         Counted by storage, so a gradient that is a view of a bucket (DDP) is counted once.
         """
         params = _storage_bytes(s.param for s in self.slots)
-        grads = _storage_bytes([b.shard_grad if self.stage == 2 else b.buffer for b in self.buckets]
+        # A bucket holds the full gradients while they accumulate; ZeRO-2 frees it once reduced.
+        grads = _storage_bytes([b.buffer for b in self.buckets] + [b.shard_grad for b in self.buckets]
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
         master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}

@@ -273,8 +273,7 @@ class FullyShardedEngine:
 
     def _land(self, unit: Unit, work, out: torch.Tensor, flat: torch.Tensor) -> None:
         """Wait for one reduce-scatter and add its shard gradients to this backward's new gradients."""
-        if work is not None:
-            work.wait()
+        self.comm.wait([work], "dp")
         for index, piece in unit.shard_pieces(out):
             piece = piece.to(self.precision.master_dtype)
             if index in self._new_grads:
@@ -320,6 +319,11 @@ class FullyShardedEngine:
 
     def master_names(self) -> list[str]:
         return list(self._names)
+
+    def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
+        """Per master (in `masters()` order): parameter name, the rows [lo, hi) it holds, the parameter's full shape."""
+        return [(name, row_range(row_shape(shape)[0], self.num_ranks, self.rank), shape)
+                for name, shape in zip(self._names, self._shapes)]
 
     def after_step(self) -> None:
         """Nothing to copy: the masters are the shards, cast to param_dtype at each gather."""

@@ -153,14 +153,13 @@ class Unit:
             chunk[fp.chunk_offset:fp.chunk_offset + shard.numel()].copy_(shard.detach().reshape(-1))
         gathered = torch.empty(self.num_ranks * self.chunk_numel, dtype=dtype, device=device)
         work = comm.all_gather(gathered, chunk, axis="dp", async_op=True)
-        self._pending = (work, gathered, chunk)  # chunk must outlive the collective
+        self._pending = (work, gathered, chunk, comm)  # chunk must outlive the collective
 
     def finish_gather(self) -> None:
         """Wait for the all-gather and copy it out into the contiguous full-parameter buffer."""
-        work, gathered, _ = self._pending
+        work, gathered, _, comm = self._pending
         self._pending = None
-        if work is not None:
-            work.wait()
+        comm.wait([work], "dp")
         chunks = gathered.view(self.num_ranks, self.chunk_numel)
         full = torch.empty(self.full_numel, dtype=gathered.dtype, device=gathered.device)
         for fp in self.params:
@@ -177,9 +176,8 @@ class Unit:
     def free(self) -> None:
         """Drop the full parameters (waiting first for a gather still in flight: gloo writes into its buffer)."""
         if self._pending is not None:
-            work = self._pending[0]
-            if work is not None:
-                work.wait()
+            work, _, _, comm = self._pending
+            comm.wait([work], "dp")
             self._pending = None
         self.full = None
 
@@ -189,7 +187,7 @@ class Unit:
 
     def gathered_bytes(self) -> int:
         """Bytes of the gather buffers alive now."""
-        alive = [self.full] + (list(self._pending[1:]) if self._pending else [])
+        alive = [self.full] + (list(self._pending[1:3]) if self._pending else [])
         return sum(t.numel() * t.element_size() for t in alive if t is not None)
 
     # -- module slots ------------------------------------------------------

@@ -1,0 +1,35 @@
+"""The step-time breakdown: phases minus the communication they were blocked on."""
+
+import time
+from collections import defaultdict
+
+import pytest
+
+from paratrain.metrics import StepTimer
+
+
+class _FakeComm:
+    def __init__(self):
+        self.blocked_s = defaultdict(float)
+
+
+def test_blocked_communication_moves_out_of_the_phase_it_happened_in():
+    comm = _FakeComm()
+    timer = StepTimer(comm)
+    start = time.perf_counter()
+    with timer.phase("forward_backward"):
+        time.sleep(0.05)
+        comm.blocked_s["dp"] += 0.02  # as if a wait inside had blocked 20 ms of those 50
+        comm.blocked_s["pp"] += 0.01
+    with timer.phase("optimizer"):
+        time.sleep(0.02)
+    total = time.perf_counter() - start
+    parts = timer.breakdown(total)
+    assert parts["comm_exposed_s"] == {"dp": pytest.approx(0.02)}
+    assert parts["pipeline_wait_s"] == pytest.approx(0.01)
+    assert parts["compute_s"] == pytest.approx(0.05 - 0.03, abs=0.01)
+    assert parts["optimizer_s"] == pytest.approx(0.02, abs=0.01)
+    assert parts["data_s"] == parts["checkpoint_s"] == 0.0
+    accounted = (parts["compute_s"] + parts["optimizer_s"] + sum(parts["comm_exposed_s"].values())
+                 + parts["pipeline_wait_s"] + parts["other_s"])
+    assert accounted == pytest.approx(total, abs=1e-6)
