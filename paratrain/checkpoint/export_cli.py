@@ -1,0 +1,54 @@
+"""`paratrain export RUN_OR_CKPT OUT`: write a run's weights as a Hugging Face Llama directory.
+
+Bad input (a missing source, a checkpoint whose tensors do not match its
+model config, an occupied output directory) ends with one line on stderr and
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from paratrain.checkpoint.export import EXPORT_DTYPES, export_hf
+from paratrain.checkpoint.format import CheckpointError
+from paratrain.checkpoint.hf_dir import HFError
+from paratrain.models import ModelConfigError
+
+MB = 2**20
+
+
+def add_export_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `export` subcommand on the `paratrain` parser's subparsers."""
+    parser = subparsers.add_parser("export", help="write a run or checkpoint as a Hugging Face Llama directory",
+                                   description=(
+        "Write the model weights of a run (its newest committed checkpoint, else final/), of one checkpoint "
+        "(a step-* directory) or of a final/ directory as a Hugging Face Llama directory: config.json, "
+        "model.safetensors and the run's tokenizer. LlamaForCausalLM.from_pretrained(OUT) loads it, and "
+        "`paratrain train --init-from OUT` starts from it."))
+    parser.add_argument("source", metavar="RUN_OR_CKPT", help="run directory, checkpoint step-* directory or final/")
+    parser.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
+    parser.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
+                        help="dtype of the written weights (default: float32, the master weights unrounded)")
+    parser.add_argument("--max-shard-mb", type=float, default=None, metavar="MB",
+                        help="split the weights into files of at most MB megabytes, with an index "
+                             "(default: one model.safetensors)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files")
+    return parser
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Run `paratrain export`; 0 on success, 2 (one line on stderr) on bad input."""
+    max_bytes = None if args.max_shard_mb is None else int(args.max_shard_mb * MB)
+    try:
+        result = export_hf(args.source, args.out, dtype=EXPORT_DTYPES[args.dtype], max_shard_bytes=max_bytes,
+                           overwrite=args.overwrite)
+    except (HFError, CheckpointError, ModelConfigError) as e:
+        print(f"paratrain export: error: {e}", file=sys.stderr)
+        return 2
+    source = result.source
+    what = f"step {result.step} ({source.path})" if result.step is not None else str(source.path)
+    tokenizer = result.tokenizer_file or "none found"
+    print(f"exported {what} to {result.out_dir}: {result.model_config.num_params():,} parameters as {args.dtype} "
+          f"in {len(result.weight_files)} file(s); tokenizer: {tokenizer}")
+    return 0

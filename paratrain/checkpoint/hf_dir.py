@@ -1,0 +1,292 @@
+"""Hugging Face Llama directories: `config.json` ↔ `ModelConfig`, and reading the weights under our names.
+
+A directory holds ``config.json`` (a ``LlamaForCausalLM`` config) and the
+weights, either in one ``model.safetensors`` or in several files listed by
+``model.safetensors.index.json`` (``{"weight_map": {tensor: file}}``).
+`HFWeights` opens one, checks every tensor's name and shape against the
+config without reading any data, and then reads one tensor at a time, so a
+rank that materializes its slices never holds more than one whole tensor.
+
+Only what `paratrain.models.Transformer` computes is accepted: silu SwiGLU,
+no biases, plain rotary embeddings (no ``rope_scaling``), a head size of
+hidden_size / num_attention_heads. Anything else is refused with one line
+naming the field, rather than loaded into a model that would compute
+something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from paratrain.models import ModelConfig, ModelConfigError, Transformer
+from paratrain.models.hf import HFNameError, from_hf_name, hf_name
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ARCHITECTURE = "LlamaForCausalLM"
+# Stored by some converters, recomputed by every Llama implementation: not a weight.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Defaults of Hugging Face's LlamaConfig for keys a config.json may leave out.
+_HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "tie_word_embeddings": False}
+
+
+class HFError(ValueError):
+    """A Hugging Face directory (or an export source) is missing, malformed, or describes an unsupported model."""
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tokens: dict | None = None) -> dict:
+    """The ``config.json`` of a `LlamaForCausalLM` computing what `Transformer(cfg)` computes.
+
+    `tokens` may give ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``.
+    """
+    doc = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    doc.update({k: v for k, v in (tokens or {}).items() if v is not None})
+    return doc
+
+
+def model_config_from_hf(doc: Any, where: str = CONFIG_FILE) -> ModelConfig:
+    """The `ModelConfig` of a ``config.json`` document; HFError naming the field if it is not a plain Llama."""
+    if not isinstance(doc, dict):
+        raise HFError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    _check_supported(doc, where)
+    try:
+        return ModelConfig(
+            vocab_size=_required(doc, "vocab_size", where),
+            dim=_required(doc, "hidden_size", where),
+            n_layers=_required(doc, "num_hidden_layers", where),
+            n_heads=_required(doc, "num_attention_heads", where),
+            n_kv_heads=doc.get("num_key_value_heads") or _required(doc, "num_attention_heads", where),
+            ffn_dim=_required(doc, "intermediate_size", where),
+            max_seq_len=_get(doc, "max_position_embeddings"),
+            norm_eps=float(_get(doc, "rms_norm_eps")),
+            rope_theta=float(_rope_theta(doc, where)),
+            tie_embeddings=_get(doc, "tie_word_embeddings"),
+        )
+    except (ModelConfigError, TypeError, ValueError) as exc:
+        raise HFError(f"{where}: {exc}") from None
+
+
+def _check_supported(doc: dict, where: str) -> None:
+    if doc.get("model_type", "llama") != "llama":
+        raise HFError(f"{where}: model_type {doc['model_type']!r} is not supported; only 'llama' models import")
+    architectures = doc.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in architectures:
+        raise HFError(f"{where}: architectures {architectures} has no {ARCHITECTURE!r}; only causal-LM Llama "
+                      f"weights (with lm_head) import")
+    if doc.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{where}: hidden_act {doc['hidden_act']!r} is not supported; paratrain's Llama uses 'silu'")
+    for key in ("attention_bias", "mlp_bias"):
+        if doc.get(key):
+            raise HFError(f"{where}: {key}=true is not supported; paratrain's Llama has no biases")
+    if doc.get("rope_scaling"):
+        raise HFError(f"{where}: rope_scaling {doc['rope_scaling']} is not supported; only plain rotary "
+                      f"embeddings (rope_scaling null) import")
+    head_dim, hidden, heads = doc.get("head_dim"), doc.get("hidden_size"), doc.get("num_attention_heads")
+    if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
+            and head_dim * heads != hidden:
+        raise HFError(f"{where}: head_dim {head_dim} differs from hidden_size/num_attention_heads = "
+                      f"{hidden}/{heads}; only head_dim = hidden_size/num_attention_heads is supported")
+
+
+def _rope_theta(doc: dict, where: str) -> float:
+    """rope_theta from the top level (transformers 4) or from rope_parameters (transformers 5)."""
+    params = doc.get("rope_parameters")
+    if not params:
+        return _get(doc, "rope_theta")
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type", "default")) != "default":
+        raise HFError(f"{where}: rope_parameters {params} is not supported; only rope_type 'default' "
+                      f"(no scaling) imports")
+    theta = params.get("rope_theta", doc.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
+    if "rope_theta" in doc and doc["rope_theta"] != theta:
+        raise HFError(f"{where}: rope_theta {doc['rope_theta']} and rope_parameters.rope_theta {theta} disagree")
+    return theta
+
+
+def _required(doc: dict, key: str, where: str) -> Any:
+    if doc.get(key) is None:
+        raise HFError(f"{where}: {key} is missing; a Llama config.json needs it")
+    return doc[key]
+
+
+def _get(doc: dict, key: str) -> Any:
+    value = doc.get(key)
+    return _HF_DEFAULTS[key] if value is None else value
+
+
+def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
+    """The model config of the Hugging Face directory `directory` (reads config.json only)."""
+    directory = _existing_dir(directory)
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise HFError(f"{directory} has no {CONFIG_FILE}; pass a directory written by `paratrain export` or "
+                      f"by save_pretrained")
+    return model_config_from_hf(_load_json(path), str(path))
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name → shape for `Transformer(cfg)`, a tied table once (as `tok_embeddings.weight`)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+class HFWeights:
+    """The weights of a Hugging Face Llama directory, checked against its config, read one tensor at a time.
+
+    `config` is the directory's `ModelConfig`; `names` our parameter names (a
+    tied table once); `read(name)` one whole tensor in its stored dtype, on
+    the CPU. ``output.weight`` of a tied model reads the embedding table.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = _existing_dir(directory)
+        self.config = read_hf_config(self.directory)
+        self._shapes = expected_shapes(self.config)
+        self._stored = _stored_tensors(self.directory)  # HF name -> (file, shape)
+        self._handles: dict[str, Any] = {}
+        self._check_tensors()
+
+    @property
+    def names(self) -> list[str]:
+        """Our names of the parameters, in model order."""
+        return list(self._shapes)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Parameter `name` (our naming), whole, in the stored dtype."""
+        if self.config.tie_embeddings and name == "output.weight":
+            name = "tok_embeddings.weight"
+        if name not in self._shapes:
+            raise HFError(f"{self.directory}: the model has no parameter {name!r}")
+        return self._read_hf(hf_name(name))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, loadable with `Transformer(config).load_state_dict(..., strict=True)`.
+
+        A tied model's ``output.weight`` is the same tensor as ``tok_embeddings.weight``.
+        """
+        state = {name: self.read(name) for name in self.names}
+        if self.config.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        return state
+
+    def close(self) -> None:
+        """Release the open files (they reopen on demand)."""
+        self._handles.clear()
+
+    def _read_hf(self, key: str) -> torch.Tensor:
+        file = self._stored[key][0]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(self.directory / file), framework="pt")
+        return handle.get_tensor(key)
+
+    def _check_tensors(self) -> None:
+        """Names and shapes of every stored tensor against the config (from the file headers only)."""
+        ours = {}
+        for key, (file, _) in self._stored.items():
+            if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            try:
+                ours[from_hf_name(key)] = key
+            except HFNameError:
+                raise HFError(f"{self.directory / file}: tensor {key!r} is not part of a Llama model") from None
+        tied_head = ours.pop("output.weight", None) if self.config.tie_embeddings else None
+        missing = [hf_name(n) for n in self._shapes if n not in ours]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise HFError(f"{self.directory}: tensor {missing[0]!r} is missing{more}")
+        for name, expected in self._shapes.items():
+            shape = self._stored[ours[name]][1]
+            if shape != expected:
+                raise HFError(f"{self.directory}: tensor {ours[name]!r} has shape {list(shape)} but "
+                              f"config.json implies {list(expected)}")
+        if tied_head is not None:
+            self._check_tied_head(tied_head)
+
+    def _check_tied_head(self, key: str) -> None:
+        """tie_word_embeddings with an lm_head.weight stored anyway: accepted only if it is the table."""
+        embedding = hf_name("tok_embeddings.weight")
+        if not torch.equal(self._read_hf(key), self._read_hf(embedding)):
+            raise HFError(f"{self.directory}: config.json says tie_word_embeddings=true but {key!r} differs "
+                          f"from {embedding!r}")
+
+
+def _stored_tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF tensor name → (file, shape) for a single-file or sharded (index) layout, from the headers."""
+    index, single = directory / INDEX_FILE, directory / WEIGHTS_FILE
+    if index.is_file():
+        doc = _load_json(index)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise HFError(f"{index}: expected an object with a 'weight_map' of tensor name → file name")
+    elif single.is_file():
+        weight_map = None
+    else:
+        raise HFError(f"{directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}; only safetensors weights import")
+    files = sorted(set(weight_map.values())) if weight_map is not None else [WEIGHTS_FILE]
+    stored = {}
+    for file in files:
+        shapes = _header_shapes(directory, file, index if weight_map is not None else None)
+        keys = [k for k, f in weight_map.items() if f == file] if weight_map is not None else list(shapes)
+        for key in keys:
+            if key not in shapes:
+                raise HFError(f"{index} lists tensor {key!r} in {file}, which does not hold it")
+            stored[key] = (file, shapes[key])
+    return stored
+
+
+def _header_shapes(directory: Path, file: str, index: Path | None) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of one safetensors file (reads its header only)."""
+    path = directory / file
+    if Path(file).name != file or not path.is_file():
+        raise HFError(f"{index} lists {file!r}, which is not a file in {directory}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own errors for damaged files
+        raise HFError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _existing_dir(directory: str | os.PathLike) -> Path:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HFError(f"{directory} is not a directory")
+    return directory
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HFError(f"{path}: not valid JSON ({exc})") from None
