@@ -108,7 +108,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         help="activation checkpointing (default none; searched with --gpus)")
     layout.add_argument("--schedule", choices=[s.value for s in Schedule], default="1f1b",
                         help="pipeline schedule: gpipe holds m micro-batches, 1f1b min(p, m), interleaved "
-                             "p + (p-1)/v (default 1f1b)")
+                             "p + (p-1)/v, zb-h1 min(p, m) (default 1f1b)")
 
     _add_hardware_options(parser)
     return parser

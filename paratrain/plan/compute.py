@@ -26,6 +26,7 @@ from paratrain.plan.memory import (
     Layout,
     PlanError,
     Recompute,
+    Schedule,
     Workload,
     block_param_count,
     layers_on_stage,
@@ -196,24 +197,30 @@ def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Colle
     if stage == layout.pp - 1:
         out += ([Collective("all_gather", size, t), Collective("reduce_scatter", size, t)] if sp
                 else [Collective("all_reduce", size, t)])
+    if sp and layout.pp > 1:  # a stage boundary carries the whole sequence: gathered forward, its grad backward
+        out.append(Collective("all_gather", size, t, _boundary_sends(layout, stage)))
     return out
+
+
+def _boundary_sends(layout: Layout, stage: int) -> int:
+    """Stage boundaries pipeline rank `stage` sends across per micro-batch (activations forward + grads back)."""
+    p, v = layout.pp, layout.chunks
+    chunks = [c * p + stage for c in range(v)]
+    return sum(g < v * p - 1 for g in chunks) + sum(g > 0 for g in chunks)
 
 
 def pp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
     """Point-to-point sends of one micro-batch by pipeline rank `stage` (Narayanan et al. 2021).
 
-    Each of the rank's v chunks sends its output activation (b·s·h; ÷t with SP, where the
-    boundary tensor is sequence-sharded) forward unless it is the model's last chunk, and its
-    input gradient backward unless it is the first.
+    Each of the rank's v chunks sends its output activation (b·s·h, the whole sequence also under
+    SP: paratrain gathers it over tp at the boundary) forward unless it is the model's last
+    chunk, and its input gradient backward unless it is the first.
     """
-    model, p, v = workload.model, layout.pp, layout.chunks
+    model, p = workload.model, layout.pp
     if model is None or p == 1:
         return []
     size = float(layout.micro_batch * workload.seq_len * model.dim * workload.param_bytes)
-    size /= layout.tp if layout.sequence_parallel else 1
-    chunks = [c * p + stage for c in range(v)]
-    sends = sum(g < v * p - 1 for g in chunks) + sum(g > 0 for g in chunks)
-    return [Collective("send", size, 2, sends)]
+    return [Collective("send", size, 2, _boundary_sends(layout, stage))]
 
 
 def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
@@ -354,6 +361,9 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     they sit between dependent matmuls) + its sends. The pipeline runs m of those on the
     slowest stage plus a bubble of (p − 1)/v of them, i.e. a bubble fraction
     (p − 1)/(m + p − 1) for GPipe and 1F1B, divided by v interleaved (Narayanan et al. 2021).
+    ZB-H1 fills two thirds of 1F1B's bubble (forward, input-gradient and weight-gradient passes
+    of equal cost; Qi et al. 2023), and paratrain's runtime computes its weight gradients by a
+    second backward through the stage, costed here as half a backward more.
     """
     lay = layout
     m = lay.num_microbatches(workload.global_batch)
@@ -362,6 +372,8 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     per_stage = []
     for stage in range(lay.pp):
         forward, backward = stage_flops_per_microbatch(workload, lay, stage)
+        if lay.schedule is Schedule.ZB_H1 and lay.pp > 1:
+            backward *= 1.5
         compute = (forward + backward) / flop_rate
         tp = _seconds(tp_collectives(workload, lay, stage), tp_link)
         pp = _seconds(pp_sends(workload, lay, stage), pp_link)
@@ -372,7 +384,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     _, compute, tp, pp = slowest[:4]
     return StepTime(
         compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
-        bubble=(lay.pp - 1) / lay.chunks * slowest[0],
+        bubble=(lay.pp - 1) / lay.chunks * slowest[0] / (3 if lay.schedule is Schedule.ZB_H1 else 1),
         dp_comm=max(s[4] for s in per_stage), optimizer=max(s[6] for s in per_stage),
         dp_comm_total=max(s[5] for s in per_stage),
     )

@@ -18,6 +18,13 @@ fp32 training has no separate master copy (the parameters are the master):
 parameters 4Ψ, gradients 4Ψ, K = 8, sharded at the same ZeRO stages. Gradients
 take the reduce dtype's size when it differs from the parameter dtype.
 
+ZeRO-3 as paratrain.parallel.zero3 implements it (as FSDP2 does) keeps no
+16-bit copy at rest: each rank's fp32 parameter shard is the master, cast to
+the compute dtype as it enters the all-gather, and the reduce-scattered
+gradient is kept in fp32 on that shard. Mixed precision at ZeRO-3 is then
+parameters 4Ψ/N + gradients 4Ψ/N + moments 8Ψ/N, whatever the reduce dtype:
+the paper's (2 + 2 + 12)Ψ/N in total, with the master counted as the parameters.
+
 The seed arithmetic of DESIGN.md ("7B → 14 GB of fp16 weights; 56 GB of fp32
 Adam moments; 70 GB in all") counts the 16-bit weights (2Ψ) and the two fp32
 moments (8Ψ = 56 GB) only: 8 bytes per parameter is m and v, not master + m + v
@@ -68,6 +75,7 @@ class Schedule(str, Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"  # Qi et al. 2023: 1F1B with weight gradients deferred into the bubbles
 
 
 def _enum(cls, value, flag: str):
@@ -216,11 +224,15 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
 
     Rajbhandari et al. 2019 §3.1/§5: the optimizer state (K = 12 for mixed precision: fp32
     master 4 + moments 8; K = 8 for fp32, whose parameters are the master) is divided by N
-    from ZeRO-1, gradients from ZeRO-2, parameters at ZeRO-3.
+    from ZeRO-1, gradients from ZeRO-2, parameters at ZeRO-3. At ZeRO-3 with mixed precision
+    the parameter shards are fp32 and are the master (see the module docstring).
     """
     param_bytes = DTYPE_BYTES[precision]
     grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
     master = MASTER_BYTES if precision != "fp32" else 0
+    if zero >= 3 and master:
+        # The fp32 shard is both the parameter and the master; its gradient is fp32 too.
+        param_bytes, grad_bytes, master = MASTER_BYTES, MASTER_BYTES, 0
     psi, n = float(num_params), dp
     return ModelStates(
         params=param_bytes * psi / (n if zero >= 3 else 1),
@@ -311,6 +323,7 @@ def in_flight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, v
     2·(p − i − 1) + (v − 1)·p forward chunks before its first backward, holding one more in the
     steady state, each chunk 1/v of the stage's layers; so rank 0 holds p + (p − 1)/v stages'
     worth, Korthikanti et al.'s factor 1 + (p − 1)/(p·v) on the L layers. Capped at v·m chunks.
+    ZB-H1 holds min(p, m) on every stage (a micro-batch is released by its deferred W).
     """
     p, m, v = pp, num_microbatches, virtual_stages
     if p == 1:
@@ -320,6 +333,8 @@ def in_flight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, v
     if schedule is Schedule.INTERLEAVED:
         chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
         return min(chunks, v * m) / v
+    if schedule is Schedule.ZB_H1:  # deferred weight gradients keep inputs alive: p on every stage
+        return float(min(p, m))
     return float(min(p - stage, m))
 
 

@@ -1,0 +1,142 @@
+"""The planner's numbers against the engines': per-rank model state and communication of one step.
+
+For every layout the data-parallel tests run (dp 2 and 4, ZeRO 0-3, fp32 and bf16), the
+planner's params, grads, fp32 master and Adam moments (and their total) must agree with the
+bytes of the tensors that exist on a rank after a step, and its dp bytes per step with what
+paratrain.comm counted, within 10%. The tensor, sequence and pipeline layouts the other parity
+tests run are checked the same way, per mesh axis. Both sides see the same model and batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.models import Transformer
+from paratrain.parallel.api import parallelize
+from paratrain.plan import Layout, Workload, comm_bytes_per_rank, estimate_memory
+from paratrain.plan.memory import Schedule
+from paratrain.testing import run_on_ranks
+from parallel_cases import BATCH, SEQ, TINY, adamw, batches, launch_once
+from test_data_parallel import _one_measured_step
+
+# (zero, precision, gradient dtype): the trainer's default reduces bf16 gradients in fp32.
+CASES = [(zero, precision, reduce_dtype) for precision, reduce_dtype in
+         [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")] for zero in (0, 1, 2, 3)]
+WORLDS = [2, 4]
+TOLERANCE = 0.10
+
+_MEASURED: dict[int, list] = {}
+
+
+def _measure_all(rank, world):
+    """Every case in one launch (a launch costs seconds; a case milliseconds)."""
+    return [_one_measured_step(rank, world, zero, precision, reduce_dtype) for zero, precision, reduce_dtype in CASES]
+
+
+def measured(world: int) -> dict[tuple, tuple[int, dict]]:
+    """{case: (dp bytes sent by rank 0, rank 0's resident model state)} for `world` ranks."""
+    if world not in _MEASURED:
+        _MEASURED[world] = run_on_ranks(_measure_all, world, timeout=300)[0]
+    return dict(zip(CASES, _MEASURED[world]))
+
+
+def planned(world: int, zero: int, precision: str, reduce_dtype: str) -> tuple[dict[str, float], float]:
+    """(model-state bytes by kind, dp bytes sent) per rank, as `paratrain plan` estimates them."""
+    workload = Workload.for_model(TINY, seq_len=SEQ, global_batch=BATCH, precision=precision,
+                                  reduce_dtype=reduce_dtype)
+    layout = Layout(dp=world, zero=zero, micro_batch=BATCH // world)
+    m = estimate_memory(workload, layout)
+    state = {"params": m.params, "grads": m.grads, "master": m.master_weights, "optimizer": m.adam_moments}
+    state["total"] = sum(state.values())
+    return state, comm_bytes_per_rank(workload, layout)["dp"]
+
+
+def _agrees(measured: float, planned: float) -> bool:
+    return measured == pytest.approx(planned, rel=TOLERANCE, abs=1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_model_state_and_communication_match_the_planner(world):
+    wrong = []
+    for case, (sent, resident) in measured(world).items():
+        state, comm = planned(world, *case)
+        kinds = [k for k in state if not _agrees(resident[k], state[k])]
+        if kinds or not _agrees(sent, comm):
+            wrong.append(f"dp{world} zero{case[0]} {case[1]} ({case[2]} grads): measured {resident}, planned "
+                         f"{ {k: round(v) for k, v in state.items()} }; comm {sent:,} measured, {comm:,} planned")
+    assert not wrong, "\n".join(["planner and engines disagree by more than 10%:", *wrong])
+
+
+# -- tensor and pipeline layouts: communication per axis and model state ------------------------
+
+EIGHT_LAYERS = dataclasses.replace(TINY, n_layers=8)
+LAYOUTS_4 = {  # name: (Layout, global batch rows per micro-batch on each data rank)
+    "tp4": Layout(tp=4, micro_batch=BATCH),
+    "dp2_tp2_zero1": Layout(dp=2, tp=2, zero=1, micro_batch=BATCH // 2),
+    "dp2_tp2_sp_zero3": Layout(dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch=BATCH // 2),
+    "pp4_1f1b": Layout(pp=4, micro_batch=2),
+    "pp2_dp2_gpipe_zero1": Layout(pp=2, dp=2, zero=1, micro_batch=2, schedule=Schedule.GPIPE),
+    "pp2_tp2_sp_interleaved": Layout(pp=2, tp=2, sequence_parallel=True, micro_batch=2,
+                                     schedule=Schedule.INTERLEAVED, virtual_stages=2),
+}
+
+
+def _config_for(layout: Layout):
+    return dataclasses.replace(EIGHT_LAYERS, n_heads=8, n_kv_heads=4) if layout.tp == 4 else EIGHT_LAYERS
+
+
+def _measure_layout(layout: Layout):
+    """Two steps; comm bytes per axis of the second (pipeline shapes are agreed in the first) and model state."""
+    mesh = build_mesh(MeshShape(pp=layout.pp, dp=layout.dp, tp=layout.tp))
+    with torch.device("meta"):
+        model = Transformer(_config_for(layout))
+    model, optimizer = parallelize(model, mesh, optimizer=adamw, zero=layout.zero, grad_reduction="sum",
+                                   sequence_parallel=layout.sequence_parallel, schedule=layout.schedule.value,
+                                   virtual_stages=layout.virtual_stages,
+                                   init=lambda name, shape: model.param_init(name, shape, 0))
+    rows = BATCH // layout.dp
+    for x, y in batches(steps=2):
+        x, y = (t[mesh.coord("dp") * rows:(mesh.coord("dp") + 1) * rows] for t in (x, y))
+        micro = [(x[i:i + layout.micro_batch], y[i:i + layout.micro_batch]) for i in range(0, rows, layout.micro_batch)]
+        tokens = model.comm_sum(torch.tensor(float((y != -100).sum()))).item()
+        model.comm.reset()
+        if layout.pp > 1:
+            model.train_step(micro, tokens)
+        else:
+            for i, (xs, ys) in enumerate(micro):
+                with model.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                    (model.loss_fn(model(xs), ys) / tokens).backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        resident = model.resident_bytes(optimizer)  # gradients still held, as at the step's peak
+        optimizer.zero_grad(set_to_none=True)
+    return model.comm.bytes_by_axis(), resident
+
+
+def _measure_layouts(rank, world):
+    return {name: _measure_layout(layout) for name, layout in LAYOUTS_4.items()}
+
+
+_LAYOUT_RESULTS: dict = {}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_tensor_and_pipeline_layouts_match_the_planner(name):
+    """Per axis, the busiest rank's bytes per step; per rank, params + grads + optimizer state (incl. master)."""
+    layout = LAYOUTS_4[name]
+    per_rank = [result[name] for result in launch_once(_LAYOUT_RESULTS, 4, _measure_layouts)]
+    workload = Workload.for_model(_config_for(layout), seq_len=SEQ, global_batch=BATCH, precision="fp32",
+                                  reduce_dtype="fp32")
+    planned_comm = comm_bytes_per_rank(workload, layout)
+    for axis in ("dp", "tp", "pp"):
+        measured_axis = max(comm.get(axis, 0) for comm, _ in per_rank)
+        assert _agrees(measured_axis, planned_comm[axis]), (axis, measured_axis, planned_comm[axis])
+    m = estimate_memory(workload, layout)
+    planned_state = m.params + m.grads + m.master_weights + m.adam_moments
+    measured_state = max(resident["total"] for _, resident in per_rank)
+    assert _agrees(measured_state, planned_state), (measured_state, planned_state)

@@ -1,0 +1,153 @@
+"""`paratrain report`: figures and summary of real and synthetic run directories, overlays, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.config import Config
+from paratrain.models import get_model_config
+from paratrain.report import (
+    comm_figure,
+    format_summary,
+    load_run,
+    load_runs,
+    loss_figure,
+    memory_figure,
+    planned_comm,
+    run_summary,
+)
+from paratrain.train import train
+
+FIGURES = ["loss.png", "throughput.png", "memory.png", "comm.png"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """Four steps of the trainer, in this process, on a small model; evaluated at steps 2 and 4."""
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 2, 64, 4, 2, 128
+    cfg.data.seq_len = 32
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 4, 8, 8
+    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 2, 2, 0
+    out = tmp_path_factory.mktemp("runs") / "single"
+    cfg.run.out, cfg.run.progress = str(out), False
+    train(cfg)
+    return out
+
+
+def write_run(path, dp=2, zero=3, pp=None, steps=5, breakdown=True):
+    """A run directory as a data-parallel run writes it, with known numbers."""
+    path.mkdir(parents=True)
+    parallel = {"dp": dp, "zero": zero, "precision": "bf16", "reduce_dtype": "fp32"}
+    if pp:
+        parallel["pp"] = pp
+    config = {"parallel": parallel, "train": {"global_batch": 16, "micro_batch": 2}, "run": {"nproc": dp}}
+    (path / "config.json").write_text(json.dumps(config))
+    with open(path / "metrics.jsonl", "w") as f:
+        for step in range(1, steps + 1):
+            record = {"step": step, "loss": 5.0 - 0.5 * step, "tokens_seen": 512 * step,
+                      "tokens_per_s": 1000.0 * step, "mfu": 0.01 * step,
+                      "peak_mem_bytes_per_rank": [(100 + r + step) * 10**6 for r in range(dp)],
+                      "comm_bytes": {"dp": 3 * 10**6}}
+            if step % 2 == 0:
+                record["eval_loss"] = 4.9 - 0.5 * step
+            if breakdown:
+                record["resident_bytes"] = {"params": 10**6, "grads": 2 * 10**6, "master": 0,
+                                            "optimizer": 4 * 10**6, "total": 7 * 10**6}
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def test_communication_is_drawn_against_the_planners_estimate(tmp_path):
+    """A dp2 ZeRO-2 fp32 run of `tiny`: the planner says 2Ψ(N-1)/N fp32 gradients = 4Ψ bytes per step."""
+    run_dir = write_run(tmp_path / "zero2", zero=2)
+    config = Config().to_dict()
+    config["parallel"].update(dp=2, zero=2)
+    config["train"].update(global_batch=16, micro_batch=2)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    run = load_run(run_dir)
+    assert planned_comm(run)["dp"] == 4 * get_model_config("tiny").num_params()
+    assert "comm MB/step: dp 3.00 (plan 12.66)" in format_summary([run])
+    _, labels = comm_figure([run]).axes[0].get_legend_handles_labels()
+    assert labels == ["estimate of paratrain plan", "zero2 (dp2,zero2)"]
+
+
+def assert_figures(directory, names=FIGURES):
+    for name in names:
+        data = (directory / name).read_bytes()
+        assert data.startswith(PNG_MAGIC), name
+        assert len(data) > 8_000, f"{name} is only {len(data)} bytes"
+
+
+def test_report_of_a_real_run(real_run, capsys):
+    assert main(["report", str(real_run)]) == 0
+    assert_figures(real_run / "report")
+    out = capsys.readouterr().out
+    assert "single (dp1): 4 steps" in out
+    assert "eval loss" in out and "(step 4)" in out
+    assert "comm MB/step: none (one process)" in out
+
+
+def test_summary_numbers(tmp_path):
+    run = load_run(write_run(tmp_path / "synthetic"))
+    s = run_summary(run)
+    assert (s["steps"], s["first_loss"], s["last_loss"], s["eval_step"]) == (5, 4.5, 2.5, 4)
+    assert s["eval_loss"] == pytest.approx(2.9)
+    assert s["tokens_per_s"] == 3000.0 and s["mfu"] == pytest.approx(0.03)
+    assert s["peak_mem_bytes"] == 106 * 10**6  # rank 1 at the last step
+    assert s["comm_bytes_per_step"] == {"dp": 3 * 10**6}
+    text = format_summary([run])
+    assert "synthetic (dp2,zero3,bf16): 5 steps, loss 4.5000 -> 2.5000" in text
+    assert "peak memory 106 MB" in text and "comm MB/step: dp 3.00" in text
+
+
+def test_several_runs_overlay_on_one_figure(real_run, tmp_path, capsys):
+    other = write_run(tmp_path / "zero3")
+    runs = load_runs([real_run, other])
+    _, labels = loss_figure(runs).axes[0].get_legend_handles_labels()
+    assert labels == ["single (dp1) train", "single (dp1) eval", "zero3 (dp2,zero3,bf16) train",
+                      "zero3 (dp2,zero3,bf16) eval"]
+    memory = memory_figure(runs)
+    assert len(memory.axes) == 2, "per-rank peaks, and the breakdown the synthetic run logs"
+    assert [p.get_height() for p in memory.axes[1].patches] == pytest.approx([1, 2, 4])  # MB by kind
+
+    assert main(["report", str(real_run), str(other), "--out", str(tmp_path / "both")]) == 0
+    assert_figures(tmp_path / "both")
+    out = capsys.readouterr().out
+    assert "single (dp1)" in out and "zero3 (dp2,zero3,bf16)" in out
+
+
+def test_runs_with_the_same_directory_name_are_told_apart(tmp_path):
+    runs = load_runs([write_run(tmp_path / "a" / "run"), write_run(tmp_path / "b" / "run")])
+    assert [r.name for r in runs] == ["a/run", "b/run"]
+
+
+def test_pipeline_runs_get_a_timeline(tmp_path, capsys):
+    run = write_run(tmp_path / "pp", dp=2, pp=2)
+    assert main(["report", str(run)]) == 0
+    assert_figures(run / "report", ["pipeline-pp.png"])
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing", "does not exist"),
+    (lambda d: (d / "file.txt").write_text("x") and d / "file.txt", "is not a run directory"),
+    (lambda d: d.mkdir(parents=True, exist_ok=True) or d, "has no metrics.jsonl"),
+    (lambda d: (d / "metrics.jsonl").write_text("\n") and d, "is empty"),
+    (lambda d: (d / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n') and d, "line 1: not valid JSON"),
+])
+def test_bad_run_directories_are_one_line_and_exit_2(tmp_path, capsys, make, message):
+    target = make(tmp_path)
+    assert main(["report", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("paratrain report: error: ") and message in err, err
+
+
+def test_a_partly_written_last_line_is_ignored(tmp_path):
+    run = write_run(tmp_path / "killed", steps=3)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')
+    assert len(load_run(run).records) == 3

@@ -1,0 +1,93 @@
+"""`paratrain verify`: the layout grammar, one-line errors, a passing run and a deliberately broken one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.config import ParallelSection
+from paratrain.verify import (
+    BREAK_ENV,
+    LAYOUT_TOKENS,
+    VerifyError,
+    format_layout,
+    num_processes,
+    parse_layout,
+)
+
+# A small corpus (the json package's sources) keeps each launched process's data loading short.
+SMALL = ["--model", "tiny", "--steps", "3", "--global-batch", "8", "--seq-len", "32", "--data",
+         str(Path(json.__file__).parent)]
+
+
+def test_layouts_parse_into_parallel_overrides():
+    assert parse_layout("dp2,zero3") == {"dp": 2, "zero": 3}
+    assert parse_layout(" DP4 , bf16 ") == {"dp": 4, "precision": "bf16"}
+    assert num_processes(parse_layout("dp4,zero1")) == 4 and num_processes({}) == 1
+
+
+def test_format_is_the_inverse_of_parse():
+    for text in ["dp2,zero3,bf16", "dp4", "dp2,zero1,fp16"]:
+        assert format_layout(parse_layout(text)) == text
+    assert format_layout({"dp": 0, "zero": 0, "precision": "fp32"}) == "dp1"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("dp2,foo", "unknown token 'foo' in 'dp2,foo'"),
+    ("dp2,zero4", "unknown token 'zero4'"),
+    ("dp0", "unknown token 'dp0'"),
+    ("dp2,dp4", "sets dp twice"),
+    (" , ", "empty layout"),
+])
+def test_bad_layouts_are_named(text, message):
+    with pytest.raises(VerifyError, match=message):
+        parse_layout(text)
+
+
+def test_every_layout_token_sets_a_trainer_option():
+    """A token whose [parallel] field did not exist would be dropped by Config.from_dict's key check."""
+    fields = {f.name for f in dataclasses.fields(ParallelSection)}
+    assert [kind.field for kind in LAYOUT_TOKENS if kind.field not in fields] == []
+    assert parse_layout("pp2,dp2,tp2,zero1,interleaved,v2") == {
+        "pp": 2, "dp": 2, "tp": 2, "zero": 1, "schedule": "interleaved", "virtual_stages": 2}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layouts", "dp2,foo"], "unknown token 'foo'"),
+    (["--layouts", "dp3", "--global-batch", "8"], "--global-batch 8 is not divisible by the 3 data ranks"),
+    (["--layouts", "dp2", "--tol", "0"], "--tol must be positive"),
+    (["--layouts", "dp2", "--model", "gpt5"], "unknown model 'gpt5'"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(["verify", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and message in captured.err, captured.err
+    assert "reference" not in captured.out, "nothing ran"
+
+
+def test_data_and_zero3_layouts_match_one_process(capsys):
+    assert main(["verify", *SMALL, "--layouts", "dp2;dp2,zero3"]) == 0
+    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["dp2", "dp2,zero3"]
+    assert all(line.split()[5] == "PASS" for line in table[1:]), table
+
+
+def test_a_broken_engine_fails(capsys, monkeypatch):
+    """Rank 1 negates its gradients before every optimizer step: verify must say FAIL and exit 1."""
+    monkeypatch.setenv(BREAK_ENV, "negate_grads")
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero2"]) == 1
+    out = capsys.readouterr().out
+    assert f"fault injection is on ({BREAK_ENV}=negate_grads)" in out
+    row = out.splitlines()[-1].split()
+    assert row[0] == "dp2,zero2" and row[5] == "FAIL", row
+    assert float(row[2]) > 1e-3 and float(row[3]) > 1e-3, "both losses and parameters moved"
+
+
+def test_an_unknown_fault_is_refused_before_anything_runs(capsys, monkeypatch):
+    monkeypatch.setenv(BREAK_ENV, "explode")
+    assert main(["verify", *SMALL, "--layouts", "dp2"]) == 2
+    assert f"{BREAK_ENV}='explode' is not a fault verify knows" in capsys.readouterr().err
