@@ -4,6 +4,7 @@
     paratrain prepare --data PATH --out DIR          tokenize a corpus into memory-mapped token files
     paratrain models [--json]                        list the named model configs and their sizes
     paratrain plan --model NAME (--gpus N | --dp --tp --pp --zero ...)   estimate memory and time; search layouts
+    paratrain export RUN_OR_CKPT OUT                 write a run's weights as a Hugging Face Llama directory
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -15,13 +16,17 @@ import dataclasses
 import json
 import sys
 
+from paratrain.checkpoint.export_cli import add_export_parser, cmd_export
+from paratrain.checkpoint.format import CheckpointError
 from paratrain.config import Config, ConfigError, coerce, iter_options, load_toml
 from paratrain.data import DataError
 from paratrain.distributed import LaunchError, detect_env
 from paratrain.models import MODEL_CONFIGS, ModelConfigError
 from paratrain.plan.cli import add_plan_parser, cmd_plan
+from paratrain.report import add_report_parser, cmd_report
+from paratrain.verify import add_verify_parser, cmd_verify
 
-USER_ERRORS = (ConfigError, DataError, ModelConfigError, LaunchError)
+USER_ERRORS = (ConfigError, DataError, ModelConfigError, LaunchError, CheckpointError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "List the named model configs with their exact parameter counts."))
     models.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     add_plan_parser(commands)
+    add_report_parser(commands)
+    add_verify_parser(commands)
+    add_export_parser(commands)
     return parser
 
 
@@ -84,22 +92,26 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def cmd_train(args) -> int:
-    from paratrain.launch import LaunchFailed, launch_local
+    from paratrain.diagnose import CollectiveFailure
+    from paratrain.guard import TrainingAborted
+    from paratrain.launch import PREEMPTED_EXIT, LaunchFailed, Preempted, launch_local
     from paratrain.train import default_run_dir, preflight, train
 
     cfg = config_from_args(args)
     env = detect_env()
     launching = cfg.run.nproc > 1 and not env.distributed
     preflight(cfg, world_size=cfg.run.nproc if launching else env.world_size)
-    if not launching:
-        train(cfg)
-        return 0
-    cfg.run.out = cfg.run.out or default_run_dir(cfg)
     try:
+        if not launching:
+            return PREEMPTED_EXIT if train(cfg).preempted else 0
+        cfg.run.out = cfg.run.out or default_run_dir(cfg)
         launch_local(cfg)
-    except LaunchFailed as e:
+    except (LaunchFailed, TrainingAborted, CollectiveFailure) as e:
         print(f"paratrain train: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        print(f"paratrain train: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 
@@ -124,7 +136,8 @@ def cmd_models(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "models": cmd_models, "plan": cmd_plan}
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "models": cmd_models, "plan": cmd_plan,
+            "report": cmd_report, "verify": cmd_verify, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

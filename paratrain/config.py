@@ -38,6 +38,10 @@ class ModelSection:
     ffn_dim: int | None = option(None, "override the feed-forward hidden size")
     vocab_size: int | None = option(None, "override the vocabulary size (must hold the tokenizer's)")
     tie_embeddings: bool | None = option(None, "override whether the output layer shares the embedding")
+    init_from: str | None = option(
+        None, "start from the weights of a Hugging Face Llama directory (e.g. written by `paratrain export`); "
+              "its config.json sets the model shape, --model only names the run, size overrides must agree",
+        flag="--init-from")
 
 
 @dataclass
@@ -70,7 +74,7 @@ class TrainSection:
     grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
     seed: int = option(0, "seed for initialization and data order")
     eval_every: int = option(50, "evaluate every N steps (and at the end); 0 evaluates only at the end")
-    eval_batches: int = option(8, "micro-batches of held-out data per evaluation")
+    eval_batches: int = option(8, "held-out batches of --global-batch sequences per evaluation")
     sample_tokens: int = option(200, "tokens to generate as a text sample at the end (0 disables)")
     peak_flops: float = option(1e12, "peak FLOP/s of one device, the denominator of MFU")
 
@@ -82,6 +86,10 @@ class ParallelSection:
                         "(must divide the heads, kv heads, ffn size and vocabulary)")
     sequence_parallel: bool = option(False, "with --tp > 1, split norms and residuals along the sequence "
                                             "(same communication, 1/tp of those activations)")
+    pp: int = option(1, "pipeline-parallel degree: the layers split into pp stages on different ranks")
+    schedule: str = option("1f1b", "pipeline schedule (micro-batches per step = global batch / (micro-batch × dp))",
+                           choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    virtual_stages: int = option(1, "model chunks per pipeline rank (> 1 with --schedule interleaved)")
     zero: int = option(0, "ZeRO stage: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + parameters",
                        choices=(0, 1, 2, 3))
     precision: str = option("fp32", "compute dtype; master weights and optimizer state stay fp32",
@@ -95,10 +103,39 @@ class ParallelSection:
 class RunSection:
     out: str = option("", "run directory for config.json, metrics.jsonl and checkpoints "
                           "(default: a new runs/<model>-<time>)")
-    overwrite: bool = option(False, "reuse --out even if it already holds a run")
+    overwrite: bool = option(False, "reuse --out even if it already holds a run (its metrics and checkpoints "
+                                    "are deleted: a new run starts)")
     nproc: int = option(1, "local processes to launch (through torch's elastic launcher)")
     max_restarts: int = option(0, "restarts of the whole process group after a failure (with --nproc)")
     progress: bool = option(True, "show a progress bar on the console")
+
+
+@dataclass
+class CheckpointSection:
+    every: int = option(0, "save a sharded checkpoint under <out>/checkpoints every N steps and at the last "
+                           "step (0: never; a SIGTERM still saves one before the run stops)", flag="--checkpoint-every")
+    keep_latest: int = option(2, "committed checkpoints to keep, the newest (at least 2, so that a damaged newest "
+                                 "one leaves a fallback; 0 keeps all)", flag="--keep-latest")
+    async_save: bool = option(False, "write checkpoints from a background thread; training pauses only while "
+                                     "this rank's tensors are copied", flag="--checkpoint-async")
+    resume: str = option("auto", "'auto': continue from the newest valid checkpoint of the run in --out (if "
+                                 "any); 'none': start afresh; or the path of a step-* checkpoint directory, "
+                                 "saved under any layout", flag="--resume")
+    load_step: int = option(0, "with --resume auto, continue from this step's checkpoint instead of the newest "
+                               "(0: the newest); newer checkpoints of the run are set aside", flag="--load-step")
+
+
+@dataclass
+class ReliabilitySection:
+    nan_policy: str = option("skip", "a step whose loss or gradients are not finite on some rank: 'skip' it on "
+                                     "every rank (stopping after --max-bad-steps in a row) or 'abort' the run",
+                             choices=("skip", "abort"))
+    max_bad_steps: int = option(3, "with --nan-policy skip, stop the run after this many non-finite steps in a row")
+    check_every: int = option(0, "every N steps, compare a hash of the replicated parameters across ranks and "
+                                 "stop if the replicas diverged (0: never)")
+    pg_timeout_s: float = option(600.0, "seconds a collective waits for its peers before the run fails with a "
+                                        "diagnostic of which rank is where (process-group timeout)",
+                                 flag="--pg-timeout")
 
 
 @dataclass
@@ -108,6 +145,8 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     run: RunSection = field(default_factory=RunSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    reliability: ReliabilitySection = field(default_factory=ReliabilitySection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -229,7 +268,29 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ConfigError(f"{name} must not be negative, got {value}")
     if p.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
+    _check_reliability(cfg)
     check_batch(t.global_batch, t.micro_batch, data_ranks(cfg, world_size))
+
+
+def _check_reliability(cfg: Config) -> None:
+    """The [checkpoint] and [reliability] rules (the resume path itself is checked by the trainer's preflight)."""
+    c, r = cfg.checkpoint, cfg.reliability
+    for name, value in [("--checkpoint-every", c.every), ("--load-step", c.load_step),
+                        ("--check-every", r.check_every)]:
+        if value < 0:
+            raise ConfigError(f"{name} must not be negative, got {value}")
+    if c.keep_latest < 0 or c.keep_latest == 1:
+        raise ConfigError(f"--keep-latest {c.keep_latest}: keep at least 2 checkpoints (a damaged newest one then "
+                          f"has a fallback), or 0 to keep all")
+    if not c.resume:
+        raise ConfigError("--resume must be 'auto', 'none' or the path of a checkpoint directory")
+    if c.load_step and c.resume != "auto":
+        raise ConfigError(f"--load-step picks a checkpoint of the run in --out; it goes with --resume auto, "
+                          f"not --resume {c.resume}")
+    if r.max_bad_steps < 1:
+        raise ConfigError(f"--max-bad-steps must be at least 1, got {r.max_bad_steps}")
+    if not r.pg_timeout_s > 0:
+        raise ConfigError(f"--pg-timeout must be positive seconds, got {r.pg_timeout_s}")
 
 
 def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
@@ -243,22 +304,47 @@ def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
     from paratrain.plan.search import validate_layout
 
     p, t = cfg.parallel, cfg.train
-    if p.tp < 1:
-        raise ConfigError(f"--tp must be at least 1, got {p.tp}")
-    dp = p.dp or max(1, world_size // p.tp)
+    for name, value in [("--tp", p.tp), ("--pp", p.pp), ("--virtual-stages", p.virtual_stages)]:
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    dp = p.dp or max(1, world_size // (p.tp * p.pp))
     try:
         if model_cfg is None:  # degrees alone; the model's divisibility rules once it is known
-            dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp).dp
+            dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp).dp
         else:
-            validate_layout(world_size, dp, p.tp, 1, model_cfg, t.global_batch, t.micro_batch)
+            validate_layout(world_size, dp, p.tp, p.pp, model_cfg, t.global_batch, t.micro_batch)
     except (PlanError, MeshError) as e:
         raise ConfigError(str(e)) from None
+    _check_pipeline(cfg, dp, model_cfg)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("--sequence-parallel needs --tp > 1")
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
         raise ConfigError(f"--seq-len {cfg.data.seq_len} is not divisible by --tp {p.tp}, which sequence "
                           f"parallelism needs; use --seq-len {cfg.data.seq_len - cfg.data.seq_len % p.tp or p.tp}")
     return dp
+
+
+def _check_pipeline(cfg: Config, dp: int, model_cfg) -> None:
+    """The pipeline rules: the schedule's needs and one layer at least per stage."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        if p.virtual_stages > 1:
+            raise ConfigError("--virtual-stages needs --pp > 1")
+        return
+    if p.zero == 3:
+        raise ConfigError("--zero 3 with --pp > 1 is refused (ZeRO-3 would re-gather every stage's parameters "
+                          "for each micro-batch); use --zero 1 or 2")
+    if (p.virtual_stages > 1) != (p.schedule == "interleaved"):
+        raise ConfigError(f"--schedule interleaved needs --virtual-stages ≥ 2 and only it takes them "
+                          f"(got --schedule {p.schedule} --virtual-stages {p.virtual_stages})")
+    stages = p.pp * p.virtual_stages
+    if model_cfg is not None and model_cfg.n_layers < stages:
+        raise ConfigError(f"{stages} pipeline stages (--pp {p.pp} × --virtual-stages {p.virtual_stages}) but the "
+                          f"model has {model_cfg.n_layers} layers; use at most {model_cfg.n_layers} stages")
+    micro_batches = t.global_batch // (t.micro_batch * dp) if t.global_batch % (t.micro_batch * dp) == 0 else 0
+    if p.schedule == "interleaved" and micro_batches and micro_batches % p.pp:
+        raise ConfigError(f"--schedule interleaved needs the micro-batches per step ({micro_batches} = global batch "
+                          f"{t.global_batch} / (micro-batch {t.micro_batch} × dp {dp})) divisible by --pp {p.pp}")
 
 
 def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -107,8 +108,12 @@ class Mesh:
         return self.rank == 0
 
 
-def build_mesh(shape: MeshShape) -> Mesh:
-    """Create the process groups of every axis (collectively: every rank must call this)."""
+def build_mesh(shape: MeshShape, timeout: timedelta | None = None) -> Mesh:
+    """Create the process groups of every axis (collectively: every rank must call this).
+
+    `timeout` bounds each collective of the new groups (None: torch's default, 30 minutes;
+    torch does not inherit the default group's timeout).
+    """
     if not dist.is_initialized():
         raise MeshError("no process group: call paratrain.init_mesh(), or init torch.distributed first")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -118,24 +123,26 @@ def build_mesh(shape: MeshShape) -> Mesh:
     for axis in AXES:
         for ranks in shape.groups(axis):
             # new_group is collective over the whole world: every rank creates every group.
-            group = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
             if rank in ranks:
                 groups[axis] = group
     return Mesh(shape=shape, rank=rank, groups=groups)
 
 
-def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1) -> Mesh:
+def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None) -> Mesh:
     """Join the job described by the launcher's environment and build the mesh.
 
     Creates the default process group if none exists (one process alone gets a
     group of one, so every code path is the same). dp defaults to the world
-    size divided by tp × pp.
+    size divided by tp × pp. `timeout_s` bounds every collective (None: torch's
+    default); a group that already exists keeps its own.
     """
     from paratrain.distributed import detect_env, init_distributed
 
     world = detect_env().world_size
     shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp)  # fail before any group exists
-    init_distributed()
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}))
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return build_mesh(shape)
+    return build_mesh(shape, timeout)

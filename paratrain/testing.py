@@ -162,7 +162,9 @@ def _pickle_call(fn, args) -> bytes:
 def _context() -> multiprocessing.context.BaseContext:
     """The forkserver context, its server preloaded with torch (takes effect when it first starts)."""
     context = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch.distributed", __name__]
+    # torch._dynamo: torch.optim.Optimizer.__init__ and meta-device initialization import it
+    # lazily, about 2-3 s per rank; imported once in the server, every rank inherits it.
+    preload = ["torch", "torch.distributed", "torch._dynamo", __name__]
     # Test modules import pytest; importing it once in the server saves it per rank.
     if "pytest" in sys.modules:
         preload.append("pytest")

@@ -41,9 +41,20 @@ def paratrain(*argv, timeout=120):
     (["--nproc", "2", "--tp", "2", "--n-kv-heads", "1"], "kv heads 1 not divisible by tp 2"),
     (["--nproc", "2", "--tp", "2", "--ffn-dim", "687"], "ffn 687 not divisible by tp 2"),
     (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
+    (["--nproc", "2", "--pp", "2", "--zero", "3"], "--zero 3 with --pp > 1 is refused"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "zigzag"], "--schedule: 'zigzag' is not one of"),
+    (["--nproc", "2", "--pp", "2", "--virtual-stages", "2"], "--schedule interleaved needs --virtual-stages"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--global-batch", "12",
+      "--micro-batch", "4"], "micro-batches per step (3 = global batch 12"),
+    (["--nproc", "4", "--pp", "4", "--n-layers", "2"], "layers 2 not divisible by pp 4"),
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "63"], "--seq-len 63 is not divisible by --tp 2"),
     (["--zero", "4"], "--zero: 4 is not one of [0, 1, 2, 3]"),
     (["--precision", "fp8"], "--precision: 'fp8' is not one of"),
+    (["--keep-latest", "1"], "--keep-latest 1: keep at least 2 checkpoints"),
+    (["--resume", "/no/such/step-00000004"], "/no/such/step-00000004 is not a checkpoint directory"),
+    (["--resume", "none", "--load-step", "4"], "--load-step picks a checkpoint of the run in --out"),
+    (["--nan-policy", "ignore"], "--nan-policy: 'ignore' is not one of"),
+    (["--pg-timeout", "0"], "--pg-timeout must be positive seconds"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     code = exit_code(["train", "--out", str(tmp_path / "run"), *argv])

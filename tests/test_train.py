@@ -36,6 +36,11 @@ def test_run_writes_metrics_config_and_final_weights(tmp_path):
         assert all(r[key] > 0 for r in records), key
     assert all(r["tokens"] == 8 * 32 for r in records)
     assert {r["step"] for r in records if "eval_loss" in r} == {3, 6}
+    for r in records:  # the breakdown splits the step's time, checkpoint saves apart
+        b = r["time_breakdown_s"]
+        parts = (b["compute_s"] + b["optimizer_s"] + b["data_s"] + sum(b["comm_exposed_s"].values())
+                 + b["pipeline_wait_s"] + b["other_s"])
+        assert parts == pytest.approx(r["step_time_s"], abs=1e-6) and b["compute_s"] > 0
     assert records[-1]["loss"] < records[0]["loss"]
     assert result.final_loss == records[-1]["loss"] and result.sample
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -120,19 +125,39 @@ def test_two_processes_match_one(tmp_path, zero):
     assert "dp" not in reference[0]["comm_bytes"], "one process communicates nothing"
 
 
-def _train_layout(rank, world_size, out, zero, tp, sp):
-    cfg = small_config(out, steps=4, micro_batch=4 // (world_size // tp))
-    cfg.parallel.zero, cfg.parallel.tp, cfg.parallel.sequence_parallel = zero, tp, sp
-    return train(cfg).sample
+def _four_layers(out, **train_overrides) -> Config:
+    cfg = small_config(out, steps=4, **train_overrides)
+    cfg.model.n_layers = 4  # room for 2 stages × 2 virtual stages
+    return cfg
 
 
-@pytest.mark.parametrize("zero,tp,sp", [(1, 2, True), (3, 2, False)], ids=["dp2_tp2_sp_zero1", "dp2_tp2_zero3"])
-def test_tensor_and_data_parallel_trainer_matches_one(tmp_path, zero, tp, sp):
-    """`paratrain train --tp 2 --dp 2`: the losses of one process, and a text sample (gathered logits)."""
-    train(small_config(tmp_path / "one", steps=4))
+def _train_layout(rank, world_size, out, parallel):
+    cfg = _four_layers(out, micro_batch=2)
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    result = train(cfg)
+    return result.sample, result.eval_loss
+
+
+LAYOUTS = {
+    "dp2_tp2_sp_zero1": {"tp": 2, "sequence_parallel": True, "zero": 1},
+    "dp2_tp2_zero3": {"tp": 2, "zero": 3},
+    "pp2_dp2_1f1b_zero1": {"pp": 2, "zero": 1, "schedule": "1f1b"},
+    "pp2_tp2_interleaved": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parallel_trainer_matches_one_process(tmp_path, name):
+    """`paratrain train` on 4 ranks: the losses and eval loss of one process, one text sample on every rank."""
+    one = train(_four_layers(tmp_path / "one"))
     reference = read_metrics(tmp_path / "one" / "metrics.jsonl")
-    samples = run_on_ranks(_train_layout, 4, str(tmp_path / "four"), zero, tp, sp, timeout=180)
+    results = run_on_ranks(_train_layout, 4, str(tmp_path / "four"), LAYOUTS[name], timeout=180)
     records = read_metrics(tmp_path / "four" / "metrics.jsonl")
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
-    assert all(r["comm_bytes"]["tp"] > 0 and r["comm_bytes"]["dp"] > 0 for r in records)
+    assert [eval_loss for _, eval_loss in results] == pytest.approx([one.eval_loss] * 4, rel=1e-5)
+    axes = {axis for axis in ("dp", "tp", "pp") if LAYOUTS[name].get(axis, 1) > 1 or axis == "dp" and
+            4 // (LAYOUTS[name].get("tp", 1) * LAYOUTS[name].get("pp", 1)) > 1}
+    assert all(r["comm_bytes"].get(axis, 0) > 0 for r in records for axis in axes)
+    samples = [sample for sample, _ in results]
     assert samples[0] and len(set(samples)) == 1, "every rank samples the same text"

@@ -17,6 +17,7 @@ tensors (gloo); under NCCL pass ``dist.new_group(backend="gloo")``, which
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -103,14 +104,15 @@ class DistCoordinator:
         return [_decode(r[: int(s.item())]) for r, s in zip(received, sizes)]
 
 
-def dedicated_coordinator(group: dist.ProcessGroup | None = None) -> DistCoordinator:
+def dedicated_coordinator(group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> DistCoordinator:
     """A DistCoordinator on a new gloo group with the ranks of `group` (None: the world).
 
     Collective: every rank of the world must call it, in the same order as
     other group creations (torch.distributed's rule for `new_group`).
+    `timeout` bounds each meeting (None: torch's default for new groups).
     """
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    return DistCoordinator(dist.new_group(ranks=ranks, backend="gloo"))
+    return DistCoordinator(dist.new_group(ranks=ranks, backend="gloo", timeout=timeout))
 
 
 def _encode(obj: Any) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""The run directory: one run per --out, identified by a run id; what a relaunch may continue, what it must not touch.
+
+    <out>/run.json          {"run_id": ...}: written when the run starts afresh
+    <out>/config.json       the resolved config of the latest launch
+    <out>/metrics.jsonl     one record per step; cut back to the resumed step on resume
+    <out>/checkpoints/      sharded checkpoints (paratrain.checkpoint)
+    <out>/diagnostics/      per attempt, each rank's collective fingerprints (paratrain.diagnose)
+
+A launch into an --out that already holds a run continues it only when that
+is surely the same run: a restart by the launcher, or a relaunch with the
+same model, data and training options and a checkpoint to resume (``--resume
+auto``), or an explicit ``--resume`` of one of the run's own checkpoints.
+Anything else is refused with one line naming the first difference, unless
+``--overwrite`` starts a new run (its old metrics and checkpoints deleted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from paratrain.checkpoint.format import parse_step_dirname
+from paratrain.checkpoint.store import list_checkpoints, read_index
+from paratrain.config import Config, ConfigError
+
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+DIAGNOSTICS_DIR = "diagnostics"
+SUPERSEDED_PREFIX = ".superseded-"
+# The sections that define what a run computes; a relaunch may change the others (layout, logging).
+IDENTITY_SECTIONS = ("model", "data", "train")
+# Options of those sections that change only what is measured or printed, not the trajectory.
+FREE_OPTIONS = {"eval_every", "eval_batches", "sample_tokens", "peak_flops"}
+
+
+@dataclass(frozen=True)
+class RunClaim:
+    """What a launch does with its --out: start afresh or continue the run there, deleting `wipe` first.
+
+    A launch (not a restart) always clears the diagnostics of earlier launches: their marks of
+    failed ranks would mislead this one's.
+    """
+
+    path: Path
+    fresh: bool
+    wipe: tuple[str, ...] = ()
+
+
+def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
+    """Decide, from the directory alone (so every rank decides alike), whether this launch may use --out."""
+    out = Path(cfg.run.out)
+    holds_run = (out / METRICS_FILE).exists() or (out / RUN_FILE).exists()
+    if restarted:  # the launcher restarted the job: the same run by construction
+        return RunClaim(out, fresh=not holds_run)
+    if not holds_run:
+        if list_checkpoints(out / CHECKPOINT_DIR):
+            raise ConfigError(f"--out {out} holds checkpoints but no run.json (not a paratrain run directory); "
+                              f"choose another --out, or --resume one of its checkpoints into another --out")
+        return RunClaim(out, fresh=True, wipe=(DIAGNOSTICS_DIR,))
+    if cfg.run.overwrite:
+        _refuse_overwriting_the_resume_source(cfg, out)
+        return RunClaim(out, fresh=True, wipe=(METRICS_FILE, RUN_FILE, CHECKPOINT_DIR, DIAGNOSTICS_DIR))
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        raise ConfigError(f"--out {out} already holds a run; choose another --out, pass --overwrite, or "
+                          f"--resume auto to continue it")
+    if resume == "auto":
+        if not list_checkpoints(out / CHECKPOINT_DIR):
+            raise ConfigError(f"--out {out} already holds a run and it has no checkpoint to resume; choose "
+                              f"another --out or pass --overwrite")
+        difference = config_difference(_stored_config(out), cfg.to_dict())
+        if difference:
+            raise ConfigError(f"--out {out} holds another run ({difference}); choose another --out, pass "
+                              f"--overwrite, or --resume <checkpoint> to start a new run from its weights")
+        return RunClaim(out, fresh=False, wipe=(DIAGNOSTICS_DIR,))
+    theirs, mine = checkpoint_run_id(Path(resume)), read_run_id(out)
+    if theirs != mine:
+        raise ConfigError(f"--out {out} holds run {mine} but --resume {resume} is a checkpoint of run {theirs}; "
+                          f"continue the run in {out} with --resume auto, resume into another --out, or pass "
+                          f"--overwrite to replace it")
+    return RunClaim(out, fresh=False, wipe=(DIAGNOSTICS_DIR,))
+
+
+def _refuse_overwriting_the_resume_source(cfg: Config, out: Path) -> None:
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and (out / CHECKPOINT_DIR).resolve() in Path(resume).resolve().parents:
+        raise ConfigError(f"--overwrite would delete {resume}, the checkpoint to resume; resume into another --out")
+
+
+def apply_claim(claim: RunClaim, cfg: Config) -> str:
+    """On rank 0 only: delete what a fresh start replaces, write run.json (fresh) and config.json; return the run id."""
+    out = claim.path
+    out.mkdir(parents=True, exist_ok=True)
+    for name in claim.wipe:
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
+    run_id = read_run_id(out)
+    if claim.fresh or run_id is None:
+        run_id = uuid.uuid4().hex[:12]
+        _write_json(out / RUN_FILE, {"run_id": run_id})
+    (out / "config.json").write_text(cfg.to_json() + "\n")
+    return run_id
+
+
+def diagnostics_dir(out: Path) -> Path:
+    """Where this attempt's ranks leave their collective fingerprints (one directory per restart)."""
+    from paratrain.faults import current_attempt
+
+    return Path(out) / DIAGNOSTICS_DIR / f"attempt-{current_attempt()}"
+
+
+def read_run_id(out: Path) -> str | None:
+    try:
+        return json.loads((Path(out) / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run id a checkpoint was saved by (CheckpointError if it cannot be read)."""
+    return read_index(path).shared_state.get("run_id")
+
+
+def _stored_config(out: Path) -> dict:
+    try:
+        return json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def config_difference(stored: dict, current: dict) -> str | None:
+    """The first option, in the identity sections, whose value differs: 'train.lr is 0.003 there, 0.001 here'."""
+    for section in IDENTITY_SECTIONS:
+        theirs, mine = stored.get(section, {}), current.get(section, {})
+        for key in sorted(set(theirs) | set(mine)):
+            if key not in FREE_OPTIONS and theirs.get(key) != mine.get(key):
+                return f"{section}.{key} is {theirs.get(key)!r} there, {mine.get(key)!r} here"
+    return None
+
+
+def truncate_metrics(out: Path, step: int) -> int:
+    """Keep the metrics records of steps ≤ `step` (rank 0, on resume); return how many were dropped."""
+    path = Path(out) / METRICS_FILE
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except ValueError:
+            dropped += 1  # a line cut by the crash
+            continue
+        if record_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return dropped
+
+
+def set_aside_newer(root: Path, step: int) -> list[str]:
+    """Rename the run's checkpoints newer than `step` out of find_latest's sight (a rewind starts a new branch)."""
+    moved = []
+    for path in list_checkpoints(root):
+        if parse_step_dirname(path.name) > step:
+            os.rename(path, path.with_name(f"{SUPERSEDED_PREFIX}{path.name}-{uuid.uuid4().hex[:6]}"))
+            moved.append(path.name)
+    return moved
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, path)

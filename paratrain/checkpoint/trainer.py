@@ -1,0 +1,285 @@
+"""Checkpoints of a training run: what the trainer saves beside the tensors, and how a launch resumes.
+
+A checkpoint of ``paratrain train`` holds, besides the boxes of masters and
+optimizer state (`paratrain.checkpoint.training`):
+
+* shared state (rank 0's): step, tokens seen, run id, the resolved config
+  and model config (``model_config``, which `paratrain export` reads), the
+  layout (world size, degrees, ZeRO stage, precision, micro-batch), the loss
+  scaler, the data sampler (a global stream position: it continues exactly
+  under any number of data ranks) and the non-finite step counters;
+* per-rank state: each rank's RNG states (torch, Python, NumPy), restored to
+  the same rank when the layout is unchanged.
+
+Resuming is decided once, by rank 0, which alone touches the checkpoint root
+before any save (quarantine of dead saves, `find_latest` with its full
+checksum verification, setting aside checkpoints newer than the one resumed):
+it broadcasts the path; every rank then reads the index itself and the ranks
+compare the step they see and their compatibility verdicts before anyone
+loads, so they fail or proceed together.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from paratrain.checkpoint.async_save import AsyncCheckpointer
+from paratrain.checkpoint.coordinator import LocalCoordinator, dedicated_coordinator
+from paratrain.checkpoint.format import CheckpointError, CheckpointWarning, step_dirname
+from paratrain.checkpoint.reader import CheckpointReader
+from paratrain.checkpoint.rundir import (
+    CHECKPOINT_DIR, read_run_id, set_aside_newer, truncate_metrics,
+)
+from paratrain.checkpoint.save import save_checkpoint
+from paratrain.checkpoint.store import (
+    check_free_space, find_latest, list_checkpoints, quarantine_incomplete, read_index, verify_checkpoint,
+)
+from paratrain.checkpoint.training import check_compatible, engine_model, load_model_shards, master_boxes, model_shards
+from paratrain.config import Config, ConfigError
+from paratrain.faults import current_attempt
+
+_SHARED_KEYS = ("step", "tokens_seen", "sampler", "scaler", "guard", "layout")
+
+
+class TrainingCheckpoints:
+    """Save and resume of one run; every rank builds one, collectively, after the model and optimizer."""
+
+    def __init__(self, cfg: Config, rank: int, out: Path, model, optimizer, sampler, guard, *,
+                 extra_state: dict | None = None, log=functools.partial(print, flush=True)):
+        self.cfg, self.rank, self.out, self.log = cfg, rank, Path(out), log
+        self.extra_state = dict(extra_state or {})  # more shared state (the resolved model config)
+        self.model, self.optimizer, self.sampler, self.guard = model, optimizer, sampler, guard
+        self.mesh = engine_model(model).comm.mesh
+        self.root = self.out / CHECKPOINT_DIR
+        self.coordinator = self._coordinator()
+        self.run_id = self.coordinator.broadcast_object(read_run_id(self.out) if rank == 0 else None)
+        c = cfg.checkpoint
+        self.keep_latest = c.keep_latest or None
+        self.saver = (AsyncCheckpointer(self.root, keep_latest=self.keep_latest, coordinator=self._coordinator())
+                      if c.async_save else None)
+        if c.every:
+            self._check_free_space()
+
+    def _coordinator(self):
+        if self.mesh.shape.world_size == 1:
+            return LocalCoordinator()
+        return dedicated_coordinator(timeout=timedelta(seconds=self.cfg.reliability.pg_timeout_s))
+
+    # -- resume ------------------------------------------------------------------------------
+    def resume(self) -> tuple[int, int]:
+        """Load the checkpoint this launch continues from, if any; return (step, tokens seen) to start after."""
+        decision = self.coordinator.broadcast_object(self._decide() if self.rank == 0 else None)
+        if "error" in decision:
+            raise CheckpointError(decision["error"])
+        if "path" not in decision:
+            if self.rank == 0:
+                truncate_metrics(self.out, 0)
+            return 0, 0
+        reader = self._open_agreed(decision["path"])
+        shared = reader.shared_state()
+        missing = [key for key in _SHARED_KEYS if key not in shared]
+        if missing:
+            raise CheckpointError(f"{reader.path} was not saved by `paratrain train`: its shared state lacks "
+                                  f"{', '.join(missing)}")
+        load_model_shards(self.model, self.optimizer, reader)
+        self.sampler.load_state_dict(shared["sampler"])
+        engine_model(self.model).scaler.load_state_dict(shared["scaler"])
+        self.guard.load_state_dict(shared["guard"])
+        restored = self._restore_rng(reader, shared["layout"])
+        if self.rank == 0:
+            dropped = truncate_metrics(self.out, reader.step)
+            rng = "" if restored else "; RNG states not restored (the layout changed; training draws no random numbers)"
+            self.log(f"paratrain: resumed from {reader.path} at step {reader.step}"
+                     f"{f' ({dropped} metrics record(s) after it dropped)' if dropped else ''}"
+                     f"{self._layout_change(shared['layout'])}{rng}")
+        return reader.step, int(shared["tokens_seen"])
+
+    def _decide(self) -> dict:
+        """Rank 0: {"path": checkpoint to resume}, {} to start afresh, or {"error": message}."""
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CheckpointWarning)
+                path = self._pick()
+            for warning in caught:
+                print(f"paratrain: warning: {warning.message}", file=sys.stderr, flush=True)
+            step = read_index(path).step if path is not None else 0
+            aside = set_aside_newer(self.root, step)
+            if aside:
+                self.log(f"paratrain: set aside checkpoint(s) newer than step {step}: {', '.join(aside)}")
+        except (CheckpointError, OSError) as exc:  # every rank must hear it, or they wait in vain
+            return {"error": str(exc)}
+        return {"path": str(path)} if path is not None else {}
+
+    def _pick(self) -> Path | None:
+        c = self.cfg.checkpoint
+        quarantine_incomplete(self.root)  # rank 0 only, before any save: a save in flight would look dead
+        if c.load_step:
+            path = self.root / step_dirname(c.load_step)
+            verify_checkpoint(path)
+            return path
+        if c.resume == "auto":
+            return find_latest(self.root)
+        own = find_latest(self.root) if current_attempt() > 0 else None
+        if own is not None:  # a restart continues from this run's own newest checkpoint
+            return own
+        if c.resume == "none":
+            return None
+        verify_checkpoint(c.resume)
+        return Path(c.resume)
+
+    def _open_agreed(self, path: str) -> CheckpointReader:
+        """Every rank opens the checkpoint and reads its index itself; the ranks compare steps and verdicts first."""
+        reader = step = verdict = None
+        try:
+            reader = CheckpointReader(path, verify=self.rank != 0, checksums=False)  # rank 0 verified it all
+            step = reader.step
+            check_compatible(self.model, reader)
+        except CheckpointError as exc:
+            verdict = f"rank {self.rank}: {exc}" if self.rank else str(exc)
+        reports = self.coordinator.gather_objects({"step": step, "error": verdict})
+        outcome = None
+        if self.rank == 0:
+            steps = sorted({r["step"] for r in reports if r["step"] is not None})
+            errors = [r["error"] for r in reports if r["error"]]
+            outcome = errors[0] if errors else (f"ranks disagree about the resume step ({steps}) in {path}"
+                                                if len(steps) > 1 else None)
+        outcome = self.coordinator.broadcast_object(outcome)
+        if outcome:
+            raise CheckpointError(outcome)
+        return reader
+
+    def _restore_rng(self, reader: CheckpointReader, saved_layout: dict) -> bool:
+        if saved_layout != self.layout():
+            return False
+        set_rng_state(reader.rank_state(self.rank)["rng"])
+        return True
+
+    def _layout_change(self, saved: dict) -> str:
+        now = self.layout()
+        if saved == now:
+            return ""
+        return (f"; layout changed from {describe_layout(saved)} to {describe_layout(now)} "
+                f"(global batch {now['global_batch']}, {now['accumulation']} micro-batch(es) per step now)")
+
+    # -- save --------------------------------------------------------------------------------
+    def after_step(self, step: int, tokens_seen: int, last: bool, stopping: bool) -> None:
+        """Save when due: every --checkpoint-every steps, at the last step, and (synchronously) when stopping."""
+        every = self.cfg.checkpoint.every
+        if stopping or (every and (step % every == 0 or last)):
+            self.save(step, tokens_seen, wait=stopping or last)
+
+    def save(self, step: int, tokens_seen: int, wait: bool = True) -> None:
+        """Save checkpoint `step` (collective); CheckpointError on every rank if it fails."""
+        start = time.perf_counter()
+        shards = model_shards(self.model, self.optimizer)
+        shared = {"step": step, "tokens_seen": tokens_seen, "run_id": self.run_id, "config": self.cfg.to_dict(),
+                  "layout": self.layout(), "scaler": engine_model(self.model).scaler.state_dict(),
+                  "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), **self.extra_state}
+        rank_state = {"rng": rng_state()}
+        if self.saver is not None:
+            self.saver.save(step, shards, rank_state, shared)
+            if wait:
+                self.saver.wait()
+        else:
+            save_checkpoint(self.root, step, shards, rank_state, shared, coordinator=self.coordinator,
+                            keep_latest=self.keep_latest)
+        if self.rank == 0 and (wait or self.saver is None):
+            self.log(f"paratrain: saved checkpoint {step_dirname(step)} ({time.perf_counter() - start:.2f} s)")
+
+    def close(self) -> None:
+        """Wait for a background save in flight (raising its error)."""
+        if self.saver is not None:
+            self.saver.close()
+
+    def __enter__(self) -> TrainingCheckpoints:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # After an error with peers, a save in flight may wait on a rank that is gone: leave it
+        # to die with the process (its temporary directory is quarantined at the next start).
+        if exc_type is None or self.mesh.shape.world_size == 1:
+            self.close()
+
+    def layout(self) -> dict:
+        m, p, t = self.mesh, self.cfg.parallel, self.cfg.train
+        dp = m.size("dp")
+        return {"world_size": m.shape.world_size, "dp": dp, "tp": m.size("tp"), "pp": m.size("pp"), "zero": p.zero,
+                "precision": p.precision, "global_batch": t.global_batch, "micro_batch": t.micro_batch,
+                "accumulation": t.global_batch // (t.micro_batch * dp)}
+
+    def _check_free_space(self) -> None:
+        """Refuse to start when one checkpoint (masters and Adam's two moments: 3 × 4 bytes a weight) will not fit."""
+        mine = sum(3 * b.master.numel() * b.master.element_size() for b in master_boxes(self.model) if b.writer)
+        sizes = self.coordinator.gather_objects(mine)
+        error = None
+        if self.rank == 0:
+            try:
+                check_free_space(self.root, int(sum(sizes) * 1.1) + (1 << 20))
+            except CheckpointError as exc:
+                error = str(exc)
+        error = self.coordinator.broadcast_object(error)
+        if error:
+            raise CheckpointError(error)
+
+
+def describe_layout(layout: dict) -> str:
+    return (f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} zero={layout['zero']} {layout['precision']} "
+            f"on {layout['world_size']} process(es)")
+
+
+def check_resume_option(cfg: Config) -> None:
+    """Preflight: an explicit --resume must be a committed checkpoint with every file of the right size.
+
+    (Checksums are verified once, by rank 0, when the run resumes: here every rank would read
+    every file.)
+    """
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none"):
+        verify_checkpoint(resume, checksums=False)
+
+
+def explain_layout_error(cfg: Config, error: ConfigError) -> ConfigError:
+    """A layout refused for this world, with the layout of the checkpoint it would resume (if any) named too."""
+    root = Path(cfg.run.out) / CHECKPOINT_DIR if cfg.run.out else None
+    resume = cfg.checkpoint.resume
+    path = Path(resume) if resume not in ("auto", "none") else (list_checkpoints(root) or [None])[-1] if root else None
+    try:
+        saved = read_index(path).shared_state.get("layout") if path is not None else None
+    except CheckpointError:
+        saved = None
+    if not saved:
+        return error
+    return ConfigError(f"{error} (the checkpoint to resume, {path.name}, was saved with {describe_layout(saved)}; "
+                       f"set --tp/--pp/--dp to fit this job's processes, or launch as many processes again)")
+
+
+def rng_state() -> dict:
+    """This process's RNG states: torch (CPU, and CUDA devices if any), Python's `random`, NumPy's global."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
+             "numpy": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned (after a JSON round trip: lists instead of tuples)."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

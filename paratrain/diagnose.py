@@ -1,0 +1,173 @@
+"""Which rank is where when a collective fails: fingerprints of every rank's last collectives, kept in files.
+
+Each rank mirrors the CallRecords of its `Comm` (kind, axis, shape, dtype and
+sequence number of every collective, plus the training step) into a small
+file of fixed-size slots, ``<out>/diagnostics/attempt-<A>/rank-<r>.ring``,
+with one ``pwrite`` before each collective starts (a few microseconds). The
+file outlives a rank that hangs, is killed, or is aborted inside the backend
+(gloo aborts the process that receives more bytes than it expected), so the
+rank whose collective fails can read every rank's fingerprint and say:
+
+* where the sequences diverged: the first call number at which two ranks
+  issued different collectives (kind, axis, shape or dtype), naming both;
+* else who never arrived: the ranks whose last call is older than the one
+  the others wait in (a rank hung outside a collective, or dead);
+* else that every rank issued the same calls (the failure is elsewhere).
+
+Files rather than the launcher's key-value store: they need no private
+torch API and survive the processes for a post-mortem. They need the run
+directory on a file system every rank sees, as checkpoints do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from paratrain.comm import CallRecord
+from paratrain.mesh import MeshShape
+
+SLOT_BYTES = 192
+HISTORY = 64
+FAILED_PREFIX = "failed-rank-"
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed or timed out; the message says which rank was in which call, and where ranks diverged."""
+
+
+def ring_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"rank-{rank:05d}.ring"
+
+
+class FingerprintRing:
+    """This rank's last HISTORY collectives in a file of fixed-size slots; slot 0 holds the current step.
+
+    Register it as a `Comm` listener (`comm.listeners.append(ring)`); call `set_step` as each step starts.
+    """
+
+    def __init__(self, directory: Path, rank: int):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.rank, self.step = rank, 0
+        self._fd = os.open(ring_path(directory, rank), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._put(0, {"rank": rank, "step": 0, "pid": os.getpid()})
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+        self._put(0, {"rank": self.rank, "step": step, "pid": os.getpid()})
+
+    def __call__(self, record: CallRecord) -> None:
+        self._put(1 + record.seq % HISTORY, {"seq": record.seq, "kind": record.kind, "axis": record.axis,
+                                             "shape": list(record.shape), "dtype": record.dtype, "step": self.step})
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _put(self, slot: int, doc: dict) -> None:
+        data = json.dumps(doc, separators=(",", ":")).encode()[:SLOT_BYTES - 1]
+        os.pwrite(self._fd, data.ljust(SLOT_BYTES - 1) + b"\n", slot * SLOT_BYTES)
+
+
+def read_ring(path: Path) -> tuple[dict, list[dict]] | None:
+    """(header, records oldest first) of one rank's file, or None if it is missing or unreadable."""
+    try:
+        slots = path.read_bytes().split(b"\n")
+    except OSError:
+        return None
+    docs = []
+    for slot in slots:
+        try:
+            docs.append(json.loads(slot))
+        except ValueError:
+            docs.append(None)  # a slot never written, or cut by a write in progress
+    if not docs or docs[0] is None:
+        return None
+    return docs[0], sorted((d for d in docs[1:] if d and "seq" in d), key=lambda d: d["seq"])
+
+
+def mark_failed(directory: Path, rank: int) -> None:
+    """Leave a mark that this rank failed (peers stopping on SIGTERM then exit at once)."""
+    try:
+        (Path(directory) / f"{FAILED_PREFIX}{rank}").touch()
+    except OSError:
+        pass
+
+
+def any_failed(directory: Path) -> bool:
+    try:
+        return any(p.name.startswith(FAILED_PREFIX) for p in Path(directory).iterdir())
+    except OSError:
+        return False
+
+
+def _call(doc: dict) -> str:
+    return f"#{doc['seq']} {doc['kind']} over {doc['axis']} shape {doc['shape']} {doc['dtype']} (step {doc['step']})"
+
+
+def _fingerprint(doc: dict) -> tuple:
+    return doc["kind"], doc["axis"], tuple(doc["shape"]), doc["dtype"]
+
+
+def describe(directory: Path, rank: int, shape: MeshShape) -> str:
+    """One line: where this rank is, and how the other ranks of its pipeline stage differ from it."""
+    rings = _stage_rings(directory, rank, shape)
+    mine = rings.get(rank)
+    if mine is None or not mine[1]:
+        return f"rank {rank} had issued no collective"
+    here = f"rank {rank} failed at step {mine[0]['step']}, its last collective {_call(mine[1][-1])}"
+    silent = [r for r, ring in rings.items() if ring is None]
+    others = {r: ring for r, ring in rings.items() if ring is not None}
+    report = (_divergence(others) or _laggards(others)
+              or "every rank of its stage issued the same collectives (a peer may have died in the last one)")
+    if silent:
+        report += f"; no fingerprint from rank(s) {silent}"
+    return f"{here}: {report}"
+
+
+def divergence(directory: Path, rank: int, shape: MeshShape) -> str:
+    """Where the collectives of `rank`'s pipeline stage diverged, or '' if they did not (for a launcher's summary)."""
+    rings = {r: ring for r, ring in _stage_rings(directory, rank, shape).items() if ring is not None}
+    return _divergence(rings) or ""
+
+
+def _stage_rings(directory: Path, rank: int, shape: MeshShape) -> dict[int, tuple[dict, list[dict]] | None]:
+    """The fingerprints of the ranks that run the same program as `rank` (its pipeline stage)."""
+    pp = shape.coords(rank)["pp"]
+    return {r: read_ring(ring_path(directory, r)) for r in range(shape.world_size) if shape.coords(r)["pp"] == pp}
+
+
+def _divergence(rings: dict[int, tuple[dict, list[dict]]]) -> str | None:
+    """The first call number at which two ranks issued different collectives, naming each variant."""
+    by_seq: dict[int, dict[int, dict]] = {}
+    for r, (_, records) in rings.items():
+        for doc in records:
+            by_seq.setdefault(doc["seq"], {})[r] = doc
+    for seq in sorted(by_seq):
+        docs = by_seq[seq]
+        variants: dict[tuple, list[int]] = {}
+        for r, doc in sorted(docs.items()):
+            variants.setdefault(_fingerprint(doc), []).append(r)
+        if len(variants) > 1:
+            parts = [f"rank(s) {ranks} {_call(docs[ranks[0]])}" for ranks in variants.values()]
+            return f"collectives diverged at call #{seq}: " + " vs ".join(parts)
+    return None
+
+
+def _laggards(rings: dict[int, tuple[dict, list[dict]]]) -> str | None:
+    """The ranks that never issued the newest call the others are in."""
+    last = {r: records[-1] if records else None for r, (_, records) in rings.items()}
+    newest = max((d["seq"] for d in last.values() if d), default=0)
+    behind = [r for r, d in last.items() if d is None or d["seq"] < newest]
+    if not behind:
+        return None
+    ahead = next(d for d in last.values() if d and d["seq"] == newest)
+    parts = []
+    for r in behind:
+        header, doc = rings[r][0], last[r]
+        was = f"its last was {_call(doc)}" if doc else "it issued none"
+        parts.append(f"rank {r} never issued call #{newest} ({ahead['kind']} over {ahead['axis']} shape "
+                     f"{ahead['shape']}): {was} and it is at step {header['step']}, hung or dead outside a collective")
+    return "; ".join(parts)

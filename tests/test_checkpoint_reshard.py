@@ -1,0 +1,162 @@
+"""Checkpoints of a parallel model load into any other layout: the resharding matrix, at the API level.
+
+Every layout trains SAVE_AT steps of the same global batches from the same initialization and
+saves; every other layout (and one process) loads each checkpoint, which must give back the
+saved parameters bit for bit, then trains STEPS_AFTER more steps, which must equal those of a
+single process that never changed layout (fp32, rel 1e-5). One launch per world size and
+phase: the runs of one world size share their processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.checkpoint import CheckpointReader, DistCoordinator, IncompatibleCheckpointError, save_checkpoint
+from paratrain.checkpoint.training import load_model_shards, model_shards
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.models import Transformer
+from paratrain.parallel.api import parallelize
+from paratrain.testing import run_on_ranks
+from paratrain.train import train_step
+
+from parallel_cases import TINY, adamw, batches
+
+SAVE_AT, STEPS_AFTER, MICRO = 3, 5, 2
+DATA = batches(vocab=TINY.vocab_size, steps=SAVE_AT + STEPS_AFTER, batch=8, seq=16)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+ONE = Layout("one")
+# The named matrix: every layout saves once and loads every other layout's checkpoint.
+LAYOUTS = [ONE, Layout("dp4_zero1", dp=4, zero=1), Layout("dp2_zero3", dp=2, zero=3),
+           Layout("dp2_tp2", dp=2, tp=2), Layout("pp2_dp2_zero1", pp=2, dp=2, zero=1)]
+
+
+def build(layout: Layout, seed: int = 0):
+    mesh = build_mesh(MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp))
+    module = Transformer(TINY)
+    module.init_weights(seed)
+    return parallelize(module, mesh, optimizer=adamw, zero=layout.zero, grad_reduction="sum") + (mesh,)
+
+
+def run_steps(model, optimizer, mesh, steps: range) -> list[float]:
+    """Train on this rank's rows of the global batches DATA[steps], micro-batches of MICRO rows."""
+    dp, rank = mesh.size("dp"), mesh.coord("dp")
+    losses = []
+    for step in steps:
+        x, y = DATA[step]
+        rows = x.shape[0] // dp
+        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        micro = [(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, rows, MICRO)]
+        losses.append(train_step(model, optimizer, micro, torch.device("cpu"), 1.0)[0])
+    return losses
+
+
+def save(layout: Layout, root: Path) -> None:
+    model, optimizer, mesh = build(layout)
+    run_steps(model, optimizer, mesh, range(SAVE_AT))
+    save_checkpoint(root / layout.name, SAVE_AT, model_shards(model, optimizer), coordinator=DistCoordinator())
+
+
+def load_and_continue(layout: Layout, path: Path) -> dict:
+    """Load `path` into a fresh `layout` (different init seed: everything must come from the file), train on."""
+    model, optimizer, mesh = build(layout, seed=1)
+    reader = CheckpointReader(path)
+    load_model_shards(model, optimizer, reader)
+    exact = all(torch.equal(tensor, reader.read(spec.name, spec.offset, tensor.shape))
+                for spec, tensor in model_shards(model, optimizer).values())
+    if layout.pp == 1:  # every parameter, whole, equals the saved one
+        exact &= all(torch.equal(value.float(), reader.read(f"model/{name}"))
+                     for name, value in model.full_state_dict().items())
+    return {"exact": exact, "losses": run_steps(model, optimizer, mesh, range(SAVE_AT, SAVE_AT + STEPS_AFTER))}
+
+
+def _phase(rank, world, root, saves, loads):
+    """Save each layout of `saves`, then load each (layout, checkpoint) pair of `loads`; results on rank 0."""
+    root = Path(root)
+    for layout in saves:
+        save(layout, root)
+    results = {}
+    for layout, source in loads:
+        results[layout.name, source] = load_and_continue(layout, next((root / source).glob("step-*")))
+    return results
+
+
+def _reference(rank, world):
+    model, optimizer, mesh = build(ONE)
+    return run_steps(model, optimizer, mesh, range(SAVE_AT + STEPS_AFTER))
+
+
+@pytest.mark.slow
+def test_every_layout_loads_every_other_layouts_checkpoint(tmp_path):
+    reference = run_on_ranks(_reference, 1, timeout=60)[0][SAVE_AT:]
+    by_world: dict[int, list[Layout]] = {}
+    for layout in LAYOUTS:
+        by_world.setdefault(layout.world, []).append(layout)
+    results = {}
+    # Phase 1 saves every layout (and loads what already exists); phase 2 loads the rest.
+    for phase in (1, 2):
+        for world, layouts in sorted(by_world.items()):
+            saved = {l.name for w, ls in by_world.items() for l in ls if phase == 2 or w <= world}
+            loads = [(l, s.name) for l in layouts for s in LAYOUTS
+                     if s.name != l.name and (s.name in saved) and (l.name, s.name) not in results]
+            saves = layouts if phase == 1 else []
+            if saves or loads:
+                results.update(run_on_ranks(_phase, world, str(tmp_path), saves, loads, timeout=180)[0])
+    assert len(results) == len(LAYOUTS) * (len(LAYOUTS) - 1)
+    for (layout, source), result in sorted(results.items()):
+        assert result["exact"], f"{source} → {layout}: loaded parameters differ from the saved ones"
+        assert result["losses"] == pytest.approx(reference, rel=1e-5), f"{source} → {layout}"
+
+
+def _load_error(model, optimizer, path) -> str:
+    try:
+        load_model_shards(model, optimizer, CheckpointReader(path))
+    except IncompatibleCheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def _wrong_models(rank, world, root):
+    from paratrain.models import ModelConfig
+
+    root = Path(root)
+    model, optimizer, mesh = build(ONE)
+    save_checkpoint(root / "a", 1, model_shards(model, optimizer), coordinator=DistCoordinator())
+    wider = Transformer(ModelConfig(**{**TINY.__dict__, "dim": 64, "n_heads": 8, "n_kv_heads": 4}))
+    other, other_opt = parallelize(wider, mesh, optimizer=adamw)
+    double, double_opt = parallelize(Transformer(TINY).double(), mesh, optimizer=adamw)
+    reader = CheckpointReader(root / "a" / "step-00000001")
+    cast = []  # mixed precision: the bf16 compute weights follow the loaded fp32 masters
+    for zero in (0, 2):
+        mixed, mixed_opt = parallelize(Transformer(TINY), mesh, optimizer=adamw, zero=zero, precision="bf16")
+        load_model_shards(mixed, mixed_opt, reader)
+        cast.append(all(torch.equal(p, reader.read(f"model/{n}").to(torch.bfloat16))
+                        for n, p in mixed.module.named_parameters()))
+    return (_load_error(other, other_opt, root / "a" / "step-00000001"),
+            _load_error(double, double_opt, root / "a" / "step-00000001"), cast)
+
+
+def test_loading_checks_shapes_and_dtypes_and_casts_mixed_precision_weights(tmp_path):
+    shapes, dtypes, cast = run_on_ranks(_wrong_models, 1, str(tmp_path), timeout=60)[0]
+    assert cast == [True, True]
+    assert shapes == ("step-00000001 does not match the model: tensor 'model/tok_embeddings.weight' is [64, 32] "
+                      "float32 in the checkpoint but [64, 64] float32 is expected"), shapes
+    assert dtypes == ("step-00000001 does not match the model: tensor 'model/tok_embeddings.weight' is [64, 32] "
+                      "float32 in the checkpoint but [64, 32] float64 is expected"), dtypes

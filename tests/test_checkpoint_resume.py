@@ -1,0 +1,259 @@
+"""The trainer's checkpoints without a launcher: resume, damaged checkpoints, refusals, disk full, and the step guards.
+
+One-process runs call `paratrain train` in this process (`cli.main`); the two-rank guards
+(non-finite steps, diverged replicas, per-rank RNG state) run `train()` on `run_on_ranks`, one
+launch for all of them. The faults are real: PARATRAIN_FAULT, damaged files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain.checkpoint import CheckpointReader, verify_checkpoint
+from paratrain.cli import build_parser, config_from_args, main
+from paratrain.diagnose import FingerprintRing, describe
+from paratrain.comm import CallRecord
+from paratrain.faults import FAULT_ENV
+from paratrain.guard import TrainingAborted
+from paratrain.mesh import MeshShape
+from paratrain.metrics import read_metrics
+from paratrain.testing import run_on_ranks
+
+TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "64",
+        "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--sample-tokens", "0",
+        "--eval-every", "0", "--no-progress"]
+RUN = [*TINY, "--steps", "8", "--checkpoint-every", "4"]
+
+
+def train_cli(out, *extra, env: dict | None = None, monkeypatch=None) -> int:
+    if env:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+    try:
+        return main(["train", *RUN, "--out", str(out), *extra])
+    finally:
+        for key in env or {}:
+            monkeypatch.delenv(key)
+
+
+def weights(out) -> dict[str, torch.Tensor]:
+    return load_file(Path(out) / "final" / "model.safetensors")
+
+
+def loss_hex(out) -> list[str]:
+    return [float.hex(r["loss"]) for r in read_metrics(Path(out) / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """An 8-step one-process run with checkpoints at steps 4 and 8."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    assert main(["train", *RUN, "--out", str(out)]) == 0
+    return out
+
+
+def _truncate(path: Path):
+    data = (path / "rank-00000.safetensors").read_bytes()
+    (path / "rank-00000.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def _flip(path: Path):
+    data = bytearray((path / "rank-00000.safetensors").read_bytes())
+    data[len(data) - 9] ^= 0xFF
+    (path / "rank-00000.safetensors").write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated_shard": (_truncate, r"rank-00000.safetensors size \d+ ≠ expected \d+"),
+    "flipped_byte": (_flip, "checksum mismatch in rank-00000.safetensors"),
+    "deleted_shard": (lambda p: (p / "rank-00000.safetensors").unlink(), "rank-00000.safetensors is missing"),
+    "garbage_index": (lambda p: (p / "index.json").write_text("{ not json"), "index.json size"),
+    "garbage_manifest": (lambda p: (p / "manifest.json").write_text("garbage"), "manifest.json is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_and_refused_when_named(base_run, tmp_path, damage,
+                                                                                      capsys):
+    damage_fn, message = DAMAGE[damage]
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    damage_fn(out / "checkpoints" / "step-00000008")
+    capsys.readouterr()
+    assert main(["train", *RUN, "--resume", str(out / "checkpoints" / "step-00000008"),
+                 "--out", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.search(message, err), err
+    assert main(["train", *RUN, "--out", str(out)]) == 0  # auto: falls back to step 4, redoes 5..8
+    captured = capsys.readouterr()
+    assert re.search(f"warning: step-00000008 invalid: .*{message}", captured.err), captured.err
+    assert "resumed from" in captured.out and "step-00000004 at step 4" in captured.out
+    assert loss_hex(out) == loss_hex(base_run)
+    assert all(torch.equal(a, b) for a, b in zip(weights(out).values(), weights(base_run).values()))
+    verify_checkpoint(out / "checkpoints" / "step-00000008")  # saved again, in place of the damaged one
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(base_run, tmp_path, capsys):
+    wider = list(RUN)
+    wider[wider.index("--dim") + 1] = "64"
+    code = main(["train", *wider, "--resume", str(base_run / "checkpoints" / "step-00000004"),
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert ("step-00000004 does not match the model: tensor 'model/tok_embeddings.weight' is [512, 32] float32 in "
+            "the checkpoint but [512, 64] float32 is expected") in err, err
+
+
+def test_resuming_into_the_out_of_another_run_is_refused(base_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    assert main(["train", *RUN, "--lr", "0.001", "--out", str(out)]) == 2
+    assert "holds another run (train.lr is 0.003 there, 0.001 here)" in capsys.readouterr().err
+    assert main(["train", *RUN, "--resume", "none", "--out", str(out)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    other = tmp_path / "other"
+    assert main(["train", *RUN, "--steps", "4", "--out", str(other)]) == 0
+    capsys.readouterr()
+    assert main(["train", *RUN, "--resume", str(other / "checkpoints" / "step-00000004"), "--out", str(out)]) == 2
+    assert "but --resume" in capsys.readouterr().err
+    assert main(["train", *RUN, "--overwrite", "--steps", "2", "--out", str(out)]) == 0  # a new run replaces it
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    assert not (out / "checkpoints" / "step-00000008").exists()
+
+
+def _resume(rank, world, out):
+    from paratrain.train import train
+
+    train(config_from_args(build_parser().parse_args(["train", *RUN, "--out", out])))
+
+
+@pytest.mark.slow
+def test_a_run_continues_exactly_on_another_number_of_data_ranks(base_run, tmp_path):
+    """Saved by one process at step 4, resumed by two: the same global batches, so the same losses."""
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000008")
+    run_on_ranks(_resume, 2, str(out), timeout=120)
+    records, expected = read_metrics(out / "metrics.jsonl"), read_metrics(base_run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert loss_hex(out)[:4] == loss_hex(base_run)[:4]
+    assert [r["loss"] for r in records[4:]] == pytest.approx([r["loss"] for r in expected[4:]], rel=1e-5)
+    layout = CheckpointReader(out / "checkpoints" / "step-00000008").shared_state()["layout"]
+    assert (layout["dp"], layout["accumulation"]) == (2, 1), "2 ranks × 1 micro-batch keep the global batch of 4"
+
+
+def test_a_layout_that_no_longer_fits_names_the_checkpoints_layout(base_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    assert main(["train", *RUN, "--tp", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("world size 1 is not divisible by tp × pp = 2 × 1" in err and "(the checkpoint to resume, "
+            "step-00000008, was saved with dp=1 tp=1 pp=1 zero=0 fp32 on 1 process(es)") in err, err
+
+
+def test_disk_full_while_saving_fails_clearly_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    code = train_cli(out, env={FAULT_ENV: "ckpt_enospc@rank0:step8"}, monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert ("saving step-00000008 failed: rank 0: no space left on device while writing rank-00000.safetensors; "
+            "last good checkpoint step-00000004 intact") in err, err
+    verify_checkpoint(out / "checkpoints" / "step-00000004")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000004"]
+
+
+def test_async_checkpoints_resume_bit_equal_after_a_crash(base_run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected fault: raise at rank 0, step 6"):
+        train_cli(out, "--checkpoint-async", env={FAULT_ENV: "raise@rank0:step6"}, monkeypatch=monkeypatch)
+    assert train_cli(out, "--checkpoint-async") == 0
+    assert loss_hex(out) == loss_hex(base_run)
+    assert all(torch.equal(a, b) for a, b in zip(weights(out).values(), weights(base_run).values()))
+
+
+# -- the step guards, on two ranks, one launch -----------------------------------------------------
+
+def _train(out, *extra, fault: str = ""):
+    from paratrain.train import train
+
+    os.environ[FAULT_ENV] = fault
+    cfg = config_from_args(build_parser().parse_args(["train", *TINY, "--steps", "6", "--out", str(out), *extra]))
+    try:
+        return train(cfg)
+    except TrainingAborted as e:
+        return str(e)
+
+
+def _guards(rank, world, root):
+    root = Path(root)
+    results = {
+        "skip": _train(root / "skip", "--checkpoint-every", "6", fault="nan@rank1:step3"),
+        "abort_in_a_row": _train(root / "row", "--max-bad-steps", "2", fault="nan@rank1:step3,nan@rank1:step4"),
+        "abort_policy": _train(root / "abort", "--nan-policy", "abort", fault="infgrad@rank1:step2"),
+        "perturb": _train(root / "perturb", "--check-every", "3", fault="perturb@rank1:step3"),
+    }
+    torch.manual_seed(100 + rank)  # each rank's RNG in its own state, saved at step 2
+    saved = torch.get_rng_state()
+    _train(root / "rng", "--checkpoint-every", "2", "--keep-latest", "0")
+    torch.manual_seed(0)
+    _train(root / "rng", "--checkpoint-every", "2", "--keep-latest", "0", "--load-step", "2")  # rewinds to step 2
+    results["rng"] = (torch.equal(torch.get_rng_state(), saved),
+                      torch.equal(saved, CheckpointReader(root / "rng" / "checkpoints" / "step-00000002")
+                                  .rank_state(rank)["rng"]["torch"]))
+    return {k: v if isinstance(v, (str, tuple)) else "finished" for k, v in results.items()}
+
+
+@pytest.mark.slow
+def test_step_guards_on_two_ranks(tmp_path):
+    results = run_on_ranks(_guards, 2, str(tmp_path), timeout=240)
+    assert results[0] == results[1], "every rank takes the same decisions"
+    r = results[0]
+    assert r["skip"] == "finished"
+    records = read_metrics(tmp_path / "skip" / "metrics.jsonl")
+    assert [x["skipped_nonfinite"] for x in records] == [0, 0, 1, 1, 1, 1]
+    assert records[2]["loss"] != records[2]["loss"]  # NaN, logged, not applied:
+    step = CheckpointReader(tmp_path / "skip" / "checkpoints" / "step-00000006").read("optim/output.weight/step")
+    assert step.item() == 5, "one of the six steps was skipped by the optimizer"
+    assert r["abort_in_a_row"] == ("non-finite loss/grad at step 4 (rank 1): 2 steps in a row skipped "
+                                   "(--max-bad-steps 2)")
+    assert r["abort_policy"] == ("non-finite loss/grad at step 2 (rank 1); the step was not applied "
+                                 "(--nan-policy abort)")
+    assert r["perturb"].startswith("replicas diverged at step 3: rank 1 hold(s) parameters that differ")
+    assert r["rng"] == (True, True), "each rank's RNG state came back to that rank"
+    rng = [CheckpointReader(tmp_path / "rng" / "checkpoints" / "step-00000002").rank_state(k)["rng"]["torch"]
+           for k in (0, 1)]
+    assert not torch.equal(*rng)
+
+
+# -- diagnostics of a failed collective, from fingerprint files ------------------------------------
+
+def _fingerprints(directory: Path, calls: dict[int, list[tuple[int, ...]]], steps: dict[int, int]) -> None:
+    """Rank r issued all_reduce over dp of shape calls[r][i] as call i + 1, and is now at steps[r]."""
+    for rank, shapes in calls.items():
+        ring = FingerprintRing(directory, rank)
+        ring.set_step(4)
+        for seq, shape in enumerate(shapes, start=1):
+            ring(CallRecord(seq, "all_reduce", "dp", shape, "float32", 0.0))
+        ring.set_step(steps[rank])
+        ring.close()
+
+
+def test_fingerprints_name_the_first_divergence_and_the_rank_that_never_came(tmp_path):
+    shape, calls = MeshShape(dp=3), [(2,)] * 79  # more calls than a ring keeps
+    _fingerprints(tmp_path / "a", {0: calls, 1: calls[:74] + [(3,)] + calls[75:], 2: calls}, {0: 4, 1: 4, 2: 4})
+    report = describe(tmp_path / "a", 0, shape)
+    assert report.startswith("rank 0 failed at step 4, its last collective #79 all_reduce over dp shape [2]")
+    assert report.endswith("collectives diverged at call #75: rank(s) [0, 2] #75 all_reduce over dp shape [2] "
+                           "float32 (step 4) vs rank(s) [1] #75 all_reduce over dp shape [3] float32 (step 4)")
+    _fingerprints(tmp_path / "b", {0: calls, 1: calls, 2: calls[:70]}, {0: 4, 1: 4, 2: 5})
+    assert describe(tmp_path / "b", 1, shape).endswith(
+        "rank 2 never issued call #79 (all_reduce over dp shape [2]): its last was #70 all_reduce over dp shape [2] "
+        "float32 (step 4) and it is at step 5, hung or dead outside a collective")
