@@ -370,14 +370,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     ok = [r for r in rows if "error" not in r]
     if ok:
-        lines += ["", f"RSS of a rank when measuring starts (after imports and a warm-up step of a tiny model): "
-                      f"{min(r['rss_start_mb'] for r in ok):.0f}–{max(r['rss_start_mb'] for r in ok):.0f} MB; "
-                      f"VmHWM reset to it through /proc/self/clear_refs: {all(r['hwm_reset'] for r in ok)}."]
+        lines += rss_start_note([r["rss_start_mb"] for r in ok], all(r["hwm_reset"] for r in ok),
+                                "after imports and a warm-up step of a tiny model")
+    lines += failure_notes(rows, lambda r: f"{r['variant']}, {r['ranks']} ranks")
+    return "\n".join(lines) + "\n"
+
+
+def rss_start_note(starts_mb: list[float], hwm_reset: bool, setup: str) -> list[str]:
+    """The results' footnote on where peak-RSS measurement started (shared by the benchmarks)."""
+    return ["", f"RSS of a rank when measuring starts ({setup}): {min(starts_mb):.0f}–{max(starts_mb):.0f} MB; "
+                f"VmHWM reset to it through /proc/self/clear_refs: {hwm_reset}."]
+
+
+def failure_notes(rows: list[dict], label) -> list[str]:
+    """The last lines of each failed row's error, under `label(row)`."""
+    lines = []
     for r in rows:
         if "detail" in r:
             tail = "\n".join(r["detail"].rstrip().splitlines()[-8:])
-            lines += ["", f"**{r['variant']}, {r['ranks']} ranks failed:**", "```", tail, "```"]
-    return "\n".join(lines) + "\n"
+            lines += ["", f"**{label(r)} failed:**", "```", tail, "```"]
+    return lines
 
 
 def machine() -> dict:

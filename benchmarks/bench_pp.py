@@ -36,8 +36,8 @@ import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 
 from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, fmt, fmt_load, global_batch, model_config, optimizer_tensors,
-    proc_status_kb, reset_peak_rss, run_meta, storage_bytes, write_results,
+    MB, add_common_args, adamw_factory, build_model, failure_notes, fmt, fmt_load, global_batch, model_config,
+    optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes, write_results,
 )
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
@@ -551,15 +551,9 @@ def footnotes(rows: list[dict]) -> list[str]:
     lines = ["", "Each rank runs its F/B/W actions in the same order in paratrain and in torch (from the recorded "
                  "actions of the last step): " + ("; ".join(same) or "no pair ran") + "."]
     if ok:
-        starts = [v for r in ok for v in r["rss_start_mb"]]
-        lines += ["", "RSS of a rank when measuring starts (after a warm-up step of a tiny model through the same "
-                      f"setup): {min(starts):.0f}–{max(starts):.0f} MB; VmHWM reset to it through "
-                      f"/proc/self/clear_refs: {all(r['hwm_reset'] for r in ok)}."]
-    for r in rows:
-        if "detail" in r:
-            tail = "\n".join(r["detail"].rstrip().splitlines()[-8:])
-            lines += ["", f"**{r['label']} failed:**", "```", tail, "```"]
-    return lines
+        lines += rss_start_note([v for r in ok for v in r["rss_start_mb"]], all(r["hwm_reset"] for r in ok),
+                                "after a warm-up step of a tiny model through the same setup")
+    return lines + failure_notes(rows, lambda r: r["label"])
 
 
 def parse_args(argv=None):

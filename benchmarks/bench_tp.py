@@ -40,8 +40,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, fmt, fmt_load, global_batch, model_config, optimizer_tensors,
-    proc_status_kb, reset_peak_rss, run_meta, storage_bytes, write_results,
+    MB, add_common_args, adamw_factory, build_model, failure_notes, fmt, fmt_load, global_batch, model_config,
+    optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes, write_results,
 )
 from paratrain.comm import Comm
 from paratrain.mesh import MeshShape, build_mesh
@@ -402,15 +402,10 @@ def details(rows: list[dict]) -> list[str]:
     if ok:
         seen = "; ".join(f"{r['label']}: {r['attention_wq_output'].get('width')}"
                          f"{' (DTensor)' if r['attention_wq_output'].get('dtensor') else ''}" for r in ok)
-        lines += ["", f"Width of `layers.0.attention.wq`'s output as the attention reads it: {seen}.",
-                  "", "RSS of a rank when measuring starts (after a warm-up step of a tiny model through the same "
-                      f"setup): {min(r['rss_start_mb'] for r in ok):.0f}–{max(r['rss_start_mb'] for r in ok):.0f} MB;"
-                      f" VmHWM reset to it through /proc/self/clear_refs: {all(r['hwm_reset'] for r in ok)}."]
-    for r in rows:
-        if "detail" in r:
-            tail = "\n".join(r["detail"].rstrip().splitlines()[-8:])
-            lines += ["", f"**{r['label']}, {r['ranks']} ranks failed:**", "```", tail, "```"]
-    return lines
+        lines += ["", f"Width of `layers.0.attention.wq`'s output as the attention reads it: {seen}."]
+        lines += rss_start_note([r["rss_start_mb"] for r in ok], all(r["hwm_reset"] for r in ok),
+                                "after a warm-up step of a tiny model through the same setup")
+    return lines + failure_notes(rows, lambda r: f"{r['label']}, {r['ranks']} ranks")
 
 
 def parse_args(argv=None):
