@@ -207,7 +207,19 @@ class TensorParallelLayer(nn.Module):
             param.copy_(self.local_slice(name, getattr(module, name)))
 
 
-class ColumnParallelLinear(TensorParallelLayer):
+class _ParallelLinear(TensorParallelLayer):
+    """What the column and row layers share: each can be built as the shard of an existing `nn.Linear`."""
+
+    @classmethod
+    def from_full(cls, linear: nn.Linear, comm: Comm, axis: str = "tp", **options):
+        """This rank's shard of an existing `nn.Linear` (its weight rows or columns, see the class)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, comm, axis,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **options)
+        layer._load_full(linear)
+        return layer
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X Wᵀ + b with W [out, in] split by output features: rank r holds rows r·out/t … of W and b.
 
     Each rank computes its out/t columns of Y from the whole X.
@@ -233,14 +245,6 @@ class ColumnParallelLinear(TensorParallelLayer):
         self.weight = nn.Parameter(torch.zeros(local, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype)) if bias else None
 
-    @classmethod
-    def from_full(cls, linear: nn.Linear, comm: Comm, axis: str = "tp", **options) -> ColumnParallelLinear:
-        """The shard of an existing `nn.Linear` (its weight rows for this rank)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, comm, axis,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **options)
-        layer._load_full(linear)
-        return layer
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_entered:
             x = enter_tp_region(x, self.comm, self.axis, self.sequence_parallel)
@@ -253,7 +257,7 @@ class ColumnParallelLinear(TensorParallelLayer):
                 f"input_entered={self.input_entered}")
 
 
-class RowParallelLinear(TensorParallelLayer):
+class RowParallelLinear(_ParallelLinear):
     """Y = X Wᵀ + b with W [out, in] split by input features: rank r holds columns r·in/t … of W.
 
     Takes X sharded along features [.., in/t] (a column layer's output) and computes a partial
@@ -274,14 +278,6 @@ class RowParallelLinear(TensorParallelLayer):
         self.shard_dims = {"weight": 1}
         self.weight = nn.Parameter(torch.zeros(out_features, in_features // self.tp, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-
-    @classmethod
-    def from_full(cls, linear: nn.Linear, comm: Comm, axis: str = "tp", **options) -> RowParallelLinear:
-        """The shard of an existing `nn.Linear` (its weight columns for this rank)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, comm, axis,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **options)
-        layer._load_full(linear)
-        return layer
 
     def sequence_partial_params(self) -> list[str]:
         return ["bias"] if self.sequence_parallel and self.bias is not None else []
