@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -392,6 +393,9 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_report(args) -> int:
     """Run `paratrain report`; a bad run directory prints one line on stderr and returns 2."""
     try:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ReportError("the figures need matplotlib, which is not installed; "
+                              "pip install 'paratrain[plot]' (or matplotlib)")
         runs = load_runs(args.runs)
     except ReportError as e:
         print(f"paratrain report: error: {e}", file=sys.stderr)

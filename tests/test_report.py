@@ -151,3 +151,14 @@ def test_a_partly_written_last_line_is_ignored(tmp_path):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "lo')
     assert len(load_run(run).records) == 3
+
+
+def test_without_matplotlib_the_report_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    run = write_run(tmp_path / "run")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'paratrain[plot]'" in err and err.count("\n") == 1
