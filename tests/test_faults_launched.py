@@ -138,3 +138,26 @@ def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
 def summary(result: subprocess.CompletedProcess) -> str:
     """The launcher's one-line account of the failure."""
     return next(line for line in result.stderr.splitlines() if line.startswith("paratrain train: "))
+
+
+def test_a_fault_on_every_attempt_ends_after_the_allowed_restarts(tmp_path):
+    """--max-restarts 2 and a rank that fails on every attempt: exactly 3 attempts, exit 1, our message."""
+    out = tmp_path / "run"
+    result = launch(out, "--max-restarts", "2", fault="raise@rank1:step3:attempt*")
+    assert result.returncode == 1, result.stderr
+    assert sorted(p.name for p in (out / "diagnostics").iterdir()) == ["attempt-0", "attempt-1", "attempt-2"]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("paratrain train: ")]
+    assert len(ours) == 1 and "rank 1" in ours[0] and "injected fault: raise at rank 1, step 3" in ours[0], ours
+    assert not list((out / "checkpoints").glob("step-*")), "no checkpoint before step 4"
+
+
+def test_a_kill_while_purging_old_checkpoints_keeps_the_newest_and_resumes_bit_equal(reference, tmp_path):
+    """Retention purges only after a commit: killed in the purge after step 6, the run resumes from step 6."""
+    out = tmp_path / "run"
+    result = launch(out, "--checkpoint-every", "2", "--keep-latest", "2", "--max-restarts", "1",
+                    fault="kill_in_purge@rank0:step6")
+    assert result.returncode == 0, result.stderr
+    assert "checkpoints/step-00000006 at step 6" in result.stdout
+    assert_bit_equal(out, reference)
+    steps = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert steps == ["step-00000010", "step-00000012"]  # retention went on after the restart
