@@ -201,7 +201,7 @@ def adamw_factory(args):
 
 def setup_paratrain(model, spec: Spec, world: int, args) -> Runner:
     mesh = build_mesh(MeshShape(dp=world))
-    pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args), zero=spec.zero)
+    pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args), zero=spec.zero, bucket_mb=args.bucket_mb)
     engine = pmodel.engine
 
     def state_bytes():
@@ -430,6 +430,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", choices=list(PAIRS), default=list(PAIRS),
                    help="pairs to run (each runs its paratrain and its PyTorch side)")
     add_common_args(p, micro_batch_default=4, micro_batch_help="sequences per rank per step")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="paratrain's gradient bucket size (DDP, ZeRO-1/2); gloo's reduce-scatter and all-gather "
+                        "allocate temporaries of about the bucket's size")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="directory for dp-<time>.md and .json")
     args = p.parse_args(argv)
