@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from paratrain.mesh import Mesh
+from paratrain.mesh import AXES, Mesh
 
 SUM = dist.ReduceOp.SUM
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -102,6 +102,25 @@ class Comm:
             return None
         self._count("all_reduce", axis, tensor, 2 * _nbytes(tensor) * (n - 1) / n)
         return self._issue(axis, async_op, dist.all_reduce, tensor, op=op, group=group)
+
+    def all_reduce_mesh(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` in place over the whole mesh (every axis in turn: they are orthogonal); returns it."""
+        for axis in AXES:
+            self.all_reduce(tensor, axis)
+        return tensor
+
+    @torch.no_grad()
+    def all_reduce_coalesced(self, tensors: list[torch.Tensor], axis: str) -> None:
+        """Sum several tensors in place over `axis` with one flat all-reduce (one call instead of one each)."""
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors or self.mesh.size(axis) == 1:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.all_reduce(flat, axis)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, op=SUM,
                        async_op: bool = False):

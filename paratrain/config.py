@@ -325,7 +325,9 @@ def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
 
 
 def _check_pipeline(cfg: Config, dp: int, model_cfg) -> None:
-    """The pipeline rules: the schedule's needs and one layer at least per stage."""
+    """The pipeline rules: ZeRO-3 refused, and the schedule's (the planner's `schedule_violations`)."""
+    from paratrain.plan.search import schedule_violations
+
     p, t = cfg.parallel, cfg.train
     if p.pp == 1:
         if p.virtual_stages > 1:
@@ -334,17 +336,11 @@ def _check_pipeline(cfg: Config, dp: int, model_cfg) -> None:
     if p.zero == 3:
         raise ConfigError("--zero 3 with --pp > 1 is refused (ZeRO-3 would re-gather every stage's parameters "
                           "for each micro-batch); use --zero 1 or 2")
-    if (p.virtual_stages > 1) != (p.schedule == "interleaved"):
-        raise ConfigError(f"--schedule interleaved needs --virtual-stages ≥ 2 and only it takes them "
-                          f"(got --schedule {p.schedule} --virtual-stages {p.virtual_stages})")
-    stages = p.pp * p.virtual_stages
-    if model_cfg is not None and model_cfg.n_layers < stages:
-        raise ConfigError(f"{stages} pipeline stages (--pp {p.pp} × --virtual-stages {p.virtual_stages}) but the "
-                          f"model has {model_cfg.n_layers} layers; use at most {model_cfg.n_layers} stages")
-    micro_batches = t.global_batch // (t.micro_batch * dp) if t.global_batch % (t.micro_batch * dp) == 0 else 0
-    if p.schedule == "interleaved" and micro_batches and micro_batches % p.pp:
-        raise ConfigError(f"--schedule interleaved needs the micro-batches per step ({micro_batches} = global batch "
-                          f"{t.global_batch} / (micro-batch {t.micro_batch} × dp {dp})) divisible by --pp {p.pp}")
+    micro_batches = t.global_batch // (t.micro_batch * dp) if t.global_batch % (t.micro_batch * dp) == 0 else None
+    layers = model_cfg.n_layers if model_cfg is not None else None
+    broken = schedule_violations(layers, p.pp, p.virtual_stages, p.schedule, micro_batches)
+    if broken:
+        raise ConfigError(broken[0].message)
 
 
 def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:

@@ -50,7 +50,6 @@ from paratrain.config import ReliabilitySection
 from paratrain.diagnose import CollectiveFailure, FingerprintRing, any_failed, describe, mark_failed
 from paratrain.faults import fault_requested, maybe_fault
 
-MODEL_AXES = ("dp", "tp", "pp")
 # torchrun waits 30 s (--shutdown-timeout) between SIGTERM and SIGKILL: finish the step and save before.
 SIGTERM_GRACE_S = 25.0
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -192,9 +191,7 @@ class StepGuard:
         width = self.world + int(fault_requested("desync_shape", self.rank, self.step))
         flags = torch.zeros(2, width, device=self._device())
         flags[0, self.rank], flags[1, self.rank] = nonfinite, float(self.stop_requested)
-        for axis in MODEL_AXES:  # the axes are orthogonal: each rank's entry is summed in exactly once
-            self.comm.all_reduce(flags, axis)
-        return flags.cpu()
+        return self.comm.all_reduce_mesh(flags).cpu()  # each rank's entry is summed in exactly once
 
     def _device(self) -> torch.device:
         return self.inner.engine.masters()[0].device
@@ -232,8 +229,7 @@ class StepGuard:
             differs = max(differs, float(bool((mine != every[0]).item())))
         flags = torch.zeros(self.world, device=self._device())
         flags[self.rank] = differs
-        for axis in MODEL_AXES:
-            self.comm.all_reduce(flags, axis)
+        self.comm.all_reduce_mesh(flags)
         if flags.any():
             odd = flags.nonzero().flatten().tolist()
             raise TrainingAborted(f"replicas diverged at step {step}: {_ranks(odd)} hold(s) parameters that differ "

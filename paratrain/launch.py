@@ -120,8 +120,6 @@ def describe_failure(error: ChildFailedError, fallback=None) -> str:
         how = f"was killed by {failure.signal_name()}"
     else:
         how = f"exited with code {failure.exitcode}"
-    # A worker's own error file gives {"message": {"message": text, ...}} or {"message": text}; a
-    # signal gives a plain string that repeats what `how` already says.
     detail = _message(failure)
     others = sorted(r for r in error.failures if r != rank)
     also = f" (ranks {others} stopped too)" if others else ""
@@ -133,7 +131,11 @@ def describe_failure(error: ChildFailedError, fallback=None) -> str:
 
 
 def _message(failure) -> str:
-    """The first line of the error a failed worker reported, or '' (a worker killed by a signal reports none)."""
+    """The first line of the error a failed worker reported, or '' (a worker killed by a signal reports none).
+
+    A worker's own error file gives {"message": {"message": text, ...}} or {"message": text}; a
+    signal gives a plain string that repeats what the exit description already says.
+    """
     detail = failure.message if isinstance(failure.message, dict) else ""
     while isinstance(detail, dict):
         detail = detail.get("message", "")

@@ -64,9 +64,10 @@ class StepTimer:
     """Where one optimizer step's time goes, for the metrics of each step.
 
     The trainer runs each phase of a step (data, forward_backward, optimizer; and the checkpoint
-    save after the step, which it reports with the next step) inside `phase(name)`. The seconds a phase's collectives kept this rank blocked
-    (`Comm.blocked_s`: synchronous collectives and waits on asynchronous ones) are taken out
-    of the phase and reported as exposed communication per axis, the pp axis's as the
+    save after the step, which it reports with the next step) inside `phase(name)`. The seconds
+    a phase's collectives kept this rank blocked (`Comm.blocked_s`: synchronous collectives and
+    waits on asynchronous ones) are taken out of the phase and reported as exposed
+    communication per axis, the pp axis's as the
     pipeline wait (a stage idle until its neighbour's activation or gradient arrives). What
     remains of forward_backward is compute; recomputation under activation checkpointing is
     part of it.

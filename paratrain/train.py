@@ -110,13 +110,13 @@ def _run(cfg: Config, env: DistEnv, mesh: Mesh, device: torch.device) -> RunResu
             breakdown = timer.breakdown(elapsed)  # before evaluation's own communication
             first_loss = loss if step == resumed + 1 else first_loss
             tokens_seen += tokens
+            peak = peak_memory_bytes(device)
             record = {
                 "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "tokens_seen": tokens_seen, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
                 "mfu": mfu(flops_per_token, tokens / elapsed, t.peak_flops, env.world_size),
                 "comm_bytes": model.comm.bytes_by_axis(),
-                "peak_mem_bytes": peak_memory_bytes(device),
-                "peak_mem_bytes_per_rank": gather_per_rank(model.comm, peak_memory_bytes(device), device),
+                "peak_mem_bytes": peak, "peak_mem_bytes_per_rank": gather_per_rank(model.comm, peak, device),
                 "skipped_steps": model.scaler.skipped_steps, "skipped_nonfinite": guard.bad_total,
             }
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):

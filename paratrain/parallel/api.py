@@ -26,12 +26,9 @@ from torch.utils.checkpoint import checkpoint
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.data import DataParallelEngine
-from paratrain.parallel.tensor import gather_full, tp_norm_sq
+from paratrain.parallel.tensor import cross_entropy, gather_full, tp_norm_sq
 from paratrain.parallel.tp_plan import LLAMA_SP_PLAN, LLAMA_TP_PLAN, TensorParallelInfo, apply_tensor_parallel
 from paratrain.precision import LossScaler, Precision, precision_policy
-
-# Axes whose ranks hold different parts of the model: a flag or a norm over the whole model sums over them.
-MODEL_AXES = ("dp", "tp", "pp")
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                           torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
@@ -66,10 +63,7 @@ class ParallelModel(nn.Module):
         """Cross-entropy of this model's logits (fp32): vocab-parallel when tensor parallelism shards them."""
         if self.tp_info is not None:
             return self.tp_info.loss_fn(logits, targets, ignore_index, reduction)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
-                               reduction=reduction)
-        return loss.view(targets.shape) if reduction == "none" else loss
+        return cross_entropy(logits, targets, ignore_index, reduction)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (all-gathered over tp when the model shards them; collective)."""
@@ -117,7 +111,7 @@ class ParallelModel(nn.Module):
                 if master.grad is not None:
                     master.grad.div_(self.scaler.scale)
                     flag += (~torch.isfinite(master.grad)).any().float()
-            self._sum_over_model_axes(flag)
+            self.comm.all_reduce_mesh(flag)
             self._found_inf = bool(flag.item() > 0)
         self._grads_ready = True
         return self._found_inf
@@ -158,21 +152,8 @@ class ParallelModel(nn.Module):
         if self.tp_info is None or not self.tp_info.sequence_partial:
             return
         wanted = set(self.tp_info.sequence_partial)
-        grads = [m.grad for n, m in zip(self.engine.master_names(), self.engine.masters())
-                 if n in wanted and m.grad is not None and m.grad.numel()]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.all_reduce(flat, self.tp_info.axis)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def _sum_over_model_axes(self, tensor: torch.Tensor) -> torch.Tensor:
-        for axis in MODEL_AXES:
-            self.comm.all_reduce(tensor, axis)
-        return tensor
+        self.comm.all_reduce_coalesced([m.grad for n, m in zip(self.engine.master_names(), self.engine.masters())
+                                        if n in wanted and m.grad is not None], self.tp_info.axis)
 
     def _before_step(self, *_):
         if self.finish_gradients():
@@ -252,6 +233,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         model = split.module
     elif virtual_stages != 1:
         raise ParallelConfigError("--virtual-stages needs pipeline parallelism (--pp > 1)")
+    if init is None and any(p.is_meta for p in model.parameters()):
+        init = _default_init(model)
     tp_info = None
     # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and
     #    everything after (recomputation, gradient buckets, ZeRO shards) must see those slices.
@@ -307,16 +290,19 @@ def _split_pipeline(model: nn.Module, mesh: Mesh, zero: int, virtual_stages: int
     return split_for_pipeline(model, mesh.size("pp"), mesh.coord("pp"), virtual_stages, boundaries)
 
 
+def _default_init(model: nn.Module):
+    """The initializer of a model built on the meta device without one: its own `param_init`, seed 0."""
+    if not hasattr(model, "param_init"):
+        raise ParallelConfigError(f"{type(model).__name__} is on the meta device: pass "
+                                  "init=(name, full_shape) -> full fp32 tensor")
+    return functools.partial(model.param_init, seed=0)
+
+
 @torch.no_grad()
 def _materialize(model: nn.Module, init, device) -> None:
     """Give a meta model real storage on `device`, each parameter filled with `init(name, shape)`."""
     if not any(p.is_meta for p in model.parameters()):
         return
-    if init is None:
-        if not hasattr(model, "param_init"):
-            raise ParallelConfigError(f"{type(model).__name__} is on the meta device: pass "
-                                      "init=(name, full_shape) -> full fp32 tensor")
-        init = functools.partial(model.param_init, seed=0)
     model.to_empty(device=device or torch.get_default_device())
     for name, param in model.named_parameters():
         param.copy_(init(name, param.shape))
@@ -338,11 +324,6 @@ def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, seque
                                       "tp_plan={module pattern: style} (see paratrain.parallel.tp_plan)")
         plan = LLAMA_SP_PLAN if sequence_parallel else LLAMA_TP_PLAN
     on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta and init is None:
-        if not hasattr(model, "param_init"):
-            raise ParallelConfigError(f"{type(model).__name__} is on the meta device: pass "
-                                      "init=(name, full_shape) -> full fp32 tensor")
-        init = lambda name, shape: model.param_init(name, shape, 0)  # noqa: E731
     info = apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sequence_parallel,
                                  init=init if on_meta and materialize else None, device=device,
                                  sp_grad_hooks=False,  # ParallelModel reduces those grads itself

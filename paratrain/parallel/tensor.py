@@ -387,6 +387,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                  reduction: str = "sum") -> torch.Tensor:
+    """`F.cross_entropy` of logits [.., V] against targets [..], computed in at least fp32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=ignore_index, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm, axis: str = "tp",
                                  ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
     """`F.cross_entropy` of logits [.., V/t] sharded by vocabulary over `axis`, never gathering them.

@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.tensor import (
     ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, TensorParallelLayer,
-    check_divisible, enter_tp_region, gather_full, reduce_scatter_sequence, vocab_parallel_cross_entropy,
+    check_divisible, cross_entropy, enter_tp_region, gather_full, reduce_scatter_sequence,
+    vocab_parallel_cross_entropy,
 )
 
 
@@ -286,10 +286,7 @@ class TensorParallelInfo:
         """Cross-entropy of the model's logits (at least fp32): vocab-parallel when they are vocab-sharded."""
         if self.vocab_sharded_logits:
             return vocab_parallel_cross_entropy(logits, targets, self.comm, self.axis, ignore_index, reduction)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=ignore_index, reduction=reduction)
-        return loss.view(targets.shape) if reduction == "none" else loss
+        return cross_entropy(logits, targets, ignore_index, reduction)
 
     def global_shape(self, name: str, local_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(global shape, offset of this rank's shard) of parameter `name`, for layout-free checkpoints."""
@@ -308,15 +305,7 @@ class TensorParallelInfo:
     def all_reduce_sequence_partial_grads(self, model: nn.Module) -> None:
         """One flat tp all-reduce of the `sequence_partial` grads (for `sp_grad_hooks=False`), after backward."""
         grads = [model.get_parameter(n).grad for n in self.sequence_partial]
-        grads = [g for g in grads if g is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.all_reduce(flat, self.axis)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        self.comm.all_reduce_coalesced([g for g in grads if g is not None], self.axis)
 
     def remove_hooks(self) -> None:
         for handle in self.handles:

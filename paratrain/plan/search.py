@@ -93,18 +93,28 @@ def layout_violations(workload: Workload, layout: Layout, world_size: int | None
 
 
 def _schedule_violations(workload: Workload, lay: Layout) -> list[Violation]:
-    if lay.virtual_stages > 1 and lay.schedule is not Schedule.INTERLEAVED:
-        return [Violation("virtual_stages", f"--virtual-stages {lay.virtual_stages} needs --schedule interleaved")]
-    if lay.schedule is not Schedule.INTERLEAVED or lay.pp == 1:
-        return []
+    m = lay.num_microbatches(workload.global_batch)
+    layers = workload.model.n_layers if workload.model is not None else None
+    return schedule_violations(layers, lay.pp, lay.virtual_stages, lay.schedule.value, m)
+
+
+def schedule_violations(n_layers: int | None, pp: int, virtual_stages: int, schedule: str,
+                        num_microbatches: int | None) -> list[Violation]:
+    """The pipeline schedule's rules, shared by `paratrain plan` and `paratrain train`."""
     out = []
-    v, m = lay.virtual_stages, lay.num_microbatches(workload.global_batch)
-    if workload.model is not None and workload.model.n_layers % (lay.pp * v):
-        out.append(Violation("layers_chunks", f"layers {workload.model.n_layers} not divisible by "
-                                              f"pp × v = {lay.pp} × {v}"))
-    if m % lay.pp:  # Megatron's interleaved schedule runs micro-batches in groups of p
-        out.append(Violation("microbatches_pp", f"interleaved schedule needs micro-batches {m} divisible by "
-                                                f"pp {lay.pp}"))
+    interleaved = schedule == Schedule.INTERLEAVED.value
+    if virtual_stages > 1 and not interleaved:
+        out.append(Violation("virtual_stages", f"--virtual-stages {virtual_stages} needs --schedule interleaved"))
+    if not interleaved or pp == 1:
+        return out
+    if virtual_stages < 2:
+        out.append(Violation("virtual_stages", "--schedule interleaved needs --virtual-stages 2 or more"))
+    if n_layers is not None and n_layers % (pp * virtual_stages):
+        out.append(Violation("layers_chunks", f"layers {n_layers} not divisible by --pp × --virtual-stages = "
+                                              f"{pp} × {virtual_stages}"))
+    if num_microbatches and num_microbatches % pp:  # Megatron's interleaved schedule runs micro-batches in groups of p
+        out.append(Violation("microbatches_pp", f"--schedule interleaved needs the micro-batches per step "
+                                                f"({num_microbatches}) divisible by --pp {pp}"))
     return out
 
 
