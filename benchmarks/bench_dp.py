@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import RankError, run_on_ranks
 
 MB = 2**20
@@ -201,7 +201,8 @@ def adamw_factory(args):
 
 def setup_paratrain(model, spec: Spec, world: int, args) -> Runner:
     mesh = build_mesh(MeshShape(dp=world))
-    pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args), zero=spec.zero, bucket_mb=args.bucket_mb)
+    pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args),
+                              data=DataParallel(zero=spec.zero, bucket_mb=args.bucket_mb))
     engine = pmodel.engine
 
     def state_bytes():

@@ -41,7 +41,7 @@ from bench_dp import (
 )
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
 from paratrain.parallel.pipeline import PipelineModel
 from paratrain.parallel.stages import split_for_pipeline
 from paratrain.parallel.schedules import build_schedule
@@ -203,13 +203,14 @@ def setup_paratrain(cfg: ModelConfig, spec: Spec, args, clock: ActionClock) -> R
     with torch.device("meta"):
         model = Transformer(cfg)
     mesh = build_mesh(MeshShape(pp=args.pp))
-    pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args), grad_reduction="sum",
-                              schedule=spec.schedule, virtual_stages=spec.virtual_stages,
-                              init=lambda name, shape: model.param_init(name, shape, args.seed))
+    pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args), init=lambda name,
+                              shape: model.param_init(name, shape, args.seed),
+                              data=DataParallel(grad_reduction="sum"),
+                              pipeline=PipelineParallel(schedule=spec.schedule, virtual_stages=spec.virtual_stages))
 
     def train(x, y):
         micro = list(zip(x.split(args.micro_batch), y.split(args.micro_batch)))  # torch's step splits the same way
-        return pmodel.train_step(micro, float(y.numel())).item() / y.numel()
+        return pmodel.train_step(micro, float(y.numel())).loss_sum.item() / y.numel()
 
     def sent():
         return pmodel.comm.summary().get("pp", {}).get("send", {}).get("bytes", 0)

@@ -1,12 +1,19 @@
 """paratrain: train large language models across many processes.
 
     mesh = paratrain.init_mesh(dp=4)
-    model, optimizer = paratrain.parallelize(model, mesh, optimizer=partial(torch.optim.AdamW, lr=3e-4), zero=3)
+    model, optimizer = paratrain.parallelize(model, mesh, optimizer=partial(torch.optim.AdamW, lr=3e-4),
+                                             data=paratrain.DataParallel(zero=3))
 """
 
 __version__ = "0.1.0"
 
 from paratrain.mesh import Mesh, MeshShape, init_mesh  # noqa: E402
-from paratrain.parallel.api import parallelize  # noqa: E402
+from paratrain.errors import ParatrainError, RunFailure  # noqa: E402
+from paratrain.parallel.api import (  # noqa: E402
+    DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize,
+)
+from paratrain.parallel.model import ParallelModel  # noqa: E402
+from paratrain.parallel.schedules import ScheduleName  # noqa: E402
 
-__all__ = ["Mesh", "MeshShape", "init_mesh", "parallelize"]
+__all__ = ["DataParallel", "GradReduction", "Mesh", "MeshShape", "ParallelModel", "ParatrainError", "PipelineParallel",
+           "RunFailure", "ScheduleName", "TensorParallel", "init_mesh", "parallelize"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from paratrain.mesh import AXES, Mesh
+from paratrain.mesh import WORLD, Mesh
 
 SUM = dist.ReduceOp.SUM
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -56,7 +56,7 @@ class Comm:
         self.recent: deque[CallRecord] = deque(maxlen=history)
         self.blocked_s: dict[str, float] = defaultdict(float)
         # Called with each CallRecord before its collective starts (the trainer mirrors the
-        # fingerprint into a file that outlives a crash: paratrain.diagnose).
+        # fingerprint into a file that outlives a crash: paratrain.run.diagnose).
         self.listeners: list = []
         self._seq = 0
 
@@ -104,9 +104,8 @@ class Comm:
         return self._issue(axis, async_op, dist.all_reduce, tensor, op=op, group=group)
 
     def all_reduce_mesh(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` in place over the whole mesh (every axis in turn: they are orthogonal); returns it."""
-        for axis in AXES:
-            self.all_reduce(tensor, axis)
+        """Sum `tensor` in place over every rank of the mesh (one collective over the world); returns it."""
+        self.all_reduce(tensor, WORLD)
         return tensor
 
     @torch.no_grad()

@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paratrain.errors import ParatrainError, Violation
+from paratrain.parallel.schedules import SCHEDULES
 
-class ConfigError(ValueError):
+
+class ConfigError(ParatrainError, ValueError):
     """A configuration value is invalid; the message names the option and the fix."""
 
 
@@ -88,7 +91,7 @@ class ParallelSection:
                                             "(same communication, 1/tp of those activations)")
     pp: int = option(1, "pipeline-parallel degree: the layers split into pp stages on different ranks")
     schedule: str = option("1f1b", "pipeline schedule (micro-batches per step = global batch / (micro-batch × dp))",
-                           choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+                           choices=SCHEDULES)
     virtual_stages: int = option(1, "model chunks per pipeline rank (> 1 with --schedule interleaved)")
     zero: int = option(0, "ZeRO stage: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + parameters",
                        choices=(0, 1, 2, 3))
@@ -294,64 +297,47 @@ def _check_reliability(cfg: Config) -> None:
 
 
 def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
-    """The data-parallel degree: --dp, or what --tp × --pp leave of the world; checked with the model if given.
+    """The data-parallel degree: --dp, or what --tp × --pp leave of the world; every layout rule checked.
 
-    The rules are the planner's (`paratrain.plan.validate_layout`), so `train` refuses exactly
-    the layouts `plan` calls infeasible, naming the nearest valid ones.
+    The rules are the planner's (`paratrain.plan.validate_layout`, which calls each rule's own
+    function), so `train` refuses exactly the layouts `plan` calls infeasible, naming the
+    nearest valid ones. Without the model, the rules that need its shape wait.
     """
-    from paratrain.mesh import MeshError, MeshShape
-    from paratrain.plan.memory import PlanError
+    from paratrain.mesh import MeshShape
     from paratrain.plan.search import validate_layout
 
     p, t = cfg.parallel, cfg.train
     for name, value in [("--tp", p.tp), ("--pp", p.pp), ("--virtual-stages", p.virtual_stages)]:
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
-    dp = p.dp or max(1, world_size // (p.tp * p.pp))
     try:
-        if model_cfg is None:  # degrees alone; the model's divisibility rules once it is known
-            dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp).dp
-        else:
-            validate_layout(world_size, dp, p.tp, p.pp, model_cfg, t.global_batch, t.micro_batch)
-    except (PlanError, MeshError) as e:
+        dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp).dp
+        validate_layout(world_size, dp, p.tp, p.pp, model_cfg, t.global_batch, t.micro_batch, zero=p.zero,
+                        sequence_parallel=p.sequence_parallel, seq_len=cfg.data.seq_len, schedule=p.schedule,
+                        virtual_stages=p.virtual_stages)
+    except ParatrainError as e:  # the mesh's or the planner's: a config error here, naming the options
         raise ConfigError(str(e)) from None
-    _check_pipeline(cfg, dp, model_cfg)
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("--sequence-parallel needs --tp > 1")
-    if p.sequence_parallel and cfg.data.seq_len % p.tp:
-        raise ConfigError(f"--seq-len {cfg.data.seq_len} is not divisible by --tp {p.tp}, which sequence "
-                          f"parallelism needs; use --seq-len {cfg.data.seq_len - cfg.data.seq_len % p.tp or p.tp}")
     return dp
 
 
-def _check_pipeline(cfg: Config, dp: int, model_cfg) -> None:
-    """The pipeline rules: ZeRO-3 refused, and the schedule's (the planner's `schedule_violations`)."""
-    from paratrain.plan.search import schedule_violations
-
-    p, t = cfg.parallel, cfg.train
-    if p.pp == 1:
-        if p.virtual_stages > 1:
-            raise ConfigError("--virtual-stages needs --pp > 1")
-        return
-    if p.zero == 3:
-        raise ConfigError("--zero 3 with --pp > 1 is refused (ZeRO-3 would re-gather every stage's parameters "
-                          "for each micro-batch); use --zero 1 or 2")
-    micro_batches = t.global_batch // (t.micro_batch * dp) if t.global_batch % (t.micro_batch * dp) == 0 else None
-    layers = model_cfg.n_layers if model_cfg is not None else None
-    broken = schedule_violations(layers, p.pp, p.virtual_stages, p.schedule, micro_batches)
-    if broken:
-        raise ConfigError(broken[0].message)
+def batch_violations(global_batch: int | None, micro_batch: int, dp: int) -> list[Violation]:
+    """The global batch must split into micro-batches over the data ranks (accumulation = global / (micro × dp))."""
+    if global_batch is None or global_batch % (micro_batch * dp) == 0:
+        return []
+    per_step = micro_batch * dp
+    lower = global_batch - global_batch % per_step
+    options = [b for b in (lower, lower + per_step) if b > 0]
+    hint = " or ".join(f"--global-batch {b}" for b in options)
+    divisors = [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0]
+    if divisors:
+        hint += f", or --micro-batch in {divisors}"
+    return [Violation("batch", f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x "
+                               f"{dp} data rank(s); use {hint}")]
 
 
 def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:
-    """Return the gradient-accumulation steps, or explain which divisibility rule fails."""
-    per_step = micro_batch * dp
-    if global_batch % per_step:
-        lower = global_batch - global_batch % per_step
-        options = [b for b in (lower, lower + per_step) if b > 0]
-        hint = " or ".join(f"--global-batch {b}" for b in options)
-        divisors = [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0]
-        raise ConfigError(
-            f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x "
-            f"{dp} data rank(s); use {hint}, or --micro-batch in {divisors}")
-    return global_batch // per_step
+    """Return the gradient-accumulation steps, or raise ConfigError saying which divisibility rule fails."""
+    broken = batch_violations(global_batch, micro_batch, dp)
+    if broken:
+        raise ConfigError(broken[0].message)
+    return global_batch // (micro_batch * dp)

@@ -17,9 +17,10 @@ from typing import Mapping
 
 import torch
 import torch.distributed as dist
+from paratrain.errors import ParatrainError
 
 
-class LaunchError(RuntimeError):
+class LaunchError(ParatrainError, RuntimeError):
     """The launcher's environment is incomplete or contradictory."""
 
 

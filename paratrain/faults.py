@@ -3,6 +3,12 @@
     PARATRAIN_FAULT="sigkill@rank1:step7"                      # attempt 0 only (the default)
     PARATRAIN_FAULT="raise@rank1:step3:attempt*"               # every attempt
     PARATRAIN_FAULT="ckpt_kill_before_commit@rank0:step8:attempt1,nan@rank1:step6"
+    PARATRAIN_FAULT="negate_grads@rank1:step*"                 # every step
+
+This module is the only place that reads the variable and knows the faults. The training loop
+(`paratrain.train`) calls `maybe_fault` / `fault_requested` at its own points, in the open; the
+checkpoint storage core knows nothing of faults and reports the events of a save to a callback,
+which `checkpoint_events` builds from the faults of the save's points.
 
 A fault fires when the code reaches a hook ``maybe_fault(kind, rank, step)``
 with the same kind, rank and step, and ``TORCHELASTIC_RESTART_COUNT`` (0 when
@@ -21,7 +27,11 @@ Two sorts of kind:
   of writing a shard file) and ``ckpt_slow_write`` (each shard file takes
   `SLOW_WRITE_SECONDS` longer, to keep an async save in flight);
 * flags, which `maybe_fault` only reports (it returns True) and the caller
-  acts on: ``nan``, ``infgrad``, ``desync_shape``, ``perturb``.
+  acts on: ``nan`` (the loss becomes NaN), ``infgrad`` (one gradient element
+  becomes inf), ``desync_shape`` (the step's agreement all-reduce gets a
+  different shape), ``perturb`` (a replicated parameter moves by one ulp),
+  ``negate_grads`` (this rank's gradients change sign before the optimizer
+  step: an engine that reduces wrongly, which `paratrain verify` must catch).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import signal
 import time
 from dataclasses import dataclass
 from typing import Mapping
+from paratrain.errors import ParatrainError
 
 FAULT_ENV = "PARATRAIN_FAULT"
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -43,23 +54,30 @@ ACTIONS = frozenset({
     "sigkill", "raise", "hang", "hang_data", "oom",
     "ckpt_kill_after_shard", "ckpt_kill_before_commit", "kill_in_purge", "ckpt_enospc", "ckpt_slow_write",
 })
-FLAGS = frozenset({"nan", "infgrad", "desync_shape", "perturb"})
+FLAGS = frozenset({"nan", "infgrad", "desync_shape", "perturb", "negate_grads"})
 KINDS = ACTIONS | FLAGS
 _KILLS = frozenset({"sigkill", "ckpt_kill_after_shard", "ckpt_kill_before_commit", "kill_in_purge"})
-_SPEC = re.compile(r"(?P<kind>[a-z_0-9]+)@rank(?P<rank>\d+):step(?P<step>\d+)(?::attempt(?P<attempt>\d+|\*))?")
+_SPEC = re.compile(r"(?P<kind>[a-z_0-9]+)@rank(?P<rank>\d+):step(?P<step>\d+|\*)(?::attempt(?P<attempt>\d+|\*))?")
+# The points of a checkpoint save (the storage core's events) and the faults injected at each.
+CHECKPOINT_EVENTS = {
+    "shard_written": ("ckpt_kill_after_shard",),  # this rank's file is complete, before the ranks meet
+    "writing_data": ("ckpt_enospc", "ckpt_slow_write"),  # a shard file's header is written, its data not yet
+    "committing": ("ckpt_kill_before_commit",),  # rank 0: index written, manifest (the commit marker) not yet
+    "purging": ("kill_in_purge",),  # rank 0: an old checkpoint renamed for deletion, not yet deleted
+}
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(ParatrainError, ValueError):
     """PARATRAIN_FAULT or TORCHELASTIC_RESTART_COUNT cannot be parsed."""
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault: `kind` on `rank` at `step`, on restart `attempt` (None: every attempt)."""
+    """One injected fault: `kind` on `rank` at `step` (None: every step), on restart `attempt` (None: every attempt)."""
 
     kind: str
     rank: int
-    step: int
+    step: int | None
     attempt: int | None = 0
 
 
@@ -75,12 +93,12 @@ def _parse(text: str) -> tuple[Fault, ...]:
         match = _SPEC.fullmatch(part)
         if match is None:
             raise FaultSpecError(f"{FAULT_ENV}: cannot parse {part!r}; expected "
-                                 f"kind@rank<r>:step<k>[:attempt<a>|:attempt*], e.g. sigkill@rank1:step7")
+                                 f"kind@rank<r>:step<k>|step*[:attempt<a>|:attempt*], e.g. sigkill@rank1:step7")
         if match["kind"] not in KINDS:
             raise FaultSpecError(f"{FAULT_ENV}: unknown fault kind {match['kind']!r} in {part!r}; "
                                  f"known: {', '.join(sorted(KINDS))}")
-        attempt = match["attempt"]
-        faults.append(Fault(match["kind"], int(match["rank"]), int(match["step"]),
+        attempt, step = match["attempt"], match["step"]
+        faults.append(Fault(match["kind"], int(match["rank"]), None if step == "*" else int(step),
                             None if attempt == "*" else int(attempt or 0)))
     return tuple(faults)
 
@@ -107,7 +125,7 @@ def fault_requested(kind: str, rank: int, step: int, environ: Mapping[str, str] 
     """Whether a fault of `kind` is injected at this rank and step in this attempt."""
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(sorted(KINDS))}")
-    return any(f.kind == kind and f.rank == rank and f.step == step for f in active_faults(environ))
+    return any(f.kind == kind and f.rank == rank and f.step in (None, step) for f in active_faults(environ))
 
 
 def maybe_fault(kind: str, rank: int, step: int, environ: Mapping[str, str] | None = None) -> bool:
@@ -130,3 +148,14 @@ def maybe_fault(kind: str, rank: int, step: int, environ: Mapping[str, str] | No
         while True:
             time.sleep(3600)
     return True
+
+
+def checkpoint_events(rank: int):
+    """The callback a checkpoint save reports its events to: `event(name, step)` performs the faults
+    injected at that point of the save on this rank (see CHECKPOINT_EVENTS), read when it happens."""
+
+    def event(name: str, step: int) -> None:
+        for kind in CHECKPOINT_EVENTS[name]:
+            maybe_fault(kind, rank, step)
+
+    return event

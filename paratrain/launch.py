@@ -21,21 +21,24 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paratrain.config import Config
 from paratrain.distributed import free_port
+from paratrain.errors import RunFailure
 
 
 # Exit code of a run stopped by SIGTERM after its checkpoint (the shell's 128 + signal number).
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 # Seconds the launcher gives workers between its SIGTERM and SIGKILL: they finish the step and save
-# (paratrain.guard.SIGTERM_GRACE_S is a little less).
+# (paratrain.run.guard.SIGTERM_GRACE_S is a little less).
 SHUTDOWN_TIMEOUT_S = 30
 
 
-class LaunchFailed(RuntimeError):
+class LaunchFailed(RunFailure):
     """A worker process failed; the message names the first rank that did and why."""
 
 
-class Preempted(RuntimeError):
+class Preempted(RunFailure):
     """The launcher was told to stop (SIGTERM): the workers checkpointed and stopped; relaunch to resume."""
+
+    exit_code = PREEMPTED_EXIT
 
 
 @record
@@ -47,12 +50,8 @@ def _worker(config: dict) -> None:
         sys.exit(PREEMPTED_EXIT)
 
 
-def launch_local(cfg: Config, entry=None) -> None:
-    """Run `train(cfg)` on cfg.run.nproc local processes; raise LaunchFailed on failure.
-
-    `entry` replaces the per-process entry point (a module-level function taking the config
-    as a dict, which must call `train`); `paratrain verify` uses it to inject faults.
-    """
+def launch_local(cfg: Config) -> None:
+    """Run `train(cfg)` on cfg.run.nproc local processes; raise LaunchFailed on failure."""
     run_id = uuid.uuid4().hex[:8]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # With the rendezvous store shared between agent and workers (torch's default), a restarted
@@ -78,7 +77,7 @@ def launch_local(cfg: Config, entry=None) -> None:
     # internals; the one line from describe_failure says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        elastic_launch(launch, entry or _worker)(cfg.to_dict())
+        elastic_launch(launch, _worker)(cfg.to_dict())
     except ChildFailedError as e:
         raise LaunchFailed(describe_failure(e, lambda rank: _fingerprint_report(cfg, rank))) from None
     except SignalException as e:  # the agent forwarded the signal to the workers and waited for them
@@ -87,8 +86,8 @@ def launch_local(cfg: Config, entry=None) -> None:
 
 def _fingerprint_report(cfg: Config, rank: int) -> str:
     """Where the collectives of `rank`'s stage diverged in the last attempt, by the fingerprints, or ''."""
-    from paratrain.checkpoint.rundir import DIAGNOSTICS_DIR
-    from paratrain.diagnose import divergence, ring_path
+    from paratrain.run.rundir import DIAGNOSTICS_DIR
+    from paratrain.run.diagnose import divergence, ring_path
     from paratrain.mesh import MeshShape
 
     attempts = sorted((Path(cfg.run.out) / DIAGNOSTICS_DIR).glob("attempt-*"), key=lambda p: int(p.name[8:]))
@@ -102,7 +101,7 @@ def _fingerprint_report(cfg: Config, rank: int) -> str:
 
 def _newest_checkpoint(cfg: Config) -> str:
     from paratrain.checkpoint import list_checkpoints
-    from paratrain.checkpoint.rundir import CHECKPOINT_DIR
+    from paratrain.run.rundir import CHECKPOINT_DIR
 
     found = list_checkpoints(Path(cfg.run.out) / CHECKPOINT_DIR)
     return (f"newest checkpoint {found[-1].name}: relaunch the same command to resume" if found

@@ -3,7 +3,9 @@
 Ranks are laid out ``pp × dp × tp`` with ``tp`` innermost, so the ranks of a
 tensor-parallel group are neighbours (on one node, on fast links) and the
 ranks of a pipeline group are far apart. ``MeshShape`` is pure arithmetic
-(tested without processes); ``Mesh`` adds the process groups.
+(tested without processes); ``Mesh`` adds the process groups and the device
+this process computes on. Besides the three axes, ``"world"`` names every
+rank at once (the mesh-wide agreement of a training step is one collective).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+from paratrain.errors import ParatrainError, Violation
 
 AXES = ("pp", "dp", "tp")
+WORLD = "world"  # every rank of the mesh: not a parallelism axis, the group of mesh-wide agreements
 
 
-class MeshError(ValueError):
+class MeshError(ParatrainError, ValueError):
     """Degrees that do not describe the world (product, positivity)."""
 
 
@@ -78,6 +83,13 @@ class MeshShape:
         return shape
 
 
+def degree_violations(world_size: int | None, dp: int, tp: int, pp: int) -> list[Violation]:
+    """The rule of the degrees themselves: pp × dp × tp is the world size (when it is known)."""
+    if world_size is None or dp * tp * pp == world_size:
+        return []
+    return [Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} ≠ {world_size} ranks")]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -89,18 +101,21 @@ class Mesh:
     shape: MeshShape
     rank: int
     groups: dict[str, dist.ProcessGroup | None] = field(repr=False)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def size(self, axis: str) -> int:
-        return self.shape.size(axis)
+        return self.shape.world_size if axis == WORLD else self.shape.size(axis)
 
     def coord(self, axis: str) -> int:
-        return self.shape.coords(self.rank)[axis]
+        return self.rank if axis == WORLD else self.shape.coords(self.rank)[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         return self.groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group on `axis`, in axis order."""
+        if axis == WORLD:
+            return list(range(self.shape.world_size))
         return next(g for g in self.shape.groups(axis) if self.rank in g)
 
     @property
@@ -108,25 +123,31 @@ class Mesh:
         return self.rank == 0
 
 
-def build_mesh(shape: MeshShape, timeout: timedelta | None = None) -> Mesh:
+def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch.device | str | None = None) -> Mesh:
     """Create the process groups of every axis (collectively: every rank must call this).
 
     `timeout` bounds each collective of the new groups (None: torch's default, 30 minutes;
-    torch does not inherit the default group's timeout).
+    torch does not inherit the default group's timeout). `device` is where this rank computes
+    (None: the launcher's choice, `paratrain.distributed.default_device`): every tensor the
+    strategies allocate lives there.
     """
     if not dist.is_initialized():
         raise MeshError("no process group: call paratrain.init_mesh(), or init torch.distributed first")
     rank, world = dist.get_rank(), dist.get_world_size()
     if shape.world_size != world:
         raise MeshError(f"mesh {shape} has {shape.world_size} ranks but the world has {world}")
-    groups: dict[str, dist.ProcessGroup | None] = {}
+    groups: dict[str, dist.ProcessGroup | None] = {WORLD: dist.group.WORLD}
     for axis in AXES:
         for ranks in shape.groups(axis):
             # new_group is collective over the whole world: every rank creates every group.
             group = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
             if rank in ranks:
                 groups[axis] = group
-    return Mesh(shape=shape, rank=rank, groups=groups)
+    if device is None:
+        from paratrain.distributed import default_device, detect_env
+
+        device = default_device(detect_env())
+    return Mesh(shape=shape, rank=rank, groups=groups, device=torch.device(device))
 
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None) -> Mesh:
@@ -137,12 +158,12 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float 
     size divided by tp × pp. `timeout_s` bounds every collective (None: torch's
     default); a group that already exists keeps its own.
     """
-    from paratrain.distributed import detect_env, init_distributed
+    from paratrain.distributed import backend_for, detect_env, init_distributed
 
     world = detect_env().world_size
     shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp)  # fail before any group exists
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}))
+    _, device = init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}))
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return build_mesh(shape, timeout)
+        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+    return build_mesh(shape, timeout, device)

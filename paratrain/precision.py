@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from paratrain.errors import ParatrainError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class PrecisionError(ValueError):
+class PrecisionError(ParatrainError, ValueError):
     """An unknown precision or reduce dtype."""
 
 

@@ -1,17 +1,16 @@
-"""The training loop: data -> forward -> loss -> backward -> reduce -> step, read top to bottom.
+"""The training loop: data -> forward -> loss -> backward -> reduce -> agree -> clip -> step, read top to bottom.
 
-``train(config)`` is the whole program behind ``paratrain train``; a user can
-call it from their own script. Every process of a job runs it: rank and world
-size come from the launcher's environment (see ``paratrain.distributed``).
+``train(config)`` is the whole program behind ``paratrain train``; a user can call it from
+their own script. Every process of a job runs it: rank and world size come from the
+launcher's environment (see ``paratrain.distributed``). `paratrain.run.build` makes
+everything the loop uses; `train_step` is one optimizer step, every stage of it in the open.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -22,21 +21,16 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from paratrain.checkpoint.rundir import apply_claim, claim_run_dir, diagnostics_dir
-from paratrain.checkpoint.trainer import TrainingCheckpoints, check_resume_option, explain_layout_error
-from paratrain.config import Config, ConfigError, check_batch, data_ranks, validate
-from paratrain.data import DataSampler, build_dataset, resolve_text_files
-from paratrain.data.prepare import is_prepared_dir
-from paratrain.distributed import DistEnv, default_device, detect_env, shutdown
-from paratrain.faults import current_attempt
-from paratrain.guard import StepGuard
-from paratrain.metrics import MetricsLog, StepTimer, mfu, peak_memory_bytes, perplexity, unigram_entropy
-from paratrain.mesh import Mesh, init_mesh
-from paratrain.models import ModelConfig, Transformer, generate, get_model_config
-from paratrain.parallel.api import ParallelModel, maybe_no_sync, parallelize
-from paratrain.parallel.pipeline import PipelineModel
+from paratrain.config import Config
+from paratrain.distributed import detect_env, shutdown
+from paratrain.faults import fault_requested, maybe_fault
+from paratrain.mesh import WORLD, init_mesh
+from paratrain.metrics import StepTimer, mfu, peak_memory_bytes, perplexity, unigram_entropy
+from paratrain.models import ModelConfig, generate
+from paratrain.parallel.model import IGNORE_INDEX, ParallelModel, Verdict
+from paratrain.run.build import Run, build, preflight
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "RunResult", "StepOutcome", "train", "train_step"]
 
 
 @dataclass
@@ -52,6 +46,16 @@ class RunResult:
     preempted: bool = False  # stopped by SIGTERM after saving a checkpoint; relaunch to continue
 
 
+@dataclass
+class StepOutcome:
+    """What one optimizer step measured."""
+
+    loss: float  # mean token loss of the global batch
+    grad_norm: float  # before clipping; nan for a skipped step
+    tokens: int  # target tokens of the global batch
+    verdict: Verdict
+
+
 def train(cfg: Config) -> RunResult:
     """Train as configured; every process of the job calls this."""
     owns_group = not dist.is_initialized()
@@ -60,288 +64,191 @@ def train(cfg: Config) -> RunResult:
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                      timeout_s=cfg.reliability.pg_timeout_s)
     try:
-        return _run(cfg, env, mesh, default_device(env))
+        run = build(cfg, env, mesh)
+        return finish(run, *loop(run))
     finally:
         if owns_group:
             shutdown()
 
 
-def _run(cfg: Config, env: DistEnv, mesh: Mesh, device: torch.device) -> RunResult:
-    t, p = cfg.train, cfg.parallel
-    out = prepare_run_dir(cfg, env)
-    train_set, eval_set, tokenizer = load_data(cfg, env, out)
-    model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, device)
-    dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
-    accumulation = check_batch(t.global_batch, t.micro_batch, dp)
-    sampler = DataSampler(len(train_set), t.global_batch, dp_rank, dp, seed=t.seed)
-    guard = StepGuard(cfg.reliability, model, optimizer, env.rank, diagnostics_dir(out))
-    checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
-                                      extra_state={"model_config": dataclasses.asdict(model_cfg)})
-    resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
-    entropy = unigram_entropy(train_set.stream.tokens, model_cfg.vocab_size)
-    flops_per_token = model_cfg.flops_per_token(cfg.data.seq_len)
-    log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
-    if env.is_main:
-        print(f"paratrain: {cfg.model.name} ({model_cfg.num_params():,} parameters), "
-              f"{env.world_size} process(es) on {device.type} (dp={dp}, tp={p.tp}{', sp' if p.sequence_parallel else ''}, "
-              f"pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
-              f"zero={p.zero}, {p.precision}), "
-              f"{len(train_set):,} training sequences of {cfg.data.seq_len} tokens, "
-              f"{accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats",
-              flush=True)
-
-    bar = tqdm(total=t.steps, initial=resumed, desc="train", disable=not (env.is_main and cfg.run.progress),
-               dynamic_ncols=True)
+def loop(run: Run) -> tuple[float, float, float]:
+    """Every step from the one after the resumed one; returns (first loss, last loss, last eval loss)."""
+    cfg, t, model, guard = run.cfg, run.cfg.train, run.model, run.guard
+    bar = tqdm(total=t.steps, initial=run.resumed_step, desc="train", dynamic_ncols=True,
+               disable=not (run.env.is_main and cfg.run.progress))
     first_loss = loss = eval_loss = float("nan")
-    with guard.running(), checkpoints:  # a failed collective says which rank was where; saves are waited for
-        last_save_s = 0.0
-        for step in range(resumed + 1, t.steps + 1):
+    last_save_s = 0.0
+    with guard.running(), run.checkpoints:  # a failed collective says which rank was where; saves are waited for
+        for step in range(run.resumed_step + 1, t.steps + 1):
             guard.begin_step(step)
-            start = time.perf_counter()
             model.comm.reset()
-            timer = StepTimer(model.comm)
-            lr = set_learning_rate(optimizer, step, cfg)
+            timer, start = StepTimer(model.comm), time.perf_counter()
+            lr = set_learning_rate(run.optimizer, step, cfg)
             with timer.phase("data"):
-                ids = sampler.next_batch()
-                batches = [train_set.get_batch(ids[i:i + t.micro_batch]) for i in range(0, len(ids), t.micro_batch)]
-            loss, grad_norm, tokens = train_step(model, optimizer, batches, device, t.grad_clip, timer)
-            elapsed = time.perf_counter() - start
-            breakdown = timer.breakdown(elapsed)  # before evaluation's own communication
-            first_loss = loss if step == resumed + 1 else first_loss
-            tokens_seen += tokens
-            peak = peak_memory_bytes(device)
-            record = {
-                "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "tokens_seen": tokens_seen, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
-                "mfu": mfu(flops_per_token, tokens / elapsed, t.peak_flops, env.world_size),
-                "comm_bytes": model.comm.bytes_by_axis(),
-                "peak_mem_bytes": peak, "peak_mem_bytes_per_rank": gather_per_rank(model.comm, peak, device),
-                "skipped_steps": model.scaler.skipped_steps, "skipped_nonfinite": guard.bad_total,
-            }
+                maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
+                batches = next_batches(run)
+            outcome = train_step(model, run.optimizer, batches, t.grad_clip, step=step, timer=timer,
+                                 stop=guard.stop_requested, peak=peak_memory_bytes(run.device))
+            guard.judge(outcome.verdict)
+            record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
+            loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-                eval_loss = evaluate(model, eval_set, t.eval_batches * t.global_batch, t.micro_batch, dp_rank, dp, device)
+                eval_loss = evaluate(run)
                 record.update(eval_loss=eval_loss, eval_ppl=perplexity(eval_loss))
-                if env.is_main:
-                    bar.write(f"step {step}: train loss {loss:.4f}, eval loss {eval_loss:.4f} "
-                              f"(ppl {perplexity(eval_loss):.2f})")
-            # The save that followed the previous step: a record is written before its own save.
-            record["time_breakdown_s"] = {**breakdown, "checkpoint_s": last_save_s}
-            if log:
-                log.write(record)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", refresh=False)
-            bar.update(1)
+            log_step(run, bar, record)
+            if fault_requested("perturb", run.env.rank, step):
+                guard.perturb()
             guard.end_step(step)  # may stop the run: too many non-finite steps, diverged replicas
             with timer.phase("checkpoint"):
-                checkpoints.after_step(step, tokens_seen, last=step == t.steps, stopping=guard.stopping)
+                run.checkpoints.after_step(step, run.tokens_seen, last=step == t.steps, stopping=guard.stopping)
             last_save_s = timer.seconds["checkpoint"]
             if guard.stopping:  # SIGTERM on some rank: checkpoint saved, leave now
                 break
     bar.close()
-    if guard.stopping:
-        if log:
-            log.close()
-        return RunResult(out, first_loss, loss, eval_loss, entropy, "", preempted=True)
-
-    weights = model.full_state_dict()  # collective under ZeRO-3: every rank takes part
-    prompt, sample = sample_text(model, tokenizer, eval_set, t.sample_tokens, t.seed, device)
-    if env.is_main:
-        log.close()
-        save_final(out, weights, model_cfg, tokenizer)
-        if sample:
-            print(f"--- prompt (held-out text) ---\n{prompt}\n--- the model's continuation ---\n{sample}\n---")
-        print(f"train loss {first_loss:.3f} -> {loss:.3f}, eval loss {eval_loss:.3f} "
-              f"(unigram entropy of the data: {entropy:.3f})\nrun written to {out}", flush=True)
-    return RunResult(out, first_loss, loss, eval_loss, entropy, sample)
+    return first_loss, loss, eval_loss
 
 
-def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, device: torch.device):
-    """The reference model built on the meta device, materialized and wrapped for the mesh.
+def log_step(run: Run, bar: tqdm, record: dict) -> None:
+    """The step's record into metrics.jsonl (rank 0), the progress bar, and the evaluation line if there was one."""
+    if run.log:
+        run.log.write(record)
+    if "eval_loss" in record and run.env.is_main:
+        bar.write(f"step {record['step']}: train loss {record['loss']:.4f}, eval loss {record['eval_loss']:.4f} "
+                  f"(ppl {record['eval_ppl']:.2f})")
+    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", refresh=False)
+    bar.update(1)
 
-    parallelize() materializes only what the rank holds: its pipeline stages, its tensor-parallel
-    slices, under ZeRO-3 its rows; each value is the slice of the same initialization
-    (`weight_initializer`: seeded random, or the weights of --init-from).
+
+def next_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data rank's micro-batches of the next global batch (the sampler's order: any layout, any resume)."""
+    ids, micro = run.sampler.next_batch(), run.cfg.train.micro_batch
+    return [run.train_set.get_batch(ids[i:i + micro]) for i in range(0, len(ids), micro)]
+
+
+def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, step: int = 0, timer: StepTimer | None = None,
+               stop: bool = False, peak: int = 0) -> StepOutcome:
+    """One optimizer step over this rank's micro-batches, every stage in the order it runs.
+
+    The loss is the mean over every target token of the global batch: each micro-batch
+    contributes its token-loss *sum* divided by the token count of the whole step across all
+    ranks, and the engine sums gradients over the data ranks, so accumulation and data
+    parallelism give exactly the gradient of one process holding the whole batch, whatever the
+    number of padded tokens in each micro-batch. Only the last micro-batch communicates.
+    `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's peak
+    memory so far, reported per rank. The fault hooks of `paratrain.faults` sit here, in the open.
     """
-    p = cfg.parallel
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg), zero=p.zero,
-                       precision=p.precision, reduce_dtype=p.reduce_dtype,
-                       activation_checkpointing=p.activation_checkpointing, bucket_mb=p.bucket_mb,
-                       grad_reduction="sum", sequence_parallel=p.sequence_parallel, schedule=p.schedule,
-                       virtual_stages=p.virtual_stages, device=device,
-                       init=weight_initializer(model, cfg))
-
-
-def weight_initializer(model: Transformer, cfg: Config):
-    """init(name, full_shape) -> full fp32 value: the weights of --init-from if given, else the seeded init."""
-    if not cfg.model.init_from:
-        return lambda name, shape: model.param_init(name, shape, cfg.train.seed)
-    from paratrain.checkpoint.hf_dir import HFWeights
-
-    weights = HFWeights(cfg.model.init_from)  # checked against the config in preflight; reads lazily
-    return lambda name, shape: weights.read(name).float()
-
-
-def train_step(model: ParallelModel, optimizer, batches, device, grad_clip: float,
-               timer: StepTimer | None = None) -> tuple[float, float, int]:
-    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, global tokens).
-
-    The loss is the mean over every target token of the global batch: each
-    micro-batch contributes its token-loss *sum* divided by the token count of
-    the whole step across all ranks, and the engine sums gradients over the
-    data ranks, so accumulation and data parallelism give exactly the gradient
-    of one process holding the whole batch, whatever the number of padded
-    tokens in each micro-batch. Only the last micro-batch communicates.
-    `timer` (optional) records the forward/backward and optimizer phases.
-    """
-    phase = timer.phase if timer else lambda name: contextlib.nullcontext()
-    with phase("forward_backward"):
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = int(model.comm_sum(torch.tensor(float(local_tokens), device=device)).item())
-        if isinstance(model, PipelineModel):  # the schedule interleaves the micro-batches' passes
-            loss_sum = model.train_step(batches, global_tokens)
-        else:
-            loss_sum = torch.zeros((), device=device)
-            for i, (inputs, labels) in enumerate(batches):
-                inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-                with maybe_no_sync(model, enabled=i < len(batches) - 1):
-                    token_losses = model.loss_fn(model(inputs), labels, ignore_index=IGNORE_INDEX)
-                    model.scale_loss(token_losses / global_tokens).backward()
-                loss_sum += token_losses.detach()
-    with phase("optimizer"):
-        grad_norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
-        optimizer.step()  # skipped by every rank together if fp16 gradients overflowed
+    timer = timer or StepTimer(model.comm)
+    rank = model.mesh.rank
+    local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)  # on the host: no sync
+    with timer.phase("forward_backward"):
+        # The step's global token count, summed over the data ranks on the device (no host sync).
+        normalizer = model.comm_sum(torch.tensor(float(local_tokens), device=model.device))
+        loss_fn = _nan_loss(model.loss_fn) if fault_requested("nan", rank, step) else model.loss_fn
+        result = model.train_step(batches, normalizer, loss_fn)
+    with timer.phase("optimizer"):
+        model.finish_gradients()
+        for kind in ("sigkill", "raise", "oom", "hang"):
+            maybe_fault(kind, rank, step)  # mid-step: the peers wait in the agreement below
+        _gradient_faults(model, rank, step)
+        if fault_requested("desync_shape", rank, step):  # a larger collective than the peers' agreement below
+            model.comm.all_reduce(torch.zeros(64, model.mesh.size(WORLD), dtype=torch.float64, device=model.device),
+                                  WORLD)
+        verdict = model.agree(result, stop=stop, counts={"tokens": local_tokens, "peak_mem": peak})
+        grad_norm = math.nan
+        if not verdict.skip:
+            grad_norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf).item()
+        optimizer.step()  # a skipped step has no gradients: no parameter moves
         optimizer.zero_grad(set_to_none=True)
-        loss = model.comm_sum(loss_sum).item() / global_tokens
-    return loss, grad_norm, global_tokens
+    tokens = int(verdict.sums["tokens"])
+    return StepOutcome(verdict.loss_sum / tokens, grad_norm, tokens, verdict)
+
+
+def _nan_loss(loss_fn):
+    """The `nan` fault: this rank's loss (and so its gradients) become NaN."""
+    return lambda output, labels: loss_fn(output, labels) * float("nan")
+
+
+def _gradient_faults(model: ParallelModel, rank: int, step: int) -> None:
+    """The `infgrad` and `negate_grads` faults, on this rank's reduced gradients."""
+    grads = [m.grad for m in model.engine.masters() if m.grad is not None]
+    if grads and fault_requested("infgrad", rank, step):
+        grads[0].view(-1)[:1] = float("inf")  # this rank's copy only
+    if fault_requested("negate_grads", rank, step):
+        # Adam is invariant to a constant gradient scale, so a sign flip is the simplest
+        # perturbation it cannot absorb: a wrongly reducing engine, which verify must catch.
+        torch._foreach_neg_(grads)
+
+
+def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: float, timer: StepTimer,
+                last_save_s: float) -> dict:
+    """The metrics record of one step (before any evaluation's own communication)."""
+    run.tokens_seen += outcome.tokens
+    t = run.cfg.train
+    peaks = [int(v) for v in outcome.verdict.per_rank["peak_mem"]]
+    coords = [run.mesh.shape.coords(r) for r in range(run.mesh.size(WORLD))]
+    data_ranks = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0]  # one per data rank
+    return {
+        "step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm, "tokens": outcome.tokens,
+        "tokens_seen": run.tokens_seen, "step_time_s": elapsed, "tokens_per_s": outcome.tokens / elapsed,
+        "mfu": mfu(run.model_cfg.flops_per_token(run.cfg.data.seq_len), outcome.tokens / elapsed, t.peak_flops,
+                   run.env.world_size),
+        "comm_bytes": run.model.comm.bytes_by_axis(),
+        "peak_mem_bytes": peaks[run.mesh.rank], "peak_mem_bytes_per_rank": [peaks[r] for r in data_ranks],
+        "skipped_steps": run.model.scaler.skipped_steps, "skipped_nonfinite": run.guard.bad_total,
+        # The save that followed the previous step: a record is written before its own save.
+        "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s},
+    }
 
 
 @torch.no_grad()
-def evaluate(model: ParallelModel, dataset, num_sequences: int, micro_batch: int, dp_rank: int, dp: int,
-             device) -> float:
-    """Mean token loss over the first `num_sequences` held-out sequences, split across data ranks.
+def evaluate(run: Run) -> float:
+    """Mean token loss over the first eval-batches × global-batch held-out sequences, split across data ranks.
 
     The sequences do not depend on the layout, so every layout reports the same eval loss.
     """
+    model, t, dp, dp_rank = run.model, run.cfg.train, run.mesh.size("dp"), run.mesh.coord("dp")
     model.eval()
-    count = min(len(dataset), num_sequences)
+    count = min(len(run.eval_set), t.eval_batches * t.global_batch)
     mine = list(range(dp_rank, count, dp))
-    totals = torch.zeros(2, device=device)
-    for i in range(0, len(mine), micro_batch):
-        inputs, labels = dataset.get_batch(mine[i:i + micro_batch])
-        labels = labels.to(device)
-        if isinstance(model, PipelineModel):
-            totals[0] += model.eval_loss_sum(inputs, labels, ignore_index=IGNORE_INDEX)
-        else:
-            totals[0] += model.loss_fn(model(inputs.to(device)), labels, ignore_index=IGNORE_INDEX)
+    totals = torch.zeros(2, device=run.device)
+    for i in range(0, len(mine), t.micro_batch):
+        inputs, labels = run.eval_set.get_batch(mine[i:i + t.micro_batch])
+        totals[0] += model.eval_loss_sum(inputs, labels)
         totals[1] += (labels != IGNORE_INDEX).sum()
     model.train()
     model.comm_sum(totals)
     return (totals[0] / totals[1]).item()
 
 
-def load_data(cfg: Config, env: DistEnv, out: Path):
-    """Train and held-out datasets and the tokenizer.
-
-    A tokenizer trained here (bpe:N) is trained once, by rank 0, into the run's
-    cache; the other ranks then memory-map what it wrote.
-    """
-    d = cfg.data
-    spec = tokenizer_spec(cfg)
-    cache = out / "data-cache" if spec.startswith("bpe:") else None
-    progress = cfg.run.progress and env.is_main
-
-    def build():
-        return build_dataset(d.path, spec, d.seq_len, cache, eval_fraction=d.eval_fraction, progress=progress)
-
-    if cache is None:
-        return build()
-    result = build() if env.is_main else None
-    barrier()
-    return result or build()
-
-
-def preflight(cfg: Config, world_size: int) -> None:
-    """Every check that needs neither a process group nor the data: run before launching processes."""
-    try:
-        validate(cfg, world_size)
-        data_ranks(cfg, world_size, resolve_model_config(cfg, tokenizer_vocab=0))
-    except ConfigError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
-        raise explain_layout_error(cfg, e) from None
-    check_resume_option(cfg)
-    path = cfg.data.path
-    if path != "default" and not is_prepared_dir(path):
-        resolve_text_files(path)
+def finish(run: Run, first_loss: float, loss: float, eval_loss: float) -> RunResult:
+    """After the last step: the final weights and a text sample (rank 0 writes them); a preempted run just returns."""
+    entropy = unigram_entropy(run.train_set.stream.tokens, run.model_cfg.vocab_size)
+    if run.guard.stopping:
+        if run.log:
+            run.log.close()
+        return RunResult(run.out, first_loss, loss, eval_loss, entropy, "", preempted=True)
+    weights = run.model.full_state_dict()  # collective under ZeRO-3: every rank takes part
+    prompt, sample = sample_text(run.model, run.tokenizer, run.eval_set, run.cfg.train.sample_tokens,
+                                 run.cfg.train.seed, run.device)
+    if run.env.is_main:
+        run.log.close()
+        save_final(run.out, weights, run.model_cfg, run.tokenizer)
+        if sample:
+            print(f"--- prompt (held-out text) ---\n{prompt}\n--- the model's continuation ---\n{sample}\n---")
+        print(f"train loss {first_loss:.3f} -> {loss:.3f}, eval loss {eval_loss:.3f} "
+              f"(unigram entropy of the data: {entropy:.3f})\nrun written to {run.out}", flush=True)
+    return RunResult(run.out, first_loss, loss, eval_loss, entropy, sample)
 
 
-def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
-    """The named model config with the user's overrides, or --init-from's; checks that the vocabulary fits."""
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in ("name", "init_from") and v is not None}
-    if cfg.model.init_from:
-        model_cfg = imported_model_config(cfg.model.init_from, overrides)
-    else:
-        model_cfg = dataclasses.replace(get_model_config(cfg.model.name), **overrides)
-    if tokenizer_vocab > model_cfg.vocab_size:
-        fix = ("a tokenizer that fits" if cfg.model.init_from
-               else f"--vocab-size {tokenizer_vocab} or a smaller tokenizer")
-        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but model "
-                          f"{cfg.model.init_from or cfg.model.name!r} only {model_cfg.vocab_size}; pass {fix}")
-    if cfg.data.seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's max_seq_len "
-                          f"{model_cfg.max_seq_len}")
-    return model_cfg
+def build_model(model_cfg: ModelConfig, device: torch.device, seed: int):
+    """The reference model, constructed without allocating (meta device), then materialized and initialized on `device`."""
+    from paratrain.models import Transformer
 
-
-def imported_model_config(path: str, overrides: dict) -> ModelConfig:
-    """The model of the Hugging Face directory `path` (--init-from), its weights checked against it.
-
-    --model only names the run then; a size override must equal the imported value.
-    """
-    from paratrain.checkpoint.hf_dir import HFError, HFWeights
-
-    try:
-        model_cfg = HFWeights(path).config  # reads config.json and the weight files' headers only
-    except HFError as e:
-        raise ConfigError(f"--init-from: {e}") from None
-    for key, value in overrides.items():
-        if getattr(model_cfg, key) != value:
-            flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"{flag} {value} disagrees with --init-from {path} ({key}={getattr(model_cfg, key)}); "
-                              f"drop {flag}: the imported model sets the shape")
-    return model_cfg
-
-
-def tokenizer_spec(cfg: Config) -> str:
-    """--tokenizer with 'auto' resolved: 'auto' for a prepared corpus (its own), else --init-from's, else 'byte'."""
-    d, init_from = cfg.data, cfg.model.init_from
-    if d.tokenizer != "auto":
-        return d.tokenizer
-    if d.path != "default" and is_prepared_dir(d.path):
-        return "auto"
-    if init_from and any((Path(init_from) / name).is_file() for name in ("tokenizer.json", "byte_tokenizer.json")):
-        return init_from
-    return "byte"
-
-
-def build_model(model_cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
-    """Construct without allocating (meta device), then materialize and initialize on `device`."""
     with torch.device("meta"):
         model = Transformer(model_cfg)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
-
-
-def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices (embeddings included), not on norm gains."""
-    params = list(params)
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
 
 
 def learning_rate(step: int, cfg: Config) -> float:
@@ -360,48 +267,12 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, cfg: Config) 
     return lr
 
 
-def default_run_dir(cfg: Config, environ=os.environ) -> str:
-    """A fresh run directory name, the same on every rank of one job."""
-    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
-    if int(environ.get("WORLD_SIZE", "1")) > 1:
-        if run_id == "none":
-            raise ConfigError("--out is required when the launcher gives no run id (torchrun --rdzv-id)")
-        return f"runs/{cfg.model.name}-{run_id}"
-    return f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:
-    """Create the run directory and write config.json; never silently mix two runs (`paratrain.checkpoint.rundir`)."""
-    if not cfg.run.out:
-        cfg.run.out = default_run_dir(cfg)
-    claim = claim_run_dir(cfg, restarted=current_attempt() > 0)  # a fresh run, or this run continued
-    barrier()  # every rank has checked before rank 0 writes
-    if env.is_main:
-        apply_claim(claim, cfg)
-    barrier()  # nobody writes into the run directory before rank 0 has cleared it
-    return claim.path
-
-
-def gather_per_rank(comm, value: int, device) -> list[int]:
-    """One integer from every data rank, in rank order."""
-    n = comm.mesh.size("dp")
-    out = torch.zeros(n, dtype=torch.float64, device=device)
-    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    comm.all_gather(out, mine, "dp")
-    return [int(v) for v in out.tolist()]
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def save_final(out: Path, weights: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer) -> Path:
     """Weights (safetensors), model config and tokenizer, written to a temporary name then renamed."""
     final, tmp = out / "final", out / "final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # A tied table is stored once, as tok_embeddings.weight (ZeRO-3 hands back both names).
+    # A tied table is stored once, as tok_embeddings.weight.
     tensors = {name: w.detach().to("cpu", torch.float32).contiguous() for name, w in weights.items()
                if not (model_cfg.tie_embeddings and name == "output.weight")}
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "paratrain"})

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from paratrain.checkpoint import CheckpointReader, DistCoordinator, IncompatibleCheckpointError, save_checkpoint
-from paratrain.checkpoint.training import load_model_shards, model_shards
+from paratrain.run.model_state import load_model_shards, model_shards
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import Transformer
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
 from paratrain.train import train_step
 
@@ -52,7 +52,7 @@ def build(layout: Layout, seed: int = 0):
     mesh = build_mesh(MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp))
     module = Transformer(TINY)
     module.init_weights(seed)
-    return parallelize(module, mesh, optimizer=adamw, zero=layout.zero, grad_reduction="sum") + (mesh,)
+    return parallelize(module, mesh, optimizer=adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum")) + (mesh,)
 
 
 def run_steps(model, optimizer, mesh, steps: range) -> list[float]:
@@ -64,7 +64,7 @@ def run_steps(model, optimizer, mesh, steps: range) -> list[float]:
         rows = x.shape[0] // dp
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         micro = [(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, rows, MICRO)]
-        losses.append(train_step(model, optimizer, micro, torch.device("cpu"), 1.0)[0])
+        losses.append(train_step(model, optimizer, micro, 1.0).loss)
     return losses
 
 
@@ -145,7 +145,8 @@ def _wrong_models(rank, world, root):
     reader = CheckpointReader(root / "a" / "step-00000001")
     cast = []  # mixed precision: the bf16 compute weights follow the loaded fp32 masters
     for zero in (0, 2):
-        mixed, mixed_opt = parallelize(Transformer(TINY), mesh, optimizer=adamw, zero=zero, precision="bf16")
+        mixed, mixed_opt = parallelize(Transformer(TINY), mesh, optimizer=adamw, precision="bf16",
+                                       data=DataParallel(zero=zero))
         load_model_shards(mixed, mixed_opt, reader)
         cast.append(all(torch.equal(p, reader.read(f"model/{n}").to(torch.bfloat16))
                         for n, p in mixed.module.named_parameters()))

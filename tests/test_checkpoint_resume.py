@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from paratrain.checkpoint import CheckpointReader, verify_checkpoint
 from paratrain.cli import build_parser, config_from_args, main
-from paratrain.diagnose import FingerprintRing, describe
+from paratrain.run.diagnose import FingerprintRing, describe
 from paratrain.comm import CallRecord
 from paratrain.faults import FAULT_ENV
-from paratrain.guard import TrainingAborted
+from paratrain.run.guard import TrainingAborted
 from paratrain.mesh import MeshShape
 from paratrain.metrics import read_metrics
 from paratrain.testing import run_on_ranks
@@ -231,6 +231,23 @@ def test_step_guards_on_two_ranks(tmp_path):
     rng = [CheckpointReader(tmp_path / "rng" / "checkpoints" / "step-00000002").rank_state(k)["rng"]["torch"]
            for k in (0, 1)]
     assert not torch.equal(*rng)
+
+
+def _pipeline_guard(rank, world, root):
+    return _train(Path(root) / "pp", "--pp", "2", "--checkpoint-every", "6", fault="nan@rank1:step3")
+
+
+@pytest.mark.slow
+def test_the_non_finite_guard_fires_in_a_pipeline_run(tmp_path):
+    """pp2, the `nan` fault on the last stage (rank 1): step 3 is skipped on every rank, both stages."""
+    results = run_on_ranks(_pipeline_guard, 2, str(tmp_path), timeout=240)
+    assert all(not isinstance(r, str) for r in results), results  # neither rank aborted
+    records = read_metrics(tmp_path / "pp" / "metrics.jsonl")
+    assert [x["skipped_nonfinite"] for x in records] == [0, 0, 1, 1, 1, 1]
+    assert records[2]["loss"] != records[2]["loss"]  # NaN, logged, not applied
+    ckpt = CheckpointReader(tmp_path / "pp" / "checkpoints" / "step-00000006")
+    for stage_param in ("tok_embeddings.weight", "output.weight"):  # stage 0 (rank 0) and stage 1 (rank 1)
+        assert ckpt.read(f"optim/{stage_param}/step").item() == 5, f"{stage_param}: one of six steps skipped"
 
 
 # -- diagnostics of a failed collective, from fingerprint files ------------------------------------

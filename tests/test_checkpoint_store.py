@@ -130,7 +130,8 @@ def save_layout(root: Path, step: int, tensors: dict[str, torch.Tensor], layout:
 
     def rank_fn(rank, coordinator):
         shards = {name: shard_of(t, name, *boxes[name][rank]) for name, t in tensors.items()}
-        return save_checkpoint(root, step, shards, {"rank": rank}, {"step": step}, coordinator=coordinator, **kwargs)
+        return save_checkpoint(root, step, shards, {"rank": rank}, {"step": step}, coordinator=coordinator,
+                               on_event=faults.checkpoint_events(rank), **kwargs)
 
     return on_threads(world, rank_fn)
 
@@ -139,7 +140,8 @@ def save_simple(root: Path, step: int, value: float = 0.0, **kwargs) -> Path:
     """A one-process checkpoint of two small tensors whose contents depend on `value`."""
     shards = {"w": (ShardSpec("w", (4, 3), (0, 0)), torch.full((4, 3), value)),
               "b": (ShardSpec("b", (3,), (0,)), torch.arange(3.0) + value)}
-    return save_checkpoint(root, step, shards, {"seed": step}, {"step": step}, coordinator=LOCAL, **kwargs)
+    return save_checkpoint(root, step, shards, {"seed": step}, {"step": step}, coordinator=LOCAL,
+                           on_event=faults.checkpoint_events(0), **kwargs)
 
 
 def hidden_entries(root: Path) -> list[str]:
@@ -647,7 +649,7 @@ def test_check_compatible_names_tensor_shapes_dtypes_and_keys(tmp_path):
 def test_async_save_commits_in_the_background_from_a_snapshot(tmp_path, monkeypatch):
     monkeypatch.setattr(faults, "SLOW_WRITE_SECONDS", 0.5)
     monkeypatch.setenv(faults.FAULT_ENV, "ckpt_slow_write@rank0:step2")
-    saver = AsyncCheckpointer(tmp_path, keep_latest=1, coordinator=LOCAL)
+    saver = AsyncCheckpointer(tmp_path, keep_latest=1, coordinator=LOCAL, on_event=faults.checkpoint_events(0))
     w = torch.zeros(4, 3)
     saver.save(1, {"w": (ShardSpec("w", (4, 3), (0, 0)), w)})
     assert saver.wait() == tmp_path / "step-00000001"
@@ -719,8 +721,9 @@ def test_two_ranks_save_and_one_process_loads(tmp_path):
 
 def _save_twice(rank, world_size, root):
     coordinator = DistCoordinator()
-    save_checkpoint(root, 4, _rank_shards(rank, world_size), coordinator=coordinator)
-    save_checkpoint(root, 8, _rank_shards(rank, world_size), coordinator=coordinator)
+    events = faults.checkpoint_events(rank)
+    save_checkpoint(root, 4, _rank_shards(rank, world_size), coordinator=coordinator, on_event=events)
+    save_checkpoint(root, 8, _rank_shards(rank, world_size), coordinator=coordinator, on_event=events)
 
 
 def test_a_rank_killed_after_its_shard_leaves_no_commit(tmp_path):

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import RankFailure, run_on_ranks
 from parallel_cases import TINY, adamw, batches, loss_sum, make_model, parallel_run, reference_run
 
 
 def _parity(rank, world, zero, micro, precision):
     mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum",
-                                   precision=precision)
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, precision=precision,
+                                   data=DataParallel(zero=zero, grad_reduction="sum"))
     comm = model.comm
     losses = parallel_run(model, optimizer, batches(), rank, world, lambda t: comm.all_reduce(t, "dp"), micro=micro)
     return losses, {k: v.float() for k, v in model.full_state_dict().items()}
@@ -84,7 +86,8 @@ class PlainModel(torch.nn.Module):
 
 def _plain_parity(rank, world, zero):
     mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(PlainModel(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum")
+    model, optimizer = parallelize(PlainModel(), mesh, optimizer=adamw,
+                                   data=DataParallel(zero=zero, grad_reduction="sum"))
     losses = parallel_run(model, optimizer, batches(), rank, world, lambda t: model.comm.all_reduce(t, "dp"))
     return losses, {k: v.clone() for k, v in model.full_state_dict().items()}
 
@@ -110,7 +113,8 @@ def _hf_model():
 
 def _hf_parity(rank, world, zero):
     mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(_hf_model(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum")
+    model, optimizer = parallelize(_hf_model(), mesh, optimizer=adamw,
+                                   data=DataParallel(zero=zero, grad_reduction="sum"))
     losses = parallel_run(model, optimizer, batches(steps=5), rank, world, lambda t: model.comm.all_reduce(t, "dp"))
     return losses, {k: v.clone() for k, v in model.full_state_dict().items()}
 
@@ -127,8 +131,8 @@ def test_a_hugging_face_model(zero):
 def _one_measured_step(rank, world, zero, precision, reduce_dtype):
     """Bytes sent and resident model state of one step, measured after the optimizer step (grads still alive)."""
     mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum",
-                                   precision=precision, reduce_dtype=reduce_dtype)
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, precision=precision,
+                                   reduce_dtype=reduce_dtype, data=DataParallel(zero=zero, grad_reduction="sum"))
     (x0, y0), (x, y) = batches(steps=2)
     parallel_run(model, optimizer, [(x0, y0)], rank, world, lambda t: None)  # warm-up: optimizer state exists
     model.comm.reset()
@@ -168,11 +172,13 @@ def test_resident_memory_matches_zero_formulas(world, zero, precision):
 
 def _overlap(rank, world):
     mesh = build_mesh(MeshShape(dp=world))
-    model, _ = parallelize(make_model(), mesh, zero=0, bucket_mb=0.01)
+    model, _ = parallelize(make_model(), mesh, data=DataParallel(zero=0, bucket_mb=0.01))
     x, y = batches(steps=1)[0]
     loss_sum(model, x, y).backward()
+    backward_finished_at = time.perf_counter()
     buckets = model.engine.buckets
-    return len(buckets), buckets[0].launched_in_backward, buckets[0].launched_at < model.engine.backward_finished_at
+    model.finish_gradients()
+    return len(buckets), buckets[0].launched_in_backward, buckets[0].launched_at < backward_finished_at
 
 
 def test_first_bucket_is_in_flight_before_backward_ends():
@@ -183,7 +189,7 @@ def test_first_bucket_is_in_flight_before_backward_ends():
 
 def _lbfgs(rank, world):
     mesh = build_mesh(MeshShape(dp=world))
-    parallelize(make_model(), mesh, optimizer=lambda p: torch.optim.LBFGS(p), zero=1)
+    parallelize(make_model(), mesh, optimizer=lambda p: torch.optim.LBFGS(p), data=DataParallel(zero=1))
 
 
 def test_non_elementwise_optimizer_is_refused():
@@ -193,7 +199,8 @@ def test_non_elementwise_optimizer_is_refused():
 
 def _grads_during_accumulation(rank, world, zero):
     mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum")
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw,
+                                   data=DataParallel(zero=zero, grad_reduction="sum"))
     x, y = batches(steps=1)[0]
     with model.no_sync():
         loss_sum(model, x[:2], y[:2]).backward()

@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from paratrain.checkpoint import CheckpointReader, LocalCoordinator, ShardSpec, save_checkpoint
-from paratrain.checkpoint.export import SourceKind, export_hf, import_hf, resolve_source
-from paratrain.checkpoint.hf_dir import HFError, HFWeights, model_config_from_hf
+from paratrain.interop.export import SourceKind, export_hf, import_hf, resolve_source
+from paratrain.interop.hf import HFError, HFWeights, model_config_from_hf
 from paratrain.cli import main
 from paratrain.config import Config
 from paratrain.data import DataSampler, build_dataset
 from paratrain.data.tokenizer import BPETokenizer, ByteTokenizer
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
-from paratrain.models.hf import hf_name
+from paratrain.interop.hf import hf_name
 from paratrain.testing import run_on_ranks
 from paratrain.train import IGNORE_INDEX, build_model, save_final, train
 

@@ -119,7 +119,8 @@ def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_pat
     line = summary(result)
     assert line.startswith("paratrain train: rank 0 exited with code 1: CollectiveFailure: rank 0 failed at step 5, "
                            "its last collective #"), line
-    assert "all_reduce over dp shape [2, 2] float32 (step 5): rank 1 never issued call" in line
+    # rank 0 waits in the step's agreement (one all-reduce over the whole mesh), which rank 1 never reached
+    assert "all_reduce over world shape [6, 2] float64 (step 5): rank 1 never issued call" in line
     assert "it is at step 5, hung or dead outside a collective (error: " in line and "Timed out" in line
     assert elapsed < 10 + 25, f"{elapsed:.1f} s: the timeout plus start-up, no more"
 
@@ -128,8 +129,8 @@ def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
     result = launch(tmp_path / "run", "--pg-timeout", "10", fault="desync_shape@rank1:step4")
     assert result.returncode == 1
     # gloo aborts the rank that receives more than it expects; the other explains.
-    assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 all_reduce over dp shape \[2, 2\] "
-                     r"float32 \(step 4\) vs rank\(s\) \[1\] #\1 all_reduce over dp shape \[2, 3\] float32 \(step 4\)",
+    assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 all_reduce over world shape \[6, 2\] "
+                     r"float64 \(step 4\) vs rank\(s\) \[1\] #\1 all_reduce over world shape \[64, 2\] float64 \(step 4\)",
                      result.stderr), result.stderr
     last = summary(result)  # from rank 1's error, or when it was stopped first, from the fingerprint files
     assert last.startswith("paratrain train: rank 0 was killed by SIGABRT: ") and "collectives diverged" in last, last

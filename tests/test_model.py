@@ -17,7 +17,7 @@ from paratrain.models import (
     init_parameter,
 )
 from paratrain.models.generate import GenerationError
-from paratrain.models.hf import HFNameError, from_hf_name, hf_name
+from paratrain.interop.hf import HFNameError, from_hf_name, hf_name
 from paratrain.models.llama import Attention, FeedForward, rotary_tables
 
 MICRO = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)

@@ -19,7 +19,7 @@ import torch
 
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import Transformer
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, TensorParallel, parallelize
 from paratrain.precision import Precision
 from parallel_cases import LR, TINY, adamw, batches, launch_once, make_model, parallel_run, reference_run
 
@@ -74,9 +74,11 @@ def _train(case: Case, mesh):
     """Built on the meta device: parallelize materializes each rank's tp (and, ZeRO-3, dp) slices."""
     with torch.device("meta"):
         model = Transformer(_config(case)).to(torch.float64 if case.fp64 else torch.float32)
-    model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=case.lr), zero=case.zero,
-                                   grad_reduction="sum", precision=FP64 if case.fp64 else "fp32", sequence_parallel=case.sp,
-                                   init=lambda name, shape: model.param_init(name, shape, 0))
+    model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=case.lr),
+                                   precision=FP64 if case.fp64 else "fp32", init=lambda name,
+                                   shape: model.param_init(name, shape, 0),
+                                   data=DataParallel(zero=case.zero, grad_reduction="sum"),
+                                   tensor=TensorParallel(sequence_parallel=case.sp))
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
     losses = parallel_run(model, optimizer, batches(), dp_rank, dp, lambda t: model.comm.all_reduce(t, "dp"))
     return losses, {k: v.double() for k, v in model.full_state_dict().items()}

@@ -19,7 +19,7 @@ from torch import nn
 
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import Transformer
-from paratrain.parallel.api import ParallelConfigError, parallelize
+from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, TensorParallel, parallelize
 from paratrain.parallel.stages import PipelineError, balanced_boundaries, split_for_pipeline
 from paratrain.parallel.schedules import ScheduleError
 from paratrain.precision import Precision
@@ -73,10 +73,12 @@ CASES = {**_cases(2), **_cases(4),
 def _train(case: Case, mesh):
     with torch.device("meta"):
         model = Transformer(EIGHT_LAYERS).to(torch.float32 if case.fp32 else torch.float64)
-    model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=case.lr), zero=case.zero,
-                                   precision="fp32" if case.fp32 else FP64, grad_reduction="sum",
-                                   sequence_parallel=case.sp, schedule=case.schedule, virtual_stages=case.virtual_stages,
-                                   init=lambda name, shape: model.param_init(name, shape, 0))
+    model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=case.lr),
+                                   precision="fp32" if case.fp32 else FP64, init=lambda name,
+                                   shape: model.param_init(name, shape, 0),
+                                   data=DataParallel(zero=case.zero, grad_reduction="sum"),
+                                   tensor=TensorParallel(sequence_parallel=case.sp),
+                                   pipeline=PipelineParallel(schedule=case.schedule, virtual_stages=case.virtual_stages))
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
     losses, sent = [], []
     for x, y in batches()[:case.steps]:
@@ -86,7 +88,7 @@ def _train(case: Case, mesh):
         micro_batches = [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)]
         tokens = model.comm_sum(torch.tensor(float((y != -100).sum()), dtype=torch.float64)).item()
         model.comm.reset()
-        loss_sum = model.train_step(micro_batches, tokens)
+        loss_sum = model.train_step(micro_batches, tokens).loss_sum
         sent.append(model.comm.summary().get("pp", {}).get("send", {}).get("bytes", 0))
         model.clip_grad_norm_(1.0)
         optimizer.step()
@@ -187,11 +189,12 @@ def test_tied_embeddings_across_stages_are_refused():
 def _errors(rank, world):
     mesh = build_mesh(MeshShape(pp=2))
     out = []
-    for kwargs in ({"zero": 3}, {"schedule": "zigzag"}, {"schedule": "1f1b", "virtual_stages": 2}):
+    for kwargs in ({"data": DataParallel(zero=3)}, {"pipeline": lambda: PipelineParallel(schedule="zigzag")},
+                   {"pipeline": lambda: PipelineParallel(schedule="1f1b", virtual_stages=2)}):
         with torch.device("meta"):
             model = Transformer(EIGHT_LAYERS)
         try:
-            parallelize(model, mesh, **kwargs)
+            parallelize(model, mesh, **{k: v() if callable(v) else v for k, v in kwargs.items()})
         except (ParallelConfigError, ScheduleError) as error:
             out.append(str(error))
     with torch.device("meta"):
@@ -206,7 +209,7 @@ def _errors(rank, world):
 def test_clear_errors():
     messages = run_on_ranks(_errors, 2, timeout=120)[0]
     assert len(messages) == 4, messages
-    assert "--zero 3 with --pp > 1 is refused" in messages[0]
+    assert "--zero 3 with --pp 2 is refused" in messages[0]
     assert "unknown schedule 'zigzag'" in messages[1]
     assert "virtual" in messages[2]
     assert "2 pipeline stages (pp × virtual stages) but only 1 layers" in messages[3]

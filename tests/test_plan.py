@@ -14,7 +14,7 @@ from paratrain.plan import (
     LayoutError,
     PlanError,
     Recompute,
-    Schedule,
+    ScheduleName,
     Workload,
     comm_bytes_per_rank,
     estimate,
@@ -30,7 +30,7 @@ from paratrain.plan import (
     step_time,
     validate_layout,
 )
-from paratrain.plan.cli import main as plan_main
+from paratrain.cli import main as cli_main
 
 LLAMA_7B = get_model_config("llama2-7b")
 LLAMA_70B = get_model_config("llama2-70b")
@@ -38,7 +38,7 @@ H100 = get_hardware("h100-80gb")
 
 
 def run_plan(capsys, *argv):
-    code = plan_main(list(argv))
+    code = cli_main(["plan", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -200,11 +200,11 @@ def test_layer_activation_formulas_hand_computed(tp, sp, recompute, expected):
 
 
 def test_in_flight_microbatches_per_schedule():
-    assert in_flight_microbatches(Schedule.GPIPE, 4, 8) == 8
-    assert [in_flight_microbatches(Schedule.ONE_F_ONE_B, 4, 8, stage=s) for s in range(4)] == [4, 3, 2, 1]
-    assert in_flight_microbatches(Schedule.ONE_F_ONE_B, 4, 2) == 2
-    assert in_flight_microbatches(Schedule.INTERLEAVED, 4, 8, 2) == 4 + 3 / 2  # p + (p − 1)/v
-    assert in_flight_microbatches(Schedule.GPIPE, 1, 8) == 1  # pp = 1: plain accumulation
+    assert in_flight_microbatches(ScheduleName.GPIPE, 4, 8) == 8
+    assert [in_flight_microbatches(ScheduleName.ONE_F_ONE_B, 4, 8, stage=s) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches(ScheduleName.ONE_F_ONE_B, 4, 2) == 2
+    assert in_flight_microbatches(ScheduleName.INTERLEAVED, 4, 8, 2) == 4 + 3 / 2  # p + (p − 1)/v
+    assert in_flight_microbatches(ScheduleName.GPIPE, 1, 8) == 1  # pp = 1: plain accumulation
 
 
 def test_stage_activations_hand_computed():
@@ -301,7 +301,7 @@ def test_search_llama2_70b_on_64_gpus():
     assert "exceeds 8 GPUs per node" in summaries
     assert "layers 80 not divisible by pp 32" in summaries
     assert "GB > 80 GB" in summaries
-    assert "zero 3 excluded with pp" in summaries
+    assert "--zero 3 with --pp" in summaries
 
 
 def test_search_cli_prints_a_table_and_reasons(capsys):
@@ -354,7 +354,7 @@ def test_validate_layout_accepts_valid_layouts():
     ((64, 4, 16, 1, LLAMA_70B, 1024, 1), "kv heads 8 not divisible by tp 16"),
     ((64, 8, 2, 8, LLAMA_70B, 1024, 1), "dp × tp × pp = 8 × 2 × 8 = 128 ≠ 64 ranks"),
     ((48, 16, 1, 3, LLAMA_70B, 1536, 1), "layers 80 not divisible by pp 3"),
-    ((64, 64, 1, 1, LLAMA_70B, 1000, 1), "global batch 1000 not divisible by dp × micro-batch = 64 × 1"),
+    ((64, 64, 1, 1, LLAMA_70B, 1000, 1), "--global-batch 1000 is not divisible by --micro-batch 1 x 64 data rank(s)"),
 ])
 def test_validate_layout_names_the_rule_and_suggests(args, rule):
     with pytest.raises(LayoutError) as info:
@@ -390,7 +390,7 @@ def test_layout_violations_cover_search_only_rules():
     (["--params", "7B", "--tp", "2"], "tp and pp need the model's shape"),
     (["--layers", "4"], "missing --hidden, --heads"),
     (["--model", "tiny", "--gpu-memory", "lots"], "--gpu-memory 'lots' is not a memory size"),
-    (["--model", "tiny", "--sequence-parallel"], "sequence parallel needs tp > 1"),
+    (["--model", "tiny", "--sequence-parallel"], "--sequence-parallel needs tensor parallelism (--tp > 1)"),
     (["--model", "tiny", "--micro-batch", "0"], "--micro-batch must be a positive integer"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
@@ -404,7 +404,7 @@ def test_explicit_sizes_and_help(capsys):
                             "--tp", "2", "--dp", "2", "--global-batch", "8", "--json")
     assert code == 0 and json.loads(out)["layouts"][0]["memory_per_rank"]["activations"] > 0
     with pytest.raises(SystemExit):
-        plan_main(["--help"])
+        cli_main(["plan", "--help"])
     help_text = capsys.readouterr().out
     for flag in ("--model", "--params", "--layers", "--hidden", "--heads", "--kv-heads", "--vocab", "--ffn",
                  "--seq", "--global-batch", "--micro-batch", "--precision", "--reduce-dtype", "--gpus", "--dp",

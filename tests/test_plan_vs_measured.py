@@ -17,9 +17,9 @@ import torch
 
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import Transformer
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
 from paratrain.plan import Layout, Workload, comm_bytes_per_rank, estimate_memory
-from paratrain.plan.memory import Schedule
+from paratrain.plan.memory import ScheduleName
 from paratrain.testing import run_on_ranks
 from parallel_cases import BATCH, SEQ, TINY, adamw, batches, launch_once
 from test_data_parallel import _one_measured_step
@@ -80,9 +80,9 @@ LAYOUTS_4 = {  # name: (Layout, global batch rows per micro-batch on each data r
     "dp2_tp2_zero1": Layout(dp=2, tp=2, zero=1, micro_batch=BATCH // 2),
     "dp2_tp2_sp_zero3": Layout(dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch=BATCH // 2),
     "pp4_1f1b": Layout(pp=4, micro_batch=2),
-    "pp2_dp2_gpipe_zero1": Layout(pp=2, dp=2, zero=1, micro_batch=2, schedule=Schedule.GPIPE),
+    "pp2_dp2_gpipe_zero1": Layout(pp=2, dp=2, zero=1, micro_batch=2, schedule=ScheduleName.GPIPE),
     "pp2_tp2_sp_interleaved": Layout(pp=2, tp=2, sequence_parallel=True, micro_batch=2,
-                                     schedule=Schedule.INTERLEAVED, virtual_stages=2),
+                                     schedule=ScheduleName.INTERLEAVED, virtual_stages=2),
 }
 
 
@@ -95,10 +95,11 @@ def _measure_layout(layout: Layout):
     mesh = build_mesh(MeshShape(pp=layout.pp, dp=layout.dp, tp=layout.tp))
     with torch.device("meta"):
         model = Transformer(_config_for(layout))
-    model, optimizer = parallelize(model, mesh, optimizer=adamw, zero=layout.zero, grad_reduction="sum",
-                                   sequence_parallel=layout.sequence_parallel, schedule=layout.schedule.value,
-                                   virtual_stages=layout.virtual_stages,
-                                   init=lambda name, shape: model.param_init(name, shape, 0))
+    model, optimizer = parallelize(model, mesh, optimizer=adamw, init=lambda name,
+                                   shape: model.param_init(name, shape, 0),
+                                   data=DataParallel(zero=layout.zero, grad_reduction="sum"),
+                                   tensor=TensorParallel(sequence_parallel=layout.sequence_parallel),
+                                   pipeline=PipelineParallel(schedule=layout.schedule.value, virtual_stages=layout.virtual_stages))
     rows = BATCH // layout.dp
     for x, y in batches(steps=2):
         x, y = (t[mesh.coord("dp") * rows:(mesh.coord("dp") + 1) * rows] for t in (x, y))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.precision import LossScaler, PrecisionError, precision_policy
 from paratrain.testing import run_on_ranks
 from parallel_cases import adamw, batches, loss_sum, make_model, parallel_run, reference_run
@@ -36,8 +36,8 @@ def test_loss_scaler_backs_off_and_grows():
 
 def _overflow_on_rank_1(rank, world, zero):
     mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, precision="fp16",
-                                   grad_reduction="sum")
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, precision="fp16",
+                                   data=DataParallel(zero=zero, grad_reduction="sum"))
     x, y = batches(steps=1)[0]
     history = []
     for step in range(3):
@@ -65,8 +65,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(zero):
 
 def _checkpointed(rank, world, zero, every):
     mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, zero=zero, grad_reduction="sum",
-                                   activation_checkpointing=every)
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, activation_checkpointing=every,
+                                   data=DataParallel(zero=zero, grad_reduction="sum"))
     names = [n for n, _ in model.module.named_parameters()]
     losses = parallel_run(model, optimizer, batches(steps=5), rank, world, lambda t: model.comm.all_reduce(t, "dp"))
     saved = _saved_tensors(model)

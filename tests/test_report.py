@@ -9,7 +9,7 @@ import pytest
 from paratrain.cli import main
 from paratrain.config import Config
 from paratrain.models import get_model_config
-from paratrain.report import (
+from paratrain.commands.report import (
     comm_figure,
     format_summary,
     load_run,

@@ -4,7 +4,7 @@ import torch
 
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, parallelize
 from parallel_cases import adamw, loss_sum, start_peak_measurement, vm_bytes
 
 BIG = ModelConfig(vocab_size=512, dim=512, n_layers=12, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=64)
@@ -26,7 +26,8 @@ def _train_big_model(rank, world):
     with torch.device("meta"):
         model = Transformer(BIG)
     init = lambda name, shape: model.param_init(name, shape, 0)  # noqa: E731
-    model, optimizer = parallelize(model, mesh, optimizer=adamw, zero=3, grad_reduction="sum", init=init)
+    model, optimizer = parallelize(model, mesh, optimizer=adamw, init=init,
+                                   data=DataParallel(zero=3, grad_reduction="sum"))
     g = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(3):

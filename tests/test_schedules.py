@@ -71,9 +71,9 @@ def test_interleaved_runs_groups_of_pp_microbatches_chunk_by_chunk():
     (("pipedream", 2, 4), r"unknown schedule 'pipedream'; choose one of gpipe, 1f1b, interleaved, zb-h1"),
     (("1f1b", 0, 4), r"pp must be an integer of at least 1, got 0"),
     (("gpipe", 2, 0), r"num_microbatches must be an integer of at least 1, got 0"),
-    (("interleaved", 2, 4, 1), r"interleaved needs virtual_stages >= 2, got 1"),
-    (("interleaved", 4, 6, 2), r"interleaved needs num_microbatches divisible by pp, got 6 and pp=4"),
-    (("1f1b", 2, 4, 2), r"virtual_stages=2 is only for 'interleaved'"),
+    (("interleaved", 2, 4, 1), r"--schedule interleaved needs --virtual-stages 2 or more"),
+    (("interleaved", 4, 6, 2), r"interleaved needs the micro-batches per step \(6\) divisible by --pp 4"),
+    (("1f1b", 2, 4, 2), r"virtual stages are only for 'interleaved'; use 1 with '1f1b'"),
 ])
 def test_bad_arguments_are_one_line_errors(args, message):
     with pytest.raises(ScheduleError, match=message) as error:

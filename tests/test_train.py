@@ -10,7 +10,7 @@ from paratrain.config import Config
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.parallel.api import parallelize
+from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
 from paratrain.train import IGNORE_INDEX, build_model, learning_rate, train, train_step
 
@@ -84,24 +84,24 @@ def _uneven_batch(generator):
 def _accumulation(rank, world):
     mesh = build_mesh(MeshShape(dp=world))
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
-    whole, opt_whole = parallelize(_tiny_model(), mesh, optimizer=adamw, grad_reduction="sum")
-    split, opt_split = parallelize(_tiny_model(), mesh, optimizer=adamw, grad_reduction="sum")
+    whole, opt_whole = parallelize(_tiny_model(), mesh, optimizer=adamw, data=DataParallel(grad_reduction="sum"))
+    split, opt_split = parallelize(_tiny_model(), mesh, optimizer=adamw, data=DataParallel(grad_reduction="sum"))
     inputs, labels = _uneven_batch(torch.Generator().manual_seed(0))
     steps = []
     for _ in range(3):
-        whole_step = train_step(whole, opt_whole, [(inputs, labels)], torch.device("cpu"), 1.0)
+        whole_step = train_step(whole, opt_whole, [(inputs, labels)], 1.0)
         micro = [(inputs[i:i + 1], labels[i:i + 1]) for i in range(4)]
-        steps.append((whole_step, train_step(split, opt_split, micro, torch.device("cpu"), 1.0)))
+        steps.append((whole_step, train_step(split, opt_split, micro, 1.0)))
     return steps, list(whole.module.parameters()), list(split.module.parameters())
 
 
 def test_accumulation_with_uneven_masks_equals_one_batch():
     """Token-weighted loss: 4 micro-batches of 1 equal one batch of 4, padding included."""
     steps, whole, split = run_on_ranks(_accumulation, 1, timeout=60)[0]
-    for (loss_whole, norm_whole, tokens), (loss_split, norm_split, _) in steps:
-        assert tokens == 16 + 3 + 9 + 1
-        assert loss_split == pytest.approx(loss_whole, rel=1e-6)
-        assert norm_split == pytest.approx(norm_whole, rel=1e-5)
+    for whole_step, split_step in steps:
+        assert whole_step.tokens == 16 + 3 + 9 + 1
+        assert split_step.loss == pytest.approx(whole_step.loss, rel=1e-6)
+        assert split_step.grad_norm == pytest.approx(whole_step.grad_norm, rel=1e-5)
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

@@ -10,8 +10,8 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.config import ParallelSection
-from paratrain.verify import (
-    BREAK_ENV,
+from paratrain.faults import FAULT_ENV
+from paratrain.commands.verify import (
     LAYOUT_TOKENS,
     VerifyError,
     format_layout,
@@ -78,16 +78,16 @@ def test_data_and_zero3_layouts_match_one_process(capsys):
 
 def test_a_broken_engine_fails(capsys, monkeypatch):
     """Rank 1 negates its gradients before every optimizer step: verify must say FAIL and exit 1."""
-    monkeypatch.setenv(BREAK_ENV, "negate_grads")
+    monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
     assert main(["verify", *SMALL, "--layouts", "dp2,zero2"]) == 1
     out = capsys.readouterr().out
-    assert f"fault injection is on ({BREAK_ENV}=negate_grads)" in out
+    assert f"fault injection is on ({FAULT_ENV}=negate_grads@rank1:step*)" in out
     row = out.splitlines()[-1].split()
     assert row[0] == "dp2,zero2" and row[5] == "FAIL", row
     assert float(row[2]) > 1e-3 and float(row[3]) > 1e-3, "both losses and parameters moved"
 
 
 def test_an_unknown_fault_is_refused_before_anything_runs(capsys, monkeypatch):
-    monkeypatch.setenv(BREAK_ENV, "explode")
+    monkeypatch.setenv(FAULT_ENV, "explode@rank1:step1")
     assert main(["verify", *SMALL, "--layouts", "dp2"]) == 2
-    assert f"{BREAK_ENV}='explode' is not a fault verify knows" in capsys.readouterr().err
+    assert f"{FAULT_ENV}: unknown fault kind 'explode'" in capsys.readouterr().err

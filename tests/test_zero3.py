@@ -24,7 +24,6 @@ from paratrain.mesh import Mesh, MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import Attention, FeedForward
 from paratrain.parallel.shard import row_range
-from paratrain.parallel.autograd import queue_end_of_backward
 from parallel_cases import start_peak_measurement, vm_bytes
 from paratrain.parallel.zero3 import FullyShardedEngine, ZeroConfigError
 from paratrain.parallel.zero3_units import row_shape
@@ -131,13 +130,21 @@ def _adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=LR)
 
 
-def _train(params, loss_of_step, grad_norm, after_step=lambda: None) -> tuple[list[float], list[float]]:
+def finish(engine) -> None:
+    """The engine's end of a step's backward passes, as ParallelModel runs it: reduce, then drop unused grads."""
+    used = engine.finish_gradients().tolist()
+    engine.drop_gradients([i for i, count in enumerate(used) if count == 0])
+
+
+def _train(params, loss_of_step, grad_norm, after_step=lambda: None,
+           finish_step=lambda: None) -> tuple[list[float], list[float]]:
     """STEPS of loss, backward, clip to MAX_NORM, AdamW; this process's losses and the global grad norms."""
     optimizer = _adamw(params)
     losses, norms = [], []
     for step in range(STEPS):
         loss = loss_of_step(step)
         loss.backward()
+        finish_step()
         norm = grad_norm()
         for p in params:
             if p.grad is not None:
@@ -203,10 +210,12 @@ def _sharded_norm(engine: FullyShardedEngine):
 
 def _train_sharded(mesh: Mesh, model: nn.Module, step_loss, **kwargs) -> dict:
     engine, _ = _shard(model, mesh, **kwargs)
-    losses, norms = _train(engine.masters(), step_loss, _sharded_norm(engine), engine.after_step)
+    losses, norms = _train(engine.masters(), step_loss, _sharded_norm(engine), engine.after_step,
+                           lambda: finish(engine))
     global_losses = torch.tensor(losses)
     dist.all_reduce(global_losses)
     step_loss(STEPS).backward()  # one more backward: which masters got no gradient anywhere
+    finish(engine)
     no_grad = [name for name, m in zip(engine.master_names(), engine.masters()) if m.grad is None]
     return {"losses": global_losses.tolist(), "norms": norms, "state": engine.full_state_dict(), "no_grad": no_grad}
 
@@ -238,6 +247,7 @@ def _measure(mesh: Mesh, precision: Precision) -> dict:
         loss = _transformer_loss(model, MEASURED, step, _rows(mesh))
         forward_bytes = comm.bytes_by_axis().get("dp", 0)
         loss.backward()
+        finish(engine)
         optimizer.step()
         engine.after_step()
         if step == 0:
@@ -262,9 +272,11 @@ def _accumulation(mesh: Mesh) -> float:
     with engine.no_sync():
         _transformer_loss(model, UNTIED, 0, slice(rows.start, rows.start + half)).backward()
     _transformer_loss(model, UNTIED, 0, slice(rows.start + half, rows.stop)).backward()
+    finish(engine)
     accumulated = [m.grad.clone() for m in engine.masters()]
     engine.zero_grad()
     _transformer_loss(model, UNTIED, 0, rows).backward()
+    finish(engine)
     return max((a - m.grad).abs().max().item() for a, m in zip(accumulated, engine.masters()) if a.numel())
 
 
@@ -437,6 +449,7 @@ def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
         loss.backward()
         assert engine.resident_bytes()["params"] == shard_bytes
         _plain_loss(reference, step, slice(None)).backward()
+    finish(engine)
     for name, master in zip(engine.master_names(), engine.masters()):
         expected = reference.get_parameter(name).grad
         if expected is None:
@@ -469,6 +482,7 @@ def test_frozen_parameter_gets_no_gradient():
     model.head.weight.requires_grad_(False)
     engine, _ = _shard(model, _solo_mesh())
     _plain_loss(model, 0, slice(None)).backward()
+    finish(engine)
     grads = {name: m.grad for name, m in zip(engine.master_names(), engine.masters())}
     assert grads["head.weight"] is None and grads["head.bias"] is not None
     assert not model.head.weight.requires_grad
@@ -481,32 +495,6 @@ def test_invalid_settings_raise_value_errors():
         foreign = _PlainNet()
     with pytest.raises(ZeroConfigError, match="init="):
         _shard(foreign, _solo_mesh())
-
-
-class _Probe(torch.autograd.Function):
-    """Identity whose backward queues a callback that records what the end of backward sees."""
-
-    @staticmethod
-    def forward(ctx, x, seen):
-        ctx.x, ctx.seen = x, seen
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.seen.append(("backward", ctx.x.grad))
-        queue_end_of_backward(lambda: ctx.seen.append(("callback", ctx.x.grad.clone())))
-        return grad, None
-
-
-def test_queue_end_of_backward_runs_once_after_the_whole_backward():
-    x = torch.ones(3, requires_grad=True)
-    seen = []
-    (_Probe.apply(x, seen) * 2).sum().backward()
-    assert [event for event, _ in seen] == ["backward", "callback"]
-    assert seen[0][1] is None  # inside backward, the leaf's gradient is not accumulated yet
-    assert torch.equal(seen[1][1], torch.full((3,), 2.0))  # at the callback, it is
-    with pytest.raises(RuntimeError):
-        queue_end_of_backward(lambda: None)  # outside a backward pass there is nothing to run after
 
 
 def test_master_names_follow_model_parameter_order():

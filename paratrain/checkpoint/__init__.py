@@ -8,10 +8,8 @@
     with CheckpointReader(path) as ckpt:
         rows = ckpt.read("layers.0.wq", offset=(0, 0), shape=(32, 32))
 
-A parallel model's masters and optimizer state, in any layout (`training`):
-
-    save_checkpoint(root, step, model_shards(model, optimizer), coordinator=DistCoordinator())
-    load_model_shards(other_layout_model, other_optimizer, CheckpointReader(path))
+This package is the storage core: it knows boxes of tensors, files and commits, not models.
+A parallel model's masters and optimizer state become boxes in `paratrain.run.model_state`.
 
 On disk: ``root/step-00000008/`` with ``rank-<r>.safetensors`` per rank,
 ``index.json`` and ``manifest.json`` (the commit marker); see `format` for the
@@ -31,12 +29,11 @@ from paratrain.checkpoint.state import decode_state, encode_state
 from paratrain.checkpoint.store import (
     apply_retention, check_free_space, find_latest, list_checkpoints, quarantine_incomplete, read_latest_pointer, verify_checkpoint,
 )
-from paratrain.checkpoint.training import load_model_shards, model_shards
 
 __all__ = [
     "AsyncCheckpointer", "Box", "CheckpointError", "CheckpointReader", "CheckpointWarning", "Compatibility",
     "Coordinator", "CorruptCheckpointError", "DistCoordinator", "IncompatibleCheckpointError", "LocalCoordinator",
     "ShardSpec", "apply_retention", "check_free_space", "decode_state", "dedicated_coordinator", "encode_state", "find_latest",
-    "list_checkpoints", "load_model_shards", "model_shards", "quarantine_incomplete", "rank_filename",
+    "list_checkpoints", "quarantine_incomplete", "rank_filename",
     "read_latest_pointer", "save_checkpoint", "step_dirname", "verify_checkpoint",
 ]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from paratrain.checkpoint.coordinator import Coordinator, LocalCoordinator, dedicated_coordinator
 from paratrain.checkpoint.format import CheckpointError
-from paratrain.checkpoint.save import RankPayload, Shards, check_save_options, prepare_payload, run_save
+from paratrain.checkpoint.save import EventHook, RankPayload, Shards, check_save_options, prepare_payload, run_save
 
 
 class AsyncCheckpointer:
@@ -41,8 +41,10 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_latest: int | None = None,
-                 coordinator: Coordinator | None = None, group: dist.ProcessGroup | None = None):
+                 coordinator: Coordinator | None = None, group: dist.ProcessGroup | None = None,
+                 on_event: EventHook = None):
         check_save_options(0, keep_latest)
+        self.on_event = on_event
         self.root = Path(root)
         self.keep_latest = keep_latest
         self._owns_group = coordinator is None and dist.is_initialized()
@@ -74,7 +76,8 @@ class AsyncCheckpointer:
 
     def _run(self, step: int, payload: RankPayload, overwrite: bool) -> None:
         try:
-            self._last = run_save(self.root, step, payload, self.coordinator, self.keep_latest, overwrite)
+            self._last = run_save(self.root, step, payload, self.coordinator, self.keep_latest, overwrite,
+                                  self.on_event)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by wait()
             self._error = exc
 

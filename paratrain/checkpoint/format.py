@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from paratrain.errors import ParatrainError
+
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 MANIFEST_FILE = "manifest.json"
@@ -34,7 +36,7 @@ TEMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ParatrainError, RuntimeError):
     """A checkpoint could not be saved, found or read; the message says which file and what to do."""
 
 

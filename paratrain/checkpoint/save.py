@@ -37,7 +37,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,9 +50,11 @@ from paratrain.checkpoint.format import (
 from paratrain.checkpoint.merge import build_index, file_digests
 from paratrain.checkpoint.state import encode_state
 from paratrain.checkpoint.store import apply_retention, describe_last_good, list_checkpoints, update_latest_pointer
-from paratrain.faults import maybe_fault
 
 Shards = dict[str, tuple[ShardSpec, torch.Tensor]]
+# on_event(name, step): told when a save reaches one of its points (`paratrain.faults.CHECKPOINT_EVENTS`
+# lists them); the fault-injection tests kill or slow the save there.
+EventHook = Callable[[str, int], None] | None
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class RankPayload:
 
 def save_checkpoint(root: str | os.PathLike, step: int, shards: Shards, rank_state: dict | None = None,
                     shared_state: dict | None = None, *, coordinator: Coordinator,
-                    keep_latest: int | None = None, overwrite: bool = False) -> Path:
+                    keep_latest: int | None = None, overwrite: bool = False, on_event: EventHook = None) -> Path:
     """Save this rank's shards and state as part of checkpoint `step` under `root`; return the committed directory.
 
     Collective: every rank of the coordinator calls it with the same root,
@@ -78,12 +80,13 @@ def save_checkpoint(root: str | os.PathLike, step: int, shards: Shards, rank_sta
     common to all ranks (step, tokens, config, schedule; only rank 0's is
     stored). Both may hold JSON values, bytes and small tensors (see
     `paratrain.checkpoint.state`). `keep_latest` (None: keep all) bounds the
-    committed checkpoints left under root. Raises CheckpointError on every
-    rank when the save fails; the previous checkpoints are then untouched.
+    committed checkpoints left under root. `on_event` is told of each point of
+    the save it reaches (for fault-injection tests). Raises CheckpointError on
+    every rank when the save fails; the previous checkpoints are then untouched.
     """
     check_save_options(step, keep_latest)
     payload = prepare_payload(coordinator.rank, shards, rank_state, shared_state, copy=False)
-    return run_save(Path(root), step, payload, coordinator, keep_latest, overwrite)
+    return run_save(Path(root), step, payload, coordinator, keep_latest, overwrite, on_event)
 
 
 def check_save_options(step: int, keep_latest: int | None) -> None:
@@ -129,7 +132,7 @@ def _check_shard(key: Any, value: Any) -> tuple[ShardSpec, torch.Tensor]:
 
 
 def run_save(root: Path, step: int, payload: RankPayload, coordinator: Coordinator,
-             keep_latest: int | None, overwrite: bool) -> Path:
+             keep_latest: int | None, overwrite: bool, on_event: EventHook = None) -> Path:
     """The collective part of a save (steps 1-4 of the module docstring), shared by sync and async saves."""
     rank, name = coordinator.rank, step_dirname(step)
     announced = _meet(coordinator.broadcast_object, _start(root, step, overwrite) if rank == 0 else None,
@@ -137,11 +140,12 @@ def run_save(root: Path, step: int, payload: RankPayload, coordinator: Coordinat
     if "error" in announced:
         raise CheckpointError(announced["error"])
     tmp = root / announced["tmp"]
-    fragment = _write_fragment(tmp, step, rank, payload)
-    maybe_fault("ckpt_kill_after_shard", rank, step)
+    event = on_event or (lambda name, step: None)
+    fragment = _write_fragment(tmp, step, rank, payload, event)
+    event("shard_written", step)
     fragments = _meet(coordinator.gather_objects, fragment, name,
                       f"collecting what every rank wrote (temporary directory {tmp.name} left in place)")
-    outcome = _commit(root, tmp, step, fragments, overwrite) if rank == 0 else None
+    outcome = _commit(root, tmp, step, fragments, overwrite, event) if rank == 0 else None
     try:
         outcome = coordinator.broadcast_object(outcome)
     except Exception as exc:  # noqa: BLE001 - any transport failure means a peer is gone
@@ -153,7 +157,7 @@ def run_save(root: Path, step: int, payload: RankPayload, coordinator: Coordinat
         raise CheckpointError(outcome["error"])
     path = root / outcome["path"]
     if rank == 0 and keep_latest is not None:
-        apply_retention(root, keep_latest, protect=path)
+        apply_retention(root, keep_latest, protect=path, on_event=on_event)
     return path
 
 
@@ -180,19 +184,15 @@ def _start(root: Path, step: int, overwrite: bool) -> dict:
     return {"tmp": tmp_name}
 
 
-def _write_fragment(tmp: Path, step: int, rank: int, payload: RankPayload) -> dict:
+def _write_fragment(tmp: Path, step: int, rank: int, payload: RankPayload, event) -> dict:
     """Write this rank's file; the fragment describing it, or {"rank", "error"}."""
     if payload.error is not None:
         return {"rank": rank, "error": payload.error}
     file = rank_filename(rank)
     tensors = {key: t for key, (_, t) in payload.shards.items()}
 
-    def before_data():
-        maybe_fault("ckpt_enospc", rank, step)
-        maybe_fault("ckpt_slow_write", rank, step)
-
     try:
-        digest = write_shard_file(tmp / file, tensors, before_data)
+        digest = write_shard_file(tmp / file, tensors, lambda: event("writing_data", step))
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 so that no peer waits for this rank in vain
         return {"rank": rank, "error": f"rank {rank}: {_describe(exc, file)}"}
     shards = [{"key": key, "name": spec.name, "dtype": dtype_name(t.dtype), "global_shape": list(spec.global_shape),
@@ -201,7 +201,7 @@ def _write_fragment(tmp: Path, step: int, rank: int, payload: RankPayload) -> di
             "rank_state": payload.rank_state, "shared_state": payload.shared_state}
 
 
-def _commit(root: Path, tmp: Path, step: int, fragments: list[dict], overwrite: bool) -> dict:
+def _commit(root: Path, tmp: Path, step: int, fragments: list[dict], overwrite: bool, event) -> dict:
     """Rank 0: index, manifest, rename, `latest`; {"path": name} or {"error": message}."""
     name = step_dirname(step)
     errors = [f["error"] for f in fragments if "error" in f]
@@ -212,7 +212,7 @@ def _commit(root: Path, tmp: Path, step: int, fragments: list[dict], overwrite: 
         index = build_index(step, fragments)
         digests = file_digests(fragments)
         digests[INDEX_FILE] = write_durable(tmp / INDEX_FILE, index.to_json())
-        maybe_fault("ckpt_kill_before_commit", 0, step)
+        event("committing", step)
         write_durable(tmp / MANIFEST_FILE, Manifest(step, digests).to_json())
         fsync_dir(tmp)
         _install(tmp, root / name, overwrite)

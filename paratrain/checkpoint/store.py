@@ -32,7 +32,6 @@ from paratrain.checkpoint.format import (
     INDEX_FILE, LATEST_FILE, MANIFEST_FILE, TEMP_PREFIX, CheckpointError, CheckpointWarning,
     CorruptCheckpointError, Index, Manifest, parse_step_dirname,
 )
-from paratrain.faults import maybe_fault
 
 INCOMPLETE_PREFIX = ".incomplete-"
 DELETING_PREFIX = ".deleting-"
@@ -181,14 +180,14 @@ def _set_aside(entry: Path, delete: bool) -> Path:
     return target
 
 
-def apply_retention(root: str | os.PathLike, keep_latest: int, protect: Path) -> list[Path]:
+def apply_retention(root: str | os.PathLike, keep_latest: int, protect: Path, on_event=None) -> list[Path]:
     """Delete all but the newest `keep_latest` checkpoints, never `protect`; return those deleted.
 
     Each is first renamed to ``.deleting-*`` (atomic), then removed, so a
     crash mid-purge never leaves a half-deleted ``step-*`` that looks
     committed. A failure is a warning: training goes on with one more
-    checkpoint on disk. Runs on rank 0 (its fault hook ``kill_in_purge`` is
-    keyed by rank 0 and the step of `protect`).
+    checkpoint on disk. Runs on rank 0; `on_event("purging", step of protect)`
+    is told of each rename (see `paratrain.checkpoint.save.EventHook`).
     """
     root = Path(root)
     committed = list_checkpoints(root)
@@ -200,7 +199,8 @@ def apply_retention(root: str | os.PathLike, keep_latest: int, protect: Path) ->
         try:
             trash = root / f"{DELETING_PREFIX}{path.name}-{secrets.token_hex(3)}"
             os.rename(path, trash)
-            maybe_fault("kill_in_purge", 0, parse_step_dirname(Path(protect).name) or 0)
+            if on_event is not None:
+                on_event("purging", parse_step_dirname(Path(protect).name) or 0)
             shutil.rmtree(trash)
             deleted.append(path)
         except OSError as exc:

@@ -11,8 +11,10 @@ The pieces, in the order one training step uses them:
   data ranks, so any layout sees the same global batches and resume is exact.
 """
 
+from paratrain.errors import ParatrainError
 
-class DataError(ValueError):
+
+class DataError(ParatrainError, ValueError):
     """Bad data configuration or input (a path, a tokenizer spec, a batch size)."""
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from paratrain.errors import ParatrainError
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ParatrainError, ValueError):
     """A model configuration field has an invalid value, or a model name is unknown."""
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from paratrain.errors import ParatrainError
 
 
-class GenerationError(ValueError):
+class GenerationError(ParatrainError, ValueError):
     """A sampling argument is out of range."""
 
 

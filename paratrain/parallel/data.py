@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,6 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
-from paratrain.parallel.autograd import queue_end_of_backward
 from paratrain.parallel.shard import as_rows, padded_chunk_numel, row_range, rows_per_rank
 from paratrain.precision import Precision
 
@@ -71,7 +71,9 @@ class Bucket:
 
 
 class DataParallelEngine:
-    """DDP (stage 0) and ZeRO-1/2 over the `dp` axis of a mesh, for any nn.Module."""
+    """DDP (stage 0) and ZeRO-1/2 over the `dp` axis of a mesh, for any nn.Module (an `Engine`, see engine.py)."""
+
+    params_sharded = False  # every data rank holds every parameter whole
 
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision, stage: int = 0,
                  bucket_mb: float = 25.0, grad_reduction: str = "mean"):
@@ -92,11 +94,11 @@ class DataParallelEngine:
         self._where = {s.param: (b, s) for b in self.buckets for s in b.slots}
         self._index = {s.param: i for i, s in enumerate(self.slots)}
         self._sync = True
-        self._in_backward = False
-        self._accumulating = False  # buckets hold this step's gradients, from its first micro-batch on
+        # A step's gradients are being collected: from its first gradient to finish_gradients().
+        self._accumulating = False
+        self._in_backward = False  # the synced backward has begun launching buckets
         self._next_launch = 0
-        self._used_mask: torch.Tensor | None = None
-        self.backward_finished_at = 0.0
+        self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
 
     # -- construction ---------------------------------------------------------
     def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:
@@ -192,7 +194,7 @@ class DataParallelEngine:
     def _start_accumulation(self) -> None:
         """The first gradient of a step: zeroed buckets collect every micro-batch's gradients until the synced one."""
         self._accumulating = True
-        self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device)
+        self._used_mask.zero_()
         for bucket in self.buckets:
             if bucket.buffer is None:
                 bucket.buffer = self._new_buffer(bucket)
@@ -204,7 +206,6 @@ class DataParallelEngine:
         self._next_launch = 0
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
-        queue_end_of_backward(self._end_of_backward)
 
     def _pack(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
         """Add a gradient into the bucket (÷ the pre-division): rank r's padded rows into chunk r."""
@@ -236,29 +237,33 @@ class DataParallelEngine:
             bucket.shard_grad = out
             bucket.work = self.comm.reduce_scatter(out, bucket.buffer, "dp", async_op=True)
 
-    def _end_of_backward(self) -> None:
-        """Runs once autograd has finished: launch the buckets still waiting (parameters this backward
-        did not reach, whose gradients came from earlier micro-batches or from none), then wait."""
-        self.backward_finished_at = time.perf_counter()
+    def finish_gradients(self) -> torch.Tensor:
+        """Launch the buckets still waiting (parameters the synced backward did not reach, whose gradients
+        came from earlier micro-batches or from none; all of them when every backward ran under no_sync),
+        wait for every reduction, and point the master gradients at the reduced rows.
+
+        Returns, per master, how many data ranks reached it this step (the last step's counts when no
+        gradient came since).
+        """
+        if not self._accumulating:
+            return self._used_mask
+        if not self._in_backward:
+            self._start_backward()
         self._launch_ready_buckets(in_backward=False)
         mask_work = self.comm.all_reduce(self._used_mask, "dp", async_op=True)
         self.comm.wait([b.work for b in self.buckets] + [mask_work], "dp")
         self._assign_master_grads()
         self._in_backward = self._accumulating = False
+        return self._used_mask
 
-    def finish_grad_sync(self) -> None:
-        """Make master gradients final. Backward does this itself when it ends; this is idempotent."""
-        if self._in_backward:
-            self._end_of_backward()
+    def drop_gradients(self, indices: list[int]) -> None:
+        for i in indices:
+            self.slots[i].master.grad = None
 
     def _assign_master_grads(self) -> None:
-        used = self._used_mask.bool().tolist()
         for bucket in self.buckets:
             source = bucket.buffer if self.stage == 0 else bucket.shard_grad
             for slot in bucket.slots:
-                if not used[self._index[slot.param]]:
-                    slot.master.grad = None
-                    continue
                 lo, hi = slot.rows
                 shape = slot.master.shape
                 grad = source[slot.offset:slot.offset + (hi - lo) * _row_numel(slot.param)].view(shape)
@@ -318,6 +323,11 @@ class DataParallelEngine:
         for slot in self.slots:
             slot.master.grad = None
             slot.param.grad = None
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every trainable parameter whole, as the model computes with it (every data rank holds it)."""
+        for slot in self.slots:
+            yield slot.name, slot.param.detach()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and master copies that exist on this rank now.

@@ -1,7 +1,8 @@
 """Pipeline parallelism: this rank's stages run by a schedule, activations and gradients point to point.
 
 `paratrain.parallel.stages` splits the model; this module runs it. One step is m
-micro-batches. `PipelineModel.train_step` walks this rank's action list from
+micro-batches. `PipelineRunner.run` (a `ParallelModel`'s `train_step` under
+pipeline parallelism) walks this rank's action list from
 `paratrain.parallel.schedules` (F, B and for zero-bubble W) and derives the point-to-point
 traffic from it exactly as the simulator does:
 
@@ -19,8 +20,8 @@ waited on at the end of the step; receives block. Shapes travel once per
 stage boundary and direction in a small header, then are fixed.
 
 The loss lives on the last stage and is token-weighted over the global
-batch (each micro-batch's token-loss sum divided by the step's global token
-count), so m micro-batches equal one batch of m·b. Data-parallel gradient
+batch (each micro-batch's `loss_fn` token-loss sum divided by the step's global
+token count), so m micro-batches equal one batch of m·b. Data-parallel gradient
 communication runs only in the rank's last backward of the step (earlier
 ones accumulate under `no_sync`).
 
@@ -36,9 +37,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from paratrain.parallel.schedules import Action, Kind, build_schedule
+from paratrain.parallel.schedules import Action, Kind, ScheduleName, build_schedule
 from paratrain.parallel.simulator import validate
 from paratrain.parallel.stages import PipelineError, StageSplit
 
@@ -57,62 +57,29 @@ class _Slot:
     grad: torch.Tensor | None = None  # the output's gradient, kept from B for W
 
 
-class PipelineModel(nn.Module):
-    """This rank's pipeline stages under a data/tensor-parallel engine, run by a schedule.
+class PipelineRunner:
+    """This rank's pipeline stages, run by a schedule: the pipeline half of a `ParallelModel`.
 
-    `train_step(micro_batches, normalizer)` replaces the user's forward/backward loop for one
-    optimizer step; gradient clipping, the optimizer and the loss scaler work as with
-    `ParallelModel`, to which everything else is delegated.
+    `run(micro_batches, normalizer, loss_fn, model)` is the forward and backward of one
+    optimizer step (the model's `train_step` calls it); the model's engine, loss scaler and
+    device serve every stage.
     """
 
-    def __init__(self, inner, split: StageSplit, schedule: str, mesh):
-        super().__init__()
-        self.inner = inner
+    def __init__(self, split: StageSplit, schedule: str, mesh, comm):
         self.split = split
-        self.schedule_name = schedule
+        self.schedule_name = ScheduleName(schedule)
+        self.comm = comm
         self.pp, self.pp_rank = mesh.size("pp"), mesh.coord("pp")
+        self.device = mesh.device
         self.shells = {s: split.shell(s) for s in split.stages}
         self.last_stage = split.num_stages - 1
         self._schedules: dict[int, object] = {}
         self._shapes: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = {}
         self._pending: list = []
-        build_schedule(schedule, self.pp, self.pp, len(split.stages))  # a bad name or v fails now, not at step 1
 
-    # -- the ParallelModel interface, delegated --------------------------------------------------
-    @property
-    def comm(self):
-        return self.inner.comm
-
-    @property
-    def scaler(self):
-        return self.inner.scaler
-
-    @property
-    def module(self) -> nn.Module:
-        return self.inner.module
-
-    @property
-    def tp_info(self):
-        return self.inner.tp_info
-
-    def forward(self, *args, **kwargs):
-        raise PipelineError("a pipeline-parallel model runs whole steps: call train_step(micro_batches, "
-                            "normalizer), eval_loss_sum(inputs, labels) or causal_logits(tokens)")
-
-    def loss_fn(self, *args, **kwargs):
-        return self.inner.loss_fn(*args, **kwargs)
-
-    def comm_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.inner.comm_sum(tensor)
-
-    def no_sync(self):
-        return self.inner.no_sync()
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        return self.inner.clip_grad_norm_(max_norm)
-
-    def resident_bytes(self, optimizer=None) -> dict[str, int]:
-        return self.inner.resident_bytes(optimizer)
+    @staticmethod
+    def error(message: str) -> PipelineError:
+        return PipelineError(message)
 
     # -- training --------------------------------------------------------------------------------
     def schedule(self, num_microbatches: int):
@@ -123,45 +90,57 @@ class PipelineModel(nn.Module):
             self._schedules[num_microbatches] = schedule
         return self._schedules[num_microbatches]
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], normalizer: float) -> torch.Tensor:
-        """Forward and backward of every (inputs, labels) micro-batch in schedule order.
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], normalizer, loss_fn, model):
+        """Forward and backward of every (inputs, labels) micro-batch in schedule order; a `StepResult`.
 
-        Each micro-batch's loss is its token-loss sum divided by `normalizer` (the step's global
-        token count). Returns the token-loss sum of this data rank's micro-batches, on every
-        pipeline rank.
+        Each micro-batch's loss is `loss_fn(output, labels) / normalizer` on the last stage. The
+        token-loss sum of this data rank's micro-batches is all-reduced over pp, so every stage
+        reports it; the non-finite flag is the last stage's own.
         """
+        from paratrain.parallel.model import StepResult
+
         schedule = self.schedule(len(micro_batches))
         actions = schedule.actions[self.pp_rank]
         grad_kind = Kind.W if schedule.split_backward else Kind.B
         last_grad = max(i for i, a in enumerate(actions) if a.kind is grad_kind)
-        device = self._device()
-        batches = [(x.to(device), y.to(device)) for x, y in micro_batches]
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
         slots: dict[tuple[int, int], _Slot] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # a sum of m micro-batches' sums
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # a sum of m micro-batches' sums
         for i, action in enumerate(actions):
-            with self.inner.no_sync() if i != last_grad else contextlib.nullcontext():
+            # Data-parallel gradient communication runs in this rank's last backward of the step only.
+            with model.no_sync() if i != last_grad else contextlib.nullcontext():
                 if action.kind is Kind.F:
-                    loss_sum += self._forward(action, batches, normalizer, slots)
+                    loss_sum += self._forward(action, batches, normalizer, loss_fn, model, slots)
                 elif action.kind is Kind.B:
                     self._backward(action, slots, input_only=schedule.split_backward)
                 else:
                     self._weight_backward(action, slots)
         self._finish_sends()
+        nonfinite = ~torch.isfinite(loss_sum)  # before the sum over pp: this rank's own loss only
         self.comm.all_reduce(loss_sum, "pp")  # only the last stage contributed
-        return loss_sum
+        return StepResult(loss_sum, nonfinite)
 
-    def _forward(self, action: Action, batches, normalizer: float, slots) -> torch.Tensor:
+    def _forward(self, action: Action, batches, normalizer, loss_fn, model, slots) -> torch.Tensor:
         mb, s = action.microbatch, action.stage
         inputs, labels = batches[mb]
         x = inputs if s == 0 else self._receive("activation", s - 1).requires_grad_()
-        out = self.shells[s](x)
+        out = self._stage_output(s, self.shells[s](x))
         if s == self.last_stage:
-            token_loss = self.inner.loss_fn(out, labels)
-            slots[mb, s] = _Slot(x if s > 0 else None, self.inner.scale_loss(token_loss / normalizer))
+            token_loss = loss_fn(out, labels)
+            slots[mb, s] = _Slot(x if s > 0 else None, model.scale_loss(token_loss / normalizer))
             return token_loss.detach()
         self._send(out.detach(), "activation", s)
         slots[mb, s] = _Slot(x if s > 0 else None, out)
         return torch.zeros((), device=out.device)
+
+    def _stage_output(self, stage: int, out):
+        """A stage boundary carries one tensor: anything else is refused naming the stage and what it returned."""
+        if stage == self.last_stage or isinstance(out, torch.Tensor):
+            return out
+        first, last = self.split.ranges[stage]
+        raise PipelineError(f"pipeline stage {stage} (layers {first}..{last - 1}) returned a {type(out).__name__}, "
+                            "but a stage boundary carries one tensor; make each layer of the nn.Sequential "
+                            "return a single tensor (e.g. wrap a layer returning a tuple to keep its first element)")
 
     def _backward(self, action: Action, slots, input_only: bool) -> None:
         mb, s = action.microbatch, action.stage
@@ -198,15 +177,15 @@ class PipelineModel(nn.Module):
         self._pending.append((self.comm.send(tensor, "pp", peer), tensor))
 
     def _receive(self, direction: str, from_stage: int, header: bool = False) -> torch.Tensor:
-        peer, device = from_stage % self.pp, self._device()
+        peer = from_stage % self.pp
         meta = None if header else self._shapes.get((direction, from_stage))
         if meta is None:
-            description = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            description = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self.comm.wait([self.comm.recv(description, "pp", peer)], "pp")
             meta = _decode_header(description)
             if not header:
                 self._shapes[direction, from_stage] = meta
-        buffer = torch.empty(meta[0], dtype=meta[1], device=device)
+        buffer = torch.empty(meta[0], dtype=meta[1], device=self.device)
         self.comm.wait([self.comm.recv(buffer, "pp", peer)], "pp")
         return buffer
 
@@ -214,57 +193,50 @@ class PipelineModel(nn.Module):
         self.comm.wait([work for work, _ in self._pending], "pp")
         self._pending.clear()
 
-    def _device(self) -> torch.device:
-        return next(self.inner.module.parameters()).device
-
     # -- evaluation and generation -----------------------------------------------------------------
     @torch.no_grad()
-    def forward_only(self, inputs: torch.Tensor) -> torch.Tensor | None:
+    def forward_only(self, inputs: torch.Tensor):
         """The model's output for `inputs` on the rank holding the last stage; None on the others."""
         out = None
         for s in self.split.stages:
-            x = inputs.to(self._device()) if s == 0 else self._receive("activation", s - 1, header=True)
-            out = self.shells[s](x)
+            x = inputs if s == 0 else self._receive("activation", s - 1, header=True)
+            out = self._stage_output(s, self.shells[s](x))
             if s < self.last_stage:
                 self._send(out, "activation", s, header=True)
         self._finish_sends()
         return out if self.last_stage in self.split.stages else None
 
     @torch.no_grad()
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Tensor:
         """Token-loss sum of one batch, on every pipeline rank."""
         out = self.forward_only(inputs)
-        if out is None:
-            loss = torch.zeros((), device=self._device())
-        else:
-            loss = self.inner.loss_fn(out, labels.to(out.device), ignore_index=ignore_index).float()
+        loss = torch.zeros((), device=self.device) if out is None else loss_fn(out, labels).float()
         self.comm.all_reduce(loss, "pp")
         return loss
 
     @torch.no_grad()
-    def causal_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def causal_logits(self, tokens: torch.Tensor, full_logits) -> torch.Tensor:
         """Whole-vocabulary fp32 logits for `tokens` on every rank (the reference model; for generation)."""
         if self.split.kind != "transformer":
             raise PipelineError("causal_logits needs paratrain's Transformer (its vocabulary size)")
         out = self.forward_only(tokens)
         if out is None:
             shape = (*tokens.shape, self.split.module.config.vocab_size)
-            logits = torch.empty(shape, dtype=torch.float32, device=self._device())
+            logits = torch.empty(shape, dtype=torch.float32, device=self.device)
         else:
-            logits = self.inner.full_logits(out).float().contiguous()
+            logits = full_logits(out).float().contiguous()
         self.comm.broadcast(logits, "pp", src=self.pp - 1)
         return logits
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the whole model, whole, on every rank (collective)."""
-        local = self.inner.full_state_dict()
+    def gather_stages(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every parameter of the whole model from each stage's own (collective over pp)."""
         dtype = next(iter(local.values())).dtype  # every stage holds its parameters in the same dtype
         out = {}
         for name, shape in self.split.param_shapes.items():
             owner = self.split.param_owner[name] % self.pp
             value = local[name].to(dtype).contiguous() if owner == self.pp_rank else \
-                torch.empty(shape, dtype=dtype, device=self._device())
+                torch.empty(shape, dtype=dtype, device=self.device)
             self.comm.broadcast(value, "pp", src=owner)
             out[name] = value
         return out

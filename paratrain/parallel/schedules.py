@@ -39,11 +39,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Iterable
+from paratrain.errors import ParatrainError, Violation
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-class ScheduleError(ValueError):
+class ScheduleName(str, Enum):
+    """The pipeline schedules, the one list of their names (config, CLI, planner and runtime use it)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"  # Qi et al. 2023: 1F1B with weight gradients deferred into the bubbles
+
+    @classmethod
+    def parse(cls, name) -> ScheduleName:
+        """The schedule called `name`; ScheduleError naming the choices for an unknown one."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise ScheduleError(f"unknown schedule {name!r}; choose one of "
+                                f"{', '.join(n.value for n in cls)}") from None
+
+
+SCHEDULES = tuple(name.value for name in ScheduleName)
+
+
+class ScheduleError(ParatrainError, ValueError):
     """A schedule that cannot be built or executed; the message names the field or action and the fix."""
 
 
@@ -105,34 +126,61 @@ def _short(action: Action) -> str:
     return f"{action.kind.value}{action.microbatch}.{action.stage}"
 
 
-def build_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule `name` (one of SCHEDULES) for `pp` ranks and `num_microbatches` micro-batches.
+def build_schedule(name: str | ScheduleName, pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule `name` for `pp` ranks and `num_microbatches` micro-batches.
 
     `virtual_stages` is the number of model chunks per rank; only 'interleaved'
     takes more than one, and it needs at least two. Raises ScheduleError on
-    arguments the schedule is not defined for.
+    arguments the schedule is not defined for (`schedule_violations`).
     """
-    _check_arguments(name, pp, num_microbatches, virtual_stages)
-    actions = tuple(tuple(_GENERATORS[name](pp, num_microbatches, virtual_stages, rank)) for rank in range(pp))
-    return Schedule(name=name, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages,
-                    split_backward=name == "zb-h1", actions=actions)
-
-
-def _check_arguments(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> None:
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     for field, value in (("pp", pp), ("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{field} must be an integer of at least 1, got {value!r}")
-    if name == "interleaved" and virtual_stages < 2:
-        raise ScheduleError(f"interleaved needs virtual_stages >= 2, got {virtual_stages}; "
-                            "use '1f1b' for one stage per rank")
-    if name == "interleaved" and num_microbatches % pp:
-        raise ScheduleError(f"interleaved needs num_microbatches divisible by pp, got {num_microbatches} "
-                            f"and pp={pp}; use a multiple of {pp}")
-    if name != "interleaved" and virtual_stages != 1:
-        raise ScheduleError(f"virtual_stages={virtual_stages} is only for 'interleaved'; "
-                            f"use virtual_stages=1 with {name!r}")
+    broken = _schedule_rules(name, pp, virtual_stages, num_microbatches, None)
+    if broken:
+        raise ScheduleError(broken[0].message)
+    name = ScheduleName(name)
+    actions = tuple(tuple(_GENERATORS[name](pp, num_microbatches, virtual_stages, rank)) for rank in range(pp))
+    return Schedule(name=name.value, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages,
+                    split_backward=name is ScheduleName.ZB_H1, actions=actions)
+
+
+def schedule_violations(schedule: str | ScheduleName, pp: int, virtual_stages: int = 1,
+                        num_microbatches: int | None = None, n_layers: int | None = None) -> list[Violation]:
+    """Every pipeline-schedule rule the layout breaks: the one place these rules are written.
+
+    `build_schedule`, `parallelize`, `paratrain plan` and `paratrain train` all call it, each
+    with what it knows (the micro-batch count and the number of layers may be unknown: None).
+    Why interleaved needs m divisible by pp: micro-batches run in groups of pp (Megatron's
+    order); with a short last group the wrap from the last rank to the first stalls or deadlocks.
+    """
+    if pp == 1:  # no pipeline: the schedule is not used
+        return ([Violation("virtual_stages", "--virtual-stages needs pipeline parallelism (--pp > 1)")]
+                if virtual_stages > 1 else [])
+    return _schedule_rules(schedule, pp, virtual_stages, num_microbatches, n_layers)
+
+
+def _schedule_rules(schedule, pp: int, virtual_stages: int, num_microbatches: int | None,
+                    n_layers: int | None) -> list[Violation]:
+    try:
+        name = ScheduleName.parse(schedule)
+    except ScheduleError as e:
+        return [Violation("schedule", str(e))]
+    out = []
+    interleaved = name is ScheduleName.INTERLEAVED
+    if virtual_stages > 1 and not interleaved:
+        out.append(Violation("virtual_stages", f"--virtual-stages {virtual_stages} needs --schedule interleaved "
+                                               f"(virtual stages are only for 'interleaved'; use 1 with {name.value!r})"))
+    if interleaved and virtual_stages < 2:
+        out.append(Violation("virtual_stages", "--schedule interleaved needs --virtual-stages 2 or more "
+                                               "(use '1f1b' for one stage per rank)"))
+    if n_layers is not None and n_layers % (pp * max(virtual_stages, 1)):
+        out.append(Violation("layers_pp", f"layers {n_layers} not divisible by --pp × --virtual-stages = "
+                                          f"{pp} × {virtual_stages}"))
+    if interleaved and num_microbatches and num_microbatches % pp:
+        out.append(Violation("microbatches_pp", f"--schedule interleaved needs the micro-batches per step "
+                                                f"({num_microbatches}) divisible by --pp {pp}"))
+    return out
 
 
 def _gpipe(pp: int, m: int, v: int, rank: int) -> list[Action]:
@@ -216,9 +264,9 @@ def _zero_bubble_h1(pp: int, m: int, v: int, rank: int) -> list[Action]:
     return order + pending
 
 
-_GENERATORS: dict[str, Callable[[int, int, int, int], Iterable[Action]]] = {
-    "gpipe": _gpipe,
-    "1f1b": _one_f_one_b,
-    "interleaved": _interleaved,
-    "zb-h1": _zero_bubble_h1,
+_GENERATORS: dict[ScheduleName, Callable[[int, int, int, int], Iterable[Action]]] = {
+    ScheduleName.GPIPE: _gpipe,
+    ScheduleName.ONE_F_ONE_B: _one_f_one_b,
+    ScheduleName.INTERLEAVED: _interleaved,
+    ScheduleName.ZB_H1: _zero_bubble_h1,
 }

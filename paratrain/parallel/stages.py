@@ -13,14 +13,34 @@ runs through a "shell": a light module sharing the rank's blocks that computes o
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from paratrain.errors import ParatrainError, Violation
 
 
-class PipelineError(ValueError):
+class PipelineError(ParatrainError, ValueError):
     """A model or layout the pipeline cannot split; the message names the rule and the fix."""
+
+
+def zero_stage_violations(zero: int, pp: int) -> list[Violation]:
+    """ZeRO-3 is refused with pipeline parallelism: the one place this rule is written.
+
+    A stage runs the forward and the backward of every micro-batch at different times,
+    interleaved with other micro-batches, so ZeRO-3 would all-gather the stage's parameters for
+    each micro-batch's forward and again for its backward (4·m gathers per step, m× plain
+    ZeRO-3's traffic) and could not defer its gradient reduce-scatter across micro-batches; or it
+    would keep them gathered between uses, which gives back the memory ZeRO-3 saves. DeepSpeed's
+    pipeline engine refuses it for the same reason; ZeRO-1/2 shard the optimizer state, most of
+    the saving.
+    """
+    if zero == 3 and pp > 1:
+        return [Violation("zero3_pp", f"--zero 3 with --pp {pp} is refused: ZeRO-3 would re-gather every stage's "
+                                      "parameters for each micro-batch; use --zero 1 or 2, which shard the "
+                                      "optimizer state")]
+    return []
 
 
 def balanced_boundaries(costs: list[float], num_stages: int, first_extra: float = 0.0,
@@ -83,7 +103,7 @@ class StageSplit:
         first, last = stage == 0, stage == self.num_stages - 1
         keys = [str(i) for i in range(*self.ranges[stage])]
         if self.kind == "sequential":
-            return nn.Sequential(dict((k, self.module._modules[k]) for k in keys))
+            return nn.Sequential(OrderedDict((k, self.module._modules[k]) for k in keys))
         model = self.module
         shell = type(model).__new__(type(model))
         nn.Module.__init__(shell)

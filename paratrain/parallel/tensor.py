@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.errors import ParatrainError
 
 if TYPE_CHECKING:
     from paratrain.parallel.tp_plan import TensorParallelInfo
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(ParatrainError, ValueError):
     """A size or plan that tensor parallelism cannot split; the message names it and the rule."""
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.errors import Violation
 from paratrain.mesh import Mesh
 from paratrain.parallel.tensor import (
     ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, TensorParallelLayer,
@@ -253,6 +254,27 @@ LLAMA_SP_PLAN: dict[str, Style] = {
     "layers.*.ffn_norm": SequenceParallelNorm(),
     "norm": SequenceParallelNorm(),
 }
+
+
+def llama_tp_violations(model_cfg, tp: int) -> list[Violation]:
+    """The reference model under `LLAMA_TP_PLAN`: tp must divide the heads, the kv heads, the ffn width
+    and the vocabulary (Megatron's partitioning); the plan's styles check the same on the modules."""
+    checks = (("heads", "heads", model_cfg.n_heads), ("kv_heads", "kv heads", model_cfg.n_kv_heads),
+              ("ffn", "ffn", model_cfg.ffn_dim), ("vocab", "vocab", model_cfg.vocab_size))
+    return [Violation(f"{rule}_tp", f"{name} {size} not divisible by tp {tp}") for rule, name, size in checks
+            if size % tp]
+
+
+def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int | None = None) -> list[Violation]:
+    """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1 and a length tp divides."""
+    if not sequence_parallel:
+        return []
+    if tp == 1:
+        return [Violation("sp_tp", "--sequence-parallel needs tensor parallelism (--tp > 1)")]
+    if seq_len is not None and seq_len % tp:
+        return [Violation("sp_seq", f"--seq-len {seq_len} is not divisible by --tp {tp}, which sequence "
+                                    f"parallelism needs; use --seq-len {seq_len - seq_len % tp or tp}")]
+    return []
 
 
 # -- what the rest of the system needs to know ---------------------------------------------------

@@ -16,8 +16,9 @@ remaining parameters), on the dp axis:
   tensor as a reference into the gathered buffer instead of keeping the buffer
   alive; unpacking re-gathers), and one reduce-scatter of the unit's gradients
   (in the reduce dtype) when autograd has every gradient of them;
-- end of backward: one all-reduce of a per-parameter "used" mask (4 bytes per
-  parameter tensor, negligible) so that a parameter no rank used keeps grad None.
+- `finish_gradients` (once per step, after the last backward): one all-reduce of a
+  per-parameter "used" mask (4 bytes per parameter tensor, negligible) so that a
+  parameter no rank used keeps grad None.
 
 With ring collectives this is 3·Ψ·(N−1)/N elements per rank per step, against
 2·Ψ·(N−1)/N for DDP. Gradient accumulation cannot defer the reduce-scatter
@@ -37,7 +38,7 @@ import contextlib
 import functools
 import math
 from collections import deque
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -45,16 +46,16 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.shard import row_range
-from paratrain.parallel.autograd import queue_end_of_backward
 from paratrain.parallel.zero3_units import Unit, UnitSpec, parameter_slots, row_shape, unit_modules
 from paratrain.precision import Precision
+from paratrain.errors import ParatrainError
 
 # Reduce-scatters in flight at once: launching one waits for the one before the
 # previous, so a unit's gradient buffer is freed about two units later.
 _MAX_IN_FLIGHT = 2
 
 
-class ZeroConfigError(ValueError):
+class ZeroConfigError(ParatrainError, ValueError):
     """A ZeRO-3 setting or model that the engine cannot shard."""
 
 
@@ -94,7 +95,7 @@ class _GatherUnit(torch.autograd.Function):
 class FullyShardedEngine:
     """Shard `model` in place over the dp axis of `mesh` and drive its gathers and reductions.
 
-    The model keeps its structure and is called as before; each parameter slot
+    An `Engine` (engine.py). The model keeps its structure and is called as before; each parameter slot
     holds the rank's shard at rest and the full parameter only inside its
     unit's forward. Parameters on the meta device are materialized shard by
     shard with `init(name, full_shape)` (default: the reference model's
@@ -107,6 +108,9 @@ class FullyShardedEngine:
     gradients by N (DDP semantics), "sum" adds them (the caller's loss is
     already normalized by the global token count).
     """
+
+    grads_sharded = True  # each rank holds only its shard of every gradient: global norms need a dp all-reduce
+    params_sharded = True
 
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision,
                  units: UnitSpec = None, prefetch: bool = True,
@@ -138,7 +142,8 @@ class FullyShardedEngine:
         self._in_flight: deque = deque()
         self._new_grads: dict[int, torch.Tensor] = {}
         self._used = torch.zeros(len(self._shards), device=self._device())
-        self._finish_queued = False
+        # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
+        self._accumulating = False
 
     # -- construction ------------------------------------------------------
     def _device(self) -> torch.device:
@@ -243,7 +248,6 @@ class FullyShardedEngine:
             return saved
         unit = saved.unit
         if unit.full is None:  # first use of this unit in this backward: re-gather, then fetch the next one
-            self._queue_finish()
             self._gather(unit)
             self._prefetch(self._backward_next(unit))
         return unit.full.as_strided(saved.size, saved.stride, saved.offset)
@@ -259,7 +263,9 @@ class FullyShardedEngine:
 
     def _reduce_scatter(self, unit: Unit, grads) -> None:
         """Launch the reduce-scatter of a unit's full gradients, free its buffer, land older ones."""
-        self._queue_finish()
+        if not self._accumulating:  # the first gradients of a step
+            self._accumulating = True
+            self._used.zero_()
         for fp, grad in zip(unit.params, grads):
             if grad is not None:
                 self._used[fp.index] = 1
@@ -281,37 +287,30 @@ class FullyShardedEngine:
             else:
                 self._new_grads[index] = piece
 
-    def _queue_finish(self) -> None:
-        if not self._finish_queued:
-            self._finish_queued = True
-            queue_end_of_backward(self.finish_grad_sync)
-
     # -- the engine contract -----------------------------------------------
-    def finish_grad_sync(self) -> None:
-        """Land every reduce-scatter and set master grads; runs at the end of each backward (idempotent).
+    def finish_gradients(self) -> torch.Tensor:
+        """Land every reduce-scatter and set master grads (added to an existing grad: accumulation).
 
-        A parameter that got a gradient on some rank gets the reduced gradient
-        (added to an existing grad: accumulation); one that got none on any rank
-        keeps grad None, as in one process, so AdamW does not decay it.
+        Returns, per master, how many data ranks produced a gradient for it this step; the
+        model drops the gradients of those no rank used (`drop_gradients`), as in one process,
+        so AdamW does not decay them. With no gradient since the last call, returns its counts.
         """
-        if not self._finish_queued:
-            return
-        self._finish_queued = False
+        if not self._accumulating:
+            return self._used
         while self._in_flight:
             self._land(*self._in_flight.popleft())
         self.comm.all_reduce(self._used, axis="dp")
         for index, grad in self._new_grads.items():
-            if self._used[index] > 0:
-                master = self._shards[index]
-                master.grad = grad if master.grad is None else master.grad.add_(grad)
+            master = self._shards[index]
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
         self._new_grads.clear()
-        self._used.zero_()
         self._free_all()  # units re-gathered for a backward that reduced none of their gradients
+        self._accumulating = False
+        return self._used
 
-    @property
-    def grads_sharded(self) -> bool:
-        """Each rank holds only its shard of every gradient: global norms need a dp all-reduce."""
-        return True
+    def drop_gradients(self, indices: list[int]) -> None:
+        for i in indices:
+            self._shards[i].grad = None
 
     def masters(self) -> list[torch.Tensor]:
         """The fp32 shards the optimizer updates (they are also the model's parameters at rest)."""
@@ -351,6 +350,12 @@ class FullyShardedEngine:
         grads += sum(_nbytes(g) for g in self._new_grads.values())
         grads += sum(_nbytes(out) + _nbytes(flat) for _, _, out, flat in self._in_flight)
         return {"params": params, "grads": grads, "master": 0}
+
+    @torch.no_grad()
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter whole in fp32, one all-gather at a time (collective: every rank iterates)."""
+        for index, name in enumerate(self._names):
+            yield name, self._gather_parameter(index)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -27,7 +27,6 @@ from paratrain.plan.memory import (
     ModelStates,
     PlanError,
     Recompute,
-    Schedule,
     Workload,
     estimate_memory,
     gpt_num_params,
@@ -36,6 +35,7 @@ from paratrain.plan.memory import (
     model_state_bytes,
     stage_param_count,
 )
+from paratrain.parallel.schedules import ScheduleName
 from paratrain.plan.search import (
     Estimate,
     SearchResult,
@@ -59,7 +59,7 @@ __all__ = [
     "ModelStates",
     "PlanError",
     "Recompute",
-    "Schedule",
+    "ScheduleName",
     "SearchResult",
     "SearchSpace",
     "StepFlops",

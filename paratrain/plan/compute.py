@@ -26,12 +26,12 @@ from paratrain.plan.memory import (
     Layout,
     PlanError,
     Recompute,
-    Schedule,
     Workload,
     block_param_count,
     layers_on_stage,
     stage_param_count,
 )
+from paratrain.parallel.schedules import ScheduleName
 
 
 @dataclass(frozen=True)
@@ -372,7 +372,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     per_stage = []
     for stage in range(lay.pp):
         forward, backward = stage_flops_per_microbatch(workload, lay, stage)
-        if lay.schedule is Schedule.ZB_H1 and lay.pp > 1:
+        if lay.schedule is ScheduleName.ZB_H1 and lay.pp > 1:
             backward *= 1.5
         compute = (forward + backward) / flop_rate
         tp = _seconds(tp_collectives(workload, lay, stage), tp_link)
@@ -384,7 +384,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     _, compute, tp, pp = slowest[:4]
     return StepTime(
         compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
-        bubble=(lay.pp - 1) / lay.chunks * slowest[0] / (3 if lay.schedule is Schedule.ZB_H1 else 1),
+        bubble=(lay.pp - 1) / lay.chunks * slowest[0] / (3 if lay.schedule is ScheduleName.ZB_H1 else 1),
         dp_comm=max(s[4] for s in per_stage), optimizer=max(s[6] for s in per_stage),
         dp_comm_total=max(s[5] for s in per_stage),
     )

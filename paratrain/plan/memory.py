@@ -42,7 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from paratrain.errors import ParatrainError
 from paratrain.models.configs import ModelConfig
+from paratrain.parallel.schedules import ScheduleName
 
 GB = 10**9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -53,7 +55,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb, and paratrain'
 ZERO3_PREFETCH_UNITS = 2  # units gathered at once (computing + prefetched), and gradients in flight
 
 
-class PlanError(ValueError):
+class PlanError(ParatrainError, ValueError):
     """Bad input to the planner; the message names the field and the fix."""
 
 
@@ -67,15 +69,6 @@ class Recompute(str, Enum):
     NONE = "none"
     SELECTIVE = "selective"  # recompute only the attention core (softmax, dropout, scores × V)
     FULL = "full"  # keep each layer's input, recompute the whole layer in backward
-
-
-class Schedule(str, Enum):
-    """Pipeline schedule (Narayanan et al. 2021 §2.2)."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZB_H1 = "zb-h1"  # Qi et al. 2023: 1F1B with weight gradients deferred into the bubbles
 
 
 def _enum(cls, value, flag: str):
@@ -168,7 +161,7 @@ class Layout:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.NONE
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
@@ -176,7 +169,7 @@ class Layout:
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"--zero {self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "--recompute"))
-        object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "--schedule"))
+        object.__setattr__(self, "schedule", _enum(ScheduleName, self.schedule, "--schedule"))
 
     @property
     def world_size(self) -> int:
@@ -185,7 +178,7 @@ class Layout:
     @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank: v for the interleaved schedule, else 1."""
-        return self.virtual_stages if self.schedule is Schedule.INTERLEAVED else 1
+        return self.virtual_stages if self.schedule is ScheduleName.INTERLEAVED else 1
 
     def num_microbatches(self, global_batch: int | None) -> int:
         """Micro-batches per step on each data rank: global / (dp × micro-batch), at least 1."""
@@ -312,7 +305,7 @@ def stage_param_count(model: ModelConfig, tp: int = 1, pp: int = 1, stage: int =
     return count
 
 
-def in_flight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, virtual_stages: int = 1,
+def in_flight_microbatches(schedule: ScheduleName, pp: int, num_microbatches: int, virtual_stages: int = 1,
                            stage: int = 0) -> float:
     """Micro-batches whose activations pipeline stage `stage` holds at its peak, in whole-stage units.
 
@@ -328,12 +321,12 @@ def in_flight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, v
     p, m, v = pp, num_microbatches, virtual_stages
     if p == 1:
         return 1.0
-    if schedule is Schedule.GPIPE:
+    if schedule is ScheduleName.GPIPE:
         return float(m)
-    if schedule is Schedule.INTERLEAVED:
+    if schedule is ScheduleName.INTERLEAVED:
         chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
         return min(chunks, v * m) / v
-    if schedule is Schedule.ZB_H1:  # deferred weight gradients keep inputs alive: p on every stage
+    if schedule is ScheduleName.ZB_H1:  # deferred weight gradients keep inputs alive: p on every stage
         return float(min(p, m))
     return float(min(p - stage, m))
 

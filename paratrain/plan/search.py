@@ -5,12 +5,11 @@ and a one-line reason); `validate_layout` is the check the trainer runs before a
 group exists; `search` enumerates candidate layouts, drops those that break a rule or do not
 fit in memory (keeping why), and ranks the rest by estimated step time.
 
-Why ZeRO-3 is not combined with pp > 1: a pipeline stage runs the forward and the backward
-of every micro-batch at different times, interleaved with other micro-batches, so ZeRO-3
-would all-gather the stage's parameters twice per micro-batch (m× the traffic of plain
-ZeRO-3) or keep them gathered between uses, which gives back the memory ZeRO-3 saves.
-DeepSpeed's pipeline engine rejects ZeRO-2/3 for this reason; with pp > 1, ZeRO-1 shards the
-optimizer state, which is most of the saving.
+Each rule is written once, next to the code that needs it, and called from here: the degrees
+(`paratrain.mesh.degree_violations`), the reference model under tensor parallelism and
+sequence parallelism (`paratrain.parallel.tp_plan`), ZeRO-3 with pipelines
+(`paratrain.parallel.stages.zero_stage_violations`), the schedules
+(`paratrain.parallel.schedules.schedule_violations`) and the batch (`paratrain.config`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,13 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from paratrain.config import batch_violations
+from paratrain.errors import Violation
+from paratrain.mesh import degree_violations
 from paratrain.models.configs import ModelConfig
+from paratrain.parallel.schedules import ScheduleName, schedule_violations
+from paratrain.parallel.stages import zero_stage_violations
+from paratrain.parallel.tp_plan import llama_tp_violations, sequence_parallel_violations
 from paratrain.plan.compute import Hardware, StepFlops, StepTime, comm_bytes_per_rank, step_flops, step_time
 from paratrain.plan.memory import (
     GB,
@@ -29,7 +34,6 @@ from paratrain.plan.memory import (
     LayoutError,
     MemoryBreakdown,
     Recompute,
-    Schedule,
     Workload,
     estimate_memory,
 )
@@ -37,43 +41,22 @@ from paratrain.plan.memory import (
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
-@dataclass(frozen=True)
-class Violation:
-    """One broken rule: a short rule name (for grouping) and the one-line reason."""
-
-    rule: str
-    message: str
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_violations(model: ModelConfig, tp: int) -> list[Violation]:
-    checks = (("heads", "heads", model.n_heads), ("kv_heads", "kv heads", model.n_kv_heads),
-              ("ffn", "ffn", model.ffn_dim), ("vocab", "vocab", model.vocab_size))
-    return [Violation(f"{rule}_tp", f"{name} {size} not divisible by tp {tp}")
-            for rule, name, size in checks if size % tp]
 
 
 def _degree_violations(model: ModelConfig | None, dp: int, tp: int, pp: int, world_size: int | None,
                        global_batch: int | None, micro_batch: int) -> list[Violation]:
     """Rules on the degrees alone: world size, model divisibility, batch divisibility."""
-    out = []
-    if world_size is not None and dp * tp * pp != world_size:
-        out.append(Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} "
-                                      f"≠ {world_size} ranks"))
+    out = degree_violations(world_size, dp, tp, pp)
     if model is None and (tp > 1 or pp > 1):
         out.append(Violation("shape", "tp and pp need the model's shape; give --model or --layers/--hidden/--heads "
                                       "instead of --params"))
     if model is not None:
-        out += _tp_violations(model, tp)
+        out += llama_tp_violations(model, tp)
         if model.n_layers % pp:
             out.append(Violation("layers_pp", f"layers {model.n_layers} not divisible by pp {pp}"))
-    if global_batch is not None and global_batch % (dp * micro_batch):
-        out.append(Violation("batch", f"global batch {global_batch} not divisible by dp × micro-batch = "
-                                      f"{dp} × {micro_batch}"))
-    return out
+    return out + batch_violations(global_batch, micro_batch, dp)
 
 
 def layout_violations(workload: Workload, layout: Layout, world_size: int | None = None,
@@ -83,38 +66,13 @@ def layout_violations(workload: Workload, layout: Layout, world_size: int | None
     out = _degree_violations(model, lay.dp, lay.tp, lay.pp, world_size, workload.global_batch, lay.micro_batch)
     if gpus_per_node is not None and lay.tp > gpus_per_node:
         out.insert(0, Violation("tp_node", f"tp {lay.tp} exceeds {gpus_per_node} GPUs per node"))
-    if lay.zero == 3 and lay.pp > 1:
-        out.append(Violation("zero3_pp", f"zero 3 excluded with pp {lay.pp} (re-gathers parameters every "
-                                         "micro-batch; use zero 1)"))
-    if lay.sequence_parallel and lay.tp == 1:
-        out.append(Violation("sp_tp", "sequence parallel needs tp > 1"))
-    out += _schedule_violations(workload, lay)
-    return out
-
-
-def _schedule_violations(workload: Workload, lay: Layout) -> list[Violation]:
-    m = lay.num_microbatches(workload.global_batch)
+    out += zero_stage_violations(lay.zero, lay.pp)
+    out += sequence_parallel_violations(lay.sequence_parallel, lay.tp, workload.seq_len)
     layers = workload.model.n_layers if workload.model is not None else None
-    return schedule_violations(layers, lay.pp, lay.virtual_stages, lay.schedule.value, m)
-
-
-def schedule_violations(n_layers: int | None, pp: int, virtual_stages: int, schedule: str,
-                        num_microbatches: int | None) -> list[Violation]:
-    """The pipeline schedule's rules, shared by `paratrain plan` and `paratrain train`."""
-    out = []
-    interleaved = schedule == Schedule.INTERLEAVED.value
-    if virtual_stages > 1 and not interleaved:
-        out.append(Violation("virtual_stages", f"--virtual-stages {virtual_stages} needs --schedule interleaved"))
-    if not interleaved or pp == 1:
-        return out
-    if virtual_stages < 2:
-        out.append(Violation("virtual_stages", "--schedule interleaved needs --virtual-stages 2 or more"))
-    if n_layers is not None and n_layers % (pp * virtual_stages):
-        out.append(Violation("layers_chunks", f"layers {n_layers} not divisible by --pp × --virtual-stages = "
-                                              f"{pp} × {virtual_stages}"))
-    if num_microbatches and num_microbatches % pp:  # Megatron's interleaved schedule runs micro-batches in groups of p
-        out.append(Violation("microbatches_pp", f"--schedule interleaved needs the micro-batches per step "
-                                                f"({num_microbatches}) divisible by --pp {pp}"))
+    # layers % pp is a degree rule above; the schedule adds the chunks of interleaving
+    out += [v for v in schedule_violations(lay.schedule, lay.pp, lay.virtual_stages,
+                                           lay.num_microbatches(workload.global_batch), layers)
+            if not (v.rule == "layers_pp" and lay.chunks == 1)]
     return out
 
 
@@ -132,24 +90,32 @@ def nearest_layouts(world_size: int, dp: int, tp: int, pp: int, model: ModelConf
 
 
 def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: ModelConfig | None,
-                    global_batch: int | None, micro_batch: int) -> None:
-    """Raise `LayoutError` (a ValueError) if the degrees cannot run `model_cfg` on `world_size` ranks.
+                    global_batch: int | None, micro_batch: int, *, zero: int = 0, sequence_parallel: bool = False,
+                    seq_len: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1) -> None:
+    """Raise `LayoutError` (a ValueError) if the layout cannot run `model_cfg` on `world_size` ranks.
 
-    Rules: dp × tp × pp = world size; tp divides the heads, the kv heads, the ffn width and the
-    vocabulary (Megatron partitioning); pp divides the layers; dp × micro-batch divides the
-    global batch. The one-line message names the first broken rule and the nearest valid layouts.
+    Rules (each from its own function): dp × tp × pp = world size; tp divides the heads, the kv
+    heads, the ffn width and the vocabulary (Megatron partitioning); pp divides the layers;
+    dp × micro-batch divides the global batch; then ZeRO-3 with pp, sequence parallelism and
+    the schedule's rules. The one-line message names the first broken rule, and for the
+    degrees the nearest valid layouts. `model_cfg` None: the rules that need its shape wait.
     """
     for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
     broken = _degree_violations(model_cfg, dp, tp, pp, world_size, global_batch, micro_batch)
-    if not broken:
-        return
-    near = nearest_layouts(world_size, dp, tp, pp, model_cfg, global_batch, micro_batch)
-    hint = ("; nearest valid layouts: " + ", ".join(f"dp={d} tp={t} pp={p}" for d, t, p in near) if near else
-            f"; no layout of {world_size} ranks fits global batch {global_batch} with micro-batch {micro_batch}"
-            " (change the batch sizes)")
-    raise LayoutError(f"invalid layout dp={dp} tp={tp} pp={pp}: {broken[0].message}{hint}")
+    broken = [v for v in broken if v.rule != "shape"]  # train knows the shape later; plan checks it itself
+    if broken:
+        near = nearest_layouts(world_size, dp, tp, pp, model_cfg, global_batch, micro_batch)
+        hint = ("; nearest valid layouts: " + ", ".join(f"dp={d} tp={t} pp={p}" for d, t, p in near) if near else
+                f"; no layout of {world_size} ranks fits global batch {global_batch} with micro-batch {micro_batch}"
+                " (change the batch sizes)")
+        raise LayoutError(f"invalid layout dp={dp} tp={tp} pp={pp}: {broken[0].message}{hint}")
+    m = global_batch // (dp * micro_batch) if global_batch else None
+    rules = (zero_stage_violations(zero, pp) + sequence_parallel_violations(sequence_parallel, tp, seq_len)
+             + schedule_violations(schedule, pp, virtual_stages, m, model_cfg.n_layers if model_cfg else None))
+    if rules:
+        raise LayoutError(rules[0].message)
 
 
 @dataclass(frozen=True)
@@ -267,7 +233,7 @@ class SearchSpace:
     micro_batch: tuple[int, ...] = DEFAULT_MICRO_BATCHES
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     sequence_parallel: tuple[bool, ...] = (False, True)
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     virtual_stages: int = 1
 
 
@@ -280,7 +246,7 @@ def _candidates(world_size: int, space: SearchSpace):
     for tp in [space.tp] if space.tp else _divisors(world_size):
         for pp in [space.pp] if space.pp else _divisors(max(1, world_size // tp)):
             dp = space.dp or max(1, world_size // (tp * pp))
-            v = space.virtual_stages if space.schedule is Schedule.INTERLEAVED and pp > 1 else 1
+            v = space.virtual_stages if space.schedule is ScheduleName.INTERLEAVED and pp > 1 else 1
             choices = itertools.product(space.zero, space.micro_batch, space.recompute, space.sequence_parallel)
             for zero, mb, recompute, sp in choices:
                 if (zero > 0 and dp == 1 and 0 in space.zero) or (sp and tp == 1 and False in space.sequence_parallel):

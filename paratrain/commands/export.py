@@ -8,17 +8,13 @@ exit code 2.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from paratrain.checkpoint.export import EXPORT_DTYPES, export_hf
-from paratrain.checkpoint.format import CheckpointError
-from paratrain.checkpoint.hf_dir import HFError
-from paratrain.models import ModelConfigError
+from paratrain.interop.export import EXPORT_DTYPES, export_hf
 
 MB = 2**20
 
 
-def add_export_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `export` subcommand on the `paratrain` parser's subparsers."""
     parser = subparsers.add_parser("export", help="write a run or checkpoint as a Hugging Face Llama directory",
                                    description=(
@@ -37,15 +33,11 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    """Run `paratrain export`; 0 on success, 2 (one line on stderr) on bad input."""
+def run(args: argparse.Namespace) -> int:
+    """Run `paratrain export` (bad input raises HFError, CheckpointError or ModelConfigError: exit 2)."""
     max_bytes = None if args.max_shard_mb is None else int(args.max_shard_mb * MB)
-    try:
-        result = export_hf(args.source, args.out, dtype=EXPORT_DTYPES[args.dtype], max_shard_bytes=max_bytes,
-                           overwrite=args.overwrite)
-    except (HFError, CheckpointError, ModelConfigError) as e:
-        print(f"paratrain export: error: {e}", file=sys.stderr)
-        return 2
+    result = export_hf(args.source, args.out, dtype=EXPORT_DTYPES[args.dtype], max_shard_bytes=max_bytes,
+                       overwrite=args.overwrite)
     source = result.source
     what = f"step {result.step} ({source.path})" if result.step is not None else str(source.path)
     tokenizer = result.tokenizer_file or "none found"

@@ -19,9 +19,9 @@ schedule (`gpipe`, `1f1b`, `interleaved`, `zb-h1`) and `vN` (virtual stages). Ea
 one field of the `[parallel]` config section; a token whose field the trainer
 does not have yet is refused with a one-line error.
 
-Fault injection, for testing this command itself: with
-PARATRAIN_VERIFY_BREAK=negate_grads in the environment, rank 1 of every layout
-negates its gradients before each optimizer step (an engine that reduces
+To test this command itself, inject a fault into every layout's processes with
+PARATRAIN_FAULT (`paratrain.faults`): `negate_grads@rank1:step*` makes rank 1
+negate its gradients before each optimizer step (an engine that reduces
 gradients wrongly on one rank), which verify must report as FAIL.
 """
 
@@ -31,21 +31,19 @@ import argparse
 import math
 import os
 import re
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from paratrain.config import Config, ConfigError
-
-BREAK_ENV = "PARATRAIN_VERIFY_BREAK"
-FAULTS = ("negate_grads",)
+from paratrain.config import Config
+from paratrain.faults import FAULT_ENV, parse_faults
+from paratrain.parallel.schedules import SCHEDULES
+from paratrain.errors import ParatrainError
 
 
-class VerifyError(ValueError):
+
+class VerifyError(ParatrainError, ValueError):
     """Bad input to `paratrain verify`; the message names the option or token and the fix."""
 
 
@@ -68,7 +66,7 @@ LAYOUT_TOKENS = (
     LayoutToken(r"zero([0-3])", "zero0-3", "zero", lambda m: int(m[1]), "ZeRO"),
     LayoutToken(r"sp", "sp", "sequence_parallel", lambda m: True, "sequence parallelism"),
     LayoutToken(r"fp32|bf16|fp16", "fp32/bf16/fp16", "precision", lambda m: m[0], "mixed precision"),
-    LayoutToken(r"gpipe|1f1b|interleaved|zb-h1", "gpipe/1f1b/interleaved/zb-h1", "schedule", lambda m: m[0],
+    LayoutToken("|".join(SCHEDULES), "/".join(SCHEDULES), "schedule", lambda m: m[0],
                 "pipeline schedules"),
     LayoutToken(r"v([1-9]\d*)", "vN", "virtual_stages", lambda m: int(m[1]), "interleaved virtual stages"),
 )
@@ -165,38 +163,7 @@ def run_layout(cfg: Config) -> None:
     if cfg.run.nproc == 1:
         train(cfg)
     else:
-        launch_local(cfg, entry=_worker)
-
-
-@record
-def _worker(config: dict) -> None:
-    """Entry point of each launched process: the trainer, with the requested fault if any."""
-    from paratrain.train import train
-
-    fault = os.environ.get(BREAK_ENV, "")
-    if fault:
-        install_fault(fault, rank=int(os.environ.get("RANK", "0")))
-    train(Config.from_dict(config))
-
-
-def install_fault(kind: str, rank: int) -> None:
-    """Break this process's training on purpose (rank 1 only), to prove verify notices."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    if kind not in FAULTS:
-        raise VerifyError(f"{BREAK_ENV}={kind!r} is not a fault verify knows; use one of {list(FAULTS)}")
-    if rank != 1:
-        return
-
-    def negate(optimizer, args, kwargs):
-        # Adam is invariant to a constant gradient scale, so a sign flip is the simplest
-        # perturbation it cannot absorb.
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.neg_()
-
-    register_optimizer_step_pre_hook(negate)
+        launch_local(cfg)  # the workers inherit PARATRAIN_FAULT, if set
 
 
 def compare(reference: Path, candidate: Path, comparison: Comparison) -> Comparison:
@@ -230,22 +197,20 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
     no training time.
     """
     from paratrain.launch import LaunchFailed
-    from paratrain.train import preflight
+    from paratrain.run.build import preflight
 
     layouts = [(text.strip(), parse_layout(text)) for text in args.layouts.split(";") if text.strip()]
     if not layouts:
         raise VerifyError("--layouts is empty; give e.g. 'dp2,zero3;dp2'")
-    fault = os.environ.get(BREAK_ENV, "")
-    if fault and fault not in FAULTS:
-        raise VerifyError(f"{BREAK_ENV}={fault!r} is not a fault verify knows; use one of {list(FAULTS)} or unset it")
+    faults = parse_faults(os.environ.get(FAULT_ENV, ""))  # a bad spec fails now, not in every layout
     configs = [base_config(args, work / f"layout{i}", overrides) for i, (_, overrides) in enumerate(layouts)]
     # The reference computes in the layout's precision: one single-process run per precision used.
     references = {cfg.parallel.precision: base_config(args, work / f"reference-{cfg.parallel.precision}",
                                                       {"precision": cfg.parallel.precision}) for cfg in configs}
     for cfg in [*references.values(), *configs]:
         preflight(cfg, cfg.run.nproc)
-    if fault:
-        log(f"fault injection is on ({BREAK_ENV}={fault}): rank 1 of every multi-process layout is broken")
+    if faults:
+        log(f"fault injection is on ({FAULT_ENV}={os.environ[FAULT_ENV]}): every layout's processes run it")
     for precision, cfg in references.items():
         log(f"reference: 1 process, {precision}, global batch {args.global_batch}, {args.steps} steps")
         run_layout(cfg)
@@ -276,7 +241,7 @@ def format_table(results: list[Comparison], tol: float) -> str:
     return "\n".join(lines)
 
 
-def add_verify_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `verify` subcommand to the main CLI's subparsers; returns its parser."""
     parser = subparsers.add_parser("verify", help="check that layouts train like one process", description=(
         "Train a few steps as one process and in each layout with the same global batch; compare "
@@ -299,26 +264,20 @@ def add_verify_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_verify(args) -> int:
-    """Run `paratrain verify`: 0 if every layout passes, 1 if one fails, 2 on bad input."""
-    from paratrain.data import DataError
+def run(args) -> int:
+    """Run `paratrain verify`: 0 if every layout passes, 1 if one fails (bad input raises: exit 2)."""
     from paratrain.distributed import detect_env
-    from paratrain.models import ModelConfigError
 
-    try:
-        if args.steps < 1 or args.global_batch < 1 or args.seq_len < 1:
-            raise VerifyError("--steps, --global-batch and --seq-len must be at least 1")
-        if not args.tol > 0:
-            raise VerifyError(f"--tol must be positive, got {args.tol}")
-        if detect_env().distributed:
-            raise VerifyError("run `paratrain verify` as one process: it launches the layouts' processes itself")
-        if args.keep:
-            results = verify(args, Path(args.keep))
-        else:
-            with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as work:
-                results = verify(args, Path(work))
-    except (VerifyError, ConfigError, DataError, ModelConfigError) as e:
-        print(f"paratrain verify: error: {e}", file=sys.stderr)
-        return 2
+    if args.steps < 1 or args.global_batch < 1 or args.seq_len < 1:
+        raise VerifyError("--steps, --global-batch and --seq-len must be at least 1")
+    if not args.tol > 0:
+        raise VerifyError(f"--tol must be positive, got {args.tol}")
+    if detect_env().distributed:
+        raise VerifyError("run `paratrain verify` as one process: it launches the layouts' processes itself")
+    if args.keep:
+        results = verify(args, Path(args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as work:
+            results = verify(args, Path(work))
     print(format_table(results, args.tol))
     return 0 if all(r.passed(args.tol) for r in results) else 1

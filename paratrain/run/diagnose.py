@@ -27,13 +27,14 @@ from pathlib import Path
 
 from paratrain.comm import CallRecord
 from paratrain.mesh import MeshShape
+from paratrain.errors import RunFailure
 
 SLOT_BYTES = 192
 HISTORY = 64
 FAILED_PREFIX = "failed-rank-"
 
 
-class CollectiveFailure(RuntimeError):
+class CollectiveFailure(RunFailure):
     """A collective failed or timed out; the message says which rank was in which call, and where ranks diverged."""
 
 

@@ -27,9 +27,9 @@ import dataclasses
 import importlib.util
 import json
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from paratrain.errors import ParatrainError
 
 MB = 10**6
 # Per-kind memory breakdown a run may log (ParallelModel.resident_bytes); "total" is their sum.
@@ -37,7 +37,7 @@ BREAKDOWN_KEY = "resident_bytes"
 KIND_ORDER = ("params", "grads", "master", "optimizer")  # bottom to top of the stacked bars
 
 
-class ReportError(ValueError):
+class ReportError(ParatrainError, ValueError):
     """A run directory cannot be reported on; the message names it and says why."""
 
 
@@ -120,7 +120,7 @@ def data_ranks(config: dict, records: list[dict]) -> int:
 
 def layout_of(config: dict, dp: int) -> str:
     """The run's layout in `paratrain verify`'s notation (e.g. 'dp2,zero3,bf16')."""
-    from paratrain.verify import format_layout
+    from paratrain.commands.verify import format_layout
 
     return format_layout({**config.get("parallel", {}), "dp": dp})
 
@@ -378,7 +378,7 @@ def write_report(runs: list[Run], out: str | Path) -> list[Path]:
 # -- command line --------------------------------------------------------------------------
 
 
-def add_report_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `report` subcommand to the main CLI's subparsers; returns its parser."""
     parser = subparsers.add_parser("report", help="plot and summarize finished runs", description=(
         "Plot loss, throughput, peak memory per rank and communication per axis of one or more "
@@ -390,16 +390,12 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_report(args) -> int:
-    """Run `paratrain report`; a bad run directory prints one line on stderr and returns 2."""
-    try:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ReportError("the figures need matplotlib, which is not installed; "
-                              "pip install 'paratrain[plot]' (or matplotlib)")
-        runs = load_runs(args.runs)
-    except ReportError as e:
-        print(f"paratrain report: error: {e}", file=sys.stderr)
-        return 2
+def run(args) -> int:
+    """Run `paratrain report` (a bad run directory raises ReportError: one line, exit 2)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ReportError("the figures need matplotlib, which is not installed; "
+                          "pip install 'paratrain[plot]' (or matplotlib)")
+    runs = load_runs(args.runs)
     out = Path(args.out) if args.out else (runs[0].path / "report" if len(runs) == 1 else Path("report"))
     paths = write_report(runs, out)
     print(format_summary(runs))

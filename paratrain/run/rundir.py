@@ -4,7 +4,7 @@
     <out>/config.json       the resolved config of the latest launch
     <out>/metrics.jsonl     one record per step; cut back to the resumed step on resume
     <out>/checkpoints/      sharded checkpoints (paratrain.checkpoint)
-    <out>/diagnostics/      per attempt, each rank's collective fingerprints (paratrain.diagnose)
+    <out>/diagnostics/      per attempt, each rank's collective fingerprints (paratrain.run.diagnose)
 
 A launch into an --out that already holds a run continues it only when that
 is surely the same run: a restart by the launcher, or a relaunch with the

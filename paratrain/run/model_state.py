@@ -59,15 +59,9 @@ class MasterBox:
         return tensor.reshape(self.shape)
 
 
-def engine_model(model):
-    """The ParallelModel holding the engine: `model` itself, or the one a pipeline model wraps."""
-    return model if hasattr(model, "engine") else model.inner
-
-
 def master_boxes(model) -> list[MasterBox]:
     """This rank's masters with their boxes, in the engine's order."""
-    inner = engine_model(model)
-    engine, mesh, tp_info = inner.engine, inner.comm.mesh, inner.tp_info
+    engine, mesh, tp_info = model.engine, model.mesh, model.tp_info
     dp_replicated = not engine.grads_sharded  # DDP: every dp rank holds the same whole masters
     first_dp, first_tp = mesh.coord("dp") == 0, mesh.coord("tp") == 0
     boxes = []
@@ -157,8 +151,7 @@ def check_compatible(model, reader: CheckpointReader) -> None:
 
 def _other_stages_names(model) -> set[str]:
     """Parameter names that other pipeline stages hold (none without pipeline parallelism)."""
-    split = getattr(model, "split", None)
-    return set(split.param_owner) if split is not None else set()
+    return set(model.pipeline.split.param_owner) if model.pipeline is not None else set()
 
 
 def _parameter_of(stored: str) -> str:
@@ -191,8 +184,7 @@ def load_model_shards(model, optimizer, reader: CheckpointReader) -> None:
         box.view(box.master).copy_(reader.read(MODEL_PREFIX + box.name, box.offset, box.shape))
         if optimizer is not None:
             _load_state(optimizer, box, reader, stored)
-    inner = engine_model(model)
-    inner.engine.after_step()
+    model.engine.after_step()
 
 
 def _load_state(optimizer, box: MasterBox, reader: CheckpointReader, stored: set[str]) -> None:

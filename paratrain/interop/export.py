@@ -42,13 +42,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paratrain.checkpoint.format import MANIFEST_FILE, parse_step_dirname
-from paratrain.checkpoint.hf_dir import (
+from paratrain.interop.hf import (
     CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFError, HFWeights, expected_shapes, hf_config,
 )
 from paratrain.checkpoint.reader import CheckpointReader
 from paratrain.checkpoint.store import find_latest, list_checkpoints
 from paratrain.models import ModelConfig, ModelConfigError
-from paratrain.models.hf import hf_name
+from paratrain.interop.hf import hf_name
 
 MODEL_PREFIX = "model/"
 MODEL_CONFIG_KEY = "model_config"
@@ -243,7 +243,7 @@ def _checkpoint_model_config(reader: CheckpointReader, src: ExportSource) -> Mod
 def _resolve(doc: dict, where: str) -> ModelConfig:
     """The model config a run's resolved `Config` (as a dict) trained."""
     from paratrain.config import Config, ConfigError
-    from paratrain.train import resolve_model_config
+    from paratrain.run.build import resolve_model_config
 
     try:
         return resolve_model_config(Config.from_dict(doc), tokenizer_vocab=0)
@@ -292,7 +292,7 @@ def find_tokenizer(src: ExportSource):
             return tokenizer_from_file(directory)
     if src.run_dir is None or not (src.run_dir / "config.json").is_file():
         return None
-    from paratrain.train import tokenizer_spec
+    from paratrain.run.build import tokenizer_spec
 
     cfg = _run_config(src.run_dir)
     spec = tokenizer_spec(cfg)

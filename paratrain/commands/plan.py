@@ -15,9 +15,8 @@ import argparse
 import dataclasses
 import json
 import re
-import sys
 
-from paratrain.models.configs import MODEL_CONFIGS, ModelConfig, ModelConfigError, get_model_config
+from paratrain.models.configs import MODEL_CONFIGS, ModelConfig, get_model_config
 from paratrain.plan.compute import HARDWARE_PRESETS, Hardware, get_hardware
 from paratrain.plan.memory import (
     DTYPE_BYTES,
@@ -27,9 +26,9 @@ from paratrain.plan.memory import (
     MemoryBreakdown,
     PlanError,
     Recompute,
-    Schedule,
     Workload,
 )
+from paratrain.parallel.schedules import ScheduleName
 from paratrain.plan.search import (
     Estimate,
     SearchResult,
@@ -64,7 +63,7 @@ def parse_bytes(text: str, flag: str = "--gpu-memory") -> float:
     return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
 
 
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `plan` subcommand to the main CLI's subparsers; returns its parser."""
     parser = subparsers.add_parser("plan", help="estimate memory, FLOPs and step time; search layouts",
                                    description=(
@@ -106,7 +105,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         help="Megatron sequence parallelism (needs tp > 1; default off, searched with --gpus)")
     layout.add_argument("--recompute", choices=[r.value for r in Recompute],
                         help="activation checkpointing (default none; searched with --gpus)")
-    layout.add_argument("--schedule", choices=[s.value for s in Schedule], default="1f1b",
+    layout.add_argument("--schedule", choices=[s.value for s in ScheduleName], default="1f1b",
                         help="pipeline schedule: gpipe holds m micro-batches, 1f1b min(p, m), interleaved "
                              "p + (p-1)/v, zb-h1 min(p, m) (default 1f1b)")
 
@@ -185,7 +184,7 @@ def hardware_from_args(args) -> Hardware:
 def _virtual_stages(args) -> int:
     if args.virtual_stages is not None:
         return args.virtual_stages
-    return 2 if args.schedule == Schedule.INTERLEAVED.value else 1
+    return 2 if args.schedule == ScheduleName.INTERLEAVED.value else 1
 
 
 def layout_from_args(args) -> Layout:
@@ -207,23 +206,19 @@ def space_from_args(args) -> SearchSpace:
         micro_batch=one(args.micro_batch, SearchSpace.micro_batch),
         recompute=one(Recompute(args.recompute) if args.recompute else None, tuple(Recompute)),
         sequence_parallel=one(args.sequence_parallel, (False, True)),
-        schedule=Schedule(args.schedule), virtual_stages=_virtual_stages(args))
+        schedule=ScheduleName(args.schedule), virtual_stages=_virtual_stages(args))
 
 
 # -- commands -------------------------------------------------------------------------------
 
 
-def cmd_plan(args) -> int:
-    """Run `paratrain plan`; a bad input prints one line on stderr and returns 2."""
-    try:
-        workload, name = workload_from_args(args)
-        hardware = hardware_from_args(args)
-        if args.gpus is not None:
-            return _run_search(args, workload, name, hardware)
-        return _run_single(args, workload, name, hardware)
-    except (PlanError, ModelConfigError) as e:  # one-line user errors (LayoutError is a PlanError)
-        print(f"paratrain plan: error: {e}", file=sys.stderr)
-        return 2
+def run(args) -> int:
+    """Run `paratrain plan` (bad input raises PlanError or ModelConfigError: one line, exit 2)."""
+    workload, name = workload_from_args(args)
+    hardware = hardware_from_args(args)
+    if args.gpus is not None:
+        return _run_search(args, workload, name, hardware)
+    return _run_single(args, workload, name, hardware)
 
 
 def _run_single(args, workload: Workload, name: str, hardware: Hardware) -> int:
@@ -361,14 +356,3 @@ def _search_row(i: int, est: Estimate, hardware: Hardware) -> str:
             f"{'yes' if lay.sequence_parallel else 'no':<4} {sched:<16}{est.memory.total / GB:>6.1f}"
             f"  {t.total:>6.2f}  {est.mfu(hardware):>5.1%}  {t.compute:>7.2f} {t.exposed_comm:>6.2f} "
             f"{t.bubble:>7.2f}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m paratrain.plan.cli ...`: the plan command on its own."""
-    parser = argparse.ArgumentParser(prog="paratrain")
-    add_plan_parser(parser.add_subparsers(dest="command", required=True))
-    return cmd_plan(parser.parse_args(["plan", *(argv if argv is not None else sys.argv[1:])]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Checkpoints of a training run: what the trainer saves beside the tensors, and how a launch resumes.
 
 A checkpoint of ``paratrain train`` holds, besides the boxes of masters and
-optimizer state (`paratrain.checkpoint.training`):
+optimizer state (`paratrain.run.model_state`):
 
 * shared state (rank 0's): step, tokens seen, run id, the resolved config
   and model config (``model_config``, which `paratrain export` reads), the
@@ -36,16 +36,16 @@ from paratrain.checkpoint.async_save import AsyncCheckpointer
 from paratrain.checkpoint.coordinator import LocalCoordinator, dedicated_coordinator
 from paratrain.checkpoint.format import CheckpointError, CheckpointWarning, step_dirname
 from paratrain.checkpoint.reader import CheckpointReader
-from paratrain.checkpoint.rundir import (
+from paratrain.run.rundir import (
     CHECKPOINT_DIR, read_run_id, set_aside_newer, truncate_metrics,
 )
 from paratrain.checkpoint.save import save_checkpoint
 from paratrain.checkpoint.store import (
     check_free_space, find_latest, list_checkpoints, quarantine_incomplete, read_index, verify_checkpoint,
 )
-from paratrain.checkpoint.training import check_compatible, engine_model, load_model_shards, master_boxes, model_shards
+from paratrain.run.model_state import check_compatible, load_model_shards, master_boxes, model_shards
 from paratrain.config import Config, ConfigError
-from paratrain.faults import current_attempt
+from paratrain.faults import checkpoint_events, current_attempt
 
 _SHARED_KEYS = ("step", "tokens_seen", "sampler", "scaler", "guard", "layout")
 
@@ -58,14 +58,15 @@ class TrainingCheckpoints:
         self.cfg, self.rank, self.out, self.log = cfg, rank, Path(out), log
         self.extra_state = dict(extra_state or {})  # more shared state (the resolved model config)
         self.model, self.optimizer, self.sampler, self.guard = model, optimizer, sampler, guard
-        self.mesh = engine_model(model).comm.mesh
+        self.mesh = model.mesh
         self.root = self.out / CHECKPOINT_DIR
         self.coordinator = self._coordinator()
         self.run_id = self.coordinator.broadcast_object(read_run_id(self.out) if rank == 0 else None)
         c = cfg.checkpoint
         self.keep_latest = c.keep_latest or None
-        self.saver = (AsyncCheckpointer(self.root, keep_latest=self.keep_latest, coordinator=self._coordinator())
-                      if c.async_save else None)
+        self.on_event = checkpoint_events(rank)  # the injected faults of a save (tests), or None
+        self.saver = (AsyncCheckpointer(self.root, keep_latest=self.keep_latest, coordinator=self._coordinator(),
+                                        on_event=self.on_event) if c.async_save else None)
         if c.every:
             self._check_free_space()
 
@@ -92,7 +93,7 @@ class TrainingCheckpoints:
                                   f"{', '.join(missing)}")
         load_model_shards(self.model, self.optimizer, reader)
         self.sampler.load_state_dict(shared["sampler"])
-        engine_model(self.model).scaler.load_state_dict(shared["scaler"])
+        self.model.scaler.load_state_dict(shared["scaler"])
         self.guard.load_state_dict(shared["guard"])
         restored = self._restore_rng(reader, shared["layout"])
         if self.rank == 0:
@@ -182,7 +183,7 @@ class TrainingCheckpoints:
         start = time.perf_counter()
         shards = model_shards(self.model, self.optimizer)
         shared = {"step": step, "tokens_seen": tokens_seen, "run_id": self.run_id, "config": self.cfg.to_dict(),
-                  "layout": self.layout(), "scaler": engine_model(self.model).scaler.state_dict(),
+                  "layout": self.layout(), "scaler": self.model.scaler.state_dict(),
                   "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), **self.extra_state}
         rank_state = {"rng": rng_state()}
         if self.saver is not None:
@@ -191,7 +192,7 @@ class TrainingCheckpoints:
                 self.saver.wait()
         else:
             save_checkpoint(self.root, step, shards, rank_state, shared, coordinator=self.coordinator,
-                            keep_latest=self.keep_latest)
+                            keep_latest=self.keep_latest, on_event=self.on_event)
         if self.rank == 0 and (wait or self.saver is None):
             self.log(f"paratrain: saved checkpoint {step_dirname(step)} ({time.perf_counter() - start:.2f} s)")
 
@@ -247,7 +248,7 @@ def check_resume_option(cfg: Config) -> None:
         verify_checkpoint(resume, checksums=False)
 
 
-def explain_layout_error(cfg: Config, error: ConfigError) -> ConfigError:
+def explain_layout_error(cfg: Config, error: Exception) -> Exception:
     """A layout refused for this world, with the layout of the checkpoint it would resume (if any) named too."""
     root = Path(cfg.run.out) / CHECKPOINT_DIR if cfg.run.out else None
     resume = cfg.checkpoint.resume

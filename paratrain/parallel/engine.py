@@ -1,0 +1,73 @@
+"""The contract between a parallel model and its data-parallel engine: DDP and ZeRO-1/2 (`data.py`), ZeRO-3 (`zero3.py`).
+
+An engine owns the master weights (the tensors the optimizer steps: fp32, and under ZeRO this
+rank's shard) and the gradient communication over the data-parallel axis. One optimizer step,
+as `paratrain.parallel.model.ParallelModel` drives it:
+
+1. forward and backward of each micro-batch; every backward but the last inside `no_sync()`
+   (engines that can defer communication accumulate locally). The engine's gradient hooks
+   collect gradients and launch their reductions while backward runs (overlap).
+2. `finish_gradients()`: wait for every reduction. Every master that some micro-batch reached
+   on this rank has its final gradient (summed, or averaged, over the data ranks); the return
+   value counts, per master, the data ranks whose backward reached it (a device tensor, read
+   with the step's one mesh-wide agreement, not here: no host sync inside the engine).
+3. `drop_gradients(indices)`: the masters no data rank reached lose their gradient (None), so
+   the optimizer leaves them alone exactly as one process would (AdamW would otherwise decay
+   them).
+4. the optimizer steps the masters (this the engine does not see).
+5. `after_step()`: bring the parameters the model computes with up to date (ZeRO-1/2: all-gather
+   the updated rows; mixed-precision DDP: cast the masters into the compute copies).
+
+Nothing in an engine runs at the end of backward by itself: the model calls 2, 3 and 5 in that
+order, and so each engine's state is only what the steps above say.
+"""
+
+from __future__ import annotations
+
+from typing import ContextManager, Iterator, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every data-parallel engine provides; `tests/test_engine_contract.py` checks each one."""
+
+    grads_sharded: bool
+    """Each data rank holds 1/N of every gradient (ZeRO-1/2/3): a global norm sums over dp."""
+
+    params_sharded: bool
+    """Parameters at rest are this rank's 1/N rows (ZeRO-3): they are not replicas of each other."""
+
+    def masters(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates (fp32), in a fixed order."""
+
+    def master_names(self) -> list[str]:
+        """The parameter name of each master, in `masters()` order."""
+
+    def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
+        """Per master: parameter name, the rows [lo, hi) of the parameter it holds, the parameter's shape."""
+
+    def no_sync(self) -> ContextManager:
+        """Backward passes inside accumulate locally; the next backward outside communicates all."""
+
+    def finish_gradients(self) -> torch.Tensor:
+        """Wait for the gradient reductions; set master gradients; return per master the data ranks that reached it."""
+
+    def drop_gradients(self, indices: list[int]) -> None:
+        """Remove the gradients of the masters at `indices` (no data rank reached them, or the step is skipped)."""
+
+    def after_step(self) -> None:
+        """Make the model's parameters equal to the (updated) masters."""
+
+    def zero_grad(self) -> None:
+        """Drop every gradient: masters' and parameters'."""
+
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        """Σ grad² over the gradients this rank holds (its shard under ZeRO), as a 0-d tensor on the device."""
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter whole, one at a time, by name (collective under ZeRO-3: every rank iterates)."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and separate masters that exist on this rank now (by storage)."""

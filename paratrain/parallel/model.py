@@ -1,0 +1,350 @@
+"""One model type for every layout: the user's module under a data-parallel engine, tensor-parallel or not, a
+pipeline stage or the whole model.
+
+    model, optimizer = paratrain.parallelize(MyModel(), mesh, optimizer=partial(AdamW, lr=3e-4))
+    result = model.train_step(micro_batches, num_tokens)     # 1. forward + backward of every micro-batch
+    model.finish_gradients()                                 # 2. gradient communication done
+    verdict = model.agree(result)                            # 3. one mesh-wide agreement: skip this step?
+    model.clip_grad_norm_(1.0)                               # 4. clip by the global norm
+    optimizer.step(); optimizer.zero_grad()                  # 5. the step, then `after_step` (post-step hook)
+
+What each step does:
+
+1. `train_step`: each micro-batch's loss is its token-loss sum divided by the step's global token
+   count; every backward but the last runs under `no_sync()`. With pipeline parallelism the
+   schedule interleaves the micro-batches' passes instead (`pipeline.PipelineRunner`).
+2. `finish_gradients`: the engine waits for its reductions and sets the master gradients;
+   under sequence parallelism the partial gradients of replicated parameters are summed over
+   tp; fp16 gradients are unscaled.
+3. `agree`: this rank's gradients are checked for inf/nan on the device, then one all-reduce
+   over every rank of the mesh carries each rank's flags (its own loss non-finite, its
+   gradients non-finite, a stop request), the loss, the caller's counts and the
+   engine's per-master "used" counts, then one read to the host: the step's single host sync.
+   Every rank takes the same decision from the same numbers: skip (fp16 overflow, or a
+   non-finite loss or gradient anywhere) or not, stop after this step or not.
+4. `clip_grad_norm_`: the norm over every shard, on the device.
+5. the optimizer steps the masters; `after_step` brings the parameters up to date and lets the
+   fp16 loss scaler adapt.
+
+A user's own loop (`loss.backward(); optimizer.step()`) gets the same sequence: the optimizer's
+pre-step hook runs 2 and 3 when the caller did not (`prepare_step`), its post-step hook runs 5.
+Nothing runs at the end of backward by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.comm import Comm
+from paratrain.mesh import WORLD
+from paratrain.parallel.engine import Engine
+from paratrain.parallel.tensor import cross_entropy, gather_full, tp_norm_sq
+from paratrain.parallel.tp_plan import TensorParallelInfo
+from paratrain.precision import LossScaler, Precision
+
+IGNORE_INDEX = -100
+# loss_fn(output, labels) -> the sum of the per-token losses (a 0-d tensor): the default is cross-entropy.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What the forward and backward passes of one step left behind, on the device (no host sync)."""
+
+    loss_sum: torch.Tensor  # Σ token losses of this data rank's micro-batches (fp64), the same on every stage
+    nonfinite: torch.Tensor  # this rank computed a non-finite loss itself (bool)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank agreed on for this step, from the same numbers."""
+
+    skip: bool  # no parameter moves: fp16 overflow, or a non-finite loss or gradient on some rank
+    overflow: bool  # fp16 gradients overflowed (the loss scaler backs off); not counted as a bad step
+    nonfinite_ranks: tuple[int, ...]  # the ranks behind a non-finite loss (else gradient); empty if none
+    stop: bool  # some rank asked to stop after this step (SIGTERM)
+    loss_sum: float  # Σ over the data ranks of their token-loss sums
+    sums: dict[str, float] = field(default_factory=dict)  # the caller's counts, summed over the data ranks
+    per_rank: dict[str, tuple[float, ...]] = field(default_factory=dict)  # the same, rank by rank
+
+
+class _Phase(Enum):
+    """Where the step is: the one piece of state that keeps the optimizer hooks from repeating a stage."""
+
+    BACKWARD = "backward"  # forward/backward passes; gradients not final
+    FINISHED = "finished"  # finish_gradients done
+    AGREED = "agreed"  # agree done: the optimizer may step
+
+
+_FLAGS = ("loss_nonfinite", "grads_nonfinite", "stop", "loss_sum")
+
+
+class ParallelModel(nn.Module):
+    """The user's module under a data-parallel engine; call it like the module itself (not under pipelines)."""
+
+    def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
+                 tp_info: TensorParallelInfo | None = None, pipeline=None):
+        super().__init__()
+        self.module = module
+        self.engine = engine
+        self.comm = comm
+        self.precision = precision
+        self.tp_info = tp_info
+        self.pipeline = pipeline  # a PipelineRunner when this rank holds pipeline stages
+        self.scaler = LossScaler(enabled=precision.needs_loss_scaling)
+        self.verdict: Verdict | None = None  # of the step under way, once agreed
+        self._phase = _Phase.BACKWARD
+        self._used: torch.Tensor | None = None
+
+    @property
+    def mesh(self):
+        return self.comm.mesh
+
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.pipeline is not None:
+            raise self.pipeline.error("a pipeline-parallel model runs whole steps: call train_step(micro_batches, "
+                                      "normalizer), eval_loss_sum(inputs, labels) or causal_logits(tokens)")
+        return self.module(*args, **kwargs)
+
+    def loss_fn(self, output, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                reduction: str = "sum") -> torch.Tensor:
+        """Cross-entropy of this model's logits (fp32): vocab-parallel when tensor parallelism shards them.
+
+        `output` may be the logits or an object with `.logits` (Hugging Face models).
+        """
+        logits = getattr(output, "logits", output)
+        if self.tp_info is not None:
+            return self.tp_info.loss_fn(logits, targets, ignore_index, reduction)
+        return cross_entropy(logits, targets, ignore_index, reduction)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (all-gathered over tp when the model shards them; collective)."""
+        info = self.tp_info
+        if info is None or not info.vocab_sharded_logits:
+            return logits
+        return gather_full(logits, logits.dim() - 1, info.comm, info.axis)
+
+    @torch.no_grad()
+    def causal_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary fp32 logits of a causal model for token ids of any length (for generation), on every rank.
+
+        Sequence parallelism needs a length divisible by tp: the ids are padded on the right,
+        which a causal model's earlier positions never see, and the padded positions dropped.
+        """
+        length = tokens.shape[1]
+        if self.tp_info is not None and self.tp_info.sequence_parallel:
+            pad = -length % self.mesh.size(self.tp_info.axis)
+            tokens = F.pad(tokens, (0, pad))
+        if self.pipeline is not None:
+            return self.pipeline.causal_logits(tokens.to(self.device), self.full_logits)[:, :length]
+        return self.full_logits(self(tokens.to(self.device))).float()[:, :length]
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """Token-loss sum of one batch (no gradients), on every rank of the pipeline."""
+        loss_fn = loss_fn or self.loss_fn
+        labels = labels.to(self.device)
+        if self.pipeline is not None:
+            return self.pipeline.eval_loss_sum(inputs.to(self.device), labels, loss_fn)
+        return loss_fn(self(inputs.to(self.device)), labels).float()
+
+    def comm_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` in place over the data ranks (for losses and token counts); returns it."""
+        self.comm.all_reduce(tensor, "dp")
+        return tensor
+
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside only accumulate locally."""
+        return self.engine.no_sync()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply by the fp16 loss scale before backward (identity for fp32 and bf16)."""
+        return self.scaler.scale_loss(loss)
+
+    # -- 1. forward and backward of a step ------------------------------------------------------
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], normalizer: float | torch.Tensor,
+                   loss_fn: LossFn | None = None) -> StepResult:
+        """Forward and backward of every (inputs, labels) micro-batch of this data rank.
+
+        Each micro-batch's loss is `loss_fn(output, labels)` (a sum over tokens; default:
+        cross-entropy ignoring label -100, vocab-parallel under tensor parallelism) divided by
+        `normalizer` (the step's global token count, a number or a 0-d tensor on the device),
+        so m micro-batches on N data ranks give the gradient of one batch of m·N. Under pipeline
+        parallelism the schedule runs the passes, `loss_fn` on the last stage.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        self._phase = _Phase.BACKWARD
+        if self.pipeline is not None:
+            return self.pipeline.run(micro_batches, normalizer, loss_fn, self)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (inputs, labels) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                token_losses = loss_fn(self(inputs.to(self.device, non_blocking=True)),
+                                       labels.to(self.device, non_blocking=True))
+                self.scale_loss(token_losses / normalizer).backward()
+            loss_sum += token_losses.detach()
+        return StepResult(loss_sum, ~torch.isfinite(loss_sum))
+
+    # -- 2. gradients final ---------------------------------------------------------------------
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        """Finish gradient communication; sum SP-partial gradients over tp; unscale fp16 gradients."""
+        if self._phase is not _Phase.BACKWARD:
+            return
+        self._used = self.engine.finish_gradients()
+        self._reduce_sequence_partial_grads()
+        grads = self._grads()
+        if grads and self.scaler.enabled:  # × 1/scale is exact: the scale is a power of two
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        self._phase = _Phase.FINISHED
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self.engine.masters() if m.grad is not None]
+
+    @torch.no_grad()
+    def _reduce_sequence_partial_grads(self) -> None:
+        """Under sequence parallelism, sum over tp the grads that each tp rank computed from its sequence shard.
+
+        Done here, on the master gradients after the data-parallel reduction, rather than by hooks
+        on the parameters: under ZeRO-3 the parameters autograd sees are transient gathered views,
+        and the sum is linear, so reducing over dp first and tp second gives the same gradient.
+        """
+        if self.tp_info is None or not self.tp_info.sequence_partial:
+            return
+        wanted = set(self.tp_info.sequence_partial)
+        self.comm.all_reduce_coalesced([m.grad for n, m in zip(self.engine.master_names(), self.engine.masters())
+                                        if n in wanted and m.grad is not None], self.tp_info.axis)
+
+    # -- 3. the mesh-wide agreement ---------------------------------------------------------------
+    @torch.no_grad()
+    def agree(self, result: StepResult | None = None, *, stop: bool = False,
+              counts: dict[str, float] | None = None) -> Verdict:
+        """One all-reduce over every rank, one read to the host; every rank decides the same.
+
+        `result` is `train_step`'s (None in a user's own loop: no loss to check); `stop` this
+        rank's request to stop after the step; `counts` numbers of this data rank to sum over the
+        data ranks (e.g. tokens) and to report per rank (e.g. peak memory).
+        """
+        self.finish_gradients()
+        counts = counts or {}
+        world, rank = self.mesh.size(WORLD), self.mesh.rank
+        rows = len(_FLAGS) + len(counts)
+        table = torch.zeros(rows, world, dtype=torch.float64, device=self.device)
+        if result is not None:
+            table[0, rank] = result.nonfinite.to(torch.float64)
+            table[3, rank] = result.loss_sum.to(torch.float64)
+        table[1, rank] = grads_nonfinite(self._grads(), self.device)
+        table[2, rank] = float(stop)
+        for i, value in enumerate(counts.values()):
+            table[len(_FLAGS) + i, rank] = float(value)
+        self.comm.all_reduce(table, WORLD)  # each rank wrote only its own column: a sum is a gather
+        used = self._used
+        host = torch.cat([table.reshape(-1), used.to(torch.float64)]).tolist()  # the step's one host sync
+        table_host = [host[i * world:(i + 1) * world] for i in range(rows)]
+        verdict = self._decide(table_host, list(counts))
+        unused = [i for i, count in enumerate(host[rows * world:]) if count == 0]
+        self.engine.drop_gradients(list(range(len(used))) if verdict.skip else unused)
+        self.verdict, self._phase = verdict, _Phase.AGREED
+        return verdict
+
+    def _decide(self, table: list[list[float]], names: list[str]) -> Verdict:
+        loss_bad, grads_bad, stop, loss = table[:4]
+        own = tuple(r for r, flag in enumerate(loss_bad) if flag)
+        overflow = self.scaler.enabled and any(grads_bad) and not own
+        culprits = own or (() if self.scaler.enabled else tuple(r for r, flag in enumerate(grads_bad) if flag))
+        # A data rank's values are written by every rank of its stage and tp group: count one of each.
+        once = [r for r in range(len(loss)) if self.mesh.shape.coords(r)["tp"] == 0
+                and self.mesh.shape.coords(r)["pp"] == 0]
+        rows = dict(zip(names, table[len(_FLAGS):]))
+        return Verdict(skip=overflow or bool(culprits), overflow=overflow, nonfinite_ranks=culprits,
+                       stop=any(stop), loss_sum=sum(loss[r] for r in once),
+                       sums={name: sum(row[r] for r in once) for name, row in rows.items()},
+                       per_rank={name: tuple(row) for name, row in rows.items()})
+
+    def prepare_step(self) -> Verdict:
+        """Stages 2 and 3 unless the caller ran them: what clipping and the optimizer's pre-step hook call."""
+        if self._phase is not _Phase.AGREED:
+            self.agree()
+        return self.verdict
+
+    # -- 4. clipping ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm over all shards; returns the norm before clipping (0-d tensor).
+
+        Each rank sums the squares of the gradients it owns; for sharded gradients (ZeRO) those
+        sums are all-reduced, so the norm equals the norm of the unsharded gradient. Computed
+        and applied on the device, as `torch.nn.utils.clip_grad_norm_` does.
+        """
+        self.prepare_step()
+        if self.tp_info is None:
+            sq = self.engine.local_grad_sq_sum()
+        else:  # tp-sharded gradients summed over tp, replicated ones counted once
+            named = zip(self.engine.master_names(), self.engine.masters())
+            sq = tp_norm_sq(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
+        if self.engine.grads_sharded:
+            self.comm.all_reduce(sq, "dp")
+        self.comm.all_reduce(sq, "pp")  # each stage holds other layers
+        norm = sq.sqrt()
+        grads = [m.grad for m in self.engine.masters() if m.grad is not None]
+        if grads and max_norm < math.inf:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return norm
+
+    # -- 5. after the optimizer step ----------------------------------------------------------------
+    def after_step(self) -> None:
+        """Parameters up to date with the masters; the fp16 loss scaler adapts; the next step may begin."""
+        self.scaler.update(self.verdict.overflow if self.verdict is not None else False)
+        self.engine.after_step()
+        self.verdict, self._phase = None, _Phase.BACKWARD
+
+    def _before_optimizer_step(self, *_) -> None:
+        self.prepare_step()  # a user's own loop: finish and agree here (the trainer did it already)
+
+    def _after_optimizer_step(self, *_) -> None:
+        self.after_step()
+
+    # -- whole-model views ------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, on every rank (collective under ZeRO-3, tensor and pipeline parallelism)."""
+        state = dict(self.engine.full_parameters())
+        if self.tp_info is not None:
+            state = {name: self.tp_info.gather(name, value) for name, value in state.items()}
+        if self.pipeline is not None:
+            state = self.pipeline.gather_stages(state)
+        return state
+
+    def resident_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes of model state on this rank, from the tensors that exist: params, grads, master, optimizer."""
+        result = dict(self.engine.resident_bytes())
+        result["optimizer"] = optimizer_state_bytes(optimizer) if optimizer is not None else 0
+        result["total"] = sum(result.values())
+        return result
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state tensors (Adam's moments), not counting scalar step counters."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def grads_nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 if an element of `grads` is inf or nan, else 0.0: a 0-d tensor on the device (no host sync)."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return (~torch.stack(torch._foreach_norm(grads)).isfinite().all()).float()

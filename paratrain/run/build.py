@@ -1,0 +1,252 @@
+"""Building a training run from its config: everything the loop needs, in the order it has to be made.
+
+    preflight(cfg, world_size)           # checks that need no process group (before any launch)
+    run = build(cfg, env, mesh)          # run directory, data, model, optimizer, sampler, guard, checkpoints
+
+The order matters and is written once, here: the run directory is claimed before anything is
+written into it; the data comes before the model (the tokenizer's vocabulary must fit); the
+model and optimizer before the checkpoints that resume them; the resume before the metrics log
+(it cuts the log back to the resumed step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain.config import Config, ConfigError, check_batch, data_ranks, validate
+from paratrain.data import DataSampler, build_dataset, resolve_text_files
+from paratrain.data.prepare import is_prepared_dir
+from paratrain.distributed import DistEnv
+from paratrain.errors import ParatrainError
+from paratrain.faults import current_attempt
+from paratrain.mesh import Mesh
+from paratrain.metrics import MetricsLog, unigram_entropy
+from paratrain.models import ModelConfig, Transformer, get_model_config
+from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
+from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
+from paratrain.run.guard import StepGuard
+from paratrain.run.rundir import apply_claim, claim_run_dir, diagnostics_dir
+
+
+@dataclass
+class Run:
+    """One process's share of a training run, built and resumed, ready for the loop."""
+
+    cfg: Config
+    env: DistEnv
+    mesh: Mesh
+    out: Path
+    train_set: object
+    eval_set: object
+    tokenizer: object
+    model_cfg: ModelConfig
+    model: object  # ParallelModel
+    optimizer: torch.optim.Optimizer
+    sampler: DataSampler
+    guard: StepGuard
+    checkpoints: TrainingCheckpoints
+    log: MetricsLog | None  # rank 0 only
+    resumed_step: int  # the loop starts after it
+    tokens_seen: int
+    accumulation: int  # micro-batches per data rank per step
+
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device
+
+
+def preflight(cfg: Config, world_size: int) -> None:
+    """Every check that needs neither a process group nor the data: run before launching processes.
+
+    Also resolves the one default that every process must share: the run directory.
+    """
+    if not cfg.run.out:
+        cfg.run.out = default_run_dir(cfg)
+    try:
+        validate(cfg, world_size)
+        data_ranks(cfg, world_size, resolve_model_config(cfg, tokenizer_vocab=0))
+    except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
+        raise explain_layout_error(cfg, e) from None
+    check_resume_option(cfg)
+    path = cfg.data.path
+    if path != "default" and not is_prepared_dir(path):
+        resolve_text_files(path)
+
+
+def build(cfg: Config, env: DistEnv, mesh: Mesh) -> Run:
+    """Claim the run directory, load the data, build the model and resume; collective (every rank calls it)."""
+    t = cfg.train
+    out = prepare_run_dir(cfg, env)
+    train_set, eval_set, tokenizer = load_data(cfg, env, out)
+    model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
+    model, optimizer = build_parallel_model(model_cfg, cfg, mesh)
+    dp = mesh.size("dp")
+    accumulation = check_batch(t.global_batch, t.micro_batch, dp)
+    sampler = DataSampler(len(train_set), t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
+    guard = StepGuard(cfg.reliability, model, env.rank, diagnostics_dir(out))
+    checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
+                                      extra_state={"model_config": dataclasses.asdict(model_cfg)})
+    resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
+    log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
+    run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
+              checkpoints, log, resumed, tokens_seen, accumulation)
+    if env.is_main:
+        print(describe(run), flush=True)
+    return run
+
+
+def describe(run: Run) -> str:
+    """The one line a run starts with: model, processes, layout, data."""
+    cfg, p, mesh = run.cfg, run.cfg.parallel, run.mesh
+    entropy = unigram_entropy(run.train_set.stream.tokens, run.model_cfg.vocab_size)
+    return (f"paratrain: {cfg.model.name} ({run.model_cfg.num_params():,} parameters), "
+            f"{run.env.world_size} process(es) on {run.device.type} (dp={mesh.size('dp')}, "
+            f"tp={p.tp}{', sp' if p.sequence_parallel else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
+            f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
+            f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats")
+
+
+def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh):
+    """The reference model built on the meta device, materialized and wrapped for the mesh.
+
+    parallelize() materializes only what the rank holds: its pipeline stages, its tensor-parallel
+    slices, under ZeRO-3 its rows; each value is the slice of the same initialization
+    (`weight_initializer`: seeded random, or the weights of --init-from).
+    """
+    p = cfg.parallel
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg),
+                       # The trainer's loss is already normalized by the global token count.
+                       data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM),
+                       tensor=TensorParallel(sequence_parallel=p.sequence_parallel),
+                       pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
+                       precision=p.precision, reduce_dtype=p.reduce_dtype,
+                       activation_checkpointing=p.activation_checkpointing, init=weight_initializer(model, cfg))
+
+
+def weight_initializer(model: Transformer, cfg: Config):
+    """init(name, full_shape) -> full fp32 value: the weights of --init-from if given, else the seeded init."""
+    if not cfg.model.init_from:
+        return lambda name, shape: model.param_init(name, shape, cfg.train.seed)
+    from paratrain.interop.hf import HFWeights
+
+    weights = HFWeights(cfg.model.init_from)  # checked against the config in preflight; reads lazily
+    return lambda name, shape: weights.read(name).float()
+
+
+def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices (embeddings included), not on norm gains."""
+    params = list(params)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+
+
+# -- the run directory --------------------------------------------------------------------------------
+
+def default_run_dir(cfg: Config, environ=os.environ) -> str:
+    """A fresh run directory name, the same on every rank of one job."""
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+    if int(environ.get("WORLD_SIZE", "1")) > 1:
+        if run_id == "none":
+            raise ConfigError("--out is required when the launcher gives no run id (torchrun --rdzv-id)")
+        return f"runs/{cfg.model.name}-{run_id}"
+    return f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:
+    """Create the run directory and write config.json; never silently mix two runs (`paratrain.run.rundir`)."""
+    claim = claim_run_dir(cfg, restarted=current_attempt() > 0)  # a fresh run, or this run continued
+    barrier()  # every rank has checked before rank 0 writes
+    if env.is_main:
+        apply_claim(claim, cfg)
+    barrier()  # nobody writes into the run directory before rank 0 has cleared it
+    return claim.path
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# -- data and model config ------------------------------------------------------------------------------
+
+def load_data(cfg: Config, env: DistEnv, out: Path):
+    """Train and held-out datasets and the tokenizer.
+
+    A tokenizer trained here (bpe:N) is trained once, by rank 0, into the run's
+    cache; the other ranks then memory-map what it wrote.
+    """
+    d = cfg.data
+    spec = tokenizer_spec(cfg)
+    cache = out / "data-cache" if spec.startswith("bpe:") else None
+    progress = cfg.run.progress and env.is_main
+
+    def load():
+        return build_dataset(d.path, spec, d.seq_len, cache, eval_fraction=d.eval_fraction, progress=progress)
+
+    if cache is None:
+        return load()
+    result = load() if env.is_main else None
+    barrier()
+    return result or load()
+
+
+def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
+    """The named model config with the user's overrides, or --init-from's; checks that the vocabulary fits."""
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+                 if k not in ("name", "init_from") and v is not None}
+    if cfg.model.init_from:
+        model_cfg = imported_model_config(cfg.model.init_from, overrides)
+    else:
+        model_cfg = dataclasses.replace(get_model_config(cfg.model.name), **overrides)
+    if tokenizer_vocab > model_cfg.vocab_size:
+        fix = ("a tokenizer that fits" if cfg.model.init_from
+               else f"--vocab-size {tokenizer_vocab} or a smaller tokenizer")
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but model "
+                          f"{cfg.model.init_from or cfg.model.name!r} only {model_cfg.vocab_size}; pass {fix}")
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's max_seq_len "
+                          f"{model_cfg.max_seq_len}")
+    return model_cfg
+
+
+def imported_model_config(path: str, overrides: dict) -> ModelConfig:
+    """The model of the Hugging Face directory `path` (--init-from), its weights checked against it.
+
+    --model only names the run then; a size override must equal the imported value.
+    """
+    from paratrain.interop.hf import HFError, HFWeights
+
+    try:
+        model_cfg = HFWeights(path).config  # reads config.json and the weight files' headers only
+    except HFError as e:
+        raise ConfigError(f"--init-from: {e}") from None
+    for key, value in overrides.items():
+        if getattr(model_cfg, key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} {value} disagrees with --init-from {path} ({key}={getattr(model_cfg, key)}); "
+                              f"drop {flag}: the imported model sets the shape")
+    return model_cfg
+
+
+def tokenizer_spec(cfg: Config) -> str:
+    """--tokenizer with 'auto' resolved: 'auto' for a prepared corpus (its own), else --init-from's, else 'byte'."""
+    d, init_from = cfg.data, cfg.model.init_from
+    if d.tokenizer != "auto":
+        return d.tokenizer
+    if d.path != "default" and is_prepared_dir(d.path):
+        return "auto"
+    if init_from and any((Path(init_from) / name).is_file() for name in ("tokenizer.json", "byte_tokenizer.json")):
+        return init_from
+    return "byte"
