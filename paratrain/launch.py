@@ -52,7 +52,20 @@ def _worker(config: dict) -> None:
 
 def launch_local(cfg: Config) -> None:
     """Run `train(cfg)` on cfg.run.nproc local processes; raise LaunchFailed on failure."""
-    run_id = uuid.uuid4().hex[:8]
+    try:
+        launch_processes(_worker, cfg.to_dict(), cfg.run.nproc, cfg.run.max_restarts)
+    except ChildFailedError as e:
+        raise LaunchFailed(describe_failure(e, lambda rank: _fingerprint_report(cfg, rank))) from None
+    except SignalException as e:  # the agent forwarded the signal to the workers and waited for them
+        raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_newest_checkpoint(cfg)}") from None
+
+
+def launch_processes(entry, payload, nproc: int, max_restarts: int = 0) -> None:
+    """Run `entry(payload)` on `nproc` local processes through torch's elastic agent, as torchrun would.
+
+    `entry` is a module-level function (it is spawned) and `payload` plain data. The agent's
+    ChildFailedError and SignalException reach the caller.
+    """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # With the rendezvous store shared between agent and workers (torch's default), a restarted
     # worker can read its peer's address left by the previous attempt and connect to a dead
@@ -62,12 +75,12 @@ def launch_local(cfg: Config) -> None:
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=cfg.run.nproc,
-        run_id=run_id,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex[:8],
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_configs={"join_timeout": 60},
-        max_restarts=cfg.run.max_restarts,
+        max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
         local_addr="127.0.0.1",
@@ -76,12 +89,7 @@ def launch_local(cfg: Config) -> None:
     # The agent logs each failure as a multi-line traceback of its own
     # internals; the one line from describe_failure says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    try:
-        elastic_launch(launch, _worker)(cfg.to_dict())
-    except ChildFailedError as e:
-        raise LaunchFailed(describe_failure(e, lambda rank: _fingerprint_report(cfg, rank))) from None
-    except SignalException as e:  # the agent forwarded the signal to the workers and waited for them
-        raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_newest_checkpoint(cfg)}") from None
+    elastic_launch(launch, entry)(payload)
 
 
 def _fingerprint_report(cfg: Config, rank: int) -> str:

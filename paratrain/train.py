@@ -126,7 +126,7 @@ def next_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, step: int = 0, timer: StepTimer | None = None,
-               stop: bool = False, peak: int = 0) -> StepOutcome:
+               stop: bool = False, peak: int = 0, loss_fn=None) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, every stage in the order it runs.
 
     The loss is the mean over every target token of the global batch: each micro-batch
@@ -135,7 +135,8 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     parallelism give exactly the gradient of one process holding the whole batch, whatever the
     number of padded tokens in each micro-batch. Only the last micro-batch communicates.
     `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's peak
-    memory so far, reported per rank. The fault hooks of `paratrain.faults` sit here, in the open.
+    memory so far, reported per rank; `loss_fn(output, labels)`: a token-loss sum (default: the
+    model's cross-entropy). The fault hooks of `paratrain.faults` sit here, in the open.
     """
     timer = timer or StepTimer(model.comm)
     rank = model.mesh.rank
@@ -143,7 +144,8 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     with timer.phase("forward_backward"):
         # The step's global token count, summed over the data ranks on the device (no host sync).
         normalizer = model.comm_sum(torch.tensor(float(local_tokens), device=model.device))
-        loss_fn = _nan_loss(model.loss_fn) if fault_requested("nan", rank, step) else model.loss_fn
+        loss_fn = loss_fn or model.loss_fn
+        loss_fn = _nan_loss(loss_fn) if fault_requested("nan", rank, step) else loss_fn
         result = model.train_step(batches, normalizer, loss_fn)
     with timer.phase("optimizer"):
         model.finish_gradients()

@@ -19,6 +19,16 @@ schedule (`gpipe`, `1f1b`, `interleaved`, `zb-h1`) and `vN` (virtual stages). Ea
 one field of the `[parallel]` config section; a token whose field the trainer
 does not have yet is refused with a one-line error.
 
+With `--model-factory pkg.module:function` the model is the user's own: the
+function returns an `nn.Module` (token ids in, logits out; an `nn.Sequential`
+for pipeline layouts) or a `paratrain.ModelSpec` adding its tensor-parallel plan
+and loss. Every process calls it and must get the same initial weights (seed
+inside the function). The batches are random token ids over the model's
+vocabulary (read from one forward), with some targets ignored, the loss a sum
+over tokens divided by the global token count; each layout runs the trainer's
+step (`paratrain.train.train_step`) through `parallelize`, the reference the
+same on one process.
+
 To test this command itself, inject a fault into every layout's processes with
 PARATRAIN_FAULT (`paratrain.faults`): `negate_grads@rank1:step*` makes rank 1
 negate its gradients before each optimizer step (an engine that reduces
@@ -150,9 +160,16 @@ def base_config(args, out: Path, overrides: dict[str, Any]) -> Config:
     if args.global_batch % dp:
         raise VerifyError(f"--global-batch {args.global_batch} is not divisible by the {dp} data ranks of "
                           f"layout {format_layout(overrides)!r}; choose a multiple of {dp}")
-    t.micro_batch = args.global_batch // dp
+    t.micro_batch = micro_batch(args.global_batch, overrides)
     cfg.run.nproc = num_processes(overrides)
     return cfg
+
+
+def micro_batch(global_batch: int, overrides: dict[str, Any]) -> int:
+    """Rows per micro-batch: one micro-batch per data rank, or pp of them when the layout pipelines."""
+    dp, pp = overrides.get("dp", 1), overrides.get("pp", 1)
+    per_rank = global_batch // dp
+    return per_rank // pp if pp > 1 and per_rank % pp == 0 else per_rank
 
 
 def run_layout(cfg: Config) -> None:
@@ -203,14 +220,18 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
     if not layouts:
         raise VerifyError("--layouts is empty; give e.g. 'dp2,zero3;dp2'")
     faults = parse_faults(os.environ.get(FAULT_ENV, ""))  # a bad spec fails now, not in every layout
+    if faults:
+        log(f"fault injection is on ({FAULT_ENV}={os.environ[FAULT_ENV]}): every layout's processes run it")
+    if args.model_factory:
+        from paratrain.commands.verify_model import verify_factory
+
+        return verify_factory(args, layouts, work, log)
     configs = [base_config(args, work / f"layout{i}", overrides) for i, (_, overrides) in enumerate(layouts)]
     # The reference computes in the layout's precision: one single-process run per precision used.
     references = {cfg.parallel.precision: base_config(args, work / f"reference-{cfg.parallel.precision}",
                                                       {"precision": cfg.parallel.precision}) for cfg in configs}
     for cfg in [*references.values(), *configs]:
         preflight(cfg, cfg.run.nproc)
-    if faults:
-        log(f"fault injection is on ({FAULT_ENV}={os.environ[FAULT_ENV]}): every layout's processes run it")
     for precision, cfg in references.items():
         log(f"reference: 1 process, {precision}, global batch {args.global_batch}, {args.steps} steps")
         run_layout(cfg)
@@ -247,6 +268,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "Train a few steps as one process and in each layout with the same global batch; compare "
         "per-step losses and final parameters. Exits 1 if any layout differs beyond --tol."))
     parser.add_argument("--model", default="tiny", help="named model config (default tiny)")
+    parser.add_argument("--model-factory", metavar="PKG.MODULE:FUNCTION",
+                        help="verify your own model instead: a function (importable from the current "
+                             "directory or PYTHONPATH) returning an nn.Module, or a paratrain.ModelSpec with "
+                             "its tensor-parallel plan and loss; --data is not used (random token batches)")
     parser.add_argument("--layouts", required=True,
                         help=f"';'-separated layouts of ','-separated tokens ({KNOWN}), e.g. 'dp2,zero3;dp2'")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")

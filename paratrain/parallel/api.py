@@ -112,6 +112,21 @@ class PipelineParallel:
             object.__setattr__(self, "boundaries", tuple(self.boundaries))
 
 
+@dataclass
+class ModelSpec:
+    """A user's model and what paratrain needs to parallelize and train it, e.g. from `verify --model-factory`.
+
+    module: the model: token ids [batch, seq] in, logits [batch, seq, vocab] out (or an object with
+        `.logits`, as Hugging Face models return); an `nn.Sequential` for pipeline parallelism.
+    plan: its tensor-parallel plan (`paratrain.parallel.tp_plan`), needed for tp > 1.
+    loss_fn: (output, labels) -> the sum of the per-token losses; None: cross-entropy ignoring -100.
+    """
+
+    module: nn.Module
+    plan: Mapping | None = None
+    loss_fn: Callable | None = None
+
+
 def _enum(cls, value, name: str):
     try:
         return cls(value)

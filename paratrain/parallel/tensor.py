@@ -208,16 +208,42 @@ class TensorParallelLayer(nn.Module):
             param.copy_(self.local_slice(name, getattr(module, name)))
 
 
+def linear_features(module: nn.Module) -> tuple[int, int, bool] | None:
+    """(in_features, out_features, transposed) of an `nn.Linear` or of a Conv1D (Hugging Face's GPT-2
+    layer: y = x W + b with W stored [in, out], the transpose of nn.Linear's); None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
+        return module.nx, module.nf, True
+    return None
+
+
 class _ParallelLinear(TensorParallelLayer):
-    """What the column and row layers share: each can be built as the shard of an existing `nn.Linear`."""
+    """What the column and row layers share: each can be built as the shard of an existing `nn.Linear`
+    or Conv1D, keeping that layer's weight layout (`transposed`: [in, out]) so parameter names, shapes
+    and checkpoints are those of the model without tensor parallelism."""
+
+    transposed: bool = False
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, comm: Comm, axis: str = "tp", **options):
-        """This rank's shard of an existing `nn.Linear` (its weight rows or columns, see the class)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, comm, axis,
+    def from_full(cls, linear: nn.Module, comm: Comm, axis: str = "tp", **options):
+        """This rank's shard of an existing `nn.Linear` or Conv1D (its weight rows or columns, see the class)."""
+        features = linear_features(linear)
+        if features is None:
+            raise TensorParallelError(f"{cls.__name__} shards an nn.Linear or a Conv1D, not {type(linear).__name__}")
+        in_features, out_features, transposed = features
+        layer = cls(in_features, out_features, linear.bias is not None, comm, axis, transposed=transposed,
                     device=linear.weight.device, dtype=linear.weight.dtype, **options)
         layer._load_full(linear)
         return layer
+
+    def _make_weight(self, rows: int, cols: int, device, dtype) -> nn.Parameter:
+        """The [out, in] weight ([in, out] when transposed) of this rank's shard."""
+        shape = (cols, rows) if self.transposed else (rows, cols)
+        return nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -235,21 +261,21 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm, axis: str = "tp", *,
                  gather_output: bool = False, sequence_parallel: bool = False, input_entered: bool = False,
-                 device=None, dtype=None):
+                 transposed: bool = False, device=None, dtype=None):
         super().__init__()
         self._bind(comm, axis, sequence_parallel)
         check_divisible("ColumnParallelLinear", "out_features", out_features, self.tp)
         self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.input_entered = gather_output, input_entered
-        self.shard_dims = {"weight": 0, "bias": 0}
+        self.gather_output, self.input_entered, self.transposed = gather_output, input_entered, transposed
+        self.shard_dims = {"weight": 1 if transposed else 0, "bias": 0}
         local = out_features // self.tp
-        self.weight = nn.Parameter(torch.zeros(local, in_features, device=device, dtype=dtype))
+        self.weight = self._make_weight(local, in_features, device, dtype)
         self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_entered:
             x = enter_tp_region(x, self.comm, self.axis, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = self._matmul(x, self.bias)
         return gather_from_tp(y, self.comm, self.axis, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -271,20 +297,20 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm, axis: str = "tp", *,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, transposed: bool = False, device=None, dtype=None):
         super().__init__()
         self._bind(comm, axis, sequence_parallel)
         check_divisible("RowParallelLinear", "in_features", in_features, self.tp)
-        self.in_features, self.out_features = in_features, out_features
-        self.shard_dims = {"weight": 1}
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features // self.tp, device=device, dtype=dtype))
+        self.in_features, self.out_features, self.transposed = in_features, out_features, transposed
+        self.shard_dims = {"weight": 0 if transposed else 1}
+        self.weight = self._make_weight(out_features, in_features // self.tp, device, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
 
     def sequence_partial_params(self) -> list[str]:
         return ["bias"] if self.sequence_parallel and self.bias is not None else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial_y = F.linear(x, self.weight)
+        partial_y = self._matmul(x)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial_y, self.comm, self.axis, dim=1)
         else:

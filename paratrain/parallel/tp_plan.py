@@ -27,6 +27,11 @@ Where activations enter and leave the tp regions, without touching the model's f
 - into the head: the head is a column layer entering on its own (under SP it all-gathers the
   final norm's sequence shards); its logits [b, s, V/t] stay vocabulary-sharded for the loss.
 
+Models called with keyword arguments (Hugging Face's `self_attn(hidden_states=...)`) enter their
+regions by the keyword `hidden_states` (`TPRegion(input=...)` for another); Conv1D layers (GPT-2)
+split like nn.Linear, in their own [in, out] layout. `HF_LLAMA_PLAN` and `HF_GPT2_PLAN` are ready
+plans for the two most used Hugging Face families.
+
 Norms on sequence shards see 1/t of the positions, so their weight grads are partial sums:
 `SequenceParallelNorm` marks them; by default a grad hook all-reduces them over tp
 (`TensorParallelInfo.sequence_partial` lists them for an engine that would rather fuse that).
@@ -37,7 +42,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -46,8 +51,8 @@ from paratrain.comm import Comm
 from paratrain.errors import Violation
 from paratrain.mesh import Mesh
 from paratrain.parallel.tensor import (
-    ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, TensorParallelLayer,
-    check_divisible, cross_entropy, enter_tp_region, gather_full, reduce_scatter_sequence,
+    ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, TensorParallelLayer, VocabParallelEmbedding,
+    check_divisible, cross_entropy, enter_tp_region, gather_full, linear_features, reduce_scatter_sequence,
     vocab_parallel_cross_entropy,
 )
 
@@ -71,18 +76,40 @@ def _expect(name: str, module: nn.Module, kind: type, style) -> None:
         raise TensorParallelError(f"{name}: {style} needs an nn.{kind.__name__}, got {type(module).__name__}")
 
 
+def _linear(name: str, module: nn.Module, style) -> tuple[int, int, bool]:
+    features = linear_features(module)
+    if features is None:
+        raise TensorParallelError(f"{name}: {style} needs an nn.Linear or a Conv1D, got {type(module).__name__}")
+    return features
+
+
 # -- styles -------------------------------------------------------------------------------------
+# Each style checks its module before anything changes (`check(name, module, tp, parent)`), says which
+# dims of which parameters it splits (`split_dims`, for tied parameters), and applies itself (`apply`).
+
+
+class _Style:
+    def check(self, name, module, tp, parent) -> None:
+        pass
+
+    def split_dims(self, module) -> dict[str, int]:
+        """Parameter name → the dim this style splits over tp (empty: it replaces nothing)."""
+        return {}
+
 
 @dataclass(frozen=True)
-class Colwise:
-    """nn.Linear → ColumnParallelLinear: output features split; output sharded (or gathered)."""
+class Colwise(_Style):
+    """nn.Linear or Conv1D → ColumnParallelLinear: output features split; output sharded (or gathered)."""
 
     gather_output: bool = False
-    splits: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
 
-    def check(self, name, module, tp):
-        _expect(name, module, nn.Linear, self)
-        check_divisible(name, "out_features", module.out_features, tp)
+    def check(self, name, module, tp, parent):
+        _, out_features, _ = _linear(name, module, self)
+        check_divisible(name, "out_features", out_features, tp)
+        _refuse_fused_projection(name, module, parent, out_features)
+
+    def split_dims(self, module):
+        return {"weight": 1 if linear_features(module)[2] else 0, "bias": 0}
 
     def apply(self, name, module, ctx):
         return ColumnParallelLinear.from_full(module, ctx.comm, ctx.axis, gather_output=self.gather_output,
@@ -90,15 +117,28 @@ class Colwise:
                                               input_entered=ctx.in_region(name))
 
 
+def _refuse_fused_projection(name: str, module: nn.Module, parent: nn.Module, out_features: int) -> None:
+    """A projection whose output its module splits into fixed parts (GPT-2's `c_attn`: q, k, v in one
+    Conv1D, cut at `split_size`) cannot be column-split: each rank's contiguous slice would cut across
+    the parts, and a per-part split is not one box of the weight (layout-free checkpoints need one)."""
+    split = getattr(parent, "split_size", None)
+    if isinstance(split, int) and 0 < split < out_features and out_features % split == 0:
+        raise TensorParallelError(
+            f"{name} is a fused projection: its module splits the {out_features} outputs into "
+            f"{out_features // split} parts of {split} (e.g. q, k, v); a column split would cut across them. "
+            "Leave it out of the plan (replicated, as HF_GPT2_PLAN does) or use a model with separate projections")
+
+
 @dataclass(frozen=True)
-class Rowwise:
-    """nn.Linear → RowParallelLinear: input features split; output all-reduced (SP: reduce-scattered)."""
+class Rowwise(_Style):
+    """nn.Linear or Conv1D → RowParallelLinear: input features split; output all-reduced (SP: reduce-scattered)."""
 
-    splits: ClassVar[dict[str, int]] = {"weight": 1}
+    def check(self, name, module, tp, parent):
+        in_features, _, _ = _linear(name, module, self)
+        check_divisible(name, "in_features", in_features, tp)
 
-    def check(self, name, module, tp):
-        _expect(name, module, nn.Linear, self)
-        check_divisible(name, "in_features", module.in_features, tp)
+    def split_dims(self, module):
+        return {"weight": 0 if linear_features(module)[2] else 1}
 
     def apply(self, name, module, ctx):
         layer = RowParallelLinear.from_full(module, ctx.comm, ctx.axis, sequence_parallel=ctx.sequence_parallel)
@@ -107,7 +147,7 @@ class Rowwise:
 
 
 @dataclass(frozen=True)
-class VocabEmbedding:
+class VocabEmbedding(_Style):
     """nn.Embedding → VocabParallelEmbedding: vocabulary rows split.
 
     `defer_sp_reduce`: under SP, return unreduced partial sums at full sequence length and let a
@@ -116,11 +156,13 @@ class VocabEmbedding:
     """
 
     defer_sp_reduce: bool = False
-    splits: ClassVar[dict[str, int]] = {"weight": 0}
 
-    def check(self, name, module, tp):
+    def check(self, name, module, tp, parent):
         _expect(name, module, nn.Embedding, self)
         check_divisible(name, "num_embeddings (vocabulary)", module.num_embeddings, tp)
+
+    def split_dims(self, module):
+        return {"weight": 0}
 
     def apply(self, name, module, ctx):
         return VocabParallelEmbedding.from_full(module, ctx.comm, ctx.axis, sequence_parallel=ctx.sequence_parallel,
@@ -128,7 +170,7 @@ class VocabEmbedding:
 
 
 @dataclass(frozen=True)
-class OutputHead:
+class OutputHead(_Style):
     """The output projection, column-parallel over the vocabulary.
 
     Logits stay vocab-sharded [.., V/t] for `vocab_parallel_cross_entropy` (the info's
@@ -136,11 +178,13 @@ class OutputHead:
     """
 
     gather_logits: bool = False
-    splits: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
 
-    def check(self, name, module, tp):
+    def check(self, name, module, tp, parent):
         _expect(name, module, nn.Linear, self)
         check_divisible(name, "out_features (vocabulary)", module.out_features, tp)
+
+    def split_dims(self, module):
+        return {"weight": 0, "bias": 0}
 
     def apply(self, name, module, ctx):
         ctx.vocab_sharded_logits = not self.gather_logits
@@ -150,10 +194,10 @@ class OutputHead:
 
 
 @dataclass(frozen=True)
-class SequenceParallelNorm:
+class SequenceParallelNorm(_Style):
     """A norm (any replicated module) whose input is sequence-sharded under SP: its grads need a tp all-reduce."""
 
-    def check(self, name, module, tp):
+    def check(self, name, module, tp, parent):
         if not any(True for _ in module.parameters()):
             raise TensorParallelError(f"{name}: SequenceParallelNorm() marks parameters, but "
                                       f"{type(module).__name__} has none; drop the entry")
@@ -163,49 +207,56 @@ class SequenceParallelNorm:
             ctx.sequence_partial += [f"{name}.{p}" for p, _ in module.named_parameters()]
 
 
+def _input_hook(module: nn.Module, fn, input_name: str):
+    """A forward pre-hook (with kwargs) that applies `fn` to the module's input: its first positional
+    argument, or the keyword `input_name` when it is called with keyword arguments only (Hugging Face
+    modules call `self_attn(hidden_states=...)`)."""
+    def hook(mod, args, kwargs):
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        if input_name in kwargs:
+            return args, {**kwargs, input_name: fn(kwargs[input_name])}
+        raise TensorParallelError(f"{type(mod).__name__} was called without a positional input or a {input_name!r} "
+                                  f"keyword (got {sorted(kwargs)}); name its input in the plan's style, e.g. "
+                                  f"TPRegion(input=...)")
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 @dataclass(frozen=True)
-class SequenceShardInput:
-    """Under SP, a forward pre-hook reduce-scatters the module's first input along the sequence.
+class SequenceShardInput(_Style):
+    """Under SP, a forward pre-hook reduce-scatters the module's input along the sequence.
 
     Put it on the first block: its input is then the deferred embedding's partial sums
-    (see `VocabEmbedding(defer_sp_reduce=True)`). Backward: all-gather of the grad.
+    (see `VocabEmbedding(defer_sp_reduce=True)`). Backward: all-gather of the grad. The input
+    is the first positional argument, or the keyword `input`.
     """
 
-    def check(self, name, module, tp):
-        pass
+    input: str = "hidden_states"
 
     def apply(self, name, module, ctx):
         if ctx.sequence_parallel:
-            hook = functools.partial(_reduce_scatter_first_input, ctx.comm, ctx.axis)
-            ctx.handles.append(module.register_forward_pre_hook(hook))
-
-
-def _reduce_scatter_first_input(comm, axis, module, args):
-    return (reduce_scatter_sequence(args[0], comm, axis, dim=1), *args[1:])
+            fn = functools.partial(reduce_scatter_sequence, comm=ctx.comm, axis=ctx.axis, dim=1)
+            ctx.handles.append(_input_hook(module, fn, self.input))
 
 
 @dataclass(frozen=True)
-class TPRegion:
-    """The module's first input enters the tp region once, in a forward pre-hook.
+class TPRegion(_Style):
+    """The module's input enters the tp region once, in a forward pre-hook.
 
     `copy_to_tp` (backward all-reduce), or under SP `gather_sequence` (forward all-gather,
     backward reduce-scatter). Column layers inside then communicate nothing on their input, so
     wq, wk and wv (w1 and w3) share one collective per pass, as Megatron's fused QKV does.
     Entering at the module, not at its layers, also gives the module its full sequence
-    length under SP: the reference attention reshapes by the length of its input.
+    length under SP: the reference attention reshapes by the length of its input. The input is
+    the first positional argument, or the keyword `input` (Hugging Face: `hidden_states`).
     """
 
-    def check(self, name, module, tp):
-        pass
+    input: str = "hidden_states"
 
     def apply(self, name, module, ctx):
         ctx.regions.append(name)
-        hook = functools.partial(_enter_first_input, ctx.comm, ctx.axis, ctx.sequence_parallel)
-        ctx.handles.append(module.register_forward_pre_hook(hook))
-
-
-def _enter_first_input(comm, axis, sequence_parallel, module, args):
-    return (enter_tp_region(args[0], comm, axis, sequence_parallel), *args[1:])
+        fn = functools.partial(enter_tp_region, comm=ctx.comm, axis=ctx.axis, sequence_parallel=ctx.sequence_parallel)
+        ctx.handles.append(_input_hook(module, fn, self.input))
 
 
 @dataclass(frozen=True)
@@ -219,10 +270,10 @@ class AttentionRegion(TPRegion):
     kv: tuple[str, ...] = ("wk", "wv")
     head_dim: str = "head_dim"
 
-    def check(self, name, module, tp):
+    def check(self, name, module, tp, parent):
         size = getattr(module, self.head_dim)
         for proj in (self.q, *self.kv):
-            heads = getattr(module, proj).out_features // size
+            heads = linear_features(getattr(module, proj))[1] // size
             kind = "query" if proj == self.q else "key/value"
             if heads % tp:
                 raise TensorParallelError(f"{name}: {heads} {kind} heads ({proj}) are not divisible by tp={tp}; "
@@ -253,6 +304,35 @@ LLAMA_SP_PLAN: dict[str, Style] = {
     "layers.*.attention_norm": SequenceParallelNorm(),
     "layers.*.ffn_norm": SequenceParallelNorm(),
     "norm": SequenceParallelNorm(),
+}
+
+# Hugging Face `LlamaForCausalLM` (and Mistral, Qwen2: the same module names), built from a config or
+# loaded: the reference plan under Hugging Face's names. Its attention and MLP are called with keyword
+# arguments (`self_attn(hidden_states=...)`): the regions find their input by that keyword.
+HF_LLAMA_PLAN: dict[str, Style] = {
+    "model.embed_tokens": VocabEmbedding(),
+    "model.layers.*.self_attn": AttentionRegion(q="q_proj", kv=("k_proj", "v_proj")),
+    "model.layers.*.self_attn.q_proj": Colwise(),
+    "model.layers.*.self_attn.k_proj": Colwise(),
+    "model.layers.*.self_attn.v_proj": Colwise(),
+    "model.layers.*.self_attn.o_proj": Rowwise(),
+    "model.layers.*.mlp": TPRegion(),
+    "model.layers.*.mlp.gate_proj": Colwise(),
+    "model.layers.*.mlp.up_proj": Colwise(),
+    "model.layers.*.mlp.down_proj": Rowwise(),
+    "lm_head": OutputHead(),
+}
+
+# Hugging Face `GPT2LMHeadModel`: the MLP's Conv1D layers split (c_fc by columns, c_proj by rows), the
+# tied token embedding and head split by vocabulary. Attention stays replicated: GPT-2 projects q, k and
+# v with one fused Conv1D (`attn.c_attn`) whose output the module cuts at a fixed width, so it cannot be
+# column-split (`Colwise` refuses it); each tp rank computes the attention whole.
+HF_GPT2_PLAN: dict[str, Style] = {
+    "transformer.wte": VocabEmbedding(),
+    "transformer.h.*.mlp": TPRegion(),
+    "transformer.h.*.mlp.c_fc": Colwise(),
+    "transformer.h.*.mlp.c_proj": Rowwise(),
+    "lm_head": OutputHead(),
 }
 
 
@@ -353,7 +433,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], mesh: Mes
     tp = mesh.size(axis)
     matches = _match(model, plan, strict)
     for name, module, style in matches:
-        style.check(name, module, tp)
+        style.check(name, module, tp, model.get_submodule(name.rpartition(".")[0]))
     _check_ties(model, matches)
     if sequence_parallel:
         _check_sequence_parallel(model, matches)
@@ -405,8 +485,8 @@ def _match(model: nn.Module, plan: Mapping[str, Style], strict: bool = True) -> 
 
 def _check_ties(model: nn.Module, matches) -> None:
     """A parameter shared by several modules must be split by all of them, along the same dim."""
-    splits = {f"{name}.{pname}": style.splits.get(pname)  # every parameter a replacing style splits
-              for name, module, style in matches if hasattr(style, "splits")
+    splits = {f"{name}.{pname}": style.split_dims(module).get(pname)  # every parameter a replacing style splits
+              for name, module, style in matches if style.split_dims(module)
               for pname, _ in module.named_parameters(recurse=False)}
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

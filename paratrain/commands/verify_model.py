@@ -1,0 +1,176 @@
+"""`paratrain verify --model-factory pkg.module:function`: the layouts checked on the user's own model.
+
+Each run (the one-process reference and every layout) is its own set of processes under torch's
+elastic agent; each process calls the factory, parallelizes what it returns for the layout,
+trains `--steps` steps of the same random global batches with the trainer's own step
+(`paratrain.train.train_step`), and rank 0 writes the losses (`metrics.jsonl`) and the final
+weights (`final/model.safetensors`) that `verify.compare` reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from paratrain.commands.verify import Comparison, VerifyError, compare, micro_batch, num_processes
+from paratrain.parallel.api import ModelSpec
+
+LR = 1e-2  # the full rate from step 1, so a wrong gradient moves the parameters visibly
+
+
+def load_factory(path: str):
+    """The function `pkg.module:function` names; VerifyError when it cannot be imported or called."""
+    module_name, _, function = path.partition(":")
+    if not module_name or not function:
+        raise VerifyError(f"--model-factory {path!r}: write it as pkg.module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's module beside them
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise VerifyError(f"--model-factory {path!r}: cannot import {module_name} ({e})") from None
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise VerifyError(f"--model-factory {path!r}: {module_name} has no function {function!r}")
+    return factory
+
+
+def build_spec(path: str) -> ModelSpec:
+    """Call the factory; its module, plan and loss as a ModelSpec (one-line errors for anything else)."""
+    made = load_factory(path)()
+    spec = made if isinstance(made, ModelSpec) else ModelSpec(made) if isinstance(made, nn.Module) else None
+    if spec is None or not isinstance(spec.module, nn.Module):
+        raise VerifyError(f"--model-factory {path!r} returned a {type(made).__name__}; return an nn.Module or a "
+                          "paratrain.ModelSpec(module, plan=..., loss_fn=...)")
+    return spec
+
+
+def vocabulary(spec: ModelSpec, seq_len: int) -> int:
+    """The model's vocabulary: the last dim of its output for one sequence of token 0."""
+    with torch.no_grad():
+        out = spec.module(torch.zeros(1, seq_len, dtype=torch.long))
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise VerifyError(f"the model returned {type(out).__name__}; --model-factory models take token ids "
+                          "[batch, seq] and return logits [batch, seq, vocab] (or an object with .logits)")
+    return logits.shape[-1]
+
+
+def batches(vocab: int, steps: int, batch: int, seq: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic global batches; rows keep different numbers of target tokens (the rest ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        y = torch.randint(0, vocab, (batch, seq), generator=g)
+        keep = torch.randint(1, seq + 1, (batch,), generator=g)
+        y[torch.arange(seq)[None, :] >= keep[:, None]] = -100
+        out.append((x, y))
+    return out
+
+
+def verify_factory(args, layouts: list[tuple[str, dict[str, Any]]], work: Path, log=print) -> list[Comparison]:
+    """Run the one-process reference and every layout on the user's model; one Comparison per layout."""
+    from paratrain.launch import LaunchFailed
+
+    spec = build_spec(args.model_factory)  # fails here, once, before any process starts
+    vocab = vocabulary(spec, args.seq_len)
+    for text, overrides in layouts:
+        _check_layout(text, overrides, spec, args.global_batch)
+    base = {"factory": args.model_factory, "steps": args.steps, "global_batch": args.global_batch,
+            "seq_len": args.seq_len, "seed": args.seed, "vocab": vocab}
+    jobs = {precision: {**base, "layout": {"precision": precision}, "out": str(work / f"reference-{precision}")}
+            for precision in {o.get("precision", "fp32") for _, o in layouts}}
+    for precision, job in jobs.items():
+        log(f"reference: 1 process, {precision}, global batch {args.global_batch}, {args.steps} steps")
+        _launch(job, 1)
+    results = []
+    for i, (text, overrides) in enumerate(layouts):
+        job = {**base, "layout": overrides, "out": str(work / f"layout{i}")}
+        comparison = Comparison(text, num_processes(overrides))
+        log(f"{text}: {comparison.processes} process(es)")
+        try:
+            _launch(job, comparison.processes)
+        except LaunchFailed as e:
+            comparison.error = str(e)
+        else:
+            compare(Path(jobs[overrides.get("precision", "fp32")]["out"]), Path(job["out"]), comparison)
+        results.append(comparison)
+    return results
+
+
+def _launch(job: dict, nproc: int) -> None:
+    """One run on `nproc` processes; LaunchFailed naming the first rank that failed."""
+    from paratrain.launch import LaunchFailed, describe_failure, launch_processes
+
+    try:
+        launch_processes(_worker, job, nproc)
+    except ChildFailedError as e:
+        raise LaunchFailed(describe_failure(e)) from None
+
+
+def _check_layout(text: str, overrides: dict[str, Any], spec: ModelSpec, global_batch: int) -> None:
+    dp, tp, pp = (overrides.get(axis, 1) for axis in ("dp", "tp", "pp"))
+    if global_batch % dp:
+        raise VerifyError(f"--global-batch {global_batch} is not divisible by the {dp} data ranks of {text!r}")
+    if tp > 1 and spec.plan is None:
+        raise VerifyError(f"layout {text!r} has tp={tp} but the factory gave no tensor-parallel plan; return "
+                          "paratrain.ModelSpec(module, plan={pattern: style}) (see paratrain.parallel.tp_plan)")
+    if pp > 1 and not isinstance(spec.module, nn.Sequential):
+        raise VerifyError(f"layout {text!r} has pp={pp}: pipeline parallelism splits an nn.Sequential, and the "
+                          f"factory returned a {type(spec.module).__name__}")
+
+
+@record
+def _worker(job: dict) -> None:
+    """Each process of one run: the user's model under the layout, trained by the trainer's step."""
+    from paratrain.distributed import shutdown
+
+    try:
+        run(job)
+    finally:
+        shutdown()
+
+
+def run(job: dict) -> None:
+    from safetensors.torch import save_file
+
+    from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
+    from paratrain.train import train_step
+
+    layout = job["layout"]
+    mesh = init_mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
+    spec = build_spec(job["factory"])
+    model, optimizer = parallelize(
+        spec.module, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.0),
+        data=DataParallel(zero=layout.get("zero", 0), grad_reduction="sum"),
+        tensor=TensorParallel(plan=spec.plan, sequence_parallel=layout.get("sequence_parallel", False)),
+        pipeline=PipelineParallel(schedule=layout.get("schedule", "1f1b"),
+                                  virtual_stages=layout.get("virtual_stages", 1)),
+        precision=layout.get("precision", "fp32"))
+    dp, rank = mesh.size("dp"), mesh.coord("dp")
+    rows, micro = job["global_batch"] // dp, micro_batch(job["global_batch"], layout)
+    records = []
+    for step, (x, y) in enumerate(batches(job["vocab"], job["steps"], job["global_batch"], job["seq_len"],
+                                          job["seed"]), start=1):
+        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        pieces = [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)]
+        outcome = train_step(model, optimizer, pieces, 1.0, step=step, loss_fn=spec.loss_fn)
+        records.append({"step": step, "loss": outcome.loss})
+    weights = model.full_state_dict()  # collective: every rank takes part
+    if mesh.rank == 0:
+        out = Path(job["out"])
+        (out / "final").mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().float().contiguous().cpu() for k, v in weights.items()},
+                  out / "final" / "model.safetensors")
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
