@@ -8,17 +8,29 @@ a test can compare with the theory (ZeRO, Megatron), whatever the backend
 really does underneath. A group of one rank communicates nothing, and is not
 called.
 
-Time is counted too: the seconds this rank's host thread was blocked per axis,
-in synchronous collectives and in `wait` on asynchronous ones; communication
-that overlaps compute costs nothing there, so it is the exposed communication
-(on the pp axis: the time a stage waited for its neighbour, the measured bubble).
+Time is counted too: the seconds this rank was held up per axis, in
+synchronous collectives and in `wait` on asynchronous ones; communication that
+overlaps compute costs nothing there, so it is the exposed communication (on
+the pp axis: the time a stage waited for its neighbour, the measured bubble).
+On the CPU (gloo) that is the host's blocked time (`blocked_s`). On CUDA (NCCL)
+`wait` does not block the host, it makes the compute stream wait: a pair of
+CUDA events around each wait measures that on the stream, read once, after the
+step (`exposed_s`).
 
 The last calls are kept as a short fingerprint (kind, axis, shape, dtype), so
 that ranks that disagree about the sequence of collectives can be told apart.
+
+Point-to-point transfers travel in groups (`exchange`: one `batch_isend_irecv`,
+a group call under NCCL). `rendezvous=True` is a test mode for what only NCCL
+shows: a send may block until its receive is posted there, while gloo buffers
+it. In that mode every received tensor is acknowledged and a group returns only
+when each of its sends was received, so an order of transfers that NCCL could
+deadlock hangs here too (and ends in the process group's timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -49,12 +61,14 @@ class CallRecord:
 class Comm:
     """Instrumented collectives over the axes of one mesh."""
 
-    def __init__(self, mesh: Mesh, history: int = 64):
+    def __init__(self, mesh: Mesh, history: int = 64, rendezvous: bool = False):
         self.mesh = mesh
+        self.rendezvous = rendezvous
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.recent: deque[CallRecord] = deque(maxlen=history)
-        self.blocked_s: dict[str, float] = defaultdict(float)
+        self.blocked_s: dict[str, float] = defaultdict(float)  # host seconds (the exposed time on the CPU)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: (axis, before, after)
         # Called with each CallRecord before its collective starts (the trainer mirrors the
         # fingerprint into a file that outlives a crash: paratrain.run.diagnose).
         self.listeners: list = []
@@ -76,6 +90,7 @@ class Comm:
         self.calls.clear()
         self.bytes.clear()
         self.blocked_s.clear()
+        self._events.clear()
 
     def bytes_by_axis(self) -> dict[str, int]:
         """Bytes this rank sent in the current window, per axis."""
@@ -151,35 +166,86 @@ class Comm:
         return self._issue(axis, async_op, dist.broadcast, tensor, src=self.mesh.ranks(axis)[src], group=group)
 
     def wait(self, works, axis: str) -> None:
-        """Wait on work handles (None: a collective that needed no call); the time blocked counts for `axis`."""
-        start = time.perf_counter()
-        wait_all(works)
-        self.blocked_s[axis] += time.perf_counter() - start
+        """Wait on work handles (None: a collective that needed no call); the time held up counts for `axis`."""
+        with self._held(axis):
+            wait_all(works)
 
     def _issue(self, axis: str, async_op: bool, collective, *args, **kwargs):
         if async_op:
             return collective(*args, async_op=True, **kwargs)
+        with self._held(axis):
+            return collective(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _held(self, axis: str):
+        """Time what is inside as this rank held up on `axis`: host seconds, and on CUDA the stream's wait."""
+        cuda = self.mesh.device.type == "cuda"
+        if cuda:
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
         start = time.perf_counter()
         try:
-            return collective(*args, **kwargs)
+            yield
         finally:
             self.blocked_s[axis] += time.perf_counter() - start
+            if cuda:
+                after = torch.cuda.Event(enable_timing=True)
+                after.record()
+                self._events.append((axis, before, after))
 
-    def send(self, tensor: torch.Tensor, axis: str, dst: int):
-        """Non-blocking send of `tensor` to the rank at index `dst` of this rank's `axis` group.
+    def exposed_s(self) -> dict[str, float]:
+        """Seconds held up per axis in the current window: the host's on the CPU, the stream's on CUDA.
 
-        Returns the work handle: the caller keeps `tensor` alive and waits on it (gloo and
-        NCCL both match point-to-point messages between two ranks in the order they are posted).
+        On CUDA this waits for the last recorded event (one host sync): read it once per step, after it.
         """
-        self._count("send", axis, tensor, _nbytes(tensor))
-        return dist.isend(tensor, dst=self.mesh.ranks(axis)[dst], group=self.mesh.group(axis))
+        if self.mesh.device.type != "cuda":
+            return dict(self.blocked_s)
+        exposed: dict[str, float] = defaultdict(float)
+        if self._events:
+            self._events[-1][2].synchronize()
+        for axis, before, after in self._events:
+            exposed[axis] += before.elapsed_time(after) / 1e3
+        return dict(exposed)
 
-    def recv(self, tensor: torch.Tensor, axis: str, src: int):
-        """Non-blocking receive into `tensor` from the rank at index `src` of `axis`; returns the work handle.
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]],
+                 axis: str) -> None:
+        """Send and receive a group of tensors over `axis` together, and wait for all of them.
 
-        Received bytes are not counted: every byte is counted once, by its sender.
+        `sends` are (tensor, index of the peer in this rank's `axis` group), `receives`
+        (buffer, index of the peer). Issued as one `batch_isend_irecv`, so under NCCL the group
+        progresses as a whole and a send never waits behind a receive of the same group. Sends are
+        counted (their bytes), receives not (their bytes are the sender's); the time blocked counts
+        for `axis`.
         """
-        return dist.irecv(tensor, src=self.mesh.ranks(axis)[src], group=self.mesh.group(axis))
+        if not sends and not receives:
+            return
+        ranks, group = self.mesh.ranks(axis), self.mesh.group(axis)
+        ops = [dist.P2POp(dist.isend, t, ranks[peer], group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, ranks[peer], group) for t, peer in receives]
+        heard = [torch.zeros(1, device=self.mesh.device) for _ in sends] if self.rendezvous else []
+        ops += [dist.P2POp(dist.irecv, h, ranks[peer], group, tag=_ACK_TAG) for h, (_, peer) in zip(heard, sends)]
+        for t, _ in sends:
+            self._count("send", axis, t, _nbytes(t))
+        with self._held(axis):
+            self._exchange(ops, sends, receives, ranks, group)
+
+    def _exchange(self, ops, sends, receives, ranks, group) -> None:
+        works = dist.batch_isend_irecv(ops)
+        if self.rendezvous:
+            # Each receive, once it has arrived, is acknowledged to its sender; the group is done when
+            # every one of its sends was acknowledged too. The acknowledgements travel with their own
+            # tag, so they never match a data transfer; their bytes are not counted (training never
+            # sends them).
+            arrived = works[len(sends):len(sends) + len(receives)]
+            wait_all(arrived)  # (a gloo work must not be waited on twice: it would block)
+            works = [w for w in works if not any(w is a for a in arrived)]
+            acks = [torch.ones(1, device=self.mesh.device) for _ in receives]
+            works += dist.batch_isend_irecv([dist.P2POp(dist.isend, a, ranks[peer], group, tag=_ACK_TAG)
+                                             for a, (_, peer) in zip(acks, receives)]) if acks else []
+        wait_all(works)
+
+
+_ACK_TAG = 1  # rendezvous mode's acknowledgements; data transfers use tag 0
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

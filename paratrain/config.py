@@ -22,6 +22,9 @@ from paratrain.errors import ParatrainError, Violation
 from paratrain.parallel.schedules import SCHEDULES
 
 
+DEFAULT_GLOBAL_BATCH = 16
+
+
 class ConfigError(ParatrainError, ValueError):
     """A configuration value is invalid; the message names the option and the fix."""
 
@@ -66,8 +69,11 @@ class DataSection:
 @dataclass
 class TrainSection:
     steps: int = option(150, "optimizer steps")
-    global_batch: int = option(16, "sequences per optimizer step, summed over all data ranks")
-    micro_batch: int = option(16, "sequences per forward/backward; accumulation = global / (micro * data ranks)")
+    global_batch: int | None = option(None, "sequences per optimizer step, summed over all data ranks (default: "
+                                            f"{DEFAULT_GLOBAL_BATCH}, or the nearest multiple of micro-batch × data "
+                                            "ranks)")
+    micro_batch: int | None = option(None, "sequences per forward/backward; accumulation = global / (micro * data "
+                                           "ranks) (default: global / data ranks, one micro-batch per rank)")
     lr: float = option(3e-3, "peak learning rate (AdamW)")
     min_lr: float = option(3e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = option(20, "steps of linear warmup from 0 to --lr")
@@ -79,7 +85,9 @@ class TrainSection:
     eval_every: int = option(50, "evaluate every N steps (and at the end); 0 evaluates only at the end")
     eval_batches: int = option(8, "held-out batches of --global-batch sequences per evaluation")
     sample_tokens: int = option(200, "tokens to generate as a text sample at the end (0 disables)")
-    peak_flops: float = option(1e12, "peak FLOP/s of one device, the denominator of MFU")
+    peak_flops: float | None = option(None, "peak FLOP/s of one device, the denominator of MFU (default: the "
+                                            "device's dense 16-bit peak from its name, paratrain.hardware; "
+                                            "none on a CPU, then no MFU is logged)")
 
 
 @dataclass
@@ -250,7 +258,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     for name, value in [("--steps", t.steps), ("--global-batch", t.global_batch),
                         ("--micro-batch", t.micro_batch), ("--seq-len", d.seq_len),
                         ("--nproc", r.nproc), ("--eval-batches", t.eval_batches)]:
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     for name, value in [("--lr", t.lr), ("--min-lr", t.min_lr), ("--weight-decay", t.weight_decay),
                         ("--grad-clip", t.grad_clip), ("--warmup-steps", t.warmup_steps),
@@ -260,7 +268,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ConfigError(f"{name} must not be negative, got {value}")
     if not 0.0 < d.eval_fraction < 0.5:
         raise ConfigError(f"--eval-fraction must be in (0, 0.5), got {d.eval_fraction}")
-    if t.peak_flops <= 0:
+    if t.peak_flops is not None and not t.peak_flops > 0:
         raise ConfigError(f"--peak-flops must be positive, got {t.peak_flops}")
     for name, value in [("--beta1", t.beta1), ("--beta2", t.beta2)]:
         if not 0.0 <= value < 1.0:
@@ -272,7 +280,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if p.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
     _check_reliability(cfg)
-    check_batch(t.global_batch, t.micro_batch, data_ranks(cfg, world_size))
+    dp = data_ranks(cfg, world_size)  # resolves the batch defaults for this many data ranks
+    check_batch(t.global_batch, t.micro_batch, dp)
 
 
 def _check_reliability(cfg: Config) -> None:
@@ -312,12 +321,27 @@ def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     try:
         dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp).dp
+        resolve_batch(cfg, dp)
         validate_layout(world_size, dp, p.tp, p.pp, model_cfg, t.global_batch, t.micro_batch, zero=p.zero,
                         sequence_parallel=p.sequence_parallel, seq_len=cfg.data.seq_len, schedule=p.schedule,
                         virtual_stages=p.virtual_stages)
     except ParatrainError as e:  # the mesh's or the planner's: a config error here, naming the options
         raise ConfigError(str(e)) from None
     return dp
+
+
+def resolve_batch(cfg: Config, dp: int) -> None:
+    """Fill the batch sizes left to their defaults for `dp` data ranks (every process resolves them alike).
+
+    The global batch defaults to DEFAULT_GLOBAL_BATCH, rounded up to a multiple of micro-batch × data
+    ranks so that it divides on any number of GPUs; the micro-batch to one per data rank.
+    """
+    t = cfg.train
+    if t.global_batch is None:
+        per_step = (t.micro_batch or 1) * dp
+        t.global_batch = per_step * max(1, -(-DEFAULT_GLOBAL_BATCH // per_step))
+    if t.micro_batch is None:
+        t.micro_batch = max(1, t.global_batch // dp)
 
 
 def batch_violations(global_batch: int | None, micro_batch: int, dp: int) -> list[Violation]:

@@ -91,16 +91,19 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[DistEnv, torch.device]:
+def init_distributed(timeout_s: float = 600.0, flight_records: str | None = None) -> tuple[DistEnv, torch.device]:
     """Join the process group described by the environment (if there is more than one process).
 
     Returns this process's DistEnv and the device it computes on. Safe to call
-    when a process group already exists (tests, user scripts).
+    when a process group already exists (tests, user scripts). On CUDA, NCCL's
+    failure handling and flight recorder are set up first (`nccl_diagnostics`), its dumps
+    going to `flight_records` + rank.
     """
     env = detect_env()
     device = default_device(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        nccl_diagnostics(os.environ, flight_records)
     if device.type == "cpu" and env.local_world_size > 1:
         # Processes sharing one machine's cores would oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
@@ -111,8 +114,29 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[DistEnv, torch.device]:
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
+            # NCCL: bound to this GPU at once (eager communicator creation, no device guessing).
+            **({"device_id": device} if device.type == "cuda" else {}),
         )
     return env, device
+
+
+def nccl_diagnostics(environ, flight_records: str | None) -> None:
+    """What NCCL runs need to fail loudly and say where: set unless the user set them already.
+
+    On NCCL `wait()` does not block the host, so a collective that never completes is caught by
+    torch's watchdog: `TORCH_NCCL_ASYNC_ERROR_HANDLING=3` aborts the communicators and the
+    process on a timeout or error (instead of a hang), and the flight recorder keeps each rank's
+    last collectives (kind, group, sizes, state) and dumps them on a timeout
+    (`TORCH_NCCL_DUMP_ON_TIMEOUT`) to `flight_records` + rank, where the launcher's failure
+    summary reads them (`paratrain.run.diagnose.describe_flight_records`).
+    """
+    environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if flight_records is not None:
+        environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", flight_records)
+        environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", flight_records)
 
 
 def shutdown() -> None:

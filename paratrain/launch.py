@@ -95,10 +95,13 @@ def launch_processes(entry, payload, nproc: int, max_restarts: int = 0) -> None:
 def _fingerprint_report(cfg: Config, rank: int) -> str:
     """Where the collectives of `rank`'s stage diverged in the last attempt, by the fingerprints, or ''."""
     from paratrain.run.rundir import DIAGNOSTICS_DIR
-    from paratrain.run.diagnose import divergence, ring_path
+    from paratrain.run.diagnose import FLIGHT_PREFIX, describe_flight_records, divergence, ring_path
     from paratrain.mesh import MeshShape
 
     attempts = sorted((Path(cfg.run.out) / DIAGNOSTICS_DIR).glob("attempt-*"), key=lambda p: int(p.name[8:]))
+    if attempts and list(attempts[-1].glob(f"{FLIGHT_PREFIX}*")):  # NCCL: the flight recorder's dumps
+        report = describe_flight_records(attempts[-1], cfg.run.nproc)
+        return f"its flight records: {report}" if report else ""
     if not attempts or not ring_path(attempts[-1], rank).exists():
         return ""
     p = cfg.parallel

@@ -139,8 +139,9 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
     groups: dict[str, dist.ProcessGroup | None] = {WORLD: dist.group.WORLD}
     for axis in AXES:
         for ranks in shape.groups(axis):
-            # new_group is collective over the whole world: every rank creates every group.
-            group = dist.new_group(ranks, timeout=timeout) if len(ranks) < world else dist.group.WORLD
+            # new_group is collective over the whole world: every rank creates every group. Each group
+            # carries its axis's name, which NCCL's flight recorder keeps with every collective.
+            group = dist.new_group(ranks, timeout=timeout, group_desc=axis) if len(ranks) > 1 else None
             if rank in ranks:
                 groups[axis] = group
     if device is None:
@@ -150,20 +151,23 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
     return Mesh(shape=shape, rank=rank, groups=groups, device=torch.device(device))
 
 
-def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None) -> Mesh:
+def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None,
+              flight_records: str | None = None) -> Mesh:
     """Join the job described by the launcher's environment and build the mesh.
 
     Creates the default process group if none exists (one process alone gets a
     group of one, so every code path is the same). dp defaults to the world
     size divided by tp × pp. `timeout_s` bounds every collective (None: torch's
-    default); a group that already exists keeps its own.
+    default); a group that already exists keeps its own. `flight_records` is where
+    NCCL's flight recorder dumps each rank's last collectives on a timeout (+ rank).
     """
     from paratrain.distributed import backend_for, detect_env, init_distributed
 
     world = detect_env().world_size
     shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp)  # fail before any group exists
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    _, device = init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}))
+    _, device = init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}),
+                                 flight_records=flight_records)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     return build_mesh(shape, timeout, device)

@@ -92,10 +92,11 @@ class StepTimer:
 
     def breakdown(self, step_time_s: float) -> dict:
         """{compute_s, optimizer_s, data_s, checkpoint_s, comm_exposed_s: {axis: s}, pipeline_wait_s, other_s}."""
-        exposed = {axis: s for axis, s in self.comm.blocked_s.items() if axis != "pp"}
+        held = self.comm.exposed_s()  # on CUDA: the stream's waits, measured by events (one sync)
+        exposed = {axis: s for axis, s in held.items() if axis != "pp"}
         result = {"compute_s": self.seconds["forward_backward"], "optimizer_s": self.seconds["optimizer"],
                   "data_s": self.seconds["data"], "checkpoint_s": self.seconds["checkpoint"],
-                  "comm_exposed_s": exposed, "pipeline_wait_s": self.comm.blocked_s.get("pp", 0.0)}
+                  "comm_exposed_s": exposed, "pipeline_wait_s": held.get("pp", 0.0)}
         accounted = sum(self.seconds.values()) + self._blocked()
         result["other_s"] = max(0.0, step_time_s - accounted)
         return result

@@ -28,7 +28,8 @@ from paratrain.mesh import WORLD, init_mesh
 from paratrain.metrics import StepTimer, mfu, peak_memory_bytes, perplexity, unigram_entropy
 from paratrain.models import ModelConfig, generate
 from paratrain.parallel.model import IGNORE_INDEX, ParallelModel, Verdict
-from paratrain.run.build import Run, build, preflight
+from paratrain.run.build import Run, build, preflight, shared_run_dir
+from paratrain.run.diagnose import flight_record_prefix
 
 __all__ = ["IGNORE_INDEX", "RunResult", "StepOutcome", "train", "train_step"]
 
@@ -62,8 +63,9 @@ def train(cfg: Config) -> RunResult:
     env = detect_env()
     preflight(cfg, env.world_size)  # before any process group exists
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                     timeout_s=cfg.reliability.pg_timeout_s)
+                     timeout_s=cfg.reliability.pg_timeout_s, flight_records=flight_record_prefix(cfg))
     try:
+        cfg.run.out = cfg.run.out or shared_run_dir(cfg, mesh)  # under torchrun without a run id
         run = build(cfg, env, mesh)
         return finish(run, *loop(run))
     finally:
@@ -185,15 +187,14 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: f
                 last_save_s: float) -> dict:
     """The metrics record of one step (before any evaluation's own communication)."""
     run.tokens_seen += outcome.tokens
-    t = run.cfg.train
     peaks = [int(v) for v in outcome.verdict.per_rank["peak_mem"]]
     coords = [run.mesh.shape.coords(r) for r in range(run.mesh.size(WORLD))]
     data_ranks = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0]  # one per data rank
     return {
         "step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm, "tokens": outcome.tokens,
         "tokens_seen": run.tokens_seen, "step_time_s": elapsed, "tokens_per_s": outcome.tokens / elapsed,
-        "mfu": mfu(run.model_cfg.flops_per_token(run.cfg.data.seq_len), outcome.tokens / elapsed, t.peak_flops,
-                   run.env.world_size),
+        "mfu": None if run.peak_flops is None else mfu(run.model_cfg.flops_per_token(run.cfg.data.seq_len),
+                                                         outcome.tokens / elapsed, run.peak_flops, run.env.world_size),
         "comm_bytes": run.model.comm.bytes_by_axis(),
         "peak_mem_bytes": peaks[run.mesh.rank], "peak_mem_bytes_per_rank": [peaks[r] for r in data_ranks],
         "skipped_steps": run.model.scaler.skipped_steps, "skipped_nonfinite": run.guard.bad_total,

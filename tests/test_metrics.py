@@ -9,8 +9,13 @@ from paratrain.metrics import StepTimer
 
 
 class _FakeComm:
+    """The host-clock half of `Comm` (the CPU's): seconds blocked per axis."""
+
     def __init__(self):
         self.blocked_s = defaultdict(float)
+
+    def exposed_s(self):
+        return dict(self.blocked_s)
 
 
 def test_blocked_communication_moves_out_of_the_phase_it_happened_in():

@@ -89,7 +89,9 @@ def _train(case: Case, mesh):
         tokens = model.comm_sum(torch.tensor(float((y != -100).sum()), dtype=torch.float64)).item()
         model.comm.reset()
         loss_sum = model.train_step(micro_batches, tokens).loss_sum
-        sent.append(model.comm.summary().get("pp", {}).get("send", {}).get("bytes", 0))
+        summary = model.comm.summary()
+        sent.append((summary.get("pp", {}).get("send", {}).get("bytes", 0),
+                     summary.get("tp", {}).get("all_gather", {}).get("bytes", 0)))
         model.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -139,15 +141,19 @@ def test_pipeline_matches_one_process(name):
 
 
 @pytest.mark.parametrize("name", ["pp2_1f1b_m4", "pp4_gpipe_m8", "pp2_interleaved_v2_m4", "pp4_interleaved_v2_m8",
-                                  "pp4_zb-h1_m2", "pp2_tp2_sp_interleaved_m4"])
+                                  "pp4_zb-h1_m2", "pp2_tp2_sp_interleaved_m4", "pp2_dp2_tp2_1f1b_zero1"])
 def test_point_to_point_bytes_match_theory(name):
-    """Summed over one pipeline: 2·(v·p − 1)·m·b·s·h elements per step (activations and their grads)."""
+    """Summed over one pipeline: 2·(v·p − 1)·m·b·s·h elements per step (activations and their grads), each tp
+    rank sending 1/t of them and all-gathering what it receives over tp (Megatron's scatter/gather)."""
     case = CASES[name]
-    b, h, stages = BATCH // case.microbatches, EIGHT_LAYERS.dim, case.pp * case.virtual_stages
-    expected = 2 * (stages - 1) * case.microbatches * b * SEQ * h * (4 if case.fp32 else 8)
-    per_rank = [sent for _, _, sent in _results(case.world, name)][::case.tp]  # tp rank 0's pipeline
-    assert sum(sent[1] for sent in per_rank) == expected  # step 2: shapes were agreed at step 1
-    assert sum(sent[0] for sent in per_rank) == expected + 2 * (stages - 1) * 8 * 8  # + one 8-int header per boundary
+    b, h, stages = BATCH // (case.dp * case.microbatches), EIGHT_LAYERS.dim, case.pp * case.virtual_stages
+    boundary = 2 * (stages - 1) * case.microbatches * b * SEQ * h * (4 if case.fp32 else 8)
+    per_rank = [sent for i, (_, _, sent) in enumerate(_results(case.world, name)) if i % (case.dp * case.tp) == 0]
+    assert sum(sent[1][0] for sent in per_rank) == boundary // case.tp  # step 2: shapes were agreed at step 1
+    # + one 8-int header per boundary, at the first step: a gradient has its activation's shape
+    assert sum(sent[0][0] for sent in per_rank) == boundary // case.tp + (stages - 1) * 8 * 8
+    if case.tp > 1 and not case.sp:  # every tp all-gather is a received boundary tensor's: (t−1)/t of it
+        assert sum(sent[1][1] for sent in per_rank) == boundary * (case.tp - 1) // case.tp
 
 
 # -- splitting and errors (no processes) ----------------------------------------------------------

@@ -21,6 +21,7 @@ def small_config(out, **train_overrides) -> Config:
     cfg.data.seq_len = 32
     cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 6, 8, 8
     cfg.train.warmup_steps, cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 2, 3, 2, 16
+    cfg.train.peak_flops = 1e12  # a CPU has no peak in paratrain.hardware's table: MFU needs one given
     for key, value in train_overrides.items():
         setattr(cfg.train, key, value)
     cfg.run.out, cfg.run.progress = str(out), False

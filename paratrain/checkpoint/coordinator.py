@@ -79,27 +79,28 @@ class DistCoordinator:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    # Every tensor here is a CPU tensor named so: this group is gloo's, whatever the default device.
     def broadcast_object(self, obj: Any) -> Any:
         payload = _encode(obj) if self.rank == 0 else None
-        size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+        size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64, device="cpu")
         dist.broadcast(size, src=self._root, group=self.group)
         if payload is None:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
         dist.broadcast(payload, src=self._root, group=self.group)
         return _decode(payload)
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         payload = _encode(obj)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=self.group)
+        sizes = [torch.zeros(1, dtype=torch.int64, device="cpu") for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device="cpu"), group=self.group)
         longest = max(int(s.item()) for s in sizes)
         # gather needs equal sizes: pad every payload to the longest one.
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded = torch.zeros(longest, dtype=torch.uint8, device="cpu")
         padded[: payload.numel()] = payload
         if self.rank != 0:
             dist.gather(padded, None, dst=self._root, group=self.group)
             return None
-        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        received = [torch.empty(longest, dtype=torch.uint8, device="cpu") for _ in range(self.world_size)]
         dist.gather(padded, received, dst=self._root, group=self.group)
         return [_decode(r[: int(s.item())]) for r, s in zip(received, sizes)]
 

@@ -103,7 +103,7 @@ class CheckpointReader:
         """
         entry = self._entry(name)
         offset, shape = self._request(name, entry, offset, shape)
-        out = torch.empty(shape, dtype=torch_dtype(entry.dtype))
+        out = torch.empty(shape, dtype=torch_dtype(entry.dtype), device="cpu")  # read into host memory
         filled = 0
         for box in entry.boxes:
             common = intersect(box.offset, box.shape, offset, shape)
@@ -184,12 +184,15 @@ class CheckpointReader:
         try:
             handle = self._handles.get(box.file)
             if handle is None:
-                handle = self._handles[box.file] = safe_open(str(self.path / box.file), framework="pt")
+                handle = self._handles[box.file] = safe_open(str(self.path / box.file), framework="pt", device="cpu")
             stored = handle.get_slice(box.key)
             if tuple(stored.get_shape()) != box.shape:
                 raise CorruptCheckpointError(f"{self.path.name}: {box.file} holds {box.key!r} with shape "
                                              f"{stored.get_shape()}, but index.json says {list(box.shape)}")
-            return stored[slices(offset, shape, origin=box.offset)]
+            # safetensors builds the slice with torch's default device, which a caller may have set
+            # (to a GPU, say): a read lands in host memory, and the loader copies it where it goes.
+            with torch.device("cpu"):
+                return stored[slices(offset, shape, origin=box.offset)]
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own and Python's errors alike

@@ -90,6 +90,6 @@ def _decode_tensor(doc: dict) -> torch.Tensor:
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"a stored state tensor is malformed ({exc!r})") from None
     if not data:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     # bytearray: frombuffer needs a writable buffer to hand out a tensor without a warning.
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape).clone()

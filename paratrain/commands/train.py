@@ -26,7 +26,8 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         default = f.default
         choices = f.metadata.get("choices")
         allowed = f"; one of {', '.join(map(str, choices))}" if choices else ""
-        help_text = f"{f.metadata['help']}{allowed} (default: {default if default != '' else 'auto'})"
+        shown = "auto" if default in ("", None) else default
+        help_text = f"{f.metadata['help']}{allowed}" + ("" if "(default:" in f.metadata["help"] else f" (default: {shown})")
         kwargs = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=help_text)
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)

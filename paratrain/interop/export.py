@@ -181,7 +181,7 @@ def _open_weights(src: ExportSource) -> tuple[ModelConfig, int | None, dict[str,
     """(model config, step, parameter name → shape, read(name)) of a source, tensors checked against the config."""
     if src.kind is SourceKind.FINAL:
         model_cfg = _config_from_json(src.path / FINAL_CONFIG)
-        handle = safe_open(str(src.path / FINAL_WEIGHTS), framework="pt")
+        handle = safe_open(str(src.path / FINAL_WEIGHTS), framework="pt", device="cpu")
         stored = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
         step, read = None, handle.get_tensor
     else:

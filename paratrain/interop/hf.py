@@ -258,8 +258,9 @@ class HFWeights:
         file = self._stored[key][0]
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._handles[file] = safe_open(str(self.directory / file), framework="pt")
-        return handle.get_tensor(key)
+            handle = self._handles[file] = safe_open(str(self.directory / file), framework="pt", device="cpu")
+        with torch.device("cpu"):  # host memory, whatever default device the caller set
+            return handle.get_tensor(key)
 
     def _check_tensors(self) -> None:
         """Names and shapes of every stored tensor against the config (from the file headers only)."""
@@ -322,7 +323,7 @@ def _header_shapes(directory: Path, file: str, index: Path | None) -> dict[str, 
     if Path(file).name != file or not path.is_file():
         raise HFError(f"{index} lists {file!r}, which is not a file in {directory}")
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
             return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own errors for damaged files
         raise HFError(f"{path}: not a readable safetensors file ({exc})") from None

@@ -205,7 +205,7 @@ def init_parameter(name: str, shape, seed: int, *, std: float | None) -> torch.T
     so the value is the same in every process and whatever else is being initialized.
     """
     if std is None:
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)

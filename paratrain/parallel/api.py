@@ -151,7 +151,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
 
-    The module is moved to the mesh's device (a meta module is materialized there).
+    The module is moved to the mesh's device (`mesh.device`: this process's GPU under CUDA), a meta
+    module materialized there; under ZeRO-3 each rank's shards are allocated there directly.
     """
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     tensor = tensor or TensorParallel()
@@ -182,6 +183,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
             tp_info.handles += sequence_parallel_boundaries(split, comm, tp_info.axis)
     if data.zero < 3:
         _materialize(model, init, mesh.device)
+    else:  # the parameters become shards on the device one by one; the buffers move as they are
+        _move_buffers(model, mesh.device)
     # 3. Activation checkpointing next: ZeRO-3 gathers parameters in forward hooks, and
     #    recomputation must pass through those hooks to find whole parameters again.
     if activation_checkpointing:
@@ -200,7 +203,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         from paratrain.parallel.pipeline import PipelineRunner
 
         # Built last: a stage's shell shares the modules the steps above may have replaced.
-        runner = PipelineRunner(split, pipeline.schedule, mesh, comm)
+        runner = PipelineRunner(split, pipeline.schedule, mesh, comm, tp_axis=tp_info.axis if tp_info else None)
         runner.schedule(mesh.size("pp"))  # a schedule that cannot run fails now, not at step 1
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner)
     if optimizer is None:
@@ -232,12 +235,21 @@ def _default_init(model: nn.Module):
     return functools.partial(model.param_init, seed=0)
 
 
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta:
+                module._buffers[name] = buffer.to(device)
+
+
 @torch.no_grad()
-def _materialize(model: nn.Module, init, device) -> None:
-    """Give a meta model real storage on `device`, each parameter filled with `init(name, shape)`."""
+def _materialize(model: nn.Module, init, device: torch.device) -> None:
+    """Put the model on `device`: a materialized one is moved there (parameters and buffers); a meta one
+    gets storage there, each parameter filled with `init(name, shape)` (the values copied from the host)."""
     if not any(p.is_meta for p in model.parameters()):
+        model.to(device)
         return
-    model.to_empty(device=device or torch.get_default_device())
+    model.to_empty(device=device)
     for name, param in model.named_parameters():
         param.copy_(init(name, param.shape))
 

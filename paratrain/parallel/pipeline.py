@@ -3,21 +3,32 @@
 `paratrain.parallel.stages` splits the model; this module runs it. One step is m
 micro-batches. `PipelineRunner.run` (a `ParallelModel`'s `train_step` under
 pipeline parallelism) walks this rank's action list from
-`paratrain.parallel.schedules` (F, B and for zero-bubble W) and derives the point-to-point
-traffic from it exactly as the simulator does:
+`paratrain.parallel.schedules` (F, B and for zero-bubble W); the point-to-point
+traffic is the simulator's, group by group (`simulator.exchanges`):
 
 =========  ============================================  ===================================
-action     before                                        after
+action     receives (posted before it)                   sends (posted after it)
 =========  ============================================  ===================================
-F(mb, s)   s > 0: receive the activation [b, s, h]        s < S-1: send the output
-B(mb, s)   s < S-1: receive the output's gradient         s > 0: send the input's gradient
+F(mb, s)   s > 0: the activation [b, s, h]                s < S-1: the output
+B(mb, s)   s < S-1: the output's gradient                 s > 0: the input's gradient
 W(mb, s)   —                                             —
 =========  ============================================  ===================================
 
-Per step, summed over the ranks of one pipeline: 2·(S−1)·m·b·s·h elements
-(activations forward, their gradients backward). Sends are non-blocking and
-waited on at the end of the step; receives block. Shapes travel once per
-stage boundary and direction in a small header, then are fixed.
+The sends of one run of actions and the receives of the next travel as one group
+(`Comm.exchange`: one `batch_isend_irecv`, a group call under NCCL), which the
+rank waits for before the next run: an order the simulator proves free of
+deadlock even when every send blocks until its receive is posted, as NCCL's may.
+A receiver must know what it receives before it posts the receive: the first
+time an input shape is seen, one forward without gradients walks the stages in
+order and each boundary's shape and dtype travel as a small header along that
+chain (a gradient has its activation's); then the shapes are fixed.
+
+Under tensor parallelism every tp rank holds the same boundary tensor; each
+sends only its 1/t slice of it, and the receiving stage all-gathers the slices
+over tp (Megatron's scatter/gather): b·s·h/t elements per rank and boundary
+point to point, then an all-gather inside the tp group. Per step, summed over
+one pipeline's ranks: 2·(S−1)·m·b·s·h elements (activations forward, their
+gradients backward), divided by t.
 
 The loss lives on the last stage and is token-weighted over the global
 batch (each micro-batch's `loss_fn` token-loss sum divided by the step's global
@@ -38,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paratrain.parallel.schedules import Action, Kind, ScheduleName, build_schedule
-from paratrain.parallel.simulator import validate
+from paratrain.parallel.schedules import Action, Kind, Schedule, ScheduleName, build_schedule
+from paratrain.parallel.simulator import Message, exchanges, validate
 from paratrain.parallel.stages import PipelineError, StageSplit
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -62,27 +73,29 @@ class PipelineRunner:
 
     `run(micro_batches, normalizer, loss_fn, model)` is the forward and backward of one
     optimizer step (the model's `train_step` calls it); the model's engine, loss scaler and
-    device serve every stage.
+    device serve every stage. `tp_axis` names the tensor-parallel axis whose ranks share each
+    boundary tensor (None: no tensor parallelism): they send a slice each, the receivers gather.
     """
 
-    def __init__(self, split: StageSplit, schedule: str, mesh, comm):
+    def __init__(self, split: StageSplit, schedule: str, mesh, comm, tp_axis: str | None = None):
         self.split = split
         self.schedule_name = ScheduleName(schedule)
         self.comm = comm
         self.pp, self.pp_rank = mesh.size("pp"), mesh.coord("pp")
         self.device = mesh.device
+        self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
         self.shells = {s: split.shell(s) for s in split.stages}
         self.last_stage = split.num_stages - 1
-        self._schedules: dict[int, object] = {}
-        self._shapes: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = {}
-        self._pending: list = []
+        self._schedules: dict[int, Schedule] = {}
+        # (input shape, dtype) -> {sending stage: (shape, dtype) of the activation it sends}
+        self._shapes: dict[tuple, dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
 
     @staticmethod
     def error(message: str) -> PipelineError:
         return PipelineError(message)
 
     # -- training --------------------------------------------------------------------------------
-    def schedule(self, num_microbatches: int):
+    def schedule(self, num_microbatches: int) -> Schedule:
         """The (validated) schedule for `num_microbatches` micro-batches per step."""
         if num_microbatches not in self._schedules:
             schedule = build_schedule(self.schedule_name, self.pp, num_microbatches, len(self.split.stages))
@@ -106,30 +119,50 @@ class PipelineRunner:
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
         slots: dict[tuple[int, int], _Slot] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # a sum of m micro-batches' sums
-        for i, action in enumerate(actions):
+        shapes = self._boundary_shapes(batches[0][0])
+        for _, index, action, inbox, outbox in self._walk(schedule, shapes):
             # Data-parallel gradient communication runs in this rank's last backward of the step only.
-            with model.no_sync() if i != last_grad else contextlib.nullcontext():
+            with model.no_sync() if index != last_grad else contextlib.nullcontext():
                 if action.kind is Kind.F:
-                    loss_sum += self._forward(action, batches, normalizer, loss_fn, model, slots)
+                    loss_sum += self._forward(action, batches, normalizer, loss_fn, model, slots, inbox, outbox)
                 elif action.kind is Kind.B:
-                    self._backward(action, slots, input_only=schedule.split_backward)
+                    self._backward(action, slots, schedule.split_backward, inbox, outbox)
                 else:
                     self._weight_backward(action, slots)
-        self._finish_sends()
         nonfinite = ~torch.isfinite(loss_sum)  # before the sum over pp: this rank's own loss only
         self.comm.all_reduce(loss_sum, "pp")  # only the last stage contributed
         return StepResult(loss_sum, nonfinite)
 
-    def _forward(self, action: Action, batches, normalizer, loss_fn, model, slots) -> torch.Tensor:
+    def _walk(self, schedule: Schedule, shapes: dict):
+        """This rank's actions in order, the groups of transfers between them done on the way.
+
+        Yields (runs so far, action index, action, inbox, outbox): an action takes its received
+        tensors from `inbox` and leaves what it sends in `outbox`; before each run of actions the
+        sends of the run before and the receives of this one travel as one group.
+        """
+        groups = exchanges(schedule, self.pp_rank)
+        actions = schedule.actions[self.pp_rank]
+        inbox: dict[Message, torch.Tensor] = {}
+        outbox: dict[Message, torch.Tensor] = {}
+        index = 0
+        for run, length in enumerate(schedule.segments[self.pp_rank]):
+            inbox.update(self._exchange(*groups[run], outbox, shapes))
+            outbox = {}
+            for action in actions[index:index + length]:
+                yield run, index, action, inbox, outbox
+                index += 1
+        self._exchange(*groups[-1], outbox, shapes)
+
+    def _forward(self, action: Action, batches, normalizer, loss_fn, model, slots, inbox, outbox) -> torch.Tensor:
         mb, s = action.microbatch, action.stage
         inputs, labels = batches[mb]
-        x = inputs if s == 0 else self._receive("activation", s - 1).requires_grad_()
+        x = inputs if s == 0 else inbox.pop(("activation", mb, s - 1)).requires_grad_()
         out = self._stage_output(s, self.shells[s](x))
         if s == self.last_stage:
             token_loss = loss_fn(out, labels)
             slots[mb, s] = _Slot(x if s > 0 else None, model.scale_loss(token_loss / normalizer))
             return token_loss.detach()
-        self._send(out.detach(), "activation", s)
+        outbox["activation", mb, s] = out.detach()
         slots[mb, s] = _Slot(x if s > 0 else None, out)
         return torch.zeros((), device=out.device)
 
@@ -142,17 +175,17 @@ class PipelineRunner:
                             "but a stage boundary carries one tensor; make each layer of the nn.Sequential "
                             "return a single tensor (e.g. wrap a layer returning a tuple to keep its first element)")
 
-    def _backward(self, action: Action, slots, input_only: bool) -> None:
+    def _backward(self, action: Action, slots, input_only: bool, inbox, outbox) -> None:
         mb, s = action.microbatch, action.stage
         slot = slots[mb, s]
-        slot.grad = None if s == self.last_stage else self._receive("grad", s + 1)
+        slot.grad = None if s == self.last_stage else inbox.pop(("grad", mb, s + 1))
         if not input_only:
             torch.autograd.backward(slot.output, slot.grad)
             del slots[mb, s]
         elif slot.input is not None:
             torch.autograd.backward(slot.output, slot.grad, inputs=[slot.input], retain_graph=True)
         if slot.input is not None:
-            self._send(slot.input.grad, "grad", s)
+            outbox["grad", mb, s] = slot.input.grad
 
     def _weight_backward(self, action: Action, slots) -> None:
         slot = slots.pop((action.microbatch, action.stage))
@@ -160,50 +193,99 @@ class PipelineRunner:
         torch.autograd.backward(slot.output, slot.grad, inputs=params)
 
     # -- point to point ------------------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, direction: str, from_stage: int, header: bool = False) -> None:
-        """Send to the neighbour stage; the shape goes first, once per boundary (always with `header`)."""
-        tensor = tensor.contiguous()
-        to_stage = from_stage + 1 if direction == "activation" else from_stage - 1
-        peer, meta = to_stage % self.pp, (tuple(tensor.shape), tensor.dtype)
-        known = self._shapes.get((direction, from_stage))
-        if header or known is None:
-            description = _encode_header(*meta, tensor.device)
-            self._pending.append((self.comm.send(description, "pp", peer), description))
-            if not header:
-                self._shapes[direction, from_stage] = meta
-        elif known != meta:
-            raise PipelineError(f"stage {from_stage} sends {direction} of shape {meta[0]} ({meta[1]}) where earlier "
-                                f"steps sent {known[0]} ({known[1]}); keep the micro-batch shape fixed")
-        self._pending.append((self.comm.send(tensor, "pp", peer), tensor))
+    def _exchange(self, sends: list[tuple[int, Message]], receives: list[tuple[int, Message]],
+                  outbox: dict[Message, torch.Tensor], shapes: dict) -> dict[Message, torch.Tensor]:
+        """One group: send what `outbox` holds for `sends`, receive `receives`; the received tensors."""
+        out = [(outbox[message].contiguous(), peer, message) for peer, message in sends]
+        for tensor, _, message in out:
+            self._check_shape(message, tensor, shapes)
+        buffers = [self._buffer(shapes[_boundary_stage(message)]) for _, message in receives]
+        self.comm.exchange([(self._slice(t), peer) for t, peer, _ in out],
+                           [(b, peer) for b, (peer, _) in zip(buffers, receives)], "pp")
+        return {message: self._gather(buffer, shapes[_boundary_stage(message)])
+                for buffer, (_, message) in zip(buffers, receives)}
 
-    def _receive(self, direction: str, from_stage: int, header: bool = False) -> torch.Tensor:
-        peer = from_stage % self.pp
-        meta = None if header else self._shapes.get((direction, from_stage))
-        if meta is None:
-            description = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self.comm.wait([self.comm.recv(description, "pp", peer)], "pp")
-            meta = _decode_header(description)
-            if not header:
-                self._shapes[direction, from_stage] = meta
-        buffer = torch.empty(meta[0], dtype=meta[1], device=self.device)
-        self.comm.wait([self.comm.recv(buffer, "pp", peer)], "pp")
-        return buffer
+    def _check_shape(self, message: Message, tensor: torch.Tensor, shapes: dict) -> None:
+        known = shapes[_boundary_stage(message)]
+        if known != (tuple(tensor.shape), tensor.dtype):
+            direction, _, stage = message
+            raise PipelineError(f"stage {stage} sends {direction} of shape {tuple(tensor.shape)} ({tensor.dtype}) "
+                                f"where its first micro-batch sent {known[0]} ({known[1]}); keep the micro-batch "
+                                f"shape fixed within a step")
 
-    def _finish_sends(self) -> None:
-        self.comm.wait([work for work, _ in self._pending], "pp")
-        self._pending.clear()
+    @torch.no_grad()
+    def _boundary_shapes(self, inputs: torch.Tensor) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every boundary this rank sends or receives, for micro-batches like `inputs`.
+
+        The first time: one forward without gradients through this rank's stages, in stage order;
+        each boundary's shape and dtype travel from its sender to its receiver in a header, one
+        after the other along the chain of stages (an order free of deadlock whatever the sends do).
+        """
+        key = (tuple(inputs.shape), inputs.dtype)
+        if key in self._shapes:
+            return self._shapes[key]
+        shapes = {}
+        for s in self.split.stages:
+            if s == 0:
+                x = inputs.to(self.device)
+            else:
+                header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+                self.comm.exchange([], [(header, (s - 1) % self.pp)], "pp")
+                shapes[s - 1] = _decode_header(header)
+                shape, dtype = shapes[s - 1]
+                x = torch.zeros(shape, dtype=dtype, device=self.device)
+            if s < self.last_stage:
+                out = self._stage_output(s, self.shells[s](x))
+                shapes[s] = (tuple(out.shape), out.dtype)
+                self.comm.exchange([(_encode_header(*shapes[s], self.device), (s + 1) % self.pp)], [], "pp")
+        self._shapes[key] = shapes
+        return shapes
+
+    def _sliced(self, numel: int) -> bool:
+        return self.tp_axis is not None and numel % self.comm.mesh.size(self.tp_axis) == 0
+
+    def _slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This tp rank's 1/t of a boundary tensor that every tp rank holds (the whole tensor without tp)."""
+        if not self._sliced(tensor.numel()):
+            return tensor
+        mesh = self.comm.mesh
+        return tensor.view(-1).chunk(mesh.size(self.tp_axis))[mesh.coord(self.tp_axis)]
+
+    def _buffer(self, meta) -> torch.Tensor:
+        shape, dtype = meta
+        numel = torch.Size(shape).numel()
+        if self._sliced(numel):
+            numel //= self.comm.mesh.size(self.tp_axis)
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _gather(self, received: torch.Tensor, meta) -> torch.Tensor:
+        """The whole boundary tensor from this tp rank's received slice: an all-gather over tp."""
+        shape, dtype = meta
+        if received.shape == torch.Size(shape):
+            return received
+        whole = torch.empty(torch.Size(shape).numel(), dtype=dtype, device=self.device)
+        self.comm.all_gather(whole, received, self.tp_axis)
+        return whole.view(shape)
 
     # -- evaluation and generation -----------------------------------------------------------------
     @torch.no_grad()
     def forward_only(self, inputs: torch.Tensor):
-        """The model's output for `inputs` on the rank holding the last stage; None on the others."""
+        """The model's output for `inputs` on the rank holding the last stage; None on the others.
+
+        Its transfers follow a schedule of forwards alone (one micro-batch), with the boundary
+        shapes of `inputs` (an evaluation batch need not have the training batch's shape).
+        """
+        schedule = Schedule("forward", self.pp, 1, len(self.split.stages), False,
+                            tuple(tuple(Action(Kind.F, 0, s) for s in range(r, self.last_stage + 1, self.pp))
+                                  for r in range(self.pp)))
         out = None
-        for s in self.split.stages:
-            x = inputs if s == 0 else self._receive("activation", s - 1, header=True)
+        for _, _, action, inbox, outbox in self._walk(schedule, self._boundary_shapes(inputs)):
+            s = action.stage
+            x = inputs if s == 0 else inbox.pop(("activation", 0, s - 1))
             out = self._stage_output(s, self.shells[s](x))
             if s < self.last_stage:
-                self._send(out, "activation", s, header=True)
-        self._finish_sends()
+                outbox["activation", 0, s] = out
         return out if self.last_stage in self.split.stages else None
 
     @torch.no_grad()
@@ -240,6 +322,13 @@ class PipelineRunner:
             self.comm.broadcast(value, "pp", src=owner)
             out[name] = value
         return out
+
+
+def _boundary_stage(message: Message) -> int:
+    """The stage whose output crosses the boundary a message travels: an activation's sender, the
+    receiver of a gradient (a gradient has its activation's shape and dtype)."""
+    direction, _, stage = message
+    return stage if direction == "activation" else stage - 1
 
 
 def _encode_header(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

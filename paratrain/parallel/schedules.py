@@ -90,7 +90,15 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank action lists; `actions[rank]` is that rank's execution order."""
+    """Per-rank action lists; `actions[rank]` is that rank's execution order.
+
+    `segments[rank]` cuts that order into runs whose point-to-point transfers travel together: the
+    receives of a run's actions are posted with the sends of the run before it, as one group
+    (`paratrain.parallel.simulator.exchanges`). One action per run, except in interleaved 1F1B's
+    steady state, where a forward and the backward after it form one run (Megatron's
+    send-forward-backward-receive-forward-backward): one action at a time deadlocks there when
+    every send waits for its receive.
+    """
 
     name: str
     pp: int
@@ -98,6 +106,11 @@ class Schedule:
     virtual_stages: int
     split_backward: bool
     actions: tuple[tuple[Action, ...], ...]
+    segments: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        if not self.segments:  # one action per run
+            object.__setattr__(self, "segments", tuple((1,) * len(a) for a in self.actions))
 
     @property
     def num_stages(self) -> int:
@@ -141,8 +154,11 @@ def build_schedule(name: str | ScheduleName, pp: int, num_microbatches: int, vir
         raise ScheduleError(broken[0].message)
     name = ScheduleName(name)
     actions = tuple(tuple(_GENERATORS[name](pp, num_microbatches, virtual_stages, rank)) for rank in range(pp))
+    segments = ()
+    if name is ScheduleName.INTERLEAVED:
+        segments = tuple(_interleaved_segments(pp, num_microbatches, virtual_stages, rank) for rank in range(pp))
     return Schedule(name=name.value, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages,
-                    split_backward=name is ScheduleName.ZB_H1, actions=actions)
+                    split_backward=name is ScheduleName.ZB_H1, actions=actions, segments=segments)
 
 
 def schedule_violations(schedule: str | ScheduleName, pp: int, virtual_stages: int = 1,
@@ -225,6 +241,17 @@ def interleaved_order(pp: int, m: int, v: int) -> list[tuple[int, int]]:
     return order
 
 
+def _interleaved_warmup(pp: int, m: int, v: int, rank: int) -> int:
+    return min(2 * (pp - 1 - rank) + (v - 1) * pp, m * v)
+
+
+def _interleaved_segments(pp: int, m: int, v: int, rank: int) -> tuple[int, ...]:
+    """Warmup forwards one by one, each steady forward with the backward after it, cooldown backwards one by one."""
+    warmup = _interleaved_warmup(pp, m, v, rank)
+    steady = m * v - warmup
+    return (1,) * warmup + (2,) * steady + (1,) * (m * v - steady)
+
+
 def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
     """Interleaved 1F1B: rank r runs 2(p-1-r) + (v-1)·p warmup forwards (Megatron's count), at most m·v.
 
@@ -237,8 +264,7 @@ def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
     order = interleaved_order(pp, m, v)
     forwards = [Action(Kind.F, mb, chunk * pp + rank) for mb, chunk in order]
     backwards = [Action(Kind.B, mb, (v - 1 - chunk) * pp + rank) for mb, chunk in order]
-    warmup = min(2 * (pp - 1 - rank) + (v - 1) * pp, m * v)
-    return _warmup_steady_cooldown(forwards, backwards, warmup)
+    return _warmup_steady_cooldown(forwards, backwards, _interleaved_warmup(pp, m, v, rank))
 
 
 def _zero_bubble_h1(pp: int, m: int, v: int, rank: int) -> list[Action]:

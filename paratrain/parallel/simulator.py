@@ -3,8 +3,18 @@
 `validate` proves a schedule executable by the runtime: every action on a
 stage its rank holds, each (micro-batch, stage) forwarded and backwarded
 exactly once, point-to-point messages sent in the order they are received,
-and no deadlock. `simulate` times it under a cost model; `draw_timeline`
-plots the result.
+and no deadlock — neither when sends are buffered (gloo) nor when every send
+blocks until its receive is posted (NCCL may: a large send waits for its peer,
+and the sends and receives between two ranks share one stream). `simulate`
+times it under a cost model; `draw_timeline` plots the result.
+
+Point-to-point exchanges (`exchanges`). The runtime posts the sends an action
+produced together with the receives the next action needs, as one group
+(`batch_isend_irecv`), and waits for the whole group — Megatron's
+send-forward-receive-backward pairing, generalized to any action list. Under
+rendezvous semantics a group completes once each of its sends met its receive
+in the peer's group then posted and each of its receives met its send;
+`check_rendezvous` replays the groups of every rank under exactly that rule.
 
 Cost model. ``f``, ``b`` and ``w`` are the costs of one micro-batch through
 one rank's share of the model: ``f`` the forward, ``b`` the whole backward,
@@ -78,6 +88,7 @@ def validate(schedule: Schedule) -> None:
     check_structure(schedule)
     _execute(schedule, lambda action: 0.0, 0.0)
     check_p2p_order(schedule)
+    check_rendezvous(schedule)
 
 
 def check_structure(schedule: Schedule) -> None:
@@ -116,24 +127,87 @@ def _check_stage_order(schedule: Schedule, position: dict[Action, int], kinds: t
 Message = tuple[str, int, int]
 
 
+def action_transfers(schedule: Schedule, action: Action) -> tuple[list[tuple[int, Message]], list[tuple[int, Message]]]:
+    """(what `action` sends after it runs, what it receives before), as (peer rank, message) pairs."""
+    mb, stage, last = action.microbatch, action.stage, schedule.num_stages - 1
+    sends: list[tuple[int, Message]] = []
+    receives: list[tuple[int, Message]] = []
+    if action.kind is Kind.F:
+        if stage > 0:
+            receives.append((schedule.rank_of(stage - 1), ("activation", mb, stage - 1)))
+        if stage < last:
+            sends.append((schedule.rank_of(stage + 1), ("activation", mb, stage)))
+    elif action.kind is Kind.B:
+        if stage < last:
+            receives.append((schedule.rank_of(stage + 1), ("grad", mb, stage + 1)))
+        if stage > 0:
+            sends.append((schedule.rank_of(stage - 1), ("grad", mb, stage)))
+    return sends, receives
+
+
 def messages(schedule: Schedule, rank: int) -> tuple[list[tuple[int, Message]], list[tuple[int, Message]]]:
     """The (peer, message) sends and receives of `rank`, in the order the runtime issues them."""
     sends: list[tuple[int, Message]] = []
     receives: list[tuple[int, Message]] = []
-    last = schedule.num_stages - 1
-    for action in schedule.actions[rank]:
-        mb, stage = action.microbatch, action.stage
-        if action.kind is Kind.F:
-            if stage > 0:
-                receives.append((schedule.rank_of(stage - 1), ("activation", mb, stage - 1)))
-            if stage < last:
-                sends.append((schedule.rank_of(stage + 1), ("activation", mb, stage)))
-        elif action.kind is Kind.B:
-            if stage < last:
-                receives.append((schedule.rank_of(stage + 1), ("grad", mb, stage + 1)))
-            if stage > 0:
-                sends.append((schedule.rank_of(stage - 1), ("grad", mb, stage)))
+    for group_sends, group_receives in exchanges(schedule, rank):
+        sends += group_sends
+        receives += group_receives
     return sends, receives
+
+
+def exchanges(schedule: Schedule, rank: int) -> list[tuple[list[tuple[int, Message]], list[tuple[int, Message]]]]:
+    """The point-to-point groups of `rank`, one before each run of its actions (`Schedule.segments`) and one
+    after the last: the sends of the run before with the receives of the run after, issued together."""
+    groups, pending, start = [], [], 0
+    for length in schedule.segments[rank]:
+        run = schedule.actions[rank][start:start + length]
+        start += length
+        transfers = [action_transfers(schedule, action) for action in run]
+        groups.append((pending, [message for _, receives in transfers for message in receives]))
+        pending = [message for sends, _ in transfers for message in sends]
+    groups.append((pending, []))
+    return groups
+
+
+def check_rendezvous(schedule: Schedule) -> None:
+    """Raise ScheduleError if the runtime's groups (`exchanges`) can deadlock when every send blocks until
+    its receive is posted.
+
+    Each rank works through its groups in order; an operation completes when its partner sits in the
+    partner rank's current group (a send and its receive meet); a group is done when all of its
+    operations are, and the rank moves on. Stuck with some rank unfinished is a deadlock.
+    """
+    plans = [[(set(sends), set(receives)) for sends, receives in exchanges(schedule, r)]
+             for r in range(schedule.pp)]
+    at = [0] * schedule.pp
+    while True:
+        for r in range(schedule.pp):  # finished groups first: a rank waits in its next one
+            while at[r] < len(plans[r]) and not any(plans[r][at[r]]):
+                at[r] += 1
+        progressed = False
+        for r in range(schedule.pp):
+            if at[r] == len(plans[r]):
+                continue
+            sends, _ = plans[r][at[r]]
+            for peer, message in list(sends):
+                if at[peer] < len(plans[peer]) and (r, message) in plans[peer][at[peer]][1]:
+                    sends.discard((peer, message))
+                    plans[peer][at[peer]][1].discard((r, message))
+                    progressed = True
+        if all(a == len(p) for a, p in zip(at, plans)):
+            return
+        if not progressed:
+            raise ScheduleError(_rendezvous_deadlock(schedule, plans, at))
+
+
+def _rendezvous_deadlock(schedule: Schedule, plans, at) -> str:
+    r = next(r for r in range(schedule.pp) if at[r] < len(plans[r]))
+    sends, receives = plans[r][at[r]]
+    waiting = [f"send {_message([m], 0)} to rank {p}" for p, m in sorted(sends)]
+    waiting += [f"receive {_message([m], 0)} from rank {p}" for p, m in sorted(receives)]
+    return (f"{schedule.name} pp={schedule.pp} m={schedule.num_microbatches}: deadlock when sends wait for their "
+            f"receives: rank {r} waits to {' and '.join(waiting)}, which rank(s) "
+            f"{sorted({p for p, _ in sends | receives})} will post only after groups that wait on others")
 
 
 def check_p2p_order(schedule: Schedule) -> None:

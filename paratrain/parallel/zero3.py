@@ -118,7 +118,7 @@ class FullyShardedEngine:
         if grad_reduction not in ("mean", "sum"):
             raise ZeroConfigError(f"grad_reduction={grad_reduction!r} is invalid; use 'mean' or 'sum'")
         self.model, self.comm, self.precision, self.prefetch = model, comm, precision, prefetch
-        self.num_ranks, self.rank = mesh.size("dp"), mesh.coord("dp")
+        self.num_ranks, self.rank, self.device = mesh.size("dp"), mesh.coord("dp"), mesh.device
         self._divide_by = self.num_ranks if grad_reduction == "mean" else 1
         originals = dict(model.named_parameters())  # name -> parameter, each shared tensor once
         index_of = {id(p): i for i, p in enumerate(originals.values())}
@@ -147,13 +147,13 @@ class FullyShardedEngine:
 
     # -- construction ------------------------------------------------------
     def _device(self) -> torch.device:
-        return self._shards[0].device if self._shards else torch.device("cpu")
+        return self.device
 
     def _make_shard(self, name: str, param: nn.Parameter, init) -> nn.Parameter:
         """This rank's rows of one parameter as an fp32 leaf; a meta parameter's full value lives only here."""
         rows = row_shape(param.shape)
         lo, hi = row_range(rows[0], self.num_ranks, self.rank)
-        device = torch.get_default_device() if param.is_meta else param.device
+        device = self.device  # the mesh's, whatever device a materialized model was built on
         # The shard is allocated before the full value, so that the freed full value is the most
         # recent allocation and the next one reuses its memory (measured: peak RSS of a sharded
         # 200 MB model = shard + 8 MB, against shard + 58 MB the other way round).

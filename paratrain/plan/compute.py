@@ -199,6 +199,8 @@ def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Colle
                 else [Collective("all_reduce", size, t)])
     if sp and layout.pp > 1:  # a stage boundary carries the whole sequence: gathered forward, its grad backward
         out.append(Collective("all_gather", size, t, _boundary_sends(layout, stage)))
+    if layout.pp > 1:  # each boundary tensor received as t slices, all-gathered (as many as it sends)
+        out.append(Collective("all_gather", size, t, _boundary_sends(layout, stage)))
     return out
 
 
@@ -214,12 +216,13 @@ def pp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]
 
     Each of the rank's v chunks sends its output activation (b·s·h, the whole sequence also under
     SP: paratrain gathers it over tp at the boundary) forward unless it is the model's last
-    chunk, and its input gradient backward unless it is the first.
+    chunk, and its input gradient backward unless it is the first. Under tensor parallelism each
+    tp rank sends 1/t of it, and the receiving stage all-gathers it over tp (`tp_collectives`).
     """
     model, p = workload.model, layout.pp
     if model is None or p == 1:
         return []
-    size = float(layout.micro_batch * workload.seq_len * model.dim * workload.param_bytes)
+    size = float(layout.micro_batch * workload.seq_len * model.dim * workload.param_bytes) / layout.tp
     return [Collective("send", size, 2, _boundary_sends(layout, stage))]
 
 

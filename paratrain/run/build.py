@@ -26,6 +26,7 @@ from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
 from paratrain.faults import current_attempt
+from paratrain.hardware import device_peak_flops
 from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
@@ -56,6 +57,7 @@ class Run:
     resumed_step: int  # the loop starts after it
     tokens_seen: int
     accumulation: int  # micro-batches per data rank per step
+    peak_flops: float | None  # of one device, for MFU: --peak-flops, else the device's (paratrain.hardware)
 
     @property
     def device(self) -> torch.device:
@@ -65,7 +67,8 @@ class Run:
 def preflight(cfg: Config, world_size: int) -> None:
     """Every check that needs neither a process group nor the data: run before launching processes.
 
-    Also resolves the one default that every process must share: the run directory.
+    Also resolves the one default that every process must share, the run directory, when it can
+    without the others: one process, or a launcher that gave the job a run id (else `shared_run_dir`).
     """
     if not cfg.run.out:
         cfg.run.out = default_run_dir(cfg)
@@ -96,7 +99,7 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh) -> Run:
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
     run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
-              checkpoints, log, resumed, tokens_seen, accumulation)
+              checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device))
     if env.is_main:
         print(describe(run), flush=True)
     return run
@@ -155,13 +158,27 @@ def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
 # -- the run directory --------------------------------------------------------------------------------
 
 def default_run_dir(cfg: Config, environ=os.environ) -> str:
-    """A fresh run directory name, the same on every rank of one job."""
+    """A fresh run directory name, the same on every rank of one job; '' when only rank 0 can choose it.
+
+    Under torchrun with a run id (`--rdzv-id`, `--standalone`) the id names it; with none (plain
+    `torchrun --nproc-per-node N`) rank 0 names it once the process group exists (`shared_run_dir`).
+    """
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     if int(environ.get("WORLD_SIZE", "1")) > 1:
-        if run_id == "none":
-            raise ConfigError("--out is required when the launcher gives no run id (torchrun --rdzv-id)")
-        return f"runs/{cfg.model.name}-{run_id}"
+        return f"runs/{cfg.model.name}-{run_id}" if run_id != "none" else ""
     return f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def shared_run_dir(cfg: Config, mesh: Mesh) -> str:
+    """Rank 0's fresh run directory name, broadcast to every rank (collective)."""
+    name = f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}".encode() if mesh.rank == 0 else b""
+    size = torch.tensor([len(name)], dtype=torch.int64, device=mesh.device)
+    dist.broadcast(size, src=0)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8, device=mesh.device)
+    if mesh.rank == 0:
+        data.copy_(torch.frombuffer(bytearray(name), dtype=torch.uint8))
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().tolist()).decode()
 
 
 def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:

@@ -17,18 +17,30 @@ rank whose collective fails can read every rank's fingerprint and say:
 Files rather than the launcher's key-value store: they need no private
 torch API and survive the processes for a post-mortem. They need the run
 directory on a file system every rank sees, as checkpoints do.
+
+Under NCCL the host does not wait for a collective, so a rank's own file says
+what it issued, not where its GPU waits. There torch's flight recorder is the
+per-rank history (each collective's group, sequence number, sizes and state,
+dumped by the watchdog on a timeout to ``<attempt>/flight-rank-<r>``, see
+`paratrain.distributed.nccl_diagnostics`), and `describe_flight_records` reads
+the same one line from the dumps: which rank never issued the collective the
+others wait in. Each mesh group carries its axis's name, so the line names
+the axis; the gloo path keeps its own fingerprints.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 from pathlib import Path
 
 from paratrain.comm import CallRecord
 from paratrain.mesh import MeshShape
 from paratrain.errors import RunFailure
 
+FLIGHT_PREFIX = "flight-rank-"
 SLOT_BYTES = 192
 HISTORY = 64
 FAILED_PREFIX = "failed-rank-"
@@ -172,3 +184,81 @@ def _laggards(rings: dict[int, tuple[dict, list[dict]]]) -> str | None:
         parts.append(f"rank {r} never issued call #{newest} ({ahead['kind']} over {ahead['axis']} shape "
                      f"{ahead['shape']}): {was} and it is at step {header['step']}, hung or dead outside a collective")
     return "; ".join(parts)
+
+
+# -- NCCL: torch's flight recorder ---------------------------------------------------------------------
+
+def flight_record_prefix(cfg) -> str | None:
+    """Where this attempt's flight-recorder dumps go (+ rank): beside the fingerprints; None without --out yet."""
+    from paratrain.run.rundir import diagnostics_dir
+
+    return str(diagnostics_dir(Path(cfg.run.out)) / FLIGHT_PREFIX) if cfg.run.out else None
+
+
+class _PlainData(pickle.Unpickler):
+    """Unpickles plain data only (dicts, lists, strings, numbers): a dump that names any class or function
+    is refused, so reading one executes nothing."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a flight record names {module}.{name}; only plain data is read")
+
+
+def read_flight_record(path: Path) -> dict | None:
+    """One rank's flight-recorder dump (torch writes pickle on a timeout; `_dump_fr_trace_json` writes JSON)."""
+    try:
+        data = Path(path).read_bytes()
+        if data.lstrip()[:1] == b"{":
+            return json.loads(data)
+        return _PlainData(io.BytesIO(data)).load()
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError):
+        return None
+
+
+def write_flight_record(path: Path) -> None:
+    """This rank's flight record now, as JSON: torch's private `_dump_fr_trace_json`, behind this one function
+    (the flight recorder keeps entries only when TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE is set)."""
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    Path(path).write_bytes(_dump_fr_trace_json(True, False))
+
+
+def _collectives(dump: dict) -> dict[str, list[dict]]:
+    """Per process group (name): its collectives in this rank's dump, by sequence number."""
+    groups: dict[str, list[dict]] = {}
+    for entry in dump.get("entries", []):
+        if not entry.get("is_p2p"):
+            groups.setdefault(str(entry["process_group"][0]), []).append(entry)
+    return {name: sorted(entries, key=lambda e: e["collective_seq_id"]) for name, entries in groups.items()}
+
+
+def _flight_call(entry: dict) -> str:
+    kind = str(entry.get("profiling_name", "?")).split(":")[-1]
+    axis = entry["process_group"][1]
+    axis = "world" if axis == "default_pg" else axis
+    return f"#{entry['collective_seq_id']} {kind} over {axis} sizes {entry.get('input_sizes')}"
+
+
+def describe_flight_records(directory: Path, world_size: int) -> str:
+    """One line from every rank's flight-recorder dump in `directory`: who never reached the collective the
+    others wait in, else which collective did not complete; '' when there are no dumps to read."""
+    dumps = {r: read_flight_record(Path(directory) / f"{FLIGHT_PREFIX}{r}") for r in range(world_size)}
+    dumps = {r: d for r, d in dumps.items() if d is not None}
+    if not dumps:
+        return ""
+    per_rank = {r: _collectives(d) for r, d in dumps.items()}
+    for group in sorted({g for groups in per_rank.values() for g in groups}):
+        last = {r: groups[group][-1] for r, groups in per_rank.items() if group in groups}
+        newest = max(e["collective_seq_id"] for e in last.values())
+        behind = sorted(r for r, e in last.items() if e["collective_seq_id"] < newest)
+        if behind:
+            waiting = sorted(r for r, e in last.items() if e["collective_seq_id"] == newest)
+            r = behind[0]
+            return (f"rank {r} never issued collective {_flight_call(last[waiting[0]])} that rank(s) {waiting} "
+                    f"wait in; its last there was {_flight_call(last[r])}")
+    stuck = [(r, e) for r, groups in per_rank.items() for entries in groups.values() for e in entries
+             if e.get("state") in ("scheduled", "started") and not e.get("retired", False)]
+    if stuck:
+        r, entry = stuck[0]
+        return f"rank {r} is in collective {_flight_call(entry)}, {entry['state']}, not completed"
+    missing = sorted(set(range(world_size)) - set(dumps))
+    return "every dump shows the same collectives completed" + (f"; no dump from rank(s) {missing}" if missing else "")

@@ -35,7 +35,8 @@ SUPERSEDED_PREFIX = ".superseded-"
 # The sections that define what a run computes; a relaunch may change the others (layout, logging).
 IDENTITY_SECTIONS = ("model", "data", "train")
 # Options of those sections that change only what is measured or printed, not the trajectory.
-FREE_OPTIONS = {"eval_every", "eval_batches", "sample_tokens", "peak_flops"}
+# (The micro-batch too: the global batch is the invariant, the micro-batch only how a layout splits it.)
+FREE_OPTIONS = {"eval_every", "eval_batches", "sample_tokens", "peak_flops", "micro_batch"}
 
 
 @dataclass(frozen=True)

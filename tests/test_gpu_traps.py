@@ -1,0 +1,231 @@
+"""Traps for what only a GPU with NCCL would show, set on the CPU.
+
+Default device: with `torch.set_default_device("meta")` around the training steps while the model
+lives on the CPU, any tensor paratrain allocates without naming a device lands on meta and the first
+op that mixes it with a real tensor fails ("... is on device meta ..."), as a CPU tensor fed to an
+NCCL collective would on a GPU. The whole layout matrix runs under the trap: DDP, ZeRO-1/2/3, TP,
+TP+SP, every pipeline schedule, 2D, 3D, a checkpoint save and load, and steps of the trainer.
+
+Rendezvous sends: gloo buffers a send, NCCL may not return from one until its receive is posted.
+With `Comm(mesh, rendezvous=True)` every send waits for the receiver's acknowledgement: every
+schedule must train there to the losses of the normal mode, and a schedule whose transfers are
+grouped one action at a time (interleaved 1F1B, which then deadlocks under NCCL) must hang until the
+process group's timeout says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
+from paratrain.checkpoint import CheckpointReader, DistCoordinator, save_checkpoint
+from paratrain.comm import Comm
+from paratrain.parallel.schedules import ScheduleError, build_schedule
+from paratrain.parallel.simulator import check_rendezvous
+from paratrain.testing import RankFailure, run_on_ranks
+from paratrain.models import ModelConfig, Transformer
+from paratrain.run.model_state import load_model_shards, model_shards
+from paratrain.train import train_step
+from parallel_cases import adamw, batches, launch_once
+
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+MATRIX = {
+    **{f"dp2_zero{z}": Layout(dp=2, zero=z) for z in range(4)},
+    "tp2": Layout(tp=2),
+    "tp2_sp": Layout(tp=2, sp=True),
+    **{f"pp2_{s}": Layout(pp=2, schedule=s) for s in ("gpipe", "1f1b", "zb-h1")},
+    "pp2_interleaved_v2": Layout(pp=2, schedule="interleaved", virtual_stages=2),
+    "dp2_tp2_zero1": Layout(dp=2, tp=2, zero=1),
+    "dp2_tp2_sp_zero3": Layout(dp=2, tp=2, zero=3, sp=True),
+    "pp2_dp2_tp2_zero1": Layout(pp=2, dp=2, tp=2, zero=1),
+}
+
+
+RENDEZVOUS = {f"pp{pp}_{s}": Layout(pp=pp, schedule=s, virtual_stages=2 if s == "interleaved" else 1)
+              for pp in (2, 4) for s in ("gpipe", "1f1b", "interleaved", "zb-h1")}
+
+
+def _model(layout: Layout, mesh, comm: Comm | None = None):
+    with torch.device("meta"):
+        model = Transformer(MODEL)
+    return parallelize(
+        model, mesh, optimizer=adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum"),
+        tensor=TensorParallel(sequence_parallel=layout.sp), comm=comm,
+        pipeline=PipelineParallel(schedule=layout.schedule, virtual_stages=layout.virtual_stages))
+
+
+def _steps(layout: Layout, root: str | None):
+    """Two steps under the trap (and a checkpoint round trip for dp2 ZeRO-3); the losses."""
+    mesh = init_mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    model, optimizer = _model(layout, mesh)
+    rows = 8 // layout.dp
+    data = [(x[mesh.coord("dp") * rows:(mesh.coord("dp") + 1) * rows], y[mesh.coord("dp") * rows:][:rows])
+            for x, y in batches(vocab=64, steps=2, batch=8, seq=16)]
+    micro = rows // (2 * layout.pp) if layout.pp > 1 else rows
+    losses = []
+    with torch.device("meta"):  # the trap: an allocation without a device fails from here on
+        for step, (x, y) in enumerate(data, start=1):
+            pieces = [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)]
+            losses.append(train_step(model, optimizer, pieces, 1.0, step=step).loss)
+        if root is not None:
+            save_checkpoint(root, 2, model_shards(model, optimizer), coordinator=DistCoordinator())
+            load_model_shards(model, optimizer, CheckpointReader(f"{root}/step-00000002"))
+    return losses
+
+
+def _pipeline_losses(layout: Layout, rendezvous: bool, steps: int = 3) -> list[float]:
+    """`steps` steps of 2·pp micro-batches, sends buffered (gloo) or rendezvous (as NCCL's may be)."""
+    mesh = init_mesh(pp=layout.pp)
+    model, optimizer = _model(layout, mesh, Comm(mesh, rendezvous=rendezvous))
+    micro = 8 // (2 * layout.pp)
+    return [train_step(model, optimizer, [(x[i:i + micro], y[i:i + micro]) for i in range(0, 8, micro)], 1.0).loss
+            for x, y in batches(vocab=64, steps=steps, batch=8, seq=16)]
+
+
+def _matrix(rank, world, root):
+    out = {name: _steps(layout, f"{root}/{name}" if name == "dp2_zero3" else None)
+           for name, layout in MATRIX.items() if layout.world == world}
+    out.update({f"rendezvous_{name}": (_pipeline_losses(layout, False), _pipeline_losses(layout, True))
+                for name, layout in RENDEZVOUS.items() if layout.world == world})
+    return out
+
+
+_RESULTS: dict = {}
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_no_allocation_falls_back_to_the_default_device(name, tmp_path_factory):
+    world = MATRIX[name].world
+    root = str(tmp_path_factory.getbasetemp() / f"gpu-traps-{world}")
+    losses = launch_once(_RESULTS, world, _matrix, root, timeout=600)[0][name]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
+
+
+def _trainer_under_trap(rank, world, out):
+    import paratrain.train as trainer
+    from paratrain.config import Config
+
+    def trapped(*args, **kwargs):
+        with torch.device("meta"):
+            return step(*args, **kwargs)
+
+    step, trainer.train_step = trainer.train_step, trapped
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.dim, cfg.model.ffn_dim = 2, 32, 64
+    cfg.data.seq_len = 32
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 3, 4, 2
+    cfg.train.sample_tokens, cfg.train.eval_every = 0, 0
+    cfg.parallel.zero, cfg.checkpoint.every = 3, 2
+    cfg.run.out, cfg.run.progress = out, False
+    return trainer.train(cfg).final_loss
+
+
+def test_trainer_steps_under_the_trap(tmp_path):
+    losses = run_on_ranks(_trainer_under_trap, 2, str(tmp_path / "run"), timeout=240)
+    assert losses[0] == losses[1] and losses[0] == losses[0]
+
+
+@pytest.mark.parametrize("name", list(RENDEZVOUS))
+def test_every_schedule_trains_when_sends_wait_for_their_receives(name, tmp_path_factory):
+    world = RENDEZVOUS[name].world
+    root = str(tmp_path_factory.getbasetemp() / f"gpu-traps-{world}")
+    buffered, rendezvous = launch_once(_RESULTS, world, _matrix, root, timeout=600)[0][f"rendezvous_{name}"]
+    assert rendezvous == buffered and len(buffered) == 3
+
+
+def one_action_per_group(schedule):
+    """The schedule with its transfers grouped one action at a time (no forward-backward pairs)."""
+    return dataclasses.replace(schedule, segments=())
+
+
+def test_the_simulator_finds_the_deadlock_of_one_action_per_group():
+    schedule = build_schedule("interleaved", 2, 4, 2)
+    check_rendezvous(schedule)
+    with pytest.raises(ScheduleError, match="deadlock when sends wait for their receives: rank 0 waits to send"):
+        check_rendezvous(one_action_per_group(schedule))
+
+
+def _misordered(rank, world):
+    mesh = init_mesh(pp=2, dp=2, timeout_s=5)  # pp groups of their own, with a short timeout
+    layout = Layout(pp=2, schedule="interleaved", virtual_stages=2)
+    model, optimizer = _model(layout, mesh, Comm(mesh, rendezvous=True))
+    model.pipeline._schedules[4] = one_action_per_group(model.pipeline.schedule(4))  # skips the validation
+    x, y = batches(vocab=64, steps=1, batch=4, seq=16)[0]
+    train_step(model, optimizer, [(x[i:i + 1], y[i:i + 1]) for i in range(4)], 1.0)
+
+
+def test_a_misordered_schedule_hangs_until_the_timeout_says_so():
+    with pytest.raises(RankFailure, match="Timed out waiting 5000ms"):
+        run_on_ranks(_misordered, 4, timeout=120)
+
+
+# -- diagnosis from torch's flight recorder (NCCL's per-rank history), on a recorded dump -------------
+
+def _stuck_collective(rank, world, directory):
+    """Two all-reduces over dp on both ranks, then a third that rank 1 never issues; each rank's flight record."""
+    import time
+    from pathlib import Path
+
+    from paratrain.run.diagnose import FLIGHT_PREFIX, write_flight_record
+
+    mesh = init_mesh(dp=2, timeout_s=3)
+    comm = Comm(mesh)
+    for _ in range(2):
+        comm.all_reduce(torch.ones(4), "dp")
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="Timed out"):
+            comm.all_reduce(torch.ones(4), "dp")  # rank 1 never arrives: the group's timeout ends it
+    write_flight_record(Path(directory) / f"{FLIGHT_PREFIX}{rank}")
+    if rank == 1:
+        time.sleep(5)  # alive while rank 0 waits, as a rank stuck outside a collective is
+
+
+def test_the_flight_recorder_names_the_rank_and_the_collective(tmp_path):
+    from paratrain.run.diagnose import describe_flight_records
+
+    run_on_ranks(_stuck_collective, 2, str(tmp_path), timeout=60, env={"TORCH_FR_BUFFER_SIZE": "100"})
+    line = describe_flight_records(tmp_path, 2)
+    assert line == ("rank 1 never issued collective #3 all_reduce over dp sizes [[4]] that rank(s) [0] wait in; "
+                    "its last there was #2 all_reduce over dp sizes [[4]]"), line
+
+
+def test_a_pickled_flight_record_is_read_as_plain_data_only(tmp_path):
+    """NCCL's dump on timeout is a pickle: its plain data is read, anything that names code is refused."""
+    import json
+    import pickle
+
+    from paratrain.run.diagnose import read_flight_record
+
+    record = {"version": "2.10", "entries": [{"collective_seq_id": 1, "process_group": ["1", "tp"],
+                                              "profiling_name": "nccl:all_reduce", "input_sizes": [[8]],
+                                              "state": "started", "is_p2p": False}]}
+    (tmp_path / "plain").write_bytes(pickle.dumps(record))
+    (tmp_path / "json").write_text(json.dumps(record))
+    assert read_flight_record(tmp_path / "plain") == record == read_flight_record(tmp_path / "json")
+
+    class Exploit:
+        def __reduce__(self):
+            return (print, ("executed",))
+
+    (tmp_path / "evil").write_bytes(pickle.dumps({"entries": [Exploit()]}))
+    assert read_flight_record(tmp_path / "evil") is None
