@@ -66,12 +66,14 @@ RENDEZVOUS = {f"pp{pp}_{s}": Layout(pp=pp, schedule=s, virtual_stages=2 if s == 
 
 
 def _model(layout: Layout, mesh, comm: Comm | None = None):
+    """The reference model built on meta and parallelized with the default device set to meta as well: a
+    shard, bucket or buffer made on the default device instead of the mesh's stays meta and fails later."""
     with torch.device("meta"):
         model = Transformer(MODEL)
-    return parallelize(
-        model, mesh, optimizer=adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum"),
-        tensor=TensorParallel(sequence_parallel=layout.sp), comm=comm,
-        pipeline=PipelineParallel(schedule=layout.schedule, virtual_stages=layout.virtual_stages))
+        return parallelize(
+            model, mesh, optimizer=adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum"),
+            tensor=TensorParallel(sequence_parallel=layout.sp), comm=comm,
+            pipeline=PipelineParallel(schedule=layout.schedule, virtual_stages=layout.virtual_stages))
 
 
 def _steps(layout: Layout, root: str | None):
