@@ -116,10 +116,10 @@ class RunSection:
     nproc: int = option(1, "local processes to launch (through torch's elastic launcher)")
     max_restarts: int = option(0, "restarts of the whole process group after a failure (with --nproc)")
     nnodes: int = option(1, "nodes of the job, one `paratrain train --nproc N` each, meeting at --rdzv-endpoint")
-    rdzv_endpoint: str = option("", "host:port of the c10d rendezvous (default: a free port on 127.0.0.1; "
-                                    "required with --nnodes > 1, the same on every node)")
-    rdzv_id: str = option("", "job id shared by the nodes' launchers (default: a fresh one; required with "
-                              "--nnodes > 1)")
+    rdzv_endpoint: str = option("", "HOST:PORT of the c10d rendezvous, the same on every node (required with "
+                                    "--nnodes > 1; auto: a free port on 127.0.0.1)")
+    rdzv_id: str = option("", "job id shared by the nodes' launchers (required with --nnodes > 1; auto: a "
+                              "fresh one)")
     join_timeout_s: float = option(600.0, "seconds the launcher waits for every node to join the rendezvous",
                                    flag="--join-timeout")
     mem_budget: str = option("auto", "memory one process may use, which the planner's estimate for this layout "

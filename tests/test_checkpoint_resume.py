@@ -170,6 +170,14 @@ def test_disk_full_while_saving_fails_clearly_and_keeps_the_last_good_checkpoint
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000004"]
 
 
+def test_out_of_memory_in_a_step_ends_with_one_line_and_a_hint(tmp_path, capsys, monkeypatch):
+    code = train_cli(tmp_path / "run", env={FAULT_ENV: "oom@rank0:step2"}, monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("paratrain train: rank 0 ran out of memory at step 2 (injected fault: out of memory at "
+                          "rank 0, step 2); lower --micro-batch or --seq-len") and err.count("\n") == 1, err
+
+
 def test_a_crash_while_an_async_save_is_in_flight_abandons_it_and_resumes_from_the_previous(base_run, tmp_path,
                                                                                              monkeypatch, capsys):
     """The save of step 4 takes 2 s more (a slowed writer); step 5 raises while it is in flight."""

@@ -93,9 +93,10 @@ def describe(memory: MemoryBreakdown) -> str:
              ("optimizer state", memory.optimizer_state), ("activations", memory.activations),
              ("communication buffers", memory.comm_buffers)]
     detail = ", ".join(f"{name} {format_bytes(value)}" for name, value in parts)
-    return (f"{format_bytes(memory.total)} ({detail}; optimizer state = fp32 master "
-            f"{format_bytes(memory.master_weights)} + Adam moments {format_bytes(memory.adam_moments)}; "
-            f"pipeline stage {memory.stage})")
+    if memory.master_weights:  # mixed precision: the fp32 master copy is part of the optimizer state
+        detail += (f"; optimizer state = fp32 master {format_bytes(memory.master_weights)} + Adam moments "
+                   f"{format_bytes(memory.adam_moments)}")
+    return f"{format_bytes(memory.total)} ({detail}; pipeline stage {memory.stage})"
 
 
 def format_bytes(value: float) -> str:
