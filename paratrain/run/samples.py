@@ -15,8 +15,7 @@ from pathlib import Path
 
 from paratrain.data import DataSampler
 from paratrain.faults import current_attempt
-
-SAMPLES_DIR = "samples"
+from paratrain.run.rundir import SAMPLES_DIR
 
 
 def samples_path(out: Path, rank: int) -> Path:

@@ -69,10 +69,18 @@ class StepTimerServer(LocalTimerServer):
         scopes = self._expired.get(worker_id, [])
         action = (f"ending this process ({worker_id})" if self.in_process else
                   f"killing its process ({worker_id}); the launcher restarts the job if --max-restarts allows")
-        detail = f" [{self.explain(_rank_of(scopes[0]))}]" if self.explain and scopes else ""
         print(f"paratrain: {', '.join(scopes) or 'a rank'} made no progress for {self.timeout_s:g} s "
-              f"(--step-timeout): {action}{detail}", file=sys.stderr, flush=True)
+              f"(--step-timeout): {action}{self._detail(scopes)}", file=sys.stderr, flush=True)
         return super()._reap_worker(worker_id)
+
+    def _detail(self, scopes: list[str]) -> str:
+        if not (self.explain and scopes):
+            return ""
+        # A failed explanation must not spare the worker: torch counts a raising _reap_worker as reaped.
+        try:
+            return f" [{self.explain(_rank_of(scopes[0]))}]"
+        except Exception:  # noqa: BLE001
+            return ""
 
 
 class StepWatchdog:
