@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import tomllib
 import types
 import typing
@@ -23,6 +25,7 @@ from paratrain.parallel.schedules import SCHEDULES
 
 
 DEFAULT_GLOBAL_BATCH = 16
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class ConfigError(ParatrainError, ValueError):
@@ -118,6 +121,20 @@ class RunSection:
                                     "are deleted: a new run starts)")
     nproc: int = option(1, "local processes to launch (through torch's elastic launcher)")
     max_restarts: int = option(0, "restarts of the whole process group after a failure (with --nproc)")
+    nnodes: int = option(1, "nodes of the job, one `paratrain train --nproc N` each, meeting at --rdzv-endpoint")
+    rdzv_endpoint: str = option("", "HOST:PORT of the c10d rendezvous, the same on every node (required with "
+                                    "--nnodes > 1; auto: a free port on 127.0.0.1)")
+    rdzv_id: str = option("", "job id shared by the nodes' launchers (required with --nnodes > 1; auto: a "
+                              "fresh one)")
+    join_timeout_s: float = option(600.0, "seconds the launcher waits for every node to join the rendezvous",
+                                   flag="--join-timeout")
+    mem_budget: str = option("auto", "memory one process may use, which the planner's estimate for this layout "
+                                     "must fit: 'auto' (CUDA: the device's memory; CPU: this machine's memory "
+                                     "divided by the local processes) or a size such as 16GB or 512MiB")
+    mem_check: bool = option(True, "refuse to start when the planner's per-process memory estimate exceeds "
+                                   "--mem-budget (--no-mem-check starts anyway)")
+    log_samples: bool = option(False, "write the sample ids each rank reads at each step to "
+                                      "<out>/samples/rank-R.jsonl (to check the data order)")
     progress: bool = option(True, "show a progress bar on the console")
 
 
@@ -147,6 +164,10 @@ class ReliabilitySection:
     pg_timeout_s: float = option(600.0, "seconds a collective waits for its peers before the run fails with a "
                                         "diagnostic of which rank is where (process-group timeout)",
                                  flag="--pg-timeout")
+    step_timeout_s: float = option(0.0, "seconds one training step (with the checkpoint and evaluation after it) "
+                                        "may take before a watchdog kills the process, so that the launcher "
+                                        "restarts the job (a hang outside collectives; 0: off)",
+                                   flag="--step-timeout")
 
 
 @dataclass
@@ -170,7 +191,10 @@ class Config:
         """Build a config from nested dicts; unknown sections or keys are errors."""
         sections = {}
         for section in dataclasses.fields(cls):
-            values = dict(data.get(section.name, {}))
+            values = data.get(section.name, {})
+            if not isinstance(values, dict):  # e.g. `train = 3` in a TOML file
+                raise ConfigError(f"[{section.name}] must be a table of options, got {values!r}")
+            values = dict(values)
             sections[section.name] = _build_section(section.name, section.default_factory, values)
         unknown = sorted(set(data) - set(sections))
         if unknown:
@@ -206,12 +230,14 @@ def coerce(where: str, section_cls: type, f: dataclasses.Field, value: Any) -> A
             value = int(value) if not isinstance(value, float) or value.is_integer() else _bad()
         elif kind is float and not isinstance(value, bool):
             value = float(value)
-        elif kind is str:
+        elif kind is str and isinstance(value, str):  # a TOML list or number is not silently made a string
             value = str(value)
         else:
             _bad()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
+    if kind is float and not math.isfinite(value):  # nan passes every `<` check; no option means inf
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{where}: {value!r} is not one of {list(choices)}")
@@ -237,11 +263,19 @@ def load_toml(path: str | Path) -> dict:
     """Read a TOML config file into nested dicts (validated later by Config.from_dict)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--config: no such file {str(path)!r}")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"--config {str(path)!r} {what}; pass a TOML file")
     try:
-        return tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: invalid TOML ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    for name, value in data.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"--config {path}: {name} = {value!r} is not a table; options go in tables such "
+                              f"as [train]")
+    return data
 
 
 def iter_options():
@@ -270,6 +304,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"--eval-fraction must be in (0, 0.5), got {d.eval_fraction}")
     if t.peak_flops is not None and not t.peak_flops > 0:
         raise ConfigError(f"--peak-flops must be positive, got {t.peak_flops}")
+    if t.seed < 0:
+        raise ConfigError(f"--seed must not be negative, got {t.seed}")
     for name, value in [("--beta1", t.beta1), ("--beta2", t.beta2)]:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
@@ -280,6 +316,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if p.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
     _check_reliability(cfg)
+    _check_launch(cfg)
     dp = data_ranks(cfg, world_size)  # resolves the batch defaults for this many data ranks
     check_batch(t.global_batch, t.micro_batch, dp)
 
@@ -301,8 +338,29 @@ def _check_reliability(cfg: Config) -> None:
                           f"not --resume {c.resume}")
     if r.max_bad_steps < 1:
         raise ConfigError(f"--max-bad-steps must be at least 1, got {r.max_bad_steps}")
-    if not r.pg_timeout_s > 0:
-        raise ConfigError(f"--pg-timeout must be positive seconds, got {r.pg_timeout_s}")
+    _check_timeout("--pg-timeout", r.pg_timeout_s)
+    if r.step_timeout_s:
+        _check_timeout("--step-timeout", r.step_timeout_s, " (or 0: no watchdog)")
+
+
+def _check_timeout(flag: str, seconds: float, alternative: str = "") -> None:
+    # torch keeps a timeout as a C integer of milliseconds: a week is far below its limit and far above any wait.
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{flag} must be positive seconds up to {MAX_TIMEOUT_S:g} (a week){alternative}, "
+                          f"got {seconds}")
+
+
+def _check_launch(cfg: Config) -> None:
+    """The [run] rules of the launcher: nodes and rendezvous."""
+    r = cfg.run
+    if r.nnodes < 1:
+        raise ConfigError(f"--nnodes must be at least 1, got {r.nnodes}")
+    if r.nnodes > 1 and not (r.rdzv_endpoint and r.rdzv_id):
+        raise ConfigError(f"--nnodes {r.nnodes} needs --rdzv-endpoint HOST:PORT and --rdzv-id ID, the same on "
+                          f"every node")
+    if r.rdzv_endpoint and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", r.rdzv_endpoint):
+        raise ConfigError(f"--rdzv-endpoint {r.rdzv_endpoint!r} is not HOST:PORT")
+    _check_timeout("--join-timeout", r.join_timeout_s)
 
 
 def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:

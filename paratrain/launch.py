@@ -3,7 +3,11 @@
 ``paratrain train --nproc N`` calls :func:`launch_local`, which starts N
 worker processes with the same environment torchrun would give them, and a
 c10d rendezvous bound to the loopback interface. The c10d store is not
-authenticated: it must never listen on a public interface.
+authenticated: it must never listen on a public interface. With ``--nnodes M``
+each node's launcher meets the others at ``--rdzv-endpoint`` under
+``--rdzv-id``; a rendezvous that does not fill within ``--join-timeout`` ends
+with one line. With ``--step-timeout``, the launcher runs the timer server
+that kills a worker which made no progress (`paratrain.run.watchdog`).
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import sys
 import uuid
 from pathlib import Path
 
+import torch.multiprocessing
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paratrain.config import Config
 from paratrain.distributed import free_port
 from paratrain.errors import RunFailure
+from paratrain.run.watchdog import StepTimerServer, use_launcher_queue
 
 
 # Exit code of a run stopped by SIGTERM after its checkpoint (the shell's 128 + signal number).
@@ -42,72 +49,145 @@ class Preempted(RunFailure):
 
 
 @record
-def _worker(config: dict) -> None:
+def _worker(config: dict, timer_requests=None) -> None:
     """Entry point of each launched process (module level, so it can be spawned)."""
     from paratrain.train import train
 
+    if timer_requests is not None:
+        use_launcher_queue(timer_requests)
     if train(Config.from_dict(config)).preempted:
         sys.exit(PREEMPTED_EXIT)
 
 
 def launch_local(cfg: Config) -> None:
     """Run `train(cfg)` on cfg.run.nproc local processes; raise LaunchFailed on failure."""
+    launch = launch_config(cfg)
+    timer = _start_timer_server(cfg.reliability.step_timeout_s, lambda rank: _where_is(cfg, rank))
     try:
-        launch_processes(_worker, cfg.to_dict(), cfg.run.nproc, cfg.run.max_restarts)
+        _launch(launch, _worker, cfg.to_dict(), timer.requests if timer else None)
     except ChildFailedError as e:
         raise LaunchFailed(describe_failure(e, lambda rank: _fingerprint_report(cfg, rank))) from None
     except SignalException as e:  # the agent forwarded the signal to the workers and waited for them
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name}; {_newest_checkpoint(cfg)}") from None
+    except RendezvousError as e:
+        raise LaunchFailed(describe_rendezvous_failure(e, launch, cfg.run.nnodes)) from None
+    finally:
+        if timer:
+            timer.close()
 
 
 def launch_processes(entry, payload, nproc: int, max_restarts: int = 0) -> None:
-    """Run `entry(payload)` on `nproc` local processes through torch's elastic agent, as torchrun would.
+    """Run `entry(payload)` on `nproc` processes of this node through torch's elastic agent, as torchrun would.
 
     `entry` is a module-level function (it is spawned) and `payload` plain data. The agent's
     ChildFailedError and SignalException reach the caller.
     """
+    _launch(_node_config(nproc, max_restarts), entry, payload)
+
+
+def _launch(launch: LaunchConfig, entry, *args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # With the rendezvous store shared between agent and workers (torch's default), a restarted
     # worker can read its peer's address left by the previous attempt and connect to a dead
     # process (gloo "Connection refused", or a hang; pytorch/pytorch#135712). Unshared, each
     # attempt gets a fresh store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"join_timeout": 60},
-        max_restarts=max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-        local_addr="127.0.0.1",
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-    )
     # The agent logs each failure as a multi-line traceback of its own
     # internals; the one line from describe_failure says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    elastic_launch(launch, entry)(payload)
+    elastic_launch(launch, entry)(*args)
+
+
+def launch_config(cfg: Config) -> LaunchConfig:
+    """The elastic agent's configuration: this node's processes, the rendezvous of the job's nodes, restarts."""
+    r = cfg.run
+    return _node_config(r.nproc, r.max_restarts, r.nnodes, r.rdzv_id, r.rdzv_endpoint, r.join_timeout_s)
+
+
+def _node_config(nproc: int, max_restarts: int, nnodes: int = 1, rdzv_id: str | None = None,
+                 endpoint: str | None = None, join_timeout_s: float = 60) -> LaunchConfig:
+    return LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=rdzv_id or uuid.uuid4().hex[:8],
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"join_timeout": join_timeout_s},
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        # One node: everything on the loopback interface. Several: each node's own address.
+        local_addr="127.0.0.1" if nnodes == 1 else None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+
+
+def describe_rendezvous_failure(error: RendezvousError, launch: LaunchConfig, nnodes: int) -> str:
+    """One line for a rendezvous that failed: a timeout names the nodes it waited for and what to do."""
+    where = f"the rendezvous at {launch.rdzv_endpoint} (--rdzv-id {launch.run_id})"
+    if isinstance(error, RendezvousTimeoutError):
+        return (f"{where} timed out after {launch.rdzv_configs['join_timeout']:g} s (--join-timeout) before all "
+                f"{nnodes} node(s) (--nnodes) joined; start `paratrain train` with the same --nnodes, "
+                f"--rdzv-endpoint and --rdzv-id on every node, or lower --nnodes")
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{where} failed: {detail}"
+
+
+class _TimerServer:
+    """The launcher's timer server and the queue its workers send their countdowns over."""
+
+    def __init__(self, timeout_s: float, explain):
+        # A spawn-context queue: it travels to the spawned workers as an argument of their entry point.
+        self.requests = torch.multiprocessing.get_context("spawn").Queue()
+        self.server = StepTimerServer(self.requests, timeout_s, explain=explain)
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.requests.close()
+        self.requests.join_thread()
+
+
+def _start_timer_server(timeout_s: float, explain) -> _TimerServer | None:
+    return _TimerServer(timeout_s, explain) if timeout_s > 0 else None
 
 
 def _fingerprint_report(cfg: Config, rank: int) -> str:
-    """Where the collectives of `rank`'s stage diverged in the last attempt, by the fingerprints, or ''."""
+    """Where the collectives diverged in the last attempt: by the flight recorder's dumps (NCCL), else by the
+    fingerprints of `rank`'s stage; '' when neither says."""
+    from paratrain.run.diagnose import FLIGHT_PREFIX, describe_flight_records, divergence
     from paratrain.run.rundir import DIAGNOSTICS_DIR
-    from paratrain.run.diagnose import FLIGHT_PREFIX, describe_flight_records, divergence, ring_path
+
+    attempts = sorted((Path(cfg.run.out) / DIAGNOSTICS_DIR).glob("attempt-*"), key=lambda p: int(p.name[8:]))
+    if attempts and list(attempts[-1].glob(f"{FLIGHT_PREFIX}*")):
+        report = describe_flight_records(attempts[-1], cfg.run.nproc * cfg.run.nnodes)
+        return f"its flight records: {report}" if report else ""
+    found = _last_attempt(cfg, rank)
+    report = divergence(*found) if found else ""
+    return f"its fingerprints: {report}" if report else ""
+
+
+def _where_is(cfg: Config, rank: int) -> str:
+    """Where `rank` is in the current attempt and how its stage's collectives differ, by the fingerprints, or ''."""
+    from paratrain.run.diagnose import describe
+
+    found = _last_attempt(cfg, rank)
+    return describe(*found) if found else ""
+
+
+def _last_attempt(cfg: Config, rank: int):
+    """(diagnostics directory of the last attempt, rank, mesh shape) when `rank` left fingerprints there, else None."""
+    from paratrain.run.rundir import DIAGNOSTICS_DIR
+    from paratrain.run.diagnose import ring_path
     from paratrain.mesh import MeshShape
 
     attempts = sorted((Path(cfg.run.out) / DIAGNOSTICS_DIR).glob("attempt-*"), key=lambda p: int(p.name[8:]))
-    if attempts and list(attempts[-1].glob(f"{FLIGHT_PREFIX}*")):  # NCCL: the flight recorder's dumps
-        report = describe_flight_records(attempts[-1], cfg.run.nproc)
-        return f"its flight records: {report}" if report else ""
     if not attempts or not ring_path(attempts[-1], rank).exists():
-        return ""
+        return None
     p = cfg.parallel
-    shape = MeshShape.for_world(cfg.run.nproc, dp=p.dp or None, tp=p.tp, pp=p.pp)
-    report = divergence(attempts[-1], rank, shape)
-    return f"its fingerprints: {report}" if report else ""
+    shape = MeshShape.for_world(cfg.run.nproc * cfg.run.nnodes, dp=p.dp or None, tp=p.tp, pp=p.pp)
+    return attempts[-1], rank, shape
 
 
 def _newest_checkpoint(cfg: Config) -> str:

@@ -170,11 +170,28 @@ def test_disk_full_while_saving_fails_clearly_and_keeps_the_last_good_checkpoint
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000004"]
 
 
-def test_async_checkpoints_resume_bit_equal_after_a_crash(base_run, tmp_path, monkeypatch):
-    out = tmp_path / "run"
-    with pytest.raises(RuntimeError, match="injected fault: raise at rank 0, step 6"):
-        train_cli(out, "--checkpoint-async", env={FAULT_ENV: "raise@rank0:step6"}, monkeypatch=monkeypatch)
-    assert train_cli(out, "--checkpoint-async") == 0
+def test_out_of_memory_in_a_step_ends_with_one_line_and_a_hint(tmp_path, capsys, monkeypatch):
+    code = train_cli(tmp_path / "run", env={FAULT_ENV: "oom@rank0:step2"}, monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("paratrain train: rank 0 ran out of memory at step 2 (injected fault: out of memory at "
+                          "rank 0, step 2); lower --micro-batch or --seq-len") and err.count("\n") == 1, err
+
+
+def test_a_crash_while_an_async_save_is_in_flight_abandons_it_and_resumes_from_the_previous(base_run, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """The save of step 4 takes 2 s more (a slowed writer); step 5 raises while it is in flight."""
+    out, args = tmp_path / "run", ("--checkpoint-async", "--checkpoint-every", "2")
+    with pytest.raises(RuntimeError, match="injected fault: raise at rank 0, step 5"):
+        train_cli(out, *args, env={FAULT_ENV: "ckpt_slow_write@rank0:step4,raise@rank0:step5"},
+                  monkeypatch=monkeypatch)
+    assert ("step-00000004 was being saved when the run failed: abandoned before its commit; `latest` stays at "
+            "the newest committed checkpoint") in capsys.readouterr().out
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"], "no commit, no leftover"
+    assert (root / "latest").read_text().strip() == "step-00000002"
+    assert train_cli(out, *args) == 0
+    assert "checkpoints/step-00000002 at step 2" in capsys.readouterr().out
     assert loss_hex(out) == loss_hex(base_run)
     assert all(torch.equal(a, b) for a, b in zip(weights(out).values(), weights(base_run).values()))
 

@@ -6,12 +6,13 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
 
-from paratrain.cli import main
-from paratrain.config import iter_options
+from paratrain.cli import build_parser, config_from_args, main
+from paratrain.config import ConfigError, iter_options
 from paratrain.metrics import read_metrics
 from paratrain.models import MODEL_CONFIGS
 
@@ -58,8 +59,38 @@ def paratrain(*argv, timeout=120):
     (["--resume", "none", "--load-step", "4"], "--load-step picks a checkpoint of the run in --out"),
     (["--nan-policy", "ignore"], "--nan-policy: 'ignore' is not one of"),
     (["--pg-timeout", "0"], "--pg-timeout must be positive seconds"),
+    (["--pg-timeout", "1e300"], "--pg-timeout must be positive seconds up to 604800 (a week)"),
+    (["--lr", "nan"], "--lr: expected a finite number, got nan"),
+    (["--lr", "inf"], "--lr: expected a finite number, got inf"),
+    (["--micro-batch", "0"], "--micro-batch must be at least 1, got 0"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must not be negative, got -1"),
+    (["--tp", "-1"], "--tp must be at least 1, got -1"),
+    (["--nproc", "2.5"], "--nproc: expected int, got '2.5'"),
+    (["--nproc", "two"], "--nproc: expected int, got 'two'"),
+    (["--seed", "-1"], "--seed must not be negative, got -1"),
+    (["--out", "{tmp}/occupied"], "--out {tmp}/occupied is a file, not a directory"),
+    (["--out", "{tmp}/occupied/run"], "--out {tmp}/occupied/run: {tmp}/occupied is a file, so no directory"),
+    (["--out", "/sys/paratrain-run"], "--out /sys/paratrain-run: cannot write in /sys (Permission denied)"),
+    (["--config", "{tmp}/malformed.toml"], "--config {tmp}/malformed.toml: invalid TOML (Expected ']'"),
+    (["--config", "{tmp}/mistyped.toml"], "train.lr: expected float, got 'fast'"),
+    (["--config", "{tmp}/list.toml"], "data.path: expected str, got ['a.txt']"),
+    (["--config", "{tmp}/not-a-table.toml"], "train = 3 is not a table"),
+    (["--config", "{tmp}"], "is a directory, not a file; pass a TOML file"),
+    (["--data", "{tmp}/empty.txt"], "--data {tmp}/empty.txt is empty (1 file(s)): one training and one evaluation"),
+    (["--tokenizer", "{tmp}/tokenizer.json"], "tokenizer file '{tmp}/tokenizer.json' is not a valid tokenizer.json"),
+    (["--nproc", "2", "--micro-batch", "8", "--tokenizer", "{tmp}/tokenizer.json"], "is not a valid tokenizer.json"),
+    (["--mem-budget", "1kB"], "exceeds its budget of 1 kB (--mem-budget); choose a layout that fits"),
+    (["--mem-budget", "lots"], "--mem-budget 'lots' is not a memory size"),
+    (["--model", "llama2-70b", "--nproc", "64", "--global-batch", "64", "--micro-batch", "1"],
+     "the planner's memory estimate for one process, 1.12 TB (params 276 GB, grads 276 GB, optimizer state 552 GB"),
+    (["--step-timeout", "-1"], "--step-timeout must be positive seconds up to 604800 (a week) (or 0: no watchdog)"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT and --rdzv-id ID"),
+    (["--rdzv-endpoint", "somewhere"], "--rdzv-endpoint 'somewhere' is not HOST:PORT"),
+    (["--join-timeout", "0"], "--join-timeout must be positive seconds"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    bad_inputs(tmp_path)
+    argv, message = [a.format(tmp=tmp_path) for a in argv], message.format(tmp=tmp_path)
     code = exit_code(["train", "--out", str(tmp_path / "run"), *argv])
     err = capsys.readouterr().err
     assert code == 2
@@ -67,6 +98,35 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
     assert not (tmp_path / "run").exists(), "nothing may be written before validation passes"
+
+
+def bad_inputs(directory: Path) -> None:
+    """The files the bad-input table names: a file where a directory belongs, broken configs, corpus, tokenizer."""
+    (directory / "occupied").write_text("a file\n")
+    (directory / "malformed.toml").write_text("[train\nsteps = 3\n")
+    (directory / "mistyped.toml").write_text('[train]\nlr = "fast"\n')
+    (directory / "list.toml").write_text('[data]\npath = ["a.txt"]\n')
+    (directory / "not-a-table.toml").write_text("train = 3\n")
+    (directory / "empty.txt").write_text("")
+    (directory / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ')
+
+
+@pytest.mark.parametrize("flag", [flag for section, cls, f, flag in iter_options()
+                                  if typing.get_type_hints(cls)[f.name] in (float, float | None)])
+def test_every_real_valued_option_refuses_nan_and_inf(flag, capsys, tmp_path):
+    for value in ("nan", "inf", "-inf"):
+        assert exit_code(["train", "--out", str(tmp_path / "run"), f"{flag}={value}"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"paratrain train: error: {flag}: expected a finite number, got {float(value)}\n", err
+
+
+def test_no_mem_check_starts_a_run_over_its_memory_budget(tmp_path):
+    from paratrain.run.build import preflight
+
+    argv = ["train", "--mem-budget", "1kB", "--out", str(tmp_path / "run")]
+    with pytest.raises(ConfigError, match="exceeds its budget of 1 kB"):
+        preflight(config_from_args(build_parser().parse_args(argv)), 1)
+    preflight(config_from_args(build_parser().parse_args([*argv, "--no-mem-check"])), 1)
 
 
 def exit_code(argv) -> int:
@@ -77,11 +137,19 @@ def exit_code(argv) -> int:
         return e.code
 
 
-def test_bad_input_from_a_real_process_has_no_traceback():
+def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
     result = paratrain("train", "--model", "nope", timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == ("paratrain train: error: unknown model 'nope'; choose one of: "
                                      + ", ".join(MODEL_CONFIGS))
+    bad_inputs(tmp_path)  # found before the launcher starts a worker, which would fail on each attempt
+    result = paratrain("train", "--nproc", "2", "--micro-batch", "8", "--max-restarts", "2",
+                       "--data", str(tmp_path / "empty.txt"),
+                       "--out", str(tmp_path / "run"), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"paratrain train: error: --data {tmp_path / 'empty.txt'} is empty") \
+        and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_help_documents_every_option(capsys):

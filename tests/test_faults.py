@@ -5,12 +5,17 @@ writing its shard).
 """
 
 import errno
+import json
+import os
+import signal
+import time
 
 import pytest
 
 from paratrain.faults import (
     FAULT_ENV, RESTART_ENV, Fault, FaultSpecError, active_faults, fault_requested, maybe_fault, parse_faults,
 )
+from paratrain.run.watchdog import TIMER_FILE_ENV, StepWatchdog
 
 
 def test_parse_several_specs_with_attempts():
@@ -65,3 +70,25 @@ def test_the_environment_is_read_when_no_mapping_is_given(monkeypatch):
     assert fault_requested("nan", 0, 1)
     monkeypatch.setenv(RESTART_ENV, "1")
     assert not fault_requested("nan", 0, 1)
+
+
+def test_the_step_watchdog_arms_torchruns_file_timer_when_the_agent_runs_one(tmp_path, monkeypatch):
+    """Under torchrun with TORCHELASTIC_ENABLE_FILE_TIMER=1 the agent reads countdowns from a pipe."""
+    fifo = tmp_path / "watchdog_timer"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the agent's end, as its FileTimerServer opens it
+    monkeypatch.setenv(TIMER_FILE_ENV, str(fifo))
+    try:
+        watchdog = StepWatchdog(30.0, rank=1)
+        before = time.time()
+        watchdog.arm(3)
+        watchdog.arm(4)
+        watchdog.close()
+        requests = [json.loads(line) for line in os.read(reader, 1 << 16).decode().splitlines()]
+    finally:
+        os.close(reader)
+    assert [(r["scope_id"], r["pid"], r["signal"]) for r in requests] == [
+        ("rank 1 at step 3", os.getpid(), signal.SIGKILL), ("rank 1 at step 3", os.getpid(), 0),
+        ("rank 1 at step 4", os.getpid(), signal.SIGKILL), ("rank 1 at step 4", os.getpid(), 0)]
+    armed, released = requests[2]["expiration_time"], requests[3]["expiration_time"]
+    assert before + 30 <= armed <= time.time() + 30 and released < 0  # a release is a negative expiration

@@ -18,8 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from paratrain.checkpoint import verify_checkpoint
+from paratrain.distributed import free_port
 from paratrain.faults import FAULT_ENV
 from paratrain.metrics import read_metrics
+from paratrain.run.samples import read_samples
 
 TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "64",
         "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--sample-tokens", "0",
@@ -162,3 +165,131 @@ def test_a_kill_while_purging_old_checkpoints_keeps_the_newest_and_resumes_bit_e
     assert_bit_equal(out, reference)
     steps = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert steps == ["step-00000010", "step-00000012"]  # retention went on after the restart
+
+
+# -- rows 4, 13, 16 and 24 of the fault plan ---------------------------------------------------------
+
+def test_a_kill_while_an_async_save_is_in_flight_leaves_latest_and_retention_alone(reference, tmp_path):
+    """Rank 0's shard of step 8 takes 2 s longer to write; rank 0 is killed in step 9, that save still in flight."""
+    out, args = tmp_path / "run", ("--checkpoint-async", "--checkpoint-every", "2", "--keep-latest", "2")
+    result = launch(out, *args, fault="ckpt_slow_write@rank0:step8,sigkill@rank0:step9")
+    assert result.returncode == 1, result.stderr
+    assert summary(result).startswith("paratrain train: rank 0 was killed by SIGKILL"), result.stderr
+    root = out / "checkpoints"
+    assert list(root.glob(".tmp-step-00000008-*")), "the save of step 8 was in flight when its process died"
+    # Committed, step 8 would be `latest` and retention would have purged step 4.
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000006"]
+    assert (root / "latest").read_text().strip() == "step-00000006"
+    verify_checkpoint(root / "step-00000006")
+    result = launch(out, *args)
+    assert result.returncode == 0, result.stderr
+    assert "incomplete checkpoint, no commit marker; quarantined" in result.stderr
+    assert "checkpoints/step-00000006 at step 6" in result.stdout
+    assert_bit_equal(out, reference)
+
+
+def small_corpus(directory: Path) -> Path:
+    """481 bytes of text: with the byte tokenizer, 14 training sequences of 32 tokens (+ 33 held-out tokens).
+
+    12 steps of 4 sequences read stream positions 0..47: epochs end at 14 (inside step 4), 28 (the
+    end of step 7) and 42 (inside step 11).
+    """
+    path = directory / "corpus.txt"
+    path.write_text(("the quick brown fox jumps over the lazy dog; " * 11)[:481])
+    return path
+
+
+def global_batches(out: Path) -> tuple[list[list[int]], list[int]]:
+    """(each step's global batch of sample ids, rank 0's before rank 1's; the launch attempt that read each step)."""
+    ranks = [read_samples(out, rank) for rank in (0, 1)]
+    assert [[r["step"] for r in records] for records in ranks] == [list(range(1, STEPS + 1))] * 2
+    assert [r["attempt"] for r in ranks[0]] == [r["attempt"] for r in ranks[1]]
+    return [a["sample_ids"] + b["sample_ids"] for a, b in zip(*ranks)], [r["attempt"] for r in ranks[0]]
+
+
+def test_killed_and_resumed_runs_read_exactly_the_samples_of_an_uninterrupted_run(tmp_path):
+    """Four kills in one launch (steps 3, 6, 9 mid-epoch, 11 across an epoch boundary), resumed each time."""
+    args = ("--data", str(small_corpus(tmp_path)), "--checkpoint-every", "2", "--log-samples")
+    reference_out, out = tmp_path / "reference", tmp_path / "run"
+    reference = launch(reference_out, *args)
+    assert reference.returncode == 0, reference.stderr
+    assert "14 training sequences" in reference.stdout
+    kills = "sigkill@rank1:step3,sigkill@rank0:step6:attempt1,sigkill@rank1:step9:attempt2,sigkill@rank0:step11:attempt3"
+    result = launch(out, *args, "--max-restarts", "4", fault=kills)
+    assert result.returncode == 0, result.stderr
+    for step in (2, 4, 8, 10):
+        assert f"checkpoints/step-{step:08d} at step {step}" in result.stdout
+    batches, attempts = global_batches(out)
+    expected, _ = global_batches(reference_out)
+    assert attempts == [0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 4, 4], "each step read by the attempt that resumed before it"
+    assert batches == expected
+    stream = [i for batch in batches for i in batch]
+    for start in range(0, len(stream), 14):  # every epoch of 14 samples: each one once, none skipped
+        epoch = stream[start:start + 14]
+        assert len(set(epoch)) == len(epoch), f"a sample read twice in epoch {start // 14}"
+        if len(epoch) == 14:
+            assert sorted(epoch) == list(range(14)), f"a sample skipped in epoch {start // 14}"
+    assert_bit_equal(out, reference_out)
+
+
+def test_a_rank_hung_outside_collectives_is_killed_by_the_step_watchdog_and_the_job_resumes(reference, tmp_path):
+    """hang_data: rank 0 sleeps before its step's first collective; --step-timeout ends it long before --pg-timeout."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    result = launch(out, "--step-timeout", "4", "--pg-timeout", "120", "--max-restarts", "1",
+                    fault="hang_data@rank0:step5")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"paratrain: rank 0 at step 5 made no progress for 4 s \(--step-timeout\): killing its "
+                     r"process \(\d+\); the launcher restarts the job if --max-restarts allows \[.*rank 0 never "
+                     r"issued call #\d+ .* hung or dead outside a collective\]", result.stderr), result.stderr
+    assert "checkpoints/step-00000004 at step 4" in result.stdout
+    assert elapsed < 60, f"{elapsed:.1f} s: the watchdog, not the 120 s process-group timeout, ended the hang"
+    assert_bit_equal(out, reference)
+
+
+def test_without_a_launcher_the_step_watchdog_ends_the_hung_process_itself(tmp_path):
+    """One process, no launcher: the timer server is a thread of the process, which it kills."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "paratrain", "train", *TINY, "--steps", "6", "--step-timeout", "2",
+                             "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=60,
+                            env=environment("hang_data@rank0:step3"))
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert re.fullmatch(r"paratrain: rank 0 at step 3 made no progress for 2 s \(--step-timeout\): ending this "
+                        r"process \(\d+\)", result.stderr.strip()), result.stderr
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
+    assert time.monotonic() - start < 30
+
+
+def test_out_of_memory_on_one_rank_ends_every_rank_promptly_with_a_hint(tmp_path):
+    """A MemoryError on rank 1 mid-step, rank 0 waiting for it in the step's agreement (a 120 s timeout)."""
+    start = time.monotonic()
+    result = launch(tmp_path / "run", "--pg-timeout", "120", fault="oom@rank1:step4")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    line = summary(result)
+    assert line.startswith("paratrain train: rank 1 exited with code 1: OutOfMemory: rank 1 ran out of memory at "
+                           "step 4 (injected fault: out of memory at rank 1, step 4); lower --micro-batch"), line
+    assert line.endswith("`paratrain plan` estimates each layout's memory"), line
+    # Rank 0 left its collective at once (gloo saw rank 1's connections close) or on the launcher's
+    # SIGTERM, seeing rank 1's failure mark: either way without waiting for the timeout.
+    assert (tmp_path / "run" / "diagnostics" / "attempt-0" / "failed-rank-1").exists()
+    assert elapsed < 60, f"{elapsed:.1f} s: no rank waited for the 120 s process-group timeout"
+
+
+def test_a_rendezvous_that_never_fills_ends_with_one_line(tmp_path):
+    """--nnodes 2 and a single launcher: the c10d rendezvous gives up after --join-timeout."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "paratrain", "train", *TINY, "--steps", "2", "--nproc", "1",
+                             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "lonely",
+                             "--join-timeout", "3", "--out", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=60, env=environment(""))
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"paratrain train: the rendezvous at {endpoint} (--rdzv-id lonely) timed out after 3 s (--join-timeout) "
+        f"before all 2 node(s) (--nnodes) joined; start `paratrain train` with the same --nnodes, --rdzv-endpoint "
+        f"and --rdzv-id on every node, or lower --nnodes"), result.stderr
+    assert elapsed < 30, f"{elapsed:.1f} s: the join timeout, not torch's default 600 s"
+    assert not (tmp_path / "run").exists(), "no worker ever started"

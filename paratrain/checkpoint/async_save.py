@@ -12,6 +12,8 @@ The background thread runs the same protocol as `save_checkpoint`, so
 `latest` and retention move only once its commit is complete, and a crash
 while it runs leaves the previous checkpoints as they were. An error of the
 background save is raised by the next `save`, `wait` or `close` call.
+`abandon` (the caller failed) stops a save in flight before it commits, as a
+crash would.
 
 The ranks coordinate over a process group created for the checkpointer
 alone: collectives of a background thread on the training group would
@@ -45,6 +47,8 @@ class AsyncCheckpointer:
                  on_event: EventHook = None):
         check_save_options(0, keep_latest)
         self.on_event = on_event
+        self._abandoned = threading.Event()
+        self._gave_up = False  # the background thread failed its save because of `abandon`
         self.root = Path(root)
         self.keep_latest = keep_latest
         self._owns_group = coordinator is None and dist.is_initialized()
@@ -52,6 +56,7 @@ class AsyncCheckpointer:
             coordinator = dedicated_coordinator(group) if dist.is_initialized() else LocalCoordinator()
         self.coordinator = coordinator
         self._thread: threading.Thread | None = None
+        self._step: int | None = None  # of the last save started
         self._error: BaseException | None = None
         self._last: Path | None = None
 
@@ -70,6 +75,7 @@ class AsyncCheckpointer:
         self.wait()
         check_save_options(step, self.keep_latest)
         payload = prepare_payload(self.coordinator.rank, shards, rank_state, shared_state, copy=True)
+        self._step = step
         self._thread = threading.Thread(target=self._run, args=(step, payload, overwrite),
                                         name=f"paratrain-checkpoint-{step}", daemon=True)
         self._thread.start()
@@ -77,9 +83,35 @@ class AsyncCheckpointer:
     def _run(self, step: int, payload: RankPayload, overwrite: bool) -> None:
         try:
             self._last = run_save(self.root, step, payload, self.coordinator, self.keep_latest, overwrite,
-                                  self.on_event)
+                                  self._event)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by wait()
             self._error = exc
+
+    def _event(self, name: str, step: int) -> None:
+        # The two points where a failure makes every rank give the save up cleanly: this rank's
+        # shard file (its fragment reports the error) and rank 0's commit (it removes the
+        # temporary directory and tells every rank).
+        if self._abandoned.is_set() and name in ("writing_data", "committing"):
+            self._gave_up = True
+            raise CheckpointError(f"abandoned at {name.replace('_', ' ')}: the training loop failed")
+        if self.on_event is not None:
+            self.on_event(name, step)
+
+    def abandon(self) -> int | None:
+        """The caller failed: a save in flight is not to be committed; `latest` and retention stay where they are.
+
+        The background thread fails the save at its next point (a shard file's data, the commit),
+        as a crash there would; this rank waits for that only without peers (a peer may be gone,
+        and the thread with it). With peers, rank 0 decides: a save whose commit had begun may
+        still complete, whole. Returns the step of a save abandoned here (known only without peers), else None.
+        """
+        self._abandoned.set()
+        alone = self.coordinator.world_size == 1
+        if self._thread is not None and alone:
+            self._thread.join()
+        abandoned = alone and self._gave_up and self._error is not None
+        self._thread = self._error = None
+        return self._step if abandoned else None
 
     def wait(self) -> Path | None:
         """Block until no save is in flight; return the last committed directory, or raise the background error."""

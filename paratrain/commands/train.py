@@ -52,8 +52,9 @@ def run(args) -> int:
     from paratrain.train import train
 
     cfg = config_from_args(args)
-    if cfg.run.nproc > 1 and not detect_env().distributed:
-        preflight(cfg, world_size=cfg.run.nproc)  # before any process starts: no restart is burned on bad input
+    if (cfg.run.nproc > 1 or cfg.run.nnodes > 1) and not detect_env().distributed:
+        # Before any process starts: no restart is burned on bad input.
+        preflight(cfg, world_size=cfg.run.nproc * cfg.run.nnodes)
         launch_local(cfg)  # each worker calls train(cfg)
         return 0
     return PREEMPTED_EXIT if train(cfg).preempted else 0

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import Config, ConfigError, check_batch, data_ranks, validate
-from paratrain.data import DataSampler, build_dataset, resolve_text_files
+from paratrain.data import DataSampler, build_dataset
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
@@ -33,6 +33,9 @@ from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.run.guard import StepGuard
+from paratrain.run.inputs import check_paths
+from paratrain.run.memory_budget import check_memory_budget
+from paratrain.run.samples import SampleRecorder
 from paratrain.run.rundir import apply_claim, claim_run_dir, diagnostics_dir
 
 
@@ -50,7 +53,7 @@ class Run:
     model_cfg: ModelConfig
     model: object  # ParallelModel
     optimizer: torch.optim.Optimizer
-    sampler: DataSampler
+    sampler: DataSampler  # or a SampleRecorder around it (--log-samples)
     guard: StepGuard
     checkpoints: TrainingCheckpoints
     log: MetricsLog | None  # rank 0 only
@@ -65,7 +68,7 @@ class Run:
 
 
 def preflight(cfg: Config, world_size: int) -> None:
-    """Every check that needs neither a process group nor the data: run before launching processes.
+    """Every check that needs neither a process group nor the tokenized data: run before launching processes.
 
     Also resolves the one default that every process must share, the run directory, when it can
     without the others: one process, or a launcher that gave the job a run id (else `shared_run_dir`).
@@ -74,13 +77,13 @@ def preflight(cfg: Config, world_size: int) -> None:
         cfg.run.out = default_run_dir(cfg)
     try:
         validate(cfg, world_size)
-        data_ranks(cfg, world_size, resolve_model_config(cfg, tokenizer_vocab=0))
+        model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
+        dp = data_ranks(cfg, world_size, model_cfg)
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
-    path = cfg.data.path
-    if path != "default" and not is_prepared_dir(path):
-        resolve_text_files(path)
+    check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
+    check_memory_budget(cfg, model_cfg, dp)  # the planner's estimate against the memory of one process
 
 
 def build(cfg: Config, env: DistEnv, mesh: Mesh) -> Run:
@@ -97,6 +100,8 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh) -> Run:
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
                                       extra_state={"model_config": dataclasses.asdict(model_cfg)})
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
+    if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
+        sampler = SampleRecorder(sampler, out, env.rank, resumed)
     log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
     run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
               checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device))

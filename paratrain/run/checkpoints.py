@@ -205,10 +205,16 @@ class TrainingCheckpoints:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # After an error with peers, a save in flight may wait on a rank that is gone: leave it
-        # to die with the process (its temporary directory is quarantined at the next start).
-        if exc_type is None or self.mesh.shape.world_size == 1:
+        if exc_type is None:
             self.close()
+        elif self.saver is not None:
+            # The loop failed: a save in flight is given up as a crash would leave it (never
+            # waited for: it may wait on a rank that is gone; a leftover temporary directory is
+            # quarantined at the next start).
+            step = self.saver.abandon()
+            if step is not None:
+                self.log(f"paratrain: {step_dirname(step)} was being saved when the run failed: abandoned before "
+                         f"its commit; `latest` stays at the newest committed checkpoint")
 
     def layout(self) -> dict:
         m, p, t = self.mesh, self.cfg.parallel, self.cfg.train

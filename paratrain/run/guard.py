@@ -27,6 +27,13 @@ holds no hook: the trainer hands it each verdict.
   compared across their replicas; a difference stops the run with "replicas diverged at step N".
 * A collective that fails or times out becomes a `CollectiveFailure` whose one line says which
   rank was where (`paratrain.run.diagnose`).
+* Out of memory (MemoryError, torch.OutOfMemoryError) becomes an `OutOfMemory` saying where and
+  what to change. The peers learn it without waiting for the process-group timeout: this rank's
+  process exits (gloo's connections close, and the peers' collectives fail at once), the
+  launcher stops the other workers, and a peer in its SIGTERM grace period sees this rank's
+  failure mark and exits at once.
+* Step timeout (``--step-timeout``): each step arms a countdown that a timer server outside the
+  process enforces (`paratrain.run.watchdog`), for a rank stuck outside collectives.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.config import ReliabilitySection
 from paratrain.run.diagnose import CollectiveFailure, FingerprintRing, any_failed, describe, mark_failed
+from paratrain.run.watchdog import StepWatchdog
 from paratrain.errors import RunFailure
 
 # torchrun waits 30 s (--shutdown-timeout) between SIGTERM and SIGKILL: finish the step and save before.
@@ -53,6 +61,15 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class TrainingAborted(RunFailure):
     """The run stopped itself (non-finite steps, diverged replicas); the one-line message says why."""
+
+
+class OutOfMemory(RunFailure):
+    """A rank ran out of memory during a step; the message says where and what to change."""
+
+
+OOM_ERRORS = (MemoryError, torch.OutOfMemoryError)
+OOM_HINT = ("lower --micro-batch or --seq-len, add --activation-checkpointing 1, shard more (--zero 3, --tp, --pp), "
+            "or use bf16; `paratrain plan` estimates each layout's memory")
 
 
 class StepGuard:
@@ -72,12 +89,14 @@ class StepGuard:
         self.ring = FingerprintRing(self.diagnostics, rank)
         self.comm.listeners.append(self.ring)
         self._previous_sigterm = None
+        self.watchdog = StepWatchdog(cfg.step_timeout_s, rank)
 
     # -- the loop's calls ----------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
         self.ring.set_step(step)
         self._skipped = ()
+        self.watchdog.arm(step)  # this step, with its checkpoint and evaluation, has --step-timeout seconds
 
     def judge(self, verdict) -> None:
         """Take the step's verdict (the model's agreement): count a non-finite step, note a stop request."""
@@ -133,6 +152,13 @@ class StepGuard:
         except KeyboardInterrupt:
             mark_failed(self.diagnostics, self.rank)
             raise
+        except OOM_ERRORS as exc:
+            mark_failed(self.diagnostics, self.rank)  # read by the peers' SIGTERM watchdogs
+            cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            error = OutOfMemory(f"rank {self.rank} ran out of memory at step {self.step} ({cause}); {OOM_HINT}")
+            if self.world > 1:
+                print(f"paratrain: {error}", file=sys.stderr, flush=True)
+            raise error from exc
         except Exception as exc:
             mark_failed(self.diagnostics, self.rank)
             if self.world == 1 or not _from_a_collective(exc):
@@ -145,6 +171,7 @@ class StepGuard:
     def close(self) -> None:
         """Remove the fingerprint listener and the SIGTERM handler; stop the watchdog."""
         self._closed.set()
+        self.watchdog.close()
         if self.ring in self.comm.listeners:
             self.comm.listeners.remove(self.ring)
         self.ring.close()

@@ -5,6 +5,7 @@
     <out>/metrics.jsonl     one record per step; cut back to the resumed step on resume
     <out>/checkpoints/      sharded checkpoints (paratrain.checkpoint)
     <out>/diagnostics/      per attempt, each rank's collective fingerprints (paratrain.run.diagnose)
+    <out>/samples/          with --log-samples, each rank's sample ids per step (paratrain.run.samples)
 
 A launch into an --out that already holds a run continues it only when that
 is surely the same run: a restart by the launcher, or a relaunch with the
@@ -31,6 +32,7 @@ RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 DIAGNOSTICS_DIR = "diagnostics"
+SAMPLES_DIR = "samples"
 SUPERSEDED_PREFIX = ".superseded-"
 # The sections that define what a run computes; a relaunch may change the others (layout, logging).
 IDENTITY_SECTIONS = ("model", "data", "train")
@@ -65,7 +67,7 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
         return RunClaim(out, fresh=True, wipe=(DIAGNOSTICS_DIR,))
     if cfg.run.overwrite:
         _refuse_overwriting_the_resume_source(cfg, out)
-        return RunClaim(out, fresh=True, wipe=(METRICS_FILE, RUN_FILE, CHECKPOINT_DIR, DIAGNOSTICS_DIR))
+        return RunClaim(out, fresh=True, wipe=(METRICS_FILE, RUN_FILE, CHECKPOINT_DIR, DIAGNOSTICS_DIR, SAMPLES_DIR))
     resume = cfg.checkpoint.resume
     if resume == "none":
         raise ConfigError(f"--out {out} already holds a run; choose another --out, pass --overwrite, or "

@@ -1,0 +1,82 @@
+"""What the path options name, checked before any process starts and before anything is written.
+
+A bad path must end with one line (exit 2) in the command that was typed, not in every
+launched process after the run directory was claimed (or, under --max-restarts, once per
+attempt). Each option is checked for what the run will do with it:
+
+* ``--out``: a directory, or nothing yet, below a directory this process can write in;
+* ``--data``: files that exist and can be read, holding at least the tokens that one training
+  and one evaluation sequence need;
+* ``--tokenizer`` (or the tokenizer of ``--init-from``): a tokenizer file that loads.
+
+``--config``, ``--resume`` and ``--init-from`` are checked where they are read
+(`paratrain.config.load_toml`, `check_resume_option`, `imported_model_config`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from paratrain.config import Config, ConfigError
+from paratrain.data.corpus import resolve_text_files
+from paratrain.data.prepare import is_prepared_dir
+from paratrain.data.tokenizer import load_tokenizer
+
+
+def check_paths(cfg: Config, tokenizer_spec: str) -> None:
+    """Raise ConfigError (or the data pipeline's DataError) for a path option the run cannot use."""
+    check_out_dir(cfg.run.out)
+    check_corpus(cfg.data.path, cfg.data.seq_len)
+    check_tokenizer(tokenizer_spec)
+
+
+def check_out_dir(out: str) -> None:
+    """--out must be a directory or not exist yet, and the directory that will hold it must be writable."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory; choose another --out")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, so no directory can be made below it; "
+                          f"choose another --out")
+    _probe_writable(existing, out)
+
+
+def _probe_writable(directory: Path, out: str) -> None:
+    # os.access answers for root as if every directory were writable; a file created and
+    # removed answers for read-only mounts, quotas and root alike, and leaves nothing behind.
+    try:
+        fd, name = tempfile.mkstemp(prefix=".paratrain-probe-", dir=directory)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write in {directory} ({exc.strerror}); choose a writable "
+                          f"--out") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def check_corpus(data: str, seq_len: int) -> None:
+    """The corpus files of --data exist, can be read, and can hold one training and one evaluation sequence."""
+    if data == "default" or is_prepared_dir(data):  # the standard library; a prepared corpus checked its tokens
+        return
+    files = resolve_text_files(data)
+    unreadable = [f for f in files if not os.access(f, os.R_OK)]
+    if unreadable:
+        raise ConfigError(f"--data {data}: cannot read {unreadable[0]} (permission denied)")
+    size = sum(f.stat().st_size for f in files)
+    # At most 3 tokens per byte (an undecodable byte becomes U+FFFD, 3 bytes of UTF-8), plus the
+    # end-of-document token after each file: a bound no tokenizer exceeds.
+    most, need = 3 * size + len(files), 2 * (seq_len + 1)
+    if most < need:
+        what = "is empty" if size == 0 else f"holds {size} bytes"
+        raise ConfigError(f"--data {data} {what} ({len(files)} file(s)): one training and one evaluation sequence "
+                          f"of --seq-len {seq_len} need {need} tokens; add text or lower --seq-len")
+
+
+def check_tokenizer(spec: str) -> None:
+    """A tokenizer given as a file or directory must load (a corrupt tokenizer.json is refused here)."""
+    if spec in ("auto", "byte") or re.fullmatch(r"bpe:\d+", spec):
+        return
+    load_tokenizer(spec)  # DataError naming the file and what is wrong with it
