@@ -226,19 +226,24 @@ def optimizer_tensors(opt) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards one by one before the root (paratrain's default ZeRO-3 units alike)."""
+    return list(model.layers.values()) if hasattr(model, "layers") else list(model.children())
+
+
 def setup_pytorch(model, spec: Spec, world: int, args) -> Runner:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     ddp_allreduce = 2 * grad_bytes * (world - 1) / world  # every gradient, once per step, in fp32
     if spec.torch_kind in ("ddp", "zero_opt"):
         # gradient_as_bucket_view: gradients live in DDP's buckets, not in a second copy beside them.
-        wrapped = DDP(model, gradient_as_bucket_view=True)
+        wrapped = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
         counter = DistCounter(extra_per_step=ddp_allreduce)
         opt = (ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
                                        weight_decay=args.weight_decay) if spec.torch_kind == "zero_opt"
                else adamw_factory(args)(wrapped.parameters()))
     else:
         mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers.values():
+        for block in blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=spec.reshard)
         wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard)
         opt, counter = adamw_factory(args)(wrapped.parameters()), DistCounter()

@@ -1,26 +1,14 @@
-"""Per-step measurements: throughput, model FLOPs utilisation, peak memory, time breakdown, the JSONL log."""
+"""Per-step measurements: throughput, model FLOPs utilisation, time breakdown, the JSONL log (peak memory: paratrain.peak_memory)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
-import resource
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: allocator peak on CUDA, resident-set peak on the CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    # ru_maxrss is in KiB on Linux and in bytes on macOS.
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float, num_devices: int) -> float:

@@ -15,19 +15,21 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from tqdm import tqdm
 
+from paratrain.checkpoint.files import write_safetensors
 from paratrain.config import Config
 from paratrain.distributed import detect_env, shutdown
 from paratrain.faults import fault_requested, maybe_fault
 from paratrain.mesh import WORLD, init_mesh
-from paratrain.metrics import StepTimer, mfu, peak_memory_bytes, perplexity, unigram_entropy
+from paratrain.metrics import StepTimer, mfu, perplexity, unigram_entropy
 from paratrain.models import ModelConfig, generate
 from paratrain.parallel.model import IGNORE_INDEX, ParallelModel, Verdict
+from paratrain.peak_memory import ProcessPeak
 from paratrain.run.build import Run, build, preflight, shared_run_dir
 from paratrain.run.diagnose import flight_record_prefix
 
@@ -45,6 +47,7 @@ class RunResult:
     unigram_entropy: float
     sample: str
     preempted: bool = False  # stopped by SIGTERM after saving a checkpoint; relaunch to continue
+    peak_mem_bytes: int = 0  # this process's peak over the whole run (CUDA: allocated; CPU: resident set)
 
 
 @dataclass
@@ -90,7 +93,7 @@ def loop(run: Run) -> tuple[float, float, float]:
                 maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
                 batches = next_batches(run)
             outcome = train_step(model, run.optimizer, batches, t.grad_clip, step=step, timer=timer,
-                                 stop=guard.stop_requested, peak=peak_memory_bytes(run.device))
+                                 stop=guard.stop_requested, peak=run.memory)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
@@ -128,7 +131,7 @@ def next_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, step: int = 0, timer: StepTimer | None = None,
-               stop: bool = False, peak: int = 0, loss_fn=None) -> StepOutcome:
+               stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, every stage in the order it runs.
 
     The loss is the mean over every target token of the global batch: each micro-batch
@@ -136,8 +139,9 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     ranks, and the engine sums gradients over the data ranks, so accumulation and data
     parallelism give exactly the gradient of one process holding the whole batch, whatever the
     number of padded tokens in each micro-batch. Only the last micro-batch communicates.
-    `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's peak
-    memory so far, reported per rank; `loss_fn(output, labels)`: a token-loss sum (default: the
+    `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's
+    memory meter, read and restarted at the agreement (so a step's peak covers the previous optimizer
+    step and this forward and backward; on CUDA reserved bytes beside it), reported per rank; `loss_fn(output, labels)`: a token-loss sum (default: the
     model's cross-entropy). The fault hooks of `paratrain.faults` sit here, in the open.
     """
     timer = timer or StepTimer(model.comm)
@@ -157,7 +161,10 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
         if fault_requested("desync_shape", rank, step):  # a larger collective than the peers' agreement below
             model.comm.all_reduce(torch.zeros(64, model.mesh.size(WORLD), dtype=torch.float64, device=model.device),
                                   WORLD)
-        verdict = model.agree(result, stop=stop, counts={"tokens": local_tokens, "peak_mem": peak})
+        memory = peak.take() if peak is not None else None
+        verdict = model.agree(result, stop=stop, counts={
+            "tokens": local_tokens, "peak_mem": memory.peak_bytes if memory else 0,
+            "reserved_mem": (memory.reserved_bytes or 0) if memory else 0})
         grad_norm = math.nan
         if not verdict.skip:
             grad_norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf).item()
@@ -188,6 +195,7 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: f
     """The metrics record of one step (before any evaluation's own communication)."""
     run.tokens_seen += outcome.tokens
     peaks = [int(v) for v in outcome.verdict.per_rank["peak_mem"]]
+    reserved = int(outcome.verdict.per_rank["reserved_mem"][run.mesh.rank])
     coords = [run.mesh.shape.coords(r) for r in range(run.mesh.size(WORLD))]
     data_ranks = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0]  # one per data rank
     return {
@@ -197,6 +205,7 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: f
                                                          outcome.tokens / elapsed, run.peak_flops, run.env.world_size),
         "comm_bytes": run.model.comm.bytes_by_axis(),
         "peak_mem_bytes": peaks[run.mesh.rank], "peak_mem_bytes_per_rank": [peaks[r] for r in data_ranks],
+        "reserved_mem_bytes": reserved or None,  # CUDA's caching allocator; none on the CPU
         "skipped_steps": run.model.scaler.skipped_steps, "skipped_nonfinite": run.guard.bad_total,
         # The save that followed the previous step: a record is written before its own save.
         "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s},
@@ -230,17 +239,20 @@ def finish(run: Run, first_loss: float, loss: float, eval_loss: float) -> RunRes
         if run.log:
             run.log.close()
         return RunResult(run.out, first_loss, loss, eval_loss, entropy, "", preempted=True)
-    weights = run.model.full_state_dict()  # collective under ZeRO-3: every rank takes part
+    # Both collective, both on the sharded model: the sample's forward gathers what it uses as training
+    # does, and the weights travel one tensor at a time to rank 0's file.
     prompt, sample = sample_text(run.model, run.tokenizer, run.eval_set, run.cfg.train.sample_tokens,
                                  run.cfg.train.seed, run.device)
+    save_final(run.out, run.model_cfg, run.tokenizer, run.model.full_shapes(), run.model.full_parameters(),
+               write=run.env.is_main)
+    run.memory.take()
     if run.env.is_main:
         run.log.close()
-        save_final(run.out, weights, run.model_cfg, run.tokenizer)
         if sample:
             print(f"--- prompt (held-out text) ---\n{prompt}\n--- the model's continuation ---\n{sample}\n---")
         print(f"train loss {first_loss:.3f} -> {loss:.3f}, eval loss {eval_loss:.3f} "
               f"(unigram entropy of the data: {entropy:.3f})\nrun written to {run.out}", flush=True)
-    return RunResult(run.out, first_loss, loss, eval_loss, entropy, sample)
+    return RunResult(run.out, first_loss, loss, eval_loss, entropy, sample, peak_mem_bytes=run.memory.highest)
 
 
 def build_model(model_cfg: ModelConfig, device: torch.device, seed: int):
@@ -270,19 +282,32 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, cfg: Config) 
     return lr
 
 
-def save_final(out: Path, weights: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer) -> Path:
-    """Weights (safetensors), model config and tokenizer, written to a temporary name then renamed."""
+def save_final(out: Path, model_cfg: ModelConfig, tokenizer, shapes: dict[str, tuple[int, ...]],
+               weights: Iterable[tuple[str, torch.Tensor]], write: bool = True) -> Path:
+    """Weights (safetensors, fp32), model config and tokenizer under out/final, written to a temporary name
+    then renamed.
+
+    `weights` yields (name, whole tensor) in `shapes` order, one at a time (`ParallelModel.full_parameters`,
+    collective): each is written and dropped, so the whole model is never in memory. A rank with
+    `write=False` takes part in the iteration and writes nothing.
+    """
     final, tmp = out / "final", out / "final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     # A tied table is stored once, as tok_embeddings.weight.
-    tensors = {name: w.detach().to("cpu", torch.float32).contiguous() for name, w in weights.items()
-               if not (model_cfg.tie_embeddings and name == "output.weight")}
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "paratrain"})
-    (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
-    tokenizer.save(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    keep = [name for name in shapes if not (model_cfg.tie_embeddings and name == "output.weight")]
+    stream = ((name, w.detach().to("cpu")) for name, w in weights if name in keep)
+    try:
+        if write:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write_safetensors(tmp / "model.safetensors", [(name, torch.float32, shapes[name]) for name in keep],
+                              stream, metadata={"format": "paratrain"})
+            (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2) + "\n")
+            tokenizer.save(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+    finally:
+        for _ in stream:  # the other ranks' collectives go on to the end whatever happened here
+            pass
     return final
 
 

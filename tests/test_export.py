@@ -35,7 +35,7 @@ def weights_of(model: Transformer) -> dict[str, torch.Tensor]:
 def make_final(run, cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """A run directory with only final/ (as `train` writes it); returns the weights."""
     weights = weights_of(build_model(cfg, torch.device("cpu"), seed))
-    save_final(run, weights, cfg, ByteTokenizer())
+    save_final(run, cfg, ByteTokenizer(), {n: w.shape for n, w in weights.items()}, weights.items())
     return weights
 
 
@@ -219,7 +219,7 @@ def test_bpe_tokenizer_is_exported_for_auto_tokenizer(tmp_path):
     transformers = pytest.importorskip("transformers")
     tokenizer = BPETokenizer.train(["the quick brown fox jumps over the lazy dog"] * 20, 300)
     weights = weights_of(build_model(MICRO, torch.device("cpu"), 0))
-    save_final(tmp_path / "run", weights, MICRO, tokenizer)
+    save_final(tmp_path / "run", MICRO, tokenizer, {n: w.shape for n, w in weights.items()}, weights.items())
     assert export_hf(tmp_path / "run", tmp_path / "hf").tokenizer_file == "tokenizer.json"
     doc = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (doc["bos_token_id"], doc["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)

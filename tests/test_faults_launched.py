@@ -123,7 +123,7 @@ def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_pat
     assert line.startswith("paratrain train: rank 0 exited with code 1: CollectiveFailure: rank 0 failed at step 5, "
                            "its last collective #"), line
     # rank 0 waits in the step's agreement (one all-reduce over the whole mesh), which rank 1 never reached
-    assert "all_reduce over world shape [6, 2] float64 (step 5): rank 1 never issued call" in line
+    assert "all_reduce over world shape [7, 2] float64 (step 5): rank 1 never issued call" in line
     assert "it is at step 5, hung or dead outside a collective (error: " in line and "Timed out" in line
     assert elapsed < 10 + 25, f"{elapsed:.1f} s: the timeout plus start-up, no more"
 

@@ -52,6 +52,11 @@ def planned(world: int, zero: int, precision: str, reduce_dtype: str) -> tuple[d
     layout = Layout(dp=world, zero=zero, micro_batch=BATCH // world)
     m = estimate_memory(workload, layout)
     state = {"params": m.params, "grads": m.grads, "master": m.master_weights, "optimizer": m.adam_moments}
+    if precision != "fp32" and reduce_dtype != "fp32" and zero < 3:
+        # Beyond the paper (its docstring says so): fp32 copies of the masters' gradients while the
+        # optimizer steps (DDP / ZeRO-1), ZeRO-2's shard summed in fp32.
+        psi = TINY.num_params()
+        state["grads"] += 4 * psi / (world if zero >= 1 else 1) if zero < 2 else 2 * psi / world
     state["total"] = sum(state.values())
     return state, comm_bytes_per_rank(workload, layout)["dp"]
 

@@ -229,8 +229,8 @@ def _train_transformer(mesh: Mesh, cfg: ModelConfig, precision: Precision = FP32
 
 
 def _train_plain(mesh: Mesh) -> dict:
-    model = _plain_net()
-    return _train_sharded(mesh, model, lambda step: _plain_loss(model, step, _rows(mesh)))
+    model = _plain_net()  # its root reads inp.weight: "blocks" keeps the loose parameters in the root unit
+    return _train_sharded(mesh, model, lambda step: _plain_loss(model, step, _rows(mesh)), units="blocks")
 
 
 def _nbytes(tensors) -> int:
@@ -352,7 +352,8 @@ def test_bytes_per_step_are_three_psi(suite):
     separately) and the test's own loss / grad-norm all-reduces.
     """
     n, ranks = suite
-    psi, units = MEASURED.num_params(), 1 + MEASURED.n_layers
+    # units with parameters: each block, and tok_embeddings, norm and output (the root holds none)
+    psi, units = MEASURED.num_params(), MEASURED.n_layers + 3
     tensors = len(list(_meta_transformer(MEASURED).parameters()))
     for result in ranks:
         summary = result["measure_fp32"]["summary"]
@@ -422,11 +423,28 @@ def _solo_mesh() -> Mesh:
     return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None})
 
 
-def test_default_units_are_blocks_and_the_root():
+def test_default_units_are_blocks_and_each_module_with_parameters_outside_them():
     engine, _ = _shard(_meta_transformer(UNTIED), _solo_mesh())
+    assert [u.name for u in engine.units] == ["", "tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+    assert engine.units[0].params == []  # the root is a unit like the others: nothing is gathered for the whole forward
+    engine, _ = _shard(_meta_transformer(UNTIED), _solo_mesh(), units="blocks")
     assert [u.name for u in engine.units] == ["", "layers.0", "layers.1"]
     root_params = {engine.master_names()[fp.index] for fp in engine.units[0].params}
     assert root_params == {"tok_embeddings.weight", "norm.weight", "output.weight"}
+
+
+def test_default_units_of_a_plain_sequential_are_its_layers():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    engine, _ = _shard(model, _solo_mesh())
+    assert [u.name for u in engine.units] == ["", "0", "2"]
+
+
+def test_a_parameter_read_outside_its_unit_is_named_on_the_first_forward():
+    model = _plain_net()  # its root computes F.linear(h, self.inp.weight.t()): inp.weight outside inp's forward
+    _shard(model, _solo_mesh())
+    with pytest.raises(ZeroConfigError, match=r"'inp.weight' is read outside the forward of its unit \('inp'\).*"
+                                              r"units='blocks'"):
+        _plain_loss(model, 0, slice(None))
 
 
 def test_units_from_classes_or_a_predicate():
@@ -440,7 +458,7 @@ def test_units_from_classes_or_a_predicate():
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
     reference, sharded = _plain_net(), _plain_net()
-    engine, _ = _shard(sharded, _solo_mesh(), prefetch=prefetch)
+    engine, _ = _shard(sharded, _solo_mesh(), prefetch=prefetch, units="blocks")
     shard_bytes = _nbytes(engine.masters())
     for step in range(3):
         loss = _plain_loss(sharded, step, slice(None))
@@ -473,14 +491,14 @@ def test_prefetch_gathers_the_next_unit_ahead_in_both_passes():
     model.layers["0"].attention.register_forward_pre_hook(lambda *_: record("forward, in layers.0"))
     model.layers["0"].register_forward_hook(between_blocks)
     _transformer_loss(model, UNTIED, 0, slice(None)).backward()
-    assert states == {"forward, in layers.0": {"": "gathered", "layers.0": "gathered", "layers.1": "pending"},
-                      "backward, between": {"": "gathered", "layers.0": "pending"}}
+    assert states == {"forward, in layers.0": {"layers.0": "gathered", "layers.1": "pending"},
+                      "backward, between": {"layers.0": "pending"}}
 
 
 def test_frozen_parameter_gets_no_gradient():
     model = _plain_net()
     model.head.weight.requires_grad_(False)
-    engine, _ = _shard(model, _solo_mesh())
+    engine, _ = _shard(model, _solo_mesh(), units="blocks")
     _plain_loss(model, 0, slice(None)).backward()
     finish(engine)
     grads = {name: m.grad for name, m in zip(engine.master_names(), engine.masters())}

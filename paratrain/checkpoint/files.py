@@ -18,10 +18,11 @@ import ctypes
 import errno
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -42,13 +43,25 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor],
     # element size (the header is padded to 8 bytes): safetensors maps such
     # files without copying.
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    entries = [(key, tensors[key].dtype, tuple(tensors[key].shape)) for key in order]
+    return write_safetensors(path, entries, ((key, tensors[key]) for key in order), before_data=before_data)
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                      tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
+                      before_data: Callable[[], None] | None = None) -> FileDigest:
+    """Write a safetensors file whose tensors arrive one at a time as (key, tensor), in `entries` order
+    (key, dtype, shape); each is cast to its entry's dtype. fsynced; returns the file's digest.
+
+    The header is made from `entries` alone, so a caller can produce each
+    tensor just before it is written (a gathered parameter, a read from a
+    checkpoint) and drop it after: memory holds one tensor, never the file.
+    """
+    header: dict[str, dict] = {"__metadata__": metadata or {"format": "pt"}}
     start = 0
-    for key in order:
-        t = tensors[key]
-        size = t.numel() * t.element_size()
-        header[key] = {"dtype": DTYPES[dtype_name(t.dtype)][1], "shape": list(t.shape),
-                       "data_offsets": [start, start + size]}
+    for key, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": DTYPES[dtype_name(dtype)][1], "shape": list(shape), "data_offsets": [start, start + size]}
         start += size
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
@@ -61,8 +74,10 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor],
             written += len(piece)
         if before_data is not None:
             before_data()
-        for key in order:
-            data = _raw_bytes(tensors[key])
+        for (key, dtype, shape), (arrived, tensor) in zip(entries, tensors, strict=True):
+            if arrived != key or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"expected {key} {list(shape)} next, got {arrived} {list(tensor.shape)}")
+            data = _raw_bytes(tensor.to(dtype))
             f.write(data)
             digest.update(data)
             written += len(data)

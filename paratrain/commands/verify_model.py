@@ -142,7 +142,7 @@ def _worker(job: dict) -> None:
 
 
 def run(job: dict) -> None:
-    from safetensors.torch import save_file
+    from paratrain.checkpoint.files import write_safetensors
 
     from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
     from paratrain.train import train_step
@@ -166,11 +166,15 @@ def run(job: dict) -> None:
         pieces = [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)]
         outcome = train_step(model, optimizer, pieces, 1.0, step=step, loss_fn=spec.loss_fn)
         records.append({"step": step, "loss": outcome.loss})
-    weights = model.full_state_dict()  # collective: every rank takes part
-    if mesh.rank == 0:
-        out = Path(job["out"])
+    out = Path(job["out"])
+    shapes, weights = model.full_shapes(), model.full_parameters()  # collective: every rank iterates
+    if mesh.rank != 0:
+        for _ in weights:
+            pass
+    else:
         (out / "final").mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in weights.items()},
-                  out / "final" / "model.safetensors")
+        (out / "final" / "model.safetensors").unlink(missing_ok=True)
+        entries = [(name, torch.float32, shape) for name, shape in shapes.items()]
+        write_safetensors(out / "final" / "model.safetensors", entries, ((k, v.cpu()) for k, v in weights))
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 

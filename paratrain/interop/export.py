@@ -39,8 +39,8 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from paratrain.checkpoint.files import write_safetensors
 from paratrain.checkpoint.format import MANIFEST_FILE, parse_step_dirname
 from paratrain.interop.hf import (
     CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFError, HFWeights, expected_shapes, hf_config,
@@ -336,7 +336,7 @@ def _write_weights(directory: Path, shapes: dict[str, tuple[int, ...]], read: Ca
                    dtype: torch.dtype, max_shard_bytes: int | None) -> list[str]:
     """Write the parameters under HF names, in model order, in one file or in shards of bounded size.
 
-    Only one shard's tensors are in memory at a time.
+    Tensor by tensor: each is read, cast, written and dropped, so memory holds one tensor, not a shard.
     """
     groups = _shard_groups(shapes, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
     if len(groups) == 1:
@@ -345,11 +345,10 @@ def _write_weights(directory: Path, shapes: dict[str, tuple[int, ...]], read: Ca
         files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0
     for file, group in zip(files, groups):
-        tensors = {hf_name(name): read(name).to(dtype).contiguous() for name in group}
-        save_file(tensors, directory / file, metadata={"format": "pt"})
-        weight_map.update({key: file for key in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
+        entries = [(hf_name(name), dtype, tuple(shapes[name])) for name in group]
+        write_safetensors(directory / file, entries, ((hf_name(name), read(name)) for name in group))
+        weight_map.update({key: file for key, _, _ in entries})
+        total += sum(math.prod(shape) * dtype.itemsize for _, _, shape in entries)
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -62,8 +62,10 @@ class DataParallel:
     zero: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
     bucket_mb: gradient bucket size of DDP and ZeRO-1/2, in MB of the reduce dtype.
     grad_reduction: `GradReduction.MEAN` (or "mean") or `GradReduction.SUM` (or "sum").
-    units: ZeRO-3 wrapping units: None (the blocks of ModuleLists/ModuleDicts), module classes,
-        or a predicate (qualified name, module) -> bool.
+    units: ZeRO-3 wrapping units: None (the blocks of ModuleLists/ModuleDicts/Sequentials, and
+        each other module with parameters of its own: embedding, final norm, head), "blocks" (the
+        blocks only; the rest gathered for the whole forward), module classes, or a predicate
+        (qualified name, module) -> bool.
     """
 
     zero: int = 0

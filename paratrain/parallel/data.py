@@ -1,49 +1,69 @@
 """Data parallelism and ZeRO-1/2: gradients in flat buckets, reduced while backward runs.
 
 Every rank holds the whole model and computes on its slice of the batch.
-Gradients are added, as autograd finishes each parameter's gradient, into
+Gradients are written, as autograd finishes each parameter's gradient, into
 flat buckets (in the order they become ready: reverse registration order) and
-dropped from `.grad`, so a gradient exists once; under gradient accumulation
-(`no_sync`) every micro-batch adds into the same buckets. In the synced
-backward, the moment a bucket is complete its collective is launched
-asynchronously, so communication overlaps the rest of backward. Buckets are launched strictly in
-bucket order, so every rank issues the same collectives in the same order
-even when different ranks finish parameters in a different order.
+dropped from `.grad`, so a gradient exists once. The moment a bucket is
+complete its collective is launched asynchronously, so communication overlaps
+the rest of backward. Buckets are launched strictly in bucket order, so every
+rank issues the same collectives in the same order even when different ranks
+finish parameters in a different order.
 
-Per stage, with Ψ parameters and N data ranks (bytes per rank, Adam):
+DDP and ZeRO-1 keep their buckets for the whole run: under gradient
+accumulation (`no_sync`) every micro-batch adds into them and only the last
+backward communicates. ZeRO-2 is the stage whose point is that the full
+gradient never exists: a bucket's buffer is allocated when its first gradient
+arrives, reduce-scattered as soon as it is complete, and freed when that
+completes (one reduce-scatter in flight: launching the next waits for it);
+each rank keeps only its 1/N shard of the reduced gradients, adding each
+backward's into it. So ZeRO-2 reduces in every backward, as the ZeRO paper
+and DeepSpeed do: a backward under `no_sync` is reduced when the
+context exits (deferring would need the full gradients that ZeRO-2 exists
+not to keep).
 
-=======  ====================================  ===========================  =================
-stage    gradient communication per step       after backward, each rank    master + moments
-=======  ====================================  ===========================  =================
-0 (DDP)  all-reduce: 2Ψ(N−1)/N                 full gradients               full (12Ψ / 8Ψ)
-1        reduce-scatter Ψ(N−1)/N after          full gradient buffers        1/N
-         backward + all-gather of updated
-         parameters Ψ(N−1)/N
-2        as 1, reduce-scatter bucket by bucket  only its gradient shard      1/N
-=======  ====================================  ===========================  =================
+Per stage, with Ψ parameters and N data ranks (bytes per rank, fp32, Adam):
+
+=======  ====================================  ================================  =================
+stage    gradient communication per backward   gradient memory                   master + moments
+=======  ====================================  ================================  =================
+0 (DDP)  all-reduce: 2Ψ(N−1)/N (last only)     4Ψ (buckets)                      full (12Ψ / 8Ψ)
+1        reduce-scatter Ψ(N−1)/N (last only)   4Ψ (buckets; one reduced at once) 1/N
+         + all-gather of updated parameters
+         Ψ(N−1)/N per step
+2        as 1, in every backward               4Ψ/N + one bucket in flight       1/N
+                                               + the one being filled
+=======  ====================================  ================================  =================
 
 The shard layout is paratrain.parallel.shard's: rank r owns rows
 [r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
 chunk r packs rank r's (padded) rows of each parameter of the bucket, so a
 reduce-scatter leaves in chunk r exactly the gradient rank r's optimizer
 needs, and the all-gather of updated parameters is the same layout in the
-other direction.
+other direction. A gradient's first write into a bucket is a copy and later
+ones add, so no bucket is zeroed per step (only the padding, once per buffer,
+and the parameters a backward did not reach, when their bucket is launched).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
-from paratrain.parallel.shard import as_rows, padded_chunk_numel, row_range, rows_per_rank
+from paratrain.parallel.replicas import make_replicas
+from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 from paratrain.precision import Precision
+
+# ZeRO-1/2: reduce-scatters in flight at once; launching one more first waits for the oldest.
+# One overlaps each bucket's communication with the filling of the next, as FSDP2 does.
+_MAX_IN_FLIGHT = 1
 
 
 @dataclass
@@ -56,6 +76,11 @@ class Slot:
     chunk_numel: int  # padded rows × row size
     rows: tuple[int, int]  # owned rows [lo, hi)
     master: torch.Tensor | None = None
+    filled: bool = False  # a gradient was written into the bucket since it was last reduced
+
+    def columns(self, buffer: torch.Tensor, shards: int) -> torch.Tensor:
+        """This parameter's [N, c·rest] columns of a bucket buffer of N chunks."""
+        return buffer.view(shards, -1)[:, self.offset:self.offset + self.chunk_numel]
 
 
 @dataclass
@@ -63,11 +88,21 @@ class Bucket:
     slots: list[Slot]
     chunk_numel: int
     buffer: torch.Tensor | None = None  # N chunks of reduce dtype
-    ready: int = 0
+    ready: int = 0  # slots written in the current backward (the synced one, for DDP / ZeRO-1)
     work: object = None
     launched_in_backward: bool = False
-    shard_grad: torch.Tensor | None = None  # this rank's reduced chunk (stage 2: a persistent copy)
+    shard_grad: torch.Tensor | None = None  # ZeRO-2: this rank's reduced rows, summed over backwards (master dtype)
     launched_at: float = field(default=0.0)
+
+
+@dataclass
+class _InFlight:
+    """A ZeRO reduce-scatter on its way: its input must live until it completes."""
+
+    bucket: Bucket
+    work: object
+    buffer: torch.Tensor
+    out: torch.Tensor | None  # ZeRO-2's separate output; None for ZeRO-1 (in place)
 
 
 class DataParallelEngine:
@@ -83,8 +118,10 @@ class DataParallelEngine:
         self.shards = self.dp if stage > 0 else 1
         self.rank = mesh.coord("dp") if stage > 0 else 0
         self.pre_divide = self.dp if grad_reduction == "mean" else 1
+        self.per_backward = stage == 2  # reduces every backward; buffers exist only while filled or reduced
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._broadcast_parameters([p for _, p in named])
+        # Every replica starts from dp rank 0's values: nothing moves when they already agree.
+        make_replicas([p.data for _, p in named], comm, "dp", int(bucket_mb * 2**20))
         self.buckets = self._make_buckets(named, bucket_mb)
         order = {id(p): i for i, (_, p) in enumerate(named)}
         self.slots = sorted((s for b in self.buckets for s in b.slots), key=lambda s: order[id(s.param)])
@@ -96,23 +133,12 @@ class DataParallelEngine:
         self._sync = True
         # A step's gradients are being collected: from its first gradient to finish_gradients().
         self._accumulating = False
-        self._in_backward = False  # the synced backward has begun launching buckets
+        self._in_backward = False  # DDP / ZeRO-1: the synced backward has begun; ZeRO-2: a backward's round is open
         self._next_launch = 0
+        self._in_flight: deque[_InFlight] = deque()
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
 
     # -- construction ---------------------------------------------------------
-    def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:
-        """Start every replica from dp rank 0's values (one flat broadcast)."""
-        if self.dp == 1:
-            return
-        with torch.no_grad():
-            flat = torch.cat([p.reshape(-1) for p in params])
-            self.comm.broadcast(flat, "dp", src=0)
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-
     def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
         """Group parameters, in reverse registration order, into buckets of about bucket_mb."""
         limit = max(1, int(bucket_mb * 2**20 / self.precision.reduce_dtype.itemsize))
@@ -144,14 +170,19 @@ class DataParallelEngine:
                     slot.master = slot.param  # plain DDP: the optimizer updates the parameters themselves
                 else:
                     slot.master = slot.param.detach()[lo:hi] if slot.param.dim() else slot.param.detach().reshape(1)[lo:hi]
-        if self.stage > 0 or self.precision.mixed:
-            for bucket in self.buckets:
-                if self.stage < 2:
-                    bucket.buffer = self._new_buffer(bucket)
+        if not self.per_backward and (self.stage > 0 or self.precision.mixed):
+            for bucket in self.buckets:  # DDP / ZeRO-1: one buffer per bucket for the whole run
+                bucket.buffer = self._new_buffer(bucket)
 
     def _new_buffer(self, bucket: Bucket) -> torch.Tensor:
+        """A bucket buffer whose padding is zero (the rest is written before it is read)."""
         device = bucket.slots[0].param.device
-        return torch.zeros(bucket.chunk_numel * self.shards, dtype=self.precision.reduce_dtype, device=device)
+        buffer = torch.empty(bucket.chunk_numel * self.shards, dtype=self.precision.reduce_dtype, device=device)
+        for slot in bucket.slots:
+            rows = as_rows(slot.param.detach())
+            for pad in chunk_padding(rows.shape[0], rows.shape[1], slot.columns(buffer, self.shards)):
+                pad.zero_()
+        return buffer
 
     # -- the engine contract --------------------------------------------------
     def masters(self) -> list[torch.Tensor]:
@@ -170,36 +201,38 @@ class DataParallelEngine:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (in the buckets) without communicating; the next synced backward reduces all."""
+        """DDP / ZeRO-1: backward passes inside accumulate in the buckets without communicating, and the next
+        synced backward reduces all. ZeRO-2: the backward inside is reduced when the context exits."""
         self._sync = False
         try:
             yield
         finally:
             self._sync = True
+            if self.per_backward and self._in_backward:
+                self._end_round()
 
     # -- backward: buckets fill and launch -------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket, slot = self._where[param]
+        if self.per_backward and slot.filled:
+            self._end_round()  # a second gradient of one parameter: a new backward began
         if not self._accumulating:
             self._start_accumulation()
-        if self._sync and not self._in_backward:
+        if (self._sync or self.per_backward) and not self._in_backward:
             self._start_backward()
-        bucket, slot = self._where[param]
-        self._pack(bucket, slot, param.grad)
+        if bucket.buffer is None:
+            bucket.buffer = self._new_buffer(bucket)
+        self._write(bucket, slot, param.grad)
         self._used_mask[self._index[param]] = 1.0
         param.grad = None  # the bucket holds it now: gradients never exist twice
-        if self._sync:
+        if self._sync or self.per_backward:
             bucket.ready += 1
             self._launch_ready_buckets(in_backward=True)
 
     def _start_accumulation(self) -> None:
-        """The first gradient of a step: zeroed buckets collect every micro-batch's gradients until the synced one."""
+        """The first gradient of a step: it and every later one of the step are counted in the used mask."""
         self._accumulating = True
         self._used_mask.zero_()
-        for bucket in self.buckets:
-            if bucket.buffer is None:
-                bucket.buffer = self._new_buffer(bucket)
-            else:
-                bucket.buffer.zero_()
 
     def _start_backward(self) -> None:
         self._in_backward = True
@@ -207,14 +240,17 @@ class DataParallelEngine:
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
 
-    def _pack(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
-        """Add a gradient into the bucket (÷ the pre-division): rank r's padded rows into chunk r."""
-        rows = as_rows(grad)
-        c = rows_per_rank(rows.shape[0], self.shards)
-        chunks = bucket.buffer.view(self.shards, bucket.chunk_numel)
-        for r in range(self.shards):
-            piece = rows[r * c:(r + 1) * c].reshape(-1)
-            chunks[r, slot.offset:slot.offset + piece.numel()].add_(piece, alpha=1.0 / self.pre_divide)
+    def _write(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
+        """A gradient into the bucket (÷ the pre-division), rank r's rows into chunk r: copied first, then added."""
+        scale = 1.0 / self.pre_divide
+        for src, dst in chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards)):
+            if slot.filled:
+                dst.add_(src, alpha=scale)
+            elif scale == 1.0:
+                dst.copy_(src)
+            else:
+                torch.mul(src, scale, out=dst)
+        slot.filled = True
 
     def _launch_ready_buckets(self, in_backward: bool) -> None:
         """Launch complete buckets in bucket order (a later bucket waits for an earlier one)."""
@@ -226,20 +262,53 @@ class DataParallelEngine:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        if bucket.buffer is None:  # ZeRO-2: no gradient of this bucket in this backward here (maybe on other ranks)
+            bucket.buffer = self._new_buffer(bucket)
+        for slot in bucket.slots:
+            if not slot.filled:  # a parameter this rank's backward did not reach contributes zeros
+                for rows, part in chunk_tiles(as_rows(slot.param.detach()), slot.columns(bucket.buffer, self.shards)):
+                    part.zero_()
+            slot.filled = self.stage < 2 and slot.filled  # ZeRO-2: the next backward writes a fresh buffer
         bucket.launched_in_backward, bucket.launched_at = in_backward, time.perf_counter()
         if self.stage == 0:
             bucket.work = self.comm.all_reduce(bucket.buffer, "dp", async_op=True)
-        elif self.stage == 1 or self.stage == 2:
-            # Stage 1 reduces in place (this rank's chunk of the persistent buffer);
-            # stage 2 reduces into a separate shard so the full buffer can be freed.
+            return
+        # ZeRO: a bounded number of reduce-scatters in flight. ZeRO-2 frees each input when its collective
+        # completes; and a backend may copy an input until then (gloo copies the whole buffer).
+        while len(self._in_flight) >= _MAX_IN_FLIGHT:
+            self._land(self._in_flight.popleft())
+        if self.stage == 1:  # in place: this rank's chunk of the persistent buffer
             chunk = bucket.buffer.view(self.shards, -1)[self.rank]
-            out = chunk if self.stage == 1 else torch.empty_like(chunk)
-            bucket.shard_grad = out
-            bucket.work = self.comm.reduce_scatter(out, bucket.buffer, "dp", async_op=True)
+            work = self.comm.reduce_scatter(chunk, bucket.buffer, "dp", async_op=True)
+            self._in_flight.append(_InFlight(bucket, work, bucket.buffer, None))
+        else:  # into a separate chunk, so that the full buffer goes when the collective completes
+            out = torch.empty(bucket.chunk_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+            work = self.comm.reduce_scatter(out, bucket.buffer, "dp", async_op=True)
+            self._in_flight.append(_InFlight(bucket, work, bucket.buffer, out))
+            bucket.buffer = None
+
+    def _land(self, flight: _InFlight) -> None:
+        """Wait for one reduce-scatter; ZeRO-2: add its rows into the bucket's shard (its full buffer goes)."""
+        self.comm.wait([flight.work], "dp")
+        if flight.out is None:  # ZeRO-1: reduced in place
+            return
+        bucket = flight.bucket
+        if bucket.shard_grad is None:
+            bucket.shard_grad = flight.out.to(self.precision.master_dtype)
+        else:
+            bucket.shard_grad.add_(flight.out)
+
+    def _end_round(self) -> None:
+        """ZeRO-2: the backward is over: launch the buckets it left (in order, every rank alike), land every
+        reduce-scatter (so no full-size buffer outlives its backward into the next forward) and reset."""
+        self._launch_ready_buckets(in_backward=False)
+        while self._in_flight:
+            self._land(self._in_flight.popleft())
+        self._in_backward = False
 
     def finish_gradients(self) -> torch.Tensor:
-        """Launch the buckets still waiting (parameters the synced backward did not reach, whose gradients
-        came from earlier micro-batches or from none; all of them when every backward ran under no_sync),
+        """Launch the buckets still waiting (parameters the backward did not reach, whose gradients came
+        from earlier micro-batches or from none; all of them when every backward ran under no_sync),
         wait for every reduction, and point the master gradients at the reduced rows.
 
         Returns, per master, how many data ranks reached it this step (the last step's counts when no
@@ -247,11 +316,14 @@ class DataParallelEngine:
         """
         if not self._accumulating:
             return self._used_mask
-        if not self._in_backward:
+        if not self._in_backward and not self.per_backward:
             self._start_backward()
-        self._launch_ready_buckets(in_backward=False)
+        if self._in_backward:
+            self._launch_ready_buckets(in_backward=False)
         mask_work = self.comm.all_reduce(self._used_mask, "dp", async_op=True)
-        self.comm.wait([b.work for b in self.buckets] + [mask_work], "dp")
+        while self._in_flight:
+            self._land(self._in_flight.popleft())
+        self.comm.wait([b.work for b in self.buckets if self.stage == 0] + [mask_work], "dp")
         self._assign_master_grads()
         self._in_backward = self._accumulating = False
         return self._used_mask
@@ -262,14 +334,18 @@ class DataParallelEngine:
 
     def _assign_master_grads(self) -> None:
         for bucket in self.buckets:
-            source = bucket.buffer if self.stage == 0 else bucket.shard_grad
+            if self.stage == 0:
+                source = bucket.buffer
+            elif self.stage == 1:
+                source = bucket.buffer.view(self.shards, -1)[self.rank]
+            else:
+                source, bucket.shard_grad = bucket.shard_grad, None  # the masters' .grad hold it from now on
             for slot in bucket.slots:
+                slot.filled = False
                 lo, hi = slot.rows
                 shape = slot.master.shape
                 grad = source[slot.offset:slot.offset + (hi - lo) * _row_numel(slot.param)].view(shape)
                 slot.master.grad = grad if grad.dtype == slot.master.dtype else grad.to(slot.master.dtype)
-            if self.stage == 2:
-                bucket.buffer = None  # the full gradient is gone; only this rank's shard remains
 
     # -- after the optimizer step ------------------------------------------------
     def after_step(self) -> None:
@@ -280,8 +356,7 @@ class DataParallelEngine:
         if self.stage == 0:
             if self.precision.mixed:
                 with torch.no_grad():
-                    for slot in self.slots:
-                        slot.param.copy_(slot.master.view_as(slot.param))
+                    torch._foreach_copy_([s.param.data for s in self.slots], [s.master.view_as(s.param) for s in self.slots])
             return
         for bucket in self.buckets:
             self._all_gather_parameters(bucket)
@@ -290,20 +365,16 @@ class DataParallelEngine:
     def _all_gather_parameters(self, bucket: Bucket) -> None:
         """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N)."""
         dtype, device = self.precision.param_dtype, bucket.slots[0].param.device
-        gathered = torch.zeros(bucket.chunk_numel * self.shards, dtype=dtype, device=device)
-        chunks = gathered.view(self.shards, bucket.chunk_numel)
-        mine = chunks[self.rank]
+        gathered = torch.empty(bucket.chunk_numel * self.shards, dtype=dtype, device=device)
+        mine = gathered.view(self.shards, bucket.chunk_numel)[self.rank]
         for slot in bucket.slots:
             flat = slot.master.reshape(-1)
             mine[slot.offset:slot.offset + flat.numel()].copy_(flat)
+            mine[slot.offset + flat.numel():slot.offset + slot.chunk_numel].zero_()  # padding
         self.comm.all_gather(gathered, mine, "dp")
         for slot in bucket.slots:
-            rows = as_rows(slot.param.data)
-            width = rows.shape[1]
-            for r in range(self.shards):
-                lo, hi = row_range(rows.shape[0], self.shards, r)
-                if hi > lo:
-                    rows[lo:hi].copy_(chunks[r, slot.offset:slot.offset + (hi - lo) * width].view(hi - lo, width))
+            for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(gathered, self.shards)):
+                rows.copy_(part)
 
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:
@@ -337,6 +408,7 @@ class DataParallelEngine:
         params = _storage_bytes(s.param for s in self.slots)
         # A bucket holds the full gradients while they accumulate; ZeRO-2 frees it once reduced.
         grads = _storage_bytes([b.buffer for b in self.buckets] + [b.shard_grad for b in self.buckets]
+                               + [t for f in self._in_flight for t in (f.buffer, f.out)]
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
         master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}

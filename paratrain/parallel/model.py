@@ -37,7 +37,7 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -320,14 +320,33 @@ class ParallelModel(nn.Module):
         self.after_step()
 
     # -- whole-model views ------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, on every rank (collective under ZeRO-3, tensor and pipeline parallelism)."""
-        state = dict(self.engine.full_parameters())
-        if self.tp_info is not None:
-            state = {name: self.tp_info.gather(name, value) for name, value in state.items()}
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's whole shape, by name, in the order `full_parameters` yields them (no communication)."""
         if self.pipeline is not None:
-            state = self.pipeline.gather_stages(state)
-        return state
+            return {name: tuple(shape) for name, shape in self.pipeline.split.param_shapes.items()}
+        shapes = {name: tuple(shape) for name, _, shape in self.engine.master_rows()}
+        if self.tp_info is not None:
+            shapes = {name: self.tp_info.global_shape(name, shape)[0] for name, shape in shapes.items()}
+        return shapes
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of the whole model, whole, one at a time, on every rank (collective: every rank
+        iterates to the end, in the same order).
+
+        Only the tensor yielded last exists whole beyond this rank's own shards (ZeRO-3 gathers it over
+        dp, tensor parallelism over tp, its pipeline stage broadcasts it over pp): write each out and drop
+        it, and the whole model is never on one rank.
+        """
+        whole = (lambda name, value: value) if self.tp_info is None else self.tp_info.gather
+        if self.pipeline is None:
+            for name, value in self.engine.full_parameters():
+                yield name, whole(name, value)
+        else:  # ZeRO-3 never runs under pp: this stage's parameters are its own tensors, not copies
+            yield from self.pipeline.stage_parameters(dict(self.engine.full_parameters()), whole)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """All of `full_parameters` at once: the whole model on every rank, for tests and small models."""
+        return {name: value.clone() for name, value in self.full_parameters()}
 
     def resident_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes of model state on this rank, from the tensors that exist: params, grads, master, optimizer."""

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -311,17 +312,16 @@ class PipelineRunner:
         return logits
 
     @torch.no_grad()
-    def gather_stages(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every parameter of the whole model from each stage's own (collective over pp)."""
+    def stage_parameters(self, local: dict[str, torch.Tensor], whole) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of the whole model, one at a time: the stage holding it makes it whole
+        (`whole(name, value)`, over tp) and broadcasts it over pp (collective: every rank iterates)."""
         dtype = next(iter(local.values())).dtype  # every stage holds its parameters in the same dtype
-        out = {}
         for name, shape in self.split.param_shapes.items():
             owner = self.split.param_owner[name] % self.pp
-            value = local[name].to(dtype).contiguous() if owner == self.pp_rank else \
+            value = whole(name, local[name]).to(dtype).contiguous() if owner == self.pp_rank else \
                 torch.empty(shape, dtype=dtype, device=self.device)
             self.comm.broadcast(value, "pp", src=owner)
-            out[name] = value
-        return out
+            yield name, value
 
 
 def _boundary_stage(message: Message) -> int:

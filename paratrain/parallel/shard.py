@@ -37,3 +37,36 @@ def padded_chunk_numel(shape: torch.Size, n: int) -> int:
     d0 = shape[0] if len(shape) else 1
     rest = math.prod(shape[1:]) if len(shape) > 1 else 1
     return rows_per_rank(d0, n) * rest
+
+
+def chunk_tiles(rows: torch.Tensor, chunks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Matching (rows part, chunks part) pairs of a tensor's rows and its padded chunks.
+
+    `rows` is the tensor as [d0, rest] (`as_rows`), `chunks` the [N, c·rest] columns of a flat
+    [N, C] communication buffer that hold it (chunk r: rank r's rows, then padding). The ranks
+    whose c rows are all real take one rectangular copy; a last, partly filled rank a second one.
+    """
+    d0, rest = rows.shape
+    c = rows_per_rank(d0, chunks.shape[0])
+    if c == 0:
+        return []
+    whole, tail = divmod(d0, c)
+    pairs = [(rows[:whole * c].reshape(whole, c * rest), chunks[:whole])]
+    if tail:
+        pairs.append((rows[whole * c:].reshape(-1), chunks[whole, :tail * rest]))
+    return pairs
+
+
+def chunk_padding(d0: int, rest: int, chunks: torch.Tensor) -> list[torch.Tensor]:
+    """The parts of `chunks` (as in `chunk_tiles`) that hold no row: the padding to zero."""
+    c = rows_per_rank(d0, chunks.shape[0])
+    if c == 0:
+        return []
+    whole, tail = divmod(d0, c)
+    pads = []
+    if tail:
+        pads.append(chunks[whole, tail * rest:])
+        whole += 1
+    if whole < chunks.shape[0]:
+        pads.append(chunks[whole:])
+    return [p for p in pads if p.numel()]

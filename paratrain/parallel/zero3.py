@@ -42,6 +42,8 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
@@ -50,9 +52,9 @@ from paratrain.parallel.zero3_units import Unit, UnitSpec, parameter_slots, row_
 from paratrain.precision import Precision
 from paratrain.errors import ParatrainError
 
-# Reduce-scatters in flight at once: launching one waits for the one before the
-# previous, so a unit's gradient buffer is freed about two units later.
-_MAX_IN_FLIGHT = 2
+# Reduce-scatters in flight at once: a unit's waits for the previous unit's, which overlaps with
+# this unit's backward; its gradient buffer is freed one unit later (FSDP2 keeps one in flight too).
+_MAX_IN_FLIGHT = 1
 
 
 class ZeroConfigError(ParatrainError, ValueError):
@@ -66,6 +68,35 @@ class _SavedView:
 
     def __init__(self, unit: Unit, tensor: torch.Tensor):
         self.unit, self.offset, self.size, self.stride = unit, tensor.storage_offset(), tensor.size(), tensor.stride()
+
+
+class _OutsideUse(TorchDispatchMode):
+    """Active during the first forward: an operator on a shard is a parameter read outside its unit's forward.
+
+    At rest a unit's module slots hold the shards; inside the unit's forward they hold the full
+    parameters. A model that reads a parameter from somewhere else (a weight used transposed by
+    its parent, say) would compute with the shard, which is the wrong shape or, worse, the right
+    shape with the wrong values: this says so, once, with the fix.
+    """
+
+    def __init__(self, engine: FullyShardedEngine):
+        super().__init__()
+        self.engine, self.active = engine, True
+        self.names = {id(shard): name for shard, name in zip(engine._shards, engine._names)}
+        self.owners = {name: unit.name or "the root" for unit in engine.units
+                       for name in (engine._names[fp.index] for fp in unit.params)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.engine._in_engine:
+            for leaf in tree_leaves((args, kwargs)):
+                name = self.names.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if name is not None and any(leaf is s for s in self.engine._shards):
+                    raise ZeroConfigError(
+                        f"ZeRO-3: parameter {name!r} is read outside the forward of its unit "
+                        f"({self.owners.get(name, 'the root')!r}), where it is this rank's shard; use "
+                        f"DataParallel(units='blocks') (parameters outside the blocks stay gathered for the whole "
+                        f"forward) or units= that puts that module together with the one that reads it")
+        return func(*args, **(kwargs or {}))
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -144,6 +175,16 @@ class FullyShardedEngine:
         self._used = torch.zeros(len(self._shards), device=self._device())
         # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
         self._accumulating = False
+        self._outside_use: _OutsideUse | None = None
+        self._in_engine = 0  # > 0 while the engine's own code runs (it may touch shards)
+
+    @contextlib.contextmanager
+    def _engine_code(self):
+        self._in_engine += 1
+        try:
+            yield
+        finally:
+            self._in_engine -= 1
 
     # -- construction ------------------------------------------------------
     def _device(self) -> torch.device:
@@ -179,6 +220,10 @@ class FullyShardedEngine:
 
     # -- forward -----------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
+        with self._engine_code():
+            self._enter_unit(unit)
+
+    def _enter_unit(self, unit: Unit) -> None:
         if unit is self.root:
             self._begin_forward()
             upcoming = self._plan[0] if self._plan else None
@@ -203,8 +248,14 @@ class FullyShardedEngine:
         self._calls = []
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
+        if self._outside_use is None:  # the first forward: check that every parameter is read inside its unit
+            self._outside_use = _OutsideUse(self)
+            self._outside_use.__enter__()
 
     def _end_forward(self) -> None:
+        if self._outside_use is not None and self._outside_use.active:
+            self._outside_use.active = False
+            self._outside_use.__exit__(None, None, None)
         self._hooks_ctx.__exit__(None, None, None)
         self._hooks_ctx = None
         self._free_all()  # prefetches the forward did not use
@@ -269,10 +320,12 @@ class FullyShardedEngine:
         for fp, grad in zip(unit.params, grads):
             if grad is not None:
                 self._used[fp.index] = 1
-        flat = unit.flatten_grads(grads, self.precision.reduce_dtype, self._divide_by)
         self._free(unit)
+        # The previous unit's reduce-scatter lands before this one's input is made: its input (and a
+        # backend's copy of it: gloo copies the whole input) is freed first.
         while len(self._in_flight) >= _MAX_IN_FLIGHT:
             self._land(*self._in_flight.popleft())
+        flat = unit.flatten_grads(grads, self.precision.reduce_dtype, self._divide_by)
         out = torch.empty(unit.chunk_numel, dtype=flat.dtype, device=flat.device)
         work = self.comm.reduce_scatter(out, flat, axis="dp", async_op=True)
         self._in_flight.append((unit, work, out, flat))
@@ -368,8 +421,9 @@ class FullyShardedEngine:
         shard, shape = self._shards[index], self._shapes[index]
         rows = row_shape(shape)
         c = math.ceil(rows[0] / self.num_ranks)
-        chunk = torch.zeros((c, *rows[1:]), dtype=shard.dtype, device=shard.device)
+        chunk = torch.empty((c, *rows[1:]), dtype=shard.dtype, device=shard.device)
         chunk[:shard.shape[0]] = shard
+        chunk[shard.shape[0]:].zero_()  # padding
         out = torch.empty((self.num_ranks * c, *rows[1:]), dtype=shard.dtype, device=shard.device)
         self.comm.all_gather(out.view(-1), chunk.view(-1), axis="dp")
         return out[:rows[0]].reshape(shape).clone()

@@ -3,10 +3,12 @@
 A unit is a module whose parameters are all-gathered by one collective before
 its forward (and again for its backward) and whose gradients are
 reduce-scattered by one collective after its backward. By default the units
-are the "blocks": every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` that
-holds parameters (the reference model's ``layers`` entries). The root unit
-holds whatever no other unit claims (embeddings, final norm, output). A
-parameter belongs to the nearest unit above the module that holds it; a
+are the "blocks" (every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` /
+``nn.Sequential`` that holds parameters: the reference model's ``layers``
+entries) and, outside them, every module with parameters of its own (the
+embedding, the final norm, the output head), so the root is treated like the
+others: each is gathered only for its own forward. The root unit holds
+whatever no other unit claims (usually nothing). A parameter belongs to the nearest unit above the module that holds it; a
 parameter object held by modules of two units (tied weights) is in both and is
 gathered by each, its two gradients adding up in its one shard.
 
@@ -32,10 +34,10 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.parallel.shard import rows_per_rank
+from paratrain.parallel.shard import chunk_padding, chunk_tiles, rows_per_rank
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-UnitSpec = Callable[[str, nn.Module], bool] | tuple[type, ...] | None
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+UnitSpec = Callable[[str, nn.Module], bool] | tuple[type, ...] | str | None
 
 
 def row_shape(shape: torch.Size) -> torch.Size:
@@ -46,14 +48,42 @@ def row_shape(shape: torch.Size) -> torch.Size:
 def unit_modules(model: nn.Module, spec: UnitSpec) -> list[tuple[str, nn.Module]]:
     """(name, module) of every non-root unit, in registration order.
 
-    `spec` is None (blocks of ModuleList/ModuleDict), a tuple of module classes,
-    or a predicate (qualified name, module) -> bool.
+    `spec` is None (the default policy below), ``"blocks"`` (its blocks only: the root unit holds
+    everything else, gathered for the whole forward), a tuple of module classes, or a predicate
+    (qualified name, module) -> bool.
+
+    The default: every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` that
+    holds parameters is a block, one unit with everything below it (the reference model's
+    ``layers`` entries, a Hugging Face model's decoder layers, the layers of a plain Sequential);
+    and outside the blocks, every module that holds parameters of its own (an embedding, a final
+    norm, an output head) is a unit too, so that it is gathered only while its own forward runs,
+    not for the whole model's. A model that reads such a module's parameters outside that
+    module's forward needs ``"blocks"`` or a `units=` that groups them with the module that
+    reads them (the engine checks this in the first forward, and says so).
     """
-    if spec is None:
-        blocks = {id(child) for m in model.modules() if isinstance(m, _CONTAINERS)
-                  for child in m.children() if not isinstance(child, _CONTAINERS) and _has_params(child)}
-        pick = lambda name, m: id(m) in blocks  # noqa: E731
-    elif isinstance(spec, tuple):
+    if spec not in (None, "blocks") and isinstance(spec, str):
+        raise ValueError(f"units={spec!r}: use None, 'blocks', module classes or a predicate")
+    if spec is None or spec == "blocks":
+        loose = spec is None
+        picked: list[tuple[str, nn.Module]] = []
+        seen: set[int] = set()
+
+        def visit(prefix: str, module: nn.Module) -> None:
+            in_container = isinstance(module, _CONTAINERS)
+            for name, child in module._modules.items():
+                if child is None or id(child) in seen:
+                    continue
+                seen.add(id(child))
+                if in_container and not isinstance(child, _CONTAINERS) and _has_params(child):
+                    picked.append((prefix + name, child))  # a block: one unit, nothing below it split
+                    continue
+                if loose and any(p is not None for p in child._parameters.values()):
+                    picked.append((prefix + name, child))
+                visit(prefix + name + ".", child)
+
+        visit("", model)
+        return picked
+    if isinstance(spec, tuple):
         pick = lambda name, m: isinstance(m, spec)  # noqa: E731
     else:
         pick = spec
@@ -104,19 +134,6 @@ class FlatParam:
     def chunk_numel(self, num_ranks: int) -> int:
         return rows_per_rank(self.rows, num_ranks) * self.rest
 
-    def tiles(self, rows2d: torch.Tensor, chunks: torch.Tensor, num_ranks: int):
-        """Matching (rows part, chunks part) pairs: the full [d0, rest] rows against their [N, c·rest] chunks.
-
-        Ranks whose c rows are all real take one rectangular copy; a last, partly
-        filled rank takes a second one; padding and empty ranks are left alone.
-        """
-        c = rows_per_rank(self.rows, num_ranks)
-        whole, tail = divmod(self.rows, c) if c else (0, 0)
-        pairs = [(rows2d[:whole * c].reshape(whole, c * self.rest), chunks[:whole])]
-        if tail:
-            pairs.append((rows2d[whole * c:].reshape(-1), chunks[whole, :tail * self.rest]))
-        return pairs
-
 
 class Unit:
     """The parameters of one unit, their slots in the model, and their gathered state.
@@ -148,9 +165,11 @@ class Unit:
     def launch_gather(self, comm: Comm, dtype: torch.dtype) -> None:
         """Copy the local rows (cast to `dtype`, zero-padded) into one chunk and start the all-gather."""
         device = self.shards[0].device
-        chunk = torch.zeros(self.chunk_numel, dtype=dtype, device=device)
+        chunk = torch.empty(self.chunk_numel, dtype=dtype, device=device)
         for fp, shard in zip(self.params, self.shards):
-            chunk[fp.chunk_offset:fp.chunk_offset + shard.numel()].copy_(shard.detach().reshape(-1))
+            n = shard.numel()
+            chunk[fp.chunk_offset:fp.chunk_offset + n].copy_(shard.detach().reshape(-1))
+            chunk[fp.chunk_offset + n:fp.chunk_offset + fp.chunk_numel(self.num_ranks)].zero_()  # padding
         gathered = torch.empty(self.num_ranks * self.chunk_numel, dtype=dtype, device=device)
         work = comm.all_gather(gathered, chunk, axis="dp", async_op=True)
         self._pending = (work, gathered, chunk, comm)  # chunk must outlive the collective
@@ -165,7 +184,7 @@ class Unit:
         for fp in self.params:
             rows2d = full[fp.full_offset:fp.full_offset + math.prod(fp.shape)].view(fp.rows, fp.rest)
             part = chunks[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
-            for dst, src in fp.tiles(rows2d, part, self.num_ranks):
+            for dst, src in chunk_tiles(rows2d, part):
                 dst.copy_(src)
         self.full = full
 
@@ -202,16 +221,21 @@ class Unit:
 
     # -- reduce-scatter ----------------------------------------------------
     def flatten_grads(self, grads, dtype: torch.dtype, divide_by: int) -> torch.Tensor:
-        """Full gradients (None: no gradient, counted as zeros) as the [N·C] reduce-scatter input in `dtype`."""
-        flat = torch.zeros(self.num_ranks, self.chunk_numel, dtype=dtype, device=self.shards[0].device)
+        """Full gradients (None: no gradient, counted as zeros) as the [N·C] reduce-scatter input in `dtype`.
+
+        Every element is written once: rows by a (scaled) copy, padding and missing gradients by
+        zeros; nothing is zero-filled first.
+        """
+        flat = torch.empty(self.num_ranks, self.chunk_numel, dtype=dtype, device=self.shards[0].device)
         for fp, grad in zip(self.params, grads):
-            if grad is None:
-                continue
             part = flat[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
-            for src, dst in fp.tiles(grad.reshape(fp.rows, fp.rest), part, self.num_ranks):
-                dst.copy_(src)
-        if divide_by != 1:
-            flat.div_(divide_by)
+            if grad is None:
+                part.zero_()
+                continue
+            for src, dst in chunk_tiles(grad.reshape(fp.rows, fp.rest), part):
+                torch.div(src, divide_by, out=dst) if divide_by != 1 else dst.copy_(src)
+            for pad in chunk_padding(fp.rows, fp.rest, part):
+                pad.zero_()
         return flat.view(-1)
 
     def shard_pieces(self, chunk: torch.Tensor):

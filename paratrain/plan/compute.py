@@ -155,8 +155,9 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> tuple[list
 
     DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype). ZeRO-1/2: a
     reduce-scatter of the gradients during backward and an all-gather of the updated
-    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data does; gradients
-    accumulate locally over micro-batches, so these run once per step. ZeRO-3: for every
+    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data does. DDP and ZeRO-1
+    accumulate gradients locally over micro-batches and communicate once per step; ZeRO-2 keeps
+    no full gradient, so it reduce-scatters after every micro-batch's backward. ZeRO-3: for every
     micro-batch an all-gather of the parameters before forward and again before backward and
     a reduce-scatter of the gradients: 3Ψ(N−1)/N per micro-batch.
     """
@@ -166,9 +167,10 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> tuple[list
         return [], []
     if layout.zero == 0:
         return [Collective("all_reduce", grads, n)], []
-    if layout.zero in (1, 2):
-        return [Collective("reduce_scatter", grads, n)], [Collective("all_gather", params, n)]
     m = layout.num_microbatches(workload.global_batch)
+    if layout.zero in (1, 2):
+        reductions = m if layout.zero == 2 else 1
+        return [Collective("reduce_scatter", grads, n, reductions)], [Collective("all_gather", params, n)]
     return [Collective("all_gather", params, n, 2 * m), Collective("reduce_scatter", grads, n, m)], []
 
 

@@ -218,7 +218,11 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     Rajbhandari et al. 2019 §3.1/§5: the optimizer state (K = 12 for mixed precision: fp32
     master 4 + moments 8; K = 8 for fp32, whose parameters are the master) is divided by N
     from ZeRO-1, gradients from ZeRO-2, parameters at ZeRO-3. At ZeRO-3 with mixed precision
-    the parameter shards are fp32 and are the master (see the module docstring).
+    the parameter shards are fp32 and are the master (see the module docstring). With a 16-bit
+    gradient dtype paratrain holds a little more than the paper while the optimizer steps: fp32
+    copies of the masters' gradients beside DDP / ZeRO-1's buckets (4Ψ/N; 4Ψ for DDP), and ZeRO-2's
+    reduced shard summed in fp32 (4Ψ/N, not 2Ψ/N). The trainer reduces in fp32 by default, where
+    the two agree.
     """
     param_bytes = DTYPE_BYTES[precision]
     grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
@@ -394,9 +398,10 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
     ZeRO-3 (one unit per block, plus the root's remaining parameters: embedding, head, final
     norm, as paratrain.parallel.zero3_units wraps them): `ZERO3_PREFETCH_UNITS` units gathered
     in the parameter dtype (the one computing, the one prefetched) and as many unit gradients
-    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. DDP and
-    ZeRO-1/2 with dp > 1: two gradient buckets in flight. Nothing when only the parameter
-    count is known.
+    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: the
+    bucket being filled and two in flight (paratrain.parallel.data). DDP and ZeRO-1: their
+    buckets are the gradients (counted there); ZeRO-1 adds one bucket's all-gather of updated
+    parameters. Nothing when only the parameter count is known.
     """
     model, lay = workload.model, layout
     if model is None or lay.dp == 1:
@@ -405,7 +410,8 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
         block = block_param_count(model)
         unit = max(block, model.num_params() - model.n_layers * block) / lay.tp
         return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes)
-    return 2.0 * min(DEFAULT_BUCKET_BYTES, stage_params * workload.grad_bytes)
+    bucket = min(DEFAULT_BUCKET_BYTES, stage_params * workload.grad_bytes)
+    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: 3.0 * bucket}[lay.zero]
 
 
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:

@@ -27,6 +27,7 @@ from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
 from paratrain.faults import current_attempt
 from paratrain.hardware import device_peak_flops
+from paratrain.peak_memory import ProcessPeak
 from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
@@ -61,6 +62,12 @@ class Run:
     tokens_seen: int
     accumulation: int  # micro-batches per data rank per step
     peak_flops: float | None  # of one device, for MFU: --peak-flops, else the device's (paratrain.hardware)
+    # The process's memory peak, window by window: one per step (read at the step's agreement), the
+    # first from process start (the build), the last to the end of the run (the sample and weights).
+    memory: ProcessPeak = None
+
+    def __post_init__(self):
+        self.memory = self.memory or ProcessPeak(self.mesh.device)
 
     @property
     def device(self) -> torch.device:

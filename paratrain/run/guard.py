@@ -53,10 +53,10 @@ from paratrain.config import ReliabilitySection
 from paratrain.run.diagnose import CollectiveFailure, FingerprintRing, any_failed, describe, mark_failed
 from paratrain.run.watchdog import StepWatchdog
 from paratrain.errors import RunFailure
+from paratrain.parallel.replicas import INT_OF_SIZE, bit_hash
 
 # torchrun waits 30 s (--shutdown-timeout) between SIGTERM and SIGKILL: finish the step and save before.
 SIGTERM_GRACE_S = 25.0
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class TrainingAborted(RunFailure):
@@ -196,7 +196,7 @@ class StepGuard:
             print(f"paratrain: rank {self.rank}: perturb fault: no replicated parameter here", file=sys.stderr)
             return
         bits = candidates[0].data.view(-1)[:1]
-        bits.view(_INT_OF_SIZE[bits.element_size()]).add_(1)
+        bits.view(INT_OF_SIZE[bits.element_size()]).add_(1)
 
     @torch.no_grad()
     def _check_replicas(self, step: int) -> None:
@@ -206,7 +206,7 @@ class StepGuard:
             n = self.mesh.size(axis)
             if n == 1 or not tensors:
                 continue
-            mine = _bit_hash(tensors).reshape(1)
+            mine = bit_hash(tensors).reshape(1)
             every = torch.empty(n, dtype=torch.int64, device=mine.device)
             self.comm.all_gather(every, mine, axis)
             differs = max(differs, float(bool((mine != every[0]).item())))
@@ -237,15 +237,6 @@ class StepGuard:
         print(f"paratrain: rank {self.rank}: no checkpoint within {SIGTERM_GRACE_S:.0f} s of SIGTERM; exiting",
               file=sys.stderr, flush=True)
         os._exit(128 + signal.SIGTERM)
-
-
-def _bit_hash(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A 64-bit hash of the exact bits of `tensors`: any single changed element changes it."""
-    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
-    for i, t in enumerate(tensors):
-        bits = t.detach().reshape(-1).view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
-        total = total * 1_000_003 + bits.sum() + (i + 1)  # wraps modulo 2^64
-    return total
 
 
 def _from_a_collective(exc: BaseException) -> bool:
