@@ -18,7 +18,7 @@ import torch
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
-from paratrain.plan import Layout, Workload, comm_bytes_per_rank, estimate_memory
+from paratrain.plan import Layout, PipelineBoundary, Workload, comm_bytes_per_rank, estimate_memory
 from paratrain.plan.memory import ScheduleName
 from paratrain.testing import run_on_ranks
 from parallel_cases import BATCH, SEQ, TINY, adamw, batches, launch_once
@@ -81,8 +81,11 @@ LAYOUTS_4 = {  # name: (Layout, global batch rows per micro-batch on each data r
     "dp2_tp2_sp_zero3": Layout(dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch=BATCH // 2),
     "pp4_1f1b": Layout(pp=4, micro_batch=2),
     "pp2_dp2_gpipe_zero1": Layout(pp=2, dp=2, zero=1, micro_batch=2, schedule=ScheduleName.GPIPE),
+    # This branch's pipeline runtime sends whole boundaries from every tp rank (FULL); with the
+    # scatter/gather runtime the planner's default (SCATTER_GATHER) describes it.
     "pp2_tp2_sp_interleaved": Layout(pp=2, tp=2, sequence_parallel=True, micro_batch=2,
-                                     schedule=ScheduleName.INTERLEAVED, virtual_stages=2),
+                                     schedule=ScheduleName.INTERLEAVED, virtual_stages=2,
+                                     boundary=PipelineBoundary.FULL),
 }
 
 
