@@ -157,7 +157,8 @@ def summarize(name: str, rounds: list[dict], predicted: dict) -> dict:
     axes = sorted({axis for p in parts for axis in p["blocked_s"]})
     breakdown = {"train_step_s": statistics.median(p["train_step_s"] for p in parts),
                  "after_s": statistics.median(p["after_s"] for p in parts),
-                 **{f"blocked_{axis}_s": statistics.median(p["blocked_s"].get(axis, 0.0) for p in parts) for axis in axes}}
+                 **{f"blocked_{axis}_s": statistics.median(p["blocked_s"].get(axis, 0.0) for p in parts)
+                    for axis in axes}}
     return {"layout": name, "measured_min_s": min(steps), "measured_median_s": median, "measured_max_s": max(steps),
             "measured_breakdown_s": breakdown, "per_rank_median_s": [r["per_rank_median_s"] for r in rounds],
             "round_medians_s": round_medians, "predicted_s": predicted["total_s"],
@@ -192,15 +193,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "Where the time went, medians over the measured steps of the slowest rank, against the prediction "
               "(measured: `train_step`; clipping + optimizer step; time blocked in collectives per axis, "
               "which is inside the other two):", "",
-              "| layout | train_step measured / predicted compute+tp+pp+bubble | clip + optimizer measured / "
-              "predicted dp+optimizer+sync | blocked per axis measured | exposed comm predicted (dp / tp / pp) |",
+              "| layout | train_step measured / predicted compute+tp+pp+bubble (+dp for ZeRO-3) | clip + optimizer "
+              "measured / predicted dp+optimizer+sync | blocked per axis measured | exposed comm predicted "
+              "(dp / tp / pp) |",
               "|---|---|---|---|---|"]
     for r in rows:
         m, b = r["measured_breakdown_s"], r["predicted_breakdown_s"]
         blocked = ", ".join(f"{k.removeprefix('blocked_').removesuffix('_s')} {v:.3f}" for k, v in m.items()
                             if k.startswith("blocked_"))
-        in_step = b["compute_s"] + b["tp_comm_s"] + b["pp_comm_s"] + b["bubble_s"]
-        after = b["dp_comm_s"] + b["optimizer_s"] + b["sync_s"]
+        # ZeRO-3 communicates inside the forward and backward; DDP and ZeRO-1/2 finish after them
+        dp_inside = b["dp_comm_s"] if CASES[r["layout"]].zero == 3 else 0.0
+        in_step = b["compute_s"] + b["tp_comm_s"] + b["pp_comm_s"] + b["bubble_s"] + dp_inside
+        after = b["dp_comm_s"] - dp_inside + b["optimizer_s"] + b["sync_s"]
         lines.append(f"| {r['layout']} | {m['train_step_s']:.3f} / {in_step:.3f} | {m['after_s']:.3f} / {after:.3f} | "
                      f"{blocked or '-'} | {b['dp_comm_s']:.3f} / {b['tp_comm_s']:.3f} / {b['pp_comm_s']:.3f} |")
     return "\n".join(lines) + "\n"

@@ -311,10 +311,10 @@ def format_profile(hw: Hardware) -> str:
     lines.append(f"  attention kernel: {hw.attention_efficiency:.2f} of the matmul curve; dispatch "
                  f"{hw.op_overhead_s * 1e6:.1f} µs per operator")
     rates = ", ".join(f"{kind} {points[-1][1] / 1e9:.2f}" for kind, points in hw.elementwise.items())
-    lines.append(f"  element-wise, G elements/s at {hw.elementwise and max(p[-1][0] for p in hw.elementwise.values()):,.0f}"
-                 f" elements: {rates or 'n/a'}")
+    lines.append(f"  element-wise kernels, G elements/s at their largest measured size: {rates or 'n/a'}")
     for name, costs in (("collectives", hw.collectives), ("time-sharing cores", hw.collectives_shared)):
-        text = ", ".join(f"{kind} α {c.latency_s * 1e3:.2f} ms β {c.bytes_per_s / 1e9:.2f} GB/s" for kind, c in costs.items())
+        text = ", ".join(f"{kind} α {c.latency_s * 1e3:.2f} ms β {c.bytes_per_s / 1e9:.2f} GB/s"
+                         for kind, c in costs.items())
         lines.append(f"  {name}: {text or 'n/a'}")
     lines.append(f"  overlap of communication with compute: {hw.comm_overlap:.2f}; {hw.host_cores} cores")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from paratrain.plan.compute import (
     step_time,
 )
 from paratrain.plan.hardware import (
+    COLLECTIVE_KINDS,
     DEFAULT_PROFILE,
     HARDWARE_PRESETS,
     GemmCurve,
@@ -57,6 +58,7 @@ from paratrain.plan.search import (
 )
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "DEFAULT_PROFILE",
     "GB",
     "HARDWARE_PRESETS",

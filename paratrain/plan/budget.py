@@ -91,7 +91,8 @@ def format_budget(b: Budget) -> str:
              f"{b.achieved_flops_per_gpu / 1e12:,.1f} TFLOP/s of model FLOPs per GPU",
              f"  GPU-hours  = n × time = {b.gpus} × {b.seconds / 3600:,.1f} h = {b.gpu_hours:,.0f}"]
     if b.cost is not None:
-        lines.append(f"  cost       = GPU-hours × price = {b.gpu_hours:,.0f} × ${b.gpu_hour_price:,.2f} = ${b.cost:,.0f}")
+        lines.append(f"  cost       = GPU-hours × price = {b.gpu_hours:,.0f} × ${b.gpu_hour_price:,.2f} "
+                     f"= ${b.cost:,.0f}")
     else:
         lines.append("  cost       = GPU-hours × price (give --gpu-hour-price)")
     return "\n".join(lines)

@@ -507,7 +507,8 @@ def _reduce(name: str, per_rank: list):
     if name == "overlap":
         return max(per_rank, key=lambda r: r[1] / r[0])
     if name == "elementwise":
-        rows = {kind: _slowest_over_ranks(per_rank, lambda r, k=kind: r[k]) for kind in per_rank[0] if kind != "op_overhead"}
+        rows = {kind: _slowest_over_ranks(per_rank, lambda r, k=kind: r[k])
+                for kind in per_rank[0] if kind != "op_overhead"}
         return {**rows, "op_overhead": max(r["op_overhead"] for r in per_rank)}
     if name in ("gemm", "collectives", "collectives_shared"):
         return {key: _slowest_over_ranks(per_rank, lambda r, k=key: r[k]) for key in per_rank[0]}

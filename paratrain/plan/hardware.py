@@ -172,7 +172,8 @@ class Hardware:
             raise PlanError(f"hardware host_cores={self.host_cores!r} must be a positive integer")
         unknown = (set(self.collectives) | set(self.collectives_shared)) - set(COLLECTIVE_KINDS)
         if unknown:
-            raise PlanError(f"hardware collectives: unknown kind {sorted(unknown)[0]!r}; use {', '.join(COLLECTIVE_KINDS)}")
+            raise PlanError(f"hardware collectives: unknown kind {sorted(unknown)[0]!r}; "
+                            f"use {', '.join(COLLECTIVE_KINDS)}")
         unknown = set(self.elementwise) - set(ELEMENTWISE_ACCESSES)
         if unknown:
             raise PlanError(f"hardware elementwise: unknown kind {sorted(unknown)[0]!r}; "

@@ -55,14 +55,17 @@ _FUSED_CE_ACCESSES = 2.0
 # ("hidden": a linear's input), q, kv, f. Counted from paratrain.models.llama's forward and the
 # autograd of each operator.
 _EAGER_FORWARD = (
-    ("binary", {"residual": 6, "q": 3, "kv": 3, "f": 1}),  # norm products 2×2, residual adds 2; rotary 2 products + a sum; gate
-    ("unary", {"residual": 2, "q": 1.5 + 2 + 1, "kv": 1.5}),  # squares; rotary negate + concatenate; k, v expanded to q heads; output re-layout
+    # norm products 2×2 and residual adds 2; rotary: 2 products and a sum; the gate
+    ("binary", {"residual": 6, "q": 3, "kv": 3, "f": 1}),
+    # squares; rotary negate (half) + concatenate; k and v expanded to q heads; the output re-layout
+    ("unary", {"residual": 2, "q": 1.5 + 2 + 1, "kv": 1.5}),
     ("reduce", {"residual": 2}),  # the norms' means
     ("silu", {"f": 1}),
 )
 _EAGER_BACKWARD = (
-    ("binary", {"residual": 18, "hidden": 3, "q": 3, "kv": 3, "f": 2}),  # norms 2×8, residual grads 2, linear input grads, rotary, gate
-    ("unary", {"q": 0.5 + 1 + 1 + 1, "kv": 0.5 + 1 + 2}),  # negate, concatenate, re-layout and attention-grad layouts
+    # norms 2×8, residual gradients 2, linear input gradients summed, rotary, the gate's two
+    ("binary", {"residual": 18, "hidden": 3, "q": 3, "kv": 3, "f": 2}),
+    ("unary", {"q": 0.5 + 1 + 1 + 1, "kv": 0.5 + 1 + 2}),  # negate, concatenate, re-layout, attention-grad layouts
     ("reduce", {"residual": 4, "q": 2}),  # broadcast products' sums; the kv expansion summed back
     ("silu_backward", {"f": 1}),
 )

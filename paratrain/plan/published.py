@@ -165,7 +165,7 @@ def _korthikanti(name, heads, hidden, layers, tp, pp, gpus, batch, mfu) -> Publi
         name=f"GPT {name} (SP + selective recompute)",
         source=f"Korthikanti et al. 2022, §6.3 / Table 3, {name}: MFU {mfu} % of 312 TFLOP/s",
         gpu="a100-80gb", model=gpt_model(layers, hidden, heads, 51200), seq_len=2048, global_batch=batch,
-        gpus=gpus, tp=tp, pp=pp, micro_batch=1, tflops_per_gpu=round(3.12 * mfu, 2),
+        gpus=gpus, tp=tp, pp=pp, micro_batch=1, tflops_per_gpu=3.12 * mfu,
         flops_per_token=megatron_flops_per_token(layers, hidden, 2048, 51200, recompute=False),
         precision="bf16", recompute=Recompute.SELECTIVE, sequence_parallel=True,
         assumed="non-interleaved 1F1B; bf16")
