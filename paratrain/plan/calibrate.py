@@ -29,7 +29,9 @@ when a layout has more ranks than the host has cores.
 
 On a shared machine each phase first waits for the CPUs to be nearly idle and is measured again
 (up to `retries` times) when other processes took more than `max_foreign` of the CPUs while it
-ran (`paratrain.plan.load`); the profile's source line and the raw measurements say how much.
+ran, or when a matmul probe before and after it ran more than `max_drift` away from the machine's
+best probe at the start (`paratrain.plan.load`); the profile's source line and the raw
+measurements say how much.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 
 from paratrain.plan.hardware import COLLECTIVE_KINDS, GemmCurve, Hardware, KernelStack, LinkCost
-from paratrain.plan.load import CpuWindow, wait_until_quiet
+from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.plan.memory import PlanError
 from paratrain.plan.ops import FLASH_BACKWARD_MATMULS, Gemm
 
@@ -86,7 +88,8 @@ class CalibrationPlan:
     quiet_cpu: float = 0.15
     quiet_wait: float = 120.0
     max_foreign: float = 0.10
-    retries: int = 2
+    max_drift: float = 0.10
+    retries: int = 3
 
     def __post_init__(self):
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 2:
@@ -401,12 +404,13 @@ def machine_info() -> dict:
             "cpu_count": os.cpu_count(), "cores": cores, "loadavg": list(os.getloadavg()), "torch": torch.__version__}
 
 
-def _shares(machine: dict) -> str:
-    """The foreign CPU share of each phase's kept (quietest) attempt."""
+def _shares(machine: dict, plan: CalibrationPlan) -> str:
+    """Each phase's kept attempt: other processes' CPU share and the speed against the baseline probe."""
     parts = []
-    for name, shares in (machine.get("foreign_cpu") or {}).items():
-        known = [x for x in shares if x is not None]
-        parts.append(f"{name} {min(known):.0%}" if known else f"{name} n/a")
+    for name, attempts in (machine.get("conditions") or {}).items():
+        kept = min(attempts, key=lambda a: Conditions(**a).off(plan.max_foreign, plan.max_drift))
+        foreign = "n/a" if kept["foreign"] is None else f"{kept['foreign']:.0%}"
+        parts.append(f"{name} {foreign}/{kept['speed']:.2f} ({len(attempts)})")
     return ", ".join(parts) or "n/a"
 
 
@@ -442,7 +446,8 @@ def build_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: st
         host_cores=cores,
         source=(f"paratrain plan --calibrate on {machine['node']} ({machine['processor']}, {cores} cores, "
                 f"torch {machine['torch']}), {plan.nproc} ranks, {machine['date']}, load average "
-                f"{machine['loadavg'][0]:.2f}, other processes' CPU share per phase {_shares(machine)}"))
+                f"{machine['loadavg'][0]:.2f}; per phase other processes' CPU share / speed against the best probe "
+                f"(attempts): {_shares(machine, plan)}"))
     return dataclasses.replace(base, attention_efficiency=fit_attention(measured["attention"], base))
 
 
@@ -453,52 +458,58 @@ _PHASES = {"gemm": (measure_gemms, 1), "attention": (measure_attention, 1), "mem
 
 
 def run_phase(rank: int, world: int, name: str, plan: CalibrationPlan):
-    """One phase on this rank; rank 0 also returns the share of the CPUs other processes took meanwhile."""
+    """One phase on this rank: (result, the foreign CPU share on rank 0, this rank's slower probe)."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
+    before = matmul_probe()
     window = CpuWindow().start() if rank == 0 else None
     cpu = time.process_time()
     result = _PHASES[name][0](rank, world, plan)
     own = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
     dist.all_reduce(own)  # every rank's CPU seconds, and the end of the window
-    return result, window.stop(own.item()) if window is not None else None
+    foreign = window.stop(own.item()) if window is not None else None
+    return result, foreign, min(before, matmul_probe())
 
 
-def _measure_phase(name: str, plan: CalibrationPlan) -> tuple[list, list]:
-    """(per-rank results of the quietest attempt, the foreign CPU share of every attempt)."""
+def _measure_phase(name: str, plan: CalibrationPlan, baseline: float) -> tuple[list, list]:
+    """(per-rank results of the attempt closest to the baseline conditions, every attempt's Conditions)."""
     from paratrain.testing import RankError, run_on_ranks
 
     attempts = []
+    ranks = plan.nproc * _PHASES[name][1]
     for _ in range(1 + plan.retries):
         wait_until_quiet(plan.quiet_cpu, plan.quiet_wait)
         try:
-            per_rank = run_on_ranks(run_phase, plan.nproc * _PHASES[name][1], name, plan, timeout=plan.timeout)
+            per_rank = run_on_ranks(run_phase, ranks, name, plan, timeout=plan.timeout)
         except RankError as e:
             raise CalibrationError(f"calibration step {name!r} failed: {str(e).splitlines()[0]}") from None
-        foreign = per_rank[0][1]
-        attempts.append(([r[0] for r in per_rank], foreign))
-        if foreign is None or foreign <= plan.max_foreign:
+        speed = sum(r[2] for r in per_rank) / baseline
+        attempts.append(([r[0] for r in per_rank], Conditions(per_rank[0][1], speed)))
+        if attempts[-1][1].off(plan.max_foreign, plan.max_drift) == 0:
             break
-    best = min(attempts, key=lambda a: a[1] or 0.0)
-    return best[0], [a[1] for a in attempts]
+    best = min(attempts, key=lambda a: a[1].off(plan.max_foreign, plan.max_drift))
+    return best[0], [dataclasses.asdict(a[1]) for a in attempts]
 
 
 def calibrate(plan: CalibrationPlan = CalibrationPlan(), progress: bool = True) -> tuple[Hardware, dict]:
     """Measure this machine on `plan.nproc` ranks; return (profile, raw measurements with machine info)."""
     machine = machine_info()
+    wait_until_quiet(plan.quiet_cpu, plan.quiet_wait)
+    baseline = machine_speed(plan.nproc, plan.timeout)
+    machine["probe_flops"] = baseline
     measured: dict = {}
-    foreign: dict = {}
+    conditions: dict = {}
     bar = _progress(len(_PHASES), progress)
     for name in _PHASES:
         bar.set_description(f"calibrating: {name}")
-        per_rank, foreign[name] = _measure_phase(name, plan)
+        per_rank, conditions[name] = _measure_phase(name, plan, baseline)
         measured[name] = _reduce(name, per_rank)
         bar.update(1)
     bar.close()
     machine["loadavg_end"] = list(os.getloadavg())
-    machine["foreign_cpu"] = foreign
+    machine["conditions"] = conditions
     return build_profile(measured, plan, machine), {"machine": machine, "measured": measured}
 
 

@@ -1,10 +1,12 @@
-"""The host's CPU load, for measurements on a shared machine: wait for quiet, tell others' CPU apart.
+"""Measuring on a shared machine: wait for quiet, tell others' CPU apart, notice the machine slow down.
 
 Timings taken while other processes compete for the cores measure the competition, not the
 machine. `wait_until_quiet` waits until the CPUs are nearly idle (between measurements, when
 this process is idle itself); `CpuWindow` measures, around a measurement, how much CPU the
-whole host used beyond what the measuring processes report as their own: the foreign share.
-Linux only (/proc/stat); elsewhere nothing is waited for and the foreign share is unknown (None).
+whole host used beyond what the measuring processes report as their own: the foreign share
+(Linux only, /proc/stat; elsewhere nothing is waited for and the share is unknown, None).
+`matmul_probe` times a fixed matmul, so that measurements made while the machine itself ran
+slower (a virtual machine's host busy elsewhere) can be told apart and made again.
 """
 
 from __future__ import annotations
@@ -71,3 +73,55 @@ class CpuWindow:
         cores = os.cpu_count() or 1
         self.foreign = max(0.0, (end[0] - self.begin[0]) - own_cpu_s) / (cores * wall)
         return self.foreign
+
+
+# -- the machine's speed -------------------------------------------------------------------------
+# A virtual machine's host can slow it down with nothing to see from inside (no foreign process,
+# little steal time): a fixed matmul timed on every rank (the probe) tells measurements taken at
+# different speeds apart.
+
+PROBE_SIZE = 256  # a 256³ matmul: in cache, about a third of a millisecond on a CPU core
+
+
+def matmul_probe(seconds: float = 0.15) -> float:
+    """FLOP/s this process gets on a fixed matmul over `seconds` (the caller's peers run it at once)."""
+    import torch
+
+    a, b = torch.randn(PROBE_SIZE, PROBE_SIZE), torch.randn(PROBE_SIZE, PROBE_SIZE)
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        calls += 1
+    return 2 * PROBE_SIZE**3 * calls / (time.perf_counter() - start)
+
+
+def probe_rank(rank: int, world: int, samples: int = 5) -> float:
+    """This rank's best probe of `samples`, all ranks probing together: its speed when nothing interferes."""
+    import torch.distributed as dist
+
+    best = 0.0
+    for _ in range(samples):
+        dist.barrier()
+        best = max(best, matmul_probe())
+    return best
+
+
+def machine_speed(nproc: int, timeout: float = 120.0) -> float:
+    """The probe's total FLOP/s over `nproc` ranks at once, the best of a few samples (a baseline)."""
+    from paratrain.testing import run_on_ranks
+
+    return sum(run_on_ranks(probe_rank, nproc, timeout=timeout))
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What a measurement ran under: other processes' CPU share, the speed against the baseline probe."""
+
+    foreign: float | None
+    speed: float | None
+
+    def off(self, max_foreign: float, max_drift: float) -> float:
+        """How far outside the limits (0: inside); unknown values count as inside."""
+        foreign = 0.0 if self.foreign is None else max(0.0, self.foreign - max_foreign)
+        speed = 0.0 if self.speed is None else max(0.0, abs(self.speed - 1) - max_drift)
+        return foreign + speed
