@@ -34,6 +34,7 @@ class Budget:
     model_flops_per_token: float
     hardware_flops_per_token: float
     gpu_hour_price: float | None = None
+    flops_formula: str = "6N + 12·L·h·s"
 
     @property
     def steps(self) -> float:
@@ -78,7 +79,8 @@ def budget(est: Estimate, tokens: float, gpu_hour_price: float | None = None) ->
     per_step = float(batch * est.workload.seq_len)
     return Budget(tokens=float(tokens), gpus=est.layout.world_size, step_s=est.time.total, tokens_per_step=per_step,
                   model_flops_per_token=est.flops.model / per_step,
-                  hardware_flops_per_token=est.flops.hardware / per_step, gpu_hour_price=gpu_hour_price)
+                  hardware_flops_per_token=est.flops.hardware / per_step, gpu_hour_price=gpu_hour_price,
+                  flops_formula="6N + 12·L·h·s" if est.workload.model is not None else "6N")
 
 
 def format_budget(b: Budget) -> str:
@@ -87,7 +89,7 @@ def format_budget(b: Budget) -> str:
              f"  steps      = T / tokens per step = {_short(b.tokens)} / {b.tokens_per_step:,.0f} = {b.steps:,.0f}",
              f"  time       = steps × step time = {b.steps:,.0f} × {b.step_s:.3f} s = {b.days:,.1f} days",
              f"             = T · F / (n · X) with F = {b.model_flops_per_token:.3e} model FLOPs per token "
-             f"(6N + 12·L·h·s; {b.hardware_flops_per_token:.3e} with recomputation) and X = "
+             f"({b.flops_formula}; {b.hardware_flops_per_token:.3e} with recomputation) and X = "
              f"{b.achieved_flops_per_gpu / 1e12:,.1f} TFLOP/s of model FLOPs per GPU",
              f"  GPU-hours  = n × time = {b.gpus} × {b.seconds / 3600:,.1f} h = {b.gpu_hours:,.0f}"]
     if b.cost is not None:

@@ -44,7 +44,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from paratrain.plan.hardware import COLLECTIVE_KINDS, GemmCurve, Hardware, KernelStack, LinkCost
+from paratrain.plan.hardware import COLLECTIVE_KINDS, Elementwise, GemmCurve, Hardware, KernelStack, LinkCost
 from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.plan.memory import PlanError
 from paratrain.plan.ops import FLASH_BACKWARD_MATMULS, Gemm
@@ -205,18 +205,18 @@ def _elementwise_ops() -> dict:
     import torch.nn.functional as F
 
     width = 256  # rows of a layer's width for the row-wise kernels
-    return {"binary": torch.mul, "unary": lambda x, y: torch.neg(x),
-            "reduce": lambda x, y: x.view(-1, width).sum(-1), "silu": lambda x, y: F.silu(x),
-            "silu_backward": lambda x, y: torch.ops.aten.silu_backward(y, x),
-            "softmax": lambda x, y: torch.log_softmax(x.view(-1, width), -1)}
+    return {Elementwise.BINARY: torch.mul, Elementwise.UNARY: lambda x, y: torch.neg(x),
+            Elementwise.REDUCE: lambda x, y: x.view(-1, width).sum(-1), Elementwise.SILU: lambda x, y: F.silu(x),
+            Elementwise.SILU_BACKWARD: lambda x, y: torch.ops.aten.silu_backward(y, x),
+            Elementwise.SOFTMAX: lambda x, y: torch.log_softmax(x.view(-1, width), -1)}
 
 
 def measure_elementwise(rank: int, world: int, plan: CalibrationPlan) -> dict:
     """{kind: [(elements, seconds)]} for each eager kind, and "op_overhead": seconds per operator or node."""
     import torch
 
-    out = {kind: [(n, _sample(_cycling(n, plan, op), plan.min_seconds, plan.repeats)) for n in plan.elementwise_sizes]
-           for kind, op in _elementwise_ops().items()}
+    out = {kind.value: [(n, _sample(_cycling(n, plan, op), plan.min_seconds, plan.repeats))
+                        for n in plan.elementwise_sizes] for kind, op in _elementwise_ops().items()}
     x, chain = torch.randn(16, requires_grad=True), 100
 
     def forward_backward():

@@ -34,9 +34,23 @@ PROFILE_FORMAT = 1  # version of the JSON layout of a hardware profile
 # `paratrain report` looks for one.
 DEFAULT_PROFILE = Path.home() / ".cache" / "paratrain" / "hardware.json"
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
-# Element-wise kernel kinds of an eager stack, and the elements each reads and writes per output
-# element (what a profile without a measured rate for the kind falls back to, through bandwidth).
-ELEMENTWISE_ACCESSES = {"binary": 3, "unary": 2, "reduce": 1, "silu": 2, "silu_backward": 3, "softmax": 2}
+
+
+class Elementwise(str, Enum):
+    """The element-wise kernel kinds of an eager stack, each with its own measured throughput."""
+
+    BINARY = "binary"  # a product or sum of two tensors
+    UNARY = "unary"  # a copy, negation, square, gather
+    REDUCE = "reduce"  # a sum or mean along rows
+    SILU = "silu"  # a transcendental function (SiLU, exp)
+    SILU_BACKWARD = "silu_backward"
+    SOFTMAX = "softmax"  # a row-wise log-softmax
+
+
+# Elements each kind reads and writes per output element: what a profile without a measured rate
+# for the kind falls back to, through the memory bandwidth.
+ELEMENTWISE_ACCESSES = {Elementwise.BINARY: 3, Elementwise.UNARY: 2, Elementwise.REDUCE: 1, Elementwise.SILU: 2,
+                        Elementwise.SILU_BACKWARD: 3, Elementwise.SOFTMAX: 2}
 
 
 class KernelStack(str, Enum):
@@ -182,7 +196,8 @@ class Hardware:
             raise PlanError(f"hardware op_overhead_s={self.op_overhead_s!r} must be non-negative")
         object.__setattr__(self, "kernels", KernelStack(self.kernels))
         object.__setattr__(self, "memory_curve", _curve(self.memory_curve))
-        object.__setattr__(self, "elementwise", {kind: _curve(points) for kind, points in self.elementwise.items()})
+        object.__setattr__(self, "elementwise",
+                           {Elementwise(kind): _curve(points) for kind, points in self.elementwise.items()})
 
     def peak(self, precision: str) -> float:
         return {"bf16": self.peak_bf16, "fp16": self.peak_fp16, "fp32": self.peak_fp32}[precision]
@@ -202,14 +217,14 @@ class Hardware:
             return self.hbm_bytes_per_s * self.memory_efficiency
         return _interpolate(self.memory_curve, nbytes)
 
-    def elementwise_seconds(self, kind: str, elements: float, itemsize: int) -> float:
+    def elementwise_seconds(self, kind: Elementwise, elements: float, itemsize: int) -> float:
         """One eager kernel of `kind` over `elements`: its measured rate, else its accesses / bandwidth."""
         if elements <= 0:
             return 0.0
         curve = self.elementwise.get(kind)
         if curve:
             return elements / _interpolate(curve, elements)
-        nbytes = ELEMENTWISE_ACCESSES[kind] * elements * itemsize
+        nbytes = ELEMENTWISE_ACCESSES[Elementwise(kind)] * elements * itemsize
         return nbytes / self.memory_bytes_per_s(nbytes)
 
     def memory_seconds(self, nbytes: float, kernel_bytes: float | None = None) -> float:
@@ -294,7 +309,8 @@ def hardware_to_dict(hardware: Hardware) -> dict:
     out = dataclasses.asdict(hardware)
     out["kernels"] = hardware.kernels.value
     out["memory_curve"] = [list(point) for point in hardware.memory_curve]
-    out["elementwise"] = {kind: [list(point) for point in points] for kind, points in hardware.elementwise.items()}
+    out["elementwise"] = {kind.value: [list(point) for point in points]
+                          for kind, points in hardware.elementwise.items()}
     for name in ("collectives", "collectives_shared"):
         out[name] = {kind: dataclasses.asdict(cost) for kind, cost in getattr(hardware, name).items()}
     return {"format": PROFILE_FORMAT, **out}

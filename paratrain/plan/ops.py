@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.models.configs import ModelConfig
-from paratrain.plan.hardware import Hardware, KernelStack
+from paratrain.plan.hardware import Elementwise, Hardware, KernelStack
 from paratrain.plan.memory import DTYPE_BYTES, Recompute
 
 BACKWARD_MEMORY_FACTOR = 2.0  # element-wise backward reads the saved input and the gradient, writes one
@@ -56,18 +56,19 @@ _FUSED_CE_ACCESSES = 2.0
 # autograd of each operator.
 _EAGER_FORWARD = (
     # norm products 2×2 and residual adds 2; rotary: 2 products and a sum; the gate
-    ("binary", {"residual": 6, "q": 3, "kv": 3, "f": 1}),
+    (Elementwise.BINARY, {"residual": 6, "q": 3, "kv": 3, "f": 1}),
     # squares; rotary negate (half) + concatenate; k and v expanded to q heads; the output re-layout
-    ("unary", {"residual": 2, "q": 1.5 + 2 + 1, "kv": 1.5}),
-    ("reduce", {"residual": 2}),  # the norms' means
-    ("silu", {"f": 1}),
+    (Elementwise.UNARY, {"residual": 2, "q": 1.5 + 2 + 1, "kv": 1.5}),
+    (Elementwise.REDUCE, {"residual": 2}),  # the norms' means
+    (Elementwise.SILU, {"f": 1}),
 )
 _EAGER_BACKWARD = (
     # norms 2×8, residual gradients 2, linear input gradients summed, rotary, the gate's two
-    ("binary", {"residual": 18, "hidden": 3, "q": 3, "kv": 3, "f": 2}),
-    ("unary", {"q": 0.5 + 1 + 1 + 1, "kv": 0.5 + 1 + 2}),  # negate, concatenate, re-layout, attention-grad layouts
-    ("reduce", {"residual": 4, "q": 2}),  # broadcast products' sums; the kv expansion summed back
-    ("silu_backward", {"f": 1}),
+    (Elementwise.BINARY, {"residual": 18, "hidden": 3, "q": 3, "kv": 3, "f": 2}),
+    # negate, concatenate, re-layout, the attention gradients' layouts
+    (Elementwise.UNARY, {"q": 0.5 + 1 + 1 + 1, "kv": 0.5 + 1 + 2}),
+    (Elementwise.REDUCE, {"residual": 4, "q": 2}),  # broadcast products' sums; the kv expansion summed back
+    (Elementwise.SILU_BACKWARD, {"f": 1}),
 )
 EAGER_OPS_PER_BLOCK = (30, 50)  # operators in forward, autograd nodes in backward (views not counted)
 EAGER_HEAD_OPS = (12, 12)  # final norm, head, cross-entropy (vocab-parallel: max, shift, exp, sum, divide)
@@ -222,11 +223,12 @@ def _cross_entropy_seconds(hw: Hardware, x: Shape, vocab_parallel: bool) -> Pass
     if hw.kernels is KernelStack.FUSED:
         one = hw.memory_seconds(_FUSED_CE_ACCESSES * logits * 4, 3 * logits * 4)
         return PassTimes(one, one)
-    passes = ((("reduce", 2), ("binary", 2), ("silu", 1)) if vocab_parallel  # max, sum; shift, divide; exp
-              else (("softmax", 1),))
+    # vocab-parallel: max and sum, shift and divide, exp; else one log-softmax
+    passes = (((Elementwise.REDUCE, 2), (Elementwise.BINARY, 2), (Elementwise.SILU, 1)) if vocab_parallel
+              else ((Elementwise.SOFTMAX, 1),))
     forward = sum(count * hw.elementwise_seconds(kind, logits, 4) for kind, count in passes)
-    backward = hw.elementwise_seconds("binary", logits, 4) + hw.elementwise_seconds("softmax" if not vocab_parallel
-                                                                                    else "binary", logits, 4)
+    second = Elementwise.BINARY if vocab_parallel else Elementwise.SOFTMAX
+    backward = hw.elementwise_seconds(Elementwise.BINARY, logits, 4) + hw.elementwise_seconds(second, logits, 4)
     return PassTimes(forward + EAGER_HEAD_OPS[0] * hw.op_overhead_s, backward + EAGER_HEAD_OPS[1] * hw.op_overhead_s)
 
 
@@ -234,8 +236,8 @@ def head_times(hw: Hardware, x: Shape, vocab_parallel: bool = False) -> PassTime
     """Final norm, output projection (T, V/t, h) and cross-entropy on the last stage."""
     head = Gemm(x.tokens, x.vocab, x.hidden)
     norm = (hw.memory_seconds(4 * x.tokens * x.residual * x.itemsize) if hw.kernels is KernelStack.FUSED else
-            _eager_seconds(hw, x, (("binary", {"residual": 2}), ("unary", {"residual": 1}),
-                                   ("reduce", {"residual": 1})), 0))
+            _eager_seconds(hw, x, ((Elementwise.BINARY, {"residual": 2}), (Elementwise.UNARY, {"residual": 1}),
+                                   (Elementwise.REDUCE, {"residual": 1})), 0))
     loss = _cross_entropy_seconds(hw, x, vocab_parallel)
     forward = hw.gemm_seconds(head.m, head.n, head.k, x.dtype) + norm + loss.forward
     backward = _gemm_seconds(hw, backward_gemms(head), x.dtype) + 4 * norm + loss.backward
@@ -245,6 +247,5 @@ def head_times(hw: Hardware, x: Shape, vocab_parallel: bool = False) -> PassTime
 def embedding_times(hw: Hardware, x: Shape) -> PassTimes:
     """The embedding lookup (a gather of T rows) and its backward (a scatter-add) on the first stage."""
     rows = x.tokens * x.hidden
-    return PassTimes(hw.elementwise_seconds("unary", rows, x.itemsize),
-                     hw.elementwise_seconds("unary", rows, x.itemsize) + hw.elementwise_seconds("binary", rows,
-                                                                                                 x.itemsize))
+    gather = hw.elementwise_seconds(Elementwise.UNARY, rows, x.itemsize)
+    return PassTimes(gather, gather + hw.elementwise_seconds(Elementwise.BINARY, rows, x.itemsize))
