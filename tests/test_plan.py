@@ -253,9 +253,11 @@ def test_dp_comm_bytes_follow_the_ring_formulas():
 def test_tp_and_pp_comm_bytes():
     work = Workload.for_model(LLAMA_7B, seq_len=S, global_batch=2)  # m = 2 with mb = 1
     size = 1 * S * H * 2
+    rows = 1 * S * 4  # the vocab-parallel cross-entropy's fp32 row maxima, then two sums per row
     # tp = 2: an all-reduce sends 2·S·(2 − 1)/2 = S; 4 per layer, + embedding forward + head backward
-    assert comm_bytes_per_rank(work, Layout(tp=2))["tp"] == 2 * (4 * 32 + 2) * size
-    assert comm_bytes_per_rank(work, Layout(tp=2, sequence_parallel=True))["tp"] == 2 * (4 * 32 + 1.5) * size
+    assert comm_bytes_per_rank(work, Layout(tp=2))["tp"] == 2 * ((4 * 32 + 2) * size + 3 * rows)
+    assert comm_bytes_per_rank(work, Layout(tp=2, sequence_parallel=True))["tp"] == 2 * (
+        (4 * 32 + 1.5) * size + 3 * rows)
     # pp = 4: a middle stage sends activations forward and gradients backward, per micro-batch
     assert comm_bytes_per_rank(work, Layout(pp=4))["pp"] == 2 * 2 * size
 
@@ -410,7 +412,8 @@ def test_explicit_sizes_and_help(capsys):
                  "--seq", "--global-batch", "--micro-batch", "--precision", "--reduce-dtype", "--gpus", "--dp",
                  "--tp", "--pp", "--zero", "--virtual-stages", "--sequence-parallel", "--recompute",
                  "--schedule", "--hardware", "--gpu-memory", "--gpus-per-node", "--peak-tflops", "--efficiency",
-                 "--intra-node-gbps", "--inter-node-gbps", "--top", "--json"):
+                 "--intra-node-gbps", "--inter-node-gbps", "--calibrate", "--out", "--nproc", "--quick", "--tokens",
+                 "--gpu-hour-price", "--top", "--json", "--published"):
         assert flag in help_text
 
 

@@ -63,15 +63,16 @@ def write_run(path, dp=2, zero=3, pp=None, steps=5, breakdown=True):
 
 
 def test_communication_is_drawn_against_the_planners_estimate(tmp_path):
-    """A dp2 ZeRO-2 fp32 run of `tiny`: the planner says 2Ψ(N-1)/N fp32 gradients = 4Ψ bytes per step."""
+    """A dp2 ZeRO-2 fp32 run of `tiny`, 4 micro-batches per rank: the planner says a reduce-scatter of
+    Ψ(N-1)/N fp32 gradients after each micro-batch and one all-gather of the parameters, 4·2Ψ + 2Ψ bytes."""
     run_dir = write_run(tmp_path / "zero2", zero=2)
     config = Config().to_dict()
     config["parallel"].update(dp=2, zero=2)
     config["train"].update(global_batch=16, micro_batch=2)
     (run_dir / "config.json").write_text(json.dumps(config))
     run = load_run(run_dir)
-    assert planned_comm(run)["dp"] == 4 * get_model_config("tiny").num_params()
-    assert "comm MB/step: dp 3.00 (plan 12.66)" in format_summary([run])
+    assert planned_comm(run)["dp"] == 10 * get_model_config("tiny").num_params()
+    assert "comm MB/step: dp 3.00 (plan 31.64)" in format_summary([run])
     _, labels = comm_figure([run]).axes[0].get_legend_handles_labels()
     assert labels == ["estimate of paratrain plan", "zero2 (dp2,zero2)"]
 
@@ -162,3 +163,59 @@ def test_without_matplotlib_the_report_says_what_to_install(tmp_path, capsys, mo
     assert main(["report", str(run)]) == 2
     err = capsys.readouterr().err
     assert "pip install 'paratrain[plot]'" in err and err.count("\n") == 1
+
+
+# -- predicted against measured step time ------------------------------------------------------------
+
+
+def write_timed_run(path, steps=5):
+    """A dp2 ZeRO-1 run of `tiny` whose records carry a known time breakdown."""
+    path.mkdir(parents=True)
+    config = Config().to_dict()
+    config["parallel"].update(dp=2, zero=1)
+    config["train"].update(global_batch=16, micro_batch=4)
+    config["data"]["seq_len"] = 128
+    (path / "config.json").write_text(json.dumps(config))
+    with open(path / "metrics.jsonl", "w") as f:
+        for step in range(1, steps + 1):
+            breakdown = {"compute_s": 0.30 + 0.01 * step, "optimizer_s": 0.02, "data_s": 0.001, "checkpoint_s": 0.0,
+                         "comm_exposed_s": {"dp": 0.03, "world": 0.002}, "pipeline_wait_s": 0.0, "other_s": 0.004}
+            f.write(json.dumps({"step": step, "loss": 4.0, "step_time_s": 0.36 + 0.01 * step,
+                                "time_breakdown_s": breakdown}) + "\n")
+    return path
+
+
+def test_summary_puts_the_predicted_step_next_to_the_measured_medians(tmp_path):
+    from paratrain.commands.report import predicted_step
+    from paratrain.plan import get_hardware
+
+    run = load_run(write_timed_run(tmp_path / "timed"))
+    hardware = get_hardware("a100-80gb")
+    predicted = predicted_step(run, hardware)
+    text = format_summary([run], hardware)
+    assert f"step time: measured median 0.390 s, predicted {predicted.total:.3f} s" in text
+    assert f"compute                                 0.330{predicted.compute:>12.3f}" in text
+    assert f"exposed comm dp                         0.030{predicted.dp_comm:>12.3f}" in text
+    assert f"exposed comm world                      0.002{predicted.sync:>12.3f}" in text
+    assert "data, checkpoint, other                 0.005           -" in text
+
+
+def test_prediction_needs_a_profile_and_takes_the_calibrated_one_by_default(tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    import paratrain.plan
+    from paratrain.plan import get_hardware, save_profile
+
+    run_dir = write_timed_run(tmp_path / "timed")
+    monkeypatch.setattr(paratrain.plan, "DEFAULT_PROFILE", tmp_path / "none.json")
+    assert main(["report", str(run_dir)]) == 0
+    assert "predicted step time: needs a hardware profile; run `paratrain plan --calibrate`" in capsys.readouterr().out
+    profile = save_profile(dataclasses.replace(get_hardware("h100-80gb"), name="this-machine"), tmp_path / "hw.json")
+    monkeypatch.setattr(paratrain.plan, "DEFAULT_PROFILE", profile)
+    assert main(["report", str(run_dir)]) == 0
+    assert "on this-machine" in capsys.readouterr().out
+    assert main(["report", str(run_dir), "--hardware", "a100-80gb"]) == 0
+    assert "on a100-80gb" in capsys.readouterr().out
+    assert main(["report", str(run_dir), "--hardware", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "hardware profile" in err and "does not exist" in err and len(err.strip().splitlines()) == 1

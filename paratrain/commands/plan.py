@@ -4,9 +4,13 @@
     paratrain plan --params 7.5B --dp 64 --zero 3            # model states only (ZeRO Table 1)
     paratrain plan --model llama2-70b --gpus 64 --gpu-memory 80GB --gpus-per-node 8 \\
                    --seq 4096 --global-batch 1024            # search
+    paratrain plan --model llama2-70b --gpus 64 --tokens 2T --gpu-hour-price 2.5   # days, GPU-hours, cost
+    paratrain plan --calibrate                               # measure this machine: a hardware profile
+    paratrain plan --model tiny --dp 2 --hardware ~/.cache/paratrain/hardware.json
+    paratrain plan --published                               # the presets against published runs
 
-Bad input raises `PlanError` (a ValueError) with one line; `cmd_plan` prints it and
-returns 2, like the main CLI does for its own errors.
+Bad input raises `PlanError` (a ValueError) with one line; `paratrain.cli` prints it and
+exits with 2.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import json
 import re
 
 from paratrain.models.configs import MODEL_CONFIGS, ModelConfig, get_model_config
-from paratrain.plan.compute import HARDWARE_PRESETS, Hardware, get_hardware
+from paratrain.plan.budget import DEFAULT_BATCH_TOKENS, budget, format_budget
+from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, GemmCurve, Hardware, get_hardware, save_profile
 from paratrain.plan.memory import (
     DTYPE_BYTES,
     GB,
@@ -115,20 +120,46 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
     hw = parser.add_argument_group("hardware")
-    hw.add_argument("--hardware", default="h100-80gb", choices=list(HARDWARE_PRESETS),
-                    help="GPU preset: memory, peak FLOP/s, NVLink and InfiniBand bandwidth (default h100-80gb)")
-    hw.add_argument("--gpu-memory", help="device memory, e.g. 80GB or 80GiB (default: the preset's)")
-    hw.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp must fit in one (default 8)")
-    hw.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s at --precision (default: the preset's)")
-    hw.add_argument("--efficiency", type=float, default=0.5, help="achievable fraction of peak (default 0.5)")
+    hw.add_argument("--hardware", default="h100-80gb", metavar="NAME_OR_FILE",
+                    help=f"GPU preset ({', '.join(HARDWARE_PRESETS)}: memory, peak FLOP/s, matmul efficiency curve, "
+                         "NVLink and InfiniBand bandwidth), or a profile written by --calibrate (a .json file) "
+                         "(default h100-80gb)")
+    hw.add_argument("--gpu-memory", help="device memory, e.g. 80GB or 80GiB (default: the hardware's)")
+    hw.add_argument("--gpus-per-node", type=int, help="GPUs per node; tp must fit in one (default: the hardware's, "
+                                                      "8 for the presets)")
+    hw.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s at --precision (default: the hardware's)")
+    hw.add_argument("--efficiency", type=float,
+                    help="plateau e_max of the matmul efficiency curve e_max·x/(x + x_half) at --precision "
+                         "(default: the hardware's)")
     hw.add_argument("--intra-node-gbps", type=float,
                     help="intra-node (NVLink) bandwidth per GPU, one direction, in GB/s (gigaBYTES)")
     hw.add_argument("--inter-node-gbps", type=float,
                     help="inter-node (InfiniBand) bandwidth per GPU, one direction, in GB/s (gigaBYTES)")
 
+    cal = parser.add_argument_group("calibration (measure this machine instead of estimating)")
+    cal.add_argument("--calibrate", action="store_true",
+                     help="measure matmuls, attention, element-wise kernels and collectives on --nproc local gloo "
+                          "ranks and write a hardware profile (JSON) for --hardware FILE")
+    cal.add_argument("--out", metavar="FILE", help=f"with --calibrate: where to write the profile (default "
+                                                   f"{DEFAULT_PROFILE}, which `paratrain report` reads)")
+    cal.add_argument("--nproc", type=int, help="with --calibrate: ranks measured at once (default 2)")
+    cal.add_argument("--quick", action="store_true",
+                     help="with --calibrate: a few seconds of measurements, enough to fit every constant but not "
+                          "for accuracy (for trying the command out)")
+
+    budget_group = parser.add_argument_group("time and cost of a token budget")
+    budget_group.add_argument("--tokens", help="train on this many tokens, e.g. 300B or 2T (suffixes K, M, B, T): "
+                                               "prints days, GPU-hours and the formula (default global batch: 4M "
+                                               "tokens, Llama 2's)")
+    budget_group.add_argument("--gpu-hour-price", type=float, metavar="USD",
+                              help="with --tokens: price of one GPU-hour, adds the cost")
+
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="layouts to show with --gpus (default 10)")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    out.add_argument("--published", action="store_true",
+                     help="print the published training runs the presets are checked against, with the planner's "
+                          "prediction of each one's per-GPU throughput")
 
 
 # -- from arguments to planner objects ----------------------------------------------------
@@ -164,20 +195,25 @@ def model_from_args(args) -> tuple[ModelConfig | None, str]:
 def workload_from_args(args) -> tuple[Workload, str]:
     model, name = model_from_args(args)
     seq = args.seq or (model.max_seq_len if model is not None else 2048)
-    common = dict(seq_len=seq, global_batch=args.global_batch, precision=args.precision,
-                  reduce_dtype=args.reduce_dtype)
+    batch = args.global_batch
+    if batch is None and args.tokens is not None:
+        batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
+    common = dict(seq_len=seq, global_batch=batch, precision=args.precision, reduce_dtype=args.reduce_dtype)
     if model is None:
         return Workload.for_params(parse_count(args.params), **common), name
     return Workload.for_model(model, **common), name
 
 
 def hardware_from_args(args) -> Hardware:
-    overrides = {"gpus_per_node": args.gpus_per_node, "efficiency": args.efficiency,
+    overrides = {"gpus_per_node": args.gpus_per_node,
                  "memory_bytes": parse_bytes(args.gpu_memory) if args.gpu_memory else None,
                  "intra_node_bytes_per_s": args.intra_node_gbps * 1e9 if args.intra_node_gbps else None,
                  "inter_node_bytes_per_s": args.inter_node_gbps * 1e9 if args.inter_node_gbps else None}
     if args.peak_tflops is not None:
         overrides[f"peak_{args.precision}"] = args.peak_tflops * 1e12
+    if args.efficiency is not None:
+        curve = get_hardware(args.hardware).gemm(args.precision)
+        overrides[f"gemm_{args.precision}"] = GemmCurve(args.efficiency, curve.half_size)
     return get_hardware(args.hardware, **overrides)
 
 
@@ -214,11 +250,74 @@ def space_from_args(args) -> SearchSpace:
 
 def run(args) -> int:
     """Run `paratrain plan` (bad input raises PlanError or ModelConfigError: one line, exit 2)."""
+    _check_modes(args)
+    if args.calibrate:
+        return _run_calibrate(args)
+    if args.published:
+        return _run_published(args)
     workload, name = workload_from_args(args)
     hardware = hardware_from_args(args)
     if args.gpus is not None:
         return _run_search(args, workload, name, hardware)
     return _run_single(args, workload, name, hardware)
+
+
+def _check_modes(args) -> None:
+    """Options that belong to one mode only, and the token budget's values."""
+    if not args.calibrate:
+        for flag, value in (("--out", args.out), ("--nproc", args.nproc), ("--quick", args.quick)):
+            if value not in (None, False):
+                raise PlanError(f"{flag} belongs to --calibrate")
+    if args.gpu_hour_price is not None and args.tokens is None:
+        raise PlanError("--gpu-hour-price needs --tokens (the budget whose cost it prices)")
+    if args.gpu_hour_price is not None and not args.gpu_hour_price >= 0:
+        raise PlanError(f"--gpu-hour-price must be a non-negative number of dollars, got {args.gpu_hour_price!r}")
+    if args.tokens is not None:
+        parse_count(args.tokens, "--tokens")
+
+
+def _run_calibrate(args) -> int:
+    from paratrain.plan.calibrate import CalibrationPlan, calibrate
+
+    nproc = 2 if args.nproc is None else args.nproc
+    plan = CalibrationPlan.quick(nproc) if args.quick else CalibrationPlan(nproc=nproc)
+    hardware, _ = calibrate(plan, progress=not args.json)
+    path = save_profile(hardware, args.out or DEFAULT_PROFILE)
+    if args.json:
+        from paratrain.plan.hardware import hardware_to_dict
+
+        print(json.dumps({"mode": "calibrate", "profile": str(path), "hardware": hardware_to_dict(hardware)}, indent=2))
+    else:
+        print(format_profile(hardware))
+        print(f"wrote {path}; use it with `paratrain plan --hardware {path} ...`")
+    return 0
+
+
+def _run_published(args) -> int:
+    from paratrain.plan.published import format_published, published_rows
+
+    rows = published_rows()
+    print(json.dumps({"mode": "published", "runs": rows}, indent=2) if args.json else format_published(rows))
+    return 0
+
+
+def format_profile(hw: Hardware) -> str:
+    """A calibrated profile's main numbers, one line each."""
+    lines = [f"hardware profile {hw.name!r}: {hw.source}"]
+    for dtype in ("fp32", "bf16", "fp16"):
+        curve = hw.gemm(dtype)
+        lines.append(f"  matmul {dtype}: {hw.peak(dtype) * curve.peak_efficiency / 1e9:,.1f} GFLOP/s plateau per rank, "
+                     f"half of it at x = {curve.half_size:,.0f} (x = 3/(1/m + 1/n + 1/k))")
+    lines.append(f"  attention kernel: {hw.attention_efficiency:.2f} of the matmul curve; dispatch "
+                 f"{hw.op_overhead_s * 1e6:.1f} µs per operator")
+    rates = ", ".join(f"{kind} {points[-1][1] / 1e9:.2f}" for kind, points in hw.elementwise.items())
+    lines.append(f"  element-wise kernels, G elements/s at their largest measured size: {rates or 'n/a'}")
+    for name, costs in (("collectives", hw.collectives), ("time-sharing cores", hw.collectives_shared)):
+        text = ", ".join(f"{kind} α {c.latency_s * 1e3:.2f} ms β {c.bytes_per_s / 1e9:.2f} GB/s"
+                         for kind, c in costs.items())
+        lines.append(f"  {name}: {text or 'n/a'}")
+    lines.append(f"  overlap of communication with compute: {hw.comm_overlap:.2f}; {hw.host_cores} cores")
+    return "\n".join(lines)
 
 
 def _run_single(args, workload: Workload, name: str, hardware: Hardware) -> int:
@@ -233,12 +332,13 @@ def _run_single(args, workload: Workload, name: str, hardware: Hardware) -> int:
         raise LayoutError(f"invalid layout {layout.label()}: {errors[0].message}")
     est = estimate(workload, layout, hardware, memory_limit=hardware.memory_bytes)
     reason = broken[0].message if broken else est.reason
+    plan = _budget(args, est)
     if args.json:
         row = {**est.to_dict(hardware), "feasible": reason is None, "reason": reason}
-        print(json.dumps({"mode": "estimate", **_header_dict(workload, name, hardware, layout.world_size),
-                          "layouts": [row]}, indent=2))
+        doc = {"mode": "estimate", **_header_dict(workload, name, hardware, layout.world_size), "layouts": [row]}
+        print(json.dumps({**doc, **({"budget": plan.as_dict()} if plan else {})}, indent=2))
         return 0
-    print(_header(workload, name, hardware, layout.world_size))
+    print(_header(workload, name, hardware, layout.world_size, args))
     print(f"layout: {layout.label()}, {layout.num_microbatches(workload.global_batch)} micro-batch(es) per step")
     print()
     print(format_memory(est.memory, hardware.memory_bytes))
@@ -246,7 +346,19 @@ def _run_single(args, workload: Workload, name: str, hardware: Hardware) -> int:
         print(f"  infeasible: {reason}")
     print()
     print(format_time(est, hardware))
+    if plan:
+        print()
+        print(format_budget(plan))
     return 0
+
+
+def _budget(args, est: Estimate | None):
+    """The token budget's time and cost with `est`'s layout, when --tokens asks for it."""
+    if args.tokens is None:
+        return None
+    if est is None:
+        raise PlanError("--tokens needs a layout that fits: no layout of the search does")
+    return budget(est, parse_count(args.tokens, "--tokens"), args.gpu_hour_price)
 
 
 def _run_search(args, workload: Workload, name: str, hardware: Hardware) -> int:
@@ -257,15 +369,20 @@ def _run_search(args, workload: Workload, name: str, hardware: Hardware) -> int:
     if args.top < 1:
         raise PlanError(f"--top must be a positive integer, got {args.top}")
     result = search(workload, args.gpus, hardware, space_from_args(args), top=args.top)
+    plan = _budget(args, result.best)
     if args.json:
         doc = {"mode": "search", **_header_dict(workload, name, hardware, args.gpus),
                "searched": result.searched, "num_feasible": result.num_feasible,
                "num_infeasible": result.num_infeasible,
                "layouts": [e.to_dict(hardware) for e in result.ranked],
-               "infeasible": result.failure_summary()}
+               "infeasible": result.failure_summary(), **({"budget": plan.as_dict()} if plan else {})}
         print(json.dumps(doc, indent=2))
         return 0
-    print(format_search(result, workload, name, hardware, args.gpus))
+    print(format_search(result, workload, name, hardware, args.gpus, args))
+    if plan:
+        print()
+        print(f"with the best layout ({result.best.layout.label()}):")
+        print(format_budget(plan))
     return 0
 
 
@@ -273,20 +390,26 @@ def _run_search(args, workload: Workload, name: str, hardware: Hardware) -> int:
 
 
 def _header_dict(workload: Workload, name: str, hardware: Hardware, gpus: int) -> dict:
+    from paratrain.plan.hardware import hardware_to_dict
+
     model = dataclasses.asdict(workload.model) if workload.model is not None else None
     return {"workload": {"model": name, "num_params": workload.num_params, "config": model,
                          "seq_len": workload.seq_len, "global_batch": workload.global_batch,
                          "precision": workload.precision, "reduce_dtype": workload.reduce_dtype or workload.precision},
-            "hardware": {**dataclasses.asdict(hardware), "gpus": gpus}}
+            "hardware": {**hardware_to_dict(hardware), "gpus": gpus}}
 
 
-def _header(workload: Workload, name: str, hardware: Hardware, gpus: int) -> str:
+def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=None) -> str:
     what = f"{name} ({workload.num_params / 1e9:.2f}B parameters)" if workload.model else \
         f"{workload.num_params / 1e9:g}B parameters, model states only"
-    return (f"{what}, seq {workload.seq_len}, global batch {workload.global_batch}, {workload.precision}; "
+    batch = f"global batch {workload.global_batch}"
+    if args is not None and args.global_batch is None and args.tokens is not None:
+        batch += f" (assumed: {workload.global_batch * workload.seq_len / 1e6:.1f}M tokens per step, Llama 2's 4M)"
+    curve = hardware.gemm(workload.precision)
+    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}; "
             f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
-            f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s × {hardware.efficiency:g}, "
-            f"{hardware.gpus_per_node} per node)")
+            f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s, matmuls at {curve.peak_efficiency:g}·x/(x + "
+            f"{curve.half_size:.0f}) of it, {hardware.gpus_per_node} per node)")
 
 
 def _gb(value: float) -> str:
@@ -326,8 +449,9 @@ def format_time(est: Estimate, hardware: Hardware) -> str:
     return "\n".join(lines)
 
 
-def format_search(result: SearchResult, workload: Workload, name: str, hardware: Hardware, gpus: int) -> str:
-    lines = [_header(workload, name, hardware, gpus),
+def format_search(result: SearchResult, workload: Workload, name: str, hardware: Hardware, gpus: int,
+                  args=None) -> str:
+    lines = [_header(workload, name, hardware, gpus, args),
              f"searched {result.searched:,} layouts: {result.num_feasible:,} fit, "
              f"{result.num_infeasible:,} do not", ""]
     if result.ranked:

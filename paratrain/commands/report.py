@@ -16,6 +16,11 @@ writes them. The figures (PNG):
 - `pipeline-<run>.png`: the pipeline schedule's timeline, for runs with pp > 1,
   drawn by the pipeline simulator.
 
+The summary puts the planner's predicted step time and its breakdown (compute, exposed
+communication per axis, pipeline bubble, optimizer) next to the measured medians of
+`time_breakdown_s`, with a hardware profile: `--hardware NAME_OR_FILE`, else the profile
+`paratrain plan --calibrate` wrote (`paratrain.plan.DEFAULT_PROFILE`) if there is one.
+
 Every run is labelled with its directory name and its layout (`dp2,zero3`).
 Bad input raises `ReportError` (a ValueError) with one line.
 """
@@ -163,8 +168,12 @@ def run_summary(run: Run) -> dict:
     }
 
 
-def format_summary(runs: list[Run]) -> str:
-    """One paragraph per run: steps, losses, median throughput, peak memory, communication."""
+NO_PROFILE = ("  predicted step time: needs a hardware profile; run `paratrain plan --calibrate` on the machine "
+              "that ran it, or give --hardware NAME_OR_FILE")
+
+
+def format_summary(runs: list[Run], hardware=None) -> str:
+    """One paragraph per run: steps, losses, median throughput, peak memory, communication, predicted step time."""
     blocks = []
     for run in runs:
         s = run_summary(run)
@@ -179,6 +188,7 @@ def format_summary(runs: list[Run]) -> str:
         lines = [f"{run.label}: {s['steps']} steps, {loss}, {evals}",
                  f"  median {speed} tokens/s{mfu}; peak memory {peak} (largest rank); "
                  f"comm MB/step: {comm or 'none (one process)'}"]
+        lines += format_prediction(run, hardware) if hardware is not None else [NO_PROFILE]
         lines += [f"  note: {note}" for note in run.notes]
         blocks.append("\n".join(lines))
     return "\n".join(blocks)
@@ -320,23 +330,88 @@ def _planned_marks(ax, runs: list[Run], axes: list[str]) -> None:
                 labelled = True
 
 
-def planned_comm(run: Run) -> dict[str, int] | None:
-    """Bytes per step per axis that the planner estimates for the run's model and layout (None: unknown)."""
+_MODEL_SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+
+
+def planned_inputs(run: Run):
+    """(Workload, Layout) of the run's resolved config for the planner; None for an older or partial config.
+
+    Activation checkpointing of every k-th block is full recomputation for k = 1; for k > 1 the
+    planner, which recomputes all blocks or none, takes full recomputation too (an upper bound).
+    """
     from paratrain.models import get_model_config
-    from paratrain.plan import Layout, Workload, comm_bytes_per_rank
+    from paratrain.plan import Layout, Recompute, Workload
 
     c = run.config
     try:
         p, t, m = c["parallel"], c["train"], c["model"]
-        sizes = {k: v for k, v in m.items() if k != "name" and v is not None}
+        sizes = {k: m[k] for k in _MODEL_SIZES if m.get(k) is not None}
         model = dataclasses.replace(get_model_config(m["name"]), **sizes)
         workload = Workload.for_model(model, seq_len=c["data"]["seq_len"], global_batch=t["global_batch"],
                                       precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"))
-        layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=p.get("pp") or 1, zero=p.get("zero", 0),
-                        micro_batch=t["micro_batch"], sequence_parallel=bool(p.get("sequence_parallel")))
+        pp = p.get("pp") or 1
+        layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), micro_batch=t["micro_batch"],
+                        sequence_parallel=bool(p.get("sequence_parallel")),
+                        recompute=Recompute.FULL if p.get("activation_checkpointing") else Recompute.NONE,
+                        schedule=p.get("schedule") or "1f1b",
+                        virtual_stages=(p.get("virtual_stages") or 1) if pp > 1 else 1,
+                        bucket_mb=p.get("bucket_mb") or 25.0)
     except (KeyError, TypeError, ValueError):  # an older or hand-written config: no estimate
         return None
-    return comm_bytes_per_rank(workload, layout)
+    return workload, layout
+
+
+def planned_comm(run: Run) -> dict[str, int] | None:
+    """Bytes per step per axis that the planner estimates for the run's model and layout (None: unknown)."""
+    from paratrain.plan import comm_bytes_per_rank
+
+    inputs = planned_inputs(run)
+    return comm_bytes_per_rank(*inputs) if inputs else None
+
+
+def measured_breakdown(run: Run) -> dict[str, float] | None:
+    """Medians over the steps of the step time and of each part of `time_breakdown_s` (None: not logged)."""
+    rows = [r for r in run.records if isinstance(r.get("time_breakdown_s"), dict) and r.get("step_time_s")]
+    if not rows:
+        return None
+    parts = [r["time_breakdown_s"] for r in rows]
+    axes = sorted({axis for b in parts for axis in (b.get("comm_exposed_s") or {})})
+    out = {"step": _median([r["step_time_s"] for r in rows]),
+           "compute": _median([b.get("compute_s", 0.0) for b in parts]),
+           "optimizer": _median([b.get("optimizer_s", 0.0) for b in parts]),
+           "pipeline": _median([b.get("pipeline_wait_s", 0.0) for b in parts]),
+           "other": _median([sum(b.get(k, 0.0) for k in ("data_s", "checkpoint_s", "other_s")) for b in parts])}
+    for axis in axes:
+        out[f"comm {axis}"] = _median([(b.get("comm_exposed_s") or {}).get(axis, 0.0) for b in parts])
+    return out
+
+
+def predicted_step(run: Run, hardware):
+    """The planner's StepTime for the run's config on `hardware` (None when the config is not understood)."""
+    from paratrain.plan import step_time
+
+    inputs = planned_inputs(run)
+    return step_time(*inputs, hardware) if inputs else None
+
+
+def format_prediction(run: Run, hardware) -> list[str]:
+    """Predicted against measured step time and breakdown, one line per part."""
+    measured, predicted = measured_breakdown(run), predicted_step(run, hardware)
+    if measured is None or predicted is None:
+        return ["  predicted step time: n/a (the run logs no time breakdown, or its config is not understood)"]
+    comm_axes = sorted({k.split()[1] for k in measured if k.startswith("comm ")} | {"dp", "tp"})
+    predicted_comm = {"dp": predicted.dp_comm, "tp": predicted.tp_comm, "world": predicted.sync}
+    rows = [("compute", measured["compute"], predicted.compute)]
+    rows += [(f"exposed comm {axis}", measured.get(f"comm {axis}", 0.0), predicted_comm.get(axis, 0.0))
+             for axis in comm_axes]
+    rows += [("pipeline wait (bubble + pp comm)", measured["pipeline"], predicted.bubble + predicted.pp_comm),
+             ("optimizer", measured["optimizer"], predicted.optimizer),
+             ("data, checkpoint, other", measured["other"], None)]
+    lines = [f"  step time: measured median {measured['step']:.3f} s, predicted {predicted.total:.3f} s "
+             f"({predicted.total / measured['step']:.2f}× the measured) on {hardware.name}",
+             f"    {'part':<34}{'measured s':>11}{'predicted s':>12}"]
+    lines += [f"    {name:<34}{m:>11.3f}{'-' if p is None else f'{p:.3f}':>12}" for name, m, p in rows]
+    return lines
 
 
 def plot_pipeline(run: Run, out: Path) -> Path | None:
@@ -387,7 +462,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="--out directory of `paratrain train`")
     parser.add_argument("--out", metavar="DIR", help="where the PNG figures go (default: RUN_DIR/report "
                                                      "for one run, ./report for several)")
+    parser.add_argument("--hardware", metavar="NAME_OR_FILE",
+                        help="hardware preset or profile for the predicted step time (default: the profile "
+                             "`paratrain plan --calibrate` wrote, if any)")
     return parser
+
+
+def report_hardware(name: str | None):
+    """The hardware of the prediction: `name` (preset or profile file), else the calibrated default, else None."""
+    from paratrain.plan import DEFAULT_PROFILE, get_hardware, load_profile
+
+    if name is not None:
+        return get_hardware(name)
+    return load_profile(DEFAULT_PROFILE) if DEFAULT_PROFILE.is_file() else None
 
 
 def run(args) -> int:
@@ -396,8 +483,9 @@ def run(args) -> int:
         raise ReportError("the figures need matplotlib, which is not installed; "
                           "pip install 'paratrain[plot]' (or matplotlib)")
     runs = load_runs(args.runs)
+    hardware = report_hardware(args.hardware)
     out = Path(args.out) if args.out else (runs[0].path / "report" if len(runs) == 1 else Path("report"))
     paths = write_report(runs, out)
-    print(format_summary(runs))
+    print(format_summary(runs, hardware))
     print(f"figures: {', '.join(str(p) for p in paths)}")
     return 0

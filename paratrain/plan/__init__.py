@@ -8,16 +8,25 @@ Pure arithmetic: no processes, no torch.distributed. `paratrain plan` is its com
 """
 
 from paratrain.plan.compute import (
-    HARDWARE_PRESETS,
     Collective,
-    Hardware,
     StepFlops,
     StepTime,
     comm_bytes_per_rank,
-    get_hardware,
     ring_bytes,
     step_flops,
     step_time,
+)
+from paratrain.plan.hardware import (
+    COLLECTIVE_KINDS,
+    DEFAULT_PROFILE,
+    HARDWARE_PRESETS,
+    GemmCurve,
+    Hardware,
+    KernelStack,
+    LinkCost,
+    get_hardware,
+    load_profile,
+    save_profile,
 )
 from paratrain.plan.memory import (
     GB,
@@ -25,6 +34,7 @@ from paratrain.plan.memory import (
     LayoutError,
     MemoryBreakdown,
     ModelStates,
+    PipelineBoundary,
     PlanError,
     Recompute,
     Workload,
@@ -48,15 +58,21 @@ from paratrain.plan.search import (
 )
 
 __all__ = [
+    "COLLECTIVE_KINDS",
+    "DEFAULT_PROFILE",
     "GB",
     "HARDWARE_PRESETS",
     "Collective",
     "Estimate",
+    "GemmCurve",
     "Hardware",
+    "KernelStack",
+    "LinkCost",
     "Layout",
     "LayoutError",
     "MemoryBreakdown",
     "ModelStates",
+    "PipelineBoundary",
     "PlanError",
     "Recompute",
     "ScheduleName",
@@ -74,8 +90,10 @@ __all__ = [
     "in_flight_microbatches",
     "layer_activation_bytes",
     "layout_violations",
+    "load_profile",
     "model_state_bytes",
     "ring_bytes",
+    "save_profile",
     "search",
     "stage_param_count",
     "step_flops",

@@ -1,4 +1,4 @@
-"""FLOPs, communication volume and step time of a layout, under a simple cost model.
+"""FLOPs, communication volume and step time of a layout.
 
 FLOPs (PaLM, Chowdhery et al. 2022, app. B; `ModelConfig.flops_per_token`): a training
 step costs 6·N·T + 12·L·h·s·T for N matmul parameters and T tokens. Model FLOPs count that
@@ -12,93 +12,47 @@ an all-gather or reduce-scatter (S the full tensor) S·(n−1)/n, a point-to-poi
 Time is α-β (Hockney; ring collectives as in Thakur et al. 2005): a collective of n ranks
 takes (steps × α) + bytes sent / β, with 2(n−1) steps for an all-reduce, n−1 for an
 all-gather or reduce-scatter, 1 for a send. β is the intra-node bandwidth when the group fits
-in one node (ranks are laid out pp × dp × tp, tp innermost), the inter-node one otherwise.
-Compute runs at peak × efficiency (default 0.5).
+in one node (ranks are laid out pp × dp × tp, tp innermost), the inter-node one otherwise,
+times the achieved fraction; a calibrated profile gives measured (α, β) per kind instead.
+Compute is the sum of each operation's time (`paratrain.plan.ops`): matmuls at the size-
+dependent efficiency of `Hardware.gemm`, the rest memory-bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 
+from paratrain.plan.hardware import (
+    HARDWARE_PRESETS,
+    GemmCurve,
+    Hardware,
+    KernelStack,
+    LinkCost,
+    get_hardware,
+)
 from paratrain.plan.memory import (
     ADAM_MOMENT_BYTES,
     MASTER_BYTES,
     Layout,
-    PlanError,
+    PipelineBoundary,
     Recompute,
     Workload,
     block_param_count,
     layers_on_stage,
     stage_param_count,
 )
+from paratrain.plan.ops import PassTimes, Shape, block_times, embedding_times, head_times
 from paratrain.parallel.schedules import ScheduleName
 
-
-@dataclass(frozen=True)
-class Hardware:
-    """One accelerator and the links between them.
-
-    Fields:
-        name: preset name or "custom".
-        memory_bytes: device memory (GB = 10⁹ bytes).
-        peak_bf16, peak_fp16, peak_fp32: dense peak FLOP/s (fp32 means TF32 tensor cores).
-        hbm_bytes_per_s: memory bandwidth (the optimizer step is memory-bound).
-        intra_node_bytes_per_s: per-GPU, one-direction bandwidth inside a node (NVLink).
-        inter_node_bytes_per_s: per-GPU, one-direction bandwidth between nodes (InfiniBand).
-        gpus_per_node: GPUs sharing the intra-node links.
-        intra_node_latency_s, inter_node_latency_s: α of one ring step.
-        efficiency: achievable fraction of peak for the model's matmuls.
-    """
-
-    name: str
-    memory_bytes: float
-    peak_bf16: float
-    peak_fp16: float
-    peak_fp32: float
-    hbm_bytes_per_s: float
-    intra_node_bytes_per_s: float
-    inter_node_bytes_per_s: float
-    gpus_per_node: int = 8
-    intra_node_latency_s: float = 5e-6
-    inter_node_latency_s: float = 10e-6
-    efficiency: float = 0.5
-
-    def __post_init__(self):
-        for name in ("memory_bytes", "peak_bf16", "peak_fp16", "peak_fp32", "hbm_bytes_per_s",
-                     "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise PlanError(f"hardware {name}={getattr(self, name)!r} must be positive")
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise PlanError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node!r}")
-        if not 0 < self.efficiency <= 1:
-            raise PlanError(f"--efficiency {self.efficiency!r} must be in (0, 1]")
-
-    def peak(self, precision: str) -> float:
-        return {"bf16": self.peak_bf16, "fp16": self.peak_fp16, "fp32": self.peak_fp32}[precision]
-
-
-# Vendor datasheets, dense (no sparsity). NVLink: A100 600 GB/s, H100/H200 900 GB/s total,
-# half each way. InfiniBand: one HDR 200 Gb/s (A100) or NDR 400 Gb/s (H100/H200) NIC per GPU.
-HARDWARE_PRESETS: dict[str, Hardware] = {
-    "a100-40gb": Hardware("a100-40gb", 40e9, 312e12, 312e12, 156e12, 1.555e12, 300e9, 25e9),
-    "a100-80gb": Hardware("a100-80gb", 80e9, 312e12, 312e12, 156e12, 2.039e12, 300e9, 25e9),
-    "h100-80gb": Hardware("h100-80gb", 80e9, 989e12, 989e12, 495e12, 3.35e12, 450e9, 50e9),
-    "h200": Hardware("h200", 141e9, 989e12, 989e12, 495e12, 4.8e12, 450e9, 50e9),
-}
-
-
-def get_hardware(name: str, **overrides) -> Hardware:
-    """A preset, with any field replaced (None values are ignored)."""
-    if name not in HARDWARE_PRESETS:
-        raise PlanError(f"unknown hardware {name!r}; choose one of: {', '.join(HARDWARE_PRESETS)}")
-    changes = {key: value for key, value in overrides.items() if value is not None}
-    return replace(HARDWARE_PRESETS[name], **changes) if changes else HARDWARE_PRESETS[name]
-
+__all__ = ["HARDWARE_PRESETS", "Collective", "GemmCurve", "Hardware", "LinkCost", "StepFlops", "StepTime",
+           "comm_bytes_per_rank", "get_hardware", "ring_bytes", "step_flops", "step_time"]
 
 # -- communication --------------------------------------------------------------------------
 
 _RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+LOSS_BYTES = 4  # fp32 scalars: the vocab-parallel cross-entropy's row maxima and sums, norms, flags
 
 
 @dataclass(frozen=True)
@@ -117,11 +71,25 @@ class Collective:
             return self.size * self.count
         return ring_bytes(self.kind, self.size, self.ranks) * self.count
 
+    @property
+    def steps(self) -> int:
+        """Ring steps of one call: the latency terms it pays."""
+        return 1 if self.kind == "send" else _RING_STEPS[self.kind] * (self.ranks - 1)
+
     def seconds(self, bandwidth: float, latency: float) -> float:
+        """Ring time; an all-reduce takes the double binary tree instead when that is faster.
+
+        NCCL switches to trees for latency-bound all-reduces (2·⌈log₂ n⌉ steps, each rank sending
+        about 2·S; Sanders et al. 2009), which makes a small all-reduce over thousands of ranks cost
+        microseconds, not the milliseconds of a 2(n − 1)-step ring.
+        """
         if self.ranks == 1 or self.count == 0:
             return 0.0
-        steps = 1 if self.kind == "send" else _RING_STEPS[self.kind] * (self.ranks - 1)
-        return self.count * steps * latency + self.bytes_sent / bandwidth
+        ring = self.count * self.steps * latency + self.bytes_sent / bandwidth
+        if self.kind != "all_reduce":
+            return ring
+        tree = self.count * (2 * math.ceil(math.log2(self.ranks)) * latency + 2 * self.size / bandwidth)
+        return min(ring, tree)
 
 
 def ring_bytes(kind: str, size: float, ranks: int) -> float:
@@ -133,14 +101,30 @@ def ring_bytes(kind: str, size: float, ranks: int) -> float:
 
 def axis_is_intra_node(layout: Layout, axis: str, gpus_per_node: int) -> bool:
     """Whether every group of `axis` sits inside one node (layout pp × dp × tp, tp innermost)."""
-    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world_size}[axis]
+    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world_size, "world": layout.world_size}[axis]
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
-def _link(hardware: Hardware, layout: Layout, axis: str) -> tuple[float, float]:
-    if axis_is_intra_node(layout, axis, hardware.gpus_per_node):
-        return hardware.intra_node_bytes_per_s, hardware.intra_node_latency_s
-    return hardware.inter_node_bytes_per_s, hardware.inter_node_latency_s
+def collective_seconds(hardware: Hardware, layout: Layout, axis: str, collectives: list[Collective]) -> float:
+    """Time of `collectives` over `axis`: a calibrated (α, β) per kind inside a node, else the links.
+
+    On a CPU profile whose cores the layout's ranks time-share, the costs measured that way.
+    """
+    intra = axis_is_intra_node(layout, axis, hardware.gpus_per_node) or hardware.host_cores is not None
+    shared = hardware.compute_share(layout.world_size) < 1 and hardware.collectives_shared
+    costs = hardware.collectives_shared if shared else hardware.collectives
+    total = 0.0
+    for c in collectives:
+        measured = costs.get(c.kind) if intra else None
+        if measured is not None:
+            total += c.seconds(measured.bytes_per_s, measured.latency_s)
+        elif intra:
+            total += c.seconds(hardware.intra_node_bytes_per_s * hardware.link_efficiency,
+                               hardware.intra_node_latency_s)
+        else:
+            total += c.seconds(hardware.inter_node_bytes_per_s * hardware.link_efficiency,
+                               hardware.inter_node_latency_s)
+    return total
 
 
 def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
@@ -150,28 +134,42 @@ def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
     return float(stage_param_count(workload.model, layout.tp, layout.pp, stage))
 
 
+def _zero3_units(workload: Workload, layout: Layout, stage: int) -> int:
+    """ZeRO-3 gathers one unit per block plus the root's rest (embedding, head, final norm)."""
+    if workload.model is None:
+        return 1
+    return layers_on_stage(workload.model.n_layers, layout.pp, stage) + 1
+
+
 def dp_collectives(workload: Workload, layout: Layout, stage: int) -> tuple[list[Collective], list[Collective]]:
     """Data-parallel collectives of one step: (overlapping backward/compute, after the optimizer step).
 
-    DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype). ZeRO-1/2: a
-    reduce-scatter of the gradients during backward and an all-gather of the updated
-    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data does. DDP and ZeRO-1
-    accumulate gradients locally over micro-batches and communicate once per step; ZeRO-2 keeps
-    no full gradient, so it reduce-scatters after every micro-batch's backward. ZeRO-3: for every
-    micro-batch an all-gather of the parameters before forward and again before backward and
-    a reduce-scatter of the gradients: 3Ψ(N−1)/N per micro-batch.
+    DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype), bucket by bucket.
+    ZeRO-1/2: a reduce-scatter of the gradients during backward and an all-gather of the updated
+    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data does, per bucket. DDP
+    and ZeRO-1 accumulate gradients locally over micro-batches and communicate once per step;
+    ZeRO-2 keeps no full gradient, so it reduce-scatters after every micro-batch. ZeRO-3: for
+    every micro-batch an all-gather of each unit's parameters before forward and again before
+    backward and a reduce-scatter of its gradients: 3Ψ(N−1)/N per micro-batch.
     """
     n, psi = layout.dp, stage_psi(workload, layout, stage)
     grads, params = psi * workload.grad_bytes, psi * workload.param_bytes
     if n == 1:
         return [], []
+    if layout.zero == 3:
+        m, units = layout.num_microbatches(workload.global_batch), _zero3_units(workload, layout, stage)
+        return [Collective("all_gather", params / units, n, 2 * m * units),
+                Collective("reduce_scatter", grads / units, n, m * units)], []
+    buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
     if layout.zero == 0:
-        return [Collective("all_reduce", grads, n)], []
-    m = layout.num_microbatches(workload.global_batch)
-    if layout.zero in (1, 2):
-        reductions = m if layout.zero == 2 else 1
-        return [Collective("reduce_scatter", grads, n, reductions)], [Collective("all_gather", params, n)]
-    return [Collective("all_gather", params, n, 2 * m), Collective("reduce_scatter", grads, n, m)], []
+        return [Collective("all_reduce", grads / buckets, n, buckets)], []
+    reductions = buckets * (layout.num_microbatches(workload.global_batch) if layout.zero == 2 else 1)
+    return [Collective("reduce_scatter", grads / buckets, n, reductions)], [Collective("all_gather", params / buckets,
+                                                                                       n, buckets)]
+
+
+def _activation_bytes(workload: Workload, layout: Layout) -> float:
+    return float(layout.micro_batch * workload.seq_len * workload.model.dim * workload.param_bytes)
 
 
 def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
@@ -183,12 +181,14 @@ def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Colle
     recomputation runs the forward's 2 again. The vocab-parallel embedding adds one all-reduce
     in forward (a reduce-scatter with SP) on the first stage; the head adds one all-reduce of
     its input gradient in backward (all-gather forward + reduce-scatter backward with SP) on
-    the last. The cross-entropy's all-reduces of b·s scalars are left out (≪ b·s·h).
+    the last, and the vocab-parallel cross-entropy two all-reduces of fp32 row statistics (the
+    maxima, b·s; the sums of exponentials and target logits, 2·b·s). Pipeline boundaries add
+    the all-gathers of `boundary_gathers`.
     """
     model, t = workload.model, layout.tp
     if model is None or t == 1:
         return []
-    size = float(layout.micro_batch * workload.seq_len * model.dim * workload.param_bytes)
+    size = _activation_bytes(workload, layout)
     per_layer = 4 + (2 if layout.recompute is Recompute.FULL else 0)
     layers = layers_on_stage(model.n_layers, layout.pp, stage) * per_layer
     sp = layout.sequence_parallel
@@ -199,33 +199,68 @@ def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Colle
     if stage == layout.pp - 1:
         out += ([Collective("all_gather", size, t), Collective("reduce_scatter", size, t)] if sp
                 else [Collective("all_reduce", size, t)])
-    if sp and layout.pp > 1:  # a stage boundary carries the whole sequence: gathered forward, its grad backward
-        out.append(Collective("all_gather", size, t, _boundary_sends(layout, stage)))
-    if layout.pp > 1:  # each boundary tensor received as t slices, all-gathered (as many as it sends)
-        out.append(Collective("all_gather", size, t, _boundary_sends(layout, stage)))
+        rows = layout.micro_batch * workload.seq_len * LOSS_BYTES
+        out += [Collective("all_reduce", rows, t), Collective("all_reduce", 2 * rows, t)]
+    gathers = boundary_gathers(layout, stage)
+    if gathers:
+        out.append(Collective("all_gather", size, t, gathers))
     return out
 
 
-def _boundary_sends(layout: Layout, stage: int) -> int:
-    """Stage boundaries pipeline rank `stage` sends across per micro-batch (activations forward + grads back)."""
+def boundary_crossings(layout: Layout, stage: int) -> int:
+    """Stage boundaries pipeline rank `stage` sends across per micro-batch (activations forward + grads back).
+
+    Each of the rank's v chunks sends its output forward unless it is the model's last chunk and
+    its input gradient backward unless it is the first; it receives as many as it sends.
+    """
     p, v = layout.pp, layout.chunks
     chunks = [c * p + stage for c in range(v)]
     return sum(g < v * p - 1 for g in chunks) + sum(g > 0 for g in chunks)
 
 
+def boundary_gathers(layout: Layout, stage: int) -> int:
+    """All-gathers over tp of a full b·s·h that stage boundaries cost rank `stage` per micro-batch.
+
+    Per boundary crossing (`boundary_crossings`): SCATTER_GATHER one (the receiver gathers the t
+    slices) plus, under sequence parallelism, the gather of the sequence shards into the whole
+    boundary tensor; FULL only the latter. See `PipelineBoundary`.
+    """
+    if layout.pp == 1 or layout.tp == 1:
+        return 0
+    per_crossing = int(layout.boundary is PipelineBoundary.SCATTER_GATHER) + int(layout.sequence_parallel)
+    return per_crossing * boundary_crossings(layout, stage)
+
+
 def pp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
     """Point-to-point sends of one micro-batch by pipeline rank `stage` (Narayanan et al. 2021).
 
-    Each of the rank's v chunks sends its output activation (b·s·h, the whole sequence also under
-    SP: paratrain gathers it over tp at the boundary) forward unless it is the model's last
-    chunk, and its input gradient backward unless it is the first. Under tensor parallelism each
-    tp rank sends 1/t of it, and the receiving stage all-gathers it over tp (`tp_collectives`).
+    One send per boundary crossing (`boundary_crossings`) of b·s·h per rank with FULL boundaries,
+    b·s·h/t with SCATTER_GATHER (each tp rank its slice).
     """
     model, p = workload.model, layout.pp
     if model is None or p == 1:
         return []
-    size = float(layout.micro_batch * workload.seq_len * model.dim * workload.param_bytes) / layout.tp
-    return [Collective("send", size, 2, _boundary_sends(layout, stage))]
+    size = _activation_bytes(workload, layout)
+    if layout.boundary is PipelineBoundary.SCATTER_GATHER:
+        size /= layout.tp
+    return [Collective("send", size, 2, boundary_crossings(layout, stage))]
+
+
+def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
+    """The step's small agreement collectives, per axis, as paratrain's step runs them.
+
+    One all-reduce over every rank (non-finite flags, loss, stop requests), and for the global
+    gradient norm: over dp when gradients are sharded (ZeRO ≥ 1), over tp when weights are, and
+    over pp (stages hold different layers) with the pipeline's loss sum.
+    """
+    out: dict[str, list[Collective]] = {"world": [Collective("all_reduce", 64.0, layout.world_size)]}
+    if layout.zero >= 1:
+        out["dp"] = [Collective("all_reduce", LOSS_BYTES, layout.dp)]
+    if layout.tp > 1:
+        out["tp"] = [Collective("all_reduce", LOSS_BYTES, layout.tp)]
+    if layout.pp > 1:
+        out["pp"] = [Collective("all_reduce", LOSS_BYTES, layout.pp, 2)]
+    return out
 
 
 def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
@@ -275,27 +310,6 @@ def step_flops(workload: Workload, layout: Layout) -> StepFlops:
     return StepFlops(model=model_flops, hardware=model_flops + extra)
 
 
-def stage_flops_per_microbatch(workload: Workload, layout: Layout, stage: int) -> tuple[float, float]:
-    """(forward, backward incl. recomputation) FLOPs of one micro-batch on one rank of `stage`.
-
-    Per token, a block costs 6·P_block + 12·h·s (forward a third, backward two thirds); the
-    last stage adds the final norm and the head, 6·(V·h + h); the embedding lookup is free.
-    Split evenly over tp.
-    """
-    model, lay = workload.model, layout
-    tokens = lay.micro_batch * workload.seq_len
-    if model is None:
-        total = 6.0 * workload.num_params / (lay.tp * lay.pp) * tokens
-        return total / 3, 2 * total / 3
-    layers = layers_on_stage(model.n_layers, lay.pp, stage)
-    per_token = layers * (6.0 * block_param_count(model) + 12.0 * model.dim * workload.seq_len)
-    if stage == lay.pp - 1:
-        per_token += 6.0 * (model.vocab_size * model.dim + model.dim)
-    recompute = _recompute_flops_per_token(workload, lay.recompute, layers)
-    forward, backward = per_token / 3, 2 * per_token / 3 + recompute
-    return forward * tokens / lay.tp, backward * tokens / lay.tp
-
-
 # -- step time ------------------------------------------------------------------------------
 
 
@@ -307,7 +321,8 @@ class StepTime:
     tp_comm, pp_comm: exposed (on the critical path) tensor-parallel and point-to-point time.
     bubble: pipeline fill and drain, (p − 1)/v per-micro-batch stage times.
     dp_comm: data-parallel time not hidden behind compute (`dp_comm_total` is all of it).
-    optimizer: the (memory-bound) optimizer step.
+    optimizer: the (memory-bound) optimizer step, with gradient clipping.
+    sync: the step's small agreement collectives (flags, loss, the global gradient norm).
     """
 
     compute: float
@@ -317,46 +332,113 @@ class StepTime:
     dp_comm: float
     optimizer: float
     dp_comm_total: float
+    sync: float = 0.0
 
     @property
     def exposed_comm(self) -> float:
-        return self.tp_comm + self.pp_comm + self.dp_comm
+        return self.tp_comm + self.pp_comm + self.dp_comm + self.sync
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "exposed_comm", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer",
+        keys = ("compute", "exposed_comm", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "sync",
                 "dp_comm_total", "total")
         return {f"{key}_s": getattr(self, key) for key in keys}
 
 
-def _seconds(collectives: list[Collective], link: tuple[float, float]) -> float:
-    return sum(c.seconds(*link) for c in collectives)
+def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> PassTimes:
+    """Forward and backward (with recomputation) of one micro-batch on one rank of `stage`.
+
+    With only a parameter count, 6·N·T/(tp·pp) FLOPs at the plateau of the matmul curve. A CPU
+    profile with more ranks than cores gives each rank cores/ranks of a core.
+    """
+    model, lay = workload.model, layout
+    if model is None:
+        tokens = lay.micro_batch * workload.seq_len
+        flops = 6.0 * workload.num_params / (lay.tp * lay.pp) * tokens
+        rate = hardware.peak(workload.precision) * hardware.gemm(workload.precision).peak_efficiency
+        times = PassTimes(flops / 3 / rate, 2 * flops / 3 / rate)
+    else:
+        x = Shape.of(model, lay.micro_batch, workload.seq_len, lay.tp, lay.sequence_parallel, workload.precision,
+                     workload.flash_attention)
+        times = block_times(hardware, x, lay.recompute).scaled(layers_on_stage(model.n_layers, lay.pp, stage))
+        if stage == 0:
+            times += embedding_times(hardware, x)
+        if stage == lay.pp - 1:
+            times += head_times(hardware, x, vocab_parallel=lay.tp > 1)
+    if lay.schedule is ScheduleName.ZB_H1 and lay.pp > 1:
+        # paratrain's runtime computes weight gradients by a second backward through the stage
+        times = PassTimes(times.forward, times.backward * 1.5)
+    return times.scaled(1 / hardware.compute_share(lay.world_size))
+
+
+def optimizer_bytes_per_param(workload: Workload, kernels: KernelStack) -> float:
+    """Bytes the optimizer step (Adam) and gradient clipping move per parameter shard element.
+
+    FUSED (a fused Adam): read the gradient, read and write the fp32 master (mixed precision)
+    and the two moments, write the parameter; clipping reads the gradient for its norm and
+    scales it in place. EAGER (torch.optim.AdamW's foreach path, paratrain's clipping and
+    non-finite check): about 24 fp32 passes over the shard (decay, two moment updates, square
+    root, two divisions, the update; norm, scale, check).
+    """
+    if kernels is KernelStack.EAGER:
+        return 24 * 4.0 + (workload.param_bytes if workload.mixed else 0)
+    state = ADAM_MOMENT_BYTES + (MASTER_BYTES if workload.mixed else 0)
+    return 2 * state + 4 * workload.grad_bytes + workload.param_bytes
+
+
+def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> float:
+    psi = stage_psi(workload, layout, stage) / (layout.dp if layout.zero >= 1 else 1)
+    tensor = 4.0 * (block_param_count(workload.model) / 7 if workload.model is not None else psi)
+    tensor /= layout.tp * (layout.dp if layout.zero >= 1 else 1)
+    seconds = hardware.memory_seconds(psi * optimizer_bytes_per_param(workload, hardware.kernels), 3 * tensor)
+    return seconds / hardware.compute_share(layout.world_size)
 
 
 def _dp_exposed(workload: Workload, layout: Layout, hardware: Hardware, stage: int,
                 backward_mb: float, compute_all: float) -> tuple[float, float]:
     """(exposed, total) data-parallel seconds of `stage`.
 
-    DDP/ZeRO-1/2 reduce the gradients while the last micro-batch's backward runs (earlier
-    micro-batches only accumulate): exposed = max(0, comm − that backward); the ZeRO-1/2
-    all-gather of updated parameters follows the optimizer step, fully exposed. ZeRO-3's
-    gathers and reduce-scatters run under all of the step's compute (prefetching).
+    DDP/ZeRO-1/2 reduce the gradients bucket by bucket while the last micro-batch's backward
+    runs (earlier micro-batches only accumulate); the last bucket fills at the end of that
+    backward, so its collective cannot hide. ZeRO-1/2's all-gather of updated parameters
+    follows the optimizer step, fully exposed. ZeRO-3's gathers and reduce-scatters run under
+    all of the step's compute (prefetching), except the first unit's gather and the last
+    unit's reduce-scatter. Only `comm_overlap` of the overlappable time is hidden.
     """
-    link = _link(hardware, layout, "dp")
     during, after = dp_collectives(workload, layout, stage)
-    overlapped, trailing = _seconds(during, link), _seconds(after, link)
+    total_during = collective_seconds(hardware, layout, "dp", during)
+    trailing = collective_seconds(hardware, layout, "dp", after)
+    if not during:
+        return 0.0, 0.0
+    one = [Collective(c.kind, c.size, c.ranks) for c in during]  # one call of each: a bucket, or a unit
+    unhideable = collective_seconds(hardware, layout, "dp", one[:1] if layout.zero != 3 else one)
     window = compute_all if layout.zero == 3 else backward_mb
-    return max(0.0, overlapped - window) + trailing, overlapped + trailing
+    hidden = hardware.comm_overlap * min(max(0.0, total_during - unhideable), window)
+    return total_during - hidden + trailing, total_during + trailing
 
 
-def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> float:
-    """Adam reads and writes its state, reads the gradient shard, writes the parameters: bytes / HBM."""
-    psi = stage_psi(workload, layout, stage) / (layout.dp if layout.zero >= 1 else 1)
-    state = ADAM_MOMENT_BYTES + (MASTER_BYTES if workload.mixed else 0)
-    return psi * (2 * state + workload.grad_bytes + workload.param_bytes) / hardware.hbm_bytes_per_s
+@dataclass(frozen=True)
+class _Stage:
+    per_mb: float
+    compute: float
+    tp: float
+    pp: float
+    dp_exposed: float
+    dp_total: float
+    optimizer: float
+
+
+def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int) -> _Stage:
+    passes = stage_pass_times(workload, layout, hardware, stage)
+    compute = passes.forward + passes.backward
+    tp = collective_seconds(hardware, layout, "tp", tp_collectives(workload, layout, stage))
+    pp = collective_seconds(hardware, layout, "pp", pp_sends(workload, layout, stage))
+    dp_exposed, dp_total = _dp_exposed(workload, layout, hardware, stage, passes.backward, m * compute)
+    return _Stage(compute + tp + pp, compute, tp, pp, dp_exposed, dp_total,
+                  _optimizer_seconds(workload, layout, hardware, stage))
 
 
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:
@@ -372,24 +454,12 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     """
     lay = layout
     m = lay.num_microbatches(workload.global_batch)
-    flop_rate = hardware.peak(workload.precision) * hardware.efficiency
-    tp_link, pp_link = _link(hardware, lay, "tp"), _link(hardware, lay, "pp")
-    per_stage = []
-    for stage in range(lay.pp):
-        forward, backward = stage_flops_per_microbatch(workload, lay, stage)
-        if lay.schedule is ScheduleName.ZB_H1 and lay.pp > 1:
-            backward *= 1.5
-        compute = (forward + backward) / flop_rate
-        tp = _seconds(tp_collectives(workload, lay, stage), tp_link)
-        pp = _seconds(pp_sends(workload, lay, stage), pp_link)
-        dp_exposed, dp_total = _dp_exposed(workload, lay, hardware, stage, backward / flop_rate, m * compute)
-        per_stage.append((compute + tp + pp, compute, tp, pp, dp_exposed, dp_total,
-                          _optimizer_seconds(workload, lay, hardware, stage)))
-    slowest = max(per_stage)
-    _, compute, tp, pp = slowest[:4]
+    stages = [_stage(workload, lay, hardware, stage, m) for stage in range(lay.pp)]
+    slowest = max(stages, key=lambda s: s.per_mb)
+    sync = sum(collective_seconds(hardware, lay, axis, c) for axis, c in sync_collectives(lay).items())
     return StepTime(
-        compute=m * compute, tp_comm=m * tp, pp_comm=m * pp,
-        bubble=(lay.pp - 1) / lay.chunks * slowest[0] / (3 if lay.schedule is ScheduleName.ZB_H1 else 1),
-        dp_comm=max(s[4] for s in per_stage), optimizer=max(s[6] for s in per_stage),
-        dp_comm_total=max(s[5] for s in per_stage),
+        compute=m * slowest.compute, tp_comm=m * slowest.tp, pp_comm=m * slowest.pp,
+        bubble=(lay.pp - 1) / lay.chunks * slowest.per_mb / (3 if lay.schedule is ScheduleName.ZB_H1 else 1),
+        dp_comm=max(s.dp_exposed for s in stages), optimizer=max(s.optimizer for s in stages),
+        dp_comm_total=max(s.dp_total for s in stages), sync=sync,
     )

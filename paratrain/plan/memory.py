@@ -63,6 +63,24 @@ class LayoutError(PlanError):
     """A layout that cannot run; the message names the rule and the nearest valid layouts."""
 
 
+class PipelineBoundary(str, Enum):
+    """How a stage boundary's activation (and its gradient) crosses between pipeline stages under tp > 1.
+
+    SCATTER_GATHER (Narayanan et al. 2021, §4.1 "scatter/gather optimization"), paratrain's runtime:
+    the tensor-parallel ranks of a stage hold the same b·s·h boundary tensor; each sends its 1/t
+    slice to its peer of the next stage, which all-gathers the t slices over tp (inside the node).
+    Under sequence parallelism paratrain first gathers the sequence shards into that whole tensor
+    (and the gradient's shards again backward), so a crossing costs two all-gathers; Megatron-LM
+    instead sends each rank's sequence shard as it is (no all-gather), a difference of one
+    in-node all-gather of b·s·h per crossing that the planner charges to both.
+    FULL: every tensor-parallel rank sends the whole b·s·h (under sequence parallelism gathered
+    over tp before the send, and its gradient gathered backward).
+    """
+
+    SCATTER_GATHER = "scatter-gather"
+    FULL = "full"
+
+
 class Recompute(str, Enum):
     """Activation checkpointing (Korthikanti et al. 2022 §5)."""
 
@@ -98,6 +116,10 @@ class Workload:
             micro-batch per data rank.
         precision: "bf16" or "fp16" (mixed precision with fp32 master weights) or "fp32".
         reduce_dtype: dtype of gradients and their reduction; None means the parameter dtype.
+        flash_attention: the attention core runs as one kernel that keeps the s×s scores on
+            chip and skips the causal half (FlashAttention, PyTorch's scaled_dot_product_attention);
+            False: the scores are materialized and softmaxed in memory (Megatron before 2023).
+            Time only: the activation formulas are Korthikanti's either way.
     """
 
     model: ModelConfig | None
@@ -106,6 +128,7 @@ class Workload:
     global_batch: int | None = None
     precision: str = "bf16"
     reduce_dtype: str | None = None
+    flash_attention: bool = True
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")
@@ -151,6 +174,9 @@ class Layout:
         sequence_parallel: shard the norm/dropout regions along the sequence over tp.
         recompute: activation checkpointing mode.
         schedule: pipeline schedule (irrelevant when pp = 1).
+        boundary: how stage boundaries travel under tp > 1 (`PipelineBoundary`).
+        bucket_mb: gradient bucket size of DDP and ZeRO-1/2 in MiB (one collective per bucket;
+            the last bucket of the backward cannot overlap with it).
     """
 
     dp: int = 1
@@ -162,10 +188,15 @@ class Layout:
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.NONE
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    boundary: PipelineBoundary = PipelineBoundary.SCATTER_GATHER
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
             _positive_int(getattr(self, name), "--" + name.replace("_", "-"))
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise PlanError(f"--bucket-mb must be a positive number, got {self.bucket_mb!r}")
+        object.__setattr__(self, "boundary", _enum(PipelineBoundary, self.boundary, "--pipeline-boundary"))
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"--zero {self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "--recompute"))
@@ -410,7 +441,7 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
         block = block_param_count(model)
         unit = max(block, model.num_params() - model.n_layers * block) / lay.tp
         return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes)
-    bucket = min(DEFAULT_BUCKET_BYTES, stage_params * workload.grad_bytes)
+    bucket = min(lay.bucket_mb * 2**20, stage_params * workload.grad_bytes)
     return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: 3.0 * bucket}[lay.zero]
 
 

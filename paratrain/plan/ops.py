@@ -1,0 +1,251 @@
+"""The work of one micro-batch on one rank, operation by operation, and its time on a `Hardware`.
+
+A transformer block (Llama-style: RMSNorm, rotary q/k, grouped-query attention, SwiGLU) on one
+tensor-parallel rank, for b sequences of s tokens (T = b·s), with t = tp:
+
+    matmuls (forward)      wq (T, H·E/t, h)   wk, wv (T, K·E/t, h)   wo (T, h, H·E/t)
+                           w1, w3 (T, f/t, h)  w2 (T, h, f/t)        (m, n, k): [m, k] @ [k, n]
+    attention core         per sequence and local head: QKᵀ (s, s, E) and PV (s, E, s)
+    memory-bound           norms, rotary, residual adds, SiLU·gate, softmax (when not fused
+                           into a flash kernel), the embedding, the cross-entropy
+
+Backward runs two matmuls for each forward one (the input gradient (m, k, n) and the weight
+gradient (k, n, m)), the attention core's backward four matmuls of the forward's shapes (five
+for a flash kernel, which recomputes the scores), and the element-wise backward moves about twice
+the forward's bytes. Full recomputation runs the forward again; selective recomputation the
+attention core (and its softmax). A causal flash kernel skips the masked half of the scores;
+a kernel that materializes them (Megatron's fused softmax) computes all of them.
+
+The element-wise parts depend on the software stack (`KernelStack`). Per token, with h_r the
+residual width a rank holds (h, or h/t under sequence parallelism), q = H·E/t, kv = K·E/t,
+f = ffn/t and S = (H/t)·s attention scores:
+
+    FUSED  memory accesses (elements read or written): norms 2·2h_r, dropout + residual adds
+           2·3h_r, rotary 2(q + kv), SwiGLU 3f, softmax + dropout 4.5·S (materialized scores
+           only: a flash kernel keeps them on chip); backward twice the forward.
+    EAGER  paratrain's reference model in eager PyTorch (`paratrain.models.llama`), one kernel
+           per operator, counted by kind (`Elementwise`) from its code: RMSNorm (square, mean,
+           two products), rotary (negate, concatenate, two products, a sum), the grouped-query
+           expansion of k and v, the attention output's re-layout, SiLU and the gate, residual
+           adds; backward the autograd of each (see `_EAGER_FORWARD`, `_EAGER_BACKWARD`). A
+           calibrated profile measures each kind's throughput; each operator also pays the
+           dispatch cost `Hardware.op_overhead_s`.
+
+Element sizes follow the compute dtype (mixed-precision casts of the norms are left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.models.configs import ModelConfig
+from paratrain.plan.hardware import Elementwise, Hardware, KernelStack
+from paratrain.plan.memory import DTYPE_BYTES, Recompute
+
+BACKWARD_MEMORY_FACTOR = 2.0  # element-wise backward reads the saved input and the gradient, writes one
+FLASH_BACKWARD_MATMULS = 5  # dQ, dK, dV, dP and the recomputed scores (Dao 2023, FlashAttention-2 §3.1.2)
+DENSE_BACKWARD_MATMULS = 4  # dQ, dK, dV, dP
+SOFTMAX_ACCESSES = 4.5  # scale + mask + softmax (read, write) and dropout (read, write, 1-byte mask)
+# FUSED: accesses per token of the block's forward: (h_r, q + kv, f).
+_FUSED_ACCESSES = (4 + 6, 2, 3)
+# FUSED cross-entropy: softmax + loss in one read and write of the logits, its gradient in another.
+_FUSED_CE_ACCESSES = 2.0
+
+# EAGER: elements per token by kind, as (kind, {width: count}); widths h_r ("residual"), h
+# ("hidden": a linear's input), q, kv, f. Counted from paratrain.models.llama's forward and the
+# autograd of each operator.
+_EAGER_FORWARD = (
+    # norm products 2×2 and residual adds 2; rotary: 2 products and a sum; the gate
+    (Elementwise.BINARY, {"residual": 6, "q": 3, "kv": 3, "f": 1}),
+    # squares; rotary negate (half) + concatenate; k and v expanded to q heads; the output re-layout
+    (Elementwise.UNARY, {"residual": 2, "q": 1.5 + 2 + 1, "kv": 1.5}),
+    (Elementwise.REDUCE, {"residual": 2}),  # the norms' means
+    (Elementwise.SILU, {"f": 1}),
+)
+_EAGER_BACKWARD = (
+    # norms 2×8, residual gradients 2, linear input gradients summed, rotary, the gate's two
+    (Elementwise.BINARY, {"residual": 18, "hidden": 3, "q": 3, "kv": 3, "f": 2}),
+    # negate, concatenate, re-layout, the attention gradients' layouts
+    (Elementwise.UNARY, {"q": 0.5 + 1 + 1 + 1, "kv": 0.5 + 1 + 2}),
+    (Elementwise.REDUCE, {"residual": 4, "q": 2}),  # broadcast products' sums; the kv expansion summed back
+    (Elementwise.SILU_BACKWARD, {"f": 1}),
+)
+EAGER_OPS_PER_BLOCK = (30, 50)  # operators in forward, autograd nodes in backward (views not counted)
+EAGER_HEAD_OPS = (12, 12)  # final norm, head, cross-entropy (vocab-parallel: max, shift, exp, sum, divide)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """`count` matmuls [m, k] @ [k, n]."""
+
+    m: float
+    n: float
+    k: float
+    count: float = 1.0
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one rank computes for one micro-batch: tokens, local widths, dtype, options."""
+
+    tokens: float  # T = b·s
+    seq_len: int
+    batch: int
+    hidden: int
+    q_width: float  # H·E/t
+    kv_width: float  # K·E/t
+    ffn: float  # f/t
+    local_heads: float  # H/t
+    head_dim: int
+    vocab: float  # V/t
+    residual: float  # h_r
+    dtype: str
+    flash: bool
+
+    @classmethod
+    def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+           precision: str, flash: bool) -> Shape:
+        e = model.head_dim
+        return cls(tokens=float(micro_batch * seq_len), seq_len=seq_len, batch=micro_batch, hidden=model.dim,
+                   q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
+                   local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
+                   residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision, flash=flash)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def block_gemms(x: Shape) -> list[Gemm]:
+    """The forward matmuls of one block on one rank (shapes in the module docstring)."""
+    t, h = x.tokens, x.hidden
+    return [Gemm(t, x.q_width, h), Gemm(t, x.kv_width, h, 2), Gemm(t, h, x.q_width),
+            Gemm(t, x.ffn, h, 2), Gemm(t, h, x.ffn)]
+
+
+def attention_gemms(x: Shape) -> list[Gemm]:
+    """The attention core's forward matmuls: QKᵀ and PV for each sequence and local head."""
+    count = x.batch * x.local_heads
+    return [Gemm(x.seq_len, x.seq_len, x.head_dim, count), Gemm(x.seq_len, x.head_dim, x.seq_len, count)]
+
+
+def backward_gemms(gemm: Gemm) -> list[Gemm]:
+    """Input gradient [m, n] @ [n, k] and weight gradient [k, m] @ [m, n] of one forward matmul."""
+    return [Gemm(gemm.m, gemm.k, gemm.n, gemm.count), Gemm(gemm.k, gemm.n, gemm.m, gemm.count)]
+
+
+def _widths(x: Shape) -> dict[str, float]:
+    return {"residual": x.residual, "hidden": float(x.hidden), "q": x.q_width, "kv": x.kv_width, "f": x.ffn}
+
+
+def _eager_seconds(hw: Hardware, x: Shape, inventory, ops: float) -> float:
+    """Time of an EAGER inventory: each (kind, width) pass over T tokens, plus `ops` dispatches."""
+    widths, total = _widths(x), ops * hw.op_overhead_s
+    for kind, counts in inventory:
+        for width, count in counts.items():
+            elements = x.tokens * widths[width]
+            total += count * hw.elementwise_seconds(kind, elements, x.itemsize)
+    return total
+
+
+def _fused_seconds(hw: Hardware, x: Shape, accesses_per_token: float) -> float:
+    kernel_bytes = 3 * x.tokens * x.residual * x.itemsize  # one binary kernel on the residual stream
+    return hw.memory_seconds(accesses_per_token * x.tokens * x.itemsize, kernel_bytes)
+
+
+def _scores_seconds(hw: Hardware, x: Shape) -> float:
+    """The materialized attention scores' softmax and dropout (nothing for a flash kernel)."""
+    if x.flash:
+        return 0.0
+    return hw.memory_seconds(SOFTMAX_ACCESSES * x.local_heads * x.seq_len * x.tokens * x.itemsize)
+
+
+def block_elementwise_times(hw: Hardware, x: Shape) -> PassTimes:
+    """Forward and backward of one block's element-wise parts (module docstring)."""
+    if hw.kernels is KernelStack.FUSED:
+        residual, qkv, ffn = _FUSED_ACCESSES
+        forward = _fused_seconds(hw, x, residual * x.residual + qkv * (x.q_width + x.kv_width) + ffn * x.ffn)
+        backward = BACKWARD_MEMORY_FACTOR * forward
+    else:
+        forward = _eager_seconds(hw, x, _EAGER_FORWARD, EAGER_OPS_PER_BLOCK[0])
+        backward = _eager_seconds(hw, x, _EAGER_BACKWARD, EAGER_OPS_PER_BLOCK[1])
+    scores = _scores_seconds(hw, x)
+    return PassTimes(forward + scores, backward + BACKWARD_MEMORY_FACTOR * scores)
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of one micro-batch on one rank: forward, backward (incl. recomputation)."""
+
+    forward: float
+    backward: float
+
+    def __add__(self, other: PassTimes) -> PassTimes:
+        return PassTimes(self.forward + other.forward, self.backward + other.backward)
+
+    def scaled(self, factor: float) -> PassTimes:
+        return PassTimes(self.forward * factor, self.backward * factor)
+
+
+def _gemm_seconds(hw: Hardware, gemms: list[Gemm], dtype: str) -> float:
+    return sum(hw.gemm_seconds(g.m, g.n, g.k, dtype, g.count) for g in gemms)
+
+
+def attention_seconds(hw: Hardware, x: Shape, matmuls: float) -> float:
+    """`matmuls` attention-core matmuls of the forward's shapes (2 = the forward)."""
+    causal = 0.5 if x.flash else 1.0  # a flash kernel skips the masked half; materialized scores do not
+    per_matmul = _gemm_seconds(hw, attention_gemms(x), x.dtype) / 2
+    return causal * matmuls * per_matmul / hw.attention_efficiency
+
+
+def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
+    """One block's forward and backward (with recomputation) on one rank."""
+    gemms = block_gemms(x)
+    elementwise = block_elementwise_times(hw, x)
+    forward = _gemm_seconds(hw, gemms, x.dtype) + attention_seconds(hw, x, 2) + elementwise.forward
+    backward = (_gemm_seconds(hw, [b for g in gemms for b in backward_gemms(g)], x.dtype)
+                + attention_seconds(hw, x, FLASH_BACKWARD_MATMULS if x.flash else DENSE_BACKWARD_MATMULS)
+                + elementwise.backward)
+    if recompute is Recompute.FULL:
+        backward += forward
+    elif recompute is Recompute.SELECTIVE:
+        backward += attention_seconds(hw, x, 2) + _scores_seconds(hw, x)
+    return PassTimes(forward, backward)
+
+
+def _cross_entropy_seconds(hw: Hardware, x: Shape, vocab_parallel: bool) -> PassTimes:
+    """The loss on T·V/t fp32 logits: FUSED one pass each way; EAGER by kind (module docstring)."""
+    logits = x.tokens * x.vocab
+    if hw.kernels is KernelStack.FUSED:
+        one = hw.memory_seconds(_FUSED_CE_ACCESSES * logits * 4, 3 * logits * 4)
+        return PassTimes(one, one)
+    # vocab-parallel: max and sum, shift and divide, exp; else one log-softmax
+    passes = (((Elementwise.REDUCE, 2), (Elementwise.BINARY, 2), (Elementwise.SILU, 1)) if vocab_parallel
+              else ((Elementwise.SOFTMAX, 1),))
+    forward = sum(count * hw.elementwise_seconds(kind, logits, 4) for kind, count in passes)
+    second = Elementwise.BINARY if vocab_parallel else Elementwise.SOFTMAX
+    backward = hw.elementwise_seconds(Elementwise.BINARY, logits, 4) + hw.elementwise_seconds(second, logits, 4)
+    return PassTimes(forward + EAGER_HEAD_OPS[0] * hw.op_overhead_s, backward + EAGER_HEAD_OPS[1] * hw.op_overhead_s)
+
+
+def head_times(hw: Hardware, x: Shape, vocab_parallel: bool = False) -> PassTimes:
+    """Final norm, output projection (T, V/t, h) and cross-entropy on the last stage."""
+    head = Gemm(x.tokens, x.vocab, x.hidden)
+    norm = (hw.memory_seconds(4 * x.tokens * x.residual * x.itemsize) if hw.kernels is KernelStack.FUSED else
+            _eager_seconds(hw, x, ((Elementwise.BINARY, {"residual": 2}), (Elementwise.UNARY, {"residual": 1}),
+                                   (Elementwise.REDUCE, {"residual": 1})), 0))
+    loss = _cross_entropy_seconds(hw, x, vocab_parallel)
+    forward = hw.gemm_seconds(head.m, head.n, head.k, x.dtype) + norm + loss.forward
+    backward = _gemm_seconds(hw, backward_gemms(head), x.dtype) + 4 * norm + loss.backward
+    return PassTimes(forward, backward)
+
+
+def embedding_times(hw: Hardware, x: Shape) -> PassTimes:
+    """The embedding lookup (a gather of T rows) and its backward (a scatter-add) on the first stage."""
+    rows = x.tokens * x.hidden
+    gather = hw.elementwise_seconds(Elementwise.UNARY, rows, x.itemsize)
+    return PassTimes(gather, gather + hw.elementwise_seconds(Elementwise.BINARY, rows, x.itemsize))

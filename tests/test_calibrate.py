@@ -1,0 +1,101 @@
+"""`paratrain plan --calibrate`: the fits recover known constants; a real (quick) calibration writes a
+profile that `plan --hardware FILE` uses. No timing is asserted (benchmarks/bench_plan.py measures)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from paratrain.cli import main as cli_main
+from paratrain.models import get_model_config
+from paratrain.plan import (
+    COLLECTIVE_KINDS,
+    Collective,
+    GemmCurve,
+    KernelStack,
+    Layout,
+    PlanError,
+    Workload,
+    get_hardware,
+    load_profile,
+    save_profile,
+    step_time,
+)
+from paratrain.plan.calibrate import CalibrationError, CalibrationPlan, fit_gemm_curve, fit_link
+from paratrain.plan.hardware import ELEMENTWISE_ACCESSES, hardware_to_dict
+
+
+def test_gemm_fit_recovers_plateau_and_half_size():
+    plateau, half = 90e9, 40.0
+    curve = GemmCurve(1.0, half)
+    shapes = [(64, 64, 64), (128, 512, 256), (512, 64, 256), (1024, 1024, 1024), (4096, 512, 512)]
+    rows = [(m, n, k, 2 * m * n * k / (plateau * curve.efficiency(m, n, k))) for m, n, k in shapes]
+    peak, fitted = fit_gemm_curve(rows)
+    assert peak == pytest.approx(plateau) and fitted.half_size == pytest.approx(half)
+    assert fit_gemm_curve(rows[:1])[1] == GemmCurve(1.0, 0.0)  # one shape: its throughput is the plateau
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    alpha, beta = 0.4e-3, 1.5e9
+    sizes = [2**14, 2**18, 2**20, 2**22, 2**24]
+    for kind in COLLECTIVE_KINDS:
+        rows = [(size, Collective(kind, size, 2).seconds(beta, alpha)) for size in sizes]
+        cost = fit_link(kind, 2, rows)
+        assert cost.latency_s == pytest.approx(alpha) and cost.bytes_per_s == pytest.approx(beta)
+    flat = [(size, 1e-3) for size in sizes]  # no growth with size: nothing to fit a bandwidth to
+    assert fit_link("all_reduce", 2, flat).latency_s == 0.0
+    with pytest.raises(CalibrationError, match="--nproc must be an integer of at least 2"):
+        CalibrationPlan(nproc=1)
+
+
+def test_profiles_round_trip_as_json_and_refuse_unknown_fields(tmp_path):
+    hw = dataclasses.replace(get_hardware("a100-80gb"), name="custom", host_cores=4,
+                             elementwise={"binary": ((1e4, 1e9), (1e6, 2e9))})
+    path = save_profile(hw, tmp_path / "p.json")
+    assert load_profile(path) == hw
+    data = json.loads(path.read_text())
+    data["turbo"] = True
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="unknown field 'turbo'"):
+        load_profile(tmp_path / "bad.json")
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(PlanError, match="is not readable JSON"):
+        load_profile(tmp_path / "junk.json")
+    (tmp_path / "old.json").write_text(json.dumps({**hardware_to_dict(hw), "format": 0}))
+    with pytest.raises(PlanError, match="not a paratrain hardware profile"):
+        load_profile(tmp_path / "old.json")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """One real calibration, quick plan, on 2 gloo ranks, through the command line."""
+    path = tmp_path_factory.mktemp("profile") / "cpu.json"
+    assert cli_main(["plan", "--calibrate", "--quick", "--nproc", "2", "--out", str(path), "--json"]) == 0
+    return path
+
+
+def test_calibration_writes_a_complete_cpu_profile(calibrated, capsys):
+    capsys.readouterr()
+    hw = load_profile(calibrated)
+    assert hw.kernels is KernelStack.EAGER and hw.host_cores == hw.gpus_per_node >= 1
+    assert set(hw.collectives) == set(hw.collectives_shared) == set(COLLECTIVE_KINDS)
+    assert set(hw.elementwise) == set(ELEMENTWISE_ACCESSES) and hw.op_overhead_s > 0
+    for dtype in ("fp32", "bf16", "fp16"):
+        assert hw.peak(dtype) > 0 and 0 < hw.gemm(dtype).peak_efficiency <= 1
+    assert 0 <= hw.comm_overlap <= 1 and hw.attention_efficiency > 0
+    assert "paratrain plan --calibrate" in hw.source and "2 ranks" in hw.source
+
+
+def test_plan_uses_the_calibrated_profile(calibrated, capsys):
+    hw = load_profile(calibrated)
+    argv = ["plan", "--model", "tiny", "--dp", "2", "--zero", "1", "--micro-batch", "4", "--seq", "128",
+            "--global-batch", "16", "--precision", "fp32", "--json"]
+    assert cli_main([*argv, "--hardware", str(calibrated)]) == 0
+    row = json.loads(capsys.readouterr().out)["layouts"][0]
+    work = Workload.for_model(get_model_config("tiny"), seq_len=128, global_batch=16, precision="fp32")
+    expected = step_time(work, Layout(dp=2, zero=1, micro_batch=4), hw)
+    assert row["step_time_s"] == pytest.approx(expected.total)
+    assert cli_main(argv) == 0  # the default preset predicts something else
+    assert json.loads(capsys.readouterr().out)["layouts"][0]["step_time_s"] != pytest.approx(expected.total)
+    assert cli_main(["plan", "--model", "tiny", "--hardware", str(calibrated)]) == 0
+    assert f"× {hw.name} (" in capsys.readouterr().out
