@@ -78,7 +78,7 @@ def _one_measured_step(rank, world, stage, precision):
     model, optimizer = parallelize(
         make_model(), mesh, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, foreach=False),
         precision=precision, reduce_dtype="bf16" if precision == "bf16" else None,
-        data=DataParallel(zero=stage, bucket_mb=BUCKET_MB))
+        data=DataParallel(zero=stage, bucket_mb=BUCKET_MB, prefetch=True))  # ZeRO-3: the CUDA default
     g = torch.Generator().manual_seed(rank)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 

@@ -66,12 +66,17 @@ class DataParallel:
         each other module with parameters of its own: embedding, final norm, head), "blocks" (the
         blocks only; the rest gathered for the whole forward), module classes, or a predicate
         (qualified name, module) -> bool.
+    prefetch: ZeRO-3 gathers the next unit while the current one computes (one more unit held).
+        None: where the device computes beside the network (CUDA, whose collectives run on their
+        own stream, as FSDP2 prefetches there), not on the CPU, where gloo and compute share the
+        cores and FSDP2 gathers each unit when it is used.
     """
 
     zero: int = 0
     bucket_mb: float = 25.0
     grad_reduction: GradReduction = GradReduction.MEAN
     units: UnitSpec = None
+    prefetch: bool | None = None
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -196,7 +201,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     if data.zero == 3:
         from paratrain.parallel.zero3 import FullyShardedEngine
 
-        engine = FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction)
+        prefetch = mesh.device.type == "cuda" if data.prefetch is None else data.prefetch
+        engine = FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
+                                    prefetch=prefetch)
     else:
         engine = DataParallelEngine(model, mesh, comm, policy, stage=data.zero, bucket_mb=data.bucket_mb,
                                     grad_reduction=reduction)
