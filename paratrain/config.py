@@ -86,6 +86,8 @@ class TrainSection:
     grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
     seed: int = option(0, "seed for initialization and data order")
     eval_every: int = option(50, "evaluate every N steps (and at the end); 0 evaluates only at the end")
+    log_every: int = option(1, "read the gradient norm to the host every N steps (and at the last): each "
+                               "read waits for the device; the loss comes with the step's agreement anyway")
     eval_batches: int = option(8, "held-out batches of --global-batch sequences per evaluation")
     sample_tokens: int = option(200, "tokens to generate as a text sample at the end (0 disables)")
     peak_flops: float | None = option(None, "peak FLOP/s of one device, the denominator of MFU (default: the "
@@ -291,7 +293,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     t, d, r = cfg.train, cfg.data, cfg.run
     for name, value in [("--steps", t.steps), ("--global-batch", t.global_batch),
                         ("--micro-batch", t.micro_batch), ("--seq-len", d.seq_len),
-                        ("--nproc", r.nproc), ("--eval-batches", t.eval_batches)]:
+                        ("--nproc", r.nproc), ("--eval-batches", t.eval_batches), ("--log-every", t.log_every)]:
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     for name, value in [("--lr", t.lr), ("--min-lr", t.min_lr), ("--weight-decay", t.weight_decay),

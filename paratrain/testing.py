@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.distributed import free_port
 
@@ -406,3 +407,53 @@ def _set_rank_env(rank: int, world_size: int, env: dict[str, str]) -> None:
         LOCAL_WORLD_SIZE=str(world_size),
     )
     os.environ.update(env)
+
+
+class HostSyncs(TorchDispatchMode):
+    """Count the operations that make the host wait for the device, on any device.
+
+    On a GPU the host runs ahead of the kernels it queues; an operation whose result the host
+    must read (a scalar read by `.item()`/`float()`/`bool()`, `nonzero` and other ops whose
+    output size depends on the values, `.tolist()`/`.numpy()`) stalls it until the device has
+    caught up. On the CPU nothing stalls, but the same calls are made, so counting them here
+    finds the syncs a GPU would pay. `.tolist()` and `.numpy()` read memory without an operator:
+    they are counted by wrapping them while the mode is active. Tensors made on the host before
+    the count began (a batch from the data loader) can be excused with `host=`.
+    """
+
+    _VALUE_DEPENDENT = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+                        "unique_consecutive", "unique_dim", "equal", "is_nonzero", "bincount", "histc")
+
+    def __init__(self, host: tuple[torch.Tensor, ...] = ()):
+        super().__init__()
+        self.calls: list[str] = []
+        self._host = {t.untyped_storage().data_ptr() for t in host}
+        self._saved: dict[str, Callable] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if name in self._VALUE_DEPENDENT and not self._from_host(args):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+    def _from_host(self, args) -> bool:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return bool(tensors) and all(t.untyped_storage().data_ptr() in self._host for t in tensors)
+
+    def __enter__(self):
+        for method in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, method)
+            self._saved[method] = original
+
+            def counted(tensor, *a, _original=original, _name=method, **k):
+                if tensor.untyped_storage().data_ptr() not in self._host:
+                    self.calls.append(_name)
+                return _original(tensor, *a, **k)
+            setattr(torch.Tensor, method, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._saved.items():
+            setattr(torch.Tensor, method, original)
+        self._saved.clear()
+        return super().__exit__(*exc)

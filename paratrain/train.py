@@ -55,7 +55,7 @@ class StepOutcome:
     """What one optimizer step measured."""
 
     loss: float  # mean token loss of the global batch
-    grad_norm: float  # before clipping; nan for a skipped step
+    grad_norm: float  # before clipping; nan for a skipped step or one that did not read it (--log-every)
     tokens: int  # target tokens of the global batch
     verdict: Verdict
 
@@ -93,7 +93,8 @@ def loop(run: Run) -> tuple[float, float, float]:
                 maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
                 batches = next_batches(run)
             outcome = train_step(model, run.optimizer, batches, t.grad_clip, step=step, timer=timer,
-                                 stop=guard.stop_requested, peak=run.memory)
+                                 stop=guard.stop_requested, peak=run.memory,
+                                 read_grad_norm=step % t.log_every == 0 or step == t.steps)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
@@ -131,7 +132,8 @@ def next_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, step: int = 0, timer: StepTimer | None = None,
-               stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None) -> StepOutcome:
+               stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None,
+               read_grad_norm: bool = True) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, every stage in the order it runs.
 
     The loss is the mean over every target token of the global batch: each micro-batch
@@ -142,14 +144,16 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's
     memory meter, read and restarted at the agreement (so a step's peak covers the previous optimizer
     step and this forward and backward; on CUDA reserved bytes beside it), reported per rank; `loss_fn(output, labels)`: a token-loss sum (default: the
-    model's cross-entropy). The fault hooks of `paratrain.faults` sit here, in the open.
+    model's cross-entropy); `read_grad_norm`: read the norm to the host (a device sync; the
+    trainer reads it on logged steps only, `--log-every`). The fault hooks of `paratrain.faults` sit here, in the open.
     """
     timer = timer or StepTimer(model.comm)
     rank = model.mesh.rank
-    local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)  # on the host: no sync
+    # Counted where the labels are, read by nobody: the agreement carries it to the host with the rest.
+    local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).to(model.device, torch.float64)
     with timer.phase("forward_backward"):
         # The step's global token count, summed over the data ranks on the device (no host sync).
-        normalizer = model.comm_sum(torch.tensor(float(local_tokens), device=model.device))
+        normalizer = model.comm_sum(local_tokens.to(torch.float32))
         loss_fn = loss_fn or model.loss_fn
         loss_fn = _nan_loss(loss_fn) if fault_requested("nan", rank, step) else loss_fn
         result = model.train_step(batches, normalizer, loss_fn)
@@ -167,7 +171,8 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
             "reserved_mem": (memory.reserved_bytes or 0) if memory else 0})
         grad_norm = math.nan
         if not verdict.skip:
-            grad_norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf).item()
+            norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
+            grad_norm = norm.item() if read_grad_norm else math.nan  # the step's second (and last) host read
         optimizer.step()  # a skipped step has no gradients: no parameter moves
         optimizer.zero_grad(set_to_none=True)
     tokens = int(verdict.sums["tokens"])

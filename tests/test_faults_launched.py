@@ -132,7 +132,7 @@ def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
     result = launch(tmp_path / "run", "--pg-timeout", "10", fault="desync_shape@rank1:step4")
     assert result.returncode == 1
     # gloo aborts the rank that receives more than it expects; the other explains.
-    assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 all_reduce over world shape \[6, 2\] "
+    assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 all_reduce over world shape \[7, 2\] "
                      r"float64 \(step 4\) vs rank\(s\) \[1\] #\1 all_reduce over world shape \[64, 2\] float64 \(step 4\)",
                      result.stderr), result.stderr
     last = summary(result)  # from rank 1's error, or when it was stopped first, from the fingerprint files

@@ -520,3 +520,32 @@ def test_master_names_follow_model_parameter_order():
     engine, _ = _shard(_meta_transformer(TIED), _solo_mesh())
     assert engine.master_names() == names
     assert math.prod(engine.masters()[0].shape) == TIED.vocab_size * TIED.dim
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_gathers_the_next_unit_before_this_units_backward_ends(recompute):
+    """The all-gather of the unit whose backward comes next is launched while this unit's backward
+    computes (its reduce-scatter is the end of it), with activation checkpointing as without."""
+    from paratrain.parallel.api import checkpoint_blocks
+
+    model = _meta_transformer(UNTIED)
+    engine, _ = _shard(model, _solo_mesh())
+    if recompute:
+        checkpoint_blocks(model)
+    events = []
+    for unit in engine.units:
+        launch = unit.launch_gather
+        unit.launch_gather = lambda *a, _u=unit, _launch=launch: (events.append(("gather", _u.name)), _launch(*a))[1]
+    reduce_scatter = engine._reduce_scatter
+    engine._reduce_scatter = lambda unit, grads: (events.append(("done", unit.name)), reduce_scatter(unit, grads))[1]
+    for step in range(2):  # the second forward follows the order the first one recorded
+        loss = _transformer_loss(model, UNTIED, step, slice(None))
+        events.clear()
+        loss.backward()
+        finish(engine)
+    backward = list(events)
+    order = [name for kind, name in backward if kind == "done"]
+    assert order == ["output", "norm", "layers.1", "layers.0", "tok_embeddings"]
+    for this, following in zip(order, order[1:]):
+        assert backward.index(("gather", following)) < backward.index(("done", this)), (this, following, backward)
+    assert len(engine._plan) == len(order)  # recomputation does not grow the recorded order

@@ -103,12 +103,42 @@ def prepare_payload(rank: int, shards: Shards, rank_state: dict | None, shared_s
     try:
         checked = {key: _check_shard(key, value) for key, value in shards.items()}
         if copy:
-            checked = {key: (spec, t.detach().to("cpu", copy=True)) for key, (spec, t) in checked.items()}
+            checked = {key: (spec, _STAGING.snapshot(key, t)) for key, (spec, t) in checked.items()}
+            _STAGING.wait()
         encoded_rank = encode_state(_as_dict(rank_state, "rank_state"), "rank_state")
         encoded_shared = encode_state(_as_dict(shared_state, "shared_state"), "shared_state") if rank == 0 else None
     except Exception as exc:  # noqa: BLE001 - becomes this rank's report, so that no peer waits in vain
         return RankPayload({}, None, None, error=f"rank {rank}: {_describe(exc, rank_filename(rank))}")
     return RankPayload(checked, encoded_rank, encoded_shared)
+
+
+class _PinnedStaging:
+    """CPU snapshots of tensors for a save in flight. A GPU tensor is copied into page-locked memory,
+    kept from one save to the next (pinning is slow), without blocking; `wait` then waits once for
+    all the copies. A CPU tensor is copied as it is."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._pending = False
+
+    def snapshot(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.to("cpu", copy=True)
+        host = self._buffers.get(key)
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        self._pending = True
+        return host
+
+    def wait(self) -> None:
+        if self._pending:
+            torch.cuda.current_stream().synchronize()
+            self._pending = False
+
+
+_STAGING = _PinnedStaging()
 
 
 def _as_dict(state: dict | None, what: str) -> dict:

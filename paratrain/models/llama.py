@@ -86,9 +86,13 @@ class Attention(nn.Module):
         # Query head h reads kv head h // (H/K): Hugging Face's layout, and the one that keeps
         # contiguous tensor-parallel slices of q heads aligned with slices of kv heads.
         group = q_BHSE.shape[1] // k_BKSE.shape[1]
-        k_BHSE = k_BKSE.repeat_interleave(group, dim=1)
-        v_BHSE = v_BKSE.repeat_interleave(group, dim=1)
-        out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, is_causal=True)
+        if q_BHSE.is_cuda or group == 1:
+            # SDPA's enable_gqa reads each kv head for its group of q heads (the grouping of
+            # repeat_interleave on dim 1) in its fused kernels, without materializing K and V repeated.
+            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, enable_gqa=group > 1)
+        else:  # the CPU's fused kernel does not take GQA (enable_gqa falls back to the unfused math)
+            k_BHSE, v_BHSE = (t.repeat_interleave(group, dim=1) for t in (k_BKSE, v_BKSE))
+            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, is_causal=True)
         return self.wo(out_BHSE.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -249,8 +249,8 @@ class ParallelModel(nn.Module):
             table[3, rank] = result.loss_sum.to(torch.float64)
         table[1, rank] = grads_nonfinite(self._grads(), self.device)
         table[2, rank] = float(stop)
-        for i, value in enumerate(counts.values()):
-            table[len(_FLAGS) + i, rank] = float(value)
+        for i, value in enumerate(counts.values()):  # a tensor stays where it is until the one read below
+            table[len(_FLAGS) + i, rank] = value.to(torch.float64) if torch.is_tensor(value) else float(value)
         self.comm.all_reduce(table, WORLD)  # each rank wrote only its own column: a sum is a gather
         used = self._used
         host = torch.cat([table.reshape(-1), used.to(torch.float64)]).tolist()  # the step's one host sync

@@ -36,10 +36,13 @@ token count), so m micro-batches equal one batch of m·b. Data-parallel gradient
 communication runs only in the rank's last backward of the step (earlier
 ones accumulate under `no_sync`).
 
-A split backward (ZB-H1) runs B as `backward(inputs=[stage input])` and W as
-`backward(inputs=stage parameters)`: the schedule's order and its deferral of
-weight gradients are exact, but autograd cannot reuse B's intermediate
-gradients in W, so W recomputes the backward through the stage's activations.
+A split backward (ZB-H1) computes in B only the gradient of the stage's input,
+and in W only the weights' gradients, from where B left off: each parameter's
+gradient path leaves the input's path at some operation of the graph (the
+matmul that reads the weight, the product with a norm's gain); B records the
+gradient arriving at those operations, and W runs backward from there to the
+parameters alone. So B + W costs one backward (each matmul's two products are
+split between them), not a backward and a half.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class _Slot:
     input: torch.Tensor | None  # the received activation (a leaf that requires grad); None on stage 0
     output: torch.Tensor  # the stage's output, or on the last stage its scaled loss
     grad: torch.Tensor | None = None  # the output's gradient, kept from B for W
+    weight_work: list | None = None  # what B left for W (`_split_weight_work`); None: W runs the whole backward
 
 
 class PipelineRunner:
@@ -184,14 +188,18 @@ class PipelineRunner:
             torch.autograd.backward(slot.output, slot.grad)
             del slots[mb, s]
         elif slot.input is not None:
-            torch.autograd.backward(slot.output, slot.grad, inputs=[slot.input], retain_graph=True)
+            params = [p for p in self.shells[s].parameters() if p.requires_grad]
+            slot.weight_work = _input_backward(slot.output, slot.grad, slot.input, params)
         if slot.input is not None:
             outbox["grad", mb, s] = slot.input.grad
 
     def _weight_backward(self, action: Action, slots) -> None:
         slot = slots.pop((action.microbatch, action.stage))
+        if slot.weight_work is not None:
+            _weight_backward(slot.weight_work)
+            return
         params = [p for p in self.shells[action.stage].parameters() if p.requires_grad]
-        torch.autograd.backward(slot.output, slot.grad, inputs=params)
+        torch.autograd.backward(slot.output, slot.grad, inputs=params)  # stage 0: nothing to split
 
     # -- point to point ------------------------------------------------------------------------------
     def _exchange(self, sends: list[tuple[int, Message]], receives: list[tuple[int, Message]],
@@ -322,6 +330,115 @@ class PipelineRunner:
                 torch.empty(shape, dtype=dtype, device=self.device)
             self.comm.broadcast(value, "pp", src=owner)
             yield name, value
+
+
+# -- the split backward of zero-bubble schedules ----------------------------------------------------
+
+@dataclass
+class _WeightWork:
+    """Parameters whose gradients leave the input's path at `nodes` (graph nodes, or the stage output
+    for parameters whose path never meets the input's); `grads` arrived there during B."""
+
+    params: list[torch.Tensor]
+    nodes: list
+    grads: list[tuple] = None
+
+
+def _grad_node(t: torch.Tensor):
+    """The autograd node a tensor's gradient flows into (a leaf's accumulator, made on demand)."""
+    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _input_backward(output: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor,
+                    params: list[torch.Tensor]) -> list[_WeightWork]:
+    """B of a split backward: the stage input's gradient (into `.grad`), and what W needs to finish.
+
+    The nodes on the input's path are those from which the input's accumulator can be reached; a
+    parameter's path joins them at the first such node walking up from the parameter. Pre-hooks on
+    those joining nodes keep the gradient each receives while the input's backward runs (which
+    computes there only the input's side).
+    """
+    parents: dict = {}
+    todo, seen = [output.grad_fn], {output.grad_fn}
+    while todo:  # every node of the stage's graph, and who feeds gradient into it
+        node = todo.pop()
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+                if child not in seen:
+                    seen.add(child)
+                    todo.append(child)
+    on_input_path = _above(_grad_node(stage_input), parents, stop=set())
+    work: dict = {}  # joining node -> the _WeightWork holding it
+    apart = _WeightWork([], [output])  # parameters whose path never meets the input's: from the output
+    for param in params:
+        joins = _above(_grad_node(param), parents, stop=on_input_path) & on_input_path
+        if not joins:
+            apart.params.append(param)
+            continue
+        groups = {id(work[n]): work[n] for n in joins if n in work}
+        merged = _WeightWork([param], sorted(joins, key=id))
+        for group in groups.values():  # a node shared with other parameters: one W call for all of them
+            merged.params += group.params
+            merged.nodes = sorted(set(merged.nodes) | set(group.nodes), key=id)
+        for node in merged.nodes:
+            work[node] = merged
+    groups = list({id(g): g for g in work.values()}.values())
+    captured: dict = {}
+    handles = [node.register_prehook(lambda grads, node=node: captured.__setitem__(node, grads))
+               for node in work]
+    try:
+        torch.autograd.backward(output, grad, inputs=[stage_input], retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for group in groups:
+        group.grads = [captured.get(node) for node in group.nodes]
+    if apart.params:
+        apart.grads = [grad]
+        groups.append(apart)
+    return groups
+
+
+def _above(start, parents: dict, stop: set) -> set:
+    """Nodes reachable from `start` against the direction of backward, not going past `stop` (included)."""
+    found, todo = {start}, [start]
+    while todo:
+        for parent in parents.get(todo.pop(), ()):
+            if parent not in found:
+                found.add(parent)
+                if parent not in stop:
+                    todo.append(parent)
+    return found
+
+
+def _weight_backward(groups: list[_WeightWork]) -> None:
+    """W of a split backward: from each joining node, with the gradient it got in B, to its parameters.
+
+    Gradients accumulate into `.grad` (so accumulation hooks fire: DDP / ZeRO buckets). A group
+    with several joining nodes, one below another, pins each node's incoming gradient to what it
+    got in B, so that none is counted twice."""
+    from torch.autograd.graph import GradientEdge
+
+    for group in groups:
+        if isinstance(group.nodes[0], torch.Tensor):  # from the stage output itself
+            torch.autograd.backward(group.nodes[0], group.grads[0], inputs=group.params)
+            continue
+        edges, grads = [], []
+        for node, received in zip(group.nodes, group.grads):
+            for i, g in enumerate(received or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        pins = [node.register_prehook(lambda _, saved=received: saved)
+                for node, received in zip(group.nodes, group.grads) if len(group.nodes) > 1 and received]
+        try:
+            torch.autograd.backward(edges, grads, inputs=group.params)
+        finally:
+            for pin in pins:
+                pin.remove()
 
 
 def _boundary_stage(message: Message) -> int:

@@ -409,8 +409,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_target, here, ignored = ctx.saved_tensors
         row_grad = grad_loss.masked_fill(ignored, 0.0)
         grad = softmax * row_grad.unsqueeze(-1)
-        rows = here.nonzero().squeeze(-1)
-        grad[rows, local_target[rows]] -= row_grad[rows]
+        # − row_grad at each row's target column where this rank holds it; a scatter, not an index by
+        # nonzero() (whose size the host would have to read from the device).
+        target_grad = row_grad.masked_fill(~here, 0.0).unsqueeze(-1).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -target_grad)
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 

@@ -224,6 +224,13 @@ class FullyShardedEngine:
             self._enter_unit(unit)
 
     def _enter_unit(self, unit: Unit) -> None:
+        if torch._C._current_graph_task_id() != -1:  # inside backward: activation checkpointing recomputes
+            # The forward order was recorded already; what comes next is the unit backward reaches next.
+            self._prefetch(unit)
+            self._prefetch(self._backward_next(unit))
+            if unit.params:
+                unit.install(_GatherUnit.apply(self, unit, *unit.shards))
+            return
         if unit is self.root:
             self._begin_forward()
             upcoming = self._plan[0] if self._plan else None
@@ -259,7 +266,7 @@ class FullyShardedEngine:
         self._hooks_ctx.__exit__(None, None, None)
         self._hooks_ctx = None
         self._free_all()  # prefetches the forward did not use
-        self._plan, self._backward_cursor = self._calls, len(self._calls)
+        self._plan, self._backward_cursor = list(self._calls), len(self._calls)
 
     # -- gather / free -----------------------------------------------------
     def _prefetch(self, unit: Unit | None) -> None:

@@ -164,7 +164,9 @@ def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+    # One fused kernel for the whole step where the device has it (CUDA); elsewhere the foreach default.
+    fused = bool(params) and all(p.device.type == "cuda" for p in params) or None
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused)
 
 
 # -- the run directory --------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ SUPERSEDED_PREFIX = ".superseded-"
 IDENTITY_SECTIONS = ("model", "data", "train")
 # Options of those sections that change only what is measured or printed, not the trajectory.
 # (The micro-batch too: the global batch is the invariant, the micro-batch only how a layout splits it.)
-FREE_OPTIONS = {"eval_every", "eval_batches", "sample_tokens", "peak_flops", "micro_batch"}
+FREE_OPTIONS = {"eval_every", "eval_batches", "sample_tokens", "peak_flops", "micro_batch", "log_every"}
 
 
 @dataclass(frozen=True)
