@@ -40,6 +40,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.mesh import MeshShape, build_mesh
+from paratrain.peak_memory import reset_peak_rss
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import RankError, run_on_ranks
@@ -76,15 +77,6 @@ def proc_status_kb(field: str) -> int:
     """A `VmXXX:` line of /proc/self/status, in kB."""
     with open("/proc/self/status") as f:
         return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.M).group(1))
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs); False if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            return f.write("5") == 1
-    except OSError:
-        return False
 
 
 def warm_process(args) -> None:

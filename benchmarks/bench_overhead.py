@@ -92,7 +92,7 @@ def tensor_parallel(framework: str, world: int, args):
                                  (5, RowwiseParallel()))}
         pmodel = parallelize_module(model, mesh, plan)
         opt = adamw(pmodel.parameters())
-        clip = functools.partial(torch.nn.utils.clip_grad_norm_, pmodel.parameters())
+        clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(pmodel.parameters()))
 
     def step(x, y):  # every tp rank sees the same batch
         loss = mse_sum(pmodel(x), y) / x.numel()
@@ -208,7 +208,8 @@ def main(argv=None) -> int:
                 medians.setdefault((pair, framework), []).append(statistics.median(slowest))
     meta["load"] = {"start": load_start, "end": os.getloadavg()}
     lines = [f"# Per-step overhead, {args.blocks} blocks × 4 Linear({WIDTH}, {WIDTH}), {args.ranks} ranks "
-             f"({meta['date']})", "", f"Machine: {meta.get('platform', '')}; load {fmt_load(meta['load'])}.",
+             f"({meta['date']})", "", f"Machine: {meta.get('platform', '')}, {meta.get('cpu_count')} CPUs, torch {meta.get('torch')}; load average "
+             f"{fmt_load(load_start)} at start, {fmt_load(meta['load']['end'])} at the end.",
              "Median step time of the slowest rank per launch, in ms, one value per round; ratio: paratrain's "
              "median over rounds / PyTorch's.", "",
              "| pair | paratrain ms (rounds) | PyTorch ms (rounds) | ratio |", "|---|---|---|---|"]

@@ -13,7 +13,7 @@ Rows (paratrain `parallelize(..., schedule=...)` <-> torch.distributed.pipelinin
 
 Every row runs in its own `run_on_ranks` launch (fresh processes, one thread per rank) on the
 same model, init, batches (m micro-batches of b sequences) and number of steps. Each pipeline
-action is timed from outside (paratrain: its PipelineModel methods, minus the time blocked in
+action is timed from outside (paratrain: its PipelineRunner methods, minus the time blocked in
 receives; torch: its stage's forward/backward methods), which gives the measured idle fraction
 per rank and the f, b, w costs fed to paratrain's schedule simulator. Last, one process times a
 stage's split backward three ways (full, paratrain's zb-h1 B + W, torch's). See benchmarks/README.md.
@@ -42,7 +42,7 @@ from bench_dp import (
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
-from paratrain.parallel.pipeline import PipelineModel
+from paratrain.parallel.pipeline import PipelineRunner, _input_backward, _weight_backward
 from paratrain.parallel.stages import split_for_pipeline
 from paratrain.parallel.schedules import build_schedule
 from paratrain.parallel.simulator import simulate
@@ -101,22 +101,22 @@ class ActionClock:
         return out
 
 
-_PARATRAIN_CLOCK: list[ActionClock] = []  # the clock the patched PipelineModel methods report to
+_PARATRAIN_CLOCK: list[ActionClock] = []  # the clock the patched PipelineRunner methods report to
 
 
 def instrument_paratrain(clock: ActionClock) -> None:
-    """Time PipelineModel's F/B/W actions, minus the blocking receives inside them, on `clock`.
+    """Time PipelineRunner's F/B/W actions, minus the blocking transfers inside them, on `clock`.
 
     Private methods of paratrain's runtime, patched on the class in this rank's process only
     (a fresh fork per row), once; later calls only switch the clock. `_forward`/`_backward`/
     `_weight_backward` run one schedule action each (a forward includes the loss on the last
-    stage); `_receive` blocks on the neighbour.
+    stage); `_exchange` (a group of sends and receives) blocks on the neighbours.
     """
     first = not _PARATRAIN_CLOCK
     _PARATRAIN_CLOCK[:] = [clock]
     if not first:
         return
-    receive = PipelineModel._receive
+    receive = PipelineRunner._exchange
 
     def timed_receive(model, *args, **kwargs):
         t0 = time.perf_counter()
@@ -135,10 +135,10 @@ def instrument_paratrain(clock: ActionClock) -> None:
             return out
         return wrapper
 
-    PipelineModel._receive = timed_receive
-    PipelineModel._forward = timed(PipelineModel._forward, "F")
-    PipelineModel._backward = timed(PipelineModel._backward, "B")
-    PipelineModel._weight_backward = timed(PipelineModel._weight_backward, "W")
+    PipelineRunner._exchange = timed_receive
+    PipelineRunner._forward = timed(PipelineRunner._forward, "F")
+    PipelineRunner._backward = timed(PipelineRunner._backward, "B")
+    PipelineRunner._weight_backward = timed(PipelineRunner._weight_backward, "W")
 
 
 def instrument_torch_stage(stage, clock: ActionClock, sent: list[float]) -> None:
@@ -215,7 +215,7 @@ def setup_paratrain(cfg: ModelConfig, spec: Spec, args, clock: ActionClock) -> R
     def sent():
         return pmodel.comm.summary().get("pp", {}).get("send", {}).get("bytes", 0)
 
-    buckets = lambda: [b.buffer for b in pmodel.inner.engine.buckets]  # noqa: E731
+    buckets = lambda: [b.buffer for b in pmodel.engine.buckets]  # noqa: E731
     return Runner(train, pmodel.clip_grad_norm_, opt, list(pmodel.module.parameters()), pmodel.comm.reset, sent,
                   buckets)
 
@@ -348,10 +348,10 @@ def torch_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
 
 
 def paratrain_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, params: list) -> float:
-    """The two autograd calls of paratrain's PipelineModel._backward / _weight_backward under zb-h1."""
-    torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+    """paratrain's B and W under zb-h1 (`paratrain.parallel.pipeline`): W starts where B left off."""
+    work = _input_backward(out, grad, x, params)
     t0 = time.perf_counter()
-    torch.autograd.backward(out, grad, inputs=params)
+    _weight_backward(work)
     return time.perf_counter() - t0
 
 

@@ -98,7 +98,7 @@ class ProcessPeak:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start_bytes = torch.cuda.memory_allocated(self.device)
         else:
-            _reset_peak_rss()
+            reset_peak_rss()
             self.start_bytes = _proc_status_bytes("VmRSS") or 0
 
     def read(self) -> PeakReading:
@@ -117,7 +117,7 @@ class ProcessPeak:
         return reading
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """VmHWM back to the current RSS (Linux >= 4.0); False where not allowed."""
     try:
         with open("/proc/self/clear_refs", "w") as f:

@@ -55,8 +55,8 @@ def buffers(stage: int, precision: str, n: int) -> int:
     - ZeRO-1: one reduce-scatter in flight during backward, whose input gloo copies until it completes
       (NCCL reads it in place), one bucket; after the step, one bucket's all-gather of updated
       parameters (param dtype).
-    - ZeRO-2: the bucket being filled, plus one reduce-scatter in flight, its bucket alive until the
-      collective completes and copied by gloo meanwhile (reduce dtype).
+    - ZeRO-2: one bucket, being filled or in flight (the one in flight lands before the next is made),
+      gloo's copy of it while in flight, and the gradient autograd just made (one layer's).
     - ZeRO-3: two gathered units (the one computing and the one prefetched, param dtype); a unit's
       gradients as autograd makes them (param dtype); its flat copy being reduce-scattered and gloo's
       copy of that (reduce dtype; the previous unit's has landed before).

@@ -14,7 +14,8 @@ accumulation (`no_sync`) every micro-batch adds into them and only the last
 backward communicates. ZeRO-2 is the stage whose point is that the full
 gradient never exists: a bucket's buffer is allocated when its first gradient
 arrives, reduce-scattered as soon as it is complete, and freed when that
-completes (one reduce-scatter in flight: launching the next waits for it);
+completes (one reduce-scatter in flight, overlapping the backward that makes
+the next bucket's gradients; it lands before that bucket is allocated);
 each rank keeps only its 1/N shard of the reduced gradients, adding each
 backward's into it. So ZeRO-2 reduces in every backward, as the ZeRO paper
 and DeepSpeed do: a backward under `no_sync` is reduced when the
@@ -30,8 +31,8 @@ stage    gradient communication per backward   gradient memory                  
 1        reduce-scatter Ψ(N−1)/N (last only)   4Ψ (buckets; one reduced at once) 1/N
          + all-gather of updated parameters
          Ψ(N−1)/N per step
-2        as 1, in every backward               4Ψ/N + one bucket in flight       1/N
-                                               + the one being filled
+2        as 1, in every backward               4Ψ/N + one bucket (filled or      1/N
+                                               in flight)
 =======  ====================================  ================================  =================
 
 The shard layout is paratrain.parallel.shard's: rank r owns rows
@@ -137,6 +138,7 @@ class DataParallelEngine:
         self._next_launch = 0
         self._in_flight: deque[_InFlight] = deque()
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
+        self._used = [False] * len(self.slots)  # on the host while backward runs: no kernel per gradient
 
     # -- construction ---------------------------------------------------------
     def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
@@ -221,9 +223,13 @@ class DataParallelEngine:
         if (self._sync or self.per_backward) and not self._in_backward:
             self._start_backward()
         if bucket.buffer is None:
+            # ZeRO-2: the reduce-scatter in flight has overlapped the backward that made this gradient;
+            # it lands before the next bucket is made, so that two full-size buckets never coexist.
+            while self._in_flight:
+                self._land(self._in_flight.popleft())
             bucket.buffer = self._new_buffer(bucket)
         self._write(bucket, slot, param.grad)
-        self._used_mask[self._index[param]] = 1.0
+        self._used[self._index[param]] = True
         param.grad = None  # the bucket holds it now: gradients never exist twice
         if self._sync or self.per_backward:
             bucket.ready += 1
@@ -232,7 +238,7 @@ class DataParallelEngine:
     def _start_accumulation(self) -> None:
         """The first gradient of a step: it and every later one of the step are counted in the used mask."""
         self._accumulating = True
-        self._used_mask.zero_()
+        self._used = [False] * len(self.slots)
 
     def _start_backward(self) -> None:
         self._in_backward = True
@@ -243,7 +249,11 @@ class DataParallelEngine:
     def _write(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
         """A gradient into the bucket (÷ the pre-division), rank r's rows into chunk r: copied first, then added."""
         scale = 1.0 / self.pre_divide
-        for src, dst in chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards)):
+        if self.shards == 1:  # DDP: the parameter's span of the bucket, as one view
+            tiles = [(grad, bucket.buffer[slot.offset:slot.offset + grad.numel()].view_as(grad))]
+        else:
+            tiles = chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards))
+        for src, dst in tiles:
             if slot.filled:
                 dst.add_(src, alpha=scale)
             elif scale == 1.0:
@@ -320,6 +330,9 @@ class DataParallelEngine:
             self._start_backward()
         if self._in_backward:
             self._launch_ready_buckets(in_backward=False)
+        # One host-to-device copy of the step's flags (never a read back: no sync).
+        self._used_mask = torch.tensor(self._used, dtype=torch.float32, device="cpu").to(self._used_mask.device,
+                                                                                 non_blocking=True)
         mask_work = self.comm.all_reduce(self._used_mask, "dp", async_op=True)
         while self._in_flight:
             self._land(self._in_flight.popleft())

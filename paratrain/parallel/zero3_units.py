@@ -53,7 +53,7 @@ def unit_modules(model: nn.Module, spec: UnitSpec) -> list[tuple[str, nn.Module]
     (qualified name, module) -> bool.
 
     The default: every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` that
-    holds parameters is a block, one unit with everything below it (the reference model's
+    holds parameters is a block (a list or dict of modules there is only a holder: its entries are), one unit with everything below it (the reference model's
     ``layers`` entries, a Hugging Face model's decoder layers, the layers of a plain Sequential);
     and outside the blocks, every module that holds parameters of its own (an embedding, a final
     norm, an output head) is a unit too, so that it is gathered only while its own forward runs,
@@ -74,8 +74,10 @@ def unit_modules(model: nn.Module, spec: UnitSpec) -> list[tuple[str, nn.Module]
                 if child is None or id(child) in seen:
                     continue
                 seen.add(id(child))
-                if in_container and not isinstance(child, _CONTAINERS) and _has_params(child):
-                    picked.append((prefix + name, child))  # a block: one unit, nothing below it split
+                # A block: one unit, nothing below it split. A list or dict of modules inside is only a
+                # holder (it has no forward): its entries are the blocks. A Sequential has a forward: a block.
+                if in_container and not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and _has_params(child):
+                    picked.append((prefix + name, child))
                     continue
                 if loose and any(p is not None for p in child._parameters.values()):
                     picked.append((prefix + name, child))

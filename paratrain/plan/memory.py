@@ -429,8 +429,8 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
     ZeRO-3 (one unit per block, plus the root's remaining parameters: embedding, head, final
     norm, as paratrain.parallel.zero3_units wraps them): `ZERO3_PREFETCH_UNITS` units gathered
     in the parameter dtype (the one computing, the one prefetched) and as many unit gradients
-    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: the
-    bucket being filled and one in flight (paratrain.parallel.data). DDP and ZeRO-1: their
+    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: one
+    bucket, being filled or in flight (paratrain.parallel.data). DDP and ZeRO-1: their
     buckets are the gradients (counted there); ZeRO-1 adds one bucket's all-gather of updated
     parameters. Nothing when only the parameter count is known.
     """
@@ -442,7 +442,7 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
         unit = max(block, model.num_params() - model.n_layers * block) / lay.tp
         return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes)
     bucket = min(lay.bucket_mb * 2**20, stage_params * workload.grad_bytes)
-    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: 2.0 * bucket}[lay.zero]
+    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: bucket}[lay.zero]
 
 
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
