@@ -165,6 +165,15 @@ class Comm:
         self._count("broadcast", axis, tensor, _nbytes(tensor))
         return self._issue(axis, async_op, dist.broadcast, tensor, src=self.mesh.ranks(axis)[src], group=group)
 
+    def reductions_in_flight(self) -> int:
+        """How many gradient reduce-scatters an engine leaves in flight while backward goes on.
+
+        One on CUDA, where NCCL runs beside compute on its own stream; none on the CPU, where gloo's
+        thread shares the cores with compute and copies each input until the collective completes
+        (waiting at once frees that copy and the input; FSDP2 on the CPU does not overlap either).
+        """
+        return 1 if self.mesh.device.type == "cuda" else 0
+
     def wait(self, works, axis: str) -> None:
         """Wait on work handles (None: a collective that needed no call); the time held up counts for `axis`."""
         with self._held(axis):

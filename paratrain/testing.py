@@ -272,7 +272,10 @@ def _failure_error(ranks: list[_Rank]) -> RankFailure:
     # A rank that died without a word goes first: the errors its peers raise
     # when their connections to it break are consequences, and a death is only
     # seen some time after it happened. Reported errors follow in time order.
-    failed = sorted((r for r in ranks if r.failure), key=lambda r: (r.failure.exitcode is None, r.failure.at))
+    # A peer's broken connection is a consequence too, even when its report is the earlier one (a rank
+    # whose collective timed out closes its connections before its own error is reported).
+    failed = sorted((r for r in ranks if r.failure),
+                    key=lambda r: (r.failure.exitcode is None, _is_consequence(r.failure.headline), r.failure.at))
     first, others = failed[0], [r.rank for r in failed[1:]]
     message = f"rank {first.rank} failed: {first.failure.headline}"
     if others:
@@ -280,6 +283,10 @@ def _failure_error(ranks: list[_Rank]) -> RankFailure:
     if first.failure.detail:
         message += f"\n--- traceback of rank {first.rank} ---\n{first.failure.detail}"
     return RankFailure(message, first.rank, first.failure.exitcode, others)
+
+
+def _is_consequence(headline: str) -> bool:
+    return "Connection closed by peer" in headline or "Connection reset by peer" in headline
 
 
 def _drain(ranks: list[_Rank]) -> None:

@@ -52,14 +52,14 @@ def buffers(stage: int, precision: str, n: int) -> int:
 
     - optimizer: AdamW without foreach makes two parameters' worth of temporaries at a time (the
       square root of the second moment and its quotient): 2L on stage 0, 2L/N on sharded stages.
-    - ZeRO-1: one reduce-scatter in flight during backward, whose input gloo copies until it completes
-      (NCCL reads it in place), one bucket; after the step, one bucket's all-gather of updated
-      parameters (param dtype).
-    - ZeRO-2: one bucket, being filled or in flight (the one in flight lands before the next is made),
-      gloo's copy of it while in flight, and the gradient autograd just made (one layer's).
+    - ZeRO-1: one reduce-scatter at a time, whose input gloo copies until it completes (NCCL reads it in
+      place; on the CPU each completes before backward goes on), one bucket; after the step, one
+      bucket's all-gather of updated parameters (param dtype).
+    - ZeRO-2: one bucket, filled or being reduced, gloo's copy of it while reduced, and the gradient
+      autograd just made (one layer's).
     - ZeRO-3: two gathered units (the one computing and the one prefetched, param dtype); a unit's
       gradients as autograd makes them (param dtype); its flat copy being reduce-scattered and gloo's
-      copy of that (reduce dtype; the previous unit's has landed before).
+      copy of that (reduce dtype).
     """
     layer, reduce_bytes = LAYER_BYTES, LAYER_BYTES * (2 if precision == "bf16" else 4) // 4
     param_layer = LAYER_BYTES * (2 if precision == "bf16" else 4) // 4

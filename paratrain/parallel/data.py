@@ -14,8 +14,9 @@ accumulation (`no_sync`) every micro-batch adds into them and only the last
 backward communicates. ZeRO-2 is the stage whose point is that the full
 gradient never exists: a bucket's buffer is allocated when its first gradient
 arrives, reduce-scattered as soon as it is complete, and freed when that
-completes (one reduce-scatter in flight, overlapping the backward that makes
-the next bucket's gradients; it lands before that bucket is allocated);
+completes (on CUDA one reduce-scatter in flight, overlapping the backward
+that makes the next bucket's gradients, landed before that bucket is
+allocated; on the CPU each lands at once);
 each rank keeps only its 1/N shard of the reduced gradients, adding each
 backward's into it. So ZeRO-2 reduces in every backward, as the ZeRO paper
 and DeepSpeed do: a backward under `no_sync` is reduced when the
@@ -61,10 +62,6 @@ from paratrain.mesh import Mesh
 from paratrain.parallel.replicas import make_replicas
 from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 from paratrain.precision import Precision
-
-# ZeRO-1/2: reduce-scatters in flight at once; launching one more first waits for the oldest.
-# One overlaps each bucket's communication with the filling of the next, as FSDP2 does.
-_MAX_IN_FLIGHT = 1
 
 
 @dataclass
@@ -137,6 +134,7 @@ class DataParallelEngine:
         self._in_backward = False  # DDP / ZeRO-1: the synced backward has begun; ZeRO-2: a backward's round is open
         self._next_launch = 0
         self._in_flight: deque[_InFlight] = deque()
+        self._in_flight_limit = comm.reductions_in_flight()
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
         self._used = [False] * len(self.slots)  # on the host while backward runs: no kernel per gradient
 
@@ -283,9 +281,9 @@ class DataParallelEngine:
         if self.stage == 0:
             bucket.work = self.comm.all_reduce(bucket.buffer, "dp", async_op=True)
             return
-        # ZeRO: a bounded number of reduce-scatters in flight. ZeRO-2 frees each input when its collective
-        # completes; and a backend may copy an input until then (gloo copies the whole buffer).
-        while len(self._in_flight) >= _MAX_IN_FLIGHT:
+        # ZeRO: at most one reduce-scatter in flight (`Comm.reductions_in_flight`: none on the CPU). ZeRO-2
+        # frees each input when its collective completes; a backend may copy an input until then.
+        while len(self._in_flight) >= max(1, self._in_flight_limit):
             self._land(self._in_flight.popleft())
         if self.stage == 1:  # in place: this rank's chunk of the persistent buffer
             chunk = bucket.buffer.view(self.shards, -1)[self.rank]
@@ -296,6 +294,8 @@ class DataParallelEngine:
             work = self.comm.reduce_scatter(out, bucket.buffer, "dp", async_op=True)
             self._in_flight.append(_InFlight(bucket, work, bucket.buffer, out))
             bucket.buffer = None
+        while len(self._in_flight) > self._in_flight_limit:
+            self._land(self._in_flight.popleft())
 
     def _land(self, flight: _InFlight) -> None:
         """Wait for one reduce-scatter; ZeRO-2: add its rows into the bucket's shard (its full buffer goes)."""

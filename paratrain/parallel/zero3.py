@@ -52,10 +52,6 @@ from paratrain.parallel.zero3_units import Unit, UnitSpec, parameter_slots, row_
 from paratrain.precision import Precision
 from paratrain.errors import ParatrainError
 
-# Reduce-scatters in flight at once: a unit's waits for the previous unit's, which overlaps with
-# this unit's backward; its gradient buffer is freed one unit later (FSDP2 keeps one in flight too).
-_MAX_IN_FLIGHT = 1
-
 
 class ZeroConfigError(ParatrainError, ValueError):
     """A ZeRO-3 setting or model that the engine cannot shard."""
@@ -171,6 +167,7 @@ class FullyShardedEngine:
         self._live: dict[int, Unit] = {}  # storage address -> gathered unit (for the pack hook)
         self._hooks_ctx: ContextManager | None = None
         self._in_flight: deque = deque()
+        self._in_flight_limit = comm.reductions_in_flight()
         self._new_grads: dict[int, torch.Tensor] = {}
         self._used = torch.zeros(len(self._shards), device=self._device())
         # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
@@ -330,12 +327,16 @@ class FullyShardedEngine:
         self._free(unit)
         # The previous unit's reduce-scatter lands before this one's input is made: its input (and a
         # backend's copy of it: gloo copies the whole input) is freed first.
-        while len(self._in_flight) >= _MAX_IN_FLIGHT:
+        # At most one in flight (`Comm.reductions_in_flight`: overlapping this unit's backward on CUDA,
+        # none on the CPU).
+        while len(self._in_flight) >= max(1, self._in_flight_limit):
             self._land(*self._in_flight.popleft())
         flat = unit.flatten_grads(grads, self.precision.reduce_dtype, self._divide_by)
         out = torch.empty(unit.chunk_numel, dtype=flat.dtype, device=flat.device)
         work = self.comm.reduce_scatter(out, flat, axis="dp", async_op=True)
         self._in_flight.append((unit, work, out, flat))
+        while len(self._in_flight) > self._in_flight_limit:
+            self._land(*self._in_flight.popleft())
 
     def _land(self, unit: Unit, work, out: torch.Tensor, flat: torch.Tensor) -> None:
         """Wait for one reduce-scatter and add its shard gradients to this backward's new gradients."""
