@@ -99,12 +99,12 @@ class ProcessPeak:
             self.start_bytes = torch.cuda.memory_allocated(self.device)
         else:
             reset_peak_rss()
-            self.start_bytes = _proc_status_bytes("VmRSS") or 0
+            self.start_bytes = proc_status_bytes("VmRSS") or 0
 
     def read(self) -> PeakReading:
         if self.device.type == "cuda":
             return PeakReading(torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
-        peak = _proc_status_bytes("VmHWM")
+        peak = proc_status_bytes("VmHWM")
         if peak is None:  # no /proc: the lifetime peak (ru_maxrss: KiB on Linux, bytes on macOS)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         return PeakReading(peak)
@@ -126,7 +126,8 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _proc_status_bytes(field_name: str) -> int | None:
+def proc_status_bytes(field_name: str) -> int | None:
+    """A figure of this process from /proc/self/status (VmRSS, VmHWM, ...) in bytes; None without /proc."""
     try:
         with open("/proc/self/status") as f:
             found = re.search(rf"^{field_name}:\s+(\d+) kB", f.read(), re.M)

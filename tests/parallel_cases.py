@@ -114,29 +114,3 @@ def parallel_run(model, optimizer, data, rank: int, world: int, comm_axis_all_re
         comm_axis_all_reduce(total)
         losses.append((total / tokens).item())
     return losses
-
-
-
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def vm_bytes(field: str) -> int:
-    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
-
-
-def start_peak_measurement() -> int:
-    """Reset this process's peak RSS to its current RSS and return that RSS.
-
-    A fixed mmap threshold makes every tensor over 64 KiB its own mapping, returned to the
-    system when freed: RSS then follows the tensors alive, not the history of glibc's heap.
-    """
-    import ctypes
-    import gc
-
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-    return vm_bytes("VmRSS")

@@ -16,9 +16,8 @@ from safetensors import safe_open
 from paratrain.config import Config
 from paratrain.run.build import resolve_model_config
 from paratrain.interop.export import export_hf
-from paratrain.peak_memory import return_freed_memory
+from paratrain.peak_memory import proc_status_bytes, return_freed_memory
 from paratrain.testing import run_on_ranks
-from parallel_cases import vm_bytes
 
 WORLD = 8
 
@@ -73,7 +72,7 @@ def _train(rank, world, out, corpus):
 
     return_freed_memory()
     _warm_up(rank, world)
-    start = vm_bytes("VmRSS")
+    start = proc_status_bytes("VmRSS")
     result = train(big_config(out, corpus))
     return result.peak_mem_bytes - start, result.sample
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 
 import pytest
@@ -24,9 +25,9 @@ from paratrain.mesh import Mesh, MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import Attention, FeedForward
 from paratrain.parallel.shard import row_range
-from parallel_cases import start_peak_measurement, vm_bytes
 from paratrain.parallel.zero3 import FullyShardedEngine, ZeroConfigError
 from paratrain.parallel.zero3_units import row_shape
+from paratrain.peak_memory import ProcessPeak, return_freed_memory
 from paratrain.precision import Precision, precision_policy
 from paratrain.testing import run_on_ranks
 
@@ -401,9 +402,12 @@ def _materialization_peak(mesh: Mesh) -> dict:
     """Peak RSS growth while materializing BIG (204 MiB in fp32) from meta into shards."""
     # Built before the window: the first meta construction of a process imports ≈75 MB of modules.
     model = _meta_transformer(BIG)
-    before = start_peak_measurement()
+    return_freed_memory()  # every tensor its own mapping: RSS follows the tensors alive
+    gc.collect()
+    peak = ProcessPeak(torch.device("cpu"))
+    peak.reset()
     engine, _ = _shard(model, mesh, init=functools.partial(model.param_init, seed=SEED))
-    return {"peak_growth": vm_bytes("VmHWM") - before, "shard_bytes": _nbytes(engine.masters())}
+    return {"peak_growth": peak.read().peak_bytes - peak.start_bytes, "shard_bytes": _nbytes(engine.masters())}
 
 
 def test_meta_materialization_keeps_only_the_shard():

@@ -336,12 +336,14 @@ class PipelineRunner:
 
 @dataclass
 class _WeightWork:
-    """Parameters whose gradients leave the input's path at `nodes` (graph nodes, or the stage output
-    for parameters whose path never meets the input's); `grads` arrived there during B."""
+    """Parameters whose gradients leave the input's path at the graph `nodes`; `grads` arrived there
+    during B. Parameters whose path never meets the input's start from the stage `output` instead
+    (with its gradient), and have no nodes."""
 
     params: list[torch.Tensor]
     nodes: list
-    grads: list[tuple] = None
+    grads: list[tuple] | None = None
+    output: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 def _grad_node(t: torch.Tensor):
@@ -370,7 +372,7 @@ def _input_backward(output: torch.Tensor, grad: torch.Tensor | None, stage_input
                     todo.append(child)
     on_input_path = _above(_grad_node(stage_input), parents, stop=set())
     work: dict = {}  # joining node -> the _WeightWork holding it
-    apart = _WeightWork([], [output])  # parameters whose path never meets the input's: from the output
+    apart = _WeightWork([], [], output=(output, grad))  # paths that never meet the input's
     for param in params:
         joins = _above(_grad_node(param), parents, stop=on_input_path) & on_input_path
         if not joins:
@@ -395,7 +397,6 @@ def _input_backward(output: torch.Tensor, grad: torch.Tensor | None, stage_input
     for group in groups:
         group.grads = [captured.get(node) for node in group.nodes]
     if apart.params:
-        apart.grads = [grad]
         groups.append(apart)
     return groups
 
@@ -421,8 +422,8 @@ def _weight_backward(groups: list[_WeightWork]) -> None:
     from torch.autograd.graph import GradientEdge
 
     for group in groups:
-        if isinstance(group.nodes[0], torch.Tensor):  # from the stage output itself
-            torch.autograd.backward(group.nodes[0], group.grads[0], inputs=group.params)
+        if group.output is not None:
+            torch.autograd.backward(*group.output, inputs=group.params)
             continue
         edges, grads = [], []
         for node, received in zip(group.nodes, group.grads):
