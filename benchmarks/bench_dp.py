@@ -8,6 +8,7 @@ Pairs (paratrain variant <-> PyTorch counterpart):
     zero1  zero=1  <-> ZeroRedundancyOptimizer(AdamW) + DistributedDataParallel
     zero2  zero=2  <-> FSDP2 fully_shard(reshard_after_forward=False)
     zero3  zero=3  <-> FSDP2 fully_shard(reshard_after_forward=True)
+    hsdp   zero=3, --dp-shard world/2  <-> FSDP2 fully_shard on a (replicate 2, shard world/2) mesh (4+ ranks)
 
 Every variant runs in its own `run_on_ranks` launch (fresh processes, one thread
 per rank) on the same model, init, data and number of steps. See
@@ -52,12 +53,20 @@ MB = 2**20
 class Spec:
     """One benchmarked implementation: which framework and how it is configured."""
 
-    pair: str  # ddp | zero1 | zero2 | zero3
+    pair: str  # ddp | zero1 | zero2 | zero3 | hsdp
     framework: str  # paratrain | pytorch
     label: str
     zero: int = 0  # paratrain's ZeRO stage
     torch_kind: str = ""  # ddp | zero_opt | fsdp2
     reshard: bool = False  # FSDP2 reshard_after_forward
+    replicas: int = 1  # hybrid sharding: shards over world / replicas ranks, replicated `replicas` times
+
+    def usable(self, world: int) -> bool:
+        """Whether the variant means something on `world` ranks (hybrid: at least two ranks per shard group)."""
+        return world % self.replicas == 0 and (self.replicas == 1 or world // self.replicas >= 2)
+
+    def dp_shard(self, world: int) -> int:
+        return world // self.replicas
 
 
 PAIRS = {
@@ -69,6 +78,10 @@ PAIRS = {
               Spec("zero2", "pytorch", "torch FSDP2 reshard_after_forward=False", torch_kind="fsdp2")),
     "zero3": (Spec("zero3", "paratrain", "paratrain ZeRO-3", zero=3),
               Spec("zero3", "pytorch", "torch FSDP2 reshard_after_forward=True", torch_kind="fsdp2", reshard=True)),
+    # Hybrid sharding: ZeRO-3 within each half of the ranks, the halves replicas of each other (HSDP).
+    "hsdp": (Spec("hsdp", "paratrain", "paratrain ZeRO-3 HSDP (2 replicas, --dp-shard world/2)", zero=3, replicas=2),
+             Spec("hsdp", "pytorch", "torch FSDP2 on a (replicate 2, shard world/2) mesh", torch_kind="fsdp2",
+                  reshard=True, replicas=2)),
 }
 
 
@@ -192,7 +205,7 @@ def adamw_factory(args):
 
 
 def setup_paratrain(model, spec: Spec, world: int, args) -> Runner:
-    mesh = build_mesh(MeshShape(dp=world))
+    mesh = build_mesh(MeshShape(dp=world, dp_shard=spec.dp_shard(world)))
     pmodel, opt = parallelize(model, mesh, optimizer=adamw_factory(args),
                               data=DataParallel(zero=spec.zero, bucket_mb=args.bucket_mb))
     engine = pmodel.engine
@@ -234,7 +247,9 @@ def setup_pytorch(model, spec: Spec, world: int, args) -> Runner:
                                        weight_decay=args.weight_decay) if spec.torch_kind == "zero_opt"
                else adamw_factory(args)(wrapped.parameters()))
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        # A 2D (replicate, shard) mesh makes fully_shard hybrid: sharded on dim 1, replicated on dim 0.
+        mesh = (init_device_mesh("cpu", (world,)) if spec.replicas == 1 else
+                init_device_mesh("cpu", (spec.replicas, spec.dp_shard(world)), mesh_dim_names=("replicate", "shard")))
         for block in blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=spec.reshard)
         wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard)
@@ -467,7 +482,7 @@ def main(argv=None) -> int:
     rows = []
     for world in args.ranks:
         for pair in args.variants:
-            rows.extend(run_variant(spec, world, args) for spec in PAIRS[pair])
+            rows.extend(run_variant(spec, world, args) for spec in PAIRS[pair] if spec.usable(world))
     meta["load_avg_end"] = os.getloadavg()
     compare(rows)
     text = markdown(rows, meta)

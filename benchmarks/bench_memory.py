@@ -8,6 +8,7 @@ Pairs (paratrain variant <-> PyTorch counterpart):
     zero1  zero=1  <-> ZeroRedundancyOptimizer(AdamW) + DistributedDataParallel
     zero2  zero=2  <-> FSDP2 fully_shard(reshard_after_forward=False)
     zero3  zero=3  <-> FSDP2 fully_shard(reshard_after_forward=True)
+    hsdp   zero=3, --dp-shard world/2  <-> FSDP2 fully_shard on a (replicate 2, shard world/2) mesh (4+ ranks)
 
 Models: `linear` is weights-only (16 x Linear(1024, 1024) in an nn.Sequential, 16.8M parameters, a
 batch of a few rows: activations are negligible, so the peak is model state and buffers); `transformer`
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
     for kind in args.models:
         for world in args.ranks:
             for pair in args.variants:
-                rows.extend(run_variant(kind, spec, world, args) for spec in PAIRS[pair])
+                rows.extend(run_variant(kind, spec, world, args) for spec in PAIRS[pair] if spec.usable(world))
     meta["load_avg_end"] = os.getloadavg()
     compare(rows)
     text = markdown(rows, meta)

@@ -98,6 +98,8 @@ class TrainSection:
 @dataclass
 class ParallelSection:
     dp: int = option(0, "data-parallel degree (0: the world size divided by tp × pp)")
+    dp_shard: int = option(0, "hybrid sharding: ZeRO shards over groups of this many data ranks (a node) and "
+                              "replicates over dp / dp_shard groups (0: shard over all data ranks)")
     tp: int = option(1, "tensor-parallel degree: each layer's weight matrices split over tp ranks "
                         "(must divide the heads, kv heads, ffn size and vocabulary)")
     sequence_parallel: bool = option(False, "with --tp > 1, split norms and residuals along the sequence "
@@ -312,7 +314,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
     p = cfg.parallel
-    for name, value in [("--dp", p.dp), ("--activation-checkpointing", p.activation_checkpointing)]:
+    for name, value in [("--dp", p.dp), ("--dp-shard", p.dp_shard),
+                        ("--activation-checkpointing", p.activation_checkpointing)]:
         if value < 0:
             raise ConfigError(f"{name} must not be negative, got {value}")
     if p.bucket_mb <= 0:
@@ -384,7 +387,7 @@ def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
         resolve_batch(cfg, dp)
         validate_layout(world_size, dp, p.tp, p.pp, model_cfg, t.global_batch, t.micro_batch, zero=p.zero,
                         sequence_parallel=p.sequence_parallel, seq_len=cfg.data.seq_len, schedule=p.schedule,
-                        virtual_stages=p.virtual_stages)
+                        virtual_stages=p.virtual_stages, dp_shard=p.dp_shard)
     except ParatrainError as e:  # the mesh's or the planner's: a config error here, naming the options
         raise ConfigError(str(e)) from None
     return dp

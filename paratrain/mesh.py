@@ -6,6 +6,15 @@ ranks of a pipeline group are far apart. ``MeshShape`` is pure arithmetic
 (tested without processes); ``Mesh`` adds the process groups and the device
 this process computes on. Besides the three axes, ``"world"`` names every
 rank at once (the mesh-wide agreement of a training step is one collective).
+
+The data axis may be split in two for hybrid sharding (HSDP):
+``dp = dp_replicate × dp_shard``, ``dp_shard`` inner. ZeRO shards over a
+group of ``dp_shard`` neighbouring data ranks (a node) and keeps
+``dp_replicate`` replicas of those shards (across nodes): gradients are
+reduce-scattered within the shard group and the shards all-reduced between
+replicas. ``dp`` stays the whole data axis: batches, the loss and every
+agreement are over it. With ``dp_shard == dp`` (the default) there is one
+replica and the data axis is not split (`Mesh.shard_axis` is ``"dp"``).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch.distributed as dist
 from paratrain.errors import ParatrainError, Violation
 
 AXES = ("pp", "dp", "tp")
+DATA_SUBAXES = ("dp_shard", "dp_replicate")  # the data axis split for hybrid sharding (dp = replicate × shard)
 WORLD = "world"  # every rank of the mesh: not a parallelism axis, the group of mesh-wide agreements
 
 
@@ -34,11 +44,21 @@ class MeshShape:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    dp_shard: int = 0  # ranks a ZeRO shard group spans (0: the whole data axis, no replicas)
 
     def __post_init__(self):
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise MeshError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
+        if self.dp_shard == 0:
+            object.__setattr__(self, "dp_shard", self.dp)
+        if self.dp_shard < 1 or self.dp % self.dp_shard:
+            raise MeshError(f"--dp-shard {self.dp_shard} must divide the data-parallel degree {self.dp}; "
+                            f"choose among {_divisors(self.dp)}")
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
 
     @property
     def world_size(self) -> int:
@@ -48,16 +68,24 @@ class MeshShape:
         return getattr(self, axis)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's coordinate on each axis (tp varies fastest)."""
+        """This rank's coordinate on each axis (tp varies fastest), the data axis's two parts included."""
         pp, rest = divmod(rank, self.dp * self.tp)
         dp, tp = divmod(rest, self.tp)
-        return {"pp": pp, "dp": dp, "tp": tp}
+        replicate, shard = divmod(dp, self.dp_shard)
+        return {"pp": pp, "dp": dp, "tp": tp, "dp_shard": shard, "dp_replicate": replicate}
 
-    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0, dp_shard: int | None = None,
+                dp_replicate: int | None = None) -> int:
+        if dp_shard is not None or dp_replicate is not None:
+            dp = (dp_replicate or 0) * self.dp_shard + (dp_shard or 0)
         return (pp * self.dp + dp) * self.tp + tp
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of `axis`: the ranks that differ only in their `axis` coordinate."""
+        if axis == "dp_shard":  # runs of dp_shard neighbouring ranks of each data group
+            return [g[i:i + self.dp_shard] for g in self.groups("dp") for i in range(0, self.dp, self.dp_shard)]
+        if axis == "dp_replicate":  # every dp_shard-th rank of each data group: one per shard group
+            return [g[i::self.dp_shard] for g in self.groups("dp") for i in range(self.dp_shard)]
         others = [a for a in AXES if a != axis]
         result = []
         for fixed in itertools.product(*(range(self.size(a)) for a in others)):
@@ -66,7 +94,8 @@ class MeshShape:
         return result
 
     @classmethod
-    def for_world(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1) -> MeshShape:
+    def for_world(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1,
+                  dp_shard: int | None = None) -> MeshShape:
         """Degrees for a world; dp defaults to what tp and pp leave. Explains a mismatch in one line."""
         if tp < 1 or pp < 1 or (dp is not None and dp < 1):
             raise MeshError(f"degrees must be at least 1 (dp={dp}, tp={tp}, pp={pp})")
@@ -75,7 +104,7 @@ class MeshShape:
                 raise MeshError(f"world size {world_size} is not divisible by tp × pp = {tp} × {pp}; "
                                 f"choose tp × pp among {_divisors(world_size)}")
             dp = world_size // (tp * pp)
-        shape = cls(pp=pp, dp=dp, tp=tp)
+        shape = cls(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard or 0)
         if shape.world_size != world_size:
             raise MeshError(f"pp × dp × tp = {pp} × {dp} × {tp} = {shape.world_size} but the world has "
                             f"{world_size} process(es); e.g. dp={world_size // math.gcd(world_size, tp * pp)} "
@@ -83,11 +112,20 @@ class MeshShape:
         return shape
 
 
-def degree_violations(world_size: int | None, dp: int, tp: int, pp: int) -> list[Violation]:
-    """The rule of the degrees themselves: pp × dp × tp is the world size (when it is known)."""
-    if world_size is None or dp * tp * pp == world_size:
-        return []
-    return [Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} ≠ {world_size} ranks")]
+def degree_violations(world_size: int | None, dp: int, tp: int, pp: int, dp_shard: int = 0,
+                      zero: int | None = None) -> list[Violation]:
+    """The rules of the degrees themselves: pp × dp × tp is the world size (when it is known); a shard
+    group (--dp-shard) divides the data axis, and only ZeRO has shards to group."""
+    broken = []
+    if world_size is not None and dp * tp * pp != world_size:
+        broken.append(Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} ≠ {world_size} ranks"))
+    if dp_shard and (dp_shard < 1 or dp % dp_shard):
+        broken.append(Violation("dp_shard", f"--dp-shard {dp_shard} does not divide dp = {dp} "
+                                            f"(choose among {_divisors(dp)})"))
+    elif dp_shard and dp_shard < dp and zero == 0:
+        broken.append(Violation("dp_shard", f"--dp-shard {dp_shard} < dp = {dp} splits ZeRO shards into replicas; "
+                                            "it needs --zero 1, 2 or 3 (DDP shards nothing)"))
+    return broken
 
 
 def _divisors(n: int) -> list[int]:
@@ -111,6 +149,16 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         return self.groups[axis]
+
+    @property
+    def shard_axis(self) -> str:
+        """The axis ZeRO shards over: ``"dp"``, or ``"dp_shard"`` when the data axis keeps replicas (HSDP)."""
+        return "dp" if self.shape.dp_replicate == 1 else "dp_shard"
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas of each ZeRO shard the data axis holds (its ``dp_replicate`` degree)."""
+        return self.shape.dp_replicate
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group on `axis`, in axis order."""
@@ -137,7 +185,7 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
     if shape.world_size != world:
         raise MeshError(f"mesh {shape} has {shape.world_size} ranks but the world has {world}")
     groups: dict[str, dist.ProcessGroup | None] = {WORLD: dist.group.WORLD}
-    for axis in AXES:
+    for axis in AXES + (DATA_SUBAXES if shape.dp_replicate > 1 else ()):
         for ranks in shape.groups(axis):
             # new_group is collective over the whole world: every rank creates every group. Each group
             # carries its axis's name, which NCCL's flight recorder keeps with every collective.
@@ -152,19 +200,20 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
 
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None,
-              flight_records: str | None = None) -> Mesh:
+              flight_records: str | None = None, dp_shard: int | None = None) -> Mesh:
     """Join the job described by the launcher's environment and build the mesh.
 
     Creates the default process group if none exists (one process alone gets a
     group of one, so every code path is the same). dp defaults to the world
-    size divided by tp × pp. `timeout_s` bounds every collective (None: torch's
-    default); a group that already exists keeps its own. `flight_records` is where
+    size divided by tp × pp; `dp_shard` splits it for hybrid sharding (None: no
+    split). `timeout_s` bounds every collective (None: torch's default); a group
+    that already exists keeps its own. `flight_records` is where
     NCCL's flight recorder dumps each rank's last collectives on a timeout (+ rank).
     """
     from paratrain.distributed import backend_for, detect_env, init_distributed
 
     world = detect_env().world_size
-    shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp)  # fail before any group exists
+    shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp, dp_shard=dp_shard)  # fail before any group exists
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     _, device = init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}),
                                  flight_records=flight_records)

@@ -464,3 +464,56 @@ class HostSyncs(TorchDispatchMode):
             setattr(torch.Tensor, method, original)
         self._saved.clear()
         return super().__exit__(*exc)
+
+
+class Collectives(TorchDispatchMode):
+    """Bytes that reach torch.distributed, per process group, counted from the tensors of each c10d op.
+
+    Every collective torch.distributed issues passes the dispatcher as a ``c10d`` operator with
+    its tensors and its process group. This counts them as a bandwidth-optimal ring sends them
+    from one rank (all-reduce 2·S·(n−1)/n of a tensor of S bytes, all-gather and reduce-scatter
+    S·(n−1)/n of the full tensor, broadcast S) under the group's name, independently of what
+    paratrain's own `Comm` believes it issued. `by_group(mesh)` names the groups by mesh axis.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self._count(func._overloadpacket.__name__, args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, op: str, args) -> None:
+        group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+        if group is None:
+            return
+        group = torch.distributed.ProcessGroup.unbox(group)
+        n = group.size()
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        if op.startswith("allreduce"):
+            sent = 2 * sum(nbytes) * (n - 1) / n
+        elif op.startswith(("_allgather_base", "_reduce_scatter_base", "allgather_into_tensor",
+                            "reduce_scatter_tensor")):
+            sent = max(nbytes) * (n - 1) / n  # the full tensor is the output of a gather, the input of a scatter
+        elif op.startswith("broadcast"):
+            sent = sum(nbytes)
+        else:
+            sent = 0.0  # point-to-point and barriers: not what this count is for
+        name = group.group_name
+        self.bytes[name] = self.bytes.get(name, 0.0) + sent
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def by_axis(self, mesh) -> dict[str, float]:
+        """Bytes sent per mesh axis (a group no axis of `mesh` names is reported under its own name)."""
+        names = {}
+        for axis, group in mesh.groups.items():
+            if group is not None:
+                names.setdefault(group.group_name, axis)
+        out: dict[str, float] = {}
+        for name, sent in self.bytes.items():
+            out[names.get(name, name)] = out.get(names.get(name, name), 0.0) + sent
+        return out

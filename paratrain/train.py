@@ -66,7 +66,7 @@ def train(cfg: Config) -> RunResult:
     env = detect_env()
     preflight(cfg, env.world_size)  # before any process group exists
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                     timeout_s=cfg.reliability.pg_timeout_s, flight_records=flight_record_prefix(cfg))
+                     dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s, flight_records=flight_record_prefix(cfg))
     try:
         cfg.run.out = cfg.run.out or shared_run_dir(cfg, mesh)  # under torchrun without a run id
         run = build(cfg, env, mesh)

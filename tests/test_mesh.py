@@ -11,9 +11,10 @@ from paratrain.testing import run_on_ranks
 def test_tp_is_innermost_and_pp_outermost():
     shape = MeshShape(pp=2, dp=2, tp=2)
     assert shape.world_size == 8
-    assert [shape.coords(r) for r in (0, 1, 2, 7)] == [
+    assert [{a: c[a] for a in ("pp", "dp", "tp")} for c in map(shape.coords, (0, 1, 2, 7))] == [
         {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 0, "tp": 1}, {"pp": 0, "dp": 1, "tp": 0},
         {"pp": 1, "dp": 1, "tp": 1}]
+    assert shape.coords(2)["dp_shard"] == 1 and shape.coords(2)["dp_replicate"] == 0  # no split: one shard group
     assert shape.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert shape.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert shape.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]

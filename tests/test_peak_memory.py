@@ -73,8 +73,8 @@ def buffers(stage: int, precision: str, n: int) -> int:
     return 2 * param_layer + param_layer + 2 * reduce_bytes
 
 
-def _one_measured_step(rank, world, stage, precision):
-    mesh = build_mesh(MeshShape(dp=world))
+def _one_measured_step(rank, world, stage, precision, dp_shard=0):
+    mesh = build_mesh(MeshShape(dp=world, dp_shard=dp_shard))
     model, optimizer = parallelize(
         make_model(), mesh, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, foreach=False),
         precision=precision, reduce_dtype="bf16" if precision == "bf16" else None,
@@ -104,6 +104,17 @@ def test_peak_over_a_step_is_the_zero_formula_plus_named_buffers(stage, world, p
     state = STATE[precision][stage](world) * PSI
     expected = state + buffers(stage, precision, world)
     for peak, by_category in run_on_ranks(_one_measured_step, world, stage, precision, timeout=120):
+        detail = {k: round(v / 2**20, 3) for k, v in by_category.items() if v}
+        assert peak == pytest.approx(expected, rel=0.10), (peak / 2**20, expected / 2**20, detail)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_sharding_holds_the_formula_of_its_shard_group(stage):
+    """4 ranks as 2 replicas × 2 shards hold what 2 ranks of plain ZeRO hold: memory follows 1/dp_shard
+    (the all-reduce between replicas adds only a 1/dp_shard shard of a bucket in flight)."""
+    world, dp_shard = 4, 2
+    expected = STATE["fp32"][stage](dp_shard) * PSI + buffers(stage, "fp32", dp_shard)
+    for peak, by_category in run_on_ranks(_one_measured_step, world, stage, "fp32", dp_shard, timeout=120):
         detail = {k: round(v / 2**20, 3) for k, v in by_category.items() if v}
         assert peak == pytest.approx(expected, rel=0.10), (peak / 2**20, expected / 2**20, detail)
 

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
-from paratrain.mesh import Mesh
+from paratrain.mesh import Mesh, degree_violations
 from paratrain.parallel.data import DataParallelEngine
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.schedules import ScheduleName, schedule_violations
@@ -58,6 +58,9 @@ class GradReduction(str, Enum):
 @dataclass(frozen=True)
 class DataParallel:
     """Data parallelism over the mesh's dp axis.
+
+    A mesh whose data axis is split (`init_mesh(dp_shard=...)`: hybrid sharding) makes ZeRO shard
+    over each group of dp_shard ranks and all-reduce the shards between the groups.
 
     zero: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
     bucket_mb: gradient bucket size of DDP and ZeRO-1/2, in MB of the reduce dtype.
@@ -229,8 +232,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
 
 def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel) -> None:
     """The layout rules this call can check (each written once, next to its strategy); the first broken one."""
-    pp, tp = mesh.size("pp"), mesh.size("tp")
-    broken = (zero_stage_violations(data.zero, pp) + sequence_parallel_violations(tensor.sequence_parallel, tp)
+    pp, tp, s = mesh.size("pp"), mesh.size("tp"), mesh.shape
+    broken = (degree_violations(None, s.dp, s.tp, s.pp, s.dp_shard, data.zero) + zero_stage_violations(data.zero, pp)
+              + sequence_parallel_violations(tensor.sequence_parallel, tp)
               + schedule_violations(pipeline.schedule, pp, pipeline.virtual_stages))
     if broken:
         raise ParallelConfigError(broken[0].message)

@@ -36,6 +36,12 @@ stage    gradient communication per backward   gradient memory                  
                                                in flight)
 =======  ====================================  ================================  =================
 
+Hybrid sharding (a mesh with dp_replicate > 1): N above is the shard group
+(`Mesh.shard_axis`, dp_shard ranks). Each reduce-scatter within the group is
+followed by an all-reduce of the 1/N shard over dp_replicate (2·(Ψ/N)(R−1)/R
+more per reduction), and the all-gather of updated parameters stays within
+the group; the loss, the pre-division and the used mask are over all dp ranks.
+
 The shard layout is paratrain.parallel.shard's: rank r owns rows
 [r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
 chunk r packs rank r's (padded) rows of each parameter of the bucket, so a
@@ -104,7 +110,8 @@ class _InFlight:
 
 
 class DataParallelEngine:
-    """DDP (stage 0) and ZeRO-1/2 over the `dp` axis of a mesh, for any nn.Module (an `Engine`, see engine.py)."""
+    """DDP (stage 0) and ZeRO-1/2 over the `dp` axis of a mesh (ZeRO: over its shard groups), for any
+    nn.Module (an `Engine`, see engine.py)."""
 
     params_sharded = False  # every data rank holds every parameter whole
 
@@ -113,8 +120,11 @@ class DataParallelEngine:
         assert stage in (0, 1, 2) and grad_reduction in ("mean", "sum")
         self.model, self.comm, self.precision, self.stage = model, comm, precision, stage
         self.dp = mesh.size("dp")
-        self.shards = self.dp if stage > 0 else 1
-        self.rank = mesh.coord("dp") if stage > 0 else 0
+        # ZeRO shards over the shard group (the data axis, or its dp_shard part under hybrid sharding).
+        self.shard_axis = mesh.shard_axis
+        self.shards = mesh.size(self.shard_axis) if stage > 0 else 1
+        self.rank = mesh.coord(self.shard_axis) if stage > 0 else 0
+        self.replicas = mesh.replicas if stage > 0 else 1
         self.pre_divide = self.dp if grad_reduction == "mean" else 1
         self.per_backward = stage == 2  # reduces every backward; buffers exist only while filled or reduced
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -287,19 +297,23 @@ class DataParallelEngine:
             self._land(self._in_flight.popleft())
         if self.stage == 1:  # in place: this rank's chunk of the persistent buffer
             chunk = bucket.buffer.view(self.shards, -1)[self.rank]
-            work = self.comm.reduce_scatter(chunk, bucket.buffer, "dp", async_op=True)
+            work = self.comm.reduce_scatter(chunk, bucket.buffer, self.shard_axis, async_op=True)
             self._in_flight.append(_InFlight(bucket, work, bucket.buffer, None))
         else:  # into a separate chunk, so that the full buffer goes when the collective completes
             out = torch.empty(bucket.chunk_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
-            work = self.comm.reduce_scatter(out, bucket.buffer, "dp", async_op=True)
+            work = self.comm.reduce_scatter(out, bucket.buffer, self.shard_axis, async_op=True)
             self._in_flight.append(_InFlight(bucket, work, bucket.buffer, out))
             bucket.buffer = None
         while len(self._in_flight) > self._in_flight_limit:
             self._land(self._in_flight.popleft())
 
     def _land(self, flight: _InFlight) -> None:
-        """Wait for one reduce-scatter; ZeRO-2: add its rows into the bucket's shard (its full buffer goes)."""
-        self.comm.wait([flight.work], "dp")
+        """Wait for one reduce-scatter (then, under hybrid sharding, sum the shard over the replicas); ZeRO-2:
+        add its rows into the bucket's shard (its full buffer goes)."""
+        self.comm.wait([flight.work], self.shard_axis)
+        if self.replicas > 1:
+            shard = flight.out if flight.out is not None else flight.buffer.view(self.shards, -1)[self.rank]
+            self.comm.all_reduce(shard, "dp_replicate")
         if flight.out is None:  # ZeRO-1: reduced in place
             return
         bucket = flight.bucket
@@ -384,7 +398,7 @@ class DataParallelEngine:
             flat = slot.master.reshape(-1)
             mine[slot.offset:slot.offset + flat.numel()].copy_(flat)
             mine[slot.offset + flat.numel():slot.offset + slot.chunk_numel].zero_()  # padding
-        self.comm.all_gather(gathered, mine, "dp")
+        self.comm.all_gather(gathered, mine, self.shard_axis)
         for slot in bucket.slots:
             for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(gathered, self.shards)):
                 rows.copy_(part)

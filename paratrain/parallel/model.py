@@ -296,8 +296,8 @@ class ParallelModel(nn.Module):
         else:  # tp-sharded gradients summed over tp, replicated ones counted once
             named = zip(self.engine.master_names(), self.engine.masters())
             sq = tp_norm_sq(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
-        if self.engine.grads_sharded:
-            self.comm.all_reduce(sq, "dp")
+        if self.engine.grads_sharded:  # each row on one rank of a shard group (every replica holds the same)
+            self.comm.all_reduce(sq, self.mesh.shard_axis)
         self.comm.all_reduce(sq, "pp")  # each stage holds other layers
         norm = sq.sqrt()
         grads = [m.grad for m in self.engine.masters() if m.grad is not None]

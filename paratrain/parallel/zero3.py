@@ -6,8 +6,12 @@ an fp32 leaf that is at once the model's parameter at rest and the optimizer's
 master. Ψ parameters cost 4Ψ/N (shard) + 4Ψ/N (its gradient) + 8Ψ/N (Adam's
 moments) = 16Ψ/N bytes per rank, in fp32 and in mixed precision alike.
 
+Hybrid sharding (a mesh with dp_replicate > 1): N is the shard group
+(`Mesh.shard_axis`, dp_shard ranks); every gather stays within it, and each
+reduce-scatter's 1/N shard is then all-reduced over dp_replicate.
+
 Communication per step, per unit (``zero3_units.py``: a block, or the root's
-remaining parameters), on the dp axis:
+remaining parameters), on the dp axis (its shard group):
 
 - forward: one all-gather of the unit's parameters (in the compute dtype),
   launched one unit ahead (prefetch), freed when the unit's forward returns;
@@ -145,8 +149,11 @@ class FullyShardedEngine:
         if grad_reduction not in ("mean", "sum"):
             raise ZeroConfigError(f"grad_reduction={grad_reduction!r} is invalid; use 'mean' or 'sum'")
         self.model, self.comm, self.precision, self.prefetch = model, comm, precision, prefetch
-        self.num_ranks, self.rank, self.device = mesh.size("dp"), mesh.coord("dp"), mesh.device
-        self._divide_by = self.num_ranks if grad_reduction == "mean" else 1
+        # Shards split over the shard group: the data axis, or its dp_shard part under hybrid sharding,
+        # whose dp_replicate groups each hold a copy of the shards (and sum their gradients).
+        self.shard_axis, self.replicas = mesh.shard_axis, mesh.replicas
+        self.num_ranks, self.rank, self.device = mesh.size(self.shard_axis), mesh.coord(self.shard_axis), mesh.device
+        self._divide_by = mesh.size("dp") if grad_reduction == "mean" else 1
         originals = dict(model.named_parameters())  # name -> parameter, each shared tensor once
         index_of = {id(p): i for i, p in enumerate(originals.values())}
         self._names = list(originals)
@@ -208,7 +215,8 @@ class FullyShardedEngine:
         units = []
         for name, module in named:
             indexed = [(mod, attr, index_of[id(mod._parameters[attr])]) for mod, attr in slots.get(id(module), [])]
-            units.append(Unit(name, module, indexed, self._shards, self._shapes, self.num_ranks))
+            units.append(Unit(name, module, indexed, self._shards, self._shapes, self.num_ranks,
+                              self.shard_axis))
         return units
 
     def _register_hooks(self, unit: Unit) -> None:
@@ -333,14 +341,17 @@ class FullyShardedEngine:
             self._land(*self._in_flight.popleft())
         flat = unit.flatten_grads(grads, self.precision.reduce_dtype, self._divide_by)
         out = torch.empty(unit.chunk_numel, dtype=flat.dtype, device=flat.device)
-        work = self.comm.reduce_scatter(out, flat, axis="dp", async_op=True)
+        work = self.comm.reduce_scatter(out, flat, axis=self.shard_axis, async_op=True)
         self._in_flight.append((unit, work, out, flat))
         while len(self._in_flight) > self._in_flight_limit:
             self._land(*self._in_flight.popleft())
 
     def _land(self, unit: Unit, work, out: torch.Tensor, flat: torch.Tensor) -> None:
-        """Wait for one reduce-scatter and add its shard gradients to this backward's new gradients."""
-        self.comm.wait([work], "dp")
+        """Wait for one reduce-scatter (then, under hybrid sharding, sum the shard over the replicas) and add
+        its shard gradients to this backward's new gradients."""
+        self.comm.wait([work], self.shard_axis)
+        if self.replicas > 1:
+            self.comm.all_reduce(out, "dp_replicate")
         for index, piece in unit.shard_pieces(out):
             piece = piece.to(self.precision.master_dtype)
             if index in self._new_grads:
@@ -433,7 +444,7 @@ class FullyShardedEngine:
         chunk[:shard.shape[0]] = shard
         chunk[shard.shape[0]:].zero_()  # padding
         out = torch.empty((self.num_ranks * c, *rows[1:]), dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(out.view(-1), chunk.view(-1), axis="dp")
+        self.comm.all_gather(out.view(-1), chunk.view(-1), axis=self.shard_axis)
         return out[:rows[0]].reshape(shape).clone()
 
 

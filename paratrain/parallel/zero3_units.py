@@ -147,9 +147,10 @@ class Unit:
     """
 
     def __init__(self, name: str, module: nn.Module, slots: list[tuple[nn.Module, str, int]],
-                 shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int):
-        """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit."""
-        self.name, self.module, self.num_ranks = name, module, num_ranks
+                 shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int, axis: str = "dp"):
+        """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit; the
+        shards are split over the `num_ranks` ranks of the mesh axis `axis`."""
+        self.name, self.module, self.num_ranks, self.axis = name, module, num_ranks, axis
         order = list(dict.fromkeys(index for _, _, index in slots))  # each parameter once, in first-use order
         self.slots = [(mod, attr, order.index(index)) for mod, attr, index in slots]
         self.shards = [shards[i] for i in order]
@@ -173,14 +174,14 @@ class Unit:
             chunk[fp.chunk_offset:fp.chunk_offset + n].copy_(shard.detach().reshape(-1))
             chunk[fp.chunk_offset + n:fp.chunk_offset + fp.chunk_numel(self.num_ranks)].zero_()  # padding
         gathered = torch.empty(self.num_ranks * self.chunk_numel, dtype=dtype, device=device)
-        work = comm.all_gather(gathered, chunk, axis="dp", async_op=True)
+        work = comm.all_gather(gathered, chunk, axis=self.axis, async_op=True)
         self._pending = (work, gathered, chunk, comm)  # chunk must outlive the collective
 
     def finish_gather(self) -> None:
         """Wait for the all-gather and copy it out into the contiguous full-parameter buffer."""
         work, gathered, _, comm = self._pending
         self._pending = None
-        comm.wait([work], "dp")
+        comm.wait([work], self.axis)
         chunks = gathered.view(self.num_ranks, self.chunk_numel)
         full = torch.empty(self.full_numel, dtype=gathered.dtype, device=gathered.device)
         for fp in self.params:
@@ -198,7 +199,7 @@ class Unit:
         """Drop the full parameters (waiting first for a gather still in flight: gloo writes into its buffer)."""
         if self._pending is not None:
             work, _, _, comm = self._pending
-            comm.wait([work], "dp")
+            comm.wait([work], self.axis)
             self._pending = None
         self.full = None
 

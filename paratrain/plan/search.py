@@ -91,14 +91,15 @@ def nearest_layouts(world_size: int, dp: int, tp: int, pp: int, model: ModelConf
 
 def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: ModelConfig | None,
                     global_batch: int | None, micro_batch: int, *, zero: int = 0, sequence_parallel: bool = False,
-                    seq_len: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1) -> None:
+                    seq_len: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
+                    dp_shard: int = 0) -> None:
     """Raise `LayoutError` (a ValueError) if the layout cannot run `model_cfg` on `world_size` ranks.
 
     Rules (each from its own function): dp × tp × pp = world size; tp divides the heads, the kv
     heads, the ffn width and the vocabulary (Megatron partitioning); pp divides the layers;
     dp × micro-batch divides the global batch; then ZeRO-3 with pp, sequence parallelism and
-    the schedule's rules. The one-line message names the first broken rule, and for the
-    degrees the nearest valid layouts. `model_cfg` None: the rules that need its shape wait.
+    the schedule's rules, and a --dp-shard that divides dp (hybrid sharding, ZeRO only). The
+    one-line message names the first broken rule, and for the degrees the nearest valid layouts. `model_cfg` None: the rules that need its shape wait.
     """
     for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -112,7 +113,8 @@ def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: Model
                 " (change the batch sizes)")
         raise LayoutError(f"invalid layout dp={dp} tp={tp} pp={pp}: {broken[0].message}{hint}")
     m = global_batch // (dp * micro_batch) if global_batch else None
-    rules = (zero_stage_violations(zero, pp) + sequence_parallel_violations(sequence_parallel, tp, seq_len)
+    rules = (degree_violations(None, dp, tp, pp, dp_shard, zero) + zero_stage_violations(zero, pp)
+             + sequence_parallel_violations(sequence_parallel, tp, seq_len)
              + schedule_violations(schedule, pp, virtual_stages, m, model_cfg.n_layers if model_cfg else None))
     if rules:
         raise LayoutError(rules[0].message)

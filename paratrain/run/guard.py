@@ -180,18 +180,19 @@ class StepGuard:
             self._previous_sigterm = None
 
     # -- replicas --------------------------------------------------------------------------
-    def _replicated(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(parameters equal across dp replicas, parameters equal across tp ranks) as held now."""
+    def _replicated(self) -> list[tuple[str, list[torch.Tensor]]]:
+        """(axis, the parameters held now that are equal across it) for dp (whole parameters: DDP, ZeRO-1/2),
+        dp_replicate (ZeRO-3's shards under hybrid sharding) and tp (those tensor parallelism does not split)."""
         named = list(self.model.module.named_parameters())
         sharded = set(self.model.tp_info.sharded) if self.model.tp_info is not None else set()
-        over_tp = [p for n, p in named if n not in sharded]
-        over_dp = [] if self.model.engine.params_sharded else [p for _, p in named]
-        return over_dp, over_tp
+        params_sharded = self.model.engine.params_sharded
+        over_dp = [] if params_sharded else [p for _, p in named]
+        over_replicas = [p for _, p in named] if params_sharded and self.mesh.replicas > 1 else []
+        return [("dp", over_dp), ("dp_replicate", over_replicas), ("tp", [p for n, p in named if n not in sharded])]
 
     def perturb(self) -> None:
         """The `perturb` fault: one replicated parameter changed by one unit in the last place, on this rank only."""
-        over_dp, over_tp = self._replicated()
-        candidates = over_dp if self.mesh.size("dp") > 1 else over_tp if self.mesh.size("tp") > 1 else []
+        candidates = next((tensors for axis, tensors in self._replicated() if tensors and self.mesh.size(axis) > 1), [])
         if not candidates:
             print(f"paratrain: rank {self.rank}: perturb fault: no replicated parameter here", file=sys.stderr)
             return
@@ -200,9 +201,8 @@ class StepGuard:
 
     @torch.no_grad()
     def _check_replicas(self, step: int) -> None:
-        over_dp, over_tp = self._replicated()
         differs = 0.0
-        for axis, tensors in (("dp", over_dp), ("tp", over_tp)):
+        for axis, tensors in self._replicated():
             n = self.mesh.size(axis)
             if n == 1 or not tensors:
                 continue

@@ -12,7 +12,8 @@ A rank's box of a master composes two splits:
   tp offset + lo and its shape (hi − lo, rest of the tp-local shape).
 
 Every box is written by exactly one rank: a master replicated over dp (DDP,
-zero=0) only by dp coordinate 0, a parameter replicated over tp (not in
+zero=0) only by dp coordinate 0, a ZeRO shard kept by every replica of
+hybrid sharding only by dp_replicate coordinate 0, a parameter replicated over tp (not in
 ``tp_info.sharded``) only by tp coordinate 0, an empty box (trailing ZeRO
 ranks of a short tensor) by nobody. Element-wise optimizer state has its
 master's box. Scalar state (``step``) is a 0-d tensor, written by the rank
@@ -64,6 +65,7 @@ def master_boxes(model) -> list[MasterBox]:
     engine, mesh, tp_info = model.engine, model.mesh, model.tp_info
     dp_replicated = not engine.grads_sharded  # DDP: every dp rank holds the same whole masters
     first_dp, first_tp = mesh.coord("dp") == 0, mesh.coord("tp") == 0
+    first_replica = mesh.coord("dp_replicate") == 0  # hybrid sharding: each shard group holds the same shards
     boxes = []
     for master, (name, (lo, hi), local_shape) in zip(engine.masters(), engine.master_rows()):
         local_shape = tuple(local_shape)
@@ -74,7 +76,7 @@ def master_boxes(model) -> list[MasterBox]:
         else:  # a 0-d parameter: ZeRO shards it as one row of one element
             global_shape, offset, shape = (), (), ()
         tp_replicated = tp_info is None or name not in tp_info.sharded
-        writer = (first_dp or not dp_replicated) and (first_tp or not tp_replicated) and hi > lo
+        writer = (first_dp if dp_replicated else first_replica) and (first_tp or not tp_replicated) and hi > lo
         boxes.append(MasterBox(name, master, tuple(global_shape), tuple(offset), tuple(shape), hi == lo, writer))
     return boxes
 
