@@ -129,10 +129,10 @@ def test_resuming_into_the_out_of_another_run_is_refused(base_run, tmp_path, cap
     assert not (out / "checkpoints" / "step-00000008").exists()
 
 
-def _resume(rank, world, out):
+def _resume(rank, world, out, *extra):
     from paratrain.train import train
 
-    train(config_from_args(build_parser().parse_args(["train", *RUN, "--out", out])))
+    train(config_from_args(build_parser().parse_args(["train", *RUN, "--out", out, *extra])))
 
 
 @pytest.mark.slow
@@ -148,6 +148,24 @@ def test_a_run_continues_exactly_on_another_number_of_data_ranks(base_run, tmp_p
     assert [r["loss"] for r in records[4:]] == pytest.approx([r["loss"] for r in expected[4:]], rel=1e-5)
     layout = CheckpointReader(out / "checkpoints" / "step-00000008").shared_state()["layout"]
     assert (layout["dp"], layout["accumulation"]) == (2, 1), "2 ranks × 1 micro-batch keep the global batch of 4"
+
+
+@pytest.mark.slow
+def test_a_run_continues_exactly_under_hybrid_sharding(base_run, tmp_path):
+    """Saved by one process at step 4, resumed by 2 replicas × 2 shards of ZeRO-3: the same losses, and the
+    step-8 checkpoint (written by the first replica only) records the split."""
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000008")
+    run_on_ranks(_resume, 4, str(out), "--zero", "3", "--dp-shard", "2", "--micro-batch", "1", timeout=180)
+    records, expected = read_metrics(out / "metrics.jsonl"), read_metrics(base_run / "metrics.jsonl")
+    assert [r["loss"] for r in records[4:]] == pytest.approx([r["loss"] for r in expected[4:]], rel=1e-5)
+    assert set(records[-1]["comm_bytes"]) >= {"dp_shard", "dp_replicate"}
+    reader = CheckpointReader(out / "checkpoints" / "step-00000008")
+    assert {k: reader.shared_state()["layout"][k] for k in ("dp", "dp_shard", "zero")} == {"dp": 4, "dp_shard": 2,
+                                                                                          "zero": 3}
+    writers = {box.file for name in reader.names() for box in reader.boxes(name)}
+    assert writers == {"rank-00000.safetensors", "rank-00001.safetensors"}, writers  # dp_replicate coordinate 0
 
 
 def test_a_layout_that_no_longer_fits_names_the_checkpoints_layout(base_run, tmp_path, capsys):

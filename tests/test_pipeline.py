@@ -42,6 +42,7 @@ class Case:
     sp: bool = False
     steps: int = 20
     fp32: bool = False  # else fp64, where agreement with one process is exact (1e-9)
+    dp_shard: int = 0  # hybrid sharding: ZeRO shards over groups of this many data ranks (0: all)
 
     @property
     def lr(self) -> float:
@@ -67,7 +68,10 @@ CASES = {**_cases(2), **_cases(4),
          **{"pp2_dp2_tp2_1f1b_zero1": Case(2, "1f1b", 2, dp=2, tp=2, zero=1),
              "pp2_dp2_tp2_interleaved_zero2": Case(2, "interleaved", 2, 2, dp=2, tp=2, zero=2, steps=5),
              "fp32_pp2_dp2_tp2_1f1b_zero1": Case(2, "1f1b", 2, dp=2, tp=2, zero=1, fp32=True),
-             "pp2_dp2_tp2_sp_zb-h1_zero1": Case(2, "zb-h1", 2, dp=2, tp=2, zero=1, sp=True, steps=5)}}
+             "pp2_dp2_tp2_sp_zb-h1_zero1": Case(2, "zb-h1", 2, dp=2, tp=2, zero=1, sp=True, steps=5),
+             # hybrid sharding inside each stage: 2 replicas × 2 shards of ZeRO-1/2
+             **{f"fp32_pp2_hsdp2x2_1f1b_zero{z}": Case(2, "1f1b", 2, dp=4, zero=z, dp_shard=2, fp32=True)
+                for z in (1, 2)}}}
 
 
 def _train(case: Case, mesh):
@@ -104,7 +108,7 @@ def _all_cases(rank, world):
     for name, case in CASES.items():
         if case.world != world:
             continue
-        mesh = build_mesh(MeshShape(pp=case.pp, dp=case.dp, tp=case.tp))
+        mesh = build_mesh(MeshShape(pp=case.pp, dp=case.dp, tp=case.tp, dp_shard=case.dp_shard))
         results[name] = _train(case, mesh)
     return results
 

@@ -105,7 +105,7 @@ class _InFlight:
 
     bucket: Bucket
     work: object
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None once reduced (hybrid sharding: while the shard is summed over replicas)
     out: torch.Tensor | None  # ZeRO-2's separate output; None for ZeRO-1 (in place)
 
 
@@ -145,6 +145,7 @@ class DataParallelEngine:
         self._next_launch = 0
         self._in_flight: deque[_InFlight] = deque()
         self._in_flight_limit = comm.reductions_in_flight()
+        self._replicating: tuple[_InFlight, object] | None = None  # hybrid sharding: a shard's sum over replicas
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
         self._used = [False] * len(self.slots)  # on the host while backward runs: no kernel per gradient
 
@@ -308,12 +309,29 @@ class DataParallelEngine:
             self._land(self._in_flight.popleft())
 
     def _land(self, flight: _InFlight) -> None:
-        """Wait for one reduce-scatter (then, under hybrid sharding, sum the shard over the replicas); ZeRO-2:
-        add its rows into the bucket's shard (its full buffer goes)."""
+        """Wait for one reduce-scatter; ZeRO-2: add its rows into the bucket's shard (its full buffer goes).
+
+        Under hybrid sharding the shard is first summed over the replicas, asynchronously: the previous
+        bucket's sum lands now, this one's when the next lands (or when the round or step ends). A
+        1/dp_shard shard is small enough to leave on its way on any device.
+        """
         self.comm.wait([flight.work], self.shard_axis)
-        if self.replicas > 1:
-            shard = flight.out if flight.out is not None else flight.buffer.view(self.shards, -1)[self.rank]
-            self.comm.all_reduce(shard, "dp_replicate")
+        if self.replicas == 1:
+            self._add_shard(flight)
+            return
+        self._land_replicated()
+        shard = flight.out if flight.out is not None else flight.buffer.view(self.shards, -1)[self.rank]
+        flight.buffer = None  # ZeRO-2: the full bucket is not needed any more (ZeRO-1's stays the bucket's)
+        self._replicating = (flight, self.comm.all_reduce(shard, "dp_replicate", async_op=True))
+
+    def _land_replicated(self) -> None:
+        if self._replicating is not None:
+            flight, work = self._replicating
+            self._replicating = None
+            self.comm.wait([work], "dp_replicate")
+            self._add_shard(flight)
+
+    def _add_shard(self, flight: _InFlight) -> None:
         if flight.out is None:  # ZeRO-1: reduced in place
             return
         bucket = flight.bucket
@@ -328,6 +346,7 @@ class DataParallelEngine:
         self._launch_ready_buckets(in_backward=False)
         while self._in_flight:
             self._land(self._in_flight.popleft())
+        self._land_replicated()
         self._in_backward = False
 
     def finish_gradients(self) -> torch.Tensor:
@@ -350,6 +369,7 @@ class DataParallelEngine:
         mask_work = self.comm.all_reduce(self._used_mask, "dp", async_op=True)
         while self._in_flight:
             self._land(self._in_flight.popleft())
+        self._land_replicated()
         self.comm.wait([b.work for b in self.buckets if self.stage == 0] + [mask_work], "dp")
         self._assign_master_grads()
         self._in_backward = self._accumulating = False
@@ -436,6 +456,7 @@ class DataParallelEngine:
         # A bucket holds the full gradients while they accumulate; ZeRO-2 frees it once reduced.
         grads = _storage_bytes([b.buffer for b in self.buckets] + [b.shard_grad for b in self.buckets]
                                + [t for f in self._in_flight for t in (f.buffer, f.out)]
+                               + ([self._replicating[0].out] if self._replicating is not None else [])
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
         master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}

@@ -175,6 +175,9 @@ class FullyShardedEngine:
         self._hooks_ctx: ContextManager | None = None
         self._in_flight: deque = deque()
         self._in_flight_limit = comm.reductions_in_flight()
+        # Hybrid sharding: the all-reduce of a unit's reduced shard between replicas, in flight while the
+        # next unit's backward computes (a 1/dp_shard shard: small enough to leave on its way on any device).
+        self._replicating: tuple[Unit, object, torch.Tensor] | None = None
         self._new_grads: dict[int, torch.Tensor] = {}
         self._used = torch.zeros(len(self._shards), device=self._device())
         # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
@@ -347,11 +350,24 @@ class FullyShardedEngine:
             self._land(*self._in_flight.popleft())
 
     def _land(self, unit: Unit, work, out: torch.Tensor, flat: torch.Tensor) -> None:
-        """Wait for one reduce-scatter (then, under hybrid sharding, sum the shard over the replicas) and add
-        its shard gradients to this backward's new gradients."""
+        """Wait for one reduce-scatter and add its shard gradients to this backward's new gradients; under
+        hybrid sharding, first sum the shard over the replicas, asynchronously: the previous unit's sum
+        lands now, this one's when the next lands (or when the gradients are finished)."""
         self.comm.wait([work], self.shard_axis)
-        if self.replicas > 1:
-            self.comm.all_reduce(out, "dp_replicate")
+        if self.replicas == 1:
+            self._add_shard(unit, out)
+            return
+        self._land_replicated()
+        self._replicating = (unit, self.comm.all_reduce(out, "dp_replicate", async_op=True), out)
+
+    def _land_replicated(self) -> None:
+        if self._replicating is not None:
+            unit, work, out = self._replicating
+            self._replicating = None
+            self.comm.wait([work], "dp_replicate")
+            self._add_shard(unit, out)
+
+    def _add_shard(self, unit: Unit, out: torch.Tensor) -> None:
         for index, piece in unit.shard_pieces(out):
             piece = piece.to(self.precision.master_dtype)
             if index in self._new_grads:
@@ -371,6 +387,7 @@ class FullyShardedEngine:
             return self._used
         while self._in_flight:
             self._land(*self._in_flight.popleft())
+        self._land_replicated()
         self.comm.all_reduce(self._used, axis="dp")
         for index, grad in self._new_grads.items():
             master = self._shards[index]
@@ -421,6 +438,7 @@ class FullyShardedEngine:
         grads = sum(_nbytes(s.grad) for s in self._shards if s.grad is not None)
         grads += sum(_nbytes(g) for g in self._new_grads.values())
         grads += sum(_nbytes(out) + _nbytes(flat) for _, _, out, flat in self._in_flight)
+        grads += _nbytes(self._replicating[2]) if self._replicating is not None else 0
         return {"params": params, "grads": grads, "master": 0}
 
     @torch.no_grad()

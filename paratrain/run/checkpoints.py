@@ -219,7 +219,8 @@ class TrainingCheckpoints:
     def layout(self) -> dict:
         m, p, t = self.mesh, self.cfg.parallel, self.cfg.train
         dp = m.size("dp")
-        return {"world_size": m.shape.world_size, "dp": dp, "tp": m.size("tp"), "pp": m.size("pp"), "zero": p.zero,
+        return {"world_size": m.shape.world_size, "dp": dp, "dp_shard": m.shape.dp_shard, "tp": m.size("tp"),
+                "pp": m.size("pp"), "zero": p.zero,
                 "precision": p.precision, "global_batch": t.global_batch, "micro_batch": t.micro_batch,
                 "accumulation": t.global_batch // (t.micro_batch * dp)}
 
