@@ -331,7 +331,9 @@ def test_search_json_shape(capsys):
         assert isinstance(memory[key], int)
     parts = sum(memory[k] for k in ("params", "grads", "optimizer_state", "activations", "comm_buffers"))
     assert abs(memory["total"] - parts) <= 3  # each part rounded to whole bytes
-    assert set(row["comm_bytes_per_rank"]) == {"dp", "tp", "pp"}
+    assert row["dp"] % row["dp_shard"] == 0
+    data_axes = {"dp"} if row["dp_shard"] == row["dp"] else {"dp_shard", "dp_replicate"}  # hybrid sharding
+    assert set(row["comm_bytes_per_rank"]) == data_axes | {"tp", "pp"}
     assert {"compute_s", "exposed_comm_s", "bubble_s", "optimizer_s", "total_s"} <= set(row["breakdown"])
     assert all({"rule", "count", "summary"} <= set(entry) for entry in doc["infeasible"])
 

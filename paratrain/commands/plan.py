@@ -5,6 +5,8 @@
     paratrain plan --model llama2-70b --gpus 64 --gpu-memory 80GB --gpus-per-node 8 \\
                    --seq 4096 --global-batch 1024            # search
     paratrain plan --model llama2-70b --gpus 64 --tokens 2T --gpu-hour-price 2.5   # days, GPU-hours, cost
+    paratrain plan --model llama2-7b --dp 32 --dp-shard 8 --zero 3 --seq 4096 --global-batch 256 \
+                   --inter-node-gbps 25                      # hybrid sharding: ZeRO-3 within each node
     paratrain plan --calibrate                               # measure this machine: a hardware profile
     paratrain plan --model tiny --dp 2 --hardware ~/.cache/paratrain/hardware.json
     paratrain plan --published                               # the presets against published runs
@@ -101,6 +103,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
     layout.add_argument("--dp", type=int, help="data-parallel degree (default 1, or what --gpus leaves)")
+    layout.add_argument("--dp-shard", type=int,
+                        help="hybrid sharding (HSDP): ZeRO shards over groups of this many neighbouring data ranks "
+                             "(a node) and all-reduces the shards between the dp / dp-shard groups; must divide "
+                             "--dp and needs --zero 1-3 (default: the whole data axis; --gpus searches every "
+                             "divisor of dp)")
     layout.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     layout.add_argument("--pp", type=int, help="pipeline-parallel degree (default 1)")
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
@@ -228,8 +235,8 @@ def layout_from_args(args) -> Layout:
         return default if value is None else value
 
     return Layout(dp=given(args.dp, 1), tp=given(args.tp, 1), pp=given(args.pp, 1), zero=given(args.zero, 0),
-                  micro_batch=given(args.micro_batch, 1), virtual_stages=_virtual_stages(args),
-                  sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute or "none",
+                  dp_shard=given(args.dp_shard, 0), micro_batch=given(args.micro_batch, 1),
+                  virtual_stages=_virtual_stages(args), sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute or "none",
                   schedule=args.schedule)
 
 
@@ -238,7 +245,7 @@ def space_from_args(args) -> SearchSpace:
         return (value,) if value is not None else default
 
     return SearchSpace(
-        dp=args.dp, tp=args.tp, pp=args.pp, zero=one(args.zero, (0, 1, 2, 3)),
+        dp=args.dp, tp=args.tp, pp=args.pp, zero=one(args.zero, (0, 1, 2, 3)), dp_shard=args.dp_shard,
         micro_batch=one(args.micro_batch, SearchSpace.micro_batch),
         recompute=one(Recompute(args.recompute) if args.recompute else None, tuple(Recompute)),
         sequence_parallel=one(args.sequence_parallel, (False, True)),
@@ -406,10 +413,12 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
     if args is not None and args.global_batch is None and args.tokens is not None:
         batch += f" (assumed: {workload.global_batch * workload.seq_len / 1e6:.1f}M tokens per step, Llama 2's 4M)"
     curve = hardware.gemm(workload.precision)
+    intra, inter = hardware.intra_node_bytes_per_s / 1e9, hardware.inter_node_bytes_per_s / 1e9
     return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}; "
             f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
             f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s, matmuls at {curve.peak_efficiency:g}·x/(x + "
-            f"{curve.half_size:.0f}) of it, {hardware.gpus_per_node} per node)")
+            f"{curve.half_size:.0f}) of it, {hardware.gpus_per_node} per node; links {intra:g} GB/s in a node, "
+            f"{inter:g} GB/s between nodes)")
 
 
 def _gb(value: float) -> str:
@@ -437,7 +446,10 @@ def format_time(est: Estimate, hardware: Hardware) -> str:
     """Step time breakdown, FLOPs and communication volume of one estimate."""
     t = est.time
     rows = [("compute", t.compute), ("tp comm (exposed)", t.tp_comm), ("pp comm (exposed)", t.pp_comm),
-            ("dp comm (exposed)", t.dp_comm), ("pipeline bubble", t.bubble), ("optimizer step", t.optimizer)]
+            ("dp comm (exposed)", t.dp_comm)]
+    if est.layout.dp_replicate > 1:  # hybrid sharding: the data axis's two parts, on their own links
+        rows += [(f"  {axis}", seconds) for axis, seconds in t.dp_comm_by_axis.items()]
+    rows += [("pipeline bubble", t.bubble), ("optimizer step", t.optimizer)]
     lines = ["step time                      s   share"]
     lines += [f"  {label:<20} {value:>9.3f}  {value / t.total:>5.1%}" for label, value in rows]
     lines.append(f"  {'total':<20} {t.total:>9.3f}   MFU {est.mfu(hardware):.1%}")
@@ -456,8 +468,8 @@ def format_search(result: SearchResult, workload: Workload, name: str, hardware:
              f"{result.num_infeasible:,} do not", ""]
     if result.ranked:
         lines.append(f"top {len(result.ranked)} by estimated step time:")
-        lines.append(f"   #   dp  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}  step s    MFU"
-                     "  compute   comm  bubble")
+        lines.append(f"   #   dp shard  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}  step s"
+                     "    MFU  compute   comm  bubble")
         for i, est in enumerate(result.ranked, 1):
             lines.append(_search_row(i, est, hardware))
         best = result.ranked[0]
@@ -475,7 +487,8 @@ def format_search(result: SearchResult, workload: Workload, name: str, hardware:
 def _search_row(i: int, est: Estimate, hardware: Hardware) -> str:
     lay, t = est.layout, est.time
     sched = "-" if lay.pp == 1 else lay.schedule.value + (f" v={lay.chunks}" if lay.chunks > 1 else "")
-    return (f"  {i:>2}  {lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
+    shard = lay.shard_ranks if lay.dp_replicate > 1 else "-"  # a ZeRO shard group smaller than dp: HSDP
+    return (f"  {i:>2}  {lay.dp:>3} {shard:>5} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
             f"{lay.num_microbatches(est.workload.global_batch):>5}  {lay.recompute.value:<9}  "
             f"{'yes' if lay.sequence_parallel else 'no':<4} {sched:<16}{est.memory.total / GB:>6.1f}"
             f"  {t.total:>6.2f}  {est.mfu(hardware):>5.1%}  {t.compute:>7.2f} {t.exposed_comm:>6.2f} "

@@ -21,7 +21,8 @@ communication per axis, pipeline bubble, optimizer) next to the measured medians
 `time_breakdown_s`, with a hardware profile: `--hardware NAME_OR_FILE`, else the profile
 `paratrain plan --calibrate` wrote (`paratrain.plan.DEFAULT_PROFILE`) if there is one.
 
-Every run is labelled with its directory name and its layout (`dp2,zero3`).
+Every run is labelled with its directory name and its layout (`dp2,zero3`; hybrid sharding
+writes the data axis as replicas × shard group, `dp4(2×2),zero3`).
 Bad input raises `ReportError` (a ValueError) with one line.
 """
 
@@ -124,10 +125,19 @@ def data_ranks(config: dict, records: list[dict]) -> int:
 
 
 def layout_of(config: dict, dp: int) -> str:
-    """The run's layout in `paratrain verify`'s notation (e.g. 'dp2,zero3,bf16')."""
+    """The run's layout in `paratrain verify`'s notation (e.g. 'dp2,zero3,bf16').
+
+    Under hybrid sharding (`parallel.dp_shard` below dp) the data axis reads dp(replicas × shard
+    group), e.g. 'dp4(2×2),zero3': the same dp with ZeRO over groups of 2, in 2 replicas.
+    """
     from paratrain.commands.verify import format_layout
 
-    return format_layout({**config.get("parallel", {}), "dp": dp})
+    parallel = config.get("parallel", {})
+    tokens = format_layout({**parallel, "dp": dp}).split(",")  # the first token is the data axis
+    shard = parallel.get("dp_shard") or dp
+    if shard < dp and dp % shard == 0:
+        tokens[0] += f"({dp // shard}×{shard})"
+    return ",".join(tokens)
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -336,6 +346,9 @@ _MODEL_SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_si
 def planned_inputs(run: Run):
     """(Workload, Layout) of the run's resolved config for the planner; None for an older or partial config.
 
+    `parallel.dp_shard` makes it a hybrid-sharded layout, whose data-parallel communication the
+    planner gives per axis (dp_shard, dp_replicate) as the runtime records it.
+
     Activation checkpointing of every k-th block is full recomputation for k = 1; for k > 1 the
     planner, which recomputes all blocks or none, takes full recomputation too (an upper bound).
     """
@@ -350,7 +363,8 @@ def planned_inputs(run: Run):
         workload = Workload.for_model(model, seq_len=c["data"]["seq_len"], global_batch=t["global_batch"],
                                       precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"))
         pp = p.get("pp") or 1
-        layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), micro_batch=t["micro_batch"],
+        layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), dp_shard=p.get("dp_shard") or 0,
+                        micro_batch=t["micro_batch"],
                         sequence_parallel=bool(p.get("sequence_parallel")),
                         recompute=Recompute.FULL if p.get("activation_checkpointing") else Recompute.NONE,
                         schedule=p.get("schedule") or "1f1b",
@@ -399,8 +413,9 @@ def format_prediction(run: Run, hardware) -> list[str]:
     measured, predicted = measured_breakdown(run), predicted_step(run, hardware)
     if measured is None or predicted is None:
         return ["  predicted step time: n/a (the run logs no time breakdown, or its config is not understood)"]
-    comm_axes = sorted({k.split()[1] for k in measured if k.startswith("comm ")} | {"dp", "tp"})
-    predicted_comm = {"dp": predicted.dp_comm, "tp": predicted.tp_comm, "world": predicted.sync}
+    predicted_comm = {**predicted.dp_comm_by_axis, "tp": predicted.tp_comm, "world": predicted.sync}
+    comm_axes = sorted({k.split()[1] for k in measured if k.startswith("comm ")} | set(predicted.dp_comm_by_axis)
+                       | {"tp"})
     rows = [("compute", measured["compute"], predicted.compute)]
     rows += [(f"exposed comm {axis}", measured.get(f"comm {axis}", 0.0), predicted_comm.get(axis, 0.0))
              for axis in comm_axes]

@@ -7,13 +7,16 @@ block (2·N_blocks + 4·L·h·s per token), selective the attention core's forwa
 
 Communication is counted as paratrain's comm layer counts it (`paratrain.comm`): bytes one
 rank sends under a bandwidth-optimal ring, an all-reduce of S bytes over n ranks 2·S·(n−1)/n,
-an all-gather or reduce-scatter (S the full tensor) S·(n−1)/n, a point-to-point send S.
+an all-gather or reduce-scatter (S the full tensor) S·(n−1)/n, a point-to-point send S, per
+mesh axis as the runtime names them: dp, tp, pp, and under hybrid sharding dp_shard and
+dp_replicate in place of dp (`Layout.data_axes`).
 
 Time is α-β (Hockney; ring collectives as in Thakur et al. 2005): a collective of n ranks
 takes (steps × α) + bytes sent / β, with 2(n−1) steps for an all-reduce, n−1 for an
 all-gather or reduce-scatter, 1 for a send. β is the intra-node bandwidth when the group fits
-in one node (ranks are laid out pp × dp × tp, tp innermost), the inter-node one otherwise,
-times the achieved fraction; a calibrated profile gives measured (α, β) per kind instead.
+in one node (ranks are laid out pp × dp × tp, tp innermost; see `axis_span`), the inter-node
+one otherwise, times the achieved fraction; a calibrated profile gives measured (α, β) per
+kind instead.
 Compute is the sum of each operation's time (`paratrain.plan.ops`): matmuls at the size-
 dependent efficiency of `Hardware.gemm`, the rest memory-bound.
 """
@@ -21,7 +24,8 @@ dependent efficiency of `Hardware.gemm`, the rest memory-bound.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from paratrain.plan.hardware import (
     HARDWARE_PRESETS,
@@ -45,8 +49,8 @@ from paratrain.plan.memory import (
 from paratrain.plan.ops import PassTimes, Shape, block_times, embedding_times, head_times
 from paratrain.parallel.schedules import ScheduleName
 
-__all__ = ["HARDWARE_PRESETS", "Collective", "GemmCurve", "Hardware", "LinkCost", "StepFlops", "StepTime",
-           "comm_bytes_per_rank", "get_hardware", "ring_bytes", "step_flops", "step_time"]
+__all__ = ["HARDWARE_PRESETS", "AxisCollectives", "Collective", "GemmCurve", "Hardware", "LinkCost", "StepFlops",
+           "StepTime", "comm_bytes_per_rank", "get_hardware", "ring_bytes", "step_flops", "step_time"]
 
 # -- communication --------------------------------------------------------------------------
 
@@ -99,9 +103,21 @@ def ring_bytes(kind: str, size: float, ranks: int) -> float:
     return _RING_FACTOR[kind] * size * (ranks - 1) / ranks
 
 
+def axis_span(layout: Layout, axis: str) -> int:
+    """Consecutive ranks one group of `axis` reaches across (layout pp × dp × tp, tp innermost).
+
+    A tp group is tp neighbours; a dp group strides tp over dp × tp ranks. The data axis of
+    hybrid sharding splits as dp = dp_replicate × dp_shard with dp_shard inner
+    (`paratrain.mesh.MeshShape.groups`): a shard group spans dp_shard × tp ranks, a replica
+    group strides dp_shard × tp over the whole dp × tp block.
+    """
+    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "dp_shard": layout.tp * layout.shard_ranks,
+            "dp_replicate": layout.tp * layout.dp, "pp": layout.world_size, "world": layout.world_size}[axis]
+
+
 def axis_is_intra_node(layout: Layout, axis: str, gpus_per_node: int) -> bool:
-    """Whether every group of `axis` sits inside one node (layout pp × dp × tp, tp innermost)."""
-    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world_size, "world": layout.world_size}[axis]
+    """Whether every group of `axis` sits inside one node: its span fits in one and tiles the nodes."""
+    span = axis_span(layout, axis)
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
@@ -141,9 +157,27 @@ def _zero3_units(workload: Workload, layout: Layout, stage: int) -> int:
     return layers_on_stage(workload.model.n_layers, layout.pp, stage) + 1
 
 
-def dp_collectives(workload: Workload, layout: Layout, stage: int) -> tuple[list[Collective], list[Collective]]:
-    """Data-parallel collectives of one step: (overlapping backward/compute, after the optimizer step).
+@dataclass(frozen=True)
+class AxisCollectives:
+    """One mesh axis's data-parallel collectives of a step on one rank, by how they meet the compute.
 
+    overlapped: launched asynchronously while backward (ZeRO-3: forward too) computes; compute
+        hides them but for the last call (`_dp_exposed`).
+    after: after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed.
+    """
+
+    overlapped: tuple[Collective, ...] = ()
+    after: tuple[Collective, ...] = ()
+
+    @property
+    def calls(self) -> tuple[Collective, ...]:
+        return self.overlapped + self.after
+
+
+def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, AxisCollectives]:
+    """Data-parallel collectives of one step on one rank of `stage`, per mesh axis (`Layout.data_axes`).
+
+    N is the ranks ZeRO shards over (`Layout.shard_ranks`: dp, or the shard group).
     DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype), bucket by bucket.
     ZeRO-1/2: a reduce-scatter of the gradients during backward and an all-gather of the updated
     parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data does, per bucket. DDP
@@ -151,21 +185,34 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> tuple[list
     ZeRO-2 keeps no full gradient, so it reduce-scatters after every micro-batch. ZeRO-3: for
     every micro-batch an all-gather of each unit's parameters before forward and again before
     backward and a reduce-scatter of its gradients: 3Ψ(N−1)/N per micro-batch.
+
+    Hybrid sharding (R = dp / N replicas of each shard group): those reduce-scatters and
+    all-gathers run within the shard group (axis dp_shard), and every reduce-scatter of S bytes
+    is followed by an all-reduce of its S/N shard over the R replicas (axis dp_replicate),
+    2·(S/N)·(R−1)/R per reduction: the replicas' sum of the gradient that ZeRO over all dp
+    ranks would have reduced in one collective. The engines launch it as the reduce-scatter
+    lands and wait for it at the next one, so it overlaps compute as the reduce-scatters do.
     """
-    n, psi = layout.dp, stage_psi(workload, layout, stage)
+    if layout.dp == 1:
+        return {}
+    n, psi = layout.shard_ranks, stage_psi(workload, layout, stage)
     grads, params = psi * workload.grad_bytes, psi * workload.param_bytes
-    if n == 1:
-        return [], []
+    m = layout.num_microbatches(workload.global_batch)
     if layout.zero == 3:
-        m, units = layout.num_microbatches(workload.global_batch), _zero3_units(workload, layout, stage)
-        return [Collective("all_gather", params / units, n, 2 * m * units),
-                Collective("reduce_scatter", grads / units, n, m * units)], []
-    buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
-    if layout.zero == 0:
-        return [Collective("all_reduce", grads / buckets, n, buckets)], []
-    reductions = buckets * (layout.num_microbatches(workload.global_batch) if layout.zero == 2 else 1)
-    return [Collective("reduce_scatter", grads / buckets, n, reductions)], [Collective("all_gather", params / buckets,
-                                                                                       n, buckets)]
+        units = _zero3_units(workload, layout, stage)
+        reduce = Collective("reduce_scatter", grads / units, n, m * units)
+        shard = AxisCollectives(overlapped=(Collective("all_gather", params / units, n, 2 * m * units), reduce))
+    else:
+        buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
+        if layout.zero == 0:
+            return {"dp": AxisCollectives(overlapped=(Collective("all_reduce", grads / buckets, n, buckets),))}
+        reduce = Collective("reduce_scatter", grads / buckets, n, buckets * (m if layout.zero == 2 else 1))
+        shard = AxisCollectives(overlapped=(reduce,), after=(Collective("all_gather", params / buckets, n, buckets),))
+    out = {layout.data_axes[0]: shard}
+    if layout.dp_replicate > 1:
+        replicas = Collective("all_reduce", reduce.size / n, layout.dp_replicate, reduce.count)
+        out["dp_replicate"] = AxisCollectives(overlapped=(replicas,))
+    return out
 
 
 def _activation_bytes(workload: Workload, layout: Layout) -> float:
@@ -250,12 +297,13 @@ def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
     """The step's small agreement collectives, per axis, as paratrain's step runs them.
 
     One all-reduce over every rank (non-finite flags, loss, stop requests), and for the global
-    gradient norm: over dp when gradients are sharded (ZeRO ≥ 1), over tp when weights are, and
-    over pp (stages hold different layers) with the pipeline's loss sum.
+    gradient norm: over the ranks that shard the gradients when ZeRO does (ZeRO ≥ 1: dp, or the
+    shard group under hybrid sharding, whose replicas hold the same shards), over tp when
+    weights are, and over pp (stages hold different layers) with the pipeline's loss sum.
     """
     out: dict[str, list[Collective]] = {"world": [Collective("all_reduce", 64.0, layout.world_size)]}
     if layout.zero >= 1:
-        out["dp"] = [Collective("all_reduce", LOSS_BYTES, layout.dp)]
+        out[layout.data_axes[0]] = [Collective("all_reduce", LOSS_BYTES, layout.shard_ranks)]
     if layout.tp > 1:
         out["tp"] = [Collective("all_reduce", LOSS_BYTES, layout.tp)]
     if layout.pp > 1:
@@ -264,12 +312,15 @@ def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
 
 
 def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
-    """Bytes one rank sends per step on each axis (the busiest rank of that axis)."""
+    """Bytes one rank sends per step on each axis (the busiest rank of that axis).
+
+    The data axes are `Layout.data_axes`: dp, or dp_shard and dp_replicate under hybrid sharding.
+    """
     m = layout.num_microbatches(workload.global_batch)
-    out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    out = {axis: 0.0 for axis in (*layout.data_axes, "tp", "pp")}
     for stage in range(layout.pp):
-        during, after = dp_collectives(workload, layout, stage)
-        out["dp"] = max(out["dp"], sum(c.bytes_sent for c in during + after))
+        for axis, collectives in dp_collectives(workload, layout, stage).items():
+            out[axis] = max(out[axis], sum(c.bytes_sent for c in collectives.calls))
         out["tp"] = max(out["tp"], m * sum(c.bytes_sent for c in tp_collectives(workload, layout, stage)))
         out["pp"] = max(out["pp"], m * sum(c.bytes_sent for c in pp_sends(workload, layout, stage)))
     return {axis: int(round(value)) for axis, value in out.items()}
@@ -323,6 +374,8 @@ class StepTime:
     dp_comm: data-parallel time not hidden behind compute (`dp_comm_total` is all of it).
     optimizer: the (memory-bound) optimizer step, with gradient clipping.
     sync: the step's small agreement collectives (flags, loss, the global gradient norm).
+    dp_comm_by_axis: `dp_comm` split over the data axes (`Layout.data_axes`), summing to it: what
+        `paratrain report` sets beside the runtime's exposed time per axis.
     """
 
     compute: float
@@ -333,6 +386,7 @@ class StepTime:
     optimizer: float
     dp_comm_total: float
     sync: float = 0.0
+    dp_comm_by_axis: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def exposed_comm(self) -> float:
@@ -343,9 +397,12 @@ class StepTime:
         return self.compute + self.exposed_comm + self.bubble + self.optimizer
 
     def as_dict(self) -> dict[str, float]:
+        """Seconds per part; a hybrid-sharded layout adds its data axes' parts (dp_shard_comm_s, ...)."""
         keys = ("compute", "exposed_comm", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "sync",
                 "dp_comm_total", "total")
-        return {f"{key}_s": getattr(self, key) for key in keys}
+        out = {f"{key}_s": getattr(self, key) for key in keys}
+        out.update({f"{axis}_comm_s": seconds for axis, seconds in self.dp_comm_by_axis.items()})
+        return out
 
 
 def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> PassTimes:
@@ -390,34 +447,40 @@ def optimizer_bytes_per_param(workload: Workload, kernels: KernelStack) -> float
 
 
 def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> float:
-    psi = stage_psi(workload, layout, stage) / (layout.dp if layout.zero >= 1 else 1)
+    shards = layout.shard_ranks if layout.zero >= 1 else 1  # each rank steps its own shard
+    psi = stage_psi(workload, layout, stage) / shards
     tensor = 4.0 * (block_param_count(workload.model) / 7 if workload.model is not None else psi)
-    tensor /= layout.tp * (layout.dp if layout.zero >= 1 else 1)
+    tensor /= layout.tp * shards
     seconds = hardware.memory_seconds(psi * optimizer_bytes_per_param(workload, hardware.kernels), 3 * tensor)
     return seconds / hardware.compute_share(layout.world_size)
 
 
 def _dp_exposed(workload: Workload, layout: Layout, hardware: Hardware, stage: int,
-                backward_mb: float, compute_all: float) -> tuple[float, float]:
-    """(exposed, total) data-parallel seconds of `stage`.
+                backward_mb: float, compute_all: float) -> tuple[dict[str, float], float]:
+    """(exposed seconds per data axis, total seconds) of `stage`.
 
     DDP/ZeRO-1/2 reduce the gradients bucket by bucket while the last micro-batch's backward
     runs (earlier micro-batches only accumulate); the last bucket fills at the end of that
     backward, so its collective cannot hide. ZeRO-1/2's all-gather of updated parameters
     follows the optimizer step, fully exposed. ZeRO-3's gathers and reduce-scatters run under
     all of the step's compute (prefetching), except the first unit's gather and the last
-    unit's reduce-scatter. Only `comm_overlap` of the overlappable time is hidden.
+    unit's reduce-scatter. Only `comm_overlap` of the overlappable time is hidden. Hybrid
+    sharding's all-reduces between replicas hide the same way, but for the last one, which
+    follows the last reduce-scatter. Each axis is timed over the links its groups span
+    (`collective_seconds`), and the axes hide side by side: their collectives run on
+    different links at once.
     """
-    during, after = dp_collectives(workload, layout, stage)
-    total_during = collective_seconds(hardware, layout, "dp", during)
-    trailing = collective_seconds(hardware, layout, "dp", after)
-    if not during:
-        return 0.0, 0.0
-    one = [Collective(c.kind, c.size, c.ranks) for c in during]  # one call of each: a bucket, or a unit
-    unhideable = collective_seconds(hardware, layout, "dp", one[:1] if layout.zero != 3 else one)
     window = compute_all if layout.zero == 3 else backward_mb
-    hidden = hardware.comm_overlap * min(max(0.0, total_during - unhideable), window)
-    return total_during - hidden + trailing, total_during + trailing
+    exposed, total = {}, 0.0
+    for axis, collectives in dp_collectives(workload, layout, stage).items():
+        overlapped = collective_seconds(hardware, layout, axis, list(collectives.overlapped))
+        serial = collective_seconds(hardware, layout, axis, list(collectives.after))
+        one = [Collective(c.kind, c.size, c.ranks) for c in collectives.overlapped]  # a bucket, or a unit
+        unhideable = collective_seconds(hardware, layout, axis, one[:1] if layout.zero != 3 else one)
+        hidden = hardware.comm_overlap * min(max(0.0, overlapped - unhideable), window)
+        exposed[axis] = overlapped - hidden + serial
+        total += overlapped + serial
+    return exposed, total
 
 
 @dataclass(frozen=True)
@@ -426,7 +489,7 @@ class _Stage:
     compute: float
     tp: float
     pp: float
-    dp_exposed: float
+    dp_exposed: dict[str, float]
     dp_total: float
     optimizer: float
 
@@ -456,10 +519,12 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     m = lay.num_microbatches(workload.global_batch)
     stages = [_stage(workload, lay, hardware, stage, m) for stage in range(lay.pp)]
     slowest = max(stages, key=lambda s: s.per_mb)
+    data = max(stages, key=lambda s: sum(s.dp_exposed.values()))  # the stage whose data-parallel time shows most
+    dp_by_axis = {axis: data.dp_exposed.get(axis, 0.0) for axis in lay.data_axes}
     sync = sum(collective_seconds(hardware, lay, axis, c) for axis, c in sync_collectives(lay).items())
     return StepTime(
         compute=m * slowest.compute, tp_comm=m * slowest.tp, pp_comm=m * slowest.pp,
         bubble=(lay.pp - 1) / lay.chunks * slowest.per_mb / (3 if lay.schedule is ScheduleName.ZB_H1 else 1),
-        dp_comm=max(s.dp_exposed for s in stages), optimizer=max(s.optimizer for s in stages),
-        dp_comm_total=max(s.dp_total for s in stages), sync=sync,
+        dp_comm=sum(dp_by_axis.values()), optimizer=max(s.optimizer for s in stages),
+        dp_comm_total=max(s.dp_total for s in stages), sync=sync, dp_comm_by_axis=dp_by_axis,
     )

@@ -6,8 +6,10 @@ Everything here is arithmetic on a `Workload` (what is trained) and a `Layout`
 
 Model states (Rajbhandari et al. 2019, "ZeRO", §3.1 and Table 1). Ψ is the
 number of parameters this rank holds before data-parallel sharding (the
-model split over tp and pp, see `stage_param_count`), N the data-parallel
-degree. Mixed-precision Adam keeps 16-bit parameters (2Ψ), 16-bit gradients
+model split over tp and pp, see `stage_param_count`), N the number of ranks
+ZeRO shards over: the data-parallel degree, or under hybrid sharding (HSDP,
+`Layout.dp_shard`) the shard group, whose dp / dp_shard replicas each hold
+the same shards. Mixed-precision Adam keeps 16-bit parameters (2Ψ), 16-bit gradients
 (2Ψ) and K = 12 bytes of optimizer state per parameter: the fp32 master copy
 (4Ψ) and the two fp32 moments (8Ψ)::
 
@@ -169,6 +171,10 @@ class Layout:
     Fields:
         dp, tp, pp: data-, tensor- and pipeline-parallel degrees (ranks laid out pp × dp × tp).
         zero: ZeRO stage 0 (plain DDP) to 3.
+        dp_shard: hybrid sharding (HSDP): ZeRO shards over groups of this many neighbouring data
+            ranks and keeps dp / dp_shard replicas of the shards (dp = dp_replicate × dp_shard,
+            dp_shard inner, as `paratrain.mesh.MeshShape` splits the data axis); 0 means dp (no
+            split). It must divide dp and needs zero ≥ 1 (`layout_violations` says so).
         micro_batch: sequences per forward/backward on one data rank.
         virtual_stages: model chunks per pipeline rank (v > 1 only with the interleaved schedule).
         sequence_parallel: shard the norm/dropout regions along the sequence over tp.
@@ -183,6 +189,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    dp_shard: int = 0
     micro_batch: int = 1
     virtual_stages: int = 1
     sequence_parallel: bool = False
@@ -194,6 +201,8 @@ class Layout:
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
             _positive_int(getattr(self, name), "--" + name.replace("_", "-"))
+        if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or self.dp_shard < 0:
+            raise PlanError(f"--dp-shard must be 0 (the whole data axis) or a positive integer, got {self.dp_shard!r}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise PlanError(f"--bucket-mb must be a positive number, got {self.bucket_mb!r}")
         object.__setattr__(self, "boundary", _enum(PipelineBoundary, self.boundary, "--pipeline-boundary"))
@@ -207,6 +216,26 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     @property
+    def shard_ranks(self) -> int:
+        """Ranks ZeRO shards model state over: dp_shard, or the whole data axis when it is not split."""
+        return self.dp_shard or self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of each ZeRO shard group on the data axis (1: no hybrid sharding)."""
+        return max(1, self.dp // self.shard_ranks)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes the data-parallel collectives run on, named as paratrain's runtime names them.
+
+        ("dp",) when the data axis is whole; ("dp_shard", "dp_replicate") under hybrid sharding
+        (`paratrain.mesh.Mesh.shard_axis`), where ZeRO's reduce-scatters and all-gathers stay in
+        the shard group and the reduced shards are all-reduced between replicas.
+        """
+        return ("dp",) if self.dp_replicate == 1 else ("dp_shard", "dp_replicate")
+
+    @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank: v for the interleaved schedule, else 1."""
         return self.virtual_stages if self.schedule is ScheduleName.INTERLEAVED else 1
@@ -218,8 +247,12 @@ class Layout:
         return max(1, global_batch // (self.dp * self.micro_batch))
 
     def label(self) -> str:
-        """Short one-line description, e.g. 'dp=8 tp=8 pp=1 zero=1 mb=1 recompute=selective sp'."""
-        text = f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch} " \
+        """Short one-line description, e.g. 'dp=8 tp=8 pp=1 zero=1 mb=1 recompute=selective sp'.
+
+        A hybrid-sharded layout adds its shard group after dp: 'dp=32 dp_shard=8 tp=1 ...'.
+        """
+        shard = f" dp_shard={self.shard_ranks}" if self.dp_replicate > 1 else ""
+        text = f"dp={self.dp}{shard} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch} " \
                f"recompute={self.recompute.value}"
         if self.sequence_parallel:
             text += " sp"
@@ -245,6 +278,9 @@ class ModelStates:
 def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
                       reduce_dtype: str | None = None) -> ModelStates:
     """Model states of a rank holding `num_params` (Ψ) parameters, ZeRO-sharded over `dp` (N).
+
+    N is the ranks that split the shards: the data-parallel degree, or the shard group
+    (`Layout.shard_ranks`) under hybrid sharding, whose replicas hold the same shards.
 
     Rajbhandari et al. 2019 §3.1/§5: the optimizer state (K = 12 for mixed precision: fp32
     master 4 + moments 8; K = 8 for fp32, whose parameters are the master) is divided by N
@@ -432,17 +468,22 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
     awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: one
     bucket, being filled or in flight (paratrain.parallel.data). DDP and ZeRO-1: their
     buckets are the gradients (counted there); ZeRO-1 adds one bucket's all-gather of updated
-    parameters. Nothing when only the parameter count is known.
+    parameters. Nothing when only the parameter count is known. Hybrid sharding keeps one
+    reduced shard more (1/dp_shard of a unit's gradients, or of a ZeRO-2 bucket) while it is
+    summed over the replicas and the next one is reduced; ZeRO-1 sums its shard in place in
+    the bucket. Gathered units and buckets are whole tensors whatever the shard group.
     """
     model, lay = workload.model, layout
     if model is None or lay.dp == 1:
         return 0.0
+    replicating = 1 / lay.shard_ranks if lay.dp_replicate > 1 else 0.0  # a shard on its way between replicas
     if lay.zero == 3:
         block = block_param_count(model)
         unit = max(block, model.num_params() - model.n_layers * block) / lay.tp
-        return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes)
+        return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes) \
+            + unit * workload.grad_bytes * replicating
     bucket = min(lay.bucket_mb * 2**20, stage_params * workload.grad_bytes)
-    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: bucket}[lay.zero]
+    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: bucket * (1 + replicating)}[lay.zero]
 
 
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
@@ -451,7 +492,7 @@ def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakd
         psi = workload.num_params / (layout.tp * layout.pp)
     else:
         psi = stage_param_count(workload.model, layout.tp, layout.pp, stage)
-    states = model_state_bytes(psi, layout.dp, layout.zero, workload.precision, workload.reduce_dtype)
+    states = model_state_bytes(psi, layout.shard_ranks, layout.zero, workload.precision, workload.reduce_dtype)
     return MemoryBreakdown(
         stage=stage, params=states.params, grads=states.grads, master_weights=states.master_weights,
         adam_moments=states.adam_moments, activations=stage_activation_bytes(workload, layout, stage),

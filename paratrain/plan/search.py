@@ -46,9 +46,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _degree_violations(model: ModelConfig | None, dp: int, tp: int, pp: int, world_size: int | None,
-                       global_batch: int | None, micro_batch: int) -> list[Violation]:
-    """Rules on the degrees alone: world size, model divisibility, batch divisibility."""
-    out = degree_violations(world_size, dp, tp, pp)
+                       global_batch: int | None, micro_batch: int, dp_shard: int = 0,
+                       zero: int | None = None) -> list[Violation]:
+    """Rules on the degrees alone: world size, the shard group of hybrid sharding, model and batch divisibility."""
+    out = degree_violations(world_size, dp, tp, pp, dp_shard, zero)
     if model is None and (tp > 1 or pp > 1):
         out.append(Violation("shape", "tp and pp need the model's shape; give --model or --layers/--hidden/--heads "
                                       "instead of --params"))
@@ -63,7 +64,8 @@ def layout_violations(workload: Workload, layout: Layout, world_size: int | None
                       gpus_per_node: int | None = None) -> list[Violation]:
     """Every rule `layout` breaks for `workload` (empty when it can run). Memory is not checked here."""
     lay, model = layout, workload.model
-    out = _degree_violations(model, lay.dp, lay.tp, lay.pp, world_size, workload.global_batch, lay.micro_batch)
+    out = _degree_violations(model, lay.dp, lay.tp, lay.pp, world_size, workload.global_batch, lay.micro_batch,
+                             lay.dp_shard, lay.zero)
     if gpus_per_node is not None and lay.tp > gpus_per_node:
         out.insert(0, Violation("tp_node", f"tp {lay.tp} exceeds {gpus_per_node} GPUs per node"))
     out += zero_stage_violations(lay.zero, lay.pp)
@@ -151,7 +153,8 @@ class Estimate:
         lay = self.layout
         batch = self.workload.global_batch or lay.dp * lay.micro_batch
         return {
-            "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "micro_batch": lay.micro_batch,
+            "dp": lay.dp, "dp_shard": lay.shard_ranks, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+            "micro_batch": lay.micro_batch,
             "num_microbatches": lay.num_microbatches(self.workload.global_batch),
             "virtual_stages": lay.chunks, "sequence_parallel": lay.sequence_parallel,
             "recompute": lay.recompute.value, "schedule": lay.schedule.value,
@@ -226,7 +229,11 @@ def _collapse(reasons: list[str]) -> str:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Which values each layout field may take (None: every sensible value)."""
+    """Which values each layout field may take (None: every sensible value).
+
+    dp_shard None: with ZeRO, every shard group size that divides dp (hybrid sharding), the whole
+    data axis included; a number fixes it (a candidate whose dp it equals is not split).
+    """
 
     dp: int | None = None
     tp: int | None = None
@@ -237,13 +244,28 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     virtual_stages: int = 1
+    dp_shard: int | None = None
+
+
+def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
+    """The `Layout.dp_shard` values to try: 0 (the whole data axis), and with ZeRO every smaller divisor of dp.
+
+    A fixed --dp-shard is tried as given (the rules refuse it where it cannot run), written 0
+    where it is the whole data axis, so the same layout is not enumerated twice.
+    """
+    if space.dp_shard is not None:
+        return [0 if space.dp_shard == dp else space.dp_shard]
+    if zero == 0:  # DDP shards nothing: no shard groups to replicate
+        return [0]
+    return [0] + [d for d in _divisors(dp) if d < dp]
 
 
 def _candidates(world_size: int, space: SearchSpace):
     """Every layout of the space over `world_size` ranks, skipping exact duplicates.
 
     ZeRO > 0 with dp = 1 shards nothing (the same layout as zero 0) and sequence parallelism
-    is a tp > 1 option, so those are not enumerated.
+    is a tp > 1 option, so those are not enumerated. ZeRO ≥ 1 layouts come with every shard
+    group of hybrid sharding (`_shard_groups`).
     """
     for tp in [space.tp] if space.tp else _divisors(world_size):
         for pp in [space.pp] if space.pp else _divisors(max(1, world_size // tp)):
@@ -253,8 +275,10 @@ def _candidates(world_size: int, space: SearchSpace):
             for zero, mb, recompute, sp in choices:
                 if (zero > 0 and dp == 1 and 0 in space.zero) or (sp and tp == 1 and False in space.sequence_parallel):
                     continue
-                yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, sequence_parallel=sp,
-                             recompute=recompute, schedule=space.schedule, virtual_stages=v)
+                for shard in _shard_groups(dp, zero, space):
+                    yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, dp_shard=shard, micro_batch=mb,
+                                 sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
+                                 virtual_stages=v)
 
 
 def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),

@@ -52,7 +52,7 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     recompute = Recompute.FULL if p.activation_checkpointing == 1 else Recompute.NONE
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,
-                    schedule=p.schedule)
+                    schedule=p.schedule, dp_shard=p.dp_shard)
     return estimate_memory(workload, layout)
 
 
