@@ -65,6 +65,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
+from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.replicas import make_replicas
 from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 from paratrain.precision import Precision
@@ -81,6 +82,9 @@ class Slot:
     rows: tuple[int, int]  # owned rows [lo, hi)
     master: torch.Tensor | None = None
     filled: bool = False  # a gradient was written into the bucket since it was last reduced
+    # Views of a bucket buffer that lives for the run (DDP, ZeRO-1): made once, not per gradient or step.
+    span: torch.Tensor | None = None  # DDP: the parameter's gradient in its bucket
+    reduced: torch.Tensor | None = None  # this rank's reduced rows, shaped as the master
 
     def columns(self, buffer: torch.Tensor, shards: int) -> torch.Tensor:
         """This parameter's [N, c·rest] columns of a bucket buffer of N chunks."""
@@ -256,19 +260,19 @@ class DataParallelEngine:
             bucket.ready, bucket.work = 0, None
 
     def _write(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
-        """A gradient into the bucket (÷ the pre-division), rank r's rows into chunk r: copied first, then added."""
-        scale = 1.0 / self.pre_divide
+        """A gradient into the bucket, rank r's rows into chunk r: copied first, then added (the pre-division
+        applies to the whole bucket when it is launched: one kernel per bucket, not one per gradient)."""
         if self.shards == 1:  # DDP: the parameter's span of the bucket, as one view
-            tiles = [(grad, bucket.buffer[slot.offset:slot.offset + grad.numel()].view_as(grad))]
+            if slot.span is None or self.per_backward:
+                slot.span = bucket.buffer[slot.offset:slot.offset + grad.numel()].view_as(grad)
+            tiles = [(grad, slot.span)]
         else:
             tiles = chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards))
         for src, dst in tiles:
             if slot.filled:
-                dst.add_(src, alpha=scale)
-            elif scale == 1.0:
-                dst.copy_(src)
+                dst.add_(src)
             else:
-                torch.mul(src, scale, out=dst)
+                dst.copy_(src)
         slot.filled = True
 
     def _launch_ready_buckets(self, in_backward: bool) -> None:
@@ -289,6 +293,8 @@ class DataParallelEngine:
                     part.zero_()
             slot.filled = self.stage < 2 and slot.filled  # ZeRO-2: the next backward writes a fresh buffer
         bucket.launched_in_backward, bucket.launched_at = in_backward, time.perf_counter()
+        if self.pre_divide != 1:  # before the sum over ranks, so that a 16-bit reduction cannot overflow
+            bucket.buffer.div_(self.pre_divide)
         if self.stage == 0:
             bucket.work = self.comm.all_reduce(bucket.buffer, "dp", async_op=True)
             return
@@ -389,9 +395,12 @@ class DataParallelEngine:
                 source, bucket.shard_grad = bucket.shard_grad, None  # the masters' .grad hold it from now on
             for slot in bucket.slots:
                 slot.filled = False
-                lo, hi = slot.rows
-                shape = slot.master.shape
-                grad = source[slot.offset:slot.offset + (hi - lo) * _row_numel(slot.param)].view(shape)
+                grad = slot.reduced
+                if grad is None:
+                    lo, hi = slot.rows
+                    grad = source[slot.offset:slot.offset + (hi - lo) * _row_numel(slot.param)].view(slot.master.shape)
+                    if not self.per_backward:  # DDP / ZeRO-1: the same rows of the same buffer every step
+                        slot.reduced = grad
                 slot.master.grad = grad if grad.dtype == slot.master.dtype else grad.to(slot.master.dtype)
 
     # -- after the optimizer step ------------------------------------------------
@@ -426,12 +435,8 @@ class DataParallelEngine:
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's master gradients (its shard for ZeRO, everything for DDP)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.slots[0].param.device)
-        for slot in self.slots:
-            grad = slot.master.grad
-            if grad is not None:  # each square in at least fp32, the sum over tensors in fp64
-                total += grad.to(torch.promote_types(grad.dtype, torch.float32)).pow(2).sum()
-        return total
+        grads = [s.master.grad for s in self.slots if s.master.grad is not None]
+        return sum_of_squares(grads, self.slots[0].param.device if self.slots else "cpu")
 
     @property
     def grads_sharded(self) -> bool:

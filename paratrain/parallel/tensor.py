@@ -44,6 +44,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
+from paratrain.parallel.norm import sum_of_squares
 
 if TYPE_CHECKING:
     from paratrain.parallel.tp_plan import TensorParallelInfo
@@ -453,13 +454,11 @@ def tp_norm_sq(named_tensors: Iterable[tuple[str, torch.Tensor]], info: TensorPa
     the result is then complete over tp and still partial over any other axis the tensors are
     split on (a ZeRO engine all-reduces it over dp next: the sum is linear).
     """
-    sums = {True: [], False: []}  # is sharded → per-tensor Σt², fp64 scalars on the tensors' device
+    split: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # is sharded → tensors
     for name, tensor in named_tensors:
-        tensor = tensor.detach()
-        sums[name in info.sharded].append(tensor.to(torch.promote_types(tensor.dtype, torch.float32)).pow(2).sum())
-    device = next((t.device for t in sums[True] + sums[False]), "cpu")
-    sharded, replicated = (torch.stack(v).double().sum() if v else torch.zeros((), dtype=torch.float64, device=device)
-                           for v in (sums[True], sums[False]))
+        split[name in info.sharded].append(tensor)
+    device = next((t.device for t in split[True] + split[False]), "cpu")
+    sharded, replicated = (sum_of_squares(split[s], device) for s in (True, False))
     info.comm.all_reduce(sharded, info.axis)
     return sharded + replicated
 

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
+from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.shard import row_range
 from paratrain.parallel.zero3_units import Unit, UnitSpec, parameter_slots, row_shape, unit_modules
 from paratrain.precision import Precision
@@ -418,11 +419,7 @@ class FullyShardedEngine:
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Σ grad² over this rank's real rows (each parameter's rows live on exactly one rank)."""
-        total = torch.zeros((), dtype=self.precision.master_dtype, device=self._device())
-        for master in self._shards:
-            if master.grad is not None:
-                total += master.grad.pow(2).sum()
-        return total
+        return sum_of_squares((m.grad for m in self._shards if m.grad is not None), self._device())
 
     def no_sync(self) -> ContextManager:
         """A no-op: ZeRO-3 reduce-scatters every micro-batch and accumulates into master.grad."""
