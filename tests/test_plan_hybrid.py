@@ -275,7 +275,7 @@ def write_hybrid_run(path, steps=3):
 
 def test_report_sets_plan_numbers_beside_each_axis_of_a_hybrid_run(tmp_path):
     run = load_run(write_hybrid_run(tmp_path / "hsdp"))
-    assert run.layout == "dp4(2×2),zero3"
+    assert run.layout == "dp4,shard2,zero3"
     full = 4 * get_model_config("tiny").num_params()  # fp32 bytes of the whole model
     planned = planned_comm(run)
     assert planned["dp_shard"] == pytest.approx(3 * full / 2, abs=1)  # 2 gathers + 1 reduce-scatter, (S−1)/S
@@ -287,4 +287,4 @@ def test_report_sets_plan_numbers_beside_each_axis_of_a_hybrid_run(tmp_path):
     predicted = predicted_step(run, hardware)
     assert f"exposed comm dp_shard                   0.050{predicted.dp_comm_by_axis['dp_shard']:>12.3f}" in text
     assert f"exposed comm dp_replicate               0.040{predicted.dp_comm_by_axis['dp_replicate']:>12.3f}" in text
-    assert "hsdp (dp4(2×2),zero3)" in text
+    assert "hsdp (dp4,shard2,zero3)" in text

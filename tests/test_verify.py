@@ -31,7 +31,7 @@ def test_layouts_parse_into_parallel_overrides():
 
 
 def test_format_is_the_inverse_of_parse():
-    for text in ["dp2,zero3,bf16", "dp4", "dp2,zero1,fp16"]:
+    for text in ["dp2,zero3,bf16", "dp4", "dp2,zero1,fp16", "dp4,shard2,zero3"]:
         assert format_layout(parse_layout(text)) == text
     assert format_layout({"dp": 0, "zero": 0, "precision": "fp32"}) == "dp1"
 

@@ -125,19 +125,11 @@ def data_ranks(config: dict, records: list[dict]) -> int:
 
 
 def layout_of(config: dict, dp: int) -> str:
-    """The run's layout in `paratrain verify`'s notation (e.g. 'dp2,zero3,bf16').
-
-    Under hybrid sharding (`parallel.dp_shard` below dp) the data axis reads dp(replicas × shard
-    group), e.g. 'dp4(2×2),zero3': the same dp with ZeRO over groups of 2, in 2 replicas.
-    """
+    """The run's layout in `paratrain verify`'s notation (e.g. 'dp2,zero3,bf16'; under hybrid sharding
+    'dp4,shard2,zero3': ZeRO over groups of 2 data ranks, in 2 replicas)."""
     from paratrain.commands.verify import format_layout
 
-    parallel = config.get("parallel", {})
-    tokens = format_layout({**parallel, "dp": dp}).split(",")  # the first token is the data axis
-    shard = parallel.get("dp_shard") or dp
-    if shard < dp and dp % shard == 0:
-        tokens[0] += f"({dp // shard}×{shard})"
-    return ",".join(tokens)
+    return format_layout({**config.get("parallel", {}), "dp": dp})
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:

@@ -71,6 +71,7 @@ class LayoutToken:
 # One line per kind of token; a token is usable as soon as ParallelSection has its field.
 LAYOUT_TOKENS = (
     LayoutToken(r"dp([1-9]\d*)", "dpN", "dp", lambda m: int(m[1]), "data parallelism"),
+    LayoutToken(r"shard([1-9]\d*)", "shardN", "dp_shard", lambda m: int(m[1]), "hybrid sharding (--dp-shard)"),
     LayoutToken(r"tp([1-9]\d*)", "tpN", "tp", lambda m: int(m[1]), "tensor parallelism"),
     LayoutToken(r"pp([1-9]\d*)", "ppN", "pp", lambda m: int(m[1]), "pipeline parallelism"),
     LayoutToken(r"zero([0-3])", "zero0-3", "zero", lambda m: int(m[1]), "ZeRO"),
@@ -112,6 +113,8 @@ def num_processes(overrides: dict[str, Any]) -> int:
 def format_layout(parallel: dict[str, Any]) -> str:
     """A [parallel] section (dict) as layout tokens: 'dp2,zero3,bf16'; defaults are left out."""
     tokens = [f"dp{parallel.get('dp') or 1}"]
+    if 0 < (parallel.get("dp_shard") or 0) < (parallel.get("dp") or 1):  # hybrid sharding: ZeRO over groups of N
+        tokens.append(f"shard{parallel['dp_shard']}")
     tokens += [f"{axis}{parallel[axis]}" for axis in ("tp", "pp") if (parallel.get(axis) or 1) > 1]
     if parallel.get("zero"):
         tokens.append(f"zero{parallel['zero']}")

@@ -148,7 +148,8 @@ def run(job: dict) -> None:
     from paratrain.train import train_step
 
     layout = job["layout"]
-    mesh = init_mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
+    mesh = init_mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1),
+                     dp_shard=layout.get("dp_shard"))
     spec = build_spec(job["factory"])
     model, optimizer = parallelize(
         spec.module, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.0),
