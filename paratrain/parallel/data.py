@@ -122,8 +122,13 @@ class DataParallelEngine:
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision, stage: int = 0,
                  bucket_mb: float = 25.0, grad_reduction: str = "mean"):
         assert stage in (0, 1, 2) and grad_reduction in ("mean", "sum")
-        self.model, self.comm, self.precision, self.stage = model, comm, precision, stage
         self.dp = mesh.size("dp")
+        # One data rank computing in fp32 has nothing to reduce, shard or copy: its gradients accumulate
+        # in .grad as autograd leaves them (no Python per parameter) and the optimizer steps the
+        # parameters themselves. Every ZeRO stage is that one (a single shard is the whole model).
+        self.local = self.dp == 1 and not precision.mixed
+        stage = 0 if self.local else stage
+        self.model, self.comm, self.precision, self.stage = model, comm, precision, stage
         # ZeRO shards over the shard group (the data axis, or its dp_shard part under hybrid sharding).
         self.shard_axis = mesh.shard_axis
         self.shards = mesh.size(self.shard_axis) if stage > 0 else 1
@@ -138,7 +143,7 @@ class DataParallelEngine:
         order = {id(p): i for i, (_, p) in enumerate(named)}
         self.slots = sorted((s for b in self.buckets for s in b.slots), key=lambda s: order[id(s.param)])
         self._make_masters()
-        for slot in self.slots:
+        for slot in self.slots if not self.local else ():
             slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._where = {s.param: (b, s) for b in self.buckets for s in b.slots}
         self._index = {s.param: i for i, s in enumerate(self.slots)}
@@ -363,6 +368,11 @@ class DataParallelEngine:
         Returns, per master, how many data ranks reached it this step (the last step's counts when no
         gradient came since).
         """
+        if self.local:  # the gradients are where autograd left them; which exist is known on the host
+            used = [s.param.grad is not None for s in self.slots]
+            if any(used):
+                self._used_mask = torch.tensor(used, dtype=torch.float32).to(self._used_mask.device, non_blocking=True)
+            return self._used_mask
         if not self._accumulating:
             return self._used_mask
         if not self._in_backward and not self.per_backward:
