@@ -124,9 +124,30 @@ def copy_to_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return _TwoPasses.apply(x, _identity, partial(_all_reduce, comm=comm, axis=axis))
 
 
+class _ReduceInPlace(torch.autograd.Function):
+    """Forward all-reduce of a partial output where it lies, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        if not x.is_contiguous() or (x.is_leaf and x.requires_grad):  # no place to sum in: a copy
+            return _all_reduce(x, comm, axis)
+        ctx.mark_dirty(x)
+        comm.all_reduce(x, axis)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
 def reduce_from_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    """Forward all-reduce over `axis`, backward identity: partial outputs leave a tp region summed."""
-    return _TwoPasses.apply(x, partial(_all_reduce, comm=comm, axis=axis), _identity)
+    """Forward all-reduce over `axis`, backward identity: partial outputs leave a tp region summed.
+
+    `x` is summed in place (no copy): it must be a partial output made for this sum, as a parallel
+    layer's matmul or embedding output is, that nothing else reads. (A gradient entering a region
+    is reduced in a copy: autograd may hand the same gradient tensor to another branch too.)
+    """
+    return _ReduceInPlace.apply(x, comm, axis)
 
 
 def gather_from_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
