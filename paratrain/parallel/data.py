@@ -371,7 +371,8 @@ class DataParallelEngine:
         if self.local:  # the gradients are where autograd left them; which exist is known on the host
             used = [s.param.grad is not None for s in self.slots]
             if any(used):
-                self._used_mask = torch.tensor(used, dtype=torch.float32).to(self._used_mask.device, non_blocking=True)
+                self._used_mask = torch.tensor(used, dtype=torch.float32, device="cpu").to(self._used_mask.device,
+                                                                                        non_blocking=True)
             return self._used_mask
         if not self._accumulating:
             return self._used_mask
