@@ -145,8 +145,8 @@ class DataParallelEngine:
         self._make_masters()
         for slot in self.slots if not self.local else ():
             slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._where = {s.param: (b, s) for b in self.buckets for s in b.slots}
-        self._index = {s.param: i for i, s in enumerate(self.slots)}
+        index = {id(s.param): i for i, s in enumerate(self.slots)}
+        self._where = {s.param: (b, s, index[id(s.param)]) for b in self.buckets for s in b.slots}
         self._sync = True
         # A step's gradients are being collected: from its first gradient to finish_gradients().
         self._accumulating = False
@@ -233,7 +233,7 @@ class DataParallelEngine:
 
     # -- backward: buckets fill and launch -------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        bucket, slot = self._where[param]
+        bucket, slot, index = self._where[param]
         if self.per_backward and slot.filled:
             self._end_round()  # a second gradient of one parameter: a new backward began
         if not self._accumulating:
@@ -247,11 +247,12 @@ class DataParallelEngine:
                 self._land(self._in_flight.popleft())
             bucket.buffer = self._new_buffer(bucket)
         self._write(bucket, slot, param.grad)
-        self._used[self._index[param]] = True
+        self._used[index] = True
         param.grad = None  # the bucket holds it now: gradients never exist twice
         if self._sync or self.per_backward:
             bucket.ready += 1
-            self._launch_ready_buckets(in_backward=True)
+            if bucket.ready == len(bucket.slots):  # only a completed bucket can let buckets launch
+                self._launch_ready_buckets(in_backward=True)
 
     def _start_accumulation(self) -> None:
         """The first gradient of a step: it and every later one of the step are counted in the used mask."""
