@@ -473,7 +473,7 @@ class Collectives(TorchDispatchMode):
     its tensors and its process group. This counts them as a bandwidth-optimal ring sends them
     from one rank (all-reduce 2·S·(n−1)/n of a tensor of S bytes, all-gather and reduce-scatter
     S·(n−1)/n of the full tensor, broadcast S) under the group's name, independently of what
-    paratrain's own `Comm` believes it issued. `by_group(mesh)` names the groups by mesh axis.
+    paratrain's own `Comm` believes it issued. `by_axis(mesh)` names the groups by mesh axis.
     """
 
     def __init__(self):
@@ -492,8 +492,8 @@ class Collectives(TorchDispatchMode):
             return
         group = torch.distributed.ProcessGroup.unbox(group)
         n = group.size()
-        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        nbytes = [t.numel() * t.element_size() for t in tensors]
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
+        nbytes = [t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)]
         if op.startswith("allreduce"):
             sent = 2 * sum(nbytes) * (n - 1) / n
         elif op.startswith(("_allgather_base", "_reduce_scatter_base", "allgather_into_tensor",

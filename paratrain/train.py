@@ -66,7 +66,8 @@ def train(cfg: Config) -> RunResult:
     env = detect_env()
     preflight(cfg, env.world_size)  # before any process group exists
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                     dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s, flight_records=flight_record_prefix(cfg))
+                     dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s,
+                     flight_records=flight_record_prefix(cfg))
     try:
         cfg.run.out = cfg.run.out or shared_run_dir(cfg, mesh)  # under torchrun without a run id
         run = build(cfg, env, mesh)
@@ -142,10 +143,11 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     parallelism give exactly the gradient of one process holding the whole batch, whatever the
     number of padded tokens in each micro-batch. Only the last micro-batch communicates.
     `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's
-    memory meter, read and restarted at the agreement (so a step's peak covers the previous optimizer
-    step and this forward and backward; on CUDA reserved bytes beside it), reported per rank; `loss_fn(output, labels)`: a token-loss sum (default: the
-    model's cross-entropy); `read_grad_norm`: read the norm to the host (a device sync; the
-    trainer reads it on logged steps only, `--log-every`). The fault hooks of `paratrain.faults` sit here, in the open.
+    memory meter, read and restarted at the agreement (so a step's peak covers the previous
+    optimizer step and this forward and backward; on CUDA reserved bytes beside it), reported per
+    rank; `loss_fn(output, labels)`: a token-loss sum (default: the model's cross-entropy);
+    `read_grad_norm`: read the norm to the host (a device sync; the trainer reads it on logged
+    steps only, `--log-every`). The fault hooks of `paratrain.faults` sit here, in the open.
     """
     timer = timer or StepTimer(model.comm)
     rank = model.mesh.rank

@@ -127,7 +127,8 @@ def test_every_layout_loads_every_other_layouts_checkpoint(tmp_path):
         assert result["losses"] == pytest.approx(reference, rel=1e-5), f"{source} → {layout}"
     # Hybrid sharding saves each box once: the second replica of the shards writes nothing, so the
     # checkpoint is the one two ranks of plain ZeRO-3 write, box for box.
-    hybrid, plain = (CheckpointReader(next((tmp_path / name).glob("step-*"))) for name in ("hsdp2x2_zero3", "dp2_zero3"))
+    hybrid, plain = (CheckpointReader(next((tmp_path / name).glob("step-*")))
+                     for name in ("hsdp2x2_zero3", "dp2_zero3"))
     assert hybrid.names() == plain.names()
     assert all(hybrid.boxes(name) == plain.boxes(name) for name in plain.names())
 

@@ -236,8 +236,8 @@ def layout_from_args(args) -> Layout:
 
     return Layout(dp=given(args.dp, 1), tp=given(args.tp, 1), pp=given(args.pp, 1), zero=given(args.zero, 0),
                   dp_shard=given(args.dp_shard, 0), micro_batch=given(args.micro_batch, 1),
-                  virtual_stages=_virtual_stages(args), sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute or "none",
-                  schedule=args.schedule)
+                  virtual_stages=_virtual_stages(args), sequence_parallel=bool(args.sequence_parallel),
+                  recompute=args.recompute or "none", schedule=args.schedule)
 
 
 def space_from_args(args) -> SearchSpace:

@@ -55,6 +55,7 @@ and the parameters a backward did not reach, when their bucket is launched).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.norm import sum_of_squares
-from paratrain.parallel.replicas import make_replicas
+from paratrain.parallel.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 from paratrain.precision import Precision
 
@@ -154,7 +155,7 @@ class DataParallelEngine:
         self._next_launch = 0
         self._in_flight: deque[_InFlight] = deque()
         self._in_flight_limit = comm.reductions_in_flight()
-        self._replicating: tuple[_InFlight, object] | None = None  # hybrid sharding: a shard's sum over replicas
+        self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
         self._used = [False] * len(self.slots)  # on the host while backward runs: no kernel per gradient
 
@@ -322,26 +323,15 @@ class DataParallelEngine:
 
     def _land(self, flight: _InFlight) -> None:
         """Wait for one reduce-scatter; ZeRO-2: add its rows into the bucket's shard (its full buffer goes).
-
-        Under hybrid sharding the shard is first summed over the replicas, asynchronously: the previous
-        bucket's sum lands now, this one's when the next lands (or when the round or step ends). A
-        1/dp_shard shard is small enough to leave on its way on any device.
-        """
+        Under hybrid sharding the shard is first summed over the replicas (`ReplicaSum`: asynchronously,
+        landed at the next reduction or when the round or step ends)."""
         self.comm.wait([flight.work], self.shard_axis)
         if self.replicas == 1:
             self._add_shard(flight)
-            return
-        self._land_replicated()
-        shard = flight.out if flight.out is not None else flight.buffer.view(self.shards, -1)[self.rank]
-        flight.buffer = None  # ZeRO-2: the full bucket is not needed any more (ZeRO-1's stays the bucket's)
-        self._replicating = (flight, self.comm.all_reduce(shard, "dp_replicate", async_op=True))
-
-    def _land_replicated(self) -> None:
-        if self._replicating is not None:
-            flight, work = self._replicating
-            self._replicating = None
-            self.comm.wait([work], "dp_replicate")
-            self._add_shard(flight)
+        else:
+            shard = flight.out if flight.out is not None else flight.buffer.view(self.shards, -1)[self.rank]
+            flight.buffer = None  # ZeRO-2: the full bucket is not needed any more (ZeRO-1's stays the bucket's)
+            self._replica_sum.push(shard, functools.partial(self._add_shard, flight))
 
     def _add_shard(self, flight: _InFlight) -> None:
         if flight.out is None:  # ZeRO-1: reduced in place
@@ -358,7 +348,7 @@ class DataParallelEngine:
         self._launch_ready_buckets(in_backward=False)
         while self._in_flight:
             self._land(self._in_flight.popleft())
-        self._land_replicated()
+        self._replica_sum.land()
         self._in_backward = False
 
     def finish_gradients(self) -> torch.Tensor:
@@ -372,8 +362,7 @@ class DataParallelEngine:
         if self.local:  # the gradients are where autograd left them; which exist is known on the host
             used = [s.param.grad is not None for s in self.slots]
             if any(used):
-                self._used_mask = torch.tensor(used, dtype=torch.float32, device="cpu").to(self._used_mask.device,
-                                                                                        non_blocking=True)
+                self._used_mask = self._mask_of(used)
             return self._used_mask
         if not self._accumulating:
             return self._used_mask
@@ -381,17 +370,19 @@ class DataParallelEngine:
             self._start_backward()
         if self._in_backward:
             self._launch_ready_buckets(in_backward=False)
-        # One host-to-device copy of the step's flags (never a read back: no sync).
-        self._used_mask = torch.tensor(self._used, dtype=torch.float32, device="cpu").to(self._used_mask.device,
-                                                                                 non_blocking=True)
+        self._used_mask = self._mask_of(self._used)
         mask_work = self.comm.all_reduce(self._used_mask, "dp", async_op=True)
         while self._in_flight:
             self._land(self._in_flight.popleft())
-        self._land_replicated()
+        self._replica_sum.land()
         self.comm.wait([b.work for b in self.buckets if self.stage == 0] + [mask_work], "dp")
         self._assign_master_grads()
         self._in_backward = self._accumulating = False
         return self._used_mask
+
+    def _mask_of(self, flags: list[bool]) -> torch.Tensor:
+        """Per-master flags made on the host, as one host-to-device copy (never a read back: no sync)."""
+        return torch.tensor(flags, dtype=torch.float32, device="cpu").to(self._used_mask.device, non_blocking=True)
 
     def drop_gradients(self, indices: list[int]) -> None:
         for i in indices:
@@ -410,7 +401,8 @@ class DataParallelEngine:
                 grad = slot.reduced
                 if grad is None:
                     lo, hi = slot.rows
-                    grad = source[slot.offset:slot.offset + (hi - lo) * _row_numel(slot.param)].view(slot.master.shape)
+                    rows = source[slot.offset:slot.offset + (hi - lo) * _row_numel(slot.param)]
+                    grad = rows.view(slot.master.shape)
                     if not self.per_backward:  # DDP / ZeRO-1: the same rows of the same buffer every step
                         slot.reduced = grad
                 slot.master.grad = grad if grad.dtype == slot.master.dtype else grad.to(slot.master.dtype)
@@ -473,7 +465,7 @@ class DataParallelEngine:
         # A bucket holds the full gradients while they accumulate; ZeRO-2 frees it once reduced.
         grads = _storage_bytes([b.buffer for b in self.buckets] + [b.shard_grad for b in self.buckets]
                                + [t for f in self._in_flight for t in (f.buffer, f.out)]
-                               + ([self._replicating[0].out] if self._replicating is not None else [])
+                               + [self._replica_sum.in_flight]
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
         master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}

@@ -5,10 +5,13 @@ pieces, so that hashing a 7B model never holds more than a few tens of MB beside
 element weighted by its position, so that two tensors holding the same values in a different
 order differ. Start-up uses it to skip the broadcast of the whole model when every rank
 initialized identically (the usual case: the same seed), and otherwise broadcasts it a bucket at
-a time; the run's guard uses it to detect replicas that drifted apart.
+a time; the run's guard uses it to detect replicas that drifted apart. Under hybrid sharding the
+replicas of a ZeRO shard group sum their reduced shards (`ReplicaSum`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -79,3 +82,33 @@ def _broadcast_group(tensors: list[torch.Tensor], comm: Comm, axis: str) -> None
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+class ReplicaSum:
+    """Hybrid sharding's sum of each reduced ZeRO shard over the replicas (`dp_replicate`), one in flight.
+
+    `push(shard, then)` lands the sum in flight, if any, then launches the asynchronous all-reduce
+    of `shard`; `then()` runs once its sum has landed (at the next `push`, or at `land()` when the
+    round or step ends). A 1/dp_shard shard is small enough to leave on its way while the next
+    bucket or unit computes, on any device. Both ZeRO engines sum their shards through this.
+    """
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self._pending: tuple[object, torch.Tensor, Callable[[], None]] | None = None  # (work, shard, then)
+
+    def push(self, shard: torch.Tensor, then: Callable[[], None]) -> None:
+        self.land()
+        self._pending = (self.comm.all_reduce(shard, "dp_replicate", async_op=True), shard, then)
+
+    def land(self) -> None:
+        if self._pending is not None:
+            work, _, then = self._pending
+            self._pending = None
+            self.comm.wait([work], "dp_replicate")
+            then()
+
+    @property
+    def in_flight(self) -> torch.Tensor | None:
+        """The shard being summed now (for memory accounting), or None."""
+        return self._pending[1] if self._pending is not None else None

@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_leaves
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
 from paratrain.parallel.norm import sum_of_squares
+from paratrain.parallel.replicas import ReplicaSum
 from paratrain.parallel.shard import row_range
 from paratrain.parallel.zero3_units import Unit, UnitSpec, parameter_slots, row_shape, unit_modules
 from paratrain.precision import Precision
@@ -176,9 +177,7 @@ class FullyShardedEngine:
         self._hooks_ctx: ContextManager | None = None
         self._in_flight: deque = deque()
         self._in_flight_limit = comm.reductions_in_flight()
-        # Hybrid sharding: the all-reduce of a unit's reduced shard between replicas, in flight while the
-        # next unit's backward computes (a 1/dp_shard shard: small enough to leave on its way on any device).
-        self._replicating: tuple[Unit, object, torch.Tensor] | None = None
+        self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
         self._new_grads: dict[int, torch.Tensor] = {}
         self._used = torch.zeros(len(self._shards), device=self._device())
         # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
@@ -352,21 +351,13 @@ class FullyShardedEngine:
 
     def _land(self, unit: Unit, work, out: torch.Tensor, flat: torch.Tensor) -> None:
         """Wait for one reduce-scatter and add its shard gradients to this backward's new gradients; under
-        hybrid sharding, first sum the shard over the replicas, asynchronously: the previous unit's sum
-        lands now, this one's when the next lands (or when the gradients are finished)."""
+        hybrid sharding, first sum the shard over the replicas (`ReplicaSum`: asynchronously, landed at
+        the next reduction or when the gradients are finished)."""
         self.comm.wait([work], self.shard_axis)
         if self.replicas == 1:
             self._add_shard(unit, out)
-            return
-        self._land_replicated()
-        self._replicating = (unit, self.comm.all_reduce(out, "dp_replicate", async_op=True), out)
-
-    def _land_replicated(self) -> None:
-        if self._replicating is not None:
-            unit, work, out = self._replicating
-            self._replicating = None
-            self.comm.wait([work], "dp_replicate")
-            self._add_shard(unit, out)
+        else:
+            self._replica_sum.push(out, functools.partial(self._add_shard, unit, out))
 
     def _add_shard(self, unit: Unit, out: torch.Tensor) -> None:
         for index, piece in unit.shard_pieces(out):
@@ -388,7 +379,7 @@ class FullyShardedEngine:
             return self._used
         while self._in_flight:
             self._land(*self._in_flight.popleft())
-        self._land_replicated()
+        self._replica_sum.land()
         self.comm.all_reduce(self._used, axis="dp")
         for index, grad in self._new_grads.items():
             master = self._shards[index]
@@ -435,7 +426,7 @@ class FullyShardedEngine:
         grads = sum(_nbytes(s.grad) for s in self._shards if s.grad is not None)
         grads += sum(_nbytes(g) for g in self._new_grads.values())
         grads += sum(_nbytes(out) + _nbytes(flat) for _, _, out, flat in self._in_flight)
-        grads += _nbytes(self._replicating[2]) if self._replicating is not None else 0
+        grads += _nbytes(self._replica_sum.in_flight) if self._replica_sum.in_flight is not None else 0
         return {"params": params, "grads": grads, "master": 0}
 
     @torch.no_grad()

@@ -53,8 +53,9 @@ def unit_modules(model: nn.Module, spec: UnitSpec) -> list[tuple[str, nn.Module]
     (qualified name, module) -> bool.
 
     The default: every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` that
-    holds parameters is a block (a list or dict of modules there is only a holder: its entries are), one unit with everything below it (the reference model's
-    ``layers`` entries, a Hugging Face model's decoder layers, the layers of a plain Sequential);
+    holds parameters is a block (a list or dict of modules there is only a holder: its entries
+    are), one unit with everything below it (the reference model's ``layers`` entries, a Hugging
+    Face model's decoder layers, the layers of a plain Sequential);
     and outside the blocks, every module that holds parameters of its own (an embedding, a final
     norm, an output head) is a unit too, so that it is gathered only while its own forward runs,
     not for the whole model's. A model that reads such a module's parameters outside that

@@ -101,7 +101,8 @@ def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: Model
     heads, the ffn width and the vocabulary (Megatron partitioning); pp divides the layers;
     dp × micro-batch divides the global batch; then ZeRO-3 with pp, sequence parallelism and
     the schedule's rules, and a --dp-shard that divides dp (hybrid sharding, ZeRO only). The
-    one-line message names the first broken rule, and for the degrees the nearest valid layouts. `model_cfg` None: the rules that need its shape wait.
+    one-line message names the first broken rule, and for the degrees the nearest valid layouts.
+    `model_cfg` None: the rules that need its shape wait.
     """
     for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

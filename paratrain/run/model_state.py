@@ -13,8 +13,8 @@ A rank's box of a master composes two splits:
 
 Every box is written by exactly one rank: a master replicated over dp (DDP,
 zero=0) only by dp coordinate 0, a ZeRO shard kept by every replica of
-hybrid sharding only by dp_replicate coordinate 0, a parameter replicated over tp (not in
-``tp_info.sharded``) only by tp coordinate 0, an empty box (trailing ZeRO
+hybrid sharding only by dp_replicate coordinate 0, a parameter replicated
+over tp (not in ``tp_info.sharded``) only by tp coordinate 0, an empty box (trailing ZeRO
 ranks of a short tensor) by nobody. Element-wise optimizer state has its
 master's box. Scalar state (``step``) is a 0-d tensor, written by the rank
 that writes the master's first box (offset all zeros): a scalar rather than
