@@ -145,6 +145,11 @@ class Comm:
                 output.copy_(input)
             return None
         self._count("reduce_scatter", axis, input, _nbytes(input) * (n - 1) / n)
+        if _is_own_chunk(output, input, self.mesh.coord(axis)) and dist.get_backend(group) == "gloo":
+            # gloo's reduce-scatter sends what its all-reduce of the input sends (counted on the loopback
+            # device: 2·S·(n−1) bytes in all, for both), then copies the rank's chunk out. In place, the
+            # all-reduce alone leaves that chunk reduced, with no copy. NCCL reduce-scatters for real.
+            return self._issue(axis, async_op, dist.all_reduce, input, op=op, group=group)
         return self._issue(axis, async_op, _reduce_scatter, output, input, op=op, group=group)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False):
@@ -255,6 +260,12 @@ class Comm:
 
 
 _ACK_TAG = 1  # rendezvous mode's acknowledgements; data transfers use tag 0
+
+
+def _is_own_chunk(output: torch.Tensor, input: torch.Tensor, index: int) -> bool:
+    """`output` is chunk `index` of the contiguous `input`, in place (a reduce-scatter into its own input)."""
+    return (input.is_contiguous() and output.is_contiguous() and output.dtype == input.dtype
+            and output.data_ptr() == input.data_ptr() + index * _nbytes(output))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -5,7 +5,7 @@ import torch
 
 from paratrain.comm import Comm
 from paratrain.mesh import MeshError, MeshShape, build_mesh
-from paratrain.testing import run_on_ranks
+from paratrain.testing import Collectives, run_on_ranks
 
 
 def test_tp_is_innermost_and_pp_outermost():
@@ -54,13 +54,26 @@ def _counted(rank, world):
     shard = torch.empty(1000)
     comm.reduce_scatter(shard, torch.ones(1000 * world), "dp")
     comm.all_reduce(torch.ones(10), "tp")  # a group of one: nothing to send
-    return comm.summary(), x[0].item(), out.view(world, -1)[:, 0].tolist(), shard[0].item()
+    summary = comm.summary()
+    # In place (the output is this rank's chunk of the input), as ZeRO-1 reduces its buckets.
+    whole = torch.arange(1000.0 * world) + rank
+    with Collectives() as issued:
+        comm.reduce_scatter(whole.view(world, -1)[rank], whole, "dp")
+    mine = whole.view(world, -1)[rank]
+    expected = world * torch.arange(1000.0 * world).view(world, -1)[rank] + sum(range(world))
+    return (summary, x[0].item(), out.view(world, -1)[:, 0].tolist(), shard[0].item(),
+            torch.equal(mine, expected), issued.bytes, comm.summary()["dp"]["reduce_scatter"])
 
 
 def test_comm_counts_ring_bytes_and_results_are_right():
-    summary, reduced, gathered, scattered = run_on_ranks(_counted, 4, timeout=60)[0]
+    summary, reduced, gathered, scattered, in_place_right, issued, counted = run_on_ranks(_counted, 4, timeout=60)[0]
     assert reduced == 4 and gathered == [0, 1, 2, 3] and scattered == 4
     assert summary["dp"]["all_reduce"] == {"calls": 1, "bytes": 2 * 4000 * 3 // 4}
     assert summary["dp"]["all_gather"] == {"calls": 1, "bytes": 4 * 4000 * 3 // 4}
     assert summary["dp"]["reduce_scatter"] == {"calls": 1, "bytes": 4 * 4000 * 3 // 4}
     assert "tp" not in summary
+    # A reduce-scatter into its own input leaves the rank's chunk reduced; on gloo, whose
+    # reduce-scatter sends an all-reduce's bytes anyway, it is issued as that all-reduce (no
+    # copies), and still counted as the reduce-scatter it stands for.
+    assert in_place_right
+    assert list(issued.values()) == [2 * 16000 * 3 / 4] and counted == {"calls": 2, "bytes": 2 * 4 * 4000 * 3 // 4}
