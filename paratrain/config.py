@@ -86,8 +86,8 @@ class TrainSection:
     grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
     seed: int = option(0, "seed for initialization and data order")
     eval_every: int = option(50, "evaluate every N steps (and at the end); 0 evaluates only at the end")
-    log_every: int = option(1, "read the gradient norm to the host every N steps (and at the last): each "
-                               "read waits for the device; the loss comes with the step's agreement anyway")
+    log_every: int = option(1, "write the step record to metrics.jsonl every N steps (and at the last and "
+                               "at each evaluation); the progress bar shows every step")
     eval_batches: int = option(8, "held-out batches of --global-batch sequences per evaluation")
     sample_tokens: int = option(200, "tokens to generate as a text sample at the end (0 disables)")
     peak_flops: float | None = option(None, "peak FLOP/s of one device, the denominator of MFU (default: the "

@@ -55,7 +55,7 @@ class StepOutcome:
     """What one optimizer step measured."""
 
     loss: float  # mean token loss of the global batch
-    grad_norm: float  # before clipping; nan for a skipped step or one that did not read it (--log-every)
+    grad_norm: float  # before clipping; nan for a skipped step
     tokens: int  # target tokens of the global batch
     verdict: Verdict
 
@@ -94,15 +94,14 @@ def loop(run: Run) -> tuple[float, float, float]:
                 maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
                 batches = next_batches(run)
             outcome = train_step(model, run.optimizer, batches, t.grad_clip, step=step, timer=timer,
-                                 stop=guard.stop_requested, peak=run.memory,
-                                 read_grad_norm=step % t.log_every == 0 or step == t.steps)
+                                 stop=guard.stop_requested, peak=run.memory)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 eval_loss = evaluate(run)
                 record.update(eval_loss=eval_loss, eval_ppl=perplexity(eval_loss))
-            log_step(run, bar, record)
+            log_step(run, bar, record, write=step % t.log_every == 0 or step == t.steps or "eval_loss" in record)
             if fault_requested("perturb", run.env.rank, step):
                 guard.perturb()
             guard.end_step(step)  # may stop the run: too many non-finite steps, diverged replicas
@@ -115,9 +114,10 @@ def loop(run: Run) -> tuple[float, float, float]:
     return first_loss, loss, eval_loss
 
 
-def log_step(run: Run, bar: tqdm, record: dict) -> None:
-    """The step's record into metrics.jsonl (rank 0), the progress bar, and the evaluation line if there was one."""
-    if run.log:
+def log_step(run: Run, bar: tqdm, record: dict, write: bool = True) -> None:
+    """The step's record into metrics.jsonl (rank 0; when `write`), the progress bar, and the evaluation line if
+    there was one."""
+    if run.log and write:
         run.log.write(record)
     if "eval_loss" in record and run.env.is_main:
         bar.write(f"step {record['step']}: train loss {record['loss']:.4f}, eval loss {record['eval_loss']:.4f} "
@@ -133,8 +133,7 @@ def next_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, step: int = 0, timer: StepTimer | None = None,
-               stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None,
-               read_grad_norm: bool = True) -> StepOutcome:
+               stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, every stage in the order it runs.
 
     The loss is the mean over every target token of the global batch: each micro-batch
@@ -145,9 +144,9 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's
     memory meter, read and restarted at the agreement (so a step's peak covers the previous
     optimizer step and this forward and backward; on CUDA reserved bytes beside it), reported per
-    rank; `loss_fn(output, labels)`: a token-loss sum (default: the model's cross-entropy);
-    `read_grad_norm`: read the norm to the host (a device sync; the trainer reads it on logged
-    steps only, `--log-every`). The fault hooks of `paratrain.faults` sit here, in the open.
+    rank; `loss_fn(output, labels)`: a token-loss sum (default: the model's cross-entropy). The
+    agreement is the step's one host read: the loss, the token count and the gradient norm come
+    back with it. The fault hooks of `paratrain.faults` sit here, in the open.
     """
     timer = timer or StepTimer(model.comm)
     rank = model.mesh.rank
@@ -171,14 +170,12 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
         verdict = model.agree(result, stop=stop, counts={
             "tokens": local_tokens, "peak_mem": memory.peak_bytes if memory else 0,
             "reserved_mem": (memory.reserved_bytes or 0) if memory else 0})
-        grad_norm = math.nan
-        if not verdict.skip:
-            norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
-            grad_norm = norm.item() if read_grad_norm else math.nan  # the step's second (and last) host read
+        if not verdict.skip:  # by the agreed norm: no collective, no host read
+            model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
         optimizer.step()  # a skipped step has no gradients: no parameter moves
         optimizer.zero_grad(set_to_none=True)
     tokens = int(verdict.sums["tokens"])
-    return StepOutcome(verdict.loss_sum / tokens, grad_norm, tokens, verdict)
+    return StepOutcome(verdict.loss_sum / tokens, math.nan if verdict.skip else verdict.grad_norm, tokens, verdict)
 
 
 def _nan_loss(loss_fn):

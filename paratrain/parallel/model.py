@@ -5,7 +5,7 @@ pipeline stage or the whole model.
     result = model.train_step(micro_batches, num_tokens)     # 1. forward + backward of every micro-batch
     model.finish_gradients()                                 # 2. gradient communication done
     verdict = model.agree(result)                            # 3. one mesh-wide agreement: skip this step?
-    model.clip_grad_norm_(1.0)                               # 4. clip by the global norm
+    model.clip_grad_norm_(1.0)                               # 4. clip by the agreed global norm
     optimizer.step(); optimizer.zero_grad()                  # 5. the step, then `after_step` (post-step hook)
 
 What each step does:
@@ -16,13 +16,16 @@ What each step does:
 2. `finish_gradients`: the engine waits for its reductions and sets the master gradients;
    under sequence parallelism the partial gradients of replicated parameters are summed over
    tp; fp16 gradients are unscaled.
-3. `agree`: this rank's gradients are checked for inf/nan on the device, then one all-reduce
-   over every rank of the mesh carries each rank's flags (its own loss non-finite, its
-   gradients non-finite, a stop request), the loss, the caller's counts and the
+3. `agree`: this rank's squared gradient norm is taken on the device (one `_foreach_norm`; it
+   is inf or nan exactly when a gradient is), then one all-reduce over every rank of the mesh
+   carries each rank's flags (its own loss non-finite, its gradients non-finite, a stop
+   request), the loss, its share of the global squared norm, the caller's counts and the
    engine's per-master "used" counts, then one read to the host: the step's single host sync.
    Every rank takes the same decision from the same numbers: skip (fp16 overflow, or a
-   non-finite loss or gradient anywhere) or not, stop after this step or not.
-4. `clip_grad_norm_`: the norm over every shard, on the device.
+   non-finite loss or gradient anywhere) or not, stop after this step or not; and every rank
+   knows the global gradient norm.
+4. `clip_grad_norm_`: scales the gradients by the agreed norm: no collective, no host read
+   (and no kernel at all when the norm is within the bound).
 5. the optimizer steps the masters; `after_step` brings the parameters up to date and lets the
    fp16 loss scaler adapt.
 
@@ -46,7 +49,7 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.mesh import WORLD
 from paratrain.parallel.engine import Engine
-from paratrain.parallel.tensor import cross_entropy, gather_full, tp_norm_sq
+from paratrain.parallel.tensor import cross_entropy, gather_full, tp_norm_sq_parts
 from paratrain.parallel.tp_plan import TensorParallelInfo
 from paratrain.precision import LossScaler, Precision
 
@@ -72,6 +75,7 @@ class Verdict:
     nonfinite_ranks: tuple[int, ...]  # the ranks behind a non-finite loss (else gradient); empty if none
     stop: bool  # some rank asked to stop after this step (SIGTERM)
     loss_sum: float  # Σ over the data ranks of their token-loss sums
+    grad_norm: float  # the global gradient norm over every shard and stage, before clipping
     sums: dict[str, float] = field(default_factory=dict)  # the caller's counts, summed over the data ranks
     per_rank: dict[str, tuple[float, ...]] = field(default_factory=dict)  # the same, rank by rank
 
@@ -84,7 +88,7 @@ class _Phase(Enum):
     AGREED = "agreed"  # agree done: the optimizer may step
 
 
-_FLAGS = ("loss_nonfinite", "grads_nonfinite", "stop", "loss_sum")
+_FLAGS = ("loss_nonfinite", "grads_nonfinite", "stop", "loss_sum", "grad_sq")
 
 
 class ParallelModel(nn.Module):
@@ -103,6 +107,7 @@ class ParallelModel(nn.Module):
         self.verdict: Verdict | None = None  # of the step under way, once agreed
         self._phase = _Phase.BACKWARD
         self._used: torch.Tensor | None = None
+        self._grad_norm = math.nan  # the agreed norm of the gradients as they are now (clipping scales it)
 
     @property
     def mesh(self):
@@ -247,8 +252,10 @@ class ParallelModel(nn.Module):
         if result is not None:
             table[0, rank] = result.nonfinite.to(torch.float64)
             table[3, rank] = result.loss_sum.to(torch.float64)
-        table[1, rank] = grads_nonfinite(self._grads(), self.device)
+        own_sq, share = self._grad_sq()
+        table[1, rank] = (~own_sq.isfinite()).to(torch.float64)
         table[2, rank] = float(stop)
+        table[4, rank] = share
         for i, value in enumerate(counts.values()):  # a tensor stays where it is until the one read below
             table[len(_FLAGS) + i, rank] = value.to(torch.float64) if torch.is_tensor(value) else float(value)
         self.comm.all_reduce(table, WORLD)  # each rank wrote only its own column: a sum is a gather
@@ -258,11 +265,31 @@ class ParallelModel(nn.Module):
         verdict = self._decide(table_host, list(counts))
         unused = [i for i, count in enumerate(host[rows * world:]) if count == 0]
         self.engine.drop_gradients(list(range(len(used))) if verdict.skip else unused)
-        self.verdict, self._phase = verdict, _Phase.AGREED
+        self.verdict, self._phase, self._grad_norm = verdict, _Phase.AGREED, verdict.grad_norm
         return verdict
 
+    def _grad_sq(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ‖g‖² of this rank's gradients, this rank's share of the global Σ‖g‖²), on the device.
+
+        The shares of all ranks add up to the squared norm of the whole model's gradient: every
+        stage's gradients count, a tensor-parallel shard on each tp rank, a replicated one on tp
+        rank 0; gradients sharded over the data axis (ZeRO) on each rank of one replica
+        (dp_replicate 0), whole ones (DDP) on data rank 0 only.
+        """
+        if self.tp_info is None:
+            own = self.engine.local_grad_sq_sum()
+            sharded, replicated = own, torch.zeros_like(own)
+        else:
+            named = zip(self.engine.master_names(), self.engine.masters())
+            sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
+            own = sharded + replicated
+        coords = self.mesh.shape.coords(self.mesh.rank)
+        counted = coords["dp_replicate"] == 0 if self.engine.grads_sharded else coords["dp"] == 0
+        share = sharded + replicated if coords["tp"] == 0 else sharded
+        return own, share if counted else torch.zeros_like(share)
+
     def _decide(self, table: list[list[float]], names: list[str]) -> Verdict:
-        loss_bad, grads_bad, stop, loss = table[:4]
+        loss_bad, grads_bad, stop, loss, grad_sq = table[:len(_FLAGS)]
         own = tuple(r for r, flag in enumerate(loss_bad) if flag)
         overflow = self.scaler.enabled and any(grads_bad) and not own
         culprits = own or (() if self.scaler.enabled else tuple(r for r, flag in enumerate(grads_bad) if flag))
@@ -271,7 +298,7 @@ class ParallelModel(nn.Module):
                 and self.mesh.shape.coords(r)["pp"] == 0]
         rows = dict(zip(names, table[len(_FLAGS):]))
         return Verdict(skip=overflow or bool(culprits), overflow=overflow, nonfinite_ranks=culprits,
-                       stop=any(stop), loss_sum=sum(loss[r] for r in once),
+                       stop=any(stop), loss_sum=sum(loss[r] for r in once), grad_norm=math.sqrt(math.fsum(grad_sq)),
                        sums={name: sum(row[r] for r in once) for name, row in rows.items()},
                        per_rank={name: tuple(row) for name, row in rows.items()})
 
@@ -286,25 +313,19 @@ class ParallelModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm over all shards; returns the norm before clipping (0-d tensor).
 
-        Each rank sums the squares of the gradients it owns; for sharded gradients (ZeRO) those
-        sums are all-reduced, so the norm equals the norm of the unsharded gradient. Computed
-        and applied on the device, as `torch.nn.utils.clip_grad_norm_` does.
+        The norm is the agreement's (`agree`: every rank's share of the squared norm travels in
+        its one all-reduce), so clipping issues no collective and reads nothing back: one scale
+        of every gradient by max_norm / (norm + 1e-6), as `torch.nn.utils.clip_grad_norm_`
+        does, and none when that is at least 1.
         """
         self.prepare_step()
-        if self.tp_info is None:
-            sq = self.engine.local_grad_sq_sum()
-        else:  # tp-sharded gradients summed over tp, replicated ones counted once
-            named = zip(self.engine.master_names(), self.engine.masters())
-            sq = tp_norm_sq(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
-        if self.engine.grads_sharded:  # each row on one rank of a shard group (every replica holds the same)
-            self.comm.all_reduce(sq, self.mesh.shard_axis)
-        self.comm.all_reduce(sq, "pp")  # each stage holds other layers
-        norm = sq.sqrt()
-        grads = [m.grad for m in self.engine.masters() if m.grad is not None]
-        if grads and max_norm < math.inf:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        norm = self._grad_norm
+        grads = self._grads()
+        coef = max_norm / (norm + 1e-6)
+        if grads and coef < 1.0:
             torch._foreach_mul_(grads, coef)
-        return norm
+            self._grad_norm = norm * coef  # a second call sees the clipped gradients' norm
+        return torch.full((), norm, dtype=torch.float64, device=self.device)
 
     # -- 5. after the optimizer step ----------------------------------------------------------------
     def after_step(self) -> None:
@@ -361,9 +382,3 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
 
-
-def grads_nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """1.0 if an element of `grads` is inf or nan, else 0.0: a 0-d tensor on the device (no host sync)."""
-    if not grads:
-        return torch.zeros((), device=device)
-    return (~torch.stack(torch._foreach_norm(grads)).isfinite().all()).float()

@@ -475,13 +475,20 @@ def tp_norm_sq(named_tensors: Iterable[tuple[str, torch.Tensor]], info: TensorPa
     the result is then complete over tp and still partial over any other axis the tensors are
     split on (a ZeRO engine all-reduces it over dp next: the sum is linear).
     """
+    sharded, replicated = tp_norm_sq_parts(named_tensors, info)
+    info.comm.all_reduce(sharded, info.axis)
+    return sharded + replicated
+
+
+def tp_norm_sq_parts(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     info: TensorParallelInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (Σ‖t‖² of its tp-sharded tensors, Σ‖t‖² of its replicated ones), no communication."""
     split: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # is sharded → tensors
     for name, tensor in named_tensors:
         split[name in info.sharded].append(tensor)
-    device = next((t.device for t in split[True] + split[False]), "cpu")
+    device = next((t.device for t in split[True] + split[False]), info.comm.mesh.device)
     sharded, replicated = (sum_of_squares(split[s], device) for s in (True, False))
-    info.comm.all_reduce(sharded, info.axis)
-    return sharded + replicated
+    return sharded, replicated
 
 
 def tp_grad_norm_sq(model: nn.Module, info: TensorParallelInfo) -> torch.Tensor:
