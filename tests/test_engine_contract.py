@@ -77,6 +77,13 @@ def _contract(engine: Engine, model: nn.Module, mesh) -> dict:
     facts["sq_is_0d"] = sq.dim() == 0 and sq.device == mesh.device
     torch.distributed.all_reduce(sq) if engine.grads_sharded else None
     facts["norm"] = float(sq.sqrt())
+    # A gradient replaced by a new tensor (no view of the engine's buffers any more) still counts.
+    first = next(m for m in engine.masters() if m.grad is not None)
+    kept = first.grad
+    first.grad = kept * 3
+    each = sum(float(m.grad.double().pow(2).sum()) for m in engine.masters() if m.grad is not None)
+    facts["sq_follows_grads"] = float(engine.local_grad_sq_sum()) == pytest.approx(each, rel=1e-6)
+    first.grad = kept
     optimizer = torch.optim.SGD(engine.masters(), lr=0.1)
     optimizer.step()
     engine.after_step()
@@ -131,6 +138,7 @@ def test_every_engine_keeps_the_contract(kind):
                 rows = rows[rank * c:(rank + 1) * c]
             torch.testing.assert_close(grad.reshape(rows.shape), rows, rtol=1e-6, atol=1e-7)
         assert facts["sq_is_0d"]
+        assert facts["sq_follows_grads"]
         assert facts["norm"] == pytest.approx(ref["norm"], rel=1e-6)
         for name, value in ref["params"].items():
             torch.testing.assert_close(facts["params"][name], value, rtol=1e-6, atol=1e-7, msg=name)

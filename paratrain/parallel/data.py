@@ -158,6 +158,7 @@ class DataParallelEngine:
         self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
         self._used = [False] * len(self.slots)  # on the host while backward runs: no kernel per gradient
+        self._reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _assign_master_grads
 
     # -- construction ---------------------------------------------------------
     def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
@@ -389,6 +390,10 @@ class DataParallelEngine:
             self.slots[i].master.grad = None
 
     def _assign_master_grads(self) -> None:
+        # The reduced rows of every bucket, when the masters' gradients are views of them: the norm is
+        # then one kernel per bucket (padding is zero) instead of one per parameter. Only buffers that
+        # live for the run (DDP, ZeRO-1): holding ZeRO-2's shards here would keep them past zero_grad().
+        flats: list[torch.Tensor] | None = None if self.per_backward else []
         for bucket in self.buckets:
             if self.stage == 0:
                 source = bucket.buffer
@@ -396,6 +401,10 @@ class DataParallelEngine:
                 source = bucket.buffer.view(self.shards, -1)[self.rank]
             else:
                 source, bucket.shard_grad = bucket.shard_grad, None  # the masters' .grad hold it from now on
+            if flats is not None and source.dtype == self.precision.master_dtype:
+                flats.append(source)
+            else:
+                flats = None
             for slot in bucket.slots:
                 slot.filled = False
                 grad = slot.reduced
@@ -406,6 +415,7 @@ class DataParallelEngine:
                     if not self.per_backward:  # DDP / ZeRO-1: the same rows of the same buffer every step
                         slot.reduced = grad
                 slot.master.grad = grad if grad.dtype == slot.master.dtype else grad.to(slot.master.dtype)
+        self._reduced = (flats, [s.master.grad for s in self.slots]) if flats is not None else None
 
     # -- after the optimizer step ------------------------------------------------
     def after_step(self) -> None:
@@ -439,8 +449,11 @@ class DataParallelEngine:
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's master gradients (its shard for ZeRO, everything for DDP)."""
-        grads = [s.master.grad for s in self.slots if s.master.grad is not None]
-        return sum_of_squares(grads, self.slots[0].param.device if self.slots else "cpu")
+        grads = [s.master.grad for s in self.slots]
+        device = self.slots[0].param.device if self.slots else "cpu"
+        if self._reduced is not None and all(a is b for a, b in zip(grads, self._reduced[1])):
+            return sum_of_squares(self._reduced[0], device, wide=True)  # every gradient still the view it was assigned
+        return sum_of_squares([g for g in grads if g is not None], device)
 
     @property
     def grads_sharded(self) -> bool:
