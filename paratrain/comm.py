@@ -21,11 +21,17 @@ The last calls are kept as a short fingerprint (kind, axis, shape, dtype), so
 that ranks that disagree about the sequence of collectives can be told apart.
 
 Point-to-point transfers travel in groups (`exchange`: one `batch_isend_irecv`,
-a group call under NCCL). `rendezvous=True` is a test mode for what only NCCL
-shows: a send may block until its receive is posted there, while gloo buffers
-it. In that mode every received tensor is acknowledged and a group returns only
-when each of its sends was received, so an order of transfers that NCCL could
-deadlock hangs here too (and ends in the process group's timeout).
+a group call under NCCL). A send completes only once its receive is posted, on
+NCCL and on gloo alike (measured: a gloo sender whose receiver posts 200 ms late
+waits 200 ms, from 4 KB to 4 MB), so `exchange(defer_sends=True)` returns when
+its receives have landed and leaves its sends to complete while the caller
+computes; they are waited for at the next exchange on the axis (one group's
+sends in flight, as torch.distributed.pipelining does) or by `settle_sends`.
+The order of the transfers on the wire does not change, only when the host
+waits. `rendezvous=True` is a test mode for an order NCCL could deadlock: every
+received tensor is acknowledged and a group returns only when each of its sends
+was received (deferring nothing), so such an order hangs here too (and ends in
+the process group's timeout).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class Comm:
         # fingerprint into a file that outlives a crash: paratrain.run.diagnose).
         self.listeners: list = []
         self._seq = 0
+        self._sending: dict[str, list] = defaultdict(list)  # axis -> works of sends left in flight (exchange)
 
     # -- accounting -------------------------------------------------------
     def _count(self, kind: str, axis: str, tensor: torch.Tensor, sent: float) -> None:
@@ -222,15 +229,18 @@ class Comm:
         return dict(exposed)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]],
-                 axis: str) -> None:
-        """Send and receive a group of tensors over `axis` together, and wait for all of them.
+                 axis: str, defer_sends: bool = False) -> None:
+        """Send and receive a group of tensors over `axis` together, and wait for them.
 
         `sends` are (tensor, index of the peer in this rank's `axis` group), `receives`
         (buffer, index of the peer). Issued as one `batch_isend_irecv`, so under NCCL the group
-        progresses as a whole and a send never waits behind a receive of the same group. Sends are
-        counted (their bytes), receives not (their bytes are the sender's); the time blocked counts
-        for `axis`.
+        progresses as a whole and a send never waits behind a receive of the same group. The
+        sends of the previous deferred group are waited for first. `defer_sends`: return once
+        the receives have landed; the sends complete in the background (their tensors must not
+        change until then). Sends are counted (their bytes), receives not (their bytes are the
+        sender's); the time blocked counts for `axis`.
         """
+        self.settle_sends(axis)
         if not sends and not receives:
             return
         ranks, group = self.mesh.ranks(axis), self.mesh.group(axis)
@@ -241,10 +251,22 @@ class Comm:
         for t, _ in sends:
             self._count("send", axis, t, _nbytes(t))
         with self._held(axis):
-            self._exchange(ops, sends, receives, ranks, group)
+            self._exchange(ops, sends, receives, ranks, group, axis if defer_sends else None)
 
-    def _exchange(self, ops, sends, receives, ranks, group) -> None:
+    def settle_sends(self, axis: str) -> None:
+        """Wait for the sends an `exchange(defer_sends=True)` left in flight on `axis`."""
+        if self._sending[axis]:
+            with self._held(axis):
+                wait_all(self._sending.pop(axis))
+
+    def _exchange(self, ops, sends, receives, ranks, group, defer_axis: str | None) -> None:
         works = dist.batch_isend_irecv(ops)
+        # One work per op (gloo): wait for the receives only. A coalesced group (NCCL) has one work for
+        # all, and waiting on it makes the stream wait, not the host: nothing to defer there.
+        if defer_axis is not None and not self.rendezvous and len(works) == len(ops):
+            wait_all(works[len(sends):])  # the receives; the sends (first in `ops`) complete meanwhile
+            self._sending[defer_axis] = works[:len(sends)]
+            return
         if self.rendezvous:
             # Each receive, once it has arrived, is acknowledged to its sender; the group is done when
             # every one of its sends was acknowledged too. The acknowledgements travel with their own

@@ -77,3 +77,28 @@ def test_comm_counts_ring_bytes_and_results_are_right():
     # copies), and still counted as the reduce-scatter it stands for.
     assert in_place_right
     assert list(issued.values()) == [2 * 16000 * 3 / 4] and counted == {"calls": 2, "bytes": 2 * 4 * 4000 * 3 // 4}
+
+
+def _late_receiver(rank, world):
+    """Rank 1 posts its receive only after rank 0's exchange has returned: a deferred send must not wait for it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    mesh = build_mesh(MeshShape(dp=world))
+    comm = Comm(mesh)
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    if rank == 0:
+        comm.exchange([(torch.arange(5.0), 1)], [], "dp", defer_sends=True)
+        store.set("sender returned", "yes")
+        comm.settle_sends("dp")  # completes once rank 1 has received
+        return None
+    store.wait(["sender returned"])  # raises after 30 s if the sender is still blocked in its exchange
+    received = torch.empty(5)
+    comm.exchange([], [(received, 0)], "dp")
+    return received.tolist()
+
+
+def test_a_deferred_send_returns_before_its_receive_is_posted():
+    assert run_on_ranks(_late_receiver, 2, timeout=60)[1] == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -15,9 +15,11 @@ W(mb, s)   —                                             —
 =========  ============================================  ===================================
 
 The sends of one run of actions and the receives of the next travel as one group
-(`Comm.exchange`: one `batch_isend_irecv`, a group call under NCCL), which the
-rank waits for before the next run: an order the simulator proves free of
-deadlock even when every send blocks until its receive is posted, as NCCL's may.
+(`Comm.exchange`: one `batch_isend_irecv`, a group call under NCCL), whose
+receives the rank waits for before the next run, its sends before the next
+group (they complete while the run computes): an order the simulator proves
+free of deadlock even when every send blocks until its receive is posted, as
+NCCL's and gloo's do.
 A receiver must know what it receives before it posts the receive: the first
 time an input shape is seen, one forward without gradients walks the stages in
 order and each boundary's shape and dtype travel as a small header along that
@@ -151,12 +153,14 @@ class PipelineRunner:
         outbox: dict[Message, torch.Tensor] = {}
         index = 0
         for run, length in enumerate(schedule.segments[self.pp_rank]):
-            inbox.update(self._exchange(*groups[run], outbox, shapes))
+            # The sends complete while the run computes (waited at the next group): a send waits for its
+            # receive to be posted, and the receiver may still be computing.
+            inbox.update(self._exchange(*groups[run], outbox, shapes, defer_sends=True))
             outbox = {}
             for action in actions[index:index + length]:
                 yield run, index, action, inbox, outbox
                 index += 1
-        self._exchange(*groups[-1], outbox, shapes)
+        self._exchange(*groups[-1], outbox, shapes)  # and every send of the step is complete
 
     def _forward(self, action: Action, batches, normalizer, loss_fn, model, slots, inbox, outbox) -> torch.Tensor:
         mb, s = action.microbatch, action.stage
@@ -203,14 +207,14 @@ class PipelineRunner:
 
     # -- point to point ------------------------------------------------------------------------------
     def _exchange(self, sends: list[tuple[int, Message]], receives: list[tuple[int, Message]],
-                  outbox: dict[Message, torch.Tensor], shapes: dict) -> dict[Message, torch.Tensor]:
+                  outbox: dict[Message, torch.Tensor], shapes: dict, defer_sends: bool = False) -> dict[Message, torch.Tensor]:
         """One group: send what `outbox` holds for `sends`, receive `receives`; the received tensors."""
         out = [(outbox[message].contiguous(), peer, message) for peer, message in sends]
         for tensor, _, message in out:
             self._check_shape(message, tensor, shapes)
         buffers = [self._buffer(shapes[_boundary_stage(message)]) for _, message in receives]
         self.comm.exchange([(self._slice(t), peer) for t, peer, _ in out],
-                           [(b, peer) for b, (peer, _) in zip(buffers, receives)], "pp")
+                           [(b, peer) for b, (peer, _) in zip(buffers, receives)], "pp", defer_sends)
         return {message: self._gather(buffer, shapes[_boundary_stage(message)])
                 for buffer, (_, message) in zip(buffers, receives)}
 
