@@ -66,7 +66,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
-from paratrain.parallel.norm import sum_of_squares
+from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 from paratrain.precision import Precision
@@ -452,7 +452,7 @@ class DataParallelEngine:
         grads = [s.master.grad for s in self.slots]
         device = self.slots[0].param.device if self.slots else "cpu"
         if self._reduced is not None and all(a is b for a, b in zip(grads, self._reduced[1])):
-            return sum_of_squares(self._reduced[0], device, wide=True)  # every gradient still the view it was assigned
+            return sum_of_squares_flat(self._reduced[0], device)  # every gradient still the view it was assigned
         return sum_of_squares([g for g in grads if g is not None], device)
 
     @property
