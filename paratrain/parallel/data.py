@@ -102,6 +102,19 @@ class Bucket:
     launched_in_backward: bool = False
     shard_grad: torch.Tensor | None = None  # ZeRO-2: this rank's reduced rows, summed over backwards (master dtype)
     launched_at: float = field(default=0.0)
+    gather: _Gather | None = None  # ZeRO-1: the all-gather of updated parameters through `buffer`, made once
+
+
+@dataclass
+class _Gather:
+    """The copies around one bucket's all-gather of updated parameters, as lists for foreach kernels."""
+
+    buffer: torch.Tensor  # N chunks of param dtype
+    mine: list[torch.Tensor]  # this rank's chunk: where each master's rows go (flat)
+    masters: list[torch.Tensor]  # each master, flat
+    padding: list[torch.Tensor]  # this rank's chunk: what holds no row (zeroed before the gather)
+    rows: list[torch.Tensor]  # each parameter's rows, in tiles
+    parts: list[torch.Tensor]  # the gathered buffer's matching tiles
 
 
 @dataclass
@@ -433,18 +446,44 @@ class DataParallelEngine:
 
     @torch.no_grad()
     def _all_gather_parameters(self, bucket: Bucket) -> None:
-        """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N)."""
-        dtype, device = self.precision.param_dtype, bucket.slots[0].param.device
-        gathered = torch.empty(bucket.chunk_numel * self.shards, dtype=dtype, device=device)
-        mine = gathered.view(self.shards, bucket.chunk_numel)[self.rank]
+        """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N).
+
+        ZeRO-1 gathers through the bucket's own buffer when it has the parameters' dtype: its
+        gradients are spent once the optimizer has stepped (the masters' `.grad`, views of it, are
+        released first), and the copies around the gather are made once for the run. ZeRO-2, whose
+        buckets exist only while reduced, gathers through a buffer of its own each step.
+        """
+        gather = bucket.gather
+        if gather is None:
+            reuse = not self.per_backward and bucket.buffer.dtype == self.precision.param_dtype
+            gather = self._gather(bucket, bucket.buffer if reuse else None)
+            bucket.gather = gather if reuse else None
+        if bucket.gather is not None:
+            for slot in bucket.slots:
+                slot.master.grad = None  # its rows of the buffer are about to hold parameters
+        torch._foreach_copy_(gather.mine, gather.masters)
+        if gather.padding:
+            torch._foreach_zero_(gather.padding)
+        mine = gather.buffer.view(self.shards, bucket.chunk_numel)[self.rank]
+        self.comm.all_gather(gather.buffer, mine, self.shard_axis)
+        torch._foreach_copy_(gather.rows, gather.parts)
+
+    def _gather(self, bucket: Bucket, buffer: torch.Tensor | None) -> _Gather:
+        if buffer is None:
+            buffer = torch.empty(bucket.chunk_numel * self.shards, dtype=self.precision.param_dtype,
+                                 device=bucket.slots[0].param.device)
+        mine = buffer.view(self.shards, bucket.chunk_numel)[self.rank]
+        gather = _Gather(buffer, [], [], [], [], [])
         for slot in bucket.slots:
-            flat = slot.master.reshape(-1)
-            mine[slot.offset:slot.offset + flat.numel()].copy_(flat)
-            mine[slot.offset + flat.numel():slot.offset + slot.chunk_numel].zero_()  # padding
-        self.comm.all_gather(gathered, mine, self.shard_axis)
-        for slot in bucket.slots:
-            for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(gathered, self.shards)):
-                rows.copy_(part)
+            numel = slot.master.numel()
+            gather.mine.append(mine[slot.offset:slot.offset + numel])
+            gather.masters.append(slot.master.view(-1))
+            if numel < slot.chunk_numel:
+                gather.padding.append(mine[slot.offset + numel:slot.offset + slot.chunk_numel])
+            for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(buffer, self.shards)):
+                gather.rows.append(rows)
+                gather.parts.append(part)
+        return gather
 
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:
