@@ -167,6 +167,20 @@ class Comm:
                 output.copy_(input)
             return None
         self._count("all_gather", axis, output, _nbytes(output) * (n - 1) / n)
+        if dist.get_backend(group) == "gloo" and output.is_contiguous():
+            # gloo's all-gather takes 1.6-2.8x the time of one broadcast per chunk, which sends the same
+            # bytes (counted on the loopback device: S·(n−1) in all, for both; 12 MB, 2 ranks: 5.8-10.3
+            # ms against 3.7). Each rank's chunk is broadcast from it, into its place in `output`.
+            chunks = output.view(n, -1)
+            mine = chunks[self.mesh.coord(axis)]
+            if mine.data_ptr() != input.data_ptr():
+                mine.copy_(input.reshape(-1))
+            ranks = self.mesh.ranks(axis)
+            works = _Works([dist.broadcast(chunk, ranks[i], group=group, async_op=True) for i, chunk in enumerate(chunks)])
+            if async_op:
+                return works
+            with self._held(axis):
+                return works.wait()
         return self._issue(axis, async_op, _all_gather, output, input, group=group)
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False):
@@ -292,6 +306,17 @@ def _is_own_chunk(output: torch.Tensor, input: torch.Tensor, index: int) -> bool
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+class _Works:
+    """Several works waited as one (a collective issued as several)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        wait_all(self.works)
+        return True
 
 
 def wait_all(works) -> None:

@@ -471,8 +471,9 @@ class Collectives(TorchDispatchMode):
 
     Every collective torch.distributed issues passes the dispatcher as a ``c10d`` operator with
     its tensors and its process group. This counts them as a bandwidth-optimal ring sends them
-    from one rank (all-reduce 2·S·(n−1)/n of a tensor of S bytes, all-gather and reduce-scatter
-    S·(n−1)/n of the full tensor, broadcast S) under the group's name, independently of what
+    from one rank, on average over the ranks (all-reduce 2·S·(n−1)/n of a tensor of S bytes,
+    all-gather and reduce-scatter S·(n−1)/n of the full tensor, broadcast S·(n−1)/n) under the
+    group's name, independently of what
     paratrain's own `Comm` believes it issued. `by_axis(mesh)` names the groups by mesh axis.
     """
 
@@ -500,7 +501,7 @@ class Collectives(TorchDispatchMode):
                             "reduce_scatter_tensor")):
             sent = max(nbytes) * (n - 1) / n  # the full tensor is the output of a gather, the input of a scatter
         elif op.startswith("broadcast"):
-            sent = sum(nbytes)
+            sent = sum(nbytes) * (n - 1) / n  # a ring's (or tree's) S·(n−1) in all, per rank
         else:
             sent = 0.0  # point-to-point and barriers: not what this count is for
         name = group.group_name
