@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from paratrain.parallel.model import _FLAGS
+
+AGREEMENT = f"all_reduce over world shape [{len(_FLAGS) + 3}, 2] float64"  # its flags and the trainer's 3 counts
 from safetensors.torch import load_file
 
 from paratrain.checkpoint import verify_checkpoint
@@ -123,7 +127,7 @@ def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_pat
     assert line.startswith("paratrain train: rank 0 exited with code 1: CollectiveFailure: rank 0 failed at step 5, "
                            "its last collective #"), line
     # rank 0 waits in the step's agreement (one all-reduce over the whole mesh), which rank 1 never reached
-    assert "all_reduce over world shape [7, 2] float64 (step 5): rank 1 never issued call" in line
+    assert f"{AGREEMENT} (step 5): rank 1 never issued call" in line
     assert "it is at step 5, hung or dead outside a collective (error: " in line and "Timed out" in line
     assert elapsed < 10 + 25, f"{elapsed:.1f} s: the timeout plus start-up, no more"
 
@@ -132,8 +136,8 @@ def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
     result = launch(tmp_path / "run", "--pg-timeout", "10", fault="desync_shape@rank1:step4")
     assert result.returncode == 1
     # gloo aborts the rank that receives more than it expects; the other explains.
-    assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 all_reduce over world shape \[7, 2\] "
-                     r"float64 \(step 4\) vs rank\(s\) \[1\] #\1 all_reduce over world shape \[64, 2\] float64 \(step 4\)",
+    assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 " + re.escape(AGREEMENT)
+                     + r" \(step 4\) vs rank\(s\) \[1\] #\1 all_reduce over world shape \[64, 2\] float64 \(step 4\)",
                      result.stderr), result.stderr
     last = summary(result)  # from rank 1's error, or when it was stopped first, from the fingerprint files
     assert last.startswith("paratrain train: rank 0 was killed by SIGABRT: ") and "collectives diverged" in last, last
