@@ -180,7 +180,8 @@ class Comm:
             if async_op:
                 return works
             with self._held(axis):
-                return works.wait()
+                works.wait()
+            return None
         return self._issue(axis, async_op, _all_gather, output, input, group=group)
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False):
@@ -314,9 +315,8 @@ class _Works:
     def __init__(self, works: list):
         self.works = works
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         wait_all(self.works)
-        return True
 
 
 def wait_all(works) -> None:

@@ -16,8 +16,8 @@ What each step does:
 2. `finish_gradients`: the engine waits for its reductions and sets the master gradients;
    under sequence parallelism the partial gradients of replicated parameters are summed over
    tp; fp16 gradients are unscaled.
-3. `agree`: this rank's squared gradient norm is taken on the device (one `_foreach_norm`; it
-   is inf or nan exactly when a gradient is), then one all-reduce over every rank of the mesh
+3. `agree`: this rank's squared gradient norm is taken on the device (it is inf or nan
+   exactly when a gradient is), then one all-reduce over every rank of the mesh
    carries each rank's flags (its own loss non-finite, its gradients non-finite, a stop
    request), the loss, its share of the global squared norm, the caller's counts and the
    engine's per-master "used" counts, then one read to the host: the step's single host sync.
@@ -255,7 +255,8 @@ class ParallelModel(nn.Module):
         own_sq, share = self._grad_sq()
         table[1, rank] = (~own_sq.isfinite()).to(torch.float64)
         table[2, rank] = float(stop)
-        table[4, rank] = share
+        if share is not None:
+            table[4, rank] = share
         for i, value in enumerate(counts.values()):  # a tensor stays where it is until the one read below
             table[len(_FLAGS) + i, rank] = value.to(torch.float64) if torch.is_tensor(value) else float(value)
         self.comm.all_reduce(table, WORLD)  # each rank wrote only its own column: a sum is a gather
@@ -268,25 +269,24 @@ class ParallelModel(nn.Module):
         self.verdict, self._phase, self._grad_norm = verdict, _Phase.AGREED, verdict.grad_norm
         return verdict
 
-    def _grad_sq(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ‖g‖² of this rank's gradients, this rank's share of the global Σ‖g‖²), on the device.
+    def _grad_sq(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(Σ‖g‖² of this rank's gradients, this rank's share of the global Σ‖g‖² or None), on the device.
 
         The shares of all ranks add up to the squared norm of the whole model's gradient: every
         stage's gradients count, a tensor-parallel shard on each tp rank, a replicated one on tp
         rank 0; gradients sharded over the data axis (ZeRO) on each rank of one replica
-        (dp_replicate 0), whole ones (DDP) on data rank 0 only.
+        (dp_replicate 0), whole ones (DDP) on data rank 0 only. None: this rank's count elsewhere.
         """
+        coords = self.mesh.shape.coords(self.mesh.rank)
         if self.tp_info is None:
-            own = self.engine.local_grad_sq_sum()
-            sharded, replicated = own, torch.zeros_like(own)
+            own = share = self.engine.local_grad_sq_sum()
         else:
             named = zip(self.engine.master_names(), self.engine.masters())
             sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
             own = sharded + replicated
-        coords = self.mesh.shape.coords(self.mesh.rank)
+            share = own if coords["tp"] == 0 else sharded
         counted = coords["dp_replicate"] == 0 if self.engine.grads_sharded else coords["dp"] == 0
-        share = sharded + replicated if coords["tp"] == 0 else sharded
-        return own, share if counted else torch.zeros_like(share)
+        return own, share if counted else None
 
     def _decide(self, table: list[list[float]], names: list[str]) -> Verdict:
         loss_bad, grads_bad, stop, loss, grad_sq = table[:len(_FLAGS)]
