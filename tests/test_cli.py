@@ -1,6 +1,7 @@
 """The command line: one-line errors with exit code 2, help, models, prepare, and the elastic launcher."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -178,6 +179,16 @@ def test_prepare_then_train_on_it(tmp_path, capsys):
     assert main(["train", "--data", str(tmp_path / "tokens"), "--steps", "3", "--out", str(tmp_path / "run"),
                  *SMALL]) == 0
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
+
+
+def test_log_every_thins_the_metrics_and_every_record_has_its_grad_norm(tmp_path):
+    """The norm comes with the agreement, so every written step has it; --log-every writes every k-th, the last and
+    each evaluation's."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "7", "--log-every", "3", "--eval-every", "4", "--out", str(out), *SMALL]) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [3, 4, 6, 7]
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records), records
 
 
 @pytest.mark.slow
