@@ -91,8 +91,11 @@ def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None =
 
 
 def parallel_run(model, optimizer, data, rank: int, world: int, comm_axis_all_reduce, clip: float = 1.0,
-                 micro: int | None = None):
-    """This rank's share of each global batch (split in `micro`-row micro-batches): losses per step."""
+                 micro: int | None = None, loss_scale: float = 1.0):
+    """This rank's share of each global batch (split in `micro`-row micro-batches): losses per step.
+
+    Each backward is of the micro-batch's token-loss sum over the global token count, times
+    `loss_scale` (the number of data ranks when the engine averages gradients over them)."""
     losses = []
     for x, y in data:
         per_rank = x.shape[0] // world
@@ -106,7 +109,7 @@ def parallel_run(model, optimizer, data, rank: int, world: int, comm_axis_all_re
             ctx = model.no_sync() if not last else contextlib.nullcontext()
             with ctx:
                 part = loss_sum(model, xs[i:i + micro], ys[i:i + micro])
-                (part / tokens).backward()
+                (part / tokens * loss_scale).backward()
             total += part.detach()
         model.clip_grad_norm_(clip)
         optimizer.step()

@@ -281,19 +281,25 @@ class DataParallelEngine:
             bucket.ready, bucket.work = 0, None
 
     def _write(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
-        """A gradient into the bucket, rank r's rows into chunk r: copied first, then added (the pre-division
-        applies to the whole bucket when it is launched: one kernel per bucket, not one per gradient)."""
+        """A gradient into the bucket, rank r's rows into chunk r: copied first, then added, divided by the
+        pre-division on the way (before the sum over ranks, so that a 16-bit reduction cannot overflow).
+        The division rides the copy or add, one kernel either way: no second pass over the bucket."""
         if self.shards == 1:  # DDP: the parameter's span of the bucket, as one view
             if slot.span is None or self.per_backward:
                 slot.span = bucket.buffer[slot.offset:slot.offset + grad.numel()].view_as(grad)
             tiles = [(grad, slot.span)]
         else:
             tiles = chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards))
+        scale = 1.0 / self.pre_divide
         for src, dst in tiles:
             if slot.filled:
-                dst.add_(src)
-            else:
+                dst.add_(src, alpha=scale)
+            elif scale == 1.0:
                 dst.copy_(src)
+            elif src.dtype == dst.dtype:
+                torch.mul(src, scale, out=dst)
+            else:  # a product into another dtype is rounded in the source's: widen first, then divide
+                dst.copy_(src).mul_(scale)
         slot.filled = True
 
     def _launch_ready_buckets(self, in_backward: bool) -> None:
@@ -314,8 +320,6 @@ class DataParallelEngine:
                     part.zero_()
             slot.filled = self.stage < 2 and slot.filled  # ZeRO-2: the next backward writes a fresh buffer
         bucket.launched_in_backward, bucket.launched_at = in_backward, time.perf_counter()
-        if self.pre_divide != 1:  # before the sum over ranks, so that a 16-bit reduction cannot overflow
-            bucket.buffer.div_(self.pre_divide)
         if self.stage == 0:
             bucket.work = self.comm.all_reduce(bucket.buffer, "dp", async_op=True)
             return
