@@ -333,14 +333,43 @@ def run_variant(spec: Spec, world: int, args) -> dict:
             "comm_mb_per_step": max(statistics.mean(r["comm"]) for r in results) / MB}
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """One row from a variant's rounds: step time the median of the rounds' medians, every step's time
+    kept; bytes, memory and losses from the first round."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    row = dict(runs[0])
+    row["round_step_s"] = [r["step_s"] for r in runs]
+    row["step_s"] = statistics.median(row["round_step_s"])
+    row["step_times_s"] = [t for r in runs for t in r["step_times_s"]]
+    row["tokens_per_s"] = runs[0]["tokens_per_s"] * runs[0]["step_s"] / row["step_s"]
+    return row
+
+
+def run_rounds(specs: list, rounds: int, run) -> list[dict]:
+    """`run(spec)` for every spec, `rounds` times, the order reversed every other round; one row per spec."""
+    runs: dict[int, list[dict]] = {i: [] for i in range(len(specs))}
+    for round_ in range(rounds):
+        order = range(len(specs)) if round_ % 2 == 0 else reversed(range(len(specs)))
+        for i in order:
+            runs[i].append(run(specs[i]))
+    return [merge_rounds(runs[i]) for i in range(len(specs))]
+
+
 def compare(rows: list[dict]) -> None:
-    """Fill the paratrain rows' ratios against the PyTorch row of the same pair and world size."""
+    """Fill the paratrain rows' ratios against the PyTorch row of the same pair and world size.
+
+    With several rounds the time ratio is the median of the rounds' ratios, each taken between the
+    two sides of one round (run back to back, so under about the same load)."""
     by_key = {(r["pair"], r["ranks"], r["framework"]): r for r in rows}
     for r in rows:
         ref = by_key.get((r["pair"], r["ranks"], "pytorch"))
         if r["framework"] != "paratrain" or "error" in r or ref is None or "error" in ref:
             continue
-        r["time_ratio"] = r["step_s"] / ref["step_s"]
+        pairs = zip(r.get("round_step_s", [r["step_s"]]), ref.get("round_step_s", [ref["step_s"]]))
+        r["round_time_ratios"] = [mine / theirs for mine, theirs in pairs]
+        r["time_ratio"] = statistics.median(r["round_time_ratios"])
         r["state_ratio"] = r["state_mb"] / ref["state_mb"]
         r["rss_ratio"] = r["peak_rss_delta_mb"] / ref["peak_rss_delta_mb"] if ref["peak_rss_delta_mb"] > 0 else None
         r["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
@@ -364,7 +393,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"- command: `{meta['command']}`",
              f"- model: {meta['model']} — {meta['params']:,} parameters ({meta['params'] * 4 / MB:.1f} MB fp32)",
              f"- per rank: micro-batch {meta['micro_batch']} × seq {meta['seq']}; AdamW lr {meta['lr']}, "
-             f"clip {meta['clip']}; {meta['warmup']} warm-up + {meta['steps']} measured steps",
+             f"clip {meta['clip']}; {meta['warmup']} warm-up + {meta['steps']} measured steps; "
+             f"{meta.get('rounds', 1)} round(s) per pair, the sides alternating which runs first (step ms: the "
+             "median of the rounds' medians, min–max over every step)",
              "- ratios are paratrain / PyTorch counterpart (the row below it); ≤ 1.0 means paratrain is "
              "faster / smaller",
              "- timings come from a 2-core shared machine (ranks oversubscribe the cores, other jobs may run): "
@@ -378,7 +409,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         spread = f"{r['step_s'] * 1e3:.1f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
         cells = [r["variant"], str(r["ranks"]), spread, fmt(r["tokens_per_s"], ",.0f"),
                  fmt(r["peak_rss_delta_mb"], ".1f"), fmt(r["rss_end_mb"], ".0f"), fmt(r["state_mb"], ".2f"),
-                 fmt(r["comm_mb_per_step"], ".2f"), fmt(r.get("time_ratio"), ".2f"), fmt(r.get("state_ratio"), ".2f"),
+                 fmt(r["comm_mb_per_step"], ".2f"), ratio_cell(r), fmt(r.get("state_ratio"), ".2f"),
                  fmt(r.get("rss_ratio"), ".2f"), fmt(r.get("loss_max_rel_diff"), ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
     ok = [r for r in rows if "error" not in r]
@@ -387,6 +418,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
                                 "after imports and a warm-up step of a tiny model")
     lines += failure_notes(rows, lambda r: f"{r['variant']}, {r['ranks']} ranks")
     return "\n".join(lines) + "\n"
+
+
+def ratio_cell(row: dict) -> str:
+    """The time ratio; with several rounds, bold median then each round's ratio."""
+    rounds = row.get("round_time_ratios", [])
+    if len(rounds) < 2:
+        return fmt(row.get("time_ratio"), ".2f")
+    return f"**{row['time_ratio']:.2f}** ({' / '.join(f'{x:.2f}' for x in rounds)})"
 
 
 def rss_start_note(starts_mb: list[float], hwm_reset: bool, setup: str) -> list[str]:
@@ -443,14 +482,17 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", choices=list(PAIRS), default=list(PAIRS),
                    help="pairs to run (each runs its paratrain and its PyTorch side)")
     add_common_args(p, micro_batch_default=4, micro_batch_help="sequences per rank per step")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds per pair, the sides alternating which runs first; the time ratio is the median of "
+                        "the rounds' ratios")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="paratrain's gradient bucket size (DDP, ZeRO-1/2); gloo's reduce-scatter and all-gather "
                         "allocate temporaries of about the bucket's size")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="directory for dp-<time>.md and .json")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or min(args.ranks) < 1:
-        p.error("--steps must be >= 1, --warmup >= 0, --ranks >= 1")
+    if args.steps < 1 or args.warmup < 0 or min(args.ranks) < 1 or args.rounds < 1:
+        p.error("--steps must be >= 1, --warmup >= 0, --ranks >= 1, --rounds >= 1")
     return args
 
 
@@ -461,7 +503,7 @@ def run_meta(args, now: datetime.datetime) -> dict:
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "model": repr(cfg),
             "params": cfg.num_params(), **{k: getattr(args, k) for k in
                                            ("micro_batch", "seq", "lr", "clip", "warmup", "steps", "seed")},
-            "load_avg_start": os.getloadavg()}
+            "rounds": getattr(args, "rounds", 1), "load_avg_start": os.getloadavg()}
 
 
 def write_results(out: str, prefix: str, now: datetime.datetime, text: str, payload: dict) -> None:
@@ -482,7 +524,8 @@ def main(argv=None) -> int:
     rows = []
     for world in args.ranks:
         for pair in args.variants:
-            rows.extend(run_variant(spec, world, args) for spec in PAIRS[pair] if spec.usable(world))
+            specs = [spec for spec in PAIRS[pair] if spec.usable(world)]
+            rows.extend(run_rounds(specs, args.rounds, lambda spec: run_variant(spec, world, args)))
     meta["load_avg_end"] = os.getloadavg()
     compare(rows)
     text = markdown(rows, meta)

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from bench_dp import (
     MB, add_common_args, adamw_factory, build_model, failure_notes, fmt, fmt_load, global_batch, model_config,
-    optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes, write_results,
+    optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds, storage_bytes,
+    write_results,
 )
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
@@ -465,7 +466,9 @@ def compare(rows: list[dict]) -> None:
         ref = torch_rows.get(r["variant"])
         if r["framework"] != "paratrain" or ref is None:
             continue
-        r["time_ratio"] = r["step_s"] / ref["step_s"]
+        pairs = zip(r.get("round_step_s", [r["step_s"]]), ref.get("round_step_s", [ref["step_s"]]))
+        r["round_time_ratios"] = [mine / theirs for mine, theirs in pairs]  # each round's sides back to back
+        r["time_ratio"] = statistics.median(r["round_time_ratios"])
         r["rss_ratio"] = max(r["peak_rss_delta_mb"]) / max(ref["peak_rss_delta_mb"])
         r["p2p_ratio"] = sum(r["p2p_mb_per_step"]) / sum(ref["p2p_mb_per_step"])
         r["same_order_as_torch"] = action_order(r) == action_order(ref)
@@ -492,7 +495,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"- model: {meta['model']} — {meta['params']:,} parameters ({meta['params'] * 4 / MB:.1f} MB fp32)",
              f"- pp={meta['pp']}; one step = {meta['microbatches']} micro-batches × {meta['micro_batch']} sequences"
              f" × seq {meta['seq']}; fp32; loss = token-sum cross-entropy / global token count; AdamW lr "
-             f"{meta['lr']}, clip {meta['clip']}; {meta['warmup']} warm-up + {meta['steps']} measured steps",
+             f"{meta['lr']}, clip {meta['clip']}; {meta['warmup']} warm-up + {meta['steps']} measured steps; "
+             f"{meta.get('rounds', 1)} round(s) per variant, its rows alternating which runs first (step ms: the median "
+             "of the rounds' medians, min–max over every step; costs and memory from the first round)",
              "- step time: forward + backward + clipping + AdamW step, each step's slowest rank; per-rank cells read "
              "rank 0 / rank 1 / …",
              "- ratios sit on the paratrain rows: paratrain ÷ the torch row below it (RSS: max over ranks; p2p: sum "
@@ -513,7 +518,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         cells = [r["label"], spread, fmt(r["tokens_per_s"], ",.0f"), per_rank(r["peak_rss_delta_mb"], ".1f"),
                  per_rank(r["p2p_mb_per_step"], ".2f") if r["ranks"] > 1 else "—",
                  per_rank(r["idle_measured"], ".0%"), per_rank(sim["rank_bubble_fraction"], ".0%") if sim else "—",
-                 fmt(r.get("time_ratio"), ".2f"), fmt(r.get("rss_ratio"), ".2f"), fmt(r.get("p2p_ratio"), ".2f"),
+                 ratio_cell(r), fmt(r.get("rss_ratio"), ".2f"), fmt(r.get("p2p_ratio"), ".2f"),
                  fmt(r.get("loss_max_rel_diff"), ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += cost_table(rows)
@@ -568,6 +573,9 @@ def parse_args(argv=None):
     p.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of the interleaved / zb-v rows")
     p.add_argument("--variants", nargs="+", choices=list(make_variants(2)), default=list(make_variants(2)),
                    help="rows to run besides the single-process reference")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds per variant, its rows alternating which runs first; the time ratio is the median "
+                        "of the rounds' ratios")
     p.add_argument("--split-repeats", type=int, default=20,
                    help="measured rounds of the split-backward comparison (0: skip it)")
     add_common_args(p, micro_batch_default=2, micro_batch_help="sequences per micro-batch (b)")
@@ -575,8 +583,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="directory for pp-<time>.md and .json")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.pp < 2 or args.virtual_stages < 2:
-        p.error("--steps must be >= 1, --warmup >= 0, --pp >= 2, --virtual-stages >= 2")
+    if args.steps < 1 or args.warmup < 0 or args.pp < 2 or args.virtual_stages < 2 or args.rounds < 1:
+        p.error("--steps must be >= 1, --warmup >= 0, --pp >= 2, --virtual-stages >= 2, --rounds >= 1")
     if args.microbatches % args.pp or args.layers < args.pp * args.virtual_stages:
         p.error("--microbatches must be a multiple of --pp (interleaved), --layers >= pp × virtual stages")
     return args
@@ -589,7 +597,8 @@ def main(argv=None) -> int:
             "virtual_stages": args.virtual_stages}
     variants = make_variants(args.virtual_stages)
     rows = [run_row(SINGLE, args)]
-    rows += [run_row(spec, args) for variant in args.variants for spec in variants[variant]]
+    for variant in args.variants:
+        rows += run_rounds(list(variants[variant]), args.rounds, lambda spec: run_row(spec, args))
     if args.split_repeats > 0:
         print("  split backward of one stage, three ways ...", file=sys.stderr, flush=True)
         meta["split_backward"] = run_on_ranks(split_backward_rank, 1, args, timeout=args.timeout)[0]
