@@ -134,6 +134,50 @@ def test_a_model_that_is_not_paratrains(zero):
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
+class BranchModel(PlainModel):
+    """A branch taken only for batches holding some row that needs it: on some steps one rank's backward
+    reaches `extra` and the other's does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Linear(32, 32)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in self.extra.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        self.taken: list[bool] = []
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(self.emb(x)))
+        needs = (x[:, :1] < 12).float()[..., None]  # rows whose first token is small
+        self.taken.append(bool(needs.any()))
+        if self.taken[-1]:  # a row that does not need it gets nothing from it either way
+            h = h + needs * self.extra(h)
+        return self.head(h)
+
+
+def _branch_parity(rank, world, zero):
+    mesh = build_mesh(MeshShape(dp=world))
+    module = BranchModel()
+    model, optimizer = parallelize(module, mesh, optimizer=adamw, data=DataParallel(zero=zero, grad_reduction="sum"))
+    losses = parallel_run(model, optimizer, batches(), rank, world, lambda t: model.comm.all_reduce(t, "dp"))
+    return losses, {k: v.clone() for k, v in model.full_state_dict().items()}, module.taken
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_parameter_one_rank_reached_is_updated_on_every_rank(zero):
+    """The used flags are summed over the data ranks: a rank whose backward did not reach a parameter still
+    applies the gradient the other rank's backward made (and drops nothing another rank needs)."""
+    ref_losses, ref_params = reference_run(BranchModel(), batches())
+    results = run_on_ranks(_branch_parity, 2, zero, timeout=120)
+    taken = [r[2] for r in results]
+    assert any(a != b for a, b in zip(*taken)), "some step must take the branch on one rank only"
+    for losses, params, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def _hf_model():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

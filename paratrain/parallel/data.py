@@ -40,7 +40,7 @@ Hybrid sharding (a mesh with dp_replicate > 1): N above is the shard group
 (`Mesh.shard_axis`, dp_shard ranks). Each reduce-scatter within the group is
 followed by an all-reduce of the 1/N shard over dp_replicate (2·(Ψ/N)(R−1)/R
 more per reduction), and the all-gather of updated parameters stays within
-the group; the loss, the pre-division and the used mask are over all dp ranks.
+the group; the loss, the pre-division and the used flags are over all dp ranks.
 
 The shard layout is paratrain.parallel.shard's: rank r owns rows
 [r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
@@ -66,6 +66,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
+from paratrain.parallel.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
@@ -374,13 +375,14 @@ class DataParallelEngine:
         from earlier micro-batches or from none; all of them when every backward ran under no_sync),
         wait for every reduction, and point the master gradients at the reduced rows.
 
-        Returns, per master, how many data ranks reached it this step (the last step's counts when no
-        gradient came since).
+        Returns, per master, 1 if this rank's backward reached it this step, else 0 (the last step's
+        flags when no gradient came since); the model sums them over the data ranks in its agreement.
         """
+        device = self._used_mask.device
         if self.local:  # the gradients are where autograd left them; which exist is known on the host
             used = [s.param.grad is not None for s in self.slots]
             if any(used):
-                self._used_mask = self._mask_of(used)
+                self._used_mask = used_flags(used, device)
             return self._used_mask
         if not self._accumulating:
             return self._used_mask
@@ -388,19 +390,14 @@ class DataParallelEngine:
             self._start_backward()
         if self._in_backward:
             self._launch_ready_buckets(in_backward=False)
-        self._used_mask = self._mask_of(self._used)
-        mask_work = self.comm.all_reduce(self._used_mask, "dp", async_op=True)
+        self._used_mask = used_flags(self._used, device)
         while self._in_flight:
             self._land(self._in_flight.popleft())
         self._replica_sum.land()
-        self.comm.wait([b.work for b in self.buckets if self.stage == 0] + [mask_work], "dp")
+        self.comm.wait([b.work for b in self.buckets if self.stage == 0], "dp")
         self._assign_master_grads()
         self._in_backward = self._accumulating = False
         return self._used_mask
-
-    def _mask_of(self, flags: list[bool]) -> torch.Tensor:
-        """Per-master flags made on the host, as one host-to-device copy (never a read back: no sync)."""
-        return torch.tensor(flags, dtype=torch.float32, device="cpu").to(self._used_mask.device, non_blocking=True)
 
     def drop_gradients(self, indices: list[int]) -> None:
         for i in indices:

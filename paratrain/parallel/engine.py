@@ -9,8 +9,9 @@ as `paratrain.parallel.model.ParallelModel` drives it:
    collect gradients and launch their reductions while backward runs (overlap).
 2. `finish_gradients()`: wait for every reduction. Every master that some micro-batch reached
    on this rank has its final gradient (summed, or averaged, over the data ranks); the return
-   value counts, per master, the data ranks whose backward reached it (a device tensor, read
-   with the step's one mesh-wide agreement, not here: no host sync inside the engine).
+   value flags, per master, whether this rank's backward reached it (1) or not (0): a device
+   tensor, summed over the data ranks and read by the step's one mesh-wide agreement, not here
+   (no collective of its own, no host sync inside the engine).
 3. `drop_gradients(indices)`: the masters no data rank reached lose their gradient (None), so
    the optimizer leaves them alone exactly as one process would (AdamW would otherwise decay
    them).
@@ -52,7 +53,8 @@ class Engine(Protocol):
         """Backward passes inside accumulate locally; the next backward outside communicates all."""
 
     def finish_gradients(self) -> torch.Tensor:
-        """Wait for the gradient reductions; set master gradients; return per master the data ranks that reached it."""
+        """Wait for the gradient reductions; set master gradients; return per master 1 if this rank's backward
+        reached it this step, else 0 (the last step's flags when no gradient came since)."""
 
     def drop_gradients(self, indices: list[int]) -> None:
         """Remove the gradients of the masters at `indices` (no data rank reached them, or the step is skipped)."""
@@ -71,3 +73,9 @@ class Engine(Protocol):
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and separate masters that exist on this rank now (by storage)."""
+
+
+def used_flags(flags: list[bool], device) -> torch.Tensor:
+    """Per-master flags kept on the host while backward runs (no kernel per gradient), as one host-to-device
+    copy at the end (never a read back: no sync)."""
+    return torch.tensor(flags, dtype=torch.float32, device="cpu").to(device, non_blocking=True)

@@ -20,7 +20,8 @@ What each step does:
    exactly when a gradient is), then one all-reduce over every rank of the mesh
    carries each rank's flags (its own loss non-finite, its gradients non-finite, a stop
    request), the loss, its share of the global squared norm, the caller's counts and the
-   engine's per-master "used" counts, then one read to the host: the step's single host sync.
+   engine's per-master "used" flags (summed there: how many ranks reached each master), then one
+   read to the host: the step's single host sync.
    Every rank takes the same decision from the same numbers: skip (fp16 overflow, or a
    non-finite loss or gradient anywhere) or not, stop after this step or not; and every rank
    knows the global gradient norm.
@@ -106,7 +107,11 @@ class ParallelModel(nn.Module):
         self.scaler = LossScaler(enabled=precision.needs_loss_scaling)
         self.verdict: Verdict | None = None  # of the step under way, once agreed
         self._phase = _Phase.BACKWARD
-        self._used: torch.Tensor | None = None
+        self._used: torch.Tensor | None = None  # this rank's per-master flags from finish_gradients
+        # The agreement carries every stage's per-master flags side by side, each in a row of this many
+        # columns: at least this rank's masters on every stage (a master per parameter), no communication.
+        self._flag_width = len(engine.masters()) if pipeline is None else \
+            max(len(engine.masters()), len(pipeline.split.param_shapes))
         self._grad_norm = math.nan  # the agreed norm of the gradients as they are now (clipping scales it)
 
     @property
@@ -248,7 +253,11 @@ class ParallelModel(nn.Module):
         counts = counts or {}
         world, rank = self.mesh.size(WORLD), self.mesh.rank
         rows = len(_FLAGS) + len(counts)
-        table = torch.zeros(rows, world, dtype=torch.float64, device=self.device)
+        # Rows of one column per rank, then one row of per-master flags per pipeline stage.
+        flags_at = rows * world + self.mesh.coord("pp") * self._flag_width
+        flat = torch.zeros(rows * world + self.mesh.size("pp") * self._flag_width, dtype=torch.float64,
+                           device=self.device)
+        table = flat[:rows * world].view(rows, world)
         if result is not None:
             table[0, rank] = result.nonfinite.to(torch.float64)
             table[3, rank] = result.loss_sum.to(torch.float64)
@@ -259,12 +268,13 @@ class ParallelModel(nn.Module):
             table[4, rank] = share
         for i, value in enumerate(counts.values()):  # a tensor stays where it is until the one read below
             table[len(_FLAGS) + i, rank] = value.to(torch.float64) if torch.is_tensor(value) else float(value)
-        self.comm.all_reduce(table, WORLD)  # each rank wrote only its own column: a sum is a gather
         used = self._used
-        host = torch.cat([table.reshape(-1), used.to(torch.float64)]).tolist()  # the step's one host sync
+        flat[flags_at:flags_at + len(used)] = used  # summed over the stage's ranks: how many reached each master
+        self.comm.all_reduce(flat, WORLD)  # each rank wrote only its own column: a sum is a gather
+        host = flat.tolist()  # the step's one host sync
         table_host = [host[i * world:(i + 1) * world] for i in range(rows)]
         verdict = self._decide(table_host, list(counts))
-        unused = [i for i, count in enumerate(host[rows * world:]) if count == 0]
+        unused = [i for i, count in enumerate(host[flags_at:flags_at + len(used)]) if count == 0]
         self.engine.drop_gradients(list(range(len(used))) if verdict.skip else unused)
         self.verdict, self._phase, self._grad_norm = verdict, _Phase.AGREED, verdict.grad_norm
         return verdict

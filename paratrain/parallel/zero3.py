@@ -20,9 +20,8 @@ remaining parameters), on the dp axis (its shard group):
   tensor as a reference into the gathered buffer instead of keeping the buffer
   alive; unpacking re-gathers), and one reduce-scatter of the unit's gradients
   (in the reduce dtype) when autograd has every gradient of them;
-- `finish_gradients` (once per step, after the last backward): one all-reduce of a
-  per-parameter "used" mask (4 bytes per parameter tensor, negligible) so that a
-  parameter no rank used keeps grad None.
+- nothing more: which parameters some rank's backward reached (so that a parameter no
+  rank used keeps grad None) travels in the model's one agreement per step.
 
 With ring collectives this is 3·Ψ·(N−1)/N elements per rank per step, against
 2·Ψ·(N−1)/N for DDP. Gradient accumulation cannot defer the reduce-scatter
@@ -51,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
+from paratrain.parallel.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.replicas import ReplicaSum
 from paratrain.parallel.shard import row_range
@@ -179,7 +179,8 @@ class FullyShardedEngine:
         self._in_flight_limit = comm.reductions_in_flight()
         self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
         self._new_grads: dict[int, torch.Tensor] = {}
-        self._used = torch.zeros(len(self._shards), device=self._device())
+        self._used = [False] * len(self._shards)  # on the host while backward runs: no kernel per gradient
+        self._used_mask = torch.zeros(len(self._shards), device=self._device())
         # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
         self._accumulating = False
         self._outside_use: _OutsideUse | None = None
@@ -331,10 +332,10 @@ class FullyShardedEngine:
         """Launch the reduce-scatter of a unit's full gradients, free its buffer, land older ones."""
         if not self._accumulating:  # the first gradients of a step
             self._accumulating = True
-            self._used.zero_()
+            self._used = [False] * len(self._shards)
         for fp, grad in zip(unit.params, grads):
             if grad is not None:
-                self._used[fp.index] = 1
+                self._used[fp.index] = True
         self._free(unit)
         # The previous unit's reduce-scatter lands before this one's input is made: its input (and a
         # backend's copy of it: gloo copies the whole input) is freed first.
@@ -371,23 +372,24 @@ class FullyShardedEngine:
     def finish_gradients(self) -> torch.Tensor:
         """Land every reduce-scatter and set master grads (added to an existing grad: accumulation).
 
-        Returns, per master, how many data ranks produced a gradient for it this step; the
-        model drops the gradients of those no rank used (`drop_gradients`), as in one process,
-        so AdamW does not decay them. With no gradient since the last call, returns its counts.
+        Returns, per master, 1 if this rank produced a gradient for it this step, else 0; the model
+        sums them over the data ranks and drops the gradients of those no rank used
+        (`drop_gradients`), as in one process, so AdamW does not decay them. With no gradient since
+        the last call, returns its flags.
         """
         if not self._accumulating:
-            return self._used
+            return self._used_mask
         while self._in_flight:
             self._land(*self._in_flight.popleft())
         self._replica_sum.land()
-        self.comm.all_reduce(self._used, axis="dp")
+        self._used_mask = used_flags(self._used, self._device())
         for index, grad in self._new_grads.items():
             master = self._shards[index]
             master.grad = grad if master.grad is None else master.grad.add_(grad)
         self._new_grads.clear()
         self._free_all()  # units re-gathered for a backward that reduced none of their gradients
         self._accumulating = False
-        return self._used
+        return self._used_mask
 
     def drop_gradients(self, indices: list[int]) -> None:
         for i in indices:
