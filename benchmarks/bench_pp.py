@@ -286,9 +286,8 @@ def warm_process(spec: Spec, args) -> None:
     tiny = ModelConfig(vocab_size=args.vocab, dim=32, n_layers=args.pp * max(spec.virtual_stages, 1), n_heads=2,
                        n_kv_heads=2, ffn_dim=32, max_seq_len=args.seq)
     run = SETUPS[spec.framework](tiny, spec, args, ActionClock())
-    x, y = global_batch(0, args.microbatches, args)
-    m = args.microbatches
-    run.train(x[:m], y[:m])
+    x, y = global_batch(0, args.microbatches, args)  # a whole step's m micro-batches, as the measured steps
+    run.train(x, y)
     run.optimizer.step()
 
 
