@@ -357,6 +357,13 @@ def run_rounds(specs: list, rounds: int, run) -> list[dict]:
     return [merge_rounds(runs[i]) for i in range(len(specs))]
 
 
+def set_time_ratio(row: dict, ref: dict) -> None:
+    """`row`'s time ratio to `ref`: the median of the rounds' ratios, each between the two sides of one round."""
+    pairs = zip(row.get("round_step_s", [row["step_s"]]), ref.get("round_step_s", [ref["step_s"]]))
+    row["round_time_ratios"] = [mine / theirs for mine, theirs in pairs]
+    row["time_ratio"] = statistics.median(row["round_time_ratios"])
+
+
 def compare(rows: list[dict]) -> None:
     """Fill the paratrain rows' ratios against the PyTorch row of the same pair and world size.
 
@@ -367,9 +374,7 @@ def compare(rows: list[dict]) -> None:
         ref = by_key.get((r["pair"], r["ranks"], "pytorch"))
         if r["framework"] != "paratrain" or "error" in r or ref is None or "error" in ref:
             continue
-        pairs = zip(r.get("round_step_s", [r["step_s"]]), ref.get("round_step_s", [ref["step_s"]]))
-        r["round_time_ratios"] = [mine / theirs for mine, theirs in pairs]
-        r["time_ratio"] = statistics.median(r["round_time_ratios"])
+        set_time_ratio(r, ref)
         r["state_ratio"] = r["state_mb"] / ref["state_mb"]
         r["rss_ratio"] = r["peak_rss_delta_mb"] / ref["peak_rss_delta_mb"] if ref["peak_rss_delta_mb"] > 0 else None
         r["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))

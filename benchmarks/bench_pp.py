@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from bench_dp import (
     MB, add_common_args, adamw_factory, build_model, failure_notes, fmt, fmt_load, global_batch, model_config,
-    optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds, storage_bytes,
-    write_results,
+    optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds, set_time_ratio,
+    storage_bytes, write_results,
 )
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
@@ -465,9 +465,7 @@ def compare(rows: list[dict]) -> None:
         ref = torch_rows.get(r["variant"])
         if r["framework"] != "paratrain" or ref is None:
             continue
-        pairs = zip(r.get("round_step_s", [r["step_s"]]), ref.get("round_step_s", [ref["step_s"]]))
-        r["round_time_ratios"] = [mine / theirs for mine, theirs in pairs]  # each round's sides back to back
-        r["time_ratio"] = statistics.median(r["round_time_ratios"])
+        set_time_ratio(r, ref)
         r["rss_ratio"] = max(r["peak_rss_delta_mb"]) / max(ref["peak_rss_delta_mb"])
         r["p2p_ratio"] = sum(r["p2p_mb_per_step"]) / sum(ref["p2p_mb_per_step"])
         r["same_order_as_torch"] = action_order(r) == action_order(ref)
