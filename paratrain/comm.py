@@ -175,13 +175,7 @@ class Comm:
             mine = chunks[self.mesh.coord(axis)]
             if mine.data_ptr() != input.data_ptr():
                 mine.copy_(input.reshape(-1))
-            ranks = self.mesh.ranks(axis)
-            works = _Works([dist.broadcast(chunk, ranks[i], group=group, async_op=True) for i, chunk in enumerate(chunks)])
-            if async_op:
-                return works
-            with self._held(axis):
-                works.wait()
-            return None
+            return self._issue(axis, async_op, _broadcast_chunks, chunks, self.mesh.ranks(axis), group=group)
         return self._issue(axis, async_op, _all_gather, output, input, group=group)
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False):
@@ -307,6 +301,15 @@ def _is_own_chunk(output: torch.Tensor, input: torch.Tensor, index: int) -> bool
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _broadcast_chunks(chunks: torch.Tensor, ranks: list[int], group, async_op: bool = False):
+    """Chunk i broadcast from ranks[i], every broadcast in flight at once; as one work when `async_op`."""
+    works = _Works([dist.broadcast(chunk, ranks[i], group=group, async_op=True) for i, chunk in enumerate(chunks)])
+    if async_op:
+        return works
+    works.wait()
+    return None
 
 
 class _Works:
