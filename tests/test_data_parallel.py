@@ -13,12 +13,14 @@ from paratrain.testing import RankFailure, run_on_ranks
 from parallel_cases import TINY, adamw, batches, loss_sum, make_model, parallel_run, reference_run
 
 
-def _parity(rank, world, zero, micro, precision):
+def _parity(rank, world, zero, micro, precision, reduction="sum"):
+    """Under the mean reduction each rank's loss is N× its share of the global one (the engine divides by N)."""
     mesh = build_mesh(MeshShape(dp=world))
     model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, precision=precision,
-                                   data=DataParallel(zero=zero, grad_reduction="sum"))
+                                   data=DataParallel(zero=zero, grad_reduction=reduction))
     comm = model.comm
-    losses = parallel_run(model, optimizer, batches(), rank, world, lambda t: comm.all_reduce(t, "dp"), micro=micro)
+    losses = parallel_run(model, optimizer, batches(), rank, world, lambda t: comm.all_reduce(t, "dp"), micro=micro,
+                          loss_scale=world if reduction == "mean" else 1)
     return losses, {k: v.float() for k, v in model.full_state_dict().items()}
 
 
@@ -54,22 +56,12 @@ def test_gradient_accumulation_equals_one_big_batch(zero):
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def _parity_mean(rank, world, zero, micro, precision):
-    mesh = build_mesh(MeshShape(dp=world))
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, precision=precision,
-                                   data=DataParallel(zero=zero))  # mean: the default
-    comm = model.comm
-    losses = parallel_run(model, optimizer, batches(), rank, world, lambda t: comm.all_reduce(t, "dp"), micro=micro,
-                          loss_scale=world)
-    return losses, {k: v.float() for k, v in model.full_state_dict().items()}
-
-
 @pytest.mark.parametrize("zero", STAGES)
 def test_mean_reduction_with_accumulation_equals_one_process(zero):
     """The default reduction averages over data ranks: every micro-batch's gradient is divided once, whether
     it is the first written into a bucket or added to it (each rank's loss is N× its share of the global one)."""
     ref_losses, ref_params = reference()
-    losses, params = run_on_ranks(_parity_mean, 2, zero, 1, "fp32", timeout=120)[0]
+    losses, params = run_on_ranks(_parity, 2, zero, 1, "fp32", "mean", timeout=120)[0]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
@@ -79,7 +71,7 @@ def test_mean_reduction_with_accumulation_equals_one_process(zero):
 def test_mean_reduction_of_bf16_gradients_equals_the_sum(zero):
     """bf16 gradients reduced in fp32: widened before they are divided, and a division by 2 of a loss made
     2× larger is exact, so averaging gives the summed run's numbers exactly."""
-    mean_losses, mean_params = run_on_ranks(_parity_mean, 2, zero, 1, "bf16", timeout=120)[0]
+    mean_losses, mean_params = run_on_ranks(_parity, 2, zero, 1, "bf16", "mean", timeout=120)[0]
     sum_losses, sum_params = run_on_ranks(_parity, 2, zero, 1, "bf16", timeout=120)[0]
     assert mean_losses == sum_losses
     for name, value in sum_params.items():
