@@ -99,6 +99,9 @@ def _train(case: Case, mesh):
         model.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        reductions = {axis: kinds["all_reduce"]["calls"] for axis, kinds in model.comm.summary().items()
+                      if "all_reduce" in kinds}  # the whole step's
+        sent[-1] += (reductions,)
         losses.append(model.comm_sum(loss_sum.double()).item() / tokens)
     return losses, model.full_state_dict(), sent
 
@@ -158,6 +161,13 @@ def test_point_to_point_bytes_match_theory(name):
     assert sum(sent[0][0] for sent in per_rank) == boundary // case.tp + (stages - 1) * 8 * 8
     if case.tp > 1 and not case.sp:  # every tp all-gather is a received boundary tensor's: (t−1)/t of it
         assert sum(sent[1][1] for sent in per_rank) == boundary * (case.tp - 1) // case.tp
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.dp == c.tp == 1])
+def test_a_step_reduces_once_over_the_mesh(name):
+    """The loss of the last stage reaches the other stages in the step's agreement: no all-reduce of its own."""
+    for i, (_, _, sent) in enumerate(_results(CASES[name].world, name)):
+        assert [step[2] for step in sent] == [{"world": 1}] * len(sent), f"rank {i}"
 
 
 # -- splitting and errors (no processes) ----------------------------------------------------------

@@ -19,7 +19,8 @@ What each step does:
 3. `agree`: this rank's squared gradient norm is taken on the device (it is inf or nan
    exactly when a gradient is), then one all-reduce over every rank of the mesh
    carries each rank's flags (its own loss non-finite, its gradients non-finite, a stop
-   request), the loss, its share of the global squared norm, the caller's counts and the
+   request), the loss (a pipeline's from its last stage, so every stage learns it here), its
+   share of the global squared norm, the caller's counts and the
    engine's per-master "used" flags (summed there: how many ranks reached each master), then one
    read to the host: the step's single host sync.
    Every rank takes the same decision from the same numbers: skip (fp16 overflow, or a
@@ -63,7 +64,10 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class StepResult:
     """What the forward and backward passes of one step left behind, on the device (no host sync)."""
 
-    loss_sum: torch.Tensor  # Σ token losses of this data rank's micro-batches (fp64), the same on every stage
+    # Σ token losses of this data rank's micro-batches (fp64). Under pipeline parallelism only the last
+    # stage computes it: the other stages hold 0 until the step is agreed, when the agreement has
+    # brought the last stage's sum to every stage (written here then; read it after optimizer.step()).
+    loss_sum: torch.Tensor
     nonfinite: torch.Tensor  # this rank computed a non-finite loss itself (bool)
 
 
@@ -106,6 +110,7 @@ class ParallelModel(nn.Module):
         self.pipeline = pipeline  # a PipelineRunner when this rank holds pipeline stages
         self.scaler = LossScaler(enabled=precision.needs_loss_scaling)
         self.verdict: Verdict | None = None  # of the step under way, once agreed
+        self._result: StepResult | None = None  # train_step's, for an agreement its caller does not pass it to
         self._phase = _Phase.BACKWARD
         self._used: torch.Tensor | None = None  # this rank's per-master flags from finish_gradients
         # The agreement carries every stage's per-master flags side by side, each in a row of this many
@@ -198,7 +203,8 @@ class ParallelModel(nn.Module):
         loss_fn = loss_fn or self.loss_fn
         self._phase = _Phase.BACKWARD
         if self.pipeline is not None:
-            return self.pipeline.run(micro_batches, normalizer, loss_fn, self)
+            self._result = self.pipeline.run(micro_batches, normalizer, loss_fn, self)
+            return self._result
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -207,7 +213,8 @@ class ParallelModel(nn.Module):
                                        labels.to(self.device, non_blocking=True))
                 self.scale_loss(token_losses / normalizer).backward()
             loss_sum += token_losses.detach()
-        return StepResult(loss_sum, ~torch.isfinite(loss_sum))
+        self._result = StepResult(loss_sum, ~torch.isfinite(loss_sum))
+        return self._result
 
     # -- 2. gradients final ---------------------------------------------------------------------
     @torch.no_grad()
@@ -245,11 +252,14 @@ class ParallelModel(nn.Module):
               counts: dict[str, float] | None = None) -> Verdict:
         """One all-reduce over every rank, one read to the host; every rank decides the same.
 
-        `result` is `train_step`'s (None in a user's own loop: no loss to check); `stop` this
-        rank's request to stop after the step; `counts` numbers of this data rank to sum over the
-        data ranks (e.g. tokens) and to report per rank (e.g. peak memory).
+        `result` is `train_step`'s (None: the last `train_step`'s of this step, if any; a user's own
+        loop calling backward has no loss to check); `stop` this rank's request to stop after the
+        step; `counts` numbers of this data rank to sum over the data ranks (e.g. tokens) and to
+        report per rank (e.g. peak memory). Under pipeline parallelism the result's `loss_sum` is
+        set on every stage to the last stage's: the loss rides this all-reduce, not one of its own.
         """
         self.finish_gradients()
+        result = result if result is not None else self._result
         counts = counts or {}
         world, rank = self.mesh.size(WORLD), self.mesh.rank
         rows = len(_FLAGS) + len(counts)
@@ -274,6 +284,8 @@ class ParallelModel(nn.Module):
         host = flat.tolist()  # the step's one host sync
         table_host = [host[i * world:(i + 1) * world] for i in range(rows)]
         verdict = self._decide(table_host, list(counts))
+        if result is not None and self.pipeline is not None:  # the last stage's sum, on every stage (no sync)
+            result.loss_sum.fill_(math.fsum(table_host[3][r] for r in self.mesh.ranks("pp")))
         unused = [i for i, count in enumerate(host[flags_at:flags_at + len(used)]) if count == 0]
         self.engine.drop_gradients(list(range(len(used))) if verdict.skip else unused)
         self.verdict, self._phase, self._grad_norm = verdict, _Phase.AGREED, verdict.grad_norm
@@ -303,12 +315,14 @@ class ParallelModel(nn.Module):
         own = tuple(r for r, flag in enumerate(loss_bad) if flag)
         overflow = self.scaler.enabled and any(grads_bad) and not own
         culprits = own or (() if self.scaler.enabled else tuple(r for r, flag in enumerate(grads_bad) if flag))
-        # A data rank's values are written by every rank of its stage and tp group: count one of each.
-        once = [r for r in range(len(loss)) if self.mesh.shape.coords(r)["tp"] == 0
-                and self.mesh.shape.coords(r)["pp"] == 0]
+        # A data rank's values are written by every rank of its stage and tp group: count one of each. Its
+        # loss only by its last pipeline stage (the other stages write 0): summed over the stages.
+        coords = [self.mesh.shape.coords(r) for r in range(len(loss))]
+        once = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0]
+        losses = [r for r, c in enumerate(coords) if c["tp"] == 0]
         rows = dict(zip(names, table[len(_FLAGS):]))
         return Verdict(skip=overflow or bool(culprits), overflow=overflow, nonfinite_ranks=culprits,
-                       stop=any(stop), loss_sum=sum(loss[r] for r in once), grad_norm=math.sqrt(math.fsum(grad_sq)),
+                       stop=any(stop), loss_sum=math.fsum(loss[r] for r in losses), grad_norm=math.sqrt(math.fsum(grad_sq)),
                        sums={name: sum(row[r] for r in once) for name, row in rows.items()},
                        per_rank={name: tuple(row) for name, row in rows.items()})
 
@@ -342,7 +356,7 @@ class ParallelModel(nn.Module):
         """Parameters up to date with the masters; the fp16 loss scaler adapts; the next step may begin."""
         self.scaler.update(self.verdict.overflow if self.verdict is not None else False)
         self.engine.after_step()
-        self.verdict, self._phase = None, _Phase.BACKWARD
+        self.verdict, self._result, self._phase = None, None, _Phase.BACKWARD
 
     def _before_optimizer_step(self, *_) -> None:
         self.prepare_step()  # a user's own loop: finish and agree here (the trainer did it already)

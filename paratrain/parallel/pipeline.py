@@ -114,8 +114,9 @@ class PipelineRunner:
         """Forward and backward of every (inputs, labels) micro-batch in schedule order; a `StepResult`.
 
         Each micro-batch's loss is `loss_fn(output, labels) / normalizer` on the last stage. The
-        token-loss sum of this data rank's micro-batches is all-reduced over pp, so every stage
-        reports it; the non-finite flag is the last stage's own.
+        result holds this rank's own token-loss sum and non-finite flag: the last stage's are the
+        step's, the other stages' zero and false. No collective of its own: the step's agreement
+        carries the last stage's sum to every stage (`ParallelModel.agree`).
         """
         from paratrain.parallel.model import StepResult
 
@@ -136,9 +137,7 @@ class PipelineRunner:
                     self._backward(action, slots, schedule.split_backward, inbox, outbox)
                 else:
                     self._weight_backward(action, slots)
-        nonfinite = ~torch.isfinite(loss_sum)  # before the sum over pp: this rank's own loss only
-        self.comm.all_reduce(loss_sum, "pp")  # only the last stage contributed
-        return StepResult(loss_sum, nonfinite)
+        return StepResult(loss_sum, ~torch.isfinite(loss_sum))
 
     def _walk(self, schedule: Schedule, shapes: dict):
         """This rank's actions in order, the groups of transfers between them done on the way.

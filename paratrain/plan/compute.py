@@ -56,6 +56,9 @@ __all__ = ["HARDWARE_PRESETS", "AxisCollectives", "Collective", "GemmCurve", "Ha
 
 _RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+# B + W of a split backward (zero-bubble) over one whole backward of a stage: each matmul's two
+# products are split between them, the graph is walked twice (benchmarks/bench_split_backward.py).
+SPLIT_BACKWARD_COST = 1.08
 LOSS_BYTES = 4  # fp32 scalars: the vocab-parallel cross-entropy's row maxima and sums, norms, flags
 
 
@@ -296,19 +299,11 @@ def pp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]
 def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
     """The step's small agreement collectives, per axis, as paratrain's step runs them.
 
-    One all-reduce over every rank (non-finite flags, loss, stop requests), and for the global
-    gradient norm: over the ranks that shard the gradients when ZeRO does (ZeRO ≥ 1: dp, or the
-    shard group under hybrid sharding, whose replicas hold the same shards), over tp when
-    weights are, and over pp (stages hold different layers) with the pipeline's loss sum.
+    One all-reduce over every rank (`ParallelModel.agree`): per rank its non-finite flags, stop
+    request, loss (a pipeline's from its last stage) and share of the global squared gradient
+    norm (whatever the layout shards), and per stage how many ranks reached each parameter.
     """
-    out: dict[str, list[Collective]] = {"world": [Collective("all_reduce", 64.0, layout.world_size)]}
-    if layout.zero >= 1:
-        out[layout.data_axes[0]] = [Collective("all_reduce", LOSS_BYTES, layout.shard_ranks)]
-    if layout.tp > 1:
-        out["tp"] = [Collective("all_reduce", LOSS_BYTES, layout.tp)]
-    if layout.pp > 1:
-        out["pp"] = [Collective("all_reduce", LOSS_BYTES, layout.pp, 2)]
-    return out
+    return {"world": [Collective("all_reduce", 64.0, layout.world_size)]}
 
 
 def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
@@ -426,8 +421,8 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
         if stage == lay.pp - 1:
             times += head_times(hardware, x, vocab_parallel=lay.tp > 1)
     if lay.schedule is ScheduleName.ZB_H1 and lay.pp > 1:
-        # paratrain's runtime computes weight gradients by a second backward through the stage
-        times = PassTimes(times.forward, times.backward * 1.5)
+        # B and W split one backward's products between them; walking the graph twice costs a little more
+        times = PassTimes(times.forward, times.backward * SPLIT_BACKWARD_COST)
     return times.scaled(1 / hardware.compute_share(lay.world_size))
 
 
@@ -512,8 +507,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     slowest stage plus a bubble of (p − 1)/v of them, i.e. a bubble fraction
     (p − 1)/(m + p − 1) for GPipe and 1F1B, divided by v interleaved (Narayanan et al. 2021).
     ZB-H1 fills two thirds of 1F1B's bubble (forward, input-gradient and weight-gradient passes
-    of equal cost; Qi et al. 2023), and paratrain's runtime computes its weight gradients by a
-    second backward through the stage, costed here as half a backward more.
+    of equal cost; Qi et al. 2023); its split backward costs `SPLIT_BACKWARD_COST` backwards.
     """
     lay = layout
     m = lay.num_microbatches(workload.global_batch)
