@@ -3,6 +3,7 @@ the plan applied to the reference model against one process, communication and m
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -87,6 +88,26 @@ def _primitives_case(rank, world):
     (y * mine).sum().backward()
     _close(y, full, "copy_to_tp forward")
     _close(x.grad, per_rank.sum(0), "copy_to_tp backward all-reduces")
+
+    # A gradient autograd hands to another branch as well (an add passes its own to both inputs) is
+    # summed in a copy: the other branch, a leaf or an op reading it later, keeps its own.
+    for other in (lambda z: z, lambda z: z * 3.0):
+        x, z = full.clone().requires_grad_(), full.clone().requires_grad_()
+        zz = other(z)  # made first, so its backward runs after copy_to_tp's (autograd runs later nodes first)
+        ((copy_to_tp(x, comm, "tp") + zz) * mine).sum().backward()
+        _close(x.grad, per_rank.sum(0), "copy_to_tp backward of a shared gradient")
+        _close(z.grad, other(mine), "the other branch of a shared gradient")
+    # What the layers of a region make (wq, wk and wv's input gradients, summed), nothing else holds:
+    # summed where it lies, no copy.
+    x, w = full.clone().requires_grad_(), torch.randn(3, full.shape[-1], 5, generator=g)
+    gy = torch.randn(3, *full.shape[:-1], 5, generator=g) + rank
+    h = copy_to_tp(x * 1.0, comm, "tp")  # (not a leaf: a leaf's first gradient may be copied into .grad)
+    ys, grads = [h @ w[i] for i in range(3)], [gy[i].clone() for i in range(3)]
+    with _OpCounter() as ops:
+        torch.autograd.backward(ys, grads)
+    assert ops.counts["aten.clone.default"] == ops.counts["aten.copy_.default"] == 0, ops.counts
+    expected = sum((world * (gy[i] - rank) + sum(range(world))) @ w[i].T for i in range(3))
+    _close(x.grad, expected, "copy_to_tp backward in place")
 
     x = mine.clone().requires_grad_()
     y = reduce_from_tp(x, comm, "tp")
@@ -229,6 +250,18 @@ def _cross_entropy_case(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_cross_entropy_matches_full(world):
     run_on_ranks(_cross_entropy_case, world, timeout=60)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops that run, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class _ShapeRecorder(TorchDispatchMode):

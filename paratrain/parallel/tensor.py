@@ -100,6 +100,23 @@ def _all_reduce(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return out
 
 
+def _all_reduce_grad(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    """A gradient summed over `axis`: in place when this backward holds it alone, else in a copy.
+
+    Autograd can hand one gradient tensor to several branches (an add passes its gradient to both
+    of its inputs as it is); summing it in place would change it for the others too. Alone means
+    what autograd checks before accumulating into a gradient in place: nothing else references
+    the tensor and no other tensor shares its storage (not a view or an expand, not saved for
+    another backward). What enters a region is most often its layers' matmuls' fresh output: no copy.
+    """
+    # The storage count includes the reference that untyped_storage() makes to answer.
+    if grad.is_contiguous() and grad._use_count() == 1 and \
+            torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2:
+        comm.all_reduce(grad, axis)
+        return grad
+    return _all_reduce(grad, comm, axis)
+
+
 # -- differentiable primitives, named by both passes --------------------------------------------
 
 class _TwoPasses(torch.autograd.Function):
@@ -121,7 +138,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 def copy_to_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     """Forward identity, backward all-reduce over `axis`: a replicated input enters a tp region."""
-    return _TwoPasses.apply(x, _identity, partial(_all_reduce, comm=comm, axis=axis))
+    return _TwoPasses.apply(x, _identity, partial(_all_reduce_grad, comm=comm, axis=axis))
 
 
 class _ReduceInPlace(torch.autograd.Function):
@@ -145,7 +162,7 @@ def reduce_from_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
 
     `x` is summed in place (no copy): it must be a partial output made for this sum, as a parallel
     layer's matmul or embedding output is, that nothing else reads. (A gradient entering a region
-    is reduced in a copy: autograd may hand the same gradient tensor to another branch too.)
+    is summed in place only when nothing else holds it: `_all_reduce_grad`.)
     """
     return _ReduceInPlace.apply(x, comm, axis)
 
