@@ -458,6 +458,16 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+def doc_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose help is a script's docstring: its first paragraph, the options (with their
+    defaults), then the rest after the examples."""
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    intro, _examples, rest = doc.split("\n\n", 2)
+    return argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+
+
 def add_common_args(p: argparse.ArgumentParser, micro_batch_default: int, micro_batch_help: str) -> None:
     """The options every benchmark shares: run length, model shape, data, optimizer, seed, timeout."""
     p.add_argument("--steps", type=int, default=10, help="measured optimizer steps")
@@ -478,11 +488,7 @@ def add_common_args(p: argparse.ArgumentParser, micro_batch_default: int, micro_
 
 
 def parse_args(argv=None):
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    intro, _examples, rest = __doc__.split("\n\n", 2)
-    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p = doc_parser(__doc__)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to run, one launch per variant each")
     p.add_argument("--variants", nargs="+", choices=list(PAIRS), default=list(PAIRS),
                    help="pairs to run (each runs its paratrain and its PyTorch side)")

@@ -27,7 +27,6 @@ needs less). Results: benchmarks/results/memory-<time>.md and .json.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -40,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench_dp import (
-    MB, PAIRS, add_common_args, build_model, fmt, fmt_load, failure_notes, machine, model_config, proc_status_kb,
-    setup_paratrain, setup_pytorch, warm_process, write_results,
+    MB, PAIRS, add_common_args, build_model, doc_parser, fmt, fmt_load, failure_notes, machine, model_config,
+    proc_status_kb, setup_paratrain, setup_pytorch, warm_process, write_results,
 )
 from paratrain.peak_memory import CATEGORIES, TensorMemory, return_freed_memory
 from paratrain.testing import RankError, run_on_ranks
@@ -178,11 +177,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def parse_args(argv=None):
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    intro, _examples, rest = __doc__.split("\n\n", 2)
-    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p = doc_parser(__doc__)
     p.add_argument("--models", nargs="+", choices=["linear", "transformer"], default=["linear", "transformer"],
                    help="models to run")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes, one launch per variant each")

@@ -24,7 +24,6 @@ Pairs (each benchmark's default model and sizes):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -41,7 +40,7 @@ import bench_dp  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_pp  # noqa: E402
 import bench_tp  # noqa: E402
-from bench_dp import fmt_load, machine, write_results  # noqa: E402
+from bench_dp import doc_parser, fmt_load, machine, write_results  # noqa: E402
 from paratrain.testing import RankError, run_on_ranks  # noqa: E402
 
 PAIRS = ([f"dp-{p}" for p in ("ddp", "zero1", "zero2", "zero3")]
@@ -51,6 +50,13 @@ PAIRS = ([f"dp-{p}" for p in ("ddp", "zero1", "zero2", "zero3")]
 
 
 # ---------------------------------------------------------------- each benchmark's two sides
+def optimizer_step(run, clip: float) -> None:
+    """Clipping, the optimizer's step, gradients released: the end of every step (bench_dp's and bench_pp's runners)."""
+    run.clip(clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
 def dp_sides(pair: str, rank: int, world: int, microbatches: int) -> dict:
     args = bench_dp.parse_args([])
     sides = {}
@@ -61,11 +67,10 @@ def dp_sides(pair: str, rank: int, world: int, microbatches: int) -> dict:
         run.close()  # PyTorch's side: its communication counters off (they would count paratrain's calls too)
 
         def step(i, run=run):
-            x, y = (t[rank * args.micro_batch:(rank + 1) * args.micro_batch] for t in bench_dp.global_batch(i, world, args))
+            rows = slice(rank * args.micro_batch, (rank + 1) * args.micro_batch)
+            x, y = (t[rows] for t in bench_dp.global_batch(i, world, args))
             F.cross_entropy(run.model(x).flatten(0, 1).float(), y.flatten()).backward()
-            run.clip(args.clip)
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(run, args.clip)
         sides[spec.framework] = step
     return sides
 
@@ -78,9 +83,7 @@ def pp_sides(variant: str, rank: int, world: int, microbatches: int) -> dict:
 
         def step(i, run=run):
             run.train(*bench_pp.global_batch(i, args.microbatches, args))
-            run.clip(args.clip)
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(run, args.clip)
         sides[spec.framework] = step
     return sides
 
@@ -176,11 +179,7 @@ def markdown(rows: list[dict], meta: dict, args) -> str:
 
 
 def parse_args(argv=None):
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    intro, _examples, rest = __doc__.split("\n\n", 2)
-    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p = doc_parser(__doc__)
     p.add_argument("--pairs", nargs="+", choices=PAIRS, default=PAIRS, metavar="PAIR",
                    help=f"pairs to run, one launch each: {' '.join(PAIRS)}")
     p.add_argument("--ranks", type=int, default=2, help="processes of the dp-, tp- and overhead- pairs")

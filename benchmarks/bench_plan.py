@@ -27,7 +27,6 @@ results list every launch's numbers, kept or not. Neither check looks at the ste
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -40,6 +39,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from bench_dp import doc_parser
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
@@ -238,11 +238,7 @@ def fmt_load(load) -> str:
 
 
 def parse_args(argv=None):
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    intro, _examples, rest = __doc__.split("\n\n", 2)
-    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p = doc_parser(__doc__)
     p.add_argument("--layouts", nargs="+", choices=list(CASES), default=list(CASES), help="layouts to run")
     p.add_argument("--hardware", help="an existing profile (JSON) instead of calibrating first")
     p.add_argument("--rounds", type=int, default=2, help="rounds over the layouts")

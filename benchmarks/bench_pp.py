@@ -21,7 +21,6 @@ stage's split backward three ways (full, paratrain's zb-h1 B + W, torch's). See 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import os
@@ -36,9 +35,9 @@ import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 
 from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, failure_notes, fmt, fmt_load, global_batch, model_config,
-    optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds, set_time_ratio,
-    storage_bytes, write_results,
+    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, global_batch,
+    model_config, optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds,
+    set_time_ratio, storage_bytes, write_results,
 )
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
@@ -560,11 +559,7 @@ def footnotes(rows: list[dict]) -> list[str]:
 
 
 def parse_args(argv=None):
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    intro, _examples, rest = __doc__.split("\n\n", 2)
-    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p = doc_parser(__doc__)
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (m)")
     p.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of the interleaved / zb-v rows")

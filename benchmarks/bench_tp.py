@@ -19,7 +19,6 @@ benchmarks/README.md for what each column means and how bytes are counted.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import os
@@ -40,8 +39,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, failure_notes, fmt, fmt_load, global_batch, model_config,
-    optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes, write_results,
+    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, global_batch,
+    model_config, optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes,
+    write_results,
 )
 from paratrain.comm import Comm
 from paratrain.mesh import MeshShape, build_mesh
@@ -409,11 +409,7 @@ def details(rows: list[dict]) -> list[str]:
 
 
 def parse_args(argv=None):
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    intro, _examples, rest = __doc__.split("\n\n", 2)
-    p = argparse.ArgumentParser(description=intro, epilog=rest, formatter_class=Formatter)
+    p = doc_parser(__doc__)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (ranks per row)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="rows to run besides the single-process reference")
