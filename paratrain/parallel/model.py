@@ -322,7 +322,8 @@ class ParallelModel(nn.Module):
         losses = [r for r, c in enumerate(coords) if c["tp"] == 0]
         rows = dict(zip(names, table[len(_FLAGS):]))
         return Verdict(skip=overflow or bool(culprits), overflow=overflow, nonfinite_ranks=culprits,
-                       stop=any(stop), loss_sum=math.fsum(loss[r] for r in losses), grad_norm=math.sqrt(math.fsum(grad_sq)),
+                       stop=any(stop), loss_sum=math.fsum(loss[r] for r in losses),
+                       grad_norm=math.sqrt(math.fsum(grad_sq)),
                        sums={name: sum(row[r] for r in once) for name, row in rows.items()},
                        per_rank={name: tuple(row) for name, row in rows.items()})
 
