@@ -93,15 +93,15 @@ def _train(case: Case, mesh):
         tokens = model.comm_sum(torch.tensor(float((y != -100).sum()), dtype=torch.float64)).item()
         model.comm.reset()
         loss_sum = model.train_step(micro_batches, tokens).loss_sum
-        summary = model.comm.summary()
-        sent.append((summary.get("pp", {}).get("send", {}).get("bytes", 0),
-                     summary.get("tp", {}).get("all_gather", {}).get("bytes", 0)))
+        summary = model.comm.summary()  # of the forward and backward passes
+        transfers = (summary.get("pp", {}).get("send", {}).get("bytes", 0),
+                     summary.get("tp", {}).get("all_gather", {}).get("bytes", 0))
         model.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reductions = {axis: kinds["all_reduce"]["calls"] for axis, kinds in model.comm.summary().items()
                       if "all_reduce" in kinds}  # the whole step's
-        sent[-1] += (reductions,)
+        sent.append((*transfers, reductions))
         losses.append(model.comm_sum(loss_sum.double()).item() / tokens)
     return losses, model.full_state_dict(), sent
 

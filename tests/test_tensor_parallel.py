@@ -103,7 +103,7 @@ def _primitives_case(rank, world):
     gy = torch.randn(3, *full.shape[:-1], 5, generator=g) + rank
     h = copy_to_tp(x * 1.0, comm, "tp")  # (not a leaf: a leaf's first gradient may be copied into .grad)
     ys, grads = [h @ w[i] for i in range(3)], [gy[i].clone() for i in range(3)]
-    with _OpCounter() as ops:
+    with _Recorder() as ops:
         torch.autograd.backward(ys, grads)
     assert ops.counts["aten.clone.default"] == ops.counts["aten.copy_.default"] == 0, ops.counts
     expected = sum((world * (gy[i] - rank) + sum(range(world))) @ w[i].T for i in range(3))
@@ -252,26 +252,17 @@ def test_vocab_parallel_cross_entropy_matches_full(world):
     run_on_ranks(_cross_entropy_case, world, timeout=60)
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the ops that run, by name."""
+class _Recorder(TorchDispatchMode):
+    """Records every op that runs (forward, loss, backward, collectives): how often each runs, by name,
+    and the shape of every tensor it creates."""
 
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class _ShapeRecorder(TorchDispatchMode):
-    """Records the shape of every tensor any op creates (forward, loss, backward, collectives)."""
-
-    def __init__(self):
-        super().__init__()
         self.shapes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
@@ -283,7 +274,7 @@ NO_FULL_VOCAB = ModelConfig(vocab_size=256, dim=32, n_layers=1, n_heads=4, n_kv_
 
 
 def _training_step_shapes(model, loss_fn, x, y):
-    recorder = _ShapeRecorder()
+    recorder = _Recorder()
     with recorder:
         loss_fn(model(x), y).backward()
     return recorder.shapes
