@@ -7,17 +7,38 @@ is the sum of token losses over the global token count on both sides.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+# Test-only use of a private torch module: the one way to see every op, and every tensor it creates.
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.models import ModelConfig, Transformer
 from paratrain.testing import run_on_ranks
 
 TINY = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS, BATCH, SEQ, LR = 20, 8, 16, 1e-2
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every op that runs (forward, loss, backward, collectives): how often each runs, by name,
+    and the shape of every tensor it creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
 
 
 def launch_once(cache: dict, world: int, fn, *args, timeout: float = 600):

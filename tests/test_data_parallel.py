@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 import torch
+from torch import nn
 
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import RankFailure, run_on_ranks
-from parallel_cases import TINY, adamw, batches, loss_sum, make_model, parallel_run, reference_run
+from parallel_cases import TINY, OpRecorder, adamw, batches, loss_sum, make_model, parallel_run, reference_run
 
 
 def _parity(rank, world, zero, micro, precision, reduction="sum"):
@@ -274,3 +276,53 @@ def test_accumulation_holds_each_gradient_once(zero):
         assert in_grad == []
         expected = psi * 4 / (2 if zero == 2 else 1)
         assert grad_bytes == pytest.approx(expected, rel=0.05)  # padding of row chunks only
+
+
+SMALL_LAYERS, SMALL_WIDTH = 32, 8
+# The ops by which the engine writes gradients into its buckets (autograd's own backward makes none of them).
+BUCKET_WRITES = ("aten.copy_.default", "aten.add_.Tensor", "aten.mul.out", "aten.mul_.Scalar",
+                 "aten._foreach_copy_.default", "aten._foreach_mul_.Scalar", "aten._foreach_add_.List")
+
+
+def _small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(SMALL_WIDTH, SMALL_WIDTH) for _ in range(SMALL_LAYERS)))
+
+
+def _small_rows(rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + micro)
+    return torch.randn(3, SMALL_WIDTH, generator=g), torch.randn(3, SMALL_WIDTH, generator=g)
+
+
+def _small_gradient_writes(rank, world, zero):
+    mesh = build_mesh(MeshShape(dp=world))
+    model, _ = parallelize(_small_net(), mesh, optimizer=adamw, data=DataParallel(zero=zero, grad_reduction="mean"))
+    with OpRecorder() as ops:
+        for micro in range(2):  # the first accumulates, the second reduces
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                x, y = _small_rows(rank, micro)
+                ((model(x) - y) ** 2).sum().backward()
+    model.finish_gradients()
+    grads = {name: (rows, master.grad.clone()) for (name, rows, _), master
+             in zip(model.engine.master_rows(), model.engine.masters())}
+    return {op: ops.counts[op] for op in BUCKET_WRITES if ops.counts[op]}, grads
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_small_gradients_are_written_a_batch_at_a_time(zero):
+    """64 small parameters, two backward passes: the engine writes their gradients into its buckets with a
+    few foreach kernels (copies, their division by N, adds), not one or two launched from Python for each
+    parameter; the reduced gradients are one process's mean of the ranks' (each rank's rows under ZeRO)."""
+    world = 2
+    reference = _small_net()
+    for rank in range(world):
+        for micro in range(2):
+            x, y = _small_rows(rank, micro)
+            (((reference(x) - y) ** 2).sum() / world).backward()
+    expected = dict(reference.named_parameters())
+    for writes, grads in run_on_ranks(_small_gradient_writes, world, zero, timeout=120):
+        # A handful per backward (ZeRO-2's own copies and adds of the reduced shard included): one per
+        # parameter would be 64 in each.
+        assert sum(writes.values()) <= 4 * 2, writes
+        for name, ((lo, hi), grad) in grads.items():
+            torch.testing.assert_close(grad, expected[name].grad[lo:hi], rtol=1e-5, atol=1e-6, msg=name)

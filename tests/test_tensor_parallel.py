@@ -3,15 +3,12 @@ the plan applied to the reference model against one process, communication and m
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-# Test-only use of a private torch module: the one way to see every tensor an op creates.
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh, MeshShape, build_mesh
@@ -24,7 +21,7 @@ from paratrain.parallel.tensor import (
 )
 from paratrain.parallel.tp_plan import LLAMA_SP_PLAN, LLAMA_TP_PLAN, Colwise, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
-from parallel_cases import BATCH, SEQ, STEPS, TINY, adamw, batches, launch_once, make_model
+from parallel_cases import BATCH, SEQ, STEPS, TINY, OpRecorder, adamw, batches, launch_once, make_model
 
 # kv heads must divide by tp: tp=4 runs the same shape with 8 query / 4 kv heads.
 CONFIGS = {2: TINY, 4: dataclasses.replace(TINY, n_heads=8, n_kv_heads=4)}
@@ -103,7 +100,7 @@ def _primitives_case(rank, world):
     gy = torch.randn(3, *full.shape[:-1], 5, generator=g) + rank
     h = copy_to_tp(x * 1.0, comm, "tp")  # (not a leaf: a leaf's first gradient may be copied into .grad)
     ys, grads = [h @ w[i] for i in range(3)], [gy[i].clone() for i in range(3)]
-    with _Recorder() as ops:
+    with OpRecorder() as ops:
         torch.autograd.backward(ys, grads)
     assert ops.counts["aten.clone.default"] == ops.counts["aten.copy_.default"] == 0, ops.counts
     expected = sum((world * (gy[i] - rank) + sum(range(world))) @ w[i].T for i in range(3))
@@ -252,29 +249,11 @@ def test_vocab_parallel_cross_entropy_matches_full(world):
     run_on_ranks(_cross_entropy_case, world, timeout=60)
 
 
-class _Recorder(TorchDispatchMode):
-    """Records every op that runs (forward, loss, backward, collectives): how often each runs, by name,
-    and the shape of every tensor it creates."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.shapes.append(tuple(t.shape))
-        return out
-
-
 NO_FULL_VOCAB = ModelConfig(vocab_size=256, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
 def _training_step_shapes(model, loss_fn, x, y):
-    recorder = _Recorder()
+    recorder = OpRecorder()
     with recorder:
         loss_fn(model(x), y).backward()
     return recorder.shapes

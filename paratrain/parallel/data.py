@@ -1,9 +1,10 @@
 """Data parallelism and ZeRO-1/2: gradients in flat buckets, reduced while backward runs.
 
 Every rank holds the whole model and computes on its slice of the batch.
-Gradients are written, as autograd finishes each parameter's gradient, into
-flat buckets (in the order they become ready: reverse registration order) and
-dropped from `.grad`, so a gradient exists once. The moment a bucket is
+As autograd finishes each parameter's gradient, it is taken from `.grad` and
+written into flat buckets (in the order they become ready: reverse
+registration order), small ones a batch at a time by foreach kernels (at most
+`PENDING_BYTES` of them wait), so a gradient exists once. The moment a bucket is
 complete its collective is launched asynchronously, so communication overlaps
 the rest of backward. Buckets are launched strictly in bucket order, so every
 rank issues the same collectives in the same order even when different ranks
@@ -71,6 +72,11 @@ from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 from paratrain.precision import Precision
+
+# Gradients wait, this many bytes of them at most, to be written into their buckets together: a few
+# foreach kernels per batch of small parameters instead of one kernel launched from Python for each.
+# A bucket's waiting gradients are written before it is launched, and every one when its backward ends.
+PENDING_BYTES = 2**18
 
 
 @dataclass
@@ -172,6 +178,11 @@ class DataParallelEngine:
         self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
         self._used = [False] * len(self.slots)  # on the host while backward runs: no kernel per gradient
+        # Gradients autograd handed over that are not yet in their buckets: (bucket, slot, gradient, whether
+        # the slot held one already, so that it is added rather than copied). Empty between backward passes.
+        self._pending: list[tuple[Bucket, Slot, torch.Tensor, bool]] = []
+        self._pending_bytes = 0
+        self._end_queued = False  # this backward will write what still waits when it ends
         self._reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _assign_master_grads
 
     # -- construction ---------------------------------------------------------
@@ -262,9 +273,16 @@ class DataParallelEngine:
             while self._in_flight:
                 self._land(self._in_flight.popleft())
             bucket.buffer = self._new_buffer(bucket)
-        self._write(bucket, slot, param.grad)
+        grad, param.grad = param.grad, None  # the bucket holds it from now on: a gradient never exists twice
+        if not self._end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._end_queued = True
+        self._pending.append((bucket, slot, grad, slot.filled))
+        slot.filled = True
+        self._pending_bytes += grad.numel() * grad.element_size()
+        if self._pending_bytes >= PENDING_BYTES:
+            self._write_pending()
         self._used[index] = True
-        param.grad = None  # the bucket holds it now: gradients never exist twice
         if self._sync or self.per_backward:
             bucket.ready += 1
             if bucket.ready == len(bucket.slots):  # only a completed bucket can let buckets launch
@@ -281,27 +299,41 @@ class DataParallelEngine:
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
 
-    def _write(self, bucket: Bucket, slot: Slot, grad: torch.Tensor) -> None:
-        """A gradient into the bucket, rank r's rows into chunk r: copied first, then added, divided by the
-        pre-division on the way (before the sum over ranks, so that a 16-bit reduction cannot overflow).
-        The division rides the copy or add, one kernel either way: no second pass over the bucket."""
-        if self.shards == 1:  # DDP: the parameter's span of the bucket, as one view
-            if slot.span is None or self.per_backward:
-                slot.span = bucket.buffer[slot.offset:slot.offset + grad.numel()].view_as(grad)
-            tiles = [(grad, slot.span)]
-        else:
-            tiles = chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards))
+    def _end_backward(self) -> None:
+        self._end_queued = False
+        self._write_pending()
+
+    def _write_pending(self) -> None:
+        """The waiting gradients into their buckets, rank r's rows into chunk r: a first write copies, later ones
+        add, each divided by the pre-division on the way (before the sum over ranks, so that a 16-bit
+        reduction cannot overflow). A batch of several: one foreach copy (then one scale of what it wrote)
+        and one foreach add. One alone (a large gradient) keeps the division in its copy: one kernel, one
+        pass. Into another dtype the copy rounds first, then divides, in the bucket's dtype."""
+        copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for bucket, slot, grad, filled in self._pending:
+            if self.shards == 1:  # DDP: the parameter's span of the bucket, as one view
+                if slot.span is None or self.per_backward:
+                    slot.span = bucket.buffer[slot.offset:slot.offset + grad.numel()].view_as(grad)
+                tiles = [(grad, slot.span)]
+            else:
+                tiles = chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards))
+            srcs, dsts = adds if filled else copies
+            for src, dst in tiles:
+                srcs.append(src)
+                dsts.append(dst)
+        self._pending.clear()
+        self._pending_bytes = 0
         scale = 1.0 / self.pre_divide
-        for src, dst in tiles:
-            if slot.filled:
-                dst.add_(src, alpha=scale)
-            elif scale == 1.0:
-                dst.copy_(src)
-            elif src.dtype == dst.dtype:
-                torch.mul(src, scale, out=dst)
-            else:  # a product into another dtype is rounded in the source's: widen first, then divide
-                dst.copy_(src).mul_(scale)
-        slot.filled = True
+        srcs, dsts = copies
+        if len(dsts) == 1 and scale != 1.0 and srcs[0].dtype == dsts[0].dtype:
+            torch.mul(srcs[0], scale, out=dsts[0])
+        elif dsts:
+            torch._foreach_copy_(dsts, srcs)
+            if scale != 1.0:
+                torch._foreach_mul_(dsts, scale)
+        if adds[1]:
+            torch._foreach_add_(adds[1], adds[0], alpha=scale)
 
     def _launch_ready_buckets(self, in_backward: bool) -> None:
         """Launch complete buckets in bucket order (a later bucket waits for an earlier one)."""
@@ -313,6 +345,7 @@ class DataParallelEngine:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        self._write_pending()
         if bucket.buffer is None:  # ZeRO-2: no gradient of this bucket in this backward here (maybe on other ranks)
             bucket.buffer = self._new_buffer(bucket)
         for slot in bucket.slots:
@@ -518,7 +551,7 @@ class DataParallelEngine:
         # A bucket holds the full gradients while they accumulate; ZeRO-2 frees it once reduced.
         grads = _storage_bytes([b.buffer for b in self.buckets] + [b.shard_grad for b in self.buckets]
                                + [t for f in self._in_flight for t in (f.buffer, f.out)]
-                               + [self._replica_sum.in_flight]
+                               + [self._replica_sum.in_flight] + [grad for _, _, grad, _ in self._pending]
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
         master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}
