@@ -192,6 +192,12 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
             group = dist.new_group(ranks, timeout=timeout, group_desc=axis) if len(ranks) > 1 else None
             if rank in ranks:
                 groups[axis] = group
+    # When one axis is the whole world (the others have one rank), the mesh-wide agreement rides its group:
+    # one process group over those ranks, not two (each holds its own threads, or NCCL communicator and
+    # buffers, and a collective on a group that sat idle since the last step waits for it to wake).
+    spanning = [axis for axis in AXES if world > 1 and shape.size(axis) == world]
+    if spanning:
+        groups[WORLD] = groups[spanning[0]]
     if device is None:
         from paratrain.distributed import default_device, detect_env
 

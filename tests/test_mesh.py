@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from paratrain.comm import Comm
-from paratrain.mesh import MeshError, MeshShape, build_mesh
+from paratrain.mesh import WORLD, MeshError, MeshShape, build_mesh
 from paratrain.testing import Collectives, run_on_ranks
 
 
@@ -77,6 +77,23 @@ def test_comm_counts_ring_bytes_and_results_are_right():
     # copies), and still counted as the reduce-scatter it stands for.
     assert in_place_right
     assert list(issued.values()) == [2 * 16000 * 3 / 4] and counted == {"calls": 2, "bytes": 2 * 4 * 4000 * 3 // 4}
+
+
+def _world_groups(rank, world):
+    import torch.distributed as dist
+
+    whole, split = build_mesh(MeshShape(dp=world)), build_mesh(MeshShape(dp=world // 2, tp=2))
+    total = torch.ones(3)
+    Comm(whole).all_reduce(total, WORLD)
+    return (whole.group(WORLD) is whole.group("dp"), split.group(WORLD) is dist.group.WORLD,
+            split.group(WORLD) not in (split.group("dp"), split.group("tp")), total.tolist())
+
+
+def test_the_agreement_shares_the_group_of_an_axis_that_is_the_whole_world():
+    """One process group over the world, not two: with dp alone the mesh-wide group is dp's (whose last
+    collective, the gradients', came just before the agreement); with dp × tp it is the default group."""
+    for shared, default, apart, total in run_on_ranks(_world_groups, 4, timeout=60):
+        assert shared and default and apart and total == [4.0, 4.0, 4.0]
 
 
 def _late_receiver(rank, world):
