@@ -15,6 +15,9 @@ benchmarks).
 
 Pairs (each benchmark's default model and sizes):
     dp-ddp dp-zero1 dp-zero2 dp-zero3    bench_dp.py: DDP / ZeroRedundancyOptimizer / FSDP2, --ranks ranks
+    dp-ddp-agreed                        dp-ddp, the PyTorch side ending its step as paratrain's agreement
+                                         does (one all-reduce of every rank's flags and squared norm, one
+                                         host read): how much of dp-ddp's difference is that agreement
     pp-gpipe pp-1f1b pp-interleaved pp-zb-h1
                                          bench_pp.py: torch.distributed.pipelining's schedule, --pp ranks
     tp-plain tp-region tp-sp             bench_tp.py: parallelize_module with Colwise/Rowwise, the same with
@@ -24,6 +27,7 @@ Pairs (each benchmark's default model and sizes):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import statistics
@@ -43,7 +47,7 @@ import bench_tp  # noqa: E402
 from bench_dp import doc_parser, fmt_load, machine, write_results  # noqa: E402
 from paratrain.testing import RankError, run_on_ranks  # noqa: E402
 
-PAIRS = ([f"dp-{p}" for p in ("ddp", "zero1", "zero2", "zero3")]
+PAIRS = ([f"dp-{p}" for p in ("ddp", "zero1", "zero2", "zero3", "ddp-agreed")]
          + [f"pp-{v}" for v in ("gpipe", "1f1b", "interleaved", "zb-h1")]
          + ["tp-plain", "tp-region", "tp-sp"]
          + [f"overhead-{p}" for p in ("ddp", "zero1", "zero2", "zero3", "tp", "pp")])
@@ -57,14 +61,28 @@ def optimizer_step(run, clip: float) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
+def agreed(clip):
+    """PyTorch's clipping, then what paratrain's agreement adds to a step: every rank's non-finite flag and
+    squared norm summed over the ranks in one all-reduce and read on the host, where the step's decision is made."""
+    def clip_and_agree(max_norm):
+        norm = clip(max_norm)
+        row = torch.stack([(~norm.isfinite()).to(norm.dtype), norm.square()])
+        dist.all_reduce(row)
+        row.tolist()
+        return norm
+    return clip_and_agree
+
+
 def dp_sides(pair: str, rank: int, world: int, microbatches: int) -> dict:
     args = bench_dp.parse_args([])
     sides = {}
-    for spec in bench_dp.PAIRS[pair]:
+    for spec in bench_dp.PAIRS[pair.removesuffix("-agreed")]:
         model = bench_dp.build_model(bench_dp.model_config(args), args.seed)
         run = (bench_dp.setup_paratrain if spec.framework == "paratrain" else bench_dp.setup_pytorch)(
             model, spec, world, args)
         run.close()  # PyTorch's side: its communication counters off (they would count paratrain's calls too)
+        if pair.endswith("-agreed") and spec.framework == "pytorch":
+            run = dataclasses.replace(run, clip=agreed(run.clip))
 
         def step(i, run=run):
             rows = slice(rank * args.micro_batch, (rank + 1) * args.micro_batch)
