@@ -124,15 +124,21 @@ def _primitives_case(rank, world):
     _close(y, chunk(full, -1), "scatter_to_tp forward")
     _close(x.grad, full, "scatter_to_tp backward all-gathers")
 
+    # [B, S, H] with B > 1 gathered or scattered along S: one copy per collective, the layout change
+    # (S's blocks to the front for a reduce-scatter, the gathered blocks back beside B after an all-gather).
     x = chunk(full, 1).clone().requires_grad_()
-    y = gather_sequence(x, comm, "tp", dim=1)
-    (y * mine).sum().backward()
+    with OpRecorder() as ops:
+        y = gather_sequence(x, comm, "tp", dim=1)
+        (y * mine).sum().backward()
+    assert ops.counts["aten.clone.default"] == 2, ops.counts
     _close(y, full, "gather_sequence forward")
     _close(x.grad, chunk(per_rank.sum(0), 1), "gather_sequence backward reduce-scatters")
 
     x = mine.clone().requires_grad_()
-    y = reduce_scatter_sequence(x, comm, "tp", dim=1)
-    (y * chunk(full, 1)).sum().backward()
+    with OpRecorder() as ops:
+        y = reduce_scatter_sequence(x, comm, "tp", dim=1)
+        (y * chunk(full, 1)).sum().backward()
+    assert ops.counts["aten.clone.default"] == 2, ops.counts
     _close(y, chunk(per_rank.sum(0), 1), "reduce_scatter_sequence forward")
     _close(x.grad, full, "reduce_scatter_sequence backward all-gathers")
 

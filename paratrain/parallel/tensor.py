@@ -73,24 +73,29 @@ def _split(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    n = comm.mesh.size(axis)
+    """The ranks' `x` concatenated along `dim`. Gathered as they are, stacked on a new leading dim (rank r's
+    block is its `x`, in place), then that dim moved beside `dim`: one copy, none when `dim` is 0."""
+    n, dim = comm.mesh.size(axis), dim % x.dim()
     if n == 1:
         return x
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((n * front.shape[0], *front.shape[1:]))
-    comm.all_gather(out, front, axis)
-    return out.movedim(0, dim).contiguous()
+    x = x.contiguous()
+    out = x.new_empty((n, *x.shape))
+    comm.all_gather(out.flatten(0, 1), x, axis)
+    return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    n = comm.mesh.size(axis)
+    """Sum over the ranks of `x`, this rank's 1/n of it along `dim`. `dim` split in n blocks moved to the
+    front (one copy, none when `dim` is 0), so each rank's block is a chunk of dim 0; its block arrives in the
+    layout of `x`, so nothing is copied after."""
+    n, dim = comm.mesh.size(axis), dim % x.dim()
     if n == 1:
         return x
     check_divisible("reduce-scatter", f"size of dim {dim} (sequence length)", x.shape[dim], n)
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
-    comm.reduce_scatter(out, front, axis)
-    return out.movedim(0, dim).contiguous()
+    front = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = front.new_empty(front.shape[1:])
+    comm.reduce_scatter(out, front.flatten(0, 1), axis)
+    return out
 
 
 def _all_reduce(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
