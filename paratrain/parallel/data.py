@@ -279,7 +279,7 @@ class DataParallelEngine:
             self._end_queued = True
         self._pending.append((bucket, slot, grad, slot.filled))
         slot.filled = True
-        self._pending_bytes += grad.numel() * grad.element_size()
+        self._pending_bytes += grad.nbytes
         if self._pending_bytes >= PENDING_BYTES:
             self._write_pending()
         self._used[index] = True
@@ -309,8 +309,10 @@ class DataParallelEngine:
         reduction cannot overflow). A batch of several: one foreach copy (then one scale of what it wrote)
         and one foreach add. One alone (a large gradient) keeps the division in its copy: one kernel, one
         pass. Into another dtype the copy rounds first, then divides, in the bucket's dtype."""
-        copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        copy_srcs: list[torch.Tensor] = []
+        copy_dsts: list[torch.Tensor] = []
+        add_srcs: list[torch.Tensor] = []
+        add_dsts: list[torch.Tensor] = []
         for bucket, slot, grad, filled in self._pending:
             if self.shards == 1:  # DDP: the parameter's span of the bucket, as one view
                 if slot.span is None or self.per_backward:
@@ -318,22 +320,21 @@ class DataParallelEngine:
                 tiles = [(grad, slot.span)]
             else:
                 tiles = chunk_tiles(as_rows(grad), slot.columns(bucket.buffer, self.shards))
-            srcs, dsts = adds if filled else copies
+            srcs, dsts = (add_srcs, add_dsts) if filled else (copy_srcs, copy_dsts)
             for src, dst in tiles:
                 srcs.append(src)
                 dsts.append(dst)
         self._pending.clear()
         self._pending_bytes = 0
         scale = 1.0 / self.pre_divide
-        srcs, dsts = copies
-        if len(dsts) == 1 and scale != 1.0 and srcs[0].dtype == dsts[0].dtype:
-            torch.mul(srcs[0], scale, out=dsts[0])
-        elif dsts:
-            torch._foreach_copy_(dsts, srcs)
+        if len(copy_dsts) == 1 and scale != 1.0 and copy_srcs[0].dtype == copy_dsts[0].dtype:
+            torch.mul(copy_srcs[0], scale, out=copy_dsts[0])
+        elif copy_dsts:
+            torch._foreach_copy_(copy_dsts, copy_srcs)
             if scale != 1.0:
-                torch._foreach_mul_(dsts, scale)
-        if adds[1]:
-            torch._foreach_add_(adds[1], adds[0], alpha=scale)
+                torch._foreach_mul_(copy_dsts, scale)
+        if add_dsts:
+            torch._foreach_add_(add_dsts, add_srcs, alpha=scale)
 
     def _launch_ready_buckets(self, in_backward: bool) -> None:
         """Launch complete buckets in bucket order (a later bucket waits for an earlier one)."""
