@@ -326,3 +326,61 @@ def test_small_gradients_are_written_a_batch_at_a_time(zero):
         assert sum(writes.values()) <= 4 * 2, writes
         for name, ((lo, hi), grad) in grads.items():
             torch.testing.assert_close(grad, expected[name].grad[lo:hi], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(_grad):
+    raise _Interrupted
+
+
+def _small_backward(model, net, rank, micro, interrupt_at=None):
+    """One micro-batch's backward (under no_sync, for a parallel model); with interrupt_at, it raises when it reaches that layer's output
+    (the layers after it have their gradients by then: the gradients a real error midway leaves behind)."""
+    def arm(_module, _inputs, out):
+        out.register_hook(_interrupt)
+
+    handle = None if interrupt_at is None else net[interrupt_at].register_forward_hook(arm)
+    try:
+        with getattr(model, "no_sync", contextlib.nullcontext)():
+            x, y = _small_rows(rank, micro)
+            ((model(x) - y) ** 2).sum().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _after_an_interrupted_backward(rank, world, zero):
+    net = _small_net()
+    model, optimizer = parallelize(net, build_mesh(MeshShape(dp=world)), optimizer=adamw,
+                                   data=DataParallel(zero=zero, grad_reduction="sum"))
+    with pytest.raises(_Interrupted):
+        _small_backward(model, net, rank, 0, interrupt_at=SMALL_LAYERS // 2)
+    _small_backward(model, net, rank, 1)
+    grad_bytes = model.resident_bytes(optimizer)["grads"]
+    model.finish_gradients()
+    grads = {name: (rows, master.grad.clone()) for (name, rows, _), master
+             in zip(model.engine.master_rows(), model.engine.masters())}
+    return grad_bytes, grads
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_backward_that_raises_leaves_no_gradient_waiting_after_the_next(zero):
+    """A backward interrupted by an error never reaches its end, where the gradients that wait for their
+    bucket are written. The next backward still writes them all when it ends: after it each gradient exists
+    once (Ψ·4 bytes, Ψ·4/N under ZeRO-2, not a copy waiting beside its bucket), and the reduced gradients are
+    what one process has after the same two backward passes (the interrupted one's included, as in .grad)."""
+    world = 2
+    reference = _small_net()
+    for rank in range(world):
+        with pytest.raises(_Interrupted):
+            _small_backward(reference, reference, rank, 0, interrupt_at=SMALL_LAYERS // 2)
+        _small_backward(reference, reference, rank, 1)
+    expected = dict(reference.named_parameters())
+    psi = sum(p.numel() for p in reference.parameters())
+    for grad_bytes, grads in run_on_ranks(_after_an_interrupted_backward, world, zero, timeout=120):
+        assert grad_bytes == pytest.approx(psi * 4 / (world if zero == 2 else 1), rel=0.05)
+        for name, ((lo, hi), grad) in grads.items():
+            torch.testing.assert_close(grad, expected[name].grad[lo:hi], rtol=1e-5, atol=1e-6, msg=name)

@@ -182,7 +182,9 @@ class DataParallelEngine:
         # the slot held one already, so that it is added rather than copied). Empty between backward passes.
         self._pending: list[tuple[Bucket, Slot, torch.Tensor, bool]] = []
         self._pending_bytes = 0
-        self._end_queued = False  # this backward will write what still waits when it ends
+        # The backward (autograd's graph task) whose end will write what still waits. An id, not a flag: a
+        # backward that raises never runs its end callback, and the next one must queue its own.
+        self._end_queued_for: int | None = None
         self._reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _assign_master_grads
 
     # -- construction ---------------------------------------------------------
@@ -274,9 +276,10 @@ class DataParallelEngine:
                 self._land(self._in_flight.popleft())
             bucket.buffer = self._new_buffer(bucket)
         grad, param.grad = param.grad, None  # the bucket holds it from now on: a gradient never exists twice
-        if not self._end_queued:
+        task = torch._C._current_graph_task_id()
+        if task != self._end_queued_for:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._end_queued = True
+            self._end_queued_for = task
         self._pending.append((bucket, slot, grad, slot.filled))
         slot.filled = True
         self._pending_bytes += grad.nbytes
@@ -300,7 +303,7 @@ class DataParallelEngine:
             bucket.ready, bucket.work = 0, None
 
     def _end_backward(self) -> None:
-        self._end_queued = False
+        self._end_queued_for = None
         self._write_pending()
 
     def _write_pending(self) -> None:
