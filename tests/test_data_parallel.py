@@ -294,6 +294,19 @@ def _small_rows(rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3, SMALL_WIDTH, generator=g), torch.randn(3, SMALL_WIDTH, generator=g)
 
 
+def _reduced_rows(model) -> dict[str, tuple[tuple[int, int], torch.Tensor]]:
+    """After the reduction, per parameter: the rows this rank holds and their gradient."""
+    model.finish_gradients()
+    return {name: (rows, master.grad.clone()) for (name, rows, _), master
+            in zip(model.engine.master_rows(), model.engine.masters())}
+
+
+def _assert_rows_match(grads, reference: nn.Module) -> None:
+    expected = dict(reference.named_parameters())
+    for name, ((lo, hi), grad) in grads.items():
+        torch.testing.assert_close(grad, expected[name].grad[lo:hi], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _small_gradient_writes(rank, world, zero):
     mesh = build_mesh(MeshShape(dp=world))
     model, _ = parallelize(_small_net(), mesh, optimizer=adamw, data=DataParallel(zero=zero, grad_reduction="mean"))
@@ -302,10 +315,7 @@ def _small_gradient_writes(rank, world, zero):
             with model.no_sync() if micro == 0 else contextlib.nullcontext():
                 x, y = _small_rows(rank, micro)
                 ((model(x) - y) ** 2).sum().backward()
-    model.finish_gradients()
-    grads = {name: (rows, master.grad.clone()) for (name, rows, _), master
-             in zip(model.engine.master_rows(), model.engine.masters())}
-    return {op: ops.counts[op] for op in BUCKET_WRITES if ops.counts[op]}, grads
+    return {op: ops.counts[op] for op in BUCKET_WRITES if ops.counts[op]}, _reduced_rows(model)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -319,13 +329,11 @@ def test_small_gradients_are_written_a_batch_at_a_time(zero):
         for micro in range(2):
             x, y = _small_rows(rank, micro)
             (((reference(x) - y) ** 2).sum() / world).backward()
-    expected = dict(reference.named_parameters())
     for writes, grads in run_on_ranks(_small_gradient_writes, world, zero, timeout=120):
         # A handful per backward (ZeRO-2's own copies and adds of the reduced shard included): one per
         # parameter would be 64 in each.
         assert sum(writes.values()) <= 4 * 2, writes
-        for name, ((lo, hi), grad) in grads.items():
-            torch.testing.assert_close(grad, expected[name].grad[lo:hi], rtol=1e-5, atol=1e-6, msg=name)
+        _assert_rows_match(grads, reference)
 
 
 class _Interrupted(Exception):
@@ -337,8 +345,9 @@ def _interrupt(_grad):
 
 
 def _small_backward(model, net, rank, micro, interrupt_at=None):
-    """One micro-batch's backward (under no_sync, for a parallel model); with interrupt_at, it raises when it reaches that layer's output
-    (the layers after it have their gradients by then: the gradients a real error midway leaves behind)."""
+    """One micro-batch's backward (under no_sync, for a parallel model). With interrupt_at it raises when it
+    reaches that layer's output: the layers after it have their gradients by then, as a real error midway
+    leaves them."""
     def arm(_module, _inputs, out):
         out.register_hook(_interrupt)
 
@@ -359,11 +368,7 @@ def _after_an_interrupted_backward(rank, world, zero):
     with pytest.raises(_Interrupted):
         _small_backward(model, net, rank, 0, interrupt_at=SMALL_LAYERS // 2)
     _small_backward(model, net, rank, 1)
-    grad_bytes = model.resident_bytes(optimizer)["grads"]
-    model.finish_gradients()
-    grads = {name: (rows, master.grad.clone()) for (name, rows, _), master
-             in zip(model.engine.master_rows(), model.engine.masters())}
-    return grad_bytes, grads
+    return model.resident_bytes(optimizer)["grads"], _reduced_rows(model)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -378,9 +383,7 @@ def test_a_backward_that_raises_leaves_no_gradient_waiting_after_the_next(zero):
         with pytest.raises(_Interrupted):
             _small_backward(reference, reference, rank, 0, interrupt_at=SMALL_LAYERS // 2)
         _small_backward(reference, reference, rank, 1)
-    expected = dict(reference.named_parameters())
     psi = sum(p.numel() for p in reference.parameters())
     for grad_bytes, grads in run_on_ranks(_after_an_interrupted_backward, world, zero, timeout=120):
         assert grad_bytes == pytest.approx(psi * 4 / (world if zero == 2 else 1), rel=0.05)
-        for name, ((lo, hi), grad) in grads.items():
-            torch.testing.assert_close(grad, expected[name].grad[lo:hi], rtol=1e-5, atol=1e-6, msg=name)
+        _assert_rows_match(grads, reference)
