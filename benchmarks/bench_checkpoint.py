@@ -32,7 +32,7 @@ from paratrain.checkpoint import (
     AsyncCheckpointer, CheckpointReader, DistCoordinator, ShardSpec, save_checkpoint, verify_checkpoint,
 )
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.shard import row_range
+from paratrain.parallel.data.shard import row_range
 from paratrain.testing import run_on_ranks
 
 MB = 1e6  # throughput in decimal megabytes per second, as disks are rated

@@ -99,8 +99,8 @@ def warm_process(args) -> None:
     forward/backward/step pages in tens of MB of libtorch code, which would otherwise
     dominate the peak of a small model. A tiny model runs one step before the peak is reset.
     """
-    if importlib.util.find_spec("paratrain.parallel.zero3") is not None:
-        importlib.import_module("paratrain.parallel.zero3")
+    if importlib.util.find_spec("paratrain.parallel.data.zero3") is not None:
+        importlib.import_module("paratrain.parallel.data.zero3")
     tiny = build_model(ModelConfig(vocab_size=args.vocab, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
                                    max_seq_len=args.seq), 0)
     opt = torch.optim.AdamW(tiny.parameters())
@@ -312,8 +312,8 @@ def model_config(args) -> ModelConfig:
 def run_variant(spec: Spec, world: int, args) -> dict:
     """Launch one variant on `world` fresh ranks and reduce the per-rank results to one row."""
     row = {"pair": spec.pair, "variant": spec.label, "framework": spec.framework, "ranks": world}
-    if spec.zero == 3 and spec.framework == "paratrain" and not importlib.util.find_spec("paratrain.parallel.zero3"):
-        return {**row, "error": "not available (paratrain.parallel.zero3 does not exist)"}
+    if spec.zero == 3 and spec.framework == "paratrain" and not importlib.util.find_spec("paratrain.parallel.data.zero3"):
+        return {**row, "error": "not available (paratrain.parallel.data.zero3 does not exist)"}
     print(f"  {spec.label} on {world} ranks ...", file=sys.stderr, flush=True)
     try:
         results = run_on_ranks(bench_rank, world, spec, args, timeout=args.timeout)

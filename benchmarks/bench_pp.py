@@ -42,10 +42,10 @@ from bench_dp import (
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
-from paratrain.parallel.pipeline import PipelineRunner, _input_backward, _weight_backward
-from paratrain.parallel.stages import split_for_pipeline
-from paratrain.parallel.schedules import build_schedule
-from paratrain.parallel.simulator import simulate
+from paratrain.parallel.pipeline.runner import PipelineRunner, _input_backward, _weight_backward
+from paratrain.parallel.pipeline.stages import split_for_pipeline
+from paratrain.parallel.pipeline.schedules import build_schedule
+from paratrain.parallel.pipeline.simulator import simulate
 from paratrain.testing import RankError, run_on_ranks
 
 
@@ -347,7 +347,7 @@ def torch_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
 
 
 def paratrain_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, params: list) -> float:
-    """paratrain's B and W under zb-h1 (`paratrain.parallel.pipeline`): W starts where B left off."""
+    """paratrain's B and W under zb-h1 (`paratrain.parallel.pipeline.runner`): W starts where B left off."""
     work = _input_backward(out, grad, x, params)
     t0 = time.perf_counter()
     _weight_backward(work)

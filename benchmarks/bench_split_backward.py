@@ -2,7 +2,7 @@
 
 One process, one pipeline stage of the reference model (its middle blocks: the stage input
 requires grad, as a received activation does). Per round, on the same forward: a full backward;
-paratrain's B then W (`paratrain.parallel.pipeline`); torch.distributed.pipelining's
+paratrain's B then W (`paratrain.parallel.pipeline.runner`); torch.distributed.pipelining's
 stage_backward_input then stage_backward_weight. Times are min / median / max over rounds, and
 the weight gradients of both splits are checked against the full backward's.
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import rotary_tables
-from paratrain.parallel.pipeline import _input_backward, _weight_backward
+from paratrain.parallel.pipeline.runner import _input_backward, _weight_backward
 
 
 def parse_args(argv=None):

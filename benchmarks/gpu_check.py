@@ -38,7 +38,7 @@ import paratrain
 from paratrain import DataParallel, PipelineParallel, TensorParallel
 from paratrain.hardware import device_peak_flops
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.tp_plan import LLAMA_TP_PLAN
+from paratrain.models.tp_plans import LLAMA_TP_PLAN
 
 SIZES = {
     "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64),

@@ -13,7 +13,7 @@ from paratrain.parallel.api import (  # noqa: E402
     DataParallel, GradReduction, ModelSpec, PipelineParallel, TensorParallel, parallelize,
 )
 from paratrain.parallel.model import ParallelModel  # noqa: E402
-from paratrain.parallel.schedules import ScheduleName  # noqa: E402
+from paratrain.parallel.pipeline.schedules import ScheduleName  # noqa: E402
 
 __all__ = ["DataParallel", "GradReduction", "Mesh", "MeshShape", "ModelSpec", "ParallelModel", "ParatrainError", "PipelineParallel",
            "RunFailure", "ScheduleName", "TensorParallel", "init_mesh", "parallelize"]

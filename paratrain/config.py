@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import ParatrainError, Violation
-from paratrain.parallel.schedules import SCHEDULES
+from paratrain.parallel.pipeline.schedules import SCHEDULES
 
 
 DEFAULT_GLOBAL_BATCH = 16

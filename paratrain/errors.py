@@ -24,6 +24,10 @@ class ParatrainError(Exception):
     exit_code = 2
 
 
+class DataError(ParatrainError, ValueError):
+    """Bad data configuration or input (a path, a tokenizer spec, a batch size)."""
+
+
 class RunFailure(ParatrainError, RuntimeError):
     """A run that had started failed; the one-line message says where and why."""
 

@@ -14,9 +14,9 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.parallel.data import DataParallelEngine
-from paratrain.parallel.engine import Engine
-from paratrain.parallel.zero3 import FullyShardedEngine
+from paratrain.parallel.data.ddp import DataParallelEngine
+from paratrain.parallel.data.engine import Engine
+from paratrain.parallel.data.zero3 import FullyShardedEngine
 from paratrain.precision import precision_policy
 from paratrain.testing import run_on_ranks
 from parallel_cases import launch_once

@@ -23,8 +23,8 @@ import torch
 from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
 from paratrain.checkpoint import CheckpointReader, DistCoordinator, save_checkpoint
 from paratrain.comm import Comm
-from paratrain.parallel.schedules import ScheduleError, build_schedule
-from paratrain.parallel.simulator import check_rendezvous
+from paratrain.parallel.pipeline.schedules import ScheduleError, build_schedule
+from paratrain.parallel.pipeline.simulator import check_rendezvous
 from paratrain.testing import RankFailure, run_on_ranks
 from paratrain.models import ModelConfig, Transformer
 from paratrain.run.model_state import load_model_shards, model_shards

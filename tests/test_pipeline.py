@@ -20,8 +20,8 @@ from torch import nn
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, TensorParallel, parallelize
-from paratrain.parallel.stages import PipelineError, balanced_boundaries, split_for_pipeline
-from paratrain.parallel.schedules import ScheduleError
+from paratrain.parallel.pipeline.stages import PipelineError, balanced_boundaries, split_for_pipeline
+from paratrain.parallel.pipeline.schedules import ScheduleError
 from paratrain.precision import Precision
 from paratrain.testing import run_on_ranks
 from parallel_cases import BATCH, LR, SEQ, TINY, adamw, batches, launch_once, make_model, reference_run

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from paratrain.parallel.schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule
-from paratrain.parallel.simulator import (
+from paratrain.parallel.pipeline.schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule
+from paratrain.parallel.pipeline.simulator import (
     check_p2p_order, dependencies, draw_timeline, peak_in_flight, simulate, validate)
 
 F, B, W = Kind.F, Kind.B, Kind.W

@@ -19,7 +19,8 @@ from paratrain.parallel.tensor import (
     copy_to_tp, full_parameters, gather_from_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence,
     scatter_to_tp, tp_rng, vocab_parallel_cross_entropy,
 )
-from paratrain.parallel.tp_plan import LLAMA_SP_PLAN, LLAMA_TP_PLAN, Colwise, apply_tensor_parallel
+from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
+from paratrain.parallel.tensor import Colwise, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
 from parallel_cases import BATCH, SEQ, STEPS, TINY, OpRecorder, adamw, batches, launch_once, make_model
 

@@ -23,11 +23,10 @@ from torch import nn
 from paratrain import DataParallel, ModelSpec, PipelineParallel, TensorParallel, init_mesh, parallelize
 from paratrain.cli import main
 from paratrain.faults import FAULT_ENV
-from paratrain.parallel.stages import PipelineError
+from paratrain.parallel.pipeline.stages import PipelineError
 from paratrain.parallel.tensor import TensorParallelError
-from paratrain.parallel.tp_plan import (
-    HF_GPT2_PLAN, HF_LLAMA_PLAN, Colwise, OutputHead, Rowwise, TPRegion, VocabEmbedding, apply_tensor_parallel,
-)
+from paratrain.models.tp_plans import HF_GPT2_PLAN, HF_LLAMA_PLAN
+from paratrain.parallel.tensor import Colwise, OutputHead, Rowwise, TPRegion, VocabEmbedding, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
 from paratrain.train import train_step
 from parallel_cases import adamw, batches, launch_once

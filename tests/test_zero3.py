@@ -24,9 +24,9 @@ from paratrain.comm import Comm
 from paratrain.mesh import Mesh, MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import Attention, FeedForward
-from paratrain.parallel.shard import row_range
-from paratrain.parallel.zero3 import FullyShardedEngine, ZeroConfigError
-from paratrain.parallel.zero3_units import row_shape
+from paratrain.parallel.data.shard import row_range
+from paratrain.parallel.data.zero3 import FullyShardedEngine, ZeroConfigError
+from paratrain.parallel.data.units import row_shape
 from paratrain.peak_memory import ProcessPeak, return_freed_memory
 from paratrain.precision import Precision, precision_policy
 from paratrain.testing import run_on_ranks

@@ -35,7 +35,7 @@ from paratrain.plan.memory import (
     Recompute,
     Workload,
 )
-from paratrain.parallel.schedules import ScheduleName
+from paratrain.parallel.pipeline.schedules import ScheduleName
 from paratrain.plan.search import (
     Estimate,
     SearchResult,

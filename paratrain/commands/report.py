@@ -423,8 +423,8 @@ def format_prediction(run: Run, hardware) -> list[str]:
 
 def plot_pipeline(run: Run, out: Path) -> Path | None:
     """The run's pipeline timeline (the simulator's, of its schedule) when it has pp > 1."""
-    from paratrain.parallel.schedules import build_schedule
-    from paratrain.parallel.simulator import draw_timeline
+    from paratrain.parallel.pipeline.schedules import build_schedule
+    from paratrain.parallel.pipeline.simulator import draw_timeline
 
     parallel, train = run.config.get("parallel", {}), run.config.get("train", {})
     pp = parallel.get("pp") or 1

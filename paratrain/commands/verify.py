@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 from paratrain.config import Config
 from paratrain.faults import FAULT_ENV, parse_faults
-from paratrain.parallel.schedules import SCHEDULES
+from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.errors import ParatrainError
 
 

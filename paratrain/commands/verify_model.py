@@ -124,7 +124,7 @@ def _check_layout(text: str, overrides: dict[str, Any], spec: ModelSpec, global_
         raise VerifyError(f"--global-batch {global_batch} is not divisible by the {dp} data ranks of {text!r}")
     if tp > 1 and spec.plan is None:
         raise VerifyError(f"layout {text!r} has tp={tp} but the factory gave no tensor-parallel plan; return "
-                          "paratrain.ModelSpec(module, plan={pattern: style}) (see paratrain.parallel.tp_plan)")
+                          "paratrain.ModelSpec(module, plan={pattern: style}) (see paratrain.parallel.tensor.plan)")
     if pp > 1 and not isinstance(spec.module, nn.Sequential):
         raise VerifyError(f"layout {text!r} has pp={pp}: pipeline parallelism splits an nn.Sequential, and the "
                           f"factory returned a {type(spec.module).__name__}")

@@ -11,34 +11,26 @@ The pieces, in the order one training step uses them:
   data ranks, so any layout sees the same global batches and resume is exact.
 """
 
-from paratrain.errors import ParatrainError
-
-
-class DataError(ParatrainError, ValueError):
-    """Bad data configuration or input (a path, a tokenizer spec, a batch size)."""
-
-
-# DataError is defined before these imports because the submodules import it
-# from this package while it is still initializing.
-from paratrain.data.tokenizer import (  # noqa: E402
+from paratrain.errors import DataError  # noqa: F401
+from paratrain.data.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
     Tokenizer,
     load_tokenizer,
 )
-from paratrain.data.corpus import (  # noqa: E402
+from paratrain.data.corpus import (
     default_corpus_files,
     iter_texts,
     resolve_text_files,
 )
-from paratrain.data.dataset import (  # noqa: E402
+from paratrain.data.dataset import (
     SequenceDataset,
     TokenStream,
     build_dataset,
     split_train_eval,
 )
-from paratrain.data.sampler import DataSampler  # noqa: E402
-from paratrain.data.prepare import prepare_corpus  # noqa: E402
+from paratrain.data.sampler import DataSampler
+from paratrain.data.prepare import prepare_corpus
 
 __all__ = [
     "DataError",

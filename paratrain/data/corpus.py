@@ -15,7 +15,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from paratrain.data import DataError
+from paratrain.errors import DataError
 
 # Directories of the standard library that are not library source (tests,
 # third-party packages, the IDLE application, build configuration).

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from paratrain.data import DataError
+from paratrain.errors import DataError
 from paratrain.data.corpus import corpus_files
 from paratrain.data.prepare import (
     is_prepared_dir,

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from paratrain.data import DataError
+from paratrain.errors import DataError
 from paratrain.data.corpus import corpus_files, iter_texts
 from paratrain.data.tokenizer import BPE_FILE, BYTE_FILE, Tokenizer, load_tokenizer, tokenizer_from_file
 

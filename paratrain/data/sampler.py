@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from paratrain.data import DataError
+from paratrain.errors import DataError
 
 
 class DataSampler:

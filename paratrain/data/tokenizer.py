@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from paratrain.data import DataError
+from paratrain.errors import DataError
 
 BPE_FILE = "tokenizer.json"
 BYTE_FILE = "byte_tokenizer.json"

@@ -1,1 +1,9 @@
-"""Parallelism strategies applied to plain modules: data parallel and ZeRO (tensor and pipeline to come)."""
+"""Parallelism strategies applied to plain modules, one package per strategy.
+
+- `api`: `parallelize()`, the one place where strategies are applied, in a fixed, commented order.
+- `model`: `ParallelModel`, the wrapped model, and the contract the trainer and `run/` may use.
+- `data`: DDP, ZeRO-1/2/3 and hybrid sharding (the `dp` axis).
+- `tensor`: tensor and sequence parallelism (the `tp` axis): primitives, layers, plans.
+- `pipeline`: schedules as data, their simulator, stage splitting and the runner (the `pp` axis).
+- `norm`: sums of squares shared by every strategy's gradient norm.
+"""

@@ -29,14 +29,14 @@ from torch.utils.checkpoint import checkpoint
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Mesh, degree_violations
-from paratrain.parallel.data import DataParallelEngine
+from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.model import ParallelModel
-from paratrain.parallel.schedules import ScheduleName, schedule_violations
-from paratrain.parallel.stages import zero_stage_violations
-from paratrain.parallel.tp_plan import (
-    LLAMA_SP_PLAN, LLAMA_TP_PLAN, TensorParallelInfo, apply_tensor_parallel, sequence_parallel_violations,
-)
-from paratrain.parallel.zero3_units import UnitSpec
+from paratrain.parallel.pipeline.schedules import ScheduleName, schedule_violations
+from paratrain.parallel.pipeline.stages import zero_stage_violations
+from paratrain.parallel.tensor.info import TensorParallelInfo
+from paratrain.parallel.tensor.plan import apply_tensor_parallel, sequence_parallel_violations
+from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
+from paratrain.parallel.data.units import UnitSpec
 from paratrain.precision import Precision, precision_policy
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -93,7 +93,7 @@ class DataParallel:
 class TensorParallel:
     """Tensor parallelism over the mesh's tp axis.
 
-    plan: module-name pattern → style (`paratrain.parallel.tp_plan`), applied in place; None takes
+    plan: module-name pattern → style (`paratrain.parallel.tensor.plan`), applied in place; None takes
         the reference model's (`LLAMA_TP_PLAN`, or `LLAMA_SP_PLAN` with sequence parallelism).
         The logits are then split along the vocabulary: use `model.loss_fn`.
     sequence_parallel: split norms and residuals along the sequence (needs tp > 1).
@@ -128,7 +128,7 @@ class ModelSpec:
 
     module: the model: token ids [batch, seq] in, logits [batch, seq, vocab] out (or an object with
         `.logits`, as Hugging Face models return); an `nn.Sequential` for pipeline parallelism.
-    plan: its tensor-parallel plan (`paratrain.parallel.tp_plan`), needed for tp > 1.
+    plan: its tensor-parallel plan (`paratrain.parallel.tensor.plan`), needed for tp > 1.
     loss_fn: (output, labels) -> the sum of the per-token losses; None: cross-entropy ignoring -100.
     """
 
@@ -173,7 +173,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built
     #    there), and everything after works on that smaller module under the same names.
     if mesh.size("pp") > 1:
-        from paratrain.parallel.stages import split_for_pipeline
+        from paratrain.parallel.pipeline.stages import split_for_pipeline
 
         split = split_for_pipeline(model, mesh.size("pp"), mesh.coord("pp"), pipeline.virtual_stages,
                                    list(pipeline.boundaries) if pipeline.boundaries is not None else None)
@@ -188,7 +188,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                                                materialize=data.zero < 3, device=mesh.device,
                                                whole_model=split is None)
         if split is not None and tensor.sequence_parallel:
-            from paratrain.parallel.stages import sequence_parallel_boundaries
+            from paratrain.parallel.pipeline.stages import sequence_parallel_boundaries
 
             tp_info.handles += sequence_parallel_boundaries(split, comm, tp_info.axis)
     if data.zero < 3:
@@ -202,7 +202,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 4. The data-parallel engine last: it sees the final parameters it has to reduce.
     reduction = data.grad_reduction.value
     if data.zero == 3:
-        from paratrain.parallel.zero3 import FullyShardedEngine
+        from paratrain.parallel.data.zero3 import FullyShardedEngine
 
         prefetch = mesh.device.type == "cuda" if data.prefetch is None else data.prefetch
         engine = FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
@@ -212,7 +212,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                                     grad_reduction=reduction)
     runner = None
     if split is not None:
-        from paratrain.parallel.pipeline import PipelineRunner
+        from paratrain.parallel.pipeline.runner import PipelineRunner
 
         # Built last: a stage's shell shares the modules the steps above may have replaced.
         runner = PipelineRunner(split, pipeline.schedule, mesh, comm, tp_axis=tp_info.axis if tp_info else None)
@@ -281,7 +281,7 @@ def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, seque
         if not isinstance(model, Transformer):
             raise ParallelConfigError(f"tensor parallelism needs a plan for {type(model).__name__}: pass "
                                       "tensor=TensorParallel(plan={module pattern: style}) (see "
-                                      "paratrain.parallel.tp_plan)")
+                                      "paratrain.parallel.tensor.plan)")
         plan = LLAMA_SP_PLAN if sequence_parallel else LLAMA_TP_PLAN
     on_meta = any(p.is_meta for p in model.parameters())
     info = apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sequence_parallel,

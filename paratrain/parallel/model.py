@@ -50,9 +50,9 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import WORLD
-from paratrain.parallel.engine import Engine
-from paratrain.parallel.tensor import cross_entropy, gather_full, tp_norm_sq_parts
-from paratrain.parallel.tp_plan import TensorParallelInfo
+from paratrain.parallel.data.engine import Engine
+from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
+from paratrain.parallel.tensor.layers import cross_entropy, gather_full
 from paratrain.precision import LossScaler, Precision
 
 IGNORE_INDEX = -100

@@ -45,7 +45,7 @@ from paratrain.plan.memory import (
     model_state_bytes,
     stage_param_count,
 )
-from paratrain.parallel.schedules import ScheduleName
+from paratrain.parallel.pipeline.schedules import ScheduleName
 from paratrain.plan.search import (
     Estimate,
     SearchResult,

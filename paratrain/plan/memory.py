@@ -20,7 +20,7 @@ fp32 training has no separate master copy (the parameters are the master):
 parameters 4Ψ, gradients 4Ψ, K = 8, sharded at the same ZeRO stages. Gradients
 take the reduce dtype's size when it differs from the parameter dtype.
 
-ZeRO-3 as paratrain.parallel.zero3 implements it (as FSDP2 does) keeps no
+ZeRO-3 as paratrain.parallel.data.zero3 implements it (as FSDP2 does) keeps no
 16-bit copy at rest: each rank's fp32 parameter shard is the master, cast to
 the compute dtype as it enters the all-gather, and the reduce-scattered
 gradient is kept in fp32 on that shard. Mixed precision at ZeRO-3 is then
@@ -46,7 +46,7 @@ from enum import Enum
 
 from paratrain.errors import ParatrainError
 from paratrain.models.configs import ModelConfig
-from paratrain.parallel.schedules import ScheduleName
+from paratrain.parallel.pipeline.schedules import ScheduleName
 
 GB = 10**9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -463,10 +463,10 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
     """Transient communication buffers.
 
     ZeRO-3 (one unit per block, plus the root's remaining parameters: embedding, head, final
-    norm, as paratrain.parallel.zero3_units wraps them): `ZERO3_PREFETCH_UNITS` units gathered
+    norm, as paratrain.parallel.data.units wraps them): `ZERO3_PREFETCH_UNITS` units gathered
     in the parameter dtype (the one computing, the one prefetched) and as many unit gradients
     awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: one
-    bucket, being filled or in flight (paratrain.parallel.data). DDP and ZeRO-1: their
+    bucket, being filled or in flight (paratrain.parallel.data.ddp). DDP and ZeRO-1: their
     buckets are the gradients (counted there); ZeRO-1 adds one bucket's all-gather of updated
     parameters. Nothing when only the parameter count is known. Hybrid sharding keeps one
     reduced shard more (1/dp_shard of a unit's gradients, or of a ZeRO-2 bucket) while it is

@@ -7,7 +7,7 @@ fit in memory (keeping why), and ranks the rest by estimated step time.
 
 Each rule is written once, next to the code that needs it, and called from here: the degrees
 (`paratrain.mesh.degree_violations`), the reference model under tensor parallelism and
-sequence parallelism (`paratrain.parallel.tp_plan`), ZeRO-3 with pipelines
+sequence parallelism (`paratrain.parallel.tensor.plan`), ZeRO-3 with pipelines
 (`paratrain.parallel.stages.zero_stage_violations`), the schedules
 (`paratrain.parallel.schedules.schedule_violations`) and the batch (`paratrain.config`).
 """
@@ -24,9 +24,10 @@ from paratrain.config import batch_violations
 from paratrain.errors import Violation
 from paratrain.mesh import degree_violations
 from paratrain.models.configs import ModelConfig
-from paratrain.parallel.schedules import ScheduleName, schedule_violations
-from paratrain.parallel.stages import zero_stage_violations
-from paratrain.parallel.tp_plan import llama_tp_violations, sequence_parallel_violations
+from paratrain.parallel.pipeline.schedules import ScheduleName, schedule_violations
+from paratrain.parallel.pipeline.stages import zero_stage_violations
+from paratrain.models.tp_plans import llama_tp_violations
+from paratrain.parallel.tensor.plan import sequence_parallel_violations
 from paratrain.plan.compute import Hardware, StepFlops, StepTime, comm_bytes_per_rank, step_flops, step_time
 from paratrain.plan.memory import (
     GB,

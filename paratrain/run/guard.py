@@ -53,7 +53,7 @@ from paratrain.config import ReliabilitySection
 from paratrain.run.diagnose import CollectiveFailure, FingerprintRing, any_failed, describe, mark_failed
 from paratrain.run.watchdog import StepWatchdog
 from paratrain.errors import RunFailure
-from paratrain.parallel.replicas import INT_OF_SIZE, bit_hash
+from paratrain.parallel.data.replicas import INT_OF_SIZE, bit_hash
 
 # torchrun waits 30 s (--shutdown-timeout) between SIGTERM and SIGKILL: finish the step and save before.
 SIGTERM_GRACE_S = 25.0

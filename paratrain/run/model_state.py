@@ -8,7 +8,7 @@ A rank's box of a master composes two splits:
 * tensor parallelism splits the parameter along dim 0 or dim 1 into tp equal
   slices (`TensorParallelInfo.global_shape` gives the tp-local slice's offset);
 * ZeRO splits the tp-local parameter along dim 0: rank r of N holds rows
-  [lo, hi) (`paratrain.parallel.shard`), so the box's offset on dim 0 is the
+  [lo, hi) (`paratrain.parallel.data.shard`), so the box's offset on dim 0 is the
   tp offset + lo and its shape (hi − lo, rest of the tp-local shape).
 
 Every box is written by exactly one rank: a master replicated over dp (DDP,

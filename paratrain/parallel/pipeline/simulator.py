@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from paratrain.parallel.schedules import Action, Kind, Schedule, ScheduleError
+from paratrain.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleError
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ followed by an all-reduce of the 1/N shard over dp_replicate (2·(Ψ/N)(R−1)/R
 more per reduction), and the all-gather of updated parameters stays within
 the group; the loss, the pre-division and the used flags are over all dp ranks.
 
-The shard layout is paratrain.parallel.shard's: rank r owns rows
+The shard layout is paratrain.parallel.data.shard's: rank r owns rows
 [r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
 chunk r packs rank r's (padded) rows of each parameter of the bucket, so a
 reduce-scatter leaves in chunk r exactly the gradient rank r's optimizer
@@ -67,10 +67,10 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
-from paratrain.parallel.engine import used_flags
+from paratrain.parallel.data.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
-from paratrain.parallel.replicas import ReplicaSum, make_replicas
-from paratrain.parallel.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
+from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
+from paratrain.parallel.data.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 from paratrain.precision import Precision
 
 # Gradients wait, this many bytes of them at most, to be written into their buckets together: a few

@@ -28,14 +28,12 @@ forward reads as its math. Activations are [batch, seq, ...] (the reference
 model's layout); the sequence dim is moved to the front for the flat dim-0
 collectives and back.
 
-Applying layers to a whole model is `paratrain.parallel.tp_plan`'s job.
+Applying layers to a whole model is `paratrain.parallel.tensor.plan`'s job.
 """
 
 from __future__ import annotations
 
 import hashlib
-from functools import partial
-from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -43,168 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.errors import ParatrainError
-from paratrain.parallel.norm import sum_of_squares
-
-if TYPE_CHECKING:
-    from paratrain.parallel.tp_plan import TensorParallelInfo
-
-# init(name, full_shape) -> the full fp32 initial value of parameter `name`.
-InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
-
-
-class TensorParallelError(ParatrainError, ValueError):
-    """A size or plan that tensor parallelism cannot split; the message names it and the rule."""
-
-
-def check_divisible(where: str, what: str, size: int, tp: int) -> None:
-    """Raise TensorParallelError unless `size` splits evenly over `tp` ranks."""
-    if size % tp:
-        raise TensorParallelError(f"{where}: {what}={size} is not divisible by tp={tp}; "
-                                  f"choose tp dividing {size}")
-
-
-# -- tensor helpers (flat dim-0 collectives along any dim) -----------------------------------
-
-def _split(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    n, r = comm.mesh.size(axis), comm.mesh.coord(axis)
-    check_divisible("split", f"size of dim {dim}", x.shape[dim], n)
-    return x.chunk(n, dim)[r].contiguous()
-
-
-def _all_gather(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    """The ranks' `x` concatenated along `dim`. Gathered as they are, stacked on a new leading dim (rank r's
-    block is its `x`, in place), then that dim moved beside `dim`: one copy, none when `dim` is 0."""
-    n, dim = comm.mesh.size(axis), dim % x.dim()
-    if n == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((n, *x.shape))
-    comm.all_gather(out.flatten(0, 1), x, axis)
-    return out.movedim(0, dim).flatten(dim, dim + 1)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    """Sum over the ranks of `x`, this rank's 1/n of it along `dim`. `dim` split in n blocks moved to the
-    front (one copy, none when `dim` is 0), so each rank's block is a chunk of dim 0; its block arrives in the
-    layout of `x`, so nothing is copied after."""
-    n, dim = comm.mesh.size(axis), dim % x.dim()
-    if n == 1:
-        return x
-    check_divisible("reduce-scatter", f"size of dim {dim} (sequence length)", x.shape[dim], n)
-    front = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
-    out = front.new_empty(front.shape[1:])
-    comm.reduce_scatter(out, front.flatten(0, 1), axis)
-    return out
-
-
-def _all_reduce(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    # A fresh contiguous buffer: autograd may hold `x`, and a gradient can be a stride-0 expand.
-    out = x.clone(memory_format=torch.contiguous_format)
-    comm.all_reduce(out, axis)
-    return out
-
-
-def _all_reduce_grad(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    """A gradient summed over `axis`: in place when this backward holds it alone, else in a copy.
-
-    Autograd can hand one gradient tensor to several branches (an add passes its gradient to both
-    of its inputs as it is); summing it in place would change it for the others too. Alone means
-    what autograd checks before accumulating into a gradient in place: nothing else references
-    the tensor and no other tensor shares its storage (not a view or an expand, not saved for
-    another backward). What enters a region is most often its layers' matmuls' fresh output: no copy.
-    """
-    # The storage count includes the reference that untyped_storage() makes to answer.
-    if grad.is_contiguous() and grad._use_count() == 1 and \
-            torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2:
-        comm.all_reduce(grad, axis)
-        return grad
-    return _all_reduce(grad, comm, axis)
-
-
-# -- differentiable primitives, named by both passes --------------------------------------------
-
-class _TwoPasses(torch.autograd.Function):
-    """Apply `forward` to the input and `backward` to its gradient: every primitive below is one pair."""
-
-    @staticmethod
-    def forward(ctx, x, forward, backward):
-        ctx.backward_fn = backward
-        return forward(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.backward_fn(grad), None, None
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x.detach()  # same storage; not a view, so the output does not keep the input alive
-
-
-def copy_to_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    """Forward identity, backward all-reduce over `axis`: a replicated input enters a tp region."""
-    return _TwoPasses.apply(x, _identity, partial(_all_reduce_grad, comm=comm, axis=axis))
-
-
-class _ReduceInPlace(torch.autograd.Function):
-    """Forward all-reduce of a partial output where it lies, backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, comm, axis):
-        if not x.is_contiguous() or (x.is_leaf and x.requires_grad):  # no place to sum in: a copy
-            return _all_reduce(x, comm, axis)
-        ctx.mark_dirty(x)
-        comm.all_reduce(x, axis)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-def reduce_from_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    """Forward all-reduce over `axis`, backward identity: partial outputs leave a tp region summed.
-
-    `x` is summed in place (no copy): it must be a partial output made for this sum, as a parallel
-    layer's matmul or embedding output is, that nothing else reads. (A gradient entering a region
-    is summed in place only when nothing else holds it: `_all_reduce_grad`.)
-    """
-    return _ReduceInPlace.apply(x, comm, axis)
-
-
-def gather_from_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
-    """Forward all-gather along `dim`, backward split (keep this rank's chunk): assemble a sharded output."""
-    dim %= x.dim()
-    return _TwoPasses.apply(x, partial(_all_gather, dim=dim, comm=comm, axis=axis),
-                            partial(_split, dim=dim, comm=comm, axis=axis))
-
-
-def scatter_to_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
-    """Forward split along `dim` (keep this rank's chunk), backward all-gather."""
-    dim %= x.dim()
-    return _TwoPasses.apply(x, partial(_split, dim=dim, comm=comm, axis=axis),
-                            partial(_all_gather, dim=dim, comm=comm, axis=axis))
-
-
-def gather_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
-    """Forward all-gather of sequence shards, backward reduce-scatter (each rank's grad is partial)."""
-    dim %= x.dim()
-    return _TwoPasses.apply(x, partial(_all_gather, dim=dim, comm=comm, axis=axis),
-                            partial(_reduce_scatter, dim=dim, comm=comm, axis=axis))
-
-
-def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
-    """Forward reduce-scatter of partial outputs along the sequence, backward all-gather of the grad."""
-    dim %= x.dim()
-    return _TwoPasses.apply(x, partial(_reduce_scatter, dim=dim, comm=comm, axis=axis),
-                            partial(_all_gather, dim=dim, comm=comm, axis=axis))
-
-
-def enter_tp_region(x: torch.Tensor, comm: Comm, axis: str, sequence_parallel: bool) -> torch.Tensor:
-    """Bring an activation into a tp region: `copy_to_tp`, or under SP `gather_sequence` (dim 1)."""
-    if sequence_parallel:
-        return gather_sequence(x, comm, axis, dim=1)
-    return copy_to_tp(x, comm, axis)
+from paratrain.parallel.tensor.primitives import (
+    InitFn, TensorParallelError, check_divisible, _all_gather, reduce_from_tp, gather_from_tp, reduce_scatter_sequence, enter_tp_region,
+)
 
 
 # -- parallel layers ----------------------------------------------------------------------------
@@ -490,54 +329,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, co
 
 # -- whole-model helpers: norms, gathering, RNG ----------------------------------------------
 
-def tp_norm_sq(named_tensors: Iterable[tuple[str, torch.Tensor]], info: TensorParallelInfo) -> torch.Tensor:
-    """Σ‖t‖² over the tp group: tp-sharded tensors summed over ranks, replicated ones counted once.
-
-    Takes (parameter name, tensor) pairs, e.g. grads or a ZeRO engine's local shards of them;
-    the result is then complete over tp and still partial over any other axis the tensors are
-    split on (a ZeRO engine all-reduces it over dp next: the sum is linear).
-    """
-    sharded, replicated = tp_norm_sq_parts(named_tensors, info)
-    info.comm.all_reduce(sharded, info.axis)
-    return sharded + replicated
-
-
-def tp_norm_sq_parts(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                     info: TensorParallelInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (Σ‖t‖² of its tp-sharded tensors, Σ‖t‖² of its replicated ones), no communication."""
-    split: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # is sharded → tensors
-    for name, tensor in named_tensors:
-        split[name in info.sharded].append(tensor)
-    device = next((t.device for t in split[True] + split[False]), info.comm.mesh.device)
-    sharded, replicated = (sum_of_squares(split[s], device) for s in (True, False))
-    return sharded, replicated
-
-
-def tp_grad_norm_sq(model: nn.Module, info: TensorParallelInfo) -> torch.Tensor:
-    """Squared norm of the whole model's gradient (every parameter once), the same on every tp rank."""
-    return tp_norm_sq(((n, p.grad) for n, p in model.named_parameters() if p.grad is not None), info)
-
-
-@torch.no_grad()
-def clip_grad_norm_tp_(model: nn.Module, info: TensorParallelInfo, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` for a tensor-parallel model: the same total norm and scale on every tp rank."""
-    total = tp_grad_norm_sq(model, info).sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.mul_(scale.to(param.grad.device, param.grad.dtype))
-    return total
-
-
 @torch.no_grad()
 def gather_full(value: torch.Tensor, dim: int | None, comm: Comm, axis: str) -> torch.Tensor:
     """The whole tensor from this rank's slice split along `dim` over `axis` (a copy; None: not split)."""
     return value.detach().clone() if dim is None else _all_gather(value.detach(), dim, comm, axis)
-
-
-def full_parameters(model: nn.Module, info: TensorParallelInfo) -> dict[str, torch.Tensor]:
-    """Every parameter at its full shape (sharded ones all-gathered over tp), by name."""
-    return {name: info.gather(name, param) for name, param in model.named_parameters()}
 
 
 def tp_rng(mesh, seed: int, name: str, *, sharded: bool, axis: str = "tp", device="cpu") -> torch.Generator:

@@ -154,7 +154,7 @@ def sequence_parallel_boundaries(split: StageSplit, comm, axis: str = "tp") -> l
     model's full length, which the reference model sizes its rotary tables from; the point-to-
     point bytes are those of plain pipelining. Returns the hook handles.
     """
-    from paratrain.parallel.tensor import gather_from_tp, scatter_to_tp
+    from paratrain.parallel.tensor.primitives import gather_from_tp, scatter_to_tp
 
     if split.kind != "transformer":
         raise PipelineError("sequence parallelism with pipeline stages needs paratrain's Transformer")

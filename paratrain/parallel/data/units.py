@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.parallel.shard import chunk_padding, chunk_tiles, rows_per_rank
+from paratrain.parallel.data.shard import chunk_padding, chunk_tiles, rows_per_rank
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 UnitSpec = Callable[[str, nn.Module], bool] | tuple[type, ...] | str | None

@@ -31,7 +31,7 @@ Generators (p = pp, m = micro-batches, v = virtual stages):
   most p micro-batches are in flight (Qi et al. 2023).
 
 Every generated schedule is deadlock-free and sends point-to-point messages
-in the order the receiver posts them; `paratrain.parallel.simulator` checks both.
+in the order the receiver posts them; `paratrain.parallel.pipeline.simulator` checks both.
 """
 
 from __future__ import annotations

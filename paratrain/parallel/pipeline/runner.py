@@ -1,9 +1,9 @@
 """Pipeline parallelism: this rank's stages run by a schedule, activations and gradients point to point.
 
-`paratrain.parallel.stages` splits the model; this module runs it. One step is m
+`paratrain.parallel.pipeline.stages` splits the model; this module runs it. One step is m
 micro-batches. `PipelineRunner.run` (a `ParallelModel`'s `train_step` under
 pipeline parallelism) walks this rank's action list from
-`paratrain.parallel.schedules` (F, B and for zero-bubble W); the point-to-point
+`paratrain.parallel.pipeline.schedules` (F, B and for zero-bubble W); the point-to-point
 traffic is the simulator's, group by group (`simulator.exchanges`):
 
 =========  ============================================  ===================================
@@ -55,9 +55,9 @@ from typing import Iterator
 
 import torch
 
-from paratrain.parallel.schedules import Action, Kind, Schedule, ScheduleName, build_schedule
-from paratrain.parallel.simulator import Message, exchanges, validate
-from paratrain.parallel.stages import PipelineError, StageSplit
+from paratrain.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleName, build_schedule
+from paratrain.parallel.pipeline.simulator import Message, exchanges, validate
+from paratrain.parallel.pipeline.stages import PipelineError, StageSplit
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # ndim, up to 6 dims, dtype code

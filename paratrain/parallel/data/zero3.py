@@ -50,11 +50,11 @@ from torch.utils._pytree import tree_leaves
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
-from paratrain.parallel.engine import used_flags
+from paratrain.parallel.data.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares
-from paratrain.parallel.replicas import ReplicaSum
-from paratrain.parallel.shard import row_range
-from paratrain.parallel.zero3_units import Unit, UnitSpec, parameter_slots, row_shape, unit_modules
+from paratrain.parallel.data.replicas import ReplicaSum
+from paratrain.parallel.data.shard import row_range
+from paratrain.parallel.data.units import Unit, UnitSpec, parameter_slots, row_shape, unit_modules
 from paratrain.precision import Precision
 from paratrain.errors import ParatrainError
 

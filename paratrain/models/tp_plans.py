@@ -1,0 +1,76 @@
+"""Tensor-parallel plans for the reference model and for the most used Hugging Face families.
+
+A plan maps module-name patterns to the styles of `paratrain.parallel.tensor.plan`; these are the
+ready ones. `LLAMA_TP_PLAN` is Megatron's split of the reference `Transformer` (attention and
+feed-forward column then row, vocabulary-split embedding and head); `LLAMA_SP_PLAN` adds sequence
+parallelism; `HF_LLAMA_PLAN` and `HF_GPT2_PLAN` are the same ideas under Hugging Face's module names.
+"""
+
+from __future__ import annotations
+
+from paratrain.errors import Violation
+from paratrain.parallel.tensor.plan import (
+    AttentionRegion, Colwise, OutputHead, Rowwise, SequenceParallelNorm, SequenceShardInput, Style, TPRegion,
+    VocabEmbedding,
+)
+
+LLAMA_TP_PLAN: dict[str, Style] = {
+    "tok_embeddings": VocabEmbedding(),
+    "layers.*.attention": AttentionRegion(),
+    "layers.*.attention.wq": Colwise(),
+    "layers.*.attention.wk": Colwise(),
+    "layers.*.attention.wv": Colwise(),
+    "layers.*.attention.wo": Rowwise(),
+    "layers.*.feed_forward": TPRegion(),
+    "layers.*.feed_forward.w1": Colwise(),
+    "layers.*.feed_forward.w3": Colwise(),
+    "layers.*.feed_forward.w2": Rowwise(),
+    "output": OutputHead(),
+}
+
+LLAMA_SP_PLAN: dict[str, Style] = {
+    **LLAMA_TP_PLAN,
+    "tok_embeddings": VocabEmbedding(defer_sp_reduce=True),
+    "layers.0": SequenceShardInput(),
+    "layers.*.attention_norm": SequenceParallelNorm(),
+    "layers.*.ffn_norm": SequenceParallelNorm(),
+    "norm": SequenceParallelNorm(),
+}
+
+# Hugging Face `LlamaForCausalLM` (and Mistral, Qwen2: the same module names), built from a config or
+# loaded: the reference plan under Hugging Face's names. Its attention and MLP are called with keyword
+# arguments (`self_attn(hidden_states=...)`): the regions find their input by that keyword.
+HF_LLAMA_PLAN: dict[str, Style] = {
+    "model.embed_tokens": VocabEmbedding(),
+    "model.layers.*.self_attn": AttentionRegion(q="q_proj", kv=("k_proj", "v_proj")),
+    "model.layers.*.self_attn.q_proj": Colwise(),
+    "model.layers.*.self_attn.k_proj": Colwise(),
+    "model.layers.*.self_attn.v_proj": Colwise(),
+    "model.layers.*.self_attn.o_proj": Rowwise(),
+    "model.layers.*.mlp": TPRegion(),
+    "model.layers.*.mlp.gate_proj": Colwise(),
+    "model.layers.*.mlp.up_proj": Colwise(),
+    "model.layers.*.mlp.down_proj": Rowwise(),
+    "lm_head": OutputHead(),
+}
+
+# Hugging Face `GPT2LMHeadModel`: the MLP's Conv1D layers split (c_fc by columns, c_proj by rows), the
+# tied token embedding and head split by vocabulary. Attention stays replicated: GPT-2 projects q, k and
+# v with one fused Conv1D (`attn.c_attn`) whose output the module cuts at a fixed width, so it cannot be
+# column-split (`Colwise` refuses it); each tp rank computes the attention whole.
+HF_GPT2_PLAN: dict[str, Style] = {
+    "transformer.wte": VocabEmbedding(),
+    "transformer.h.*.mlp": TPRegion(),
+    "transformer.h.*.mlp.c_fc": Colwise(),
+    "transformer.h.*.mlp.c_proj": Rowwise(),
+    "lm_head": OutputHead(),
+}
+
+
+def llama_tp_violations(model_cfg, tp: int) -> list[Violation]:
+    """The reference model under `LLAMA_TP_PLAN`: tp must divide the heads, the kv heads, the ffn width
+    and the vocabulary (Megatron's partitioning); the plan's styles check the same on the modules."""
+    checks = (("heads", "heads", model_cfg.n_heads), ("kv_heads", "kv heads", model_cfg.n_kv_heads),
+              ("ffn", "ffn", model_cfg.ffn_dim), ("vocab", "vocab", model_cfg.vocab_size))
+    return [Violation(f"{rule}_tp", f"{name} {size} not divisible by tp {tp}") for rule, name, size in checks
+            if size % tp]

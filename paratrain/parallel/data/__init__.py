@@ -1,0 +1,15 @@
+"""Data parallelism: every rank computes on its slice of the batch; gradients are reduced over `dp`.
+
+- `engine`: the `Engine` protocol every data-parallel engine meets (what `ParallelModel` calls).
+- `ddp`: DDP (ZeRO-0) and ZeRO-1/2: gradients written into flat buckets as backward produces
+  them, each bucket's all-reduce or reduce-scatter launched the moment it is full.
+- `zero3`: ZeRO-3 (FSDP): parameters sharded at rest, one unit gathered at a time (where it
+  prefetches the next), its gradients reduce-scattered as backward leaves it.
+- `units`: how a model is cut into ZeRO-3 units and how a unit's flat parameters are laid out.
+- `shard`: which rows of every parameter rank r of N owns (the layout checkpoints record).
+- `replicas`: agreeing start-up values, and hybrid sharding's all-reduce across replica groups.
+"""
+
+from paratrain.parallel.data.ddp import DataParallelEngine  # noqa: F401
+from paratrain.parallel.data.engine import Engine  # noqa: F401
+from paratrain.parallel.data.zero3 import FullyShardedEngine  # noqa: F401
