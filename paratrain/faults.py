@@ -25,7 +25,10 @@ Two sorts of kind:
   before the manifest that commits), ``kill_in_purge`` (rank 0, while
   deleting old checkpoints), ``ckpt_enospc`` (OSError ENOSPC in the middle
   of writing a shard file) and ``ckpt_slow_write`` (each shard file takes
-  `SLOW_WRITE_SECONDS` longer, to keep an async save in flight);
+  `SLOW_WRITE_SECONDS` longer, to keep an async save in flight; with
+  ``PARATRAIN_FAULT_GATE=PATH``, it is held until that file exists instead,
+  so a test opens the gate once what must happen during the write has
+  happened, whatever the machine's load);
 * flags, which `maybe_fault` only reports (it returns True) and the caller
   acts on: ``nan`` (the loss becomes NaN), ``infgrad`` (one gradient element
   becomes inf), ``desync_shape`` (the step's agreement all-reduce gets a
@@ -48,7 +51,10 @@ from paratrain.errors import ParatrainError
 
 FAULT_ENV = "PARATRAIN_FAULT"
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+GATE_ENV = "PARATRAIN_FAULT_GATE"
 SLOW_WRITE_SECONDS = 2.0
+# A gate nobody opens: the held write goes on after this long, so a test that forgot it ends rather than hangs.
+GATE_LIMIT_S = 300.0
 
 ACTIONS = frozenset({
     "sigkill", "raise", "hang", "hang_data", "oom",
@@ -143,11 +149,21 @@ def maybe_fault(kind: str, rank: int, step: int, environ: Mapping[str, str] | No
     if kind == "ckpt_enospc":
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected at rank {rank}, step {step})")
     if kind == "ckpt_slow_write":
-        time.sleep(SLOW_WRITE_SECONDS)
+        _hold_write((os.environ if environ is None else environ).get(GATE_ENV))
     if kind in ("hang", "hang_data"):
         while True:
             time.sleep(3600)
     return True
+
+
+def _hold_write(gate: str | None) -> None:
+    """ckpt_slow_write: SLOW_WRITE_SECONDS, or until the file `gate` exists (at most GATE_LIMIT_S)."""
+    if not gate:
+        time.sleep(SLOW_WRITE_SECONDS)
+        return
+    deadline = time.monotonic() + GATE_LIMIT_S
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def checkpoint_events(rank: int):

@@ -647,28 +647,30 @@ def test_check_compatible_names_tensor_shapes_dtypes_and_keys(tmp_path):
 
 
 def test_async_save_commits_in_the_background_from_a_snapshot(tmp_path, monkeypatch):
-    monkeypatch.setattr(faults, "SLOW_WRITE_SECONDS", 0.5)
+    root, gate = tmp_path / "checkpoints", tmp_path / "gate"
     monkeypatch.setenv(faults.FAULT_ENV, "ckpt_slow_write@rank0:step2")
-    saver = AsyncCheckpointer(tmp_path, keep_latest=1, coordinator=LOCAL, on_event=faults.checkpoint_events(0))
+    monkeypatch.setenv(faults.GATE_ENV, str(gate))  # the write of step 2 is held until the checks below are done
+    saver = AsyncCheckpointer(root, keep_latest=1, coordinator=LOCAL, on_event=faults.checkpoint_events(0))
     w = torch.zeros(4, 3)
     saver.save(1, {"w": (ShardSpec("w", (4, 3), (0, 0)), w)})
-    assert saver.wait() == tmp_path / "step-00000001"
+    assert saver.wait() == root / "step-00000001"
     saver.save(2, {"w": (ShardSpec("w", (4, 3), (0, 0)), w)}, {"rng": torch.get_rng_state()}, {"step": 2})
     w.fill_(5.0)  # after the snapshot: not in the checkpoint
     assert saver.in_flight
-    assert read_latest_pointer(tmp_path) == "step-00000001"  # latest and retention wait for the commit
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001"]
-    assert saver.wait() == tmp_path / "step-00000002"
-    assert read_latest_pointer(tmp_path) == "step-00000002"
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002"]
-    assert torch.equal(CheckpointReader(tmp_path / "step-00000002").read("w"), torch.zeros(4, 3))
+    assert read_latest_pointer(root) == "step-00000001"  # latest and retention wait for the commit
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000001"]
+    gate.touch()
+    assert saver.wait() == root / "step-00000002"
+    assert read_latest_pointer(root) == "step-00000002"
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000002"]
+    assert torch.equal(CheckpointReader(root / "step-00000002").read("w"), torch.zeros(4, 3))
     # A background failure surfaces at the next call, once.
     monkeypatch.setenv(faults.FAULT_ENV, "ckpt_enospc@rank0:step3")
     saver.save(3, {"w": (ShardSpec("w", (4, 3), (0, 0)), w)})
     with pytest.raises(CheckpointError, match="no space left on device.*last good checkpoint step-00000002"):
         saver.save(4, {"w": (ShardSpec("w", (4, 3), (0, 0)), w)})
     saver.save(4, {"w": (ShardSpec("w", (4, 3), (0, 0)), w)})
-    assert saver.close() == tmp_path / "step-00000004"
+    assert saver.close() == root / "step-00000004"
 
 
 # -- two real ranks ---------------------------------------------------------------------------------------

@@ -8,12 +8,13 @@ import errno
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from paratrain.faults import (
-    FAULT_ENV, RESTART_ENV, Fault, FaultSpecError, active_faults, fault_requested, maybe_fault, parse_faults,
+    FAULT_ENV, GATE_ENV, RESTART_ENV, Fault, FaultSpecError, active_faults, fault_requested, maybe_fault, parse_faults,
 )
 from paratrain.run.watchdog import TIMER_FILE_ENV, StepWatchdog
 
@@ -62,6 +63,19 @@ def test_actions_raise_what_they_simulate():
     with pytest.raises(OSError) as info:
         maybe_fault("ckpt_enospc", 2, 8, env)
     assert info.value.errno == errno.ENOSPC
+
+
+def test_a_held_checkpoint_write_goes_on_once_its_gate_opens(tmp_path):
+    """With PARATRAIN_FAULT_GATE, ckpt_slow_write holds the write until the test says, not for a fixed time."""
+    gate = tmp_path / "gate"
+    env = {FAULT_ENV: "ckpt_slow_write@rank0:step2", GATE_ENV: str(gate)}
+    written = threading.Event()
+    writer = threading.Thread(target=lambda: (maybe_fault("ckpt_slow_write", 0, 2, env), written.set()))
+    writer.start()
+    assert not written.wait(3), "the write went on with its gate shut"  # longer than the 2 s of no gate
+    gate.touch()
+    assert written.wait(60)
+    writer.join()
 
 
 def test_the_environment_is_read_when_no_mapping_is_given(monkeypatch):

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from safetensors.torch import load_file
 
 from paratrain.checkpoint import verify_checkpoint
 from paratrain.distributed import free_port
-from paratrain.faults import FAULT_ENV
+from paratrain.faults import FAULT_ENV, GATE_ENV
 from paratrain.metrics import read_metrics
 from paratrain.run.samples import read_samples
 
@@ -35,6 +36,10 @@ TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2",
         "--eval-every", "0", "--no-progress"]
 STEPS = 12
 ARGS = [*TINY, "--steps", str(STEPS), "--checkpoint-every", "4", "--nproc", "2"]
+# A bound on one launch that only a hang reaches: the slowest (5 attempts) takes under a minute on 2 loaded
+# cores. Tests that check a run did not wait for a long timeout set that timeout beyond this one.
+LAUNCH_TIMEOUT = 300
+LONG_PG_TIMEOUT = "600"
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +48,20 @@ def command(out, *extra) -> list[str]:
     return [sys.executable, "-m", "paratrain", "train", *ARGS, "--out", str(out), *extra]
 
 
-def environment(fault: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+def environment(fault: str, gate: Path | None = None) -> dict:
+    """`gate`: a held checkpoint write (`ckpt_slow_write`) goes on once this file exists."""
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, GATE_ENV)}
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
         env[FAULT_ENV] = fault
+    if gate is not None:
+        env[GATE_ENV] = str(gate)
     return env
 
 
-def launch(out, *extra, fault: str = "", timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run(command(out, *extra), capture_output=True, text=True, timeout=timeout,
-                          env=environment(fault))
+def launch(out, *extra, fault: str = "", gate: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command(out, *extra), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          env=environment(fault, gate))
 
 
 def assert_bit_equal(out: Path, reference: Path) -> None:
@@ -95,15 +103,35 @@ def test_crashes_while_writing_a_checkpoint_leave_the_previous_one_in_use(refere
 
 
 def test_sigterm_to_the_launcher_saves_a_checkpoint_and_a_relaunch_resumes_bit_equal(reference, tmp_path):
-    out = tmp_path / "run"
-    # Rank 0's save of step 4 takes 2 s more: the signal arrives while the run is there.
-    process = subprocess.Popen(command(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=environment("ckpt_slow_write@rank0:step4"))
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and _steps_logged(out) < 4:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    # Rank 0's save of step 4 is held until the gate opens, which happens once rank 0 has the signal:
+    # step 5 is then the step under way, whatever the load.
+    with open(tmp_path / "stdout", "w") as stdout:
+        process = subprocess.Popen(command(out), stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                   env=environment("ckpt_slow_write@rank0:step4", gate))
+    lines, signalled = [], threading.Event()
+
+    def read_stderr():
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith("paratrain: rank 0 got SIGTERM at step 4"):
+                signalled.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while _steps_logged(out) < 4:  # then rank 0 is in its save of step 4, held
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert signalled.wait(LAUNCH_TIMEOUT), "".join(lines)
+        gate.touch()
+        process.wait(timeout=LAUNCH_TIMEOUT)
+    finally:
+        process.kill()
+        reader.join()
+    err = "".join(lines)
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM; newest checkpoint step-00000005: relaunch the same command to resume" in err
     assert _steps_logged(out) == 5, "the step under way when the signal came was finished, then saved"
@@ -121,9 +149,9 @@ def _steps_logged(out: Path) -> int:
 
 
 def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_path):
-    start = time.monotonic()
-    result = launch(tmp_path / "run", "--pg-timeout", "10", fault="hang@rank1:step5")
-    elapsed = time.monotonic() - start
+    out = tmp_path / "run"
+    result = launch(out, "--pg-timeout", "10", fault="hang@rank1:step5")
+    ended = time.time()
     assert result.returncode == 1
     line = summary(result)
     assert line.startswith("paratrain train: rank 0 exited with code 1: CollectiveFailure: rank 0 failed at step 5, "
@@ -132,7 +160,10 @@ def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_pat
     waited = re.search(AGREEMENT + r" \(step 5\): rank 1 never issued call", line)
     assert waited and int(waited.group(1)) > AGREEMENT_ROWS, line
     assert "it is at step 5, hung or dead outside a collective (error: " in line and "Timed out" in line
-    assert elapsed < 10 + 25, f"{elapsed:.1f} s: the timeout plus start-up, no more"
+    # Timed from rank 0's record of step 4 (then it saves step 4 and waits in step 5's agreement), not from
+    # the launch, whose start-up is what a loaded machine slows: the 10 s, then a stop of a second or two.
+    waited = ended - (out / "metrics.jsonl").stat().st_mtime
+    assert 10 <= waited < 10 + 20, f"{waited:.1f} s from step 4's record to the end: the timeout and the stop, no more"
 
 
 def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
@@ -177,9 +208,10 @@ def test_a_kill_while_purging_old_checkpoints_keeps_the_newest_and_resumes_bit_e
 # -- rows 4, 13, 16 and 24 of the fault plan ---------------------------------------------------------
 
 def test_a_kill_while_an_async_save_is_in_flight_leaves_latest_and_retention_alone(reference, tmp_path):
-    """Rank 0's shard of step 8 takes 2 s longer to write; rank 0 is killed in step 9, that save still in flight."""
+    """Rank 0's shard of step 8 is held; rank 0 is killed in step 9, that save still in flight."""
     out, args = tmp_path / "run", ("--checkpoint-async", "--checkpoint-every", "2", "--keep-latest", "2")
-    result = launch(out, *args, fault="ckpt_slow_write@rank0:step8,sigkill@rank0:step9")
+    # The gate never opens: rank 0's save of step 8 is held until the kill in step 9.
+    result = launch(out, *args, fault="ckpt_slow_write@rank0:step8,sigkill@rank0:step9", gate=tmp_path / "shut")
     assert result.returncode == 1, result.stderr
     assert summary(result).startswith("paratrain train: rank 0 was killed by SIGKILL"), result.stderr
     root = out / "checkpoints"
@@ -242,37 +274,38 @@ def test_killed_and_resumed_runs_read_exactly_the_samples_of_an_uninterrupted_ru
 def test_a_rank_hung_outside_collectives_is_killed_by_the_step_watchdog_and_the_job_resumes(reference, tmp_path):
     """hang_data: rank 0 sleeps before its step's first collective; --step-timeout ends it long before --pg-timeout."""
     out = tmp_path / "run"
-    start = time.monotonic()
-    result = launch(out, "--step-timeout", "4", "--pg-timeout", "120", "--max-restarts", "1",
+    # A process-group timeout beyond the launch's: a run that waited for it would not end in time.
+    result = launch(out, "--step-timeout", "4", "--pg-timeout", LONG_PG_TIMEOUT, "--max-restarts", "1",
                     fault="hang_data@rank0:step5")
-    elapsed = time.monotonic() - start
     assert result.returncode == 0, result.stderr
     assert re.search(r"paratrain: rank 0 at step 5 made no progress for 4 s \(--step-timeout\): killing its "
                      r"process \(\d+\); the launcher restarts the job if --max-restarts allows \[.*rank 0 never "
                      r"issued call #\d+ .* hung or dead outside a collective\]", result.stderr), result.stderr
     assert "checkpoints/step-00000004 at step 4" in result.stdout
-    assert elapsed < 60, f"{elapsed:.1f} s: the watchdog, not the 120 s process-group timeout, ended the hang"
     assert_bit_equal(out, reference)
 
 
 def test_without_a_launcher_the_step_watchdog_ends_the_hung_process_itself(tmp_path):
     """One process, no launcher: the timer server is a thread of the process, which it kills."""
-    start = time.monotonic()
+    out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "paratrain", "train", *TINY, "--steps", "6", "--step-timeout", "2",
-                             "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=60,
+                             "--out", str(out)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
                             env=environment("hang_data@rank0:step3"))
+    ended = time.time()
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert re.fullmatch(r"paratrain: rank 0 at step 3 made no progress for 2 s \(--step-timeout\): ending this "
                         r"process \(\d+\)", result.stderr.strip()), result.stderr
-    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
-    assert time.monotonic() - start < 30
+    assert len(read_metrics(out / "metrics.jsonl")) == 2
+    # From step 2's record (step 3's countdown starts after it) to the kill: the 2 s, the server's 0.5 s poll,
+    # and room for the load; not from the start, which a loaded machine slows.
+    waited = ended - (out / "metrics.jsonl").stat().st_mtime
+    assert 2 <= waited < 2 + 20, f"{waited:.1f} s from step 2's record to the kill"
 
 
 def test_out_of_memory_on_one_rank_ends_every_rank_promptly_with_a_hint(tmp_path):
-    """A MemoryError on rank 1 mid-step, rank 0 waiting for it in the step's agreement (a 120 s timeout)."""
-    start = time.monotonic()
-    result = launch(tmp_path / "run", "--pg-timeout", "120", fault="oom@rank1:step4")
-    elapsed = time.monotonic() - start
+    """A MemoryError on rank 1 mid-step, rank 0 waiting for it in the step's agreement (a 600 s timeout)."""
+    # The process-group timeout is beyond the launch's: a rank that waited for it would not end in time.
+    result = launch(tmp_path / "run", "--pg-timeout", LONG_PG_TIMEOUT, fault="oom@rank1:step4")
     assert result.returncode == 1
     line = summary(result)
     assert line.startswith("paratrain train: rank 1 exited with code 1: OutOfMemory: rank 1 ran out of memory at "
@@ -281,7 +314,6 @@ def test_out_of_memory_on_one_rank_ends_every_rank_promptly_with_a_hint(tmp_path
     # Rank 0 left its collective at once (gloo saw rank 1's connections close) or on the launcher's
     # SIGTERM, seeing rank 1's failure mark: either way without waiting for the timeout.
     assert (tmp_path / "run" / "diagnostics" / "attempt-0" / "failed-rank-1").exists()
-    assert elapsed < 60, f"{elapsed:.1f} s: no rank waited for the 120 s process-group timeout"
 
 
 def test_a_rendezvous_that_never_fills_ends_with_one_line(tmp_path):
@@ -291,12 +323,13 @@ def test_a_rendezvous_that_never_fills_ends_with_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "paratrain", "train", *TINY, "--steps", "2", "--nproc", "1",
                              "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "lonely",
                              "--join-timeout", "3", "--out", str(tmp_path / "run")],
-                            capture_output=True, text=True, timeout=60, env=environment(""))
+                            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=environment(""))
     elapsed = time.monotonic() - start
     assert result.returncode == 1
     assert result.stderr.strip() == (
         f"paratrain train: the rendezvous at {endpoint} (--rdzv-id lonely) timed out after 3 s (--join-timeout) "
         f"before all 2 node(s) (--nnodes) joined; start `paratrain train` with the same --nnodes, --rdzv-endpoint "
         f"and --rdzv-id on every node, or lower --nnodes"), result.stderr
-    assert elapsed < 30, f"{elapsed:.1f} s: the join timeout, not torch's default 600 s"
+    # At least the join timeout; and not torch's default 600 s, which the launch's timeout would have cut short.
+    assert elapsed >= 3, f"{elapsed:.1f} s"
     assert not (tmp_path / "run").exists(), "no worker ever started"

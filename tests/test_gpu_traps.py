@@ -194,12 +194,20 @@ def _stuck_collective(rank, world, directory):
     comm = Comm(mesh)
     for _ in range(2):
         comm.all_reduce(torch.ones(4), "dp")
+    timed_out = Path(directory) / "rank0-timed-out"
     if rank == 0:
         with pytest.raises(RuntimeError, match="Timed out"):
             comm.all_reduce(torch.ones(4), "dp")  # rank 1 never arrives: the group's timeout ends it
     write_flight_record(Path(directory) / f"{FLIGHT_PREFIX}{rank}")
-    if rank == 1:
-        time.sleep(5)  # alive while rank 0 waits, as a rank stuck outside a collective is
+    if rank == 0:
+        timed_out.touch()
+        return
+    # Alive while rank 0 waits, as a rank stuck outside a collective is: had it exited, rank 0's
+    # collective would end with "connection closed" instead. Until rank 0 says so, however long that takes.
+    deadline = time.monotonic() + 50
+    while not timed_out.exists():
+        assert time.monotonic() < deadline, "rank 0's all-reduce never timed out"
+        time.sleep(0.05)
 
 
 def test_the_flight_recorder_names_the_rank_and_the_collective(tmp_path):

@@ -1,10 +1,11 @@
 """The step-time breakdown: phases minus the communication they were blocked on."""
 
-import time
+import types
 from collections import defaultdict
 
 import pytest
 
+from paratrain import metrics
 from paratrain.metrics import StepTimer
 
 
@@ -18,23 +19,39 @@ class _FakeComm:
         return dict(self.blocked_s)
 
 
-def test_blocked_communication_moves_out_of_the_phase_it_happened_in():
-    comm = _FakeComm()
+class _Clock:
+    """A perf_counter that moves only when told: the breakdown's arithmetic, whatever the machine's load."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
+def test_blocked_communication_moves_out_of_the_phase_it_happened_in(monkeypatch):
+    clock, comm = _Clock(), _FakeComm()
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=clock))
     timer = StepTimer(comm)
-    start = time.perf_counter()
+    start = clock()
     with timer.phase("forward_backward"):
-        time.sleep(0.05)
+        clock.advance(0.05)
         comm.blocked_s["dp"] += 0.02  # as if a wait inside had blocked 20 ms of those 50
         comm.blocked_s["pp"] += 0.01
+    clock.advance(0.003)  # between phases: the step's "other"
     with timer.phase("optimizer"):
-        time.sleep(0.02)
-    total = time.perf_counter() - start
+        clock.advance(0.02)
+    total = clock() - start
     parts = timer.breakdown(total)
     assert parts["comm_exposed_s"] == {"dp": pytest.approx(0.02)}
     assert parts["pipeline_wait_s"] == pytest.approx(0.01)
-    assert parts["compute_s"] == pytest.approx(0.05 - 0.03, abs=0.01)
-    assert parts["optimizer_s"] == pytest.approx(0.02, abs=0.01)
+    assert parts["compute_s"] == pytest.approx(0.05 - 0.03)
+    assert parts["optimizer_s"] == pytest.approx(0.02)
+    assert parts["other_s"] == pytest.approx(0.003)
     assert parts["data_s"] == parts["checkpoint_s"] == 0.0
     accounted = (parts["compute_s"] + parts["optimizer_s"] + sum(parts["comm_exposed_s"].values())
                  + parts["pipeline_wait_s"] + parts["other_s"])
-    assert accounted == pytest.approx(total, abs=1e-6)
+    assert accounted == pytest.approx(total, abs=1e-12)

@@ -1,7 +1,6 @@
 """The planner: published numbers (DESIGN seed, ZeRO Table 1, Megatron Table 1), formulas, search, CLI."""
 
 import json
-import time
 from decimal import Decimal
 
 import pytest
@@ -286,10 +285,7 @@ def test_hardware_presets_and_overrides():
 def test_search_llama2_70b_on_64_gpus():
     work = Workload.for_model(LLAMA_70B, seq_len=4096, global_batch=1024)
     hardware = get_hardware("h100-80gb", memory_bytes=80e9, gpus_per_node=8)
-    start = time.perf_counter()
-    result = search(work, 64, hardware, top=10)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5.0, f"search took {elapsed:.2f} s"
+    result = search(work, 64, hardware, top=10)  # its speed (a 5 s target): benchmarks/bench_search.py
     assert result.ranked and len(result.ranked) <= 10
     times = [e.time.total for e in result.ranked]
     assert times == sorted(times)
