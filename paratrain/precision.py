@@ -1,7 +1,8 @@
 """Mixed precision: which dtype computes, which reduces gradients, which holds the master weights.
 
 The model's parameters are stored in ``param_dtype`` and the forward and
-backward run in it; gradients are communicated in ``reduce_dtype``; the
+backward run in it (floating-point inputs are cast to it where the model's
+forward, or a pipeline stage's, begins: `Precision.cast_inputs`); gradients are communicated in ``reduce_dtype``; the
 optimizer updates fp32 master weights (for ``fp32`` the parameters themselves
 are the master copy). fp16's narrow range needs dynamic loss scaling:
 :class:`LossScaler` multiplies the loss, skips a step whose gradients hold
@@ -39,6 +40,27 @@ class Precision:
     @property
     def needs_loss_scaling(self) -> bool:
         return self.param_dtype == torch.float16
+
+    def cast_inputs(self, value):
+        """`value` with each floating-point tensor in it (nested in tuples, lists, dicts) in the compute dtype.
+
+        A module whose weights are in `param_dtype` cannot multiply an fp32 input (`mat1 and mat2
+        must have the same dtype`): inputs are cast where the forward begins, as FSDP2's
+        `MixedPrecisionPolicy(cast_forward_inputs=True)` does. Integer and boolean tensors (token ids, masks)
+        and other values are left as they are; under fp32 nothing is cast.
+        """
+        return _cast_floats(value, self.param_dtype) if self.mixed else value
+
+
+def _cast_floats(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {key: _cast_floats(item, dtype) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_cast_floats(item, dtype) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple by field
+    return value
 
 
 def precision_policy(name: str = "fp32", reduce_dtype: str | None = None) -> Precision:

@@ -4,7 +4,8 @@ Every layout trains SAVE_AT steps of the same global batches from the same initi
 saves; every other layout (and one process) loads each checkpoint, which must give back the
 saved parameters bit for bit, then trains STEPS_AFTER more steps, which must equal those of a
 single process that never changed layout (fp32, rel 1e-5). One launch per world size and
-phase: the runs of one world size share their processes.
+phase: the runs of one world size share their processes. Loaded optimizer state lands where
+torch's own `load_state_dict` puts it, for every kind of optimizer, on the host and off it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
 from paratrain.train import train_step
 
-from parallel_cases import TINY, adamw, batches
+from parallel_cases import TINY, adamw, batches, make_model
 
 SAVE_AT, STEPS_AFTER, MICRO = 3, 5, 2
 DATA = batches(vocab=TINY.vocab_size, steps=SAVE_AT + STEPS_AFTER, batch=8, seq=16)
@@ -169,3 +170,57 @@ def test_loading_checks_shapes_and_dtypes_and_casts_mixed_precision_weights(tmp_
                       "float32 in the checkpoint but [64, 64] float32 is expected"), shapes
     assert dtypes == ("step-00000001 does not match the model: tensor 'model/tok_embeddings.weight' is [64, 32] "
                       "float32 in the checkpoint but [64, 32] float64 is expected"), dtypes
+
+
+# Optimizer kinds whose state torch places differently: fused and capturable keep Adam's step on the
+# parameter's device (in fp32), the others on the host.
+OPTIMIZER_KINDS = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True},
+                   "capturable": {"capturable": True}}
+
+
+def _placement(optimizer) -> list[dict[str, tuple]]:
+    """Per parameter of the optimizer, in its order: each state tensor's device, dtype and (off meta) values."""
+    return [{key: (str(v.device), v.dtype, None if v.is_meta else v.clone()) for key, v in optimizer.state[p].items()}
+            for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_state_placement(rank, world, root):
+    """Save a CPU run stepped by fused AdamW (as the trainer steps), then load it into a fresh model of each
+    optimizer kind, on the CPU and on a device that is not the host (meta, standing in for a GPU); beside
+    each, torch's own `load_state_dict` of the saved optimizer's state into a twin of the same kind."""
+    meshes = {device: build_mesh(MeshShape(), device=device) for device in ("cpu", "meta")}
+
+    def build_on(device, **kinds):
+        return parallelize(make_model(), meshes[device], precision="bf16",
+                           optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, **kinds))
+
+    model, optimizer = build_on("cpu", fused=True)
+    run_steps(model, optimizer, meshes["cpu"], range(2))
+    save_checkpoint(Path(root), 2, model_shards(model, optimizer), coordinator=DistCoordinator())
+    saved = optimizer.state_dict()["state"]
+    results = {}
+    for device in meshes:
+        for kind, kinds in OPTIMIZER_KINDS.items():
+            model, optimizer = build_on(device, **kinds)
+            load_model_shards(model, optimizer, CheckpointReader(next(Path(root).glob("step-*"))))
+            _, twin = build_on(device, **kinds)
+            twin.load_state_dict({"state": saved, "param_groups": twin.state_dict()["param_groups"]})
+            results[device, kind] = (_placement(optimizer), _placement(twin))
+    return results
+
+
+@pytest.fixture(scope="module")
+def placements(tmp_path_factory):
+    return run_on_ranks(_optimizer_state_placement, 1, str(tmp_path_factory.mktemp("fused")), timeout=120)[0]
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZER_KINDS))
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_optimizer_state_is_placed_where_torchs_own_load_puts_it(placements, device, kind):
+    loaded, torchs = placements[device, kind]
+    assert len(loaded) == len(torchs) and all(torchs)
+    for i, (mine, expected) in enumerate(zip(loaded, torchs)):
+        assert mine.keys() == expected.keys(), i
+        for key, (where, dtype, values) in expected.items():
+            assert mine[key][:2] == (where, dtype), f"parameter {i} {key}: {mine[key][:2]}, torch: {(where, dtype)}"
+            assert values is None or torch.equal(mine[key][2], values), f"parameter {i} {key}"

@@ -10,6 +10,7 @@ schedule). All cases of one world size share one launch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -22,7 +23,7 @@ from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, TensorParallel, parallelize
 from paratrain.parallel.pipeline.stages import PipelineError, balanced_boundaries, split_for_pipeline
 from paratrain.parallel.pipeline.schedules import ScheduleError
-from paratrain.precision import Precision
+from paratrain.precision import DTYPES, Precision
 from paratrain.testing import run_on_ranks
 from parallel_cases import BATCH, LR, SEQ, TINY, adamw, batches, launch_once, make_model, reference_run
 
@@ -233,3 +234,64 @@ def test_clear_errors():
     assert "unknown schedule 'zigzag'" in messages[1]
     assert "virtual" in messages[2]
     assert "2 pipeline stages (pp × virtual stages) but only 1 layers" in messages[3]
+
+
+class _Upcast(nn.Module):
+    """A layer whose output is fp32 whatever its input: the stage after it receives fp32 activations."""
+
+    def forward(self, x):
+        return x.float()
+
+
+def _squared_error(out, target):
+    return (out.float() - target).square().sum()
+
+
+NORMALIZER = 1024.0  # small gradients: fp16's first loss scale (2^16) does not overflow them
+
+
+def _float_pipeline(rank, world):
+    """An nn.Sequential fed fp32 inputs over 2 stages in bf16 and fp16 (the second stage receives fp32 from
+    the first), and torch's autocast on the same weights: the step's loss, the weights after one AdamW step
+    (the reference's loss scaled alike) and an evaluation after it."""
+    mesh = build_mesh(MeshShape(pp=2))
+    g = torch.Generator().manual_seed(1)
+    x, y, x_eval = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g), torch.randn(4, 16, generator=g)
+    micro = [(x[:4], y[:4]), (x[4:], y[4:])]
+    results = {}
+    for precision in ("bf16", "fp16"):
+        dtype = DTYPES[precision]
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), _Upcast(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+        reference = copy.deepcopy(net)
+        model, optimizer = parallelize(net, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                                       precision=precision, pipeline=PipelineParallel(boundaries=(3,)))
+        result = model.train_step(micro, NORMALIZER, _squared_error)
+        optimizer.step()
+        loss_ref = torch.zeros((), dtype=torch.float64)
+        for inputs, target in micro:
+            with torch.autocast("cpu", dtype=dtype):
+                token_loss = _squared_error(reference(inputs), target)
+            (token_loss / NORMALIZER * model.scaler.scale).backward()
+            loss_ref += token_loss.detach()
+        for p in reference.parameters():
+            p.grad /= model.scaler.scale  # a power of two: exact
+        torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+        with torch.autocast("cpu", dtype=dtype), torch.no_grad():
+            eval_ref = _squared_error(reference(x_eval), y[:4])
+        results[precision] = {
+            "loss": result.loss_sum.item(), "loss_ref": loss_ref.item(), "skipped": model.scaler.skipped_steps,
+            "eval": model.eval_loss_sum(x_eval, y[:4], _squared_error).item(), "eval_ref": eval_ref.item(),
+            "params": {n: v.to(dtype) for n, v in model.full_state_dict().items()},
+            "params_ref": {n: p.detach().to(dtype) for n, p in reference.named_parameters()}}
+    return results
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_every_stage_casts_its_floating_point_input_to_the_compute_dtype(precision):
+    for result in run_on_ranks(_float_pipeline, 2, timeout=120):
+        r = result[precision]
+        assert r["skipped"] == 0 and r["loss"] == r["loss_ref"] and r["eval"] == r["eval_ref"]
+        assert r["params"].keys() == r["params_ref"].keys()
+        for name, value in r["params_ref"].items():
+            assert torch.equal(r["params"][name], value), name

@@ -1,15 +1,20 @@
-"""Mixed precision: loss scaling, skipped steps agreed by all ranks; activation checkpointing is exact."""
+"""Mixed precision: floating-point inputs cast, loss scaling, skipped steps agreed by all ranks; activation
+checkpointing is exact."""
 
+import collections
+import copy
+import functools
 import math
 
 import pytest
 import torch
+from torch import nn
 
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
-from paratrain.precision import LossScaler, PrecisionError, precision_policy
+from paratrain.precision import DTYPES, LossScaler, PrecisionError, precision_policy
 from paratrain.testing import run_on_ranks
-from parallel_cases import adamw, batches, loss_sum, make_model, parallel_run, reference_run
+from parallel_cases import adamw, batches, launch_once, loss_sum, make_model, parallel_run, reference_run
 
 
 def test_policies():
@@ -19,6 +24,75 @@ def test_policies():
     assert precision_policy("fp16").needs_loss_scaling
     with pytest.raises(PrecisionError, match="--precision 'fp8'"):
         precision_policy("fp8")
+
+
+def test_cast_inputs_casts_floating_point_tensors_only():
+    bf16 = precision_policy("bf16")
+    x, ids, mask = torch.randn(2, 3), torch.arange(3), torch.ones(3, dtype=torch.bool)
+    pair = collections.namedtuple("Pair", "a b")
+    args, kwargs = bf16.cast_inputs(((x, [ids, pair(x.double(), mask)]), {"h": x, "n": 3}))
+    assert torch.equal(args[0], x.to(torch.bfloat16)) and args[1][0] is ids
+    assert isinstance(args[1][1], pair) and args[1][1].a.dtype == torch.bfloat16 and args[1][1].b is mask
+    assert kwargs["h"].dtype == torch.bfloat16 and kwargs["n"] == 3
+    assert precision_policy("fp32").cast_inputs(x) is x
+
+
+def _float_inputs(rank, world):
+    """An nn.Sequential fed fp32 inputs (the same rows on every rank) in bf16 and fp16 on every engine, and
+    torch's autocast on the same weights: outputs, input gradients (the loss scaled alike), the weights after
+    one AdamW step. Also an embedding's token ids, which stay integers."""
+    mesh = build_mesh(MeshShape(dp=world))
+    results = {}
+    for precision in ("bf16", "fp16"):
+        dtype = DTYPES[precision]
+        for zero in range(4):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+            reference = copy.deepcopy(net)
+            model, optimizer = parallelize(net, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                                           precision=precision, data=DataParallel(zero=zero))
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            out = model(x)
+            model.scale_loss(out.float().square().mean()).backward()
+            optimizer.step()
+            with torch.autocast("cpu", dtype=dtype):
+                out_ref = reference(x_ref)
+            (out_ref.float().square().mean() * model.scaler.scale).backward()
+            for p in reference.parameters():
+                p.grad /= model.scaler.scale  # a power of two: exact
+            torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+            results[precision, zero] = {
+                "out": out.detach(), "out_ref": out_ref.detach(), "x_grad": x.grad, "x_grad_ref": x_ref.grad,
+                "params": {n: v.to(dtype) for n, v in model.full_state_dict().items()},
+                "params_ref": {n: p.detach().to(dtype) for n, p in reference.named_parameters()}}
+        seen = []
+        embedded, _ = parallelize(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4)), mesh, precision=precision)
+        embedded.module[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        ids = torch.arange(10).view(2, 5)
+        results[precision, "ids"] = (embedded(ids).dtype, seen[0].dtype, torch.equal(seen[0], ids))
+    return results
+
+
+_FLOAT_INPUTS: dict = {}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_floating_point_inputs_are_cast_to_the_compute_dtype(precision, zero):
+    for result in launch_once(_FLOAT_INPUTS, 2, _float_inputs, timeout=120):
+        r = result[precision, zero]
+        assert r["out"].dtype == DTYPES[precision] and torch.equal(r["out"], r["out_ref"])
+        assert r["x_grad"].dtype == torch.float32 and torch.equal(r["x_grad"], r["x_grad_ref"])
+        assert r["params"].keys() == r["params_ref"].keys()
+        for name, value in r["params_ref"].items():
+            assert torch.equal(r["params"][name], value), name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_integer_inputs_are_left_alone(precision):
+    for result in launch_once(_FLOAT_INPUTS, 2, _float_inputs, timeout=120):
+        assert result[precision, "ids"] == (DTYPES[precision], torch.int64, True)
 
 
 def test_loss_scaler_backs_off_and_grows():

@@ -156,7 +156,10 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     data / tensor / pipeline: each strategy's options (see the dataclasses); tensor and pipeline
         apply when the mesh has tp > 1 or pp > 1 (or when given).
     precision: "fp32", "bf16" or "fp16" compute (or a `Precision`), fp32 master weights;
-        reduce_dtype: gradient communication dtype (default fp32).
+        reduce_dtype: gradient communication dtype (default fp32). In bf16 and fp16 the model's
+        floating-point inputs are cast to the compute dtype where its forward begins (each
+        pipeline stage's, under pipeline parallelism), as FSDP2's `cast_forward_inputs`; integer
+        inputs (token ids) are left alone.
     activation_checkpointing: 0 off, k > 0 recompute every k-th block.
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
@@ -215,7 +218,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         from paratrain.parallel.pipeline.runner import PipelineRunner
 
         # Built last: a stage's shell shares the modules the steps above may have replaced.
-        runner = PipelineRunner(split, pipeline.schedule, mesh, comm, tp_axis=tp_info.axis if tp_info else None)
+        runner = PipelineRunner(split, pipeline.schedule, mesh, comm, policy, tp_axis=tp_info.axis if tp_info else None)
         runner.schedule(mesh.size("pp"))  # a schedule that cannot run fails now, not at step 1
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner)
     if optimizer is None:

@@ -129,9 +129,11 @@ class ParallelModel(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        """The module's forward; floating-point inputs cast to the compute dtype first (`Precision.cast_inputs`)."""
         if self.pipeline is not None:
             raise self.pipeline.error("a pipeline-parallel model runs whole steps: call train_step(micro_batches, "
                                       "normalizer), eval_loss_sum(inputs, labels) or causal_logits(tokens)")
+        args, kwargs = self.precision.cast_inputs((args, kwargs))
         return self.module(*args, **kwargs)
 
     def loss_fn(self, output, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,

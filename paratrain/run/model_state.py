@@ -177,33 +177,49 @@ def load_model_shards(model, optimizer, reader: CheckpointReader) -> None:
     tensor and both shapes), then makes the model's parameters consistent with the loaded
     masters through the engine's own post-step path (ZeRO-1/2: all-gather of every rank's
     rows; mixed-precision DDP: the cast copy; ZeRO-3: nothing). Collective under ZeRO-1/2.
+    The optimizer's state is replaced by the checkpoint's, placed as torch's own
+    `Optimizer.load_state_dict` places it.
     """
     check_compatible(model, reader)
     stored = set(reader.names())
+    states = {}
     for box in master_boxes(model):
         if box.empty:
             continue  # no element to load; the optimizer never sees one either
         box.view(box.master).copy_(reader.read(MODEL_PREFIX + box.name, box.offset, box.shape))
         if optimizer is not None:
-            _load_state(optimizer, box, reader, stored)
+            states[box.master] = _read_state(box, reader, stored)
+    if optimizer is not None:
+        _load_optimizer_state(optimizer, states)
     model.engine.after_step()
 
 
-def _load_state(optimizer, box: MasterBox, reader: CheckpointReader, stored: set[str]) -> None:
-    """Fill (or create) the optimizer state of one master from the checkpoint."""
+def _read_state(box: MasterBox, reader: CheckpointReader, stored: set[str]) -> dict[str, torch.Tensor]:
+    """The optimizer state of one master from the checkpoint ({} if the saved optimizer had not stepped it)."""
     prefix = f"{OPTIM_PREFIX}{box.name}/"
-    keys = [name[len(prefix):] for name in stored if name.startswith(prefix)]
-    if not keys:
-        optimizer.state.pop(box.master, None)  # the saved optimizer had not stepped this parameter
-        return
-    state = optimizer.state.setdefault(box.master, {})
-    for key in sorted(keys):
-        name = prefix + key
-        scalar = reader.global_shape(name) == () and box.global_shape != ()
-        value = reader.read(name) if scalar else reader.read(name, box.offset, box.shape)
-        if key in state and torch.is_tensor(state[key]):
-            state[key].copy_(value.reshape(state[key].shape))
-        elif scalar:
-            state[key] = value  # torch keeps Adam's step as a 0-d CPU tensor
+    state = {}
+    for name in sorted(name for name in stored if name.startswith(prefix)):
+        if reader.global_shape(name) == () and box.global_shape != ():
+            state[name[len(prefix):]] = reader.read(name)  # a scalar (Adam's step): torch's load places it
         else:
-            state[key] = value.to(box.master.device, box.master.dtype).reshape(box.master.shape)
+            # Shaped as the master: onto its device and into its dtype as soon as it is read (where torch's
+            # load puts such state too, and then leaves it), so the host holds one of them at a time.
+            value = reader.read(name, box.offset, box.shape)
+            state[name[len(prefix):]] = value.to(box.master.device, box.master.dtype).reshape(box.master.shape)
+    return state
+
+
+def _load_optimizer_state(optimizer, states: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    """Give the optimizer `states` (per master) through torch's own `load_state_dict`, with its current param groups.
+
+    Torch's load decides where each value lives, and it depends on the optimizer: a fused or
+    capturable one keeps Adam's `step` on the parameter's device in fp32 (CUDA's fused kernel
+    reads it there: a host tensor is an illegal access, or a wrong step), the others on the host;
+    the rest of the state goes to the parameter's device and dtype.
+    """
+    groups = optimizer.state_dict()["param_groups"]  # torch's numbering of the parameters, hyperparameters as they are
+    index = {id(p): i for group, numbered in zip(optimizer.param_groups, groups)
+             for p, i in zip(group["params"], numbered["params"])}
+    optimizer.load_state_dict({"state": {index[id(master)]: state for master, state in states.items()
+                                         if state and id(master) in index},
+                               "param_groups": groups})

@@ -67,7 +67,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Mesh
-from paratrain.parallel.data.engine import used_flags
+from paratrain.parallel.data.engine import used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.data.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
@@ -165,7 +165,7 @@ class DataParallelEngine:
         self.slots = sorted((s for b in self.buckets for s in b.slots), key=lambda s: order[id(s.param)])
         self._make_masters()
         for slot in self.slots if not self.local else ():
-            slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         index = {id(s.param): i for i, s in enumerate(self.slots)}
         self._where = {s.param: (b, s, index[id(s.param)]) for b in self.buckets for s in b.slots}
         self._sync = True

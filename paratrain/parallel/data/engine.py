@@ -25,7 +25,8 @@ order, and so each engine's state is only what the steps above say.
 
 from __future__ import annotations
 
-from typing import ContextManager, Iterator, Protocol, runtime_checkable
+import weakref
+from typing import Callable, ContextManager, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -79,3 +80,23 @@ def used_flags(flags: list[bool], device) -> torch.Tensor:
     """Per-master flags kept on the host while backward runs (no kernel per gradient), as one host-to-device
     copy at the end (never a read back: no sync)."""
     return torch.tensor(flags, dtype=torch.float32, device="cpu").to(device, non_blocking=True)
+
+
+def weak_hook(method: Callable) -> Callable:
+    """`method` (an engine's bound method) as a hook that holds its engine weakly: for hooks torch keeps in C++.
+
+    A hook on a tensor (`register_post_accumulate_grad_hook`, `register_hook`) is held by the tensor's
+    C++ side, which Python's garbage collector does not traverse: a bound method there would make
+    parameter → hook → engine → parameter a cycle the collector never sees, and every model built
+    would outlive its last reference (its parameters, fp32 masters and buckets with it). Through a
+    weak reference the engine goes with the model; a hook left on a parameter the caller still holds
+    then does nothing.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook

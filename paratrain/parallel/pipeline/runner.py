@@ -58,6 +58,7 @@ import torch
 from paratrain.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleName, build_schedule
 from paratrain.parallel.pipeline.simulator import Message, exchanges, validate
 from paratrain.parallel.pipeline.stages import PipelineError, StageSplit
+from paratrain.precision import Precision
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # ndim, up to 6 dims, dtype code
@@ -80,12 +81,14 @@ class PipelineRunner:
 
     `run(micro_batches, normalizer, loss_fn, model)` is the forward and backward of one
     optimizer step (the model's `train_step` calls it); the model's engine, loss scaler and
-    device serve every stage. `tp_axis` names the tensor-parallel axis whose ranks share each
+    device serve every stage; each stage's floating-point input is cast to `precision`'s compute
+    dtype as the stage begins. `tp_axis` names the tensor-parallel axis whose ranks share each
     boundary tensor (None: no tensor parallelism): they send a slice each, the receivers gather.
     """
 
-    def __init__(self, split: StageSplit, schedule: str, mesh, comm, tp_axis: str | None = None):
+    def __init__(self, split: StageSplit, schedule: str, mesh, comm, precision: Precision, tp_axis: str | None = None):
         self.split = split
+        self.precision = precision
         self.schedule_name = ScheduleName(schedule)
         self.comm = comm
         self.pp, self.pp_rank = mesh.size("pp"), mesh.coord("pp")
@@ -165,7 +168,7 @@ class PipelineRunner:
         mb, s = action.microbatch, action.stage
         inputs, labels = batches[mb]
         x = inputs if s == 0 else inbox.pop(("activation", mb, s - 1)).requires_grad_()
-        out = self._stage_output(s, self.shells[s](x))
+        out = self._run_stage(s, x)  # x stays the leaf whose gradient goes back, in the dtype it came in
         if s == self.last_stage:
             token_loss = loss_fn(out, labels)
             slots[mb, s] = _Slot(x if s > 0 else None, model.scale_loss(token_loss / normalizer))
@@ -173,6 +176,11 @@ class PipelineRunner:
         outbox["activation", mb, s] = out.detach()
         slots[mb, s] = _Slot(x if s > 0 else None, out)
         return torch.zeros((), device=out.device)
+
+    def _run_stage(self, stage: int, x):
+        """One stage's forward: its input in the compute dtype (the model's floating-point input on the first
+        stage, on a later one the activation its sender computed), its output checked."""
+        return self._stage_output(stage, self.shells[stage](self.precision.cast_inputs(x)))
 
     def _stage_output(self, stage: int, out):
         """A stage boundary carries one tensor: anything else is refused naming the stage and what it returned."""
@@ -247,7 +255,7 @@ class PipelineRunner:
                 shape, dtype = shapes[s - 1]
                 x = torch.zeros(shape, dtype=dtype, device=self.device)
             if s < self.last_stage:
-                out = self._stage_output(s, self.shells[s](x))
+                out = self._run_stage(s, x)
                 shapes[s] = (tuple(out.shape), out.dtype)
                 self.comm.exchange([(_encode_header(*shapes[s], self.device), (s + 1) % self.pp)], [], "pp")
         self._shapes[key] = shapes
@@ -295,7 +303,7 @@ class PipelineRunner:
         for _, _, action, inbox, outbox in self._walk(schedule, self._boundary_shapes(inputs)):
             s = action.stage
             x = inputs if s == 0 else inbox.pop(("activation", 0, s - 1))
-            out = self._stage_output(s, self.shells[s](x))
+            out = self._run_stage(s, x)
             if s < self.last_stage:
                 outbox["activation", 0, s] = out
         return out if self.last_stage in self.split.stages else None
