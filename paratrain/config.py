@@ -133,8 +133,10 @@ class RunSection:
     join_timeout_s: float = option(600.0, "seconds the launcher waits for every node to join the rendezvous",
                                    flag="--join-timeout")
     mem_budget: str = option("auto", "memory one process may use, which the planner's estimate for this layout "
-                                     "must fit: 'auto' (CUDA: the device's memory; CPU: this machine's memory "
-                                     "divided by the local processes) or a size such as 16GB or 512MiB")
+                                     "must fit: 'auto' (CUDA: the device's memory less the CUDA context and NCCL's "
+                                     "buffers, then its free memory once the process groups exist; CPU: this "
+                                     "machine's memory divided by the local processes) or a size such as 16GB or "
+                                     "512MiB")
     mem_check: bool = option(True, "refuse to start when the planner's per-process memory estimate exceeds "
                                    "--mem-budget (--no-mem-check starts anyway)")
     log_samples: bool = option(False, "write the sample ids each rank reads at each step to "

@@ -67,6 +67,19 @@ class MeshShape:
     def size(self, axis: str) -> int:
         return getattr(self, axis)
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes `build_mesh` makes groups for: pp, dp, tp, and the data axis's two parts when it keeps replicas."""
+        return AXES + (DATA_SUBAXES if self.dp_replicate > 1 else ())
+
+    def num_communicators(self) -> int:
+        """Process groups of more than one rank that each rank belongs to: the default group over the world and
+        its group on each axis of more than one rank. Under NCCL each holds a communicator with its own buffers
+        (the default group's too when an axis spans the world and the mesh rides that axis's group)."""
+        if self.world_size == 1:
+            return 0
+        return 1 + sum(self.size(axis) > 1 for axis in self.axes)
+
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's coordinate on each axis (tp varies fastest), the data axis's two parts included."""
         pp, rest = divmod(rank, self.dp * self.tp)
@@ -185,7 +198,7 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
     if shape.world_size != world:
         raise MeshError(f"mesh {shape} has {shape.world_size} ranks but the world has {world}")
     groups: dict[str, dist.ProcessGroup | None] = {WORLD: dist.group.WORLD}
-    for axis in AXES + (DATA_SUBAXES if shape.dp_replicate > 1 else ()):
+    for axis in shape.axes:
         for ranks in shape.groups(axis):
             # new_group is collective over the whole world: every rank creates every group. Each group
             # carries its axis's name, which NCCL's flight recorder keeps with every collective.

@@ -225,15 +225,34 @@ def evaluate(run: Run) -> float:
     model, t, dp, dp_rank = run.model, run.cfg.train, run.mesh.size("dp"), run.mesh.coord("dp")
     model.eval()
     count = min(len(run.eval_set), t.eval_batches * t.global_batch)
-    mine = list(range(dp_rank, count, dp))
     totals = torch.zeros(2, device=run.device)
-    for i in range(0, len(mine), t.micro_batch):
-        inputs, labels = run.eval_set.get_batch(mine[i:i + t.micro_batch])
+    for inputs, labels in eval_batches(run.eval_set, count, dp, dp_rank, t.micro_batch):
         totals[0] += model.eval_loss_sum(inputs, labels)
         totals[1] += (labels != IGNORE_INDEX).sum()
     model.train()
     model.comm_sum(totals)
     return (totals[0] / totals[1]).item()
+
+
+def eval_batches(eval_set, count: int, dp: int, dp_rank: int, micro_batch: int):
+    """This data rank's held-out micro-batches: sequences dp_rank, dp_rank + dp, ... below `count`, then batches
+    whose labels are all ignored until every data rank has run the same number of forwards.
+
+    A forward is collective beyond its tensor and pipeline groups (ZeRO-3 all-gathers each unit's
+    parameters over the data ranks): with `count` not a multiple of dp × micro-batch, a rank with a
+    forward fewer would meet its peers' all-gather with the loss's all-reduce and wait out the
+    process-group timeout. A padded batch adds nothing to the loss sum or the token count. The
+    ranks of one pipeline (and of one tensor group) share their data rank, so they pad alike.
+    """
+    mine = list(range(dp_rank, count, dp))
+    forwards = math.ceil(math.ceil(count / dp) / micro_batch)  # data rank 0's: it holds the most sequences
+    for i in range(forwards):
+        ids = mine[i * micro_batch:(i + 1) * micro_batch]
+        if ids:
+            yield eval_set.get_batch(ids)
+        else:
+            inputs, labels = eval_set.get_batch([0])
+            yield inputs, torch.full_like(labels, IGNORE_INDEX)
 
 
 def finish(run: Run, first_loss: float, loss: float, eval_loss: float) -> RunResult:

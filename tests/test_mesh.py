@@ -34,6 +34,14 @@ def test_every_rank_is_in_exactly_one_group_per_axis(pp, dp, tp):
         assert shape.rank_of(**shape.coords(r)) == r
 
 
+@pytest.mark.parametrize("shape, count", [(MeshShape(), 0), (MeshShape(dp=2), 2), (MeshShape(pp=2, dp=2, tp=2), 4),
+                                          (MeshShape(pp=2, dp=1, tp=2), 3), (MeshShape(dp=4, dp_shard=2), 4)])
+def test_each_rank_joins_the_world_group_and_one_per_axis_of_several_ranks(shape, count):
+    """What `--mem-budget auto` counts an NCCL communicator for: the default group and each group of > 1 rank."""
+    assert shape.num_communicators() == count
+    assert count == (shape.world_size > 1) + sum(len(g) > 1 for a in shape.axes for g in shape.groups(a) if 0 in g)
+
+
 def test_degrees_must_multiply_to_the_world():
     assert MeshShape.for_world(8, tp=2) == MeshShape(pp=1, dp=4, tp=2)
     with pytest.raises(MeshError, match=r"pp × dp × tp = 1 × 3 × 2 = 6 but the world has 8"):

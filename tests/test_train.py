@@ -126,6 +126,35 @@ def test_two_processes_match_one(tmp_path, zero):
     assert "dp" not in reference[0]["comm_bytes"], "one process communicates nothing"
 
 
+def _held_out_text(path, size: int = 5000):
+    """A text file whose held-out part is 3 sequences of 32 byte tokens (2 % of 5001 tokens: 101, 3 windows)."""
+    words = [f"line {i} of a small corpus, word {i * 7 % 13}.\n" for i in range(size)]
+    path.write_text("".join(words)[:size])
+    return str(path)
+
+
+def _evaluate_on_ranks(rank, world_size, out, data, zero):
+    cfg = small_config(out, steps=2, global_batch=2, micro_batch=1, eval_every=0, sample_tokens=0)
+    cfg.data.path, cfg.parallel.zero = data, zero
+    cfg.reliability.pg_timeout_s = 10.0  # a rank that runs one forward more fails in seconds, not in 10 minutes
+    return train(cfg).eval_loss
+
+
+def test_zero3_evaluates_a_held_out_set_the_data_ranks_cannot_split_evenly(tmp_path):
+    """3 held-out sequences over 2 data ranks of micro-batch 1: every rank runs the same forwards (ZeRO-3 gathers
+    parameters in each), and the eval loss is one process's, token-weighted over the real sequences."""
+    from paratrain.data import build_dataset
+
+    data = _held_out_text(tmp_path / "small.txt")
+    held_out = build_dataset(data, "byte", 32, None, progress=False)[1]
+    assert len(held_out) == 3, "the held-out set is not divisible by dp × micro-batch = 2"
+    cfg = small_config(tmp_path / "one", steps=2, global_batch=2, micro_batch=1, eval_every=0, sample_tokens=0)
+    cfg.data.path = data
+    one = train(cfg)
+    losses = run_on_ranks(_evaluate_on_ranks, 2, str(tmp_path / "two"), data, 3, timeout=90)
+    assert losses == pytest.approx([one.eval_loss] * 2, rel=1e-5)
+
+
 def _four_layers(out, **train_overrides) -> Config:
     cfg = small_config(out, steps=4, **train_overrides)
     cfg.model.n_layers = 4  # room for 2 stages × 2 virtual stages

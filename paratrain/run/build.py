@@ -36,7 +36,7 @@ from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.run.guard import StepGuard
 from paratrain.run.inputs import check_paths
-from paratrain.run.memory_budget import check_memory_budget
+from paratrain.run.memory_budget import check_free_memory, check_memory_budget
 from paratrain.run.samples import SampleRecorder
 from paratrain.run.rundir import apply_claim, claim_run_dir, diagnostics_dir
 
@@ -97,6 +97,8 @@ def preflight(cfg: Config, world_size: int) -> None:
 def build(cfg: Config, env: DistEnv, mesh: Mesh) -> Run:
     """Claim the run directory, load the data, build the model and resume; collective (every rank calls it)."""
     t = cfg.train
+    # The plan against what the GPUs have free now that the context exists, before anything is written.
+    check_free_memory(cfg, resolve_model_config(cfg, tokenizer_vocab=0), mesh)
     out = prepare_run_dir(cfg, env)
     train_set, eval_set, tokenizer = load_data(cfg, env, out)
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)

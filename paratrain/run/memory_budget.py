@@ -3,11 +3,16 @@
 The estimate is the planner's (`paratrain.plan.estimate_memory`, what `paratrain plan` prints
 for this model and layout): model states, activations of the micro-batches in flight and
 communication buffers of the worst pipeline stage. The budget is ``--mem-budget``: a size, or
-'auto', the device's memory on CUDA and, on the CPU, this machine's memory (or its cgroup's
-limit) shared by the local processes. A run over budget would only die later, one rank out of
-memory in the middle of a step; refused now, the message gives the breakdown to act on, and
-``--no-mem-check`` starts it anyway (the estimate leaves out the framework's own memory and
-may err either way).
+'auto'. On the CPU 'auto' is this machine's memory (or its cgroup's limit) shared by the local
+processes. On CUDA it is what the plan may have of the device beside memory that torch's
+allocator never sees: the CUDA context and NCCL's buffers (`cuda_reserve`). It is checked
+twice: before any process group exists, against the device's whole memory less both; and once
+the mesh exists (`check_free_memory`), against what the fullest GPU of the job has free then
+(the context, and anything another process holds, already gone) less NCCL's buffers.
+
+A run over budget would only die later, one rank out of memory in the middle of a step;
+refused now, the message gives the breakdown to act on, and ``--no-mem-check`` starts it
+anyway (the estimate leaves out the framework's own memory and may err either way).
 """
 
 from __future__ import annotations
@@ -16,11 +21,24 @@ import os
 from pathlib import Path
 
 from paratrain.config import Config, ConfigError
+from paratrain.mesh import WORLD, Mesh, MeshShape
 from paratrain.models import ModelConfig
 from paratrain.plan import Layout, MemoryBreakdown, Recompute, Workload, estimate_memory
 
 # cgroup v2, then v1: a container's limit is what the processes really have.
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+MiB = 2**20
+# One process's CUDA context: the driver's state, the kernels it loads (lazily since CUDA 11.7) and the
+# cuBLAS/cuDNN handles and workspaces torch makes on first use, 0.5-1 GiB on current GPUs. Taken at the top
+# of that range: none of it passes through torch's caching allocator, so the plan never counts it.
+CUDA_CONTEXT_BYTES = 1024 * MiB
+# One NCCL communicator's buffers, allocated when its first collective connects it: per channel and per peer
+# it exchanges with, a FIFO of NCCL_BUFFSIZE (4 MiB, the Simple protocol) and LL128's buffer of about the
+# same size; a ring has 2 peers and NCCL opens up to 32 channels over NVLink, so 4 MiB × 2 × 2 × 32 =
+# 512 MiB. About 10 MiB per channel and peer was measured on 8 × H100 (NVIDIA/nccl#1685); NVLS and
+# all-to-all patterns take more, a smaller NCCL_BUFFSIZE or fewer channels less.
+NCCL_COMMUNICATOR_BYTES = 512 * MiB
 
 
 def check_memory_budget(cfg: Config, model_cfg: ModelConfig, dp: int) -> None:
@@ -30,16 +48,62 @@ def check_memory_budget(cfg: Config, model_cfg: ModelConfig, dp: int) -> None:
     env = detect_env()
     launcher = not env.distributed and (cfg.run.nproc > 1 or cfg.run.nnodes > 1)  # it starts the workers
     local_processes = cfg.run.nproc if launcher else env.local_world_size
-    budget = memory_budget(cfg.run.mem_budget, local_processes, launcher)  # a bad --mem-budget is refused anyway
+    p = cfg.parallel
+    shape = MeshShape(pp=p.pp, dp=dp, tp=p.tp, dp_shard=p.dp_shard)
+    budget = memory_budget(cfg.run.mem_budget, local_processes, launcher, shape)  # a bad --mem-budget is refused anyway
     if not cfg.run.mem_check or budget is None:
         return
     size, source = budget
     memory = planned_memory(cfg, model_cfg, dp)
     if memory.total > size:
-        raise ConfigError(f"the planner's memory estimate for one process, {describe(memory)}, exceeds its budget of "
-                          f"{format_bytes(size)} ({source}); choose a layout that fits (`paratrain plan`: more "
-                          f"--zero, --tp or --pp, a smaller --micro-batch, --activation-checkpointing 1), raise "
-                          f"--mem-budget, or pass --no-mem-check")
+        raise over_budget(memory, f"its budget of {format_bytes(size)} ({source})")
+
+
+def check_free_memory(cfg: Config, model_cfg: ModelConfig, mesh: Mesh) -> None:
+    """Once the mesh exists, on CUDA with --mem-budget auto: ConfigError when the plan exceeds the free memory of
+    the job's fullest GPU less the NCCL buffers still to come (collective: every rank refuses alike).
+
+    The free bytes are `torch.cuda.mem_get_info`'s, read after the CUDA context was made (reading them
+    makes it), so they leave out the context and whatever other processes hold on the device.
+    NCCL connects a communicator's buffers at its first collective, so they are still to come; the
+    few already connected (the setup's barriers) are counted twice, on the safe side.
+    """
+    if not (cfg.run.mem_check and cfg.run.mem_budget == "auto" and mesh.device.type == "cuda"):
+        return
+    import torch
+    import torch.distributed as dist
+
+    free = torch.zeros(mesh.size(WORLD), dtype=torch.float64)
+    free[mesh.rank] = float(torch.cuda.mem_get_info(mesh.device)[0])
+    if mesh.size(WORLD) > 1:  # every rank's free bytes on every rank: one all-reduce of a sum
+        group = mesh.group(WORLD)
+        on = mesh.device if dist.get_backend(group) == "nccl" else torch.device("cpu")  # gloo reduces host tensors
+        free = free.to(on)
+        dist.all_reduce(free, group=group)
+        free = free.cpu()
+    rank = int(free.argmin())
+    reserve, what = cuda_reserve(mesh.shape, context=False)
+    memory = planned_memory(cfg, model_cfg, mesh.size("dp"))
+    usable = max(0.0, float(free[rank]) - reserve)
+    if memory.total > usable:
+        raise over_budget(memory, f"the {format_bytes(usable)} that rank {rank} can use "
+                                  f"({format_bytes(float(free[rank]))} free on its GPU less {what})")
+
+
+def over_budget(memory: MemoryBreakdown, budget: str) -> ConfigError:
+    """The one-line refusal: the estimate, the budget it exceeds, and what to change."""
+    return ConfigError(f"the planner's memory estimate for one process, {describe(memory)}, exceeds {budget}; "
+                       f"choose a layout that fits (`paratrain plan`: more --zero, --tp or --pp, a smaller "
+                       f"--micro-batch, --activation-checkpointing 1), raise --mem-budget, or pass --no-mem-check")
+
+
+def cuda_reserve(shape: MeshShape, context: bool = True) -> tuple[float, str]:
+    """(bytes, what they are) of a CUDA process's memory outside the plan: its context (`context`) and the buffers
+    of the NCCL communicators of its process groups."""
+    comms = shape.num_communicators()
+    parts = [f"{format_bytes(CUDA_CONTEXT_BYTES)} for the CUDA context"] if context else []
+    parts.append(f"{comms} NCCL communicator(s) × {format_bytes(NCCL_COMMUNICATOR_BYTES)}")
+    return (CUDA_CONTEXT_BYTES if context else 0) + comms * NCCL_COMMUNICATOR_BYTES, " and ".join(parts)
 
 
 def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakdown:
@@ -56,8 +120,12 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     return estimate_memory(workload, layout)
 
 
-def memory_budget(text: str, local_processes: int, launcher: bool = False) -> tuple[float, str] | None:
-    """(bytes one process may use, where that number comes from); None when it is not known in this process."""
+def memory_budget(text: str, local_processes: int, launcher: bool = False,
+                  shape: MeshShape = MeshShape()) -> tuple[float, str] | None:
+    """(bytes one process may use, where that number comes from); None when it is not known in this process.
+
+    `shape`: the job's mesh, whose process groups each hold an NCCL communicator on CUDA.
+    """
     from paratrain.commands.plan import parse_bytes
 
     if text != "auto":
@@ -68,7 +136,9 @@ def memory_budget(text: str, local_processes: int, launcher: bool = False) -> tu
         if launcher:  # it would initialize CUDA in a process that runs no step: each worker checks its own device
             return None
         device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()  # as `default_device` picks it
-        return float(torch.cuda.get_device_properties(device).total_memory), f"--mem-budget auto: cuda:{device}"
+        total = float(torch.cuda.get_device_properties(device).total_memory)
+        reserve, what = cuda_reserve(shape)
+        return max(0.0, total - reserve), f"--mem-budget auto: cuda:{device}'s {format_bytes(total)} less {what}"
     total = machine_memory()
     share = f" / {local_processes} local processes" if local_processes > 1 else ""
     return total / local_processes, f"--mem-budget auto: this machine's {format_bytes(total)}{share}"
