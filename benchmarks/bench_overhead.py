@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_dp import PAIRS, fmt_load, machine, setup_paratrain, setup_pytorch, write_results  # noqa: E402
 from paratrain.mesh import MeshShape, build_mesh  # noqa: E402
 from paratrain.parallel.api import PipelineParallel, TensorParallel, parallelize  # noqa: E402
-from paratrain.parallel.tensor.layers import Colwise, Rowwise  # noqa: E402
+from paratrain.parallel.tensor import Colwise, Rowwise  # noqa: E402
 from paratrain.testing import RankError, run_on_ranks  # noqa: E402
 
 WIDTH = 64

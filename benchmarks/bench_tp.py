@@ -46,9 +46,9 @@ from bench_dp import (
 from paratrain.comm import Comm
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig
-from paratrain.parallel.tensor.layers import clip_grad_norm_tp_
+from paratrain.parallel.tensor import clip_grad_norm_tp_
 from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
-from paratrain.parallel.tensor.layers import apply_tensor_parallel
+from paratrain.parallel.tensor import apply_tensor_parallel
 from paratrain.testing import RankError, run_on_ranks
 
 

@@ -14,13 +14,13 @@ from paratrain.comm import Comm
 from paratrain.mesh import Mesh, MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import rotary_tables
-from paratrain.parallel.tensor.layers import (
+from paratrain.parallel.tensor import (
     ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, clip_grad_norm_tp_,
     copy_to_tp, full_parameters, gather_from_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence,
     scatter_to_tp, tp_rng, vocab_parallel_cross_entropy,
 )
 from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
-from paratrain.parallel.tensor.layers import Colwise, apply_tensor_parallel
+from paratrain.parallel.tensor import Colwise, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
 from parallel_cases import BATCH, SEQ, STEPS, TINY, OpRecorder, adamw, batches, launch_once, make_model
 

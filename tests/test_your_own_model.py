@@ -24,9 +24,9 @@ from paratrain import DataParallel, ModelSpec, PipelineParallel, TensorParallel,
 from paratrain.cli import main
 from paratrain.faults import FAULT_ENV
 from paratrain.parallel.pipeline.stages import PipelineError
-from paratrain.parallel.tensor.layers import TensorParallelError
+from paratrain.parallel.tensor import TensorParallelError
 from paratrain.models.tp_plans import HF_GPT2_PLAN, HF_LLAMA_PLAN
-from paratrain.parallel.tensor.layers import Colwise, OutputHead, Rowwise, TPRegion, VocabEmbedding, apply_tensor_parallel
+from paratrain.parallel.tensor import Colwise, OutputHead, Rowwise, TPRegion, VocabEmbedding, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
 from paratrain.train import train_step
 from parallel_cases import adamw, batches, launch_once
