@@ -7,11 +7,15 @@
    (the reference plan, degenerate at tp = 1) against one plain PyTorch process (autocast bf16, fp32
    weights, AdamW), same model, same batches: largest relative loss difference per layout.
 2. A checkpoint saved mid-run, loaded into a fresh model: the next steps' losses equal those of the
-   run that went on (bit-exact).
-3. A 1B-class model: tokens/s, MFU (the GPU's dense bf16 peak, paratrain.hardware) and
+   run that went on (bit-exact); with AdamW and with fused AdamW (whose step count must be loaded
+   onto the GPU, where its kernel reads it).
+3. Memory given back: a bf16 model and its optimizer (DDP, ZeRO-1/2/3), built, trained and dropped
+   (gc.collect()): torch.cuda.memory_allocated left above where it stood before the build (on the
+   CPU, live tensor bytes: paratrain.peak_memory.TensorMemory); under 1% of the model's bytes.
+4. A 1B-class model: tokens/s, MFU (the GPU's dense bf16 peak, paratrain.hardware) and
    torch.cuda.max_memory_allocated of paratrain (DDP at world 1, bf16) against plain PyTorch eager
    (the same model, autocast bf16, AdamW(fused=True)), on the same GPU, several steps after warm-up.
-4. With 2+ GPUs: dp2 (ZeRO 0-3), tp2, tp2 with sequence parallelism and pp2 with every schedule over
+5. With 2+ GPUs: dp2 (ZeRO 0-3), tp2, tp2 with sequence parallelism and pp2 with every schedule over
    NCCL, against the single-process reference.
 
 Writes benchmarks/results/gpu-check-<date>.json and .md with the device, torch and CUDA versions.
@@ -20,8 +24,10 @@ Writes benchmarks/results/gpu-check-<date>.json and .md with the device, torch a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
+import gc
 import json
 import os
 import platform
@@ -39,6 +45,7 @@ from paratrain import DataParallel, PipelineParallel, TensorParallel
 from paratrain.hardware import device_peak_flops
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.tp_plans import LLAMA_TP_PLAN
+from paratrain.peak_memory import TensorMemory
 
 SIZES = {
     "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64),
@@ -51,6 +58,7 @@ LAYOUTS_2 = {**{f"dp2_zero{z}": {"dp": 2, "zero": z} for z in range(4)}, "tp2": 
              "tp2_sp": {"tp": 2, "sp": True},
              **{f"pp2_{s}": {"pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "interleaved", "zb-h1")}}
 TOL = 2e-2  # bf16 keeps 8 bits of mantissa: a few steps stay within 2% of the autocast reference
+LEFT_TOL = 1e-2  # of a dropped model's bytes, what may stay allocated (nothing of it should)
 
 
 def batches(cfg: ModelConfig, steps: int, batch: int, seq: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -71,7 +79,7 @@ def adamw(params, fused: bool = False):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=fused)
 
 
-# -- 1 and 4: equivalence ---------------------------------------------------------------------------------------
+# -- 1 and 5: equivalence ---------------------------------------------------------------------------------------
 
 def reference_losses(cfg: ModelConfig, data, device) -> list[float]:
     """One plain PyTorch process: fp32 weights, autocast bf16, AdamW, global-norm clipping."""
@@ -160,8 +168,12 @@ def check_world2(device, steps: int) -> dict:
 
 # -- 2: checkpoint round trip --------------------------------------------------------------------------------
 
-def check_checkpoint(device, steps: int) -> dict:
-    """Save after `steps` steps; the next 2 steps from the saved state equal the run that went on."""
+def check_checkpoint(device, steps: int, fused: bool = False) -> dict:
+    """Save after `steps` steps; the next 2 steps from the saved state equal the run that went on.
+
+    `fused`: AdamW(fused=True), whose step count torch keeps on the parameter's device: a resume
+    must put it there (on the host, CUDA's fused kernel reads host memory).
+    """
     from paratrain.checkpoint import CheckpointReader, LocalCoordinator, save_checkpoint
     from paratrain.run.model_state import load_model_shards, model_shards
     from paratrain.train import train_step
@@ -169,7 +181,8 @@ def check_checkpoint(device, steps: int) -> dict:
     data = batches(CHECK, steps + 2, 8, 64, device)
 
     def build():
-        return paratrain.parallelize(model_on_meta(CHECK), paratrain.init_mesh(), optimizer=adamw, precision="bf16",
+        return paratrain.parallelize(model_on_meta(CHECK), paratrain.init_mesh(),
+                                     optimizer=functools.partial(adamw, fused=fused), precision="bf16",
                                      data=DataParallel(zero=3, grad_reduction="sum"),
                                      init=functools.partial(model_on_meta(CHECK).param_init, seed=0))
 
@@ -182,10 +195,43 @@ def check_checkpoint(device, steps: int) -> dict:
         fresh, fresh_optimizer = build()
         load_model_shards(fresh, fresh_optimizer, CheckpointReader(Path(root) / f"step-{steps:08d}"))
         resumed = [train_step(fresh, fresh_optimizer, [(x, y)], 1.0).loss for x, y in data[steps:]]
-    return {"went_on": went_on, "resumed": resumed, "bit_equal": went_on == resumed}
+    steps_where = sorted({str(s["step"].device) for s in fresh_optimizer.state.values()})
+    return {"fused": fused, "went_on": went_on, "resumed": resumed, "bit_equal": went_on == resumed,
+            "step_device": steps_where}
 
 
-# -- 3: throughput and memory against plain PyTorch ---------------------------------------------------------
+# -- 3: memory given back --------------------------------------------------------------------------------------
+
+def check_release(device, steps: int) -> dict:
+    """Per ZeRO stage: the bytes a bf16 model and its optimizer hold after `steps` steps, and those left once
+    both are dropped and gc.collect() ran, above where they stood before the build."""
+    from paratrain.train import train_step
+
+    out = {}
+    for zero in range(4):
+        meter = TensorMemory() if device.type == "cpu" else contextlib.nullcontext()
+        with meter:
+            def allocated() -> int:
+                return torch.cuda.memory_allocated(device) if device.type == "cuda" else meter.total
+
+            data = batches(CHECK, steps, 8, 64, device)  # made (and seen by the meter) before the count starts
+            gc.collect()
+            before = allocated()
+            model, optimizer = paratrain.parallelize(
+                model_on_meta(CHECK), paratrain.init_mesh(), optimizer=adamw, precision="bf16",
+                data=DataParallel(zero=zero, grad_reduction="sum"),
+                init=functools.partial(model_on_meta(CHECK).param_init, seed=0))
+            for x, y in data:
+                train_step(model, optimizer, [(x, y)], 1.0)
+            built = allocated() - before
+            del model, optimizer
+            gc.collect()
+            left = allocated() - before
+        out[f"zero{zero}"] = {"built_bytes": built, "left_bytes": left, "freed": left <= LEFT_TOL * built}
+    return out
+
+
+# -- 4: throughput and memory against plain PyTorch ---------------------------------------------------------
 
 def _sync(device) -> None:
     if device.type == "cuda":
@@ -273,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check on {results['device']} (torch {results['torch']}, CUDA {results['cuda']})", flush=True)
     results["world1"] = check_world1(device, args.check_steps)
     results["checkpoint"] = check_checkpoint(device, args.check_steps)
+    results["checkpoint_fused"] = check_checkpoint(device, args.check_steps, fused=True)
+    results["release"] = check_release(device, args.check_steps)
     seq = min(args.seq, SIZES[args.size].max_seq_len)
     results["throughput"] = check_throughput(SIZES[args.size], device, args.batch, seq, 2, args.steps)
     if device.type == "cuda" and torch.cuda.device_count() >= 2:
@@ -282,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     write(results, Path(args.out))
     failed = [n for part in ("world1", "world2_nccl") if isinstance(results[part], dict)
               for n, r in results[part]["layouts"].items() if "error" in r or r["rel_diff"] > TOL]
-    failed += [] if results["checkpoint"]["bit_equal"] else ["checkpoint"]
+    failed += [part for part in ("checkpoint", "checkpoint_fused") if not results[part]["bit_equal"]]
+    failed += [f"release: {name}" for name, r in results["release"].items() if not r["freed"]]
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}")
     return 1 if failed else 0
 
@@ -298,7 +347,13 @@ def write(results: dict, out: Path) -> None:
         if isinstance(results[part], dict):
             for name, r in results[part]["layouts"].items():
                 lines.append(f"| {part}: {name} | {r.get('error') or format(r['rel_diff'], '.2e')} |")
-    lines += ["", f"checkpoint resume bit-equal: {results['checkpoint']['bit_equal']}", ""]
+    fused = results["checkpoint_fused"]
+    lines += ["", f"checkpoint resume bit-equal: {results['checkpoint']['bit_equal']}; with fused AdamW: "
+              f"{fused['bit_equal']} (its step on {', '.join(fused['step_device'])})",
+              "", "memory left after a bf16 model and its optimizer are dropped (gc.collect()):", "",
+              "| ZeRO | bytes while alive | bytes left |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {r['built_bytes']:,} | {r['left_bytes']:,} |" for name, r in results["release"].items()]
+    lines += [""]
     t = results["throughput"]
     lines += [f"throughput, {t['params']:,} parameters, batch {t['batch']} × {t['seq']}:", "",
               "| | step s min / median / max | tokens/s | MFU | max_memory_allocated |", "| --- | --- | --- | --- | --- |"]
