@@ -44,10 +44,10 @@ from paratrain.plan.memory import (
     Workload,
     block_param_count,
     layers_on_stage,
+    pipeline_traits,
     stage_param_count,
 )
 from paratrain.plan.ops import PassTimes, Shape, block_times, embedding_times, head_times
-from paratrain.parallel.pipeline.schedules import ScheduleName
 
 __all__ = ["HARDWARE_PRESETS", "AxisCollectives", "Collective", "GemmCurve", "Hardware", "LinkCost", "StepFlops",
            "StepTime", "comm_bytes_per_rank", "get_hardware", "ring_bytes", "step_flops", "step_time"]
@@ -420,7 +420,8 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
             times += embedding_times(hardware, x)
         if stage == lay.pp - 1:
             times += head_times(hardware, x, vocab_parallel=lay.tp > 1)
-    if lay.schedule is ScheduleName.ZB_H1 and lay.pp > 1:
+    m = lay.num_microbatches(workload.global_batch)
+    if pipeline_traits(lay.schedule, lay.pp, m, lay.chunks).split_backward:
         # B and W split one backward's products between them; walking the graph twice costs a little more
         times = PassTimes(times.forward, times.backward * SPLIT_BACKWARD_COST)
     return times.scaled(1 / hardware.compute_share(lay.world_size))
@@ -504,10 +505,10 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
 
     Per micro-batch, a stage takes compute + its tensor-parallel collectives (exposed:
     they sit between dependent matmuls) + its sends. The pipeline runs m of those on the
-    slowest stage plus a bubble of (p − 1)/v of them, i.e. a bubble fraction
-    (p − 1)/(m + p − 1) for GPipe and 1F1B, divided by v interleaved (Narayanan et al. 2021).
-    ZB-H1 fills two thirds of 1F1B's bubble (forward, input-gradient and weight-gradient passes
-    of equal cost; Qi et al. 2023); its split backward costs `SPLIT_BACKWARD_COST` backwards.
+    slowest stage plus the schedule's bubble of them (`pipeline_traits`): p − 1 for GPipe and 1F1B,
+    a bubble fraction (p − 1)/(m + p − 1), divided by v interleaved (Narayanan et al. 2021); ZB-H1
+    fills two thirds of 1F1B's (m ≥ p; forward, input-gradient and weight-gradient passes of equal
+    cost; Qi et al. 2023). A split backward costs `SPLIT_BACKWARD_COST` backwards.
     """
     lay = layout
     m = lay.num_microbatches(workload.global_batch)
@@ -518,7 +519,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     sync = sum(collective_seconds(hardware, lay, axis, c) for axis, c in sync_collectives(lay).items())
     return StepTime(
         compute=m * slowest.compute, tp_comm=m * slowest.tp, pp_comm=m * slowest.pp,
-        bubble=(lay.pp - 1) / lay.chunks * slowest.per_mb / (3 if lay.schedule is ScheduleName.ZB_H1 else 1),
+        bubble=pipeline_traits(lay.schedule, lay.pp, m, lay.chunks).bubble * slowest.per_mb,
         dp_comm=sum(dp_by_axis.values()), optimizer=max(s.optimizer for s in stages),
         dp_comm_total=max(s.dp_total for s in stages), sync=sync, dp_comm_by_axis=dp_by_axis,
     )

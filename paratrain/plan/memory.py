@@ -46,7 +46,8 @@ from enum import Enum
 
 from paratrain.errors import ParatrainError
 from paratrain.models.configs import ModelConfig
-from paratrain.parallel.pipeline.schedules import ScheduleName
+from paratrain.parallel.pipeline.schedules import ScheduleName, chunks_per_rank
+from paratrain.parallel.pipeline.simulator import ScheduleTraits, traits_of
 
 GB = 10**9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -176,7 +177,7 @@ class Layout:
             dp_shard inner, as `paratrain.mesh.MeshShape` splits the data axis); 0 means dp (no
             split). It must divide dp and needs zero ≥ 1 (`layout_violations` says so).
         micro_batch: sequences per forward/backward on one data rank.
-        virtual_stages: model chunks per pipeline rank (v > 1 only with the interleaved schedule).
+        virtual_stages: model chunks per pipeline rank (v > 1 only with an interleaving schedule).
         sequence_parallel: shard the norm/dropout regions along the sequence over tp.
         recompute: activation checkpointing mode.
         schedule: pipeline schedule (irrelevant when pp = 1).
@@ -237,8 +238,8 @@ class Layout:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per pipeline rank: v for the interleaved schedule, else 1."""
-        return self.virtual_stages if self.schedule is ScheduleName.INTERLEAVED else 1
+        """Model chunks per pipeline rank: v for a schedule that interleaves chunks, else 1."""
+        return chunks_per_rank(self.schedule, self.virtual_stages)
 
     def num_microbatches(self, global_batch: int | None) -> int:
         """Micro-batches per step on each data rank: global / (dp × micro-batch), at least 1."""
@@ -376,30 +377,32 @@ def stage_param_count(model: ModelConfig, tp: int = 1, pp: int = 1, stage: int =
     return count
 
 
+# pp = 1 runs no schedule: micro-batches one after another (gradient accumulation), never idle
+_NO_PIPELINE = ScheduleTraits(in_flight=(1.0,), split_backward=False, bubble=0.0)
+
+
+def pipeline_traits(schedule: ScheduleName, pp: int, num_microbatches: int, virtual_stages: int = 1) -> ScheduleTraits:
+    """What the pipeline schedule does to memory and time, read off its actions (`traits_of`).
+
+    The planner asks the schedule's data, never its name, so a new schedule needs no edit here.
+    With pp = 1 no schedule runs: one micro-batch in flight, no bubble, one whole backward.
+    """
+    return _NO_PIPELINE if pp == 1 else traits_of(schedule, pp, num_microbatches, virtual_stages)
+
+
 def in_flight_microbatches(schedule: ScheduleName, pp: int, num_microbatches: int, virtual_stages: int = 1,
                            stage: int = 0) -> float:
     """Micro-batches whose activations pipeline stage `stage` holds at its peak, in whole-stage units.
 
-    Narayanan et al. 2021 §2.2: with one stage (pp = 1) micro-batches run one after another
-    (gradient accumulation): 1. GPipe runs every forward before any backward: m. 1F1B starts
-    backward as soon as possible: stage i holds min(pp − i, m), the first stage min(p, m).
-    Interleaved 1F1B (v chunks per rank, Megatron's warm-up): rank i runs
-    2·(p − i − 1) + (v − 1)·p forward chunks before its first backward, holding one more in the
-    steady state, each chunk 1/v of the stage's layers; so rank 0 holds p + (p − 1)/v stages'
-    worth, Korthikanti et al.'s factor 1 + (p − 1)/(p·v) on the L layers. Capped at v·m chunks.
-    ZB-H1 holds min(p, m) on every stage (a micro-batch is released by its deferred W).
+    With one stage (pp = 1) micro-batches run one after another (gradient accumulation): 1.
+    Otherwise what the schedule's actions hold (`paratrain.parallel.pipeline.simulator.ScheduleTraits`):
+    a micro-batch is held from its forward until its backward (its weight-grad pass W under a split
+    backward), each of v chunks 1/v of the stage. So GPipe holds m; 1F1B min(p − i, m) on stage i
+    (Narayanan et al. 2021 §2.2); interleaved 1F1B min(2·(p − i − 1) + (v − 1)·p + 1, v·m)/v, rank 0
+    p + (p − 1)/v stages' worth, Korthikanti et al.'s factor 1 + (p − 1)/(p·v) on the L layers;
+    ZB-H1 min(p, m) on every stage (its deferred weight gradients keep the inputs alive).
     """
-    p, m, v = pp, num_microbatches, virtual_stages
-    if p == 1:
-        return 1.0
-    if schedule is ScheduleName.GPIPE:
-        return float(m)
-    if schedule is ScheduleName.INTERLEAVED:
-        chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
-        return min(chunks, v * m) / v
-    if schedule is ScheduleName.ZB_H1:  # deferred weight gradients keep inputs alive: p on every stage
-        return float(min(p, m))
-    return float(min(p - stage, m))
+    return pipeline_traits(schedule, pp, num_microbatches, virtual_stages).in_flight[stage]
 
 
 @dataclass(frozen=True)

@@ -155,10 +155,17 @@ def build_schedule(name: str | ScheduleName, pp: int, num_microbatches: int, vir
     name = ScheduleName(name)
     actions = tuple(tuple(_GENERATORS[name](pp, num_microbatches, virtual_stages, rank)) for rank in range(pp))
     segments = ()
-    if name is ScheduleName.INTERLEAVED:
-        segments = tuple(_interleaved_segments(pp, num_microbatches, virtual_stages, rank) for rank in range(pp))
+    if name in _SEGMENTS:
+        segments = tuple(_SEGMENTS[name](pp, num_microbatches, virtual_stages, rank) for rank in range(pp))
+    split = any(action.kind is Kind.W for rank_actions in actions for action in rank_actions)
     return Schedule(name=name.value, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages,
-                    split_backward=name is ScheduleName.ZB_H1, actions=actions, segments=segments)
+                    split_backward=split, actions=actions, segments=segments)
+
+
+def chunks_per_rank(schedule: str | ScheduleName, virtual_stages: int) -> int:
+    """Model chunks per rank that `schedule` runs when given `virtual_stages`: that many if it interleaves, else 1."""
+    name = schedule if isinstance(schedule, ScheduleName) else ScheduleName.parse(schedule)  # the planner's: often
+    return virtual_stages if name in _INTERLEAVING else 1
 
 
 def schedule_violations(schedule: str | ScheduleName, pp: int, virtual_stages: int = 1,
@@ -183,7 +190,7 @@ def _schedule_rules(schedule, pp: int, virtual_stages: int, num_microbatches: in
     except ScheduleError as e:
         return [Violation("schedule", str(e))]
     out = []
-    interleaved = name is ScheduleName.INTERLEAVED
+    interleaved = name in _INTERLEAVING
     if virtual_stages > 1 and not interleaved:
         out.append(Violation("virtual_stages", f"--virtual-stages {virtual_stages} needs --schedule interleaved "
                                                f"(virtual stages are only for 'interleaved'; use 1 with {name.value!r})"))
@@ -295,4 +302,10 @@ _GENERATORS: dict[ScheduleName, Callable[[int, int, int, int], Iterable[Action]]
     ScheduleName.ONE_F_ONE_B: _one_f_one_b,
     ScheduleName.INTERLEAVED: _interleaved,
     ScheduleName.ZB_H1: _zero_bubble_h1,
+}
+# Schedules that run v > 1 chunks per rank (`virtual_stages`), and how each cuts its actions into runs
+# (`Schedule.segments`; one action per run where none is given).
+_INTERLEAVING = (ScheduleName.INTERLEAVED,)
+_SEGMENTS: dict[ScheduleName, Callable[[int, int, int, int], tuple[int, ...]]] = {
+    ScheduleName.INTERLEAVED: _interleaved_segments,
 }

@@ -6,7 +6,9 @@ exactly once, point-to-point messages sent in the order they are received,
 and no deadlock — neither when sends are buffered (gloo) nor when every send
 blocks until its receive is posted (NCCL may: a large send waits for its peer,
 and the sends and receives between two ranks share one stream). `simulate`
-times it under a cost model; `draw_timeline` plots the result.
+times it under a cost model; `draw_timeline` plots the result;
+`schedule_traits` reads off what the planner needs (in-flight micro-batches,
+split backward, bubble), so the planner knows a schedule by its actions only.
 
 Point-to-point exchanges (`exchanges`). The runtime posts the sends an action
 produced together with the receives the next action needs, as one group
@@ -35,10 +37,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
-from paratrain.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleError
+from paratrain.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleError, ScheduleName, build_schedule
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError naming the first problem; return None if the runtime can execute `schedule`."""
     check_structure(schedule)
-    _execute(schedule, lambda action: 0.0, 0.0)
+    _clock(schedule, dict.fromkeys(Kind, 0.0), 0.0)
     check_p2p_order(schedule)
     check_rendezvous(schedule)
 
@@ -243,40 +245,87 @@ def _message(sequence: list[Message], index: int) -> str:
     return f"{traffic}(mb={mb}, stage={stage})"
 
 
-def _execute(schedule: Schedule, cost: Callable[[Action], float], comm: float) -> list[list[TimedAction]]:
-    """Event-driven execution: each rank runs its list in order, an action starting when its
-    dependencies are done (plus `comm` across ranks). Raises ScheduleError on a deadlock."""
-    end: dict[Action, float] = {}
-    timeline: list[list[TimedAction]] = [[] for _ in schedule.actions]
+def _execute(schedule: Schedule, costs: dict[Kind, float], comm: float) -> list[list[TimedAction]]:
+    """Event-driven execution (`_clock`) as timelines of TimedActions."""
+    starts, ends = _clock(schedule, costs, comm)
+    return [[TimedAction(*timed) for timed in zip(actions, rank_starts, rank_ends)]
+            for actions, rank_starts, rank_ends in zip(schedule.actions, starts, ends)]
+
+
+def _clock(schedule: Schedule, costs: dict[Kind, float], comm: float) -> tuple[list[list[float]], list[list[float]]]:
+    """Per rank, the start and end of each of its actions: each rank runs its list in order, an action
+    starting when its dependencies (`dependencies`) are done, plus `comm` from another rank.
+    Raises ScheduleError on a deadlock.
+
+    The ends of F and B are kept in flat lists indexed by micro-batch · stages + stage, not in a dict
+    of Actions: an Action hashes its Enum kind in Python, too slow for the planner, which times
+    schedules of a thousand micro-batches (`traits_of`).
+    """
+    f_kind, b_kind = Kind.F, Kind.B
+    f_cost, b_cost, w_cost = costs[Kind.F], costs[Kind.B], costs[Kind.W]  # an Enum hashes in Python: slow per action
+    stages, pp, last = schedule.num_stages, schedule.pp, schedule.num_stages - 1
+    f_end: list[float | None] = [None] * (schedule.num_microbatches * stages)
+    b_end: list[float | None] = [None] * (schedule.num_microbatches * stages)
+    starts: list[list[float]] = [[] for _ in schedule.actions]
+    ends: list[list[float]] = [[] for _ in schedule.actions]
     remaining = sum(len(actions) for actions in schedule.actions)
     while remaining:
         progressed = False
         for rank, actions in enumerate(schedule.actions):
-            while len(timeline[rank]) < len(actions):
-                action = actions[len(timeline[rank])]
-                deps = dependencies(schedule, action)
-                if any(dep not in end for dep in deps):
-                    break
-                ready = [end[dep] + (comm if schedule.rank_of(dep.stage) != rank else 0.0) for dep in deps]
-                start = max([timeline[rank][-1].end if timeline[rank] else 0.0, *ready])
-                end[action] = start + cost(action)
-                timeline[rank].append(TimedAction(action, start, end[action]))
+            rank_starts, rank_ends = starts[rank], ends[rank]
+            done = len(rank_ends)
+            free = rank_ends[-1] if rank_ends else 0.0
+            while done < len(actions):
+                action = actions[done]
+                kind, stage = action.kind, action.stage
+                at = action.microbatch * stages + stage
+                if kind is f_kind:  # needs the previous stage's forward
+                    ready = f_end[at - 1] if stage else free
+                    if ready is None:
+                        break
+                    if stage and (stage - 1) % pp != rank:
+                        ready += comm
+                elif kind is b_kind:  # needs its own forward and the next stage's backward
+                    ready = f_end[at]
+                    if ready is not None and stage < last:
+                        grad = b_end[at + 1]
+                        if grad is None:
+                            break
+                        ready = max(ready, grad + comm if (stage + 1) % pp != rank else grad)
+                    if ready is None:
+                        break
+                else:  # W needs its own B
+                    ready = b_end[at]
+                    if ready is None:
+                        break
+                start = max(free, ready)
+                if kind is f_kind:
+                    free = f_end[at] = start + f_cost
+                elif kind is b_kind:
+                    free = b_end[at] = start + b_cost
+                else:
+                    free = start + w_cost
+                rank_starts.append(start)
+                rank_ends.append(free)
+                done += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise ScheduleError(_deadlock_message(schedule, timeline, end))
-    return timeline
+            done = [len(rank_ends) for rank_ends in ends]
+            finished = {action for actions, count in zip(schedule.actions, done) for action in actions[:count]}
+            raise ScheduleError(_deadlock_message(schedule, done, finished))
+    return starts, ends
 
 
-def _deadlock_message(schedule: Schedule, timeline: list[list[TimedAction]], end: dict[Action, float]) -> str:
-    blocked = [(rank, actions[len(timeline[rank])]) for rank, actions in enumerate(schedule.actions)
-               if len(timeline[rank]) < len(actions)]
+def _deadlock_message(schedule: Schedule, done: list[int], finished: set[Action]) -> str:
+    blocked = [(rank, actions[done[rank]]) for rank, actions in enumerate(schedule.actions)
+               if done[rank] < len(actions)]
     rank, action = blocked[0]
-    missing = next(dep for dep in dependencies(schedule, action) if dep not in end)
+    missing = next(dep for dep in dependencies(schedule, action) if dep not in finished)
     owner = schedule.rank_of(missing.stage)
     if missing not in schedule.actions[owner]:
         return f"rank {rank} waits for {missing} (needed by {action}), which no rank runs: deadlock"
-    owner_next = schedule.actions[owner][len(timeline[owner])]
+    owner_next = schedule.actions[owner][done[owner]]
     if owner_next == missing:
         return (f"rank {rank} waits for {missing} (needed by {action}), which rank {owner} cannot start "
                 "for lack of its own inputs: deadlock")
@@ -286,13 +335,18 @@ def _deadlock_message(schedule: Schedule, timeline: list[list[TimedAction]], end
 
 def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
     """Per rank, the most (micro-batch, stage) pairs between their F and their release (B, or W if split)."""
-    release = Kind.W if schedule.split_backward else Kind.B
+    forward, release = Kind.F, Kind.W if schedule.split_backward else Kind.B
     peaks = []
     for actions in schedule.actions:
         count = peak = 0
         for action in actions:
-            count += (action.kind is Kind.F) - (action.kind is release)
-            peak = max(peak, count)
+            kind = action.kind
+            if kind is forward:
+                count += 1
+                if count > peak:
+                    peak = count
+            elif kind is release:
+                count -= 1
         peaks.append(peak)
     return tuple(peaks)
 
@@ -310,11 +364,52 @@ def simulate(schedule: Schedule, f: float = 1.0, b: float = 2.0, w: float | None
     v = schedule.virtual_stages
     split = schedule.split_backward
     per_kind = {Kind.F: f / v, Kind.B: (b - w if split else b) / v, Kind.W: w / v}
-    timeline = _execute(schedule, lambda action: per_kind[action.kind], comm)
+    timeline = _execute(schedule, per_kind, comm)
     makespan = max((rank[-1].end for rank in timeline if rank), default=0.0)
     busy = tuple(sum(t.end - t.start for t in rank) for rank in timeline)
     return SimResult(schedule=schedule, timeline=tuple(tuple(rank) for rank in timeline),
                      makespan=makespan, busy=busy, peak_in_flight=peak_in_flight(schedule))
+
+
+@dataclass(frozen=True)
+class ScheduleTraits:
+    """What a schedule's actions say about its memory and time: all the planner knows of a schedule.
+
+    in_flight: per rank, the most micro-batches whose activations it holds at once (`peak_in_flight`)
+        in whole-rank units: (micro-batch, stage) pairs over v, each stage being 1/v of the rank's layers.
+    split_backward: whether the backward runs as B then W (zero-bubble): two walks of the graph.
+    bubble: the idle time of a rank (the makespan less its busy time), in units of one micro-batch's
+        forward and backward on a rank, timed with the forward, the input-grad and the weight-grad
+        passes of equal cost (`simulate`'s f = 1, b = 2, w = 1, Qi et al. 2023's setting) and free
+        communication. The step takes (m + bubble) micro-batch times.
+    """
+
+    in_flight: tuple[float, ...]
+    split_backward: bool
+    bubble: float
+
+
+def schedule_traits(schedule: Schedule) -> ScheduleTraits:
+    """The `ScheduleTraits` of a valid `schedule` (`validate`), read off its actions.
+
+    Each action costs a whole number of units (f = v, so a chunk's forward costs 1), so the times
+    add up exactly and the bubble is the exact quotient: (p − 1)/v for interleaved 1F1B.
+    """
+    v, split = schedule.virtual_stages, schedule.split_backward
+    starts, ends = _clock(schedule, {Kind.F: 1.0, Kind.B: 1.0 if split else 2.0, Kind.W: 1.0}, 0.0)
+    makespan = max((rank_ends[-1] for rank_ends in ends if rank_ends), default=0.0)
+    idle = max(makespan - sum(e - s for s, e in zip(*rank)) for rank in zip(starts, ends))
+    return ScheduleTraits(in_flight=tuple(peak / v for peak in peak_in_flight(schedule)),
+                          split_backward=split, bubble=idle / (3 * v))
+
+
+@lru_cache(maxsize=4096)
+def traits_of(name: str | ScheduleName, pp: int, num_microbatches: int, virtual_stages: int = 1) -> ScheduleTraits:
+    """`schedule_traits` of the schedule `build_schedule` makes, kept: the planner asks for thousands of layouts.
+
+    Not validated here, for speed: tests/test_schedules.py validates every schedule `build_schedule` makes.
+    """
+    return schedule_traits(build_schedule(name, pp, num_microbatches, virtual_stages))
 
 
 def draw_timeline(source: Schedule | SimResult, path: str | Path, title: str | None = None) -> Path:
