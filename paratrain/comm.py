@@ -14,8 +14,9 @@ overlaps compute costs nothing there, so it is the exposed communication (on
 the pp axis: the time a stage waited for its neighbour, the measured bubble).
 On the CPU (gloo) that is the host's blocked time (`blocked_s`). On CUDA (NCCL)
 `wait` does not block the host, it makes the compute stream wait: a pair of
-CUDA events around each wait measures that on the stream, read once, after the
-step (`exposed_s`).
+CUDA events around each wait measures that on the stream, read one window
+(step) late, once the GPU has passed them, so that reading them never makes
+the host wait for the GPU (`exposed_s`).
 
 The last calls are kept as a short fingerprint (kind, axis, shape, dtype), so
 that ranks that disagree about the sequence of collectives can be told apart.
@@ -75,6 +76,7 @@ class Comm:
         self.recent: deque[CallRecord] = deque(maxlen=history)
         self.blocked_s: dict[str, float] = defaultdict(float)  # host seconds (the exposed time on the CPU)
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: (axis, before, after)
+        self._closed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # the same, of the last window
         # Called with each CallRecord before its collective starts (the trainer mirrors the
         # fingerprint into a file that outlives a crash: paratrain.run.diagnose).
         self.listeners: list = []
@@ -97,7 +99,7 @@ class Comm:
         self.calls.clear()
         self.bytes.clear()
         self.blocked_s.clear()
-        self._events.clear()
+        self._closed, self._events = self._events, []
 
     def bytes_by_axis(self) -> dict[str, int]:
         """Bytes this rank sent in the current window, per axis."""
@@ -224,16 +226,20 @@ class Comm:
                 self._events.append((axis, before, after))
 
     def exposed_s(self) -> dict[str, float]:
-        """Seconds held up per axis in the current window: the host's on the CPU, the stream's on CUDA.
+        """Seconds held up per axis: on the CPU the host's in the current window; on CUDA the stream's in
+        the previous window (the one the last `reset` closed; none before it).
 
-        On CUDA this waits for the last recorded event (one host sync): read it once per step, after it.
+        On CUDA the current window's events are still ahead of the GPU while the host runs ahead:
+        reading them would make the host wait for the step's last kernel every step. The previous
+        window's have been passed by the time the current step made its own host read (the
+        trainer's agreement), so reading them costs no wait.
         """
         if self.mesh.device.type != "cuda":
             return dict(self.blocked_s)
         exposed: dict[str, float] = defaultdict(float)
-        if self._events:
-            self._events[-1][2].synchronize()
-        for axis, before, after in self._events:
+        if self._closed:
+            self._closed[-1][2].synchronize()  # passed already (see above): returns at once
+        for axis, before, after in self._closed:
             exposed[axis] += before.elapsed_time(after) / 1e3
         return dict(exposed)
 

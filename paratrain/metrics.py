@@ -79,8 +79,13 @@ class StepTimer:
         return sum(self.comm.blocked_s.values())
 
     def breakdown(self, step_time_s: float) -> dict:
-        """{compute_s, optimizer_s, data_s, checkpoint_s, comm_exposed_s: {axis: s}, pipeline_wait_s, other_s}."""
-        held = self.comm.exposed_s()  # on CUDA: the stream's waits, measured by events (one sync)
+        """{compute_s, optimizer_s, data_s, checkpoint_s, comm_exposed_s: {axis: s}, pipeline_wait_s, other_s}.
+
+        On CUDA the exposed communication and the pipeline wait are the previous step's (`Comm.exposed_s`:
+        the stream's waits, read from CUDA events once the GPU has passed them, so that no step waits for
+        its own last kernel); the first step's are empty.
+        """
+        held = self.comm.exposed_s()
         exposed = {axis: s for axis, s in held.items() if axis != "pp"}
         result = {"compute_s": self.seconds["forward_backward"], "optimizer_s": self.seconds["optimizer"],
                   "data_s": self.seconds["data"], "checkpoint_s": self.seconds["checkpoint"],

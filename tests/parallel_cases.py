@@ -16,6 +16,7 @@ from torch import nn
 # Test-only use of a private torch module: the one way to see every op, and every tensor it creates.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from paratrain.comm import Comm
 from paratrain.models import ModelConfig, Transformer
 from paratrain.testing import run_on_ranks
 
@@ -39,6 +40,50 @@ class OpRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.shapes.append(tuple(t.shape))
         return out
+
+
+class OverlapTrace(Comm):
+    """CUDA's overlap policy on the CPU, and the order in which things happen under it.
+
+    A `Comm` that leaves one gradient reduction in flight while backward goes on, as on CUDA
+    (`reductions_in_flight`; the CPU's policy lands each at once), and records in `events`, in
+    order: ("launch", kind, n) as collective n starts, ("land", kind, n) when a wait on it returns,
+    and whatever the test marks (`mark`: gradients computed, a forward done...). On CUDA a wait
+    holds up the compute stream, so what is queued after a "land" waits for that collective.
+    """
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self.events: list[tuple] = []
+
+    def reductions_in_flight(self) -> int:
+        return 1
+
+    def mark(self, *event) -> None:
+        self.events.append(event)
+
+    def reduce_scatter(self, *args, **kwargs):
+        return self._traced("reduce_scatter", super().reduce_scatter(*args, **kwargs), kwargs.get("async_op", False))
+
+    def all_gather(self, *args, **kwargs):
+        return self._traced("all_gather", super().all_gather(*args, **kwargs), kwargs.get("async_op", False))
+
+    def _traced(self, kind: str, work, async_op: bool):
+        n = sum(1 for e in self.events if e[:2] == ("launch", kind))
+        self.events.append(("launch", kind, n))
+        if not async_op or work is None:
+            self.events.append(("land", kind, n))
+            return work
+        return _TracedWork(work, self.events, ("land", kind, n))
+
+
+class _TracedWork:
+    def __init__(self, work, events: list, landed: tuple):
+        self.work, self.events, self.landed = work, events, landed
+
+    def wait(self):
+        self.work.wait()
+        self.events.append(self.landed)
 
 
 def launch_once(cache: dict, world: int, fn, *args, timeout: float = 600):

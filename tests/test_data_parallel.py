@@ -12,7 +12,8 @@ from torch import nn
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import RankFailure, run_on_ranks
-from parallel_cases import TINY, OpRecorder, adamw, batches, loss_sum, make_model, parallel_run, reference_run
+from parallel_cases import (TINY, OpRecorder, OverlapTrace, adamw, batches, loss_sum, make_model, parallel_run,
+                            reference_run)
 
 
 def _parity(rank, world, zero, micro, precision, reduction="sum"):
@@ -224,8 +225,10 @@ PSI = TINY.num_params()
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("zero", STAGES)
 def test_communication_bytes_match_theory(world, zero):
+    """2Ψ (N−1)/N; ZeRO-3 3Ψ (N−1)/N less the tables its backward does not gather: the embedding (its
+    backward reads only the indices) and the output head (still gathered from its forward)."""
     sent, _ = run_on_ranks(_one_measured_step, world, zero, "fp32", None, timeout=120)[0]
-    elements = (3 if zero == 3 else 2) * PSI * (world - 1) / world
+    elements = (3 * PSI - 2 * TINY.vocab_size * TINY.dim if zero == 3 else 2 * PSI) * (world - 1) / world
     assert sent == pytest.approx(elements * 4, rel=0.05)
 
 
@@ -244,6 +247,41 @@ def test_first_bucket_is_in_flight_before_backward_ends():
     count, in_backward, earlier = run_on_ranks(_overlap, 2, timeout=60)[0]
     assert count > 3
     assert in_backward and earlier
+
+
+def _zero2_under_cuda_policy(rank, world):
+    """One backward of ZeRO-2 with one reduce-scatter left in flight, as on CUDA: the trace of gradients
+    computed (per bucket), reduce-scatters launched and landed; and the reduced rows."""
+    mesh = build_mesh(MeshShape(dp=world))
+    comm, net = OverlapTrace(mesh), _small_net()
+    two_layers_mb = 2 * (SMALL_WIDTH * SMALL_WIDTH + SMALL_WIDTH) * 4 / 2**20
+    model, _ = parallelize(net, mesh, data=DataParallel(zero=2, bucket_mb=two_layers_mb), comm=comm)
+    bucket_of = {id(s.param): i for i, b in enumerate(model.engine.buckets) for s in b.slots}
+    for p in net.parameters():  # a tensor hook: it runs as the gradient is computed, before the engine's hook
+        p.register_hook(lambda grad, i=bucket_of[id(p)]: comm.mark("gradient", i))
+    x, y = _small_rows(rank, 0)
+    ((model(x) - y) ** 2).sum().backward()
+    return comm.events, len(model.engine.buckets), _reduced_rows(model)
+
+
+def test_zero2_reduce_scatter_overlaps_the_next_buckets_backward_under_the_cuda_policy():
+    """On CUDA a wait makes the compute stream wait: bucket k's reduce-scatter must land only once the
+    gradients of bucket k+1 are computed (when k+1 launches), or backward stops for every reduction.
+    The reduced gradients are still one process's mean."""
+    world = 2
+    reference = _small_net()
+    for rank in range(world):
+        x, y = _small_rows(rank, 0)
+        (((reference(x) - y) ** 2).sum() / world).backward()
+    for events, count, grads in run_on_ranks(_zero2_under_cuda_policy, world, timeout=120):
+        assert count > 3
+        for k in range(count - 1):
+            launched = events.index(("launch", "reduce_scatter", k))
+            landed = events.index(("land", "reduce_scatter", k))
+            next_gradients = [i for i, e in enumerate(events) if e == ("gradient", k + 1)]
+            assert len(next_gradients) > 1  # the bucket's first gradient is not its last
+            assert launched < next_gradients[0] and landed > next_gradients[-1], (k, events)
+        _assert_rows_match(grads, reference)
 
 
 def _lbfgs(rank, world):

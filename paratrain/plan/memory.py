@@ -468,8 +468,9 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
     ZeRO-3 (one unit per block, plus the root's remaining parameters: embedding, head, final
     norm, as paratrain.parallel.data.units wraps them): `ZERO3_PREFETCH_UNITS` units gathered
     in the parameter dtype (the one computing, the one prefetched) and as many unit gradients
-    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: one
-    bucket, being filled or in flight (paratrain.parallel.data.ddp). DDP and ZeRO-1: their
+    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: two
+    buckets, one being filled and the one before it in flight meanwhile (paratrain.parallel.data.ddp,
+    on CUDA; on the CPU each lands at once). DDP and ZeRO-1: their
     buckets are the gradients (counted there); ZeRO-1 adds one bucket's all-gather of updated
     parameters. Nothing when only the parameter count is known. Hybrid sharding keeps one
     reduced shard more (1/dp_shard of a unit's gradients, or of a ZeRO-2 bucket) while it is
@@ -486,7 +487,7 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
         return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes) \
             + unit * workload.grad_bytes * replicating
     bucket = min(lay.bucket_mb * 2**20, stage_params * workload.grad_bytes)
-    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: bucket * (1 + replicating)}[lay.zero]
+    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: bucket * (2 + replicating)}[lay.zero]
 
 
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:

@@ -16,8 +16,9 @@ backward communicates. ZeRO-2 is the stage whose point is that the full
 gradient never exists: a bucket's buffer is allocated when its first gradient
 arrives, reduce-scattered as soon as it is complete, and freed when that
 completes (on CUDA one reduce-scatter in flight, overlapping the backward
-that makes the next bucket's gradients, landed before that bucket is
-allocated; on the CPU each lands at once);
+that makes the next bucket's gradients and landed when that bucket launches,
+as ZeRO-1's: one bucket filling beside the one in flight; on the CPU each
+lands at once);
 each rank keeps only its 1/N shard of the reduced gradients, adding each
 backward's into it. So ZeRO-2 reduces in every backward, as the ZeRO paper
 and DeepSpeed do: a backward under `no_sync` is reduced when the
@@ -33,8 +34,8 @@ stage    gradient communication per backward   gradient memory                  
 1        reduce-scatter Ψ(N−1)/N (last only)   4Ψ (buckets; one reduced at once) 1/N
          + all-gather of updated parameters
          Ψ(N−1)/N per step
-2        as 1, in every backward               4Ψ/N + one bucket (filled or      1/N
-                                               in flight)
+2        as 1, in every backward               4Ψ/N + one bucket filling         1/N
+                                               (CUDA: + one in flight)
 =======  ====================================  ================================  =================
 
 Hybrid sharding (a mesh with dp_replicate > 1): N above is the shard group
@@ -270,10 +271,9 @@ class DataParallelEngine:
         if (self._sync or self.per_backward) and not self._in_backward:
             self._start_backward()
         if bucket.buffer is None:
-            # ZeRO-2: the reduce-scatter in flight has overlapped the backward that made this gradient;
-            # it lands before the next bucket is made, so that two full-size buckets never coexist.
-            while self._in_flight:
-                self._land(self._in_flight.popleft())
+            # ZeRO-2: the bucket's first gradient of this backward. A reduce-scatter still in flight (CUDA)
+            # is not waited for here: waiting would hold up the backward that makes this bucket's gradients
+            # until it completes. It lands when this bucket launches (`_launch`).
             bucket.buffer = self._new_buffer(bucket)
         grad, param.grad = param.grad, None  # the bucket holds it from now on: a gradient never exists twice
         task = torch._C._current_graph_task_id()
@@ -361,8 +361,9 @@ class DataParallelEngine:
         if self.stage == 0:
             bucket.work = self.comm.all_reduce(bucket.buffer, "dp", async_op=True)
             return
-        # ZeRO: at most one reduce-scatter in flight (`Comm.reductions_in_flight`: none on the CPU). ZeRO-2
-        # frees each input when its collective completes; a backend may copy an input until then.
+        # ZeRO: at most one reduce-scatter in flight (`Comm.reductions_in_flight`: none on the CPU), landed
+        # as the next one launches, so it overlaps the backward that filled the next bucket. ZeRO-2 frees
+        # each input when its collective completes; a backend may copy an input until then.
         while len(self._in_flight) >= max(1, self._in_flight_limit):
             self._land(self._in_flight.popleft())
         if self.stage == 1:  # in place: this rank's chunk of the persistent buffer

@@ -164,6 +164,21 @@ class Unit:
         self.chunk_numel, self.full_numel = chunk_offset, full_offset
         self.full: torch.Tensor | None = None
         self._pending = None
+        # What the unit's forward saved for backward through the engine's saved-tensor hooks (in the last
+        # forward): anything, and views of its gathered parameters.
+        self.saved_any = self.saved_own = False
+
+    @property
+    def needs_params_in_backward(self) -> bool:
+        """Whether the unit's backward reads its gathered parameters, judged from what its forward saved.
+
+        It does when the forward saved a view of them (a matmul's weight). It does not when the forward
+        saved tensors, none of them its parameters (an embedding saves only its indices; a weight cast
+        to another dtype is saved as that copy): autograd will ask for nothing to gather. When the forward
+        saved nothing through the engine's hooks, nothing is known (activation checkpointing saves
+        through hooks of its own, and its recomputation gathers the unit again): it does.
+        """
+        return self.saved_own or not self.saved_any
 
     # -- gather -----------------------------------------------------------
     def launch_gather(self, comm: Comm, dtype: torch.dtype) -> None:
@@ -246,3 +261,12 @@ class Unit:
         """(parameter index, this rank's real rows) views of a reduce-scatter output chunk."""
         return [(fp.index, chunk[fp.chunk_offset:fp.chunk_offset + shard.numel()].view(shard.shape))
                 for fp, shard in zip(self.params, self.shards)]
+
+
+class SavedView:
+    """A tensor saved for backward that is a view of a unit's gathered buffer, kept as a recipe."""
+
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit: Unit, tensor: torch.Tensor):
+        self.unit, self.offset, self.size, self.stride = unit, tensor.storage_offset(), tensor.size(), tensor.stride()

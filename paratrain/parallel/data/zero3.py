@@ -15,15 +15,20 @@ remaining parameters), on the dp axis (its shard group):
 
 - forward: one all-gather of the unit's parameters (in the compute dtype),
   launched one unit ahead (prefetch), freed when the unit's forward returns;
+  but the last unit (the head) stays gathered into its backward, which comes
+  first with nothing to overlap a gather (as FSDP2 keeps its root);
 - backward: one all-gather again, when the backward first needs a tensor that
   the forward saved from the unit's parameters (saved-tensor hooks pack such a
   tensor as a reference into the gathered buffer instead of keeping the buffer
-  alive; unpacking re-gathers), and one reduce-scatter of the unit's gradients
+  alive; unpacking re-gathers), prefetched one such unit ahead: a unit whose
+  forward saved no view of its parameters (an embedding: its backward reads the
+  indices) is not gathered; and one reduce-scatter of the unit's gradients
   (in the reduce dtype) when autograd has every gradient of them;
 - nothing more: which parameters some rank's backward reached (so that a parameter no
   rank used keeps grad None) travels in the model's one agreement per step.
 
-With ring collectives this is 3·Ψ·(N−1)/N elements per rank per step, against
+With ring collectives this is 3·Ψ·(N−1)/N elements per rank per step, less the
+units not gathered in backward (the embedding and the head), against
 2·Ψ·(N−1)/N for DDP. Gradient accumulation cannot defer the reduce-scatter
 (the full gradient exists only while its unit is gathered), so ZeRO-3
 communicates every micro-batch and ``no_sync()`` changes nothing.
@@ -54,22 +59,13 @@ from paratrain.parallel.data.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.data.replicas import ReplicaSum
 from paratrain.parallel.data.shard import row_range
-from paratrain.parallel.data.units import Unit, UnitSpec, parameter_slots, row_shape, unit_modules
+from paratrain.parallel.data.units import SavedView, Unit, UnitSpec, parameter_slots, row_shape, unit_modules
 from paratrain.precision import Precision
 from paratrain.errors import ParatrainError
 
 
 class ZeroConfigError(ParatrainError, ValueError):
     """A ZeRO-3 setting or model that the engine cannot shard."""
-
-
-class _SavedView:
-    """A tensor saved for backward that is a view of a unit's gathered buffer, kept as a recipe."""
-
-    __slots__ = ("unit", "offset", "size", "stride")
-
-    def __init__(self, unit: Unit, tensor: torch.Tensor):
-        self.unit, self.offset, self.size, self.stride = unit, tensor.storage_offset(), tensor.size(), tensor.stride()
 
 
 class _OutsideUse(TorchDispatchMode):
@@ -174,7 +170,9 @@ class FullyShardedEngine:
         self._calls: list[Unit] = []  # the same, being recorded by the current forward
         self._backward_cursor = 0
         self._live: dict[int, Unit] = {}  # storage address -> gathered unit (for the pack hook)
-        self._hooks_ctx: ContextManager | None = None
+        self._hooks_ctx: ContextManager | None = None  # set while a forward runs
+        self._entered: list[Unit] = []  # the units whose forward is running, innermost last
+        self._kept: Unit | None = None  # the forward's last unit, still gathered until its backward first needs it
         self._in_flight: deque = deque()
         self._in_flight_limit = comm.reductions_in_flight()
         self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
@@ -244,6 +242,7 @@ class FullyShardedEngine:
             self._begin_forward()
             upcoming = self._plan[0] if self._plan else None
         else:
+            self._entered.append(unit)
             self._calls.append(unit)
             position = len(self._calls)  # of the next call
             upcoming = self._plan[position] if position < len(self._plan) else None
@@ -254,14 +253,22 @@ class FullyShardedEngine:
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
         unit.restore()
-        self._free(unit)
-        if unit is self.root:
+        if self._entered and self._entered[-1] is unit:
+            self._entered.pop()
+        if unit is self.root and self._hooks_ctx is not None:
             self._end_forward()
+        # The previous forward's last call, called as often, is likely this one's last too: it stays gathered
+        # (`_end_forward` frees it if not; a root with parameters ends last, and is the one kept).
+        elif (self._hooks_ctx is None or self.root.params or self._plan[-1:] != [unit]
+              or len(self._calls) != len(self._plan)):
+            self._free(unit)
 
     def _begin_forward(self) -> None:
         """Root forward starts: from now on, saved views of gathered buffers are packed as references."""
         self._free_all()
-        self._calls = []
+        self._calls, self._entered = [], [self.root]
+        for unit in self.units:
+            unit.saved_any = unit.saved_own = False
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         if self._outside_use is None:  # the first forward: check that every parameter is read inside its unit
@@ -274,7 +281,15 @@ class FullyShardedEngine:
             self._outside_use.__exit__(None, None, None)
         self._hooks_ctx.__exit__(None, None, None)
         self._hooks_ctx = None
-        self._free_all()  # prefetches the forward did not use
+        # The unit whose forward ended last stays gathered for its backward, which comes next with nothing to
+        # overlap a gather; unless no backward comes (no grad) or it would not read the parameters.
+        last = self.root if self.root.params else (self._calls[-1] if self._calls else None)
+        keep = (last is not None and last.full is not None and torch.is_grad_enabled()
+                and last.needs_params_in_backward)
+        self._kept = last if keep else None
+        for unit in self.units:  # and the prefetches the forward did not use
+            if unit is not self._kept:
+                self._free(unit)
         self._plan, self._backward_cursor = list(self._calls), len(self._calls)
 
     # -- gather / free -----------------------------------------------------
@@ -298,35 +313,42 @@ class FullyShardedEngine:
         unit.free()
 
     def _free_all(self) -> None:
+        self._kept = None
         for unit in self.units:
             self._free(unit)
 
     # -- backward ----------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
+        if self._entered:
+            self._entered[-1].saved_any = True
         if tensor.layout != torch.strided:
             return tensor
         unit = self._live.get(tensor.untyped_storage().data_ptr())
         if unit is None or tensor.dtype != unit.full.dtype:
             return tensor
-        return _SavedView(unit, tensor)
+        unit.saved_own = True
+        return SavedView(unit, tensor)
 
     def _unpack(self, saved):
-        if not isinstance(saved, _SavedView):
+        if not isinstance(saved, SavedView):
             return saved
         unit = saved.unit
-        if unit.full is None:  # first use of this unit in this backward: re-gather, then fetch the next one
+        if unit.full is None or unit is self._kept:  # its first use in this backward: gather, fetch the next one
+            self._kept = None
             self._gather(unit)
             self._prefetch(self._backward_next(unit))
         return unit.full.as_strided(saved.size, saved.stride, saved.offset)
 
     def _backward_next(self, unit: Unit) -> Unit | None:
-        """The unit whose backward comes after `unit`'s: the previous call in the last forward."""
+        """The unit to gather after `unit` in backward: the nearest previous call in the last forward whose
+        backward needs its parameters (the calls between need none, and run their backward meanwhile)."""
         if unit is not self.root:
             positions = [j for j in range(self._backward_cursor) if self._plan[j] is unit]
             if not positions:
                 return None
             self._backward_cursor = positions[-1]
-        return self._plan[self._backward_cursor - 1] if self._backward_cursor > 0 else None
+        earlier = reversed(self._plan[:self._backward_cursor])
+        return next((u for u in earlier if u.needs_params_in_backward), None)
 
     def _reduce_scatter(self, unit: Unit, grads) -> None:
         """Launch the reduce-scatter of a unit's full gradients, free its buffer, land older ones."""
