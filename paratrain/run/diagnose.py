@@ -204,7 +204,7 @@ class _PlainData(pickle.Unpickler):
 
 
 def read_flight_record(path: Path) -> dict | None:
-    """One rank's flight-recorder dump (torch writes pickle on a timeout; `_dump_fr_trace_json` writes JSON)."""
+    """One rank's flight-recorder dump (torch writes pickle on a timeout; `write_flight_record` writes JSON)."""
     try:
         data = Path(path).read_bytes()
         if data.lstrip()[:1] == b"{":
@@ -215,11 +215,11 @@ def read_flight_record(path: Path) -> dict | None:
 
 
 def write_flight_record(path: Path) -> None:
-    """This rank's flight record now, as JSON: torch's private `_dump_fr_trace_json`, behind this one function
-    (the flight recorder keeps entries only when TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE is set)."""
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    """This rank's flight record now, as JSON (`paratrain.compat.flight_record_json`; the flight recorder keeps
+    entries only when TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE is set)."""
+    from paratrain.compat import flight_record_json
 
-    Path(path).write_bytes(_dump_fr_trace_json(True, False))
+    Path(path).write_bytes(flight_record_json())
 
 
 def _collectives(dump: dict) -> dict[str, list[dict]]:
