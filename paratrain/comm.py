@@ -45,12 +45,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paratrain.compat import all_gather_single as _all_gather, reduce_scatter_single as _reduce_scatter
 from paratrain.mesh import WORLD, Mesh
 
 SUM = dist.ReduceOp.SUM
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ import torch.multiprocessing
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import elastic_launch
 
+from paratrain.compat import elastic_launch_config
 from paratrain.config import Config
 from paratrain.distributed import free_port
 from paratrain.errors import RunFailure
@@ -85,7 +86,7 @@ def launch_processes(entry, payload, nproc: int, max_restarts: int = 0) -> None:
     _launch(_node_config(nproc, max_restarts), entry, payload)
 
 
-def _launch(launch: LaunchConfig, entry, *args) -> None:
+def _launch(launch, entry, *args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # With the rendezvous store shared between agent and workers (torch's default), a restarted
     # worker can read its peer's address left by the previous attempt and connect to a dead
@@ -98,15 +99,15 @@ def _launch(launch: LaunchConfig, entry, *args) -> None:
     elastic_launch(launch, entry)(*args)
 
 
-def launch_config(cfg: Config) -> LaunchConfig:
-    """The elastic agent's configuration: this node's processes, the rendezvous of the job's nodes, restarts."""
+def launch_config(cfg: Config):
+    """torch's elastic `LaunchConfig`: this node's processes, the rendezvous of the job's nodes, restarts."""
     r = cfg.run
     return _node_config(r.nproc, r.max_restarts, r.nnodes, r.rdzv_id, r.rdzv_endpoint, r.join_timeout_s)
 
 
 def _node_config(nproc: int, max_restarts: int, nnodes: int = 1, rdzv_id: str | None = None,
-                 endpoint: str | None = None, join_timeout_s: float = 60) -> LaunchConfig:
-    return LaunchConfig(
+                 endpoint: str | None = None, join_timeout_s: float = 60):
+    return elastic_launch_config(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
@@ -119,11 +120,11 @@ def _node_config(nproc: int, max_restarts: int, nnodes: int = 1, rdzv_id: str | 
         start_method="spawn",
         # One node: everything on the loopback interface. Several: each node's own address.
         local_addr="127.0.0.1" if nnodes == 1 else None,
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,  # newer than torch 2.11, whose agent waits 30 s too
     )
 
 
-def describe_rendezvous_failure(error: RendezvousError, launch: LaunchConfig, nnodes: int) -> str:
+def describe_rendezvous_failure(error: RendezvousError, launch, nnodes: int) -> str:
     """One line for a rendezvous that failed: a timeout names the nodes it waited for and what to do."""
     where = f"the rendezvous at {launch.rdzv_endpoint} (--rdzv-id {launch.run_id})"
     if isinstance(error, RendezvousTimeoutError):

@@ -52,9 +52,8 @@ from typing import Iterable
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass, \
-    is_traceable_wrapper_subclass_type
-from torch.utils._pytree import tree_flatten
+
+from paratrain.compat import TorchDispatchMode, in_backward, inner_tensors, is_wrapper_subclass_type, tree_leaves
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "communication", "activations", "temporaries", "other")
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -233,11 +232,11 @@ class TensorMemory(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+        if any(is_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a DTensor's own dispatch runs the local operators, which come back here
         out = func(*args, **(kwargs or {}))
         self._ops += 1
-        backward = torch._C._current_graph_task_id() != -1
+        backward = in_backward()
         if backward and not self._in_backward:  # a backward begins: what lives now is what it needs
             for _, record in self._live.values():
                 record.saved = True
@@ -361,13 +360,12 @@ def _category(record: _Storage) -> str:
 
 def _tensors(tree) -> Iterable[torch.Tensor]:
     """Every plain tensor in a pytree; wrapper subclasses (DTensor) by their inner tensors."""
-    leaves, _ = tree_flatten(tree)
-    for leaf in leaves:
+    for leaf in tree_leaves(tree):
         if not isinstance(leaf, torch.Tensor):
             continue
-        if is_traceable_wrapper_subclass(leaf):
-            names, _ = leaf.__tensor_flatten__()
-            yield from _tensors([getattr(leaf, name) for name in names])
+        inner = inner_tensors(leaf)
+        if inner is not None:
+            yield from _tensors(inner)
         else:
             yield leaf
 

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from paratrain.compat import TorchDispatchMode
 from paratrain.distributed import free_port
 
 __all__ = ["RankError", "RankFailure", "RankTimeout", "free_port", "run_on_ranks"]

@@ -13,10 +13,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-# Test-only use of a private torch module: the one way to see every op, and every tensor it creates.
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.comm import Comm
+# A dispatch mode: the one way to see every op, and every tensor it creates.
+from paratrain.compat import TorchDispatchMode
 from paratrain.models import ModelConfig, Transformer
 from paratrain.testing import run_on_ranks
 

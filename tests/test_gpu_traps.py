@@ -239,3 +239,55 @@ def test_a_pickled_flight_record_is_read_as_plain_data_only(tmp_path):
 
     (tmp_path / "evil").write_bytes(pickle.dumps({"entries": [Exploit()]}))
     assert read_flight_record(tmp_path / "evil") is None
+
+
+def _entry(record: int, group: str, axis: str, name: str, *, seq: int = 1, p2p_seq: int = 0, state: str = "completed",
+           sizes=((4, 8),)) -> dict:
+    """One flight-recorder entry as NCCL's dump holds it (torch.distributed.flight_recorder reads the same keys)."""
+    sizes = [list(s) for s in sizes]
+    return {"record_id": record, "pg_id": int(group), "process_group": [group, axis], "collective_seq_id": seq,
+            "p2p_seq_id": p2p_seq, "op_id": record + 1, "profiling_name": f"nccl:{name}",
+            "time_created_ns": 1_000 * record, "input_sizes": sizes, "input_dtypes": ["Float"] * len(sizes),
+            "output_sizes": sizes, "output_dtypes": ["Float"] * len(sizes), "state": state,
+            "retired": state == "completed", "timeout_ms": 600_000, "is_p2p": " " in name or name == "coalesced"}
+
+
+def _write_dumps(directory, entries: dict[int, list[dict]]) -> None:
+    """Each rank's dump as NCCL writes it on a timeout: a pickle of plain data, with the group table."""
+    import pickle
+
+    from paratrain.run.diagnose import FLIGHT_PREFIX
+
+    groups = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}, "1": {"name": "1", "desc": "pp", "ranks": "[0, 1]"}}
+    for rank, mine in entries.items():
+        (directory / f"{FLIGHT_PREFIX}{rank}").write_bytes(
+            pickle.dumps({"version": "2.10", "pg_config": groups, "entries": mine}))
+
+
+def test_a_pipeline_hang_is_named_from_the_transfers_when_the_collectives_agree(tmp_path):
+    """pp=2: stage 0 sent its activations (a batch_isend_irecv: its ops, then the batch's own entry) and waits for
+    the gradients, which stage 1 never sent; every collective agrees and completed."""
+    from paratrain.run.diagnose import describe_flight_records
+
+    both = [_entry(0, "0", "default_pg", "all_reduce")]
+    _write_dumps(tmp_path, {
+        0: both + [_entry(1, "1", "pp", "send 0->1", p2p_seq=1, state="scheduled"),
+                   _entry(2, "1", "pp", "coalesced", p2p_seq=1),
+                   _entry(3, "1", "pp", "recv 0<-1", p2p_seq=2, state="started")],
+        1: both + [_entry(1, "1", "pp", "recv 1<-0", p2p_seq=1)],
+    })
+    line = describe_flight_records(tmp_path, 2)
+    assert line == ("rank 0 waits in transfer #2 over pp (recv from rank 1 sizes [[4, 8]]), started, not completed; "
+                    "rank 1 never posted its side (a pipeline hang): its last transfer with rank 0 there was "
+                    "#1 over pp (recv from rank 0 sizes [[4, 8]]), completed"), line
+
+
+def test_two_stages_that_both_wait_to_send_are_named_together(tmp_path):
+    from paratrain.run.diagnose import describe_flight_records
+
+    _write_dumps(tmp_path, {0: [_entry(0, "1", "pp", "send 0->1", p2p_seq=1, state="started")],
+                            1: [_entry(0, "1", "pp", "send 1->0", p2p_seq=1, state="started")]})
+    line = describe_flight_records(tmp_path, 2)
+    assert line == ("rank 0 waits in transfer #1 over pp (send to rank 1 sizes [[4, 8]]), started, not completed; "
+                    "rank 1 waits in transfer #1 over pp (send to rank 0 sizes [[4, 8]]) too"), line
+

@@ -24,8 +24,10 @@ per-rank history (each collective's group, sequence number, sizes and state,
 dumped by the watchdog on a timeout to ``<attempt>/flight-rank-<r>``, see
 `paratrain.distributed.nccl_diagnostics`), and `describe_flight_records` reads
 the same one line from the dumps: which rank never issued the collective the
-others wait in. Each mesh group carries its axis's name, so the line names
-the axis; the gloo path keeps its own fingerprints.
+others wait in, else which rank waits in a pipeline transfer (a send or
+receive) that its peer never posted, else which collective did not complete.
+Each mesh group carries its axis's name, so the line names the axis; the gloo
+path keeps its own fingerprints.
 """
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ class _PlainData(pickle.Unpickler):
 
 
 def read_flight_record(path: Path) -> dict | None:
-    """One rank's flight-recorder dump (torch writes pickle on a timeout; `_dump_fr_trace_json` writes JSON)."""
+    """One rank's flight-recorder dump (torch writes pickle on a timeout; `write_flight_record` writes JSON)."""
     try:
         data = Path(path).read_bytes()
         if data.lstrip()[:1] == b"{":
@@ -215,11 +217,11 @@ def read_flight_record(path: Path) -> dict | None:
 
 
 def write_flight_record(path: Path) -> None:
-    """This rank's flight record now, as JSON: torch's private `_dump_fr_trace_json`, behind this one function
-    (the flight recorder keeps entries only when TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE is set)."""
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    """This rank's flight record now, as JSON (`paratrain.compat.flight_record_json`; the flight recorder keeps
+    entries only when TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE is set)."""
+    from paratrain.compat import flight_record_json
 
-    Path(path).write_bytes(_dump_fr_trace_json(True, False))
+    Path(path).write_bytes(flight_record_json())
 
 
 def _collectives(dump: dict) -> dict[str, list[dict]]:
@@ -233,14 +235,22 @@ def _collectives(dump: dict) -> dict[str, list[dict]]:
 
 def _flight_call(entry: dict) -> str:
     kind = str(entry.get("profiling_name", "?")).split(":")[-1]
+    return f"#{entry['collective_seq_id']} {kind} over {_axis(entry)} sizes {entry.get('input_sizes')}"
+
+
+def _axis(entry: dict) -> str:
     axis = entry["process_group"][1]
-    axis = "world" if axis == "default_pg" else axis
-    return f"#{entry['collective_seq_id']} {kind} over {axis} sizes {entry.get('input_sizes')}"
+    return "world" if axis == "default_pg" else axis
+
+
+def _unfinished(entry: dict) -> bool:
+    return entry.get("state") in ("scheduled", "started") and not entry.get("retired", False)
 
 
 def describe_flight_records(directory: Path, world_size: int) -> str:
     """One line from every rank's flight-recorder dump in `directory`: who never reached the collective the
-    others wait in, else which collective did not complete; '' when there are no dumps to read."""
+    others wait in, else who waits in a transfer its peer never posted, else which collective did not complete;
+    '' when there are no dumps to read."""
     dumps = {r: read_flight_record(Path(directory) / f"{FLIGHT_PREFIX}{r}") for r in range(world_size)}
     dumps = {r: d for r, d in dumps.items() if d is not None}
     if not dumps:
@@ -255,10 +265,92 @@ def describe_flight_records(directory: Path, world_size: int) -> str:
             r = behind[0]
             return (f"rank {r} never issued collective {_flight_call(last[waiting[0]])} that rank(s) {waiting} "
                     f"wait in; its last there was {_flight_call(last[r])}")
-    stuck = [(r, e) for r, groups in per_rank.items() for entries in groups.values() for e in entries
-             if e.get("state") in ("scheduled", "started") and not e.get("retired", False)]
+    hang = _transfer_hang(dumps)
+    if hang:
+        return hang
+    stuck = [(r, e) for r, groups in per_rank.items() for entries in groups.values() for e in entries if _unfinished(e)]
     if stuck:
         r, entry = stuck[0]
         return f"rank {r} is in collective {_flight_call(entry)}, {entry['state']}, not completed"
     missing = sorted(set(range(world_size)) - set(dumps))
-    return "every dump shows the same collectives completed" + (f"; no dump from rank(s) {missing}" if missing else "")
+    return ("every dump shows the same collectives and transfers completed"
+            + (f"; no dump from rank(s) {missing}" if missing else ""))
+
+
+# -- point-to-point transfers (pipeline parallelism) in the flight recorder ------------------------------
+#
+# torch records each send as "nccl:send S->D" and each receive as "nccl:recv D<-S" (ranks of the group),
+# numbered per group by `p2p_seq_id`, not `collective_seq_id`. The sends and receives of one
+# batch_isend_irecv share one number and end with a "coalesced" entry, which alone carries the batch's
+# state. Ranks issue different transfers (a stage sends what the next receives), so they are compared
+# pairwise: the rank that waits in a transfer, and what its peer last did with it.
+
+def _transfers(dump: dict) -> dict[str, dict[int, dict]]:
+    """Per process group: this rank's transfers by number, each {"seq", "ops": [(kind, peer's global rank,
+    sizes)], "entry": the entry that carries its state}."""
+    groups: dict[str, dict[int, dict]] = {}
+    for entry in dump.get("entries", []):
+        if not entry.get("is_p2p"):
+            continue
+        name = str(entry["process_group"][0])
+        transfer = groups.setdefault(name, {}).setdefault(
+            entry["p2p_seq_id"], {"seq": entry["p2p_seq_id"], "ops": [], "entry": entry})
+        kind, _, ends = str(entry.get("profiling_name", "")).split(":")[-1].partition(" ")
+        if kind == "coalesced":
+            transfer["entry"] = entry
+        elif kind in ("send", "recv"):
+            peer = (ends.split("->") if kind == "send" else ends.split("<-"))[-1]  # "S->D" / "D<-S": the other end
+            if peer.strip().isdigit():
+                transfer["ops"].append((kind, _global_rank(dump, name, int(peer)), entry.get("input_sizes")))
+    return groups
+
+
+def _global_rank(dump: dict, group: str, group_rank: int) -> int:
+    """The global rank of `group_rank` in `group`, by the dump's group table (the default group's is empty)."""
+    ranks = dump.get("pg_config", {}).get(group, {}).get("ranks", [])
+    try:
+        ranks = json.loads(ranks) if isinstance(ranks, str) else list(ranks)  # NCCL writes "[0, 1]"
+    except (TypeError, ValueError):
+        ranks = []
+    return int(ranks[group_rank]) if group_rank < len(ranks) else group_rank
+
+
+def _transfer_text(transfer: dict) -> str:
+    ops = " + ".join(f"{'send to' if kind == 'send' else 'recv from'} rank {peer} sizes {sizes}"
+                     for kind, peer, sizes in transfer["ops"])
+    return f"#{transfer['seq']} over {_axis(transfer['entry'])} ({ops})"
+
+
+def _transfer_hang(dumps: dict[int, dict]) -> str | None:
+    """The first rank that waits in a transfer, and why: its peer waits too, is stuck elsewhere, or never
+    posted its side."""
+    transfers = {r: _transfers(d) for r, d in dumps.items()}
+    for r in sorted(transfers):
+        for group, mine in sorted(transfers[r].items()):
+            waiting = [t for _, t in sorted(mine.items()) if _unfinished(t["entry"]) and t["ops"]]
+            if not waiting:
+                continue
+            t = waiting[0]
+            peer = t["ops"][0][1]
+            here = f"rank {r} waits in transfer {_transfer_text(t)}, {t['entry']['state']}, not completed"
+            return f"{here}; {_peer_side(dumps, transfers, group, r, peer)}"
+    return None
+
+
+def _peer_side(dumps: dict[int, dict], transfers: dict, group: str, rank: int, peer: int) -> str:
+    """What `peer` was doing about `rank`'s transfer in `group`."""
+    if peer not in dumps:
+        return f"no dump from rank {peer}"
+    with_rank = [t for _, t in sorted(transfers[peer].get(group, {}).items()) if any(p == rank for _, p, _ in t["ops"])]
+    if with_rank and _unfinished(with_rank[-1]["entry"]):
+        return f"rank {peer} waits in transfer {_transfer_text(with_rank[-1])} too"
+    other = [t for _, theirs in sorted(transfers[peer].items()) for _, t in sorted(theirs.items())
+             if _unfinished(t["entry"]) and t["ops"]]
+    if other:
+        return f"rank {peer} waits in transfer {_transfer_text(other[0])} instead"
+    collective = [e for e in dumps[peer].get("entries", []) if _unfinished(e) and not e.get("is_p2p")]
+    if collective:
+        return f"rank {peer} is in collective {_flight_call(collective[0])} instead"
+    last = f"its last transfer with rank {rank} there was {_transfer_text(with_rank[-1])}, completed" if with_rank \
+        else f"it had no transfer with rank {rank} there"
+    return f"rank {peer} never posted its side (a pipeline hang): {last}"

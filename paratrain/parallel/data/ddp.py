@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.compat import at_backward_end, backward_pass_id
 from paratrain.mesh import Mesh
 from paratrain.parallel.data.engine import used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
@@ -276,9 +277,9 @@ class DataParallelEngine:
             # until it completes. It lands when this bucket launches (`_launch`).
             bucket.buffer = self._new_buffer(bucket)
         grad, param.grad = param.grad, None  # the bucket holds it from now on: a gradient never exists twice
-        task = torch._C._current_graph_task_id()
+        task = backward_pass_id()
         if task != self._end_queued_for:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            at_backward_end(self._end_backward)
             self._end_queued_for = task
         self._pending.append((bucket, slot, grad, slot.filled))
         slot.filled = True

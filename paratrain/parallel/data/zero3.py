@@ -50,10 +50,9 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from paratrain.comm import Comm
+from paratrain.compat import TorchDispatchMode, in_backward, tree_leaves
 from paratrain.mesh import Mesh
 from paratrain.parallel.data.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares
@@ -231,7 +230,7 @@ class FullyShardedEngine:
             self._enter_unit(unit)
 
     def _enter_unit(self, unit: Unit) -> None:
-        if torch._C._current_graph_task_id() != -1:  # inside backward: activation checkpointing recomputes
+        if in_backward():  # inside backward: activation checkpointing recomputes
             # The forward order was recorded already; what comes next is the unit backward reaches next.
             self._prefetch(unit)
             self._prefetch(self._backward_next(unit))

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from paratrain.comm import Comm
+from paratrain.compat import held_alone
 from paratrain.errors import ParatrainError
 
 
@@ -82,9 +83,7 @@ def _all_reduce_grad(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     the tensor and no other tensor shares its storage (not a view or an expand, not saved for
     another backward). What enters a region is most often its layers' matmuls' fresh output: no copy.
     """
-    # The storage count includes the reference that untyped_storage() makes to answer.
-    if grad.is_contiguous() and grad._use_count() == 1 and \
-            torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2:
+    if grad.is_contiguous() and held_alone(grad):
         comm.all_reduce(grad, axis)
         return grad
     return _all_reduce(grad, comm, axis)

@@ -1,0 +1,117 @@
+"""Newer torch APIs, feature-detected; every private torch API paratrain uses, each behind one small function.
+
+paratrain supports torch 2.11 and newer (``MIN_TORCH``; pyproject and the README say the same). Two
+kinds of torch API live here and nowhere else:
+
+* APIs that appeared or changed after 2.11: each function asks the installed torch whether it
+  has the newer form and falls back to the older one, so the same code runs on every supported
+  release (GPU images often ship an older torch than the newest).
+* Private APIs (underscored modules and functions): torch may rename or drop them in any release,
+  so each has one home here, with a comment saying why paratrain needs it, and a test
+  (tests/test_compat.py) that fails the day the installed torch no longer has it.
+
+torch's ``_foreach_*`` operators are not here: they are ATen operators in torch's own namespace
+(torch.optim's foreach path), not internals of a Python module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils import _foreach_utils, _python_dispatch, _pytree
+
+MIN_TORCH = (2, 11)
+
+# -- collectives --------------------------------------------------------------------------------------
+
+# torch 2.13 renamed the flat-tensor collectives (reduce_scatter_tensor -> reduce_scatter_single,
+# all_gather_into_tensor -> all_gather_single); older releases have only the old names.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# -- the elastic launcher -----------------------------------------------------------------------------
+
+# LaunchConfig fields newer than torch 2.11, which an older LaunchConfig does not take: without them the
+# agent keeps its own default (shutdown_timeout: 30 s between SIGTERM and SIGKILL in 2.11 as in 2.13).
+NEWER_LAUNCH_FIELDS = frozenset({"shutdown_timeout"})
+
+
+def elastic_launch_config(**fields):
+    """torch's elastic `LaunchConfig` with `fields`, leaving out the newer ones this torch's LaunchConfig lacks.
+
+    Any other field it lacks is a TypeError, as LaunchConfig's own: a misspelt field is not dropped.
+    """
+    from torch.distributed.launcher import api  # looked up at call time: the class of the installed torch
+
+    accepted = {f.name for f in dataclasses.fields(api.LaunchConfig)}
+    return api.LaunchConfig(**{k: v for k, v in fields.items() if k in accepted or k not in NEWER_LAUNCH_FIELDS})
+
+
+# -- autograd -----------------------------------------------------------------------------------------
+
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward now (private `_current_graph_task_id`: -1 outside)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def backward_pass_id() -> int:
+    """An id of the backward pass this thread runs now, -1 outside one (to act once per backward)."""
+    return torch._C._current_graph_task_id()
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run `callback` once the current backward pass has finished (autograd's private engine queue; torch's
+    DDP does the same), inside backward only."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def held_alone(tensor: torch.Tensor) -> bool:
+    """Whether nothing but the caller references `tensor` and no other tensor shares its storage: what autograd
+    checks before accumulating into a gradient in place (private use counts of the tensor and its storage)."""
+    # The storage count includes the reference that untyped_storage() itself makes to answer.
+    return tensor._use_count() == 1 and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
+
+
+# -- dispatch modes and pytrees (torch.utils' private modules, the documented way to write a mode) -------
+
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+
+def is_wrapper_subclass_type(cls: type) -> bool:
+    """Whether `cls` is a traceable tensor wrapper subclass (a DTensor): its dispatch runs the inner tensors'."""
+    return _python_dispatch.is_traceable_wrapper_subclass_type(cls)
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a wrapper subclass (a DTensor) holds, or None for a plain tensor."""
+    if not _python_dispatch.is_traceable_wrapper_subclass(tensor):
+        return None
+    names, _ = tensor.__tensor_flatten__()
+    return [getattr(tensor, name) for name in names]
+
+
+def tree_leaves(tree: Any) -> list:
+    """The leaves of a nest of lists, tuples and dicts, as torch's dispatch sees an operator's arguments."""
+    return _pytree.tree_leaves(tree)
+
+
+# -- optimizers ---------------------------------------------------------------------------------------
+
+def fused_optimizer_devices() -> Iterable[str]:
+    """The device types torch has fused optimizer kernels for (the set torch.optim checks `fused=True` against)."""
+    return _foreach_utils._get_fused_kernels_supported_devices()
+
+
+# -- the flight recorder ------------------------------------------------------------------------------
+
+def flight_record_json() -> bytes:
+    """This process's flight record now, as JSON (torch's private dump, named `_dump_nccl_trace_json` before
+    the flight recorder served other backends than NCCL and `_dump_fr_trace_json` since)."""
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace_json", None) or c10d._dump_nccl_trace_json
+    return dump(True, False)  # with collectives, without only-active filtering

@@ -1,0 +1,162 @@
+"""paratrain.compat: every private or version-dependent torch API paratrain uses, one function each.
+
+Each function is exercised on the installed torch (a private API torch dropped fails here, by
+name), and each feature detection is checked against a simulated older torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paratrain import compat
+from paratrain.cli import build_parser
+from paratrain.commands.train import config_from_args
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_the_installed_torch_is_one_paratrain_supports_and_every_place_states_the_same_minimum():
+    installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    assert installed >= compat.MIN_TORCH, torch.__version__
+    minimum = ".".join(map(str, compat.MIN_TORCH))
+    assert f'"torch>={minimum}"' in (ROOT / "pyproject.toml").read_text()
+    assert f"torch {minimum} or newer" in (ROOT / "README.md").read_text()
+
+
+# -- the elastic launcher ---------------------------------------------------------------------------------
+
+def _older_launch_config():
+    """torch's LaunchConfig as releases before `shutdown_timeout` define it (2.11)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(LaunchConfig) if f.name not in compat.NEWER_LAUNCH_FIELDS]
+    return dataclasses.make_dataclass("LaunchConfig", fields)
+
+
+def test_paratrain_train_nproc_2_builds_its_launch_config_on_a_torch_without_shutdown_timeout(monkeypatch):
+    import torch.distributed.launcher.api as api
+
+    import paratrain.launch as launch
+
+    older = _older_launch_config()
+    # Wherever the launcher may look the class up: torch's module, or a name bound at import.
+    monkeypatch.setattr(api, "LaunchConfig", older)
+    monkeypatch.setattr(launch, "LaunchConfig", older, raising=False)
+    cfg = config_from_args(build_parser().parse_args(["train", "--model", "tiny", "--nproc", "2"]))
+    config = launch.launch_config(cfg)
+    assert isinstance(config, older) and config.nproc_per_node == 2 and config.start_method == "spawn"
+
+
+def test_the_launch_config_keeps_newer_fields_where_torch_has_them_and_refuses_unknown_ones():
+    from torch.distributed.launcher.api import LaunchConfig
+
+    newer = {f.name for f in dataclasses.fields(LaunchConfig)} >= compat.NEWER_LAUNCH_FIELDS
+    config = compat.elastic_launch_config(min_nodes=1, max_nodes=1, nproc_per_node=2, shutdown_timeout=7)
+    assert getattr(config, "shutdown_timeout", None) == (7 if newer else None)
+    with pytest.raises(TypeError, match="shutdown_timout"):  # a misspelt field is not dropped
+        compat.elastic_launch_config(min_nodes=1, max_nodes=1, nproc_per_node=2, shutdown_timout=7)
+
+
+# -- collectives --------------------------------------------------------------------------------------
+
+def test_the_flat_collectives_are_torchs_newer_names_where_it_has_them_else_the_older(monkeypatch):
+    newer = (getattr(dist, "reduce_scatter_single", None), getattr(dist, "all_gather_single", None))
+    assert (compat.reduce_scatter_single, compat.all_gather_single) == (
+        newer[0] or dist.reduce_scatter_tensor, newer[1] or dist.all_gather_into_tensor)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    try:
+        older = importlib.reload(compat)
+        assert older.reduce_scatter_single is dist.reduce_scatter_tensor
+        assert older.all_gather_single is dist.all_gather_into_tensor
+    finally:
+        monkeypatch.undo()
+        importlib.reload(compat)
+
+
+# -- autograd -----------------------------------------------------------------------------------------
+
+def test_backward_is_detected_its_pass_identified_and_a_callback_runs_at_its_end():
+    seen, ended = [], []
+    x = torch.ones(3, requires_grad=True)
+
+    def hook(grad):
+        seen.append((compat.in_backward(), compat.backward_pass_id()))
+        compat.at_backward_end(lambda: ended.append(compat.in_backward()))
+        return grad
+
+    x.register_hook(hook)
+    assert not compat.in_backward() and compat.backward_pass_id() == -1
+    (x * 2).sum().backward()
+    (x * 3).sum().backward()
+    assert [s[0] for s in seen] == [True, True] and seen[0][1] != -1 and seen[0][1] != seen[1][1]
+    assert ended == [True, True], "each callback ran once, as its backward finished"
+
+
+def test_a_tensor_is_held_alone_only_without_other_references_or_views():
+    t = torch.zeros(4)
+    assert compat.held_alone(t)
+    view = t[:2]
+    assert not compat.held_alone(t), "a view shares its storage"
+    del view
+    assert compat.held_alone(t)
+    other = t.detach()  # another tensor on the same storage
+    assert not compat.held_alone(t)
+
+
+# -- dispatch modes and pytrees -----------------------------------------------------------------------
+
+def test_a_dispatch_mode_sees_each_operator_and_its_leaves():
+    calls = []
+
+    class Seen(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func.__name__, sum(isinstance(x, torch.Tensor) for x in compat.tree_leaves((args, kwargs)))))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.ones(2).add(torch.ones(2))
+    assert ("add.Tensor", 2) in calls
+    assert compat.tree_leaves({"a": [1, (2, 3)], "b": 4}) == [1, 2, 3, 4]
+
+
+def test_a_wrapper_subclass_is_seen_through_to_its_inner_tensors():
+    from torch.testing._internal.two_tensor import TwoTensor  # torch's own minimal wrapper subclass
+
+    a, b = torch.zeros(2), torch.ones(2)
+    wrapped = TwoTensor(a, b)
+    assert compat.is_wrapper_subclass_type(TwoTensor) and not compat.is_wrapper_subclass_type(torch.Tensor)
+    inner = compat.inner_tensors(wrapped)
+    assert len(inner) == 2 and inner[0] is a and inner[1] is b
+    assert compat.inner_tensors(a) is None
+
+
+# -- optimizers and the flight recorder ---------------------------------------------------------------
+
+def test_fused_optimizer_devices_are_the_ones_torch_optim_accepts_fused_for():
+    devices = set(compat.fused_optimizer_devices())
+    assert "cuda" in devices
+    param = torch.nn.Parameter(torch.zeros(2))
+    if "cpu" in devices:
+        torch.optim.AdamW([param], fused=True)  # accepted
+    else:
+        with pytest.raises(RuntimeError):
+            torch.optim.AdamW([param], fused=True)
+
+
+def test_the_flight_record_is_json_under_the_newer_name_or_the_older(monkeypatch):
+    from torch._C import _distributed_c10d as c10d
+
+    assert "version" in json.loads(compat.flight_record_json())  # torch's dump format, with no group yet
+    calls = []
+    monkeypatch.delattr(c10d, "_dump_fr_trace_json", raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *args: calls.append(args) or b"{}", raising=False)
+    assert compat.flight_record_json() == b"{}" and calls == [(True, False)]
