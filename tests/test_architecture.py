@@ -33,6 +33,70 @@ def _one_rank_mesh() -> Mesh:
     return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None, "world": None})
 
 
+def import_graph(root: Path = PACKAGE.parent) -> dict[str, set[str]]:
+    """paratrain's modules and the paratrain modules each imports, function-level imports included."""
+    files = {}
+    for path in (root / "paratrain").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module_of(name: str) -> str | None:  # `paratrain.x.y.f` → the module `paratrain.x.y`
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {module_of(a.name) for a in node.names if a.name.startswith("paratrain")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paratrain"):
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else module_of(node.module)
+                         for a in node.names}
+        graph[name] = deps - {None, name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v] & graph.keys():
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_paratrain_imports_itself_back():
+    graph = import_graph()
+    assert "paratrain.commands.verify_model" in graph["paratrain.commands.verify"]  # imported inside a function
+    assert import_cycles(graph) == []
+
+
 def test_every_package_says_what_it_holds():
     packages = [init for init in PACKAGE.rglob("__init__.py")]
     missing = [str(init.parent.relative_to(PACKAGE.parent)) for init in packages
@@ -75,9 +139,11 @@ def test_the_planner_asks_the_rules_module(probe_rule, capsys):
 
 
 def test_verify_asks_the_rules_module(probe_rule, capsys):
-    assert main(["verify", "--layouts", "dp2"]) == 2
-    captured = capsys.readouterr()
-    assert PROBE in captured.err and "reference" not in captured.out, "refused before anything ran"
+    for argv in (["verify", "--layouts", "dp2"],
+                 ["verify", "--model-factory", "test_your_own_model:model_factory", "--layouts", "dp2"]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert PROBE in captured.err and "reference" not in captured.out, "refused before anything ran"
 
 
 def test_one_train_run_decides_its_layout_once(monkeypatch, tmp_path):

@@ -127,7 +127,7 @@ def data_ranks(config: dict, records: list[dict]) -> int:
 def layout_of(config: dict, dp: int) -> str:
     """The run's layout in `paratrain verify`'s notation (e.g. 'dp2,zero3,bf16'; under hybrid sharding
     'dp4,shard2,zero3': ZeRO over groups of 2 data ranks, in 2 replicas)."""
-    from paratrain.commands.verify import format_layout
+    from paratrain.verify import format_layout
 
     return format_layout({**config.get("parallel", {}), "dp": dp})
 
