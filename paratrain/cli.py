@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from paratrain.commands import COMMANDS
-from paratrain.commands.train import config_from_args  # noqa: F401  (the train command's config, for scripts)
+from paratrain.commands.options import config_from_args  # noqa: F401  (the train command's config, for scripts)
 from paratrain.errors import ParatrainError, RunFailure
 
 

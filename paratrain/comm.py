@@ -186,14 +186,22 @@ class Comm:
         self._count("broadcast", axis, tensor, _nbytes(tensor))
         return self._issue(axis, async_op, dist.broadcast, tensor, src=self.mesh.ranks(axis)[src], group=group)
 
-    def reductions_in_flight(self) -> int:
-        """How many gradient reduce-scatters an engine leaves in flight while backward goes on.
+    def overlaps_compute(self) -> bool:
+        """Whether communication runs beside compute on the mesh's device: the one policy of what overlaps.
 
-        One on CUDA, where NCCL runs beside compute on its own stream; none on the CPU, where gloo's
-        thread shares the cores with compute and copies each input until the collective completes
-        (waiting at once frees that copy and the input; FSDP2 on the CPU does not overlap either).
+        On CUDA it does: NCCL's collectives run on their own stream, so ZeRO-3 gathers the next unit
+        while the current one computes and a gradient reduce-scatter stays in flight while backward
+        goes on (as FSDP2 does there). On the CPU it does not: gloo's thread shares the cores with
+        compute and copies each input until the collective completes, so each unit is gathered when it
+        is used and each reduction waited for at once, which frees that copy and the input (FSDP2 on
+        the CPU overlaps nothing either).
         """
-        return 1 if self.mesh.device.type == "cuda" else 0
+        return self.mesh.device.type == "cuda"
+
+    def reductions_in_flight(self) -> int:
+        """How many gradient reduce-scatters an engine leaves in flight while backward goes on: one where
+        communication overlaps compute (`overlaps_compute`), else none."""
+        return 1 if self.overlaps_compute() else 0
 
     def wait(self, works, axis: str) -> None:
         """Wait on work handles (None: a collective that needed no call); the time held up counts for `axis`."""

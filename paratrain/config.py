@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratrain.errors import ParatrainError, Violation
-from paratrain.parallel.pipeline.schedules import SCHEDULES
+from paratrain.errors import ParatrainError
+from paratrain.parallel import rules
+from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 
 
 DEFAULT_GLOBAL_BATCH = 16
@@ -105,11 +107,11 @@ class ParallelSection:
     sequence_parallel: bool = option(False, "with --tp > 1, split norms and residuals along the sequence "
                                             "(same communication, 1/tp of those activations)")
     pp: int = option(1, "pipeline-parallel degree: the layers split into pp stages on different ranks")
-    schedule: str = option("1f1b", "pipeline schedule (micro-batches per step = global batch / (micro-batch × dp))",
+    schedule: str = option(DEFAULT_SCHEDULE.value, "pipeline schedule (micro-batches per step = global batch / (micro-batch × dp))",
                            choices=SCHEDULES)
     virtual_stages: int = option(1, "model chunks per pipeline rank (> 1 with --schedule interleaved)")
     zero: int = option(0, "ZeRO stage: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + parameters",
-                       choices=(0, 1, 2, 3))
+                       choices=ZERO_STAGES)
     precision: str = option("fp32", "compute dtype; master weights and optimizer state stay fp32",
                             choices=("fp32", "bf16", "fp16"))
     reduce_dtype: str = option("fp32", "dtype of gradient communication", choices=("fp32", "bf16", "fp16"))
@@ -292,8 +294,18 @@ def iter_options():
             yield section.name, section.default_factory, f, flag
 
 
-def validate(cfg: Config, world_size: int = 1) -> None:
-    """Check every rule that can be checked before any process starts; raise ConfigError."""
+def validate(cfg: Config, world_size: int = 1, model_cfg=None) -> CheckedLayout:
+    """Check every rule that can be checked before any process starts; raise ConfigError.
+
+    The option values first (`check_values`), then the layout (`check_layout`; without the model,
+    the rules on its shape wait).
+    """
+    check_values(cfg)
+    return check_layout(cfg, world_size, model_cfg)
+
+
+def check_values(cfg: Config) -> None:
+    """The rules of each option's own value (ranges, and the launcher's and reliability options); ConfigError."""
     t, d, r = cfg.train, cfg.data, cfg.run
     for name, value in [("--steps", t.steps), ("--global-batch", t.global_batch),
                         ("--micro-batch", t.micro_batch), ("--seq-len", d.seq_len),
@@ -324,8 +336,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
     _check_reliability(cfg)
     _check_launch(cfg)
-    dp = data_ranks(cfg, world_size)  # resolves the batch defaults for this many data ranks
-    check_batch(t.global_batch, t.micro_batch, dp)
 
 
 def _check_reliability(cfg: Config) -> None:
@@ -370,15 +380,15 @@ def _check_launch(cfg: Config) -> None:
     _check_timeout("--join-timeout", r.join_timeout_s)
 
 
-def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
-    """The data-parallel degree: --dp, or what --tp × --pp leave of the world; every layout rule checked.
+def check_layout(cfg: Config, world_size: int, model_cfg=None) -> CheckedLayout:
+    """The layout of `cfg` on `world_size` ranks, every layout rule decided once; ConfigError naming the first.
 
-    The rules are the planner's (`paratrain.plan.validate_layout`, which calls each rule's own
-    function), so `train` refuses exactly the layouts `plan` calls infeasible, naming the
-    nearest valid ones. Without the model, the rules that need its shape wait.
+    The data-parallel degree is --dp, or what --tp × --pp leave of the world; the batch defaults
+    are resolved for it (`resolve_batch`). The rules are `paratrain.parallel.rules`, the planner's
+    too, so `train` refuses exactly the layouts `plan` calls infeasible, naming the nearest valid
+    ones. Without the model (`model_cfg` None), the rules on its shape wait.
     """
     from paratrain.mesh import MeshShape
-    from paratrain.plan.search import validate_layout
 
     p, t = cfg.parallel, cfg.train
     for name, value in [("--tp", p.tp), ("--pp", p.pp), ("--virtual-stages", p.virtual_stages)]:
@@ -386,13 +396,13 @@ def data_ranks(cfg: Config, world_size: int, model_cfg=None) -> int:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     try:
         dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp).dp
-        resolve_batch(cfg, dp)
-        validate_layout(world_size, dp, p.tp, p.pp, model_cfg, t.global_batch, t.micro_batch, zero=p.zero,
-                        sequence_parallel=p.sequence_parallel, seq_len=cfg.data.seq_len, schedule=p.schedule,
-                        virtual_stages=p.virtual_stages, dp_shard=p.dp_shard)
-    except ParatrainError as e:  # the mesh's or the planner's: a config error here, naming the options
+    except ParatrainError as e:  # the mesh's: a config error here, naming the options
         raise ConfigError(str(e)) from None
-    return dp
+    resolve_batch(cfg, dp)
+    return rules.check_layout(LayoutSpec(
+        dp=dp, tp=p.tp, pp=p.pp, dp_shard=p.dp_shard, zero=p.zero, sequence_parallel=p.sequence_parallel,
+        schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
+        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len), ConfigError)
 
 
 def resolve_batch(cfg: Config, dp: int) -> None:
@@ -409,24 +419,9 @@ def resolve_batch(cfg: Config, dp: int) -> None:
         t.micro_batch = max(1, t.global_batch // dp)
 
 
-def batch_violations(global_batch: int | None, micro_batch: int, dp: int) -> list[Violation]:
-    """The global batch must split into micro-batches over the data ranks (accumulation = global / (micro × dp))."""
-    if global_batch is None or global_batch % (micro_batch * dp) == 0:
-        return []
-    per_step = micro_batch * dp
-    lower = global_batch - global_batch % per_step
-    options = [b for b in (lower, lower + per_step) if b > 0]
-    hint = " or ".join(f"--global-batch {b}" for b in options)
-    divisors = [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0]
-    if divisors:
-        hint += f", or --micro-batch in {divisors}"
-    return [Violation("batch", f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x "
-                               f"{dp} data rank(s); use {hint}")]
-
-
 def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:
     """Return the gradient-accumulation steps, or raise ConfigError saying which divisibility rule fails."""
-    broken = batch_violations(global_batch, micro_batch, dp)
+    broken = rules.batch_violations(global_batch, micro_batch, dp)
     if broken:
         raise ConfigError(broken[0].message)
     return global_batch // (micro_batch * dp)

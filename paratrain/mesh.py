@@ -26,7 +26,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from paratrain.errors import ParatrainError, Violation
+from paratrain.errors import ParatrainError
 
 AXES = ("pp", "dp", "tp")
 DATA_SUBAXES = ("dp_shard", "dp_replicate")  # the data axis split for hybrid sharding (dp = replicate × shard)
@@ -123,22 +123,6 @@ class MeshShape:
                             f"{world_size} process(es); e.g. dp={world_size // math.gcd(world_size, tp * pp)} "
                             f"needs tp × pp dividing {world_size}")
         return shape
-
-
-def degree_violations(world_size: int | None, dp: int, tp: int, pp: int, dp_shard: int = 0,
-                      zero: int | None = None) -> list[Violation]:
-    """The rules of the degrees themselves: pp × dp × tp is the world size (when it is known); a shard
-    group (--dp-shard) divides the data axis, and only ZeRO has shards to group."""
-    broken = []
-    if world_size is not None and dp * tp * pp != world_size:
-        broken.append(Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} ≠ {world_size} ranks"))
-    if dp_shard and (dp_shard < 1 or dp % dp_shard):
-        broken.append(Violation("dp_shard", f"--dp-shard {dp_shard} does not divide dp = {dp} "
-                                            f"(choose among {_divisors(dp)})"))
-    elif dp_shard and dp_shard < dp and zero == 0:
-        broken.append(Violation("dp_shard", f"--dp-shard {dp_shard} < dp = {dp} splits ZeRO shards into replicas; "
-                                            "it needs --zero 1, 2 or 3 (DDP shards nothing)"))
-    return broken
 
 
 def _divisors(n: int) -> list[int]:

@@ -64,13 +64,13 @@ def train(cfg: Config) -> RunResult:
     """Train as configured; every process of the job calls this."""
     owns_group = not dist.is_initialized()
     env = detect_env()
-    preflight(cfg, env.world_size)  # before any process group exists
+    layout = preflight(cfg, env.world_size)  # before any process group exists; the layout decided once
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                      dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s,
                      flight_records=flight_record_prefix(cfg))
     try:
         cfg.run.out = cfg.run.out or shared_run_dir(cfg, mesh)  # under torchrun without a run id
-        run = build(cfg, env, mesh)
+        run = build(cfg, env, mesh, layout)
         return finish(run, *loop(run))
     finally:
         if owns_group:

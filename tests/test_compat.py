@@ -108,7 +108,7 @@ def test_a_tensor_is_held_alone_only_without_other_references_or_views():
     assert not compat.held_alone(t), "a view shares its storage"
     del view
     assert compat.held_alone(t)
-    other = t.detach()  # another tensor on the same storage
+    other = t.detach()  # noqa: F841 - another tensor on the same storage
     assert not compat.held_alone(t)
 
 

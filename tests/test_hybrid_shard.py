@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.mesh import MeshError, MeshShape, build_mesh, degree_violations
+from paratrain.mesh import MeshError, MeshShape, build_mesh
+from paratrain.parallel.rules import degree_violations
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, ParallelConfigError, TensorParallel, parallelize
 from paratrain.testing import Collectives

@@ -11,7 +11,7 @@ import pytest
 from paratrain.cli import main
 from paratrain.config import ParallelSection
 from paratrain.faults import FAULT_ENV
-from paratrain.commands.verify import (
+from paratrain.verify import (
     LAYOUT_TOKENS,
     VerifyError,
     format_layout,
@@ -91,3 +91,18 @@ def test_an_unknown_fault_is_refused_before_anything_runs(capsys, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "explode@rank1:step1")
     assert main(["verify", *SMALL, "--layouts", "dp2"]) == 2
     assert f"{FAULT_ENV}: unknown fault kind 'explode'" in capsys.readouterr().err
+
+
+def test_the_trainers_options_apply_to_every_layout_unless_its_tokens_set_them(monkeypatch, tmp_path):
+    """--zero, --precision, --micro-batch ... are `paratrain train`'s options; a layout's tokens override them."""
+    from paratrain.cli import build_parser
+    from paratrain.commands import verify as command
+
+    ran = []
+    monkeypatch.setattr(command, "run_layout", ran.append)
+    monkeypatch.setattr(command, "compare", lambda reference, candidate, comparison: comparison)
+    args = build_parser().parse_args(["verify", *SMALL, "--layouts", "dp2;dp2,zero3", "--zero", "1",
+                                      "--precision", "bf16", "--micro-batch", "2"])
+    command.verify(args, tmp_path, log=lambda *_: None)
+    runs = [(c.run.nproc, c.parallel.dp, c.parallel.zero, c.parallel.precision, c.train.micro_batch) for c in ran]
+    assert runs == [(1, 0, 0, "bf16", 2), (2, 2, 1, "bf16", 2), (2, 2, 3, "bf16", 2)]  # the reference, then each

@@ -35,16 +35,10 @@ from paratrain.plan.memory import (
     Recompute,
     Workload,
 )
-from paratrain.parallel.pipeline.schedules import ScheduleName
-from paratrain.plan.search import (
-    Estimate,
-    SearchResult,
-    SearchSpace,
-    estimate,
-    layout_violations,
-    search,
-    validate_layout,
-)
+from paratrain.parallel import rules
+from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
+from paratrain.parallel.rules import ZERO_STAGES
+from paratrain.plan.search import Estimate, SearchResult, SearchSpace, estimate, layout_spec, search
 
 _SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _BYTE_UNITS = {"": GB, "B": 1, "KB": 1e3, "MB": 1e6, "GB": GB, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
@@ -110,14 +104,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "divisor of dp)")
     layout.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     layout.add_argument("--pp", type=int, help="pipeline-parallel degree (default 1)")
-    layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    layout.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage (default 0)")
     layout.add_argument("--virtual-stages", type=int, default=None,
                         help="model chunks per pipeline rank for --schedule interleaved (default 2 there, else 1)")
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="Megatron sequence parallelism (needs tp > 1; default off, searched with --gpus)")
     layout.add_argument("--recompute", choices=[r.value for r in Recompute],
                         help="activation checkpointing (default none; searched with --gpus)")
-    layout.add_argument("--schedule", choices=[s.value for s in ScheduleName], default="1f1b",
+    layout.add_argument("--schedule", choices=[s.value for s in ScheduleName], default=DEFAULT_SCHEDULE.value,
                         help="pipeline schedule: gpipe holds m micro-batches, 1f1b min(p, m), interleaved "
                              "p + (p-1)/v, zb-h1 min(p, m) (default 1f1b)")
 
@@ -245,7 +239,7 @@ def space_from_args(args) -> SearchSpace:
         return (value,) if value is not None else default
 
     return SearchSpace(
-        dp=args.dp, tp=args.tp, pp=args.pp, zero=one(args.zero, (0, 1, 2, 3)), dp_shard=args.dp_shard,
+        dp=args.dp, tp=args.tp, pp=args.pp, zero=one(args.zero, ZERO_STAGES), dp_shard=args.dp_shard,
         micro_batch=one(args.micro_batch, SearchSpace.micro_batch),
         recompute=one(Recompute(args.recompute) if args.recompute else None, tuple(Recompute)),
         sequence_parallel=one(args.sequence_parallel, (False, True)),
@@ -329,14 +323,14 @@ def format_profile(hw: Hardware) -> str:
 
 def _run_single(args, workload: Workload, name: str, hardware: Hardware) -> int:
     layout = layout_from_args(args)
-    validate_layout(layout.world_size, layout.dp, layout.tp, layout.pp, workload.model,
-                    workload.global_batch, layout.micro_batch)
     if workload.global_batch is None:
         workload = dataclasses.replace(workload, global_batch=layout.dp * layout.micro_batch)
-    broken = layout_violations(workload, layout, gpus_per_node=hardware.gpus_per_node)
-    errors = [v for v in broken if v.rule != "tp_node"]
+    spec = layout_spec(workload, layout, gpus_per_node=hardware.gpus_per_node)
+    broken = rules.layout_violations(spec)
+    errors = [v for v in broken if v.rule != "tp_node"]  # a tp across nodes runs, slowly: an infeasible estimate
     if errors:
-        raise LayoutError(f"invalid layout {layout.label()}: {errors[0].message}")
+        message = rules.explain(spec, errors[0])  # the degrees' rules name the nearest valid layouts
+        raise LayoutError(message if message != errors[0].message else f"invalid layout {layout.label()}: {message}")
     est = estimate(workload, layout, hardware, memory_limit=hardware.memory_bytes)
     reason = broken[0].message if broken else est.reason
     plan = _budget(args, est)

@@ -127,7 +127,7 @@ def data_ranks(config: dict, records: list[dict]) -> int:
 def layout_of(config: dict, dp: int) -> str:
     """The run's layout in `paratrain verify`'s notation (e.g. 'dp2,zero3,bf16'; under hybrid sharding
     'dp4,shard2,zero3': ZeRO over groups of 2 data ranks, in 2 replicas)."""
-    from paratrain.commands.verify import format_layout
+    from paratrain.verify import format_layout
 
     return format_layout({**config.get("parallel", {}), "dp": dp})
 
@@ -345,6 +345,7 @@ def planned_inputs(run: Run):
     planner, which recomputes all blocks or none, takes full recomputation too (an upper bound).
     """
     from paratrain.models import get_model_config
+    from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
     from paratrain.plan import Layout, Recompute, Workload
 
     c = run.config
@@ -359,7 +360,7 @@ def planned_inputs(run: Run):
                         micro_batch=t["micro_batch"],
                         sequence_parallel=bool(p.get("sequence_parallel")),
                         recompute=Recompute.FULL if p.get("activation_checkpointing") else Recompute.NONE,
-                        schedule=p.get("schedule") or "1f1b",
+                        schedule=p.get("schedule") or DEFAULT_SCHEDULE,
                         virtual_stages=(p.get("virtual_stages") or 1) if pp > 1 else 1,
                         bucket_mb=p.get("bucket_mb") or 25.0)
     except (KeyError, TypeError, ValueError):  # an older or hand-written config: no estimate
@@ -423,7 +424,7 @@ def format_prediction(run: Run, hardware) -> list[str]:
 
 def plot_pipeline(run: Run, out: Path) -> Path | None:
     """The run's pipeline timeline (the simulator's, of its schedule) when it has pp > 1."""
-    from paratrain.parallel.pipeline.schedules import build_schedule
+    from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, build_schedule
     from paratrain.parallel.pipeline.simulator import draw_timeline
 
     parallel, train = run.config.get("parallel", {}), run.config.get("train", {})
@@ -432,7 +433,7 @@ def plot_pipeline(run: Run, out: Path) -> Path | None:
         return None
     microbatches = max(1, train.get("global_batch", 1) // (train.get("micro_batch", 1) * run.dp))
     try:
-        schedule = build_schedule(parallel.get("schedule") or "1f1b", pp, microbatches,
+        schedule = build_schedule(parallel.get("schedule") or DEFAULT_SCHEDULE, pp, microbatches,
                                   parallel.get("virtual_stages") or 1)
     except ValueError as e:  # a schedule the simulator refuses should not cost the other figures
         run.notes.append(f"pipeline timeline skipped: {e}")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-
-from paratrain.config import Config, coerce, iter_options, load_toml
+from paratrain.commands.options import add_config_options, config_from_args
 
 
 def add_parser(subparsers):
@@ -15,34 +13,6 @@ def add_parser(subparsers):
     parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [data], [train], [run] tables")
     add_config_options(parser)
     return parser
-
-
-def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field, grouped by section, help taken from the field."""
-    groups = {}
-    for section, _, f, flag in iter_options():
-        group = groups.get(section) or groups.setdefault(
-            section, parser.add_argument_group(f"[{section}] options"))
-        default = f.default
-        choices = f.metadata.get("choices")
-        allowed = f"; one of {', '.join(map(str, choices))}" if choices else ""
-        shown = "auto" if default in ("", None) else default
-        help_text = f"{f.metadata['help']}{allowed}" + ("" if "(default:" in f.metadata["help"] else f" (default: {shown})")
-        kwargs = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=help_text)
-        if isinstance(default, bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            group.add_argument(flag, metavar=f.name.upper(), **kwargs)
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Defaults, then the TOML file, then the command line."""
-    data = load_toml(args.config) if getattr(args, "config", None) else {}
-    for section, section_cls, f, flag in iter_options():
-        key = f"{section}.{f.name}"
-        if key in vars(args):
-            data.setdefault(section, {})[f.name] = coerce(flag, section_cls, f, vars(args)[key])
-    return Config.from_dict(data)
 
 
 def run(args) -> int:

@@ -4,7 +4,8 @@ Each run (the one-process reference and every layout) is its own set of processe
 elastic agent; each process calls the factory, parallelizes what it returns for the layout,
 trains `--steps` steps of the same random global batches with the trainer's own step
 (`paratrain.train.train_step`), and rank 0 writes the losses (`metrics.jsonl`) and the final
-weights (`final/model.safetensors`) that `verify.compare` reads.
+weights (`final/model.safetensors`) that `paratrain.verify.compare` reads. Every layout's rules
+(`paratrain.parallel.rules`) are checked before the first process starts.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from paratrain.commands.verify import Comparison, VerifyError, compare, micro_batch, num_processes
+from paratrain.config import TrainSection
 from paratrain.parallel.api import ModelSpec
+from paratrain.verify import Comparison, VerifyError, check_layout, compare, micro_batch, num_processes
 
 LR = 1e-2  # the full rate from step 1, so a wrong gradient moves the parameters visibly
 
@@ -78,20 +80,24 @@ def batches(vocab: int, steps: int, batch: int, seq: int, seed: int) -> list[tup
     return out
 
 
-def verify_factory(args, layouts: list[tuple[str, dict[str, Any]]], work: Path, log=print) -> list[Comparison]:
-    """Run the one-process reference and every layout on the user's model; one Comparison per layout."""
+def verify_factory(factory: str, given: dict[str, Any], layouts: list[tuple[str, dict[str, Any]]], work: Path,
+                   log=print) -> list[Comparison]:
+    """Run the one-process reference and every layout on the user's model; one Comparison per layout.
+
+    `given`: the options shared with `paratrain train` ({"train.steps": 3, ...}, as `verify` parsed them).
+    """
     from paratrain.launch import LaunchFailed
 
-    spec = build_spec(args.model_factory)  # fails here, once, before any process starts
-    vocab = vocabulary(spec, args.seq_len)
-    for text, overrides in layouts:
-        _check_layout(text, overrides, spec, args.global_batch)
-    base = {"factory": args.model_factory, "steps": args.steps, "global_batch": args.global_batch,
-            "seq_len": args.seq_len, "seed": args.seed, "vocab": vocab}
+    spec = build_spec(factory)  # fails here, once, before any process starts
+    base = {"factory": factory, "steps": given["train.steps"], "global_batch": given["train.global_batch"],
+            "micro_batch": given.get("train.micro_batch"), "seq_len": given["data.seq_len"],
+            "seed": given.get("train.seed", TrainSection().seed), "vocab": vocabulary(spec, given["data.seq_len"])}
+    for text, layout in layouts:
+        _check_layout(text, layout, spec, base)
     jobs = {precision: {**base, "layout": {"precision": precision}, "out": str(work / f"reference-{precision}")}
             for precision in {o.get("precision", "fp32") for _, o in layouts}}
     for precision, job in jobs.items():
-        log(f"reference: 1 process, {precision}, global batch {args.global_batch}, {args.steps} steps")
+        log(f"reference: 1 process, {precision}, global batch {base['global_batch']}, {base['steps']} steps")
         _launch(job, 1)
     results = []
     for i, (text, overrides) in enumerate(layouts):
@@ -118,16 +124,20 @@ def _launch(job: dict, nproc: int) -> None:
         raise LaunchFailed(describe_failure(e)) from None
 
 
-def _check_layout(text: str, overrides: dict[str, Any], spec: ModelSpec, global_batch: int) -> None:
-    dp, tp, pp = (overrides.get(axis, 1) for axis in ("dp", "tp", "pp"))
-    if global_batch % dp:
-        raise VerifyError(f"--global-batch {global_batch} is not divisible by the {dp} data ranks of {text!r}")
+def _check_layout(text: str, layout: dict[str, Any], spec: ModelSpec, job: dict) -> None:
+    """What the user's model needs for the layout (a plan for tp, a Sequential for pp), then the layout rules."""
+    tp, pp = (layout.get(axis) or 1 for axis in ("tp", "pp"))
     if tp > 1 and spec.plan is None:
         raise VerifyError(f"layout {text!r} has tp={tp} but the factory gave no tensor-parallel plan; return "
                           "paratrain.ModelSpec(module, plan={pattern: style}) (see paratrain.parallel.tensor.plan)")
     if pp > 1 and not isinstance(spec.module, nn.Sequential):
         raise VerifyError(f"layout {text!r} has pp={pp}: pipeline parallelism splits an nn.Sequential, and the "
                           f"factory returned a {type(spec.module).__name__}")
+    check_layout(text, layout, job["global_batch"], job["seq_len"], job["micro_batch"])
+
+
+def _given(layout: dict[str, Any], *names: str) -> dict[str, Any]:
+    return {name: layout[name] for name in names if name in layout}
 
 
 @record
@@ -148,18 +158,18 @@ def run(job: dict) -> None:
     from paratrain.train import train_step
 
     layout = job["layout"]
-    mesh = init_mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1),
-                     dp_shard=layout.get("dp_shard"))
+    mesh = init_mesh(dp=layout.get("dp") or 1, tp=layout.get("tp") or 1, pp=layout.get("pp") or 1,
+                     dp_shard=layout.get("dp_shard") or None)
     spec = build_spec(job["factory"])
+    given = functools.partial(_given, layout)  # the layout's [parallel] options, the rest left to the defaults
     model, optimizer = parallelize(
         spec.module, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.0),
-        data=DataParallel(zero=layout.get("zero", 0), grad_reduction="sum"),
-        tensor=TensorParallel(plan=spec.plan, sequence_parallel=layout.get("sequence_parallel", False)),
-        pipeline=PipelineParallel(schedule=layout.get("schedule", "1f1b"),
-                                  virtual_stages=layout.get("virtual_stages", 1)),
-        precision=layout.get("precision", "fp32"))
+        data=DataParallel(grad_reduction="sum", **given("zero", "bucket_mb")),
+        tensor=TensorParallel(plan=spec.plan, **given("sequence_parallel")),
+        pipeline=PipelineParallel(**given("schedule", "virtual_stages")),
+        **given("precision", "reduce_dtype", "activation_checkpointing"))
     dp, rank = mesh.size("dp"), mesh.coord("dp")
-    rows, micro = job["global_batch"] // dp, micro_batch(job["global_batch"], layout)
+    rows, micro = job["global_batch"] // dp, micro_batch(job["global_batch"], layout, job.get("micro_batch"))
     records = []
     for step, (x, y) in enumerate(batches(job["vocab"], job["steps"], job["global_batch"], job["seq_len"],
                                           job["seed"]), start=1):

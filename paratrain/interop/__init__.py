@@ -1,0 +1,1 @@
+"""Other libraries' formats: Hugging Face Llama directories, imported (`hf`) and exported (`export`)."""

@@ -8,7 +8,6 @@ parallelism; `HF_LLAMA_PLAN` and `HF_GPT2_PLAN` are the same ideas under Hugging
 
 from __future__ import annotations
 
-from paratrain.errors import Violation
 from paratrain.parallel.tensor.plan import (
     AttentionRegion, Colwise, OutputHead, Rowwise, SequenceParallelNorm, SequenceShardInput, Style, TPRegion,
     VocabEmbedding,
@@ -65,12 +64,3 @@ HF_GPT2_PLAN: dict[str, Style] = {
     "transformer.h.*.mlp.c_proj": Rowwise(),
     "lm_head": OutputHead(),
 }
-
-
-def llama_tp_violations(model_cfg, tp: int) -> list[Violation]:
-    """The reference model under `LLAMA_TP_PLAN`: tp must divide the heads, the kv heads, the ffn width
-    and the vocabulary (Megatron's partitioning); the plan's styles check the same on the modules."""
-    checks = (("heads", "heads", model_cfg.n_heads), ("kv_heads", "kv heads", model_cfg.n_kv_heads),
-              ("ffn", "ffn", model_cfg.ffn_dim), ("vocab", "vocab", model_cfg.vocab_size))
-    return [Violation(f"{rule}_tp", f"{name} {size} not divisible by tp {tp}") for rule, name, size in checks
-            if size % tp]

@@ -2,6 +2,7 @@
 
 - `api`: `parallelize()`, the one place where strategies are applied, in a fixed, commented order.
 - `model`: `ParallelModel`, the wrapped model, and the contract the trainer and `run/` may use.
+- `rules`: every layout rule, decided once (`parallelize`, `train`, `plan` and `verify` ask it).
 - `data`: DDP, ZeRO-1/2/3 and hybrid sharding (the `dp` axis).
 - `tensor`: tensor and sequence parallelism (the `tp` axis): primitives, layers, plans.
 - `pipeline`: schedules as data, their simulator, stage splitting and the runner (the `pp` axis).

@@ -28,13 +28,14 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
-from paratrain.mesh import Mesh, degree_violations
+from paratrain.mesh import Mesh
+from paratrain.parallel import rules
 from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.model import ParallelModel
-from paratrain.parallel.pipeline.schedules import ScheduleName, schedule_violations
-from paratrain.parallel.pipeline.stages import zero_stage_violations
+from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
+from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
-from paratrain.parallel.tensor.plan import apply_tensor_parallel, sequence_parallel_violations
+from paratrain.parallel.tensor.plan import apply_tensor_parallel
 from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
 from paratrain.parallel.data.units import UnitSpec
 from paratrain.precision import Precision, precision_policy
@@ -70,9 +71,8 @@ class DataParallel:
         blocks only; the rest gathered for the whole forward), module classes, or a predicate
         (qualified name, module) -> bool.
     prefetch: ZeRO-3 gathers the next unit while the current one computes (one more unit held).
-        None: where the device computes beside the network (CUDA, whose collectives run on their
-        own stream, as FSDP2 prefetches there), not on the CPU, where gloo and compute share the
-        cores and FSDP2 gathers each unit when it is used.
+        None: where communication overlaps compute (`paratrain.comm.Comm.overlaps_compute`: on CUDA,
+        not on the CPU).
     """
 
     zero: int = 0
@@ -82,8 +82,8 @@ class DataParallel:
     prefetch: bool | None = None
 
     def __post_init__(self):
-        if self.zero not in (0, 1, 2, 3):
-            raise ParallelConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.zero not in ZERO_STAGES:
+            raise ParallelConfigError(f"--zero must be {rules.spelled(ZERO_STAGES)}, got {self.zero}")
         if not self.bucket_mb > 0:
             raise ParallelConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         object.__setattr__(self, "grad_reduction", _enum(GradReduction, self.grad_reduction, "grad_reduction"))
@@ -112,7 +112,7 @@ class PipelineParallel:
     boundaries: the first layer of each stage after the first (None: balanced by parameter count).
     """
 
-    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    schedule: ScheduleName = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     boundaries: tuple[int, ...] | None = None
 
@@ -148,7 +148,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 *, data: DataParallel = DataParallel(), tensor: TensorParallel | None = None,
                 pipeline: PipelineParallel | None = None, precision: str | Precision = "fp32",
                 reduce_dtype: str | None = None, activation_checkpointing: int = 0, init: Callable | None = None,
-                comm: Comm | None = None):
+                comm: Comm | None = None, checked: CheckedLayout | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -163,6 +163,10 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     activation_checkpointing: 0 off, k > 0 recompute every k-th block.
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
+    checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
+        trainer's preflight gives it, knowing the model and the batch too), so that no rule is
+        decided twice; it must describe this mesh and these options. None: the rules that the
+        mesh and the options decide are checked here.
 
     The module is moved to the mesh's device (`mesh.device`: this process's GPU under CUDA), a meta
     module materialized there; under ZeRO-3 each rank's shards are allocated there directly.
@@ -170,7 +174,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     tensor = tensor or TensorParallel()
     pipeline = pipeline or PipelineParallel()
-    _check_layout(mesh, data, tensor, pipeline)
+    _check_layout(mesh, data, tensor, pipeline, checked)
     comm = comm or Comm(mesh)
     split = None
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built
@@ -207,7 +211,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     if data.zero == 3:
         from paratrain.parallel.data.zero3 import FullyShardedEngine
 
-        prefetch = mesh.device.type == "cuda" if data.prefetch is None else data.prefetch
+        prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
         engine = FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
                                     prefetch=prefetch)
     else:
@@ -233,14 +237,18 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     return wrapped, opt
 
 
-def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel) -> None:
-    """The layout rules this call can check (each written once, next to its strategy); the first broken one."""
-    pp, tp, s = mesh.size("pp"), mesh.size("tp"), mesh.shape
-    broken = (degree_violations(None, s.dp, s.tp, s.pp, s.dp_shard, data.zero) + zero_stage_violations(data.zero, pp)
-              + sequence_parallel_violations(tensor.sequence_parallel, tp)
-              + schedule_violations(pipeline.schedule, pp, pipeline.virtual_stages))
-    if broken:
-        raise ParallelConfigError(broken[0].message)
+def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
+                  checked: CheckedLayout | None) -> None:
+    """The layout rules (`paratrain.parallel.rules`) on the mesh and the options, unless the caller decided them."""
+    s = mesh.shape
+    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, dp_shard=s.dp_shard, zero=data.zero,
+                        sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
+                        virtual_stages=pipeline.virtual_stages)
+    if checked is None:
+        rules.check_layout(layout, ParallelConfigError)
+    elif not checked.describes(layout):
+        raise ParallelConfigError("checked= is the verdict on another layout than this mesh and these options; "
+                                  "pass the one paratrain.parallel.rules.check_layout gave for this layout")
 
 
 def _default_init(model: nn.Module):

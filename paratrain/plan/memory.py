@@ -48,6 +48,7 @@ from paratrain.errors import ParatrainError
 from paratrain.models.configs import ModelConfig
 from paratrain.parallel.pipeline.schedules import ScheduleName, chunks_per_rank
 from paratrain.parallel.pipeline.simulator import ScheduleTraits, traits_of
+from paratrain.parallel.rules import ZERO_STAGES, spelled
 
 GB = 10**9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -207,8 +208,8 @@ class Layout:
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise PlanError(f"--bucket-mb must be a positive number, got {self.bucket_mb!r}")
         object.__setattr__(self, "boundary", _enum(PipelineBoundary, self.boundary, "--pipeline-boundary"))
-        if self.zero not in (0, 1, 2, 3):
-            raise PlanError(f"--zero {self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if self.zero not in ZERO_STAGES:
+            raise PlanError(f"--zero {self.zero!r} is not a ZeRO stage; use {spelled(ZERO_STAGES)}")
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "--recompute"))
         object.__setattr__(self, "schedule", _enum(ScheduleName, self.schedule, "--schedule"))
 

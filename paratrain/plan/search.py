@@ -1,33 +1,25 @@
-"""Layout rules, the full estimate of one layout, and the search over layouts for a GPU count.
+"""The rules and the full estimate of one layout, and the search over layouts for a GPU count.
 
-`layout_violations` lists every rule a layout breaks (each a `Violation` with a rule name
-and a one-line reason); `validate_layout` is the check the trainer runs before any process
-group exists; `search` enumerates candidate layouts, drops those that break a rule or do not
-fit in memory (keeping why), and ranks the rest by estimated step time.
-
-Each rule is written once, next to the code that needs it, and called from here: the degrees
-(`paratrain.mesh.degree_violations`), the reference model under tensor parallelism and
-sequence parallelism (`paratrain.parallel.tensor.plan`), ZeRO-3 with pipelines
-(`paratrain.parallel.stages.zero_stage_violations`), the schedules
-(`paratrain.parallel.schedules.schedule_violations`) and the batch (`paratrain.config`).
+`layout_violations` lists every rule a layout breaks for a workload (each a `Violation` with a
+rule name and a one-line reason); `validate_layout` raises the first; `search` enumerates candidate
+layouts, drops those that break a rule or do not fit in memory (keeping why), and ranks the rest
+by estimated step time. The rules themselves, and their order, are `paratrain.parallel.rules`,
+which `parallelize` and the trainer ask too; this module only says what the planner knows of a
+layout (`layout_spec`).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from paratrain.config import batch_violations
 from paratrain.errors import Violation
-from paratrain.mesh import degree_violations
 from paratrain.models.configs import ModelConfig
-from paratrain.parallel.pipeline.schedules import ScheduleName, schedule_violations
-from paratrain.parallel.pipeline.stages import zero_stage_violations
-from paratrain.models.tp_plans import llama_tp_violations
-from paratrain.parallel.tensor.plan import sequence_parallel_violations
+from paratrain.parallel import rules
+from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
+from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
 from paratrain.plan.compute import Hardware, StepFlops, StepTime, comm_bytes_per_rank, step_flops, step_time
 from paratrain.plan.memory import (
     GB,
@@ -46,82 +38,46 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degree_violations(model: ModelConfig | None, dp: int, tp: int, pp: int, world_size: int | None,
-                       global_batch: int | None, micro_batch: int, dp_shard: int = 0,
-                       zero: int | None = None) -> list[Violation]:
-    """Rules on the degrees alone: world size, the shard group of hybrid sharding, model and batch divisibility."""
-    out = degree_violations(world_size, dp, tp, pp, dp_shard, zero)
-    if model is None and (tp > 1 or pp > 1):
-        out.append(Violation("shape", "tp and pp need the model's shape; give --model or --layers/--hidden/--heads "
-                                      "instead of --params"))
-    if model is not None:
-        out += llama_tp_violations(model, tp)
-        if model.n_layers % pp:
-            out.append(Violation("layers_pp", f"layers {model.n_layers} not divisible by pp {pp}"))
-    return out + batch_violations(global_batch, micro_batch, dp)
+def layout_spec(workload: Workload, layout: Layout, world_size: int | None = None,
+                gpus_per_node: int | None = None) -> LayoutSpec:
+    """What the rules read of a planned layout: its degrees and options, the workload's model and batch.
+
+    A workload without a global batch runs one micro-batch per data rank (`Layout.num_microbatches`).
+    """
+    return LayoutSpec(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=layout.dp_shard, zero=layout.zero,
+                      sequence_parallel=layout.sequence_parallel, schedule=layout.schedule,
+                      virtual_stages=layout.virtual_stages, world_size=world_size, gpus_per_node=gpus_per_node,
+                      model=workload.model, params_only=workload.model is None,
+                      global_batch=workload.global_batch or layout.dp * layout.micro_batch,
+                      micro_batch=layout.micro_batch, seq_len=workload.seq_len)
 
 
 def layout_violations(workload: Workload, layout: Layout, world_size: int | None = None,
                       gpus_per_node: int | None = None) -> list[Violation]:
     """Every rule `layout` breaks for `workload` (empty when it can run). Memory is not checked here."""
-    lay, model = layout, workload.model
-    out = _degree_violations(model, lay.dp, lay.tp, lay.pp, world_size, workload.global_batch, lay.micro_batch,
-                             lay.dp_shard, lay.zero)
-    if gpus_per_node is not None and lay.tp > gpus_per_node:
-        out.insert(0, Violation("tp_node", f"tp {lay.tp} exceeds {gpus_per_node} GPUs per node"))
-    out += zero_stage_violations(lay.zero, lay.pp)
-    out += sequence_parallel_violations(lay.sequence_parallel, lay.tp, workload.seq_len)
-    layers = workload.model.n_layers if workload.model is not None else None
-    # layers % pp is a degree rule above; the schedule adds the chunks of interleaving
-    out += [v for v in schedule_violations(lay.schedule, lay.pp, lay.virtual_stages,
-                                           lay.num_microbatches(workload.global_batch), layers)
-            if not (v.rule == "layers_pp" and lay.chunks == 1)]
-    return out
-
-
-def nearest_layouts(world_size: int, dp: int, tp: int, pp: int, model: ModelConfig | None,
-                    global_batch: int | None, micro_batch: int, count: int = 3) -> list[tuple[int, int, int]]:
-    """Valid (dp, tp, pp) for `world_size`, closest to the requested degrees (log-distance)."""
-    valid = []
-    for t in _divisors(world_size):
-        for p in _divisors(world_size // t):
-            d = world_size // (t * p)
-            if not _degree_violations(model, d, t, p, world_size, global_batch, micro_batch):
-                distance = abs(math.log2(d / dp)) + abs(math.log2(t / tp)) + abs(math.log2(p / pp))
-                valid.append((distance, -d, (d, t, p)))
-    return [layout for _, _, layout in sorted(valid)[:count]]
+    return rules.layout_violations(layout_spec(workload, layout, world_size, gpus_per_node))
 
 
 def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: ModelConfig | None,
                     global_batch: int | None, micro_batch: int, *, zero: int = 0, sequence_parallel: bool = False,
-                    seq_len: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
+                    seq_len: int | None = None, schedule: str = DEFAULT_SCHEDULE, virtual_stages: int = 1,
                     dp_shard: int = 0) -> None:
     """Raise `LayoutError` (a ValueError) if the layout cannot run `model_cfg` on `world_size` ranks.
 
-    Rules (each from its own function): dp × tp × pp = world size; tp divides the heads, the kv
-    heads, the ffn width and the vocabulary (Megatron partitioning); pp divides the layers;
-    dp × micro-batch divides the global batch; then ZeRO-3 with pp, sequence parallelism and
-    the schedule's rules, and a --dp-shard that divides dp (hybrid sharding, ZeRO only). The
-    one-line message names the first broken rule, and for the degrees the nearest valid layouts.
-    `model_cfg` None: the rules that need its shape wait.
+    The rules are `paratrain.parallel.rules.layout_violations`: dp × tp × pp = world size; tp
+    divides the heads, the kv heads, the ffn width and the vocabulary (Megatron partitioning); pp
+    divides the layers; dp × micro-batch divides the global batch; a --dp-shard that divides dp
+    (hybrid sharding, ZeRO only), ZeRO-3 with pp, sequence parallelism and the schedule's rules.
+    The one-line message names the first broken rule, and for the degrees the nearest valid
+    layouts. `model_cfg` None: the rules that need its shape wait.
     """
     for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-    broken = _degree_violations(model_cfg, dp, tp, pp, world_size, global_batch, micro_batch)
-    broken = [v for v in broken if v.rule != "shape"]  # train knows the shape later; plan checks it itself
-    if broken:
-        near = nearest_layouts(world_size, dp, tp, pp, model_cfg, global_batch, micro_batch)
-        hint = ("; nearest valid layouts: " + ", ".join(f"dp={d} tp={t} pp={p}" for d, t, p in near) if near else
-                f"; no layout of {world_size} ranks fits global batch {global_batch} with micro-batch {micro_batch}"
-                " (change the batch sizes)")
-        raise LayoutError(f"invalid layout dp={dp} tp={tp} pp={pp}: {broken[0].message}{hint}")
-    m = global_batch // (dp * micro_batch) if global_batch else None
-    rules = (degree_violations(None, dp, tp, pp, dp_shard, zero) + zero_stage_violations(zero, pp)
-             + sequence_parallel_violations(sequence_parallel, tp, seq_len)
-             + schedule_violations(schedule, pp, virtual_stages, m, model_cfg.n_layers if model_cfg else None))
-    if rules:
-        raise LayoutError(rules[0].message)
+    rules.check_layout(LayoutSpec(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, zero=zero,
+                                  sequence_parallel=sequence_parallel, schedule=schedule,
+                                  virtual_stages=virtual_stages, world_size=world_size, model=model_cfg,
+                                  global_batch=global_batch, micro_batch=micro_batch, seq_len=seq_len), LayoutError)
 
 
 @dataclass(frozen=True)
@@ -240,11 +196,11 @@ class SearchSpace:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[int, ...] = ZERO_STAGES
     micro_batch: tuple[int, ...] = DEFAULT_MICRO_BATCHES
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     sequence_parallel: tuple[bool, ...] = (False, True)
-    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    schedule: ScheduleName = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     dp_shard: int | None = None
 

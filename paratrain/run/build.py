@@ -1,7 +1,7 @@
 """Building a training run from its config: everything the loop needs, in the order it has to be made.
 
-    preflight(cfg, world_size)           # checks that need no process group (before any launch)
-    run = build(cfg, env, mesh)          # run directory, data, model, optimizer, sampler, guard, checkpoints
+    layout = preflight(cfg, world_size)  # checks that need no process group (before any launch)
+    run = build(cfg, env, mesh, layout)  # run directory, data, model, optimizer, sampler, guard, checkpoints
 
 The order matters and is written once, here: the run directory is claimed before anything is
 written into it; the data comes before the model (the tokenizer's vocabulary must fit); the
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.compat import fused_optimizer_devices
-from paratrain.config import Config, ConfigError, check_batch, data_ranks, validate
+from paratrain.config import Config, ConfigError, check_layout, check_values
 from paratrain.data import DataSampler, build_dataset
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv
@@ -33,6 +33,7 @@ from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.run.guard import StepGuard
 from paratrain.run.inputs import check_paths
@@ -75,36 +76,42 @@ class Run:
         return self.mesh.device
 
 
-def preflight(cfg: Config, world_size: int) -> None:
+def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     """Every check that needs neither a process group nor the tokenized data: run before launching processes.
 
-    Also resolves the one default that every process must share, the run directory, when it can
-    without the others: one process, or a launcher that gave the job a run id (else `shared_run_dir`).
+    Returns the layout, its rules decided once here (with the model and the batch): `build` hands
+    it on to `parallelize`. Also resolves the one default that every process must share, the run
+    directory, when it can without the others: one process, or a launcher that gave the job a run
+    id (else `shared_run_dir`).
     """
     if not cfg.run.out:
         cfg.run.out = default_run_dir(cfg)
     try:
-        validate(cfg, world_size)
+        check_values(cfg)
         model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
-        dp = data_ranks(cfg, world_size, model_cfg)
+        layout = check_layout(cfg, world_size, model_cfg)
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
-    check_memory_budget(cfg, model_cfg, dp)  # the planner's estimate against the memory of one process
+    check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
+    return layout
 
 
-def build(cfg: Config, env: DistEnv, mesh: Mesh) -> Run:
-    """Claim the run directory, load the data, build the model and resume; collective (every rank calls it)."""
+def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
+    """Claim the run directory, load the data, build the model and resume; collective (every rank calls it).
+
+    `layout` is the preflight's verdict on the layout (`preflight`), which `parallelize` takes as it is.
+    """
     t = cfg.train
     # The plan against what the GPUs have free now that the context exists, before anything is written.
     check_free_memory(cfg, resolve_model_config(cfg, tokenizer_vocab=0), mesh)
     out = prepare_run_dir(cfg, env)
     train_set, eval_set, tokenizer = load_data(cfg, env, out)
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    model, optimizer = build_parallel_model(model_cfg, cfg, mesh)
+    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout)
     dp = mesh.size("dp")
-    accumulation = check_batch(t.global_batch, t.micro_batch, dp)
+    accumulation = layout.accumulation
     sampler = DataSampler(len(train_set), t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
     guard = StepGuard(cfg.reliability, model, env.rank, diagnostics_dir(out))
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
@@ -131,12 +138,13 @@ def describe(run: Run) -> str:
             f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats")
 
 
-def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh):
+def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout: CheckedLayout | None = None):
     """The reference model built on the meta device, materialized and wrapped for the mesh.
 
     parallelize() materializes only what the rank holds: its pipeline stages, its tensor-parallel
     slices, under ZeRO-3 its rows; each value is the slice of the same initialization
-    (`weight_initializer`: seeded random, or the weights of --init-from).
+    (`weight_initializer`: seeded random, or the weights of --init-from). `layout`: the preflight's
+    verdict on the layout (None: parallelize decides the rules its mesh and options tell).
     """
     p = cfg.parallel
     with torch.device("meta"):
@@ -147,7 +155,8 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh):
                        tensor=TensorParallel(sequence_parallel=p.sequence_parallel),
                        pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
-                       activation_checkpointing=p.activation_checkpointing, init=weight_initializer(model, cfg))
+                       activation_checkpointing=p.activation_checkpointing, init=weight_initializer(model, cfg),
+                       checked=layout)
 
 
 def weight_initializer(model: Transformer, cfg: Config):

@@ -8,5 +8,7 @@
 """
 
 from paratrain.parallel.pipeline.runner import PipelineRunner  # noqa: F401
-from paratrain.parallel.pipeline.schedules import SCHEDULES, Action, Kind, Schedule, ScheduleName, build_schedule  # noqa: F401
+from paratrain.parallel.pipeline.schedules import (  # noqa: F401
+    DEFAULT_SCHEDULE, SCHEDULES, Action, Kind, Schedule, ScheduleName, build_schedule,
+)
 from paratrain.parallel.pipeline.stages import PipelineError, StageSplit, split_for_pipeline  # noqa: F401

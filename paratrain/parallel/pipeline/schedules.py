@@ -62,6 +62,7 @@ class ScheduleName(str, Enum):
 
 
 SCHEDULES = tuple(name.value for name in ScheduleName)
+DEFAULT_SCHEDULE = ScheduleName.ONE_F_ONE_B  # the default of the trainer, parallelize and the planner
 
 
 class ScheduleError(ParatrainError, ValueError):
@@ -172,8 +173,8 @@ def schedule_violations(schedule: str | ScheduleName, pp: int, virtual_stages: i
                         num_microbatches: int | None = None, n_layers: int | None = None) -> list[Violation]:
     """Every pipeline-schedule rule the layout breaks: the one place these rules are written.
 
-    `build_schedule`, `parallelize`, `paratrain plan` and `paratrain train` all call it, each
-    with what it knows (the micro-batch count and the number of layers may be unknown: None).
+    `build_schedule` calls it, and the layout rules (`paratrain.parallel.rules`) with what the caller
+    knows (the micro-batch count and the number of layers may be unknown: None).
     Why interleaved needs m divisible by pp: micro-batches run in groups of pp (Megatron's
     order); with a short last group the wrap from the last rank to the first stalls or deadlocks.
     """

@@ -18,29 +18,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from paratrain.errors import ParatrainError, Violation
+from paratrain.errors import ParatrainError
 
 
 class PipelineError(ParatrainError, ValueError):
     """A model or layout the pipeline cannot split; the message names the rule and the fix."""
-
-
-def zero_stage_violations(zero: int, pp: int) -> list[Violation]:
-    """ZeRO-3 is refused with pipeline parallelism: the one place this rule is written.
-
-    A stage runs the forward and the backward of every micro-batch at different times,
-    interleaved with other micro-batches, so ZeRO-3 would all-gather the stage's parameters for
-    each micro-batch's forward and again for its backward (4·m gathers per step, m× plain
-    ZeRO-3's traffic) and could not defer its gradient reduce-scatter across micro-batches; or it
-    would keep them gathered between uses, which gives back the memory ZeRO-3 saves. DeepSpeed's
-    pipeline engine refuses it for the same reason; ZeRO-1/2 shard the optimizer state, most of
-    the saving.
-    """
-    if zero == 3 and pp > 1:
-        return [Violation("zero3_pp", f"--zero 3 with --pp {pp} is refused: ZeRO-3 would re-gather every stage's "
-                                      "parameters for each micro-batch; use --zero 1 or 2, which shard the "
-                                      "optimizer state")]
-    return []
 
 
 def balanced_boundaries(costs: list[float], num_stages: int, first_extra: float = 0.0,

@@ -25,5 +25,5 @@ from paratrain.parallel.tensor.info import (  # noqa: F401
 )
 from paratrain.parallel.tensor.plan import (  # noqa: F401
     AttentionRegion, Colwise, OutputHead, Rowwise, SequenceParallelNorm, SequenceShardInput, Style, TPRegion,
-    VocabEmbedding, apply_tensor_parallel, sequence_parallel_violations,
+    VocabEmbedding, apply_tensor_parallel,
 )

@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.errors import Violation
 from paratrain.mesh import Mesh
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.layers import (
@@ -282,18 +281,6 @@ class AttentionRegion(TPRegion):
 
 Style = (Colwise | Rowwise | VocabEmbedding | OutputHead | SequenceParallelNorm | SequenceShardInput | TPRegion
          | AttentionRegion)
-
-
-def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int | None = None) -> list[Violation]:
-    """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1 and a length tp divides."""
-    if not sequence_parallel:
-        return []
-    if tp == 1:
-        return [Violation("sp_tp", "--sequence-parallel needs tensor parallelism (--tp > 1)")]
-    if seq_len is not None and seq_len % tp:
-        return [Violation("sp_seq", f"--seq-len {seq_len} is not divisible by --tp {tp}, which sequence "
-                                    f"parallelism needs; use --seq-len {seq_len - seq_len % tp or tp}")]
-    return []
 
 
 # -- what the rest of the system needs to know ---------------------------------------------------

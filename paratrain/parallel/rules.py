@@ -1,0 +1,286 @@
+"""Every layout rule, decided in one place: which degrees and strategy options can run together.
+
+A layout is the degrees (dp, tp, pp, and dp_shard for hybrid sharding) and the strategies' options
+(ZeRO stage, sequence parallelism, pipeline schedule, virtual stages); `LayoutSpec` holds it with
+what the caller knows of the run around it: the world and its nodes, the model's shape, the batch,
+the sequence length. A rule whose input is not known (None) waits: `parallelize` knows its mesh and
+options, the trainer's preflight the model and batch too, the planner each candidate of a search.
+
+`layout_violations` is the one list of the rules, in one fixed order; each broken rule is a
+`Violation` (a rule name, for grouping, and a one-line reason naming the fix). `check_layout` raises
+the first in the caller's error type and returns a `CheckedLayout`, which the caller carries down so
+that one run decides its layout once (`paratrain train`: the preflight decides, `parallelize`
+receives the verdict). Everyone asks this module:
+
+    parallelize()        the rules its mesh and options decide, or the caller's CheckedLayout
+    paratrain train      the preflight (`paratrain.config.check_layout`): world, model, batch, seq len
+    paratrain plan       one layout and every candidate of a search (`paratrain.plan.search`)
+    paratrain verify     each layout, through the trainer's preflight or for the user's own model
+
+The rules of a schedule's own arguments stay with the schedules, whose generator checks them too
+(`paratrain.parallel.pipeline.schedules.schedule_violations`); this module asks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from paratrain.errors import ParatrainError, Violation
+from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName, schedule_violations
+
+ZERO_STAGES = (0, 1, 2, 3)  # 0: DDP; 1: + optimizer state sharded; 2: + gradients; 3: + parameters
+
+
+def spelled(values) -> str:
+    """'0, 1, 2 or 3': a short list of choices as a message writes it."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+class LayoutRuleError(ParatrainError, ValueError):
+    """A layout breaks a rule; the message names the rule and the fix (callers may ask for their own type)."""
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A layout as the rules read it, with what is known of the run around it (None: unknown here).
+
+    dp, tp, pp: the degrees; dp_shard: ranks of a ZeRO shard group (0 or dp: the whole data axis).
+    zero, sequence_parallel, schedule, virtual_stages: the strategies' options.
+    world_size: ranks of the job; gpus_per_node: devices of one node (tp must fit in one).
+    model: the reference model's shape (a `ModelConfig`: heads, kv heads, ffn, vocabulary, layers).
+    params_only: only the parameter count is known (the planner's --params), so tp and pp, which
+        split the model's shape, cannot be estimated.
+    global_batch, micro_batch: sequences per step (all data ranks) and per forward/backward.
+    seq_len: tokens per sequence.
+    """
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    dp_shard: int = 0
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str | ScheduleName = DEFAULT_SCHEDULE
+    virtual_stages: int = 1
+    world_size: int | None = None
+    gpus_per_node: int | None = None
+    model: Any = None
+    params_only: bool = False
+    global_batch: int | None = None
+    micro_batch: int | None = None
+    seq_len: int | None = None
+
+    @property
+    def num_microbatches(self) -> int | None:
+        """Micro-batches per step on each data rank (at least 1), when the batch is known."""
+        if self.global_batch is None or self.micro_batch is None:
+            return None
+        return max(1, self.global_batch // (self.dp * self.micro_batch))
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: the virtual stages under the interleaved schedule, else 1."""
+        return self.virtual_stages if self.schedule == ScheduleName.INTERLEAVED else 1
+
+
+@dataclass(frozen=True)
+class CheckedLayout:
+    """A layout that passed every rule `check_layout` could decide: carried down so nothing decides it again."""
+
+    spec: LayoutSpec
+
+    @property
+    def dp(self) -> int:
+        return self.spec.dp
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per data rank per step (the batch rule holds: it divides exactly)."""
+        s = self.spec
+        return s.global_batch // (s.micro_batch * s.dp)
+
+    def describes(self, other: LayoutSpec) -> bool:
+        """Whether this verdict is about `other`'s degrees and options (what `parallelize` knows of a layout)."""
+        mine, theirs = self.spec, other
+        return ((mine.dp, mine.tp, mine.pp, mine.dp_shard or mine.dp, mine.zero, mine.sequence_parallel,
+                 ScheduleName.parse(mine.schedule), mine.virtual_stages)
+                == (theirs.dp, theirs.tp, theirs.pp, theirs.dp_shard or theirs.dp, theirs.zero,
+                    theirs.sequence_parallel, ScheduleName.parse(theirs.schedule), theirs.virtual_stages))
+
+
+# -- the list ----------------------------------------------------------------------------------
+
+def layout_violations(layout: LayoutSpec) -> list[Violation]:
+    """Every rule `layout` breaks, in one fixed order (empty when it can run). Memory is not a rule here.
+
+    The order: where the ranks sit (tp within a node), then what another (dp, tp, pp) of the same
+    world could fix (`divisibility_violations`), then the shard groups, ZeRO-3 with pipelines,
+    sequence parallelism and the schedule.
+    """
+    s = layout
+    return (node_violations(s.tp, s.gpus_per_node) + divisibility_violations(s)
+            + shard_group_violations(s.dp, s.dp_shard, s.zero) + zero_stage_violations(s.zero, s.pp)
+            + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
+            # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
+            + schedule_violations(s.schedule, s.pp, s.virtual_stages, s.num_microbatches,
+                                  s.model.n_layers if s.model is not None and s.chunks > 1 else None))
+
+
+def divisibility_violations(layout: LayoutSpec) -> list[Violation]:
+    """The rules on the degrees that another (dp, tp, pp) of the same world may satisfy: the world
+    size, the model's shape under tp and pp, the batch over the data ranks (`nearest_layouts`)."""
+    s = layout
+    out = world_violations(s.world_size, s.dp, s.tp, s.pp) + shape_violations(s.params_only, s.tp, s.pp)
+    if s.model is not None:
+        out += llama_tp_violations(s.model, s.tp) + layer_violations(s.model.n_layers, s.pp)
+    return out + batch_violations(s.global_batch, s.micro_batch, s.dp)
+
+
+def check_layout(layout: LayoutSpec, error: type[Exception] = LayoutRuleError) -> CheckedLayout:
+    """The layout's verdict: `error` with the first broken rule's message (`explain`), else a CheckedLayout."""
+    broken = layout_violations(layout)
+    if broken:
+        raise error(explain(layout, broken[0]))
+    return CheckedLayout(layout)
+
+
+def explain(layout: LayoutSpec, violation: Violation) -> str:
+    """The one-line message of a broken rule; a divisibility rule also names the nearest valid layouts."""
+    if violation not in divisibility_violations(layout):
+        return violation.message
+    s = layout
+    near = nearest_layouts(layout)
+    hint = ("; nearest valid layouts: " + ", ".join(f"dp={d} tp={t} pp={p}" for d, t, p in near) if near else
+            f"; no layout of {s.world_size or s.dp * s.tp * s.pp} ranks fits global batch {s.global_batch} with "
+            f"micro-batch {s.micro_batch} (change the batch sizes)")
+    return f"invalid layout dp={s.dp} tp={s.tp} pp={s.pp}: {violation.message}{hint}"
+
+
+def nearest_layouts(layout: LayoutSpec, count: int = 3) -> list[tuple[int, int, int]]:
+    """Valid (dp, tp, pp) of the same world, closest to the layout's degrees (log-distance).
+
+    Valid for the divisibility rules; without the model's shape only tp = pp = 1 is offered (the
+    shape would have to say whether tp and pp divide it).
+    """
+    world = layout.world_size or layout.dp * layout.tp * layout.pp
+    valid = []
+    for t in _divisors(world):
+        for p in _divisors(world // t):
+            d = world // (t * p)
+            candidate = dataclasses.replace(layout, dp=d, tp=t, pp=p, world_size=world,
+                                            params_only=layout.params_only or layout.model is None)
+            if not divisibility_violations(candidate):
+                distance = (abs(math.log2(d / layout.dp)) + abs(math.log2(t / layout.tp))
+                            + abs(math.log2(p / layout.pp)))
+                valid.append((distance, -d, (d, t, p)))
+    return [degrees for _, _, degrees in sorted(valid)[:count]]
+
+
+# -- the rules, one function each ----------------------------------------------------------------
+
+def node_violations(tp: int, gpus_per_node: int | None) -> list[Violation]:
+    """A tensor-parallel group communicates in every layer, forward and backward: it stays inside a node."""
+    if gpus_per_node is not None and tp > gpus_per_node:
+        return [Violation("tp_node", f"tp {tp} exceeds {gpus_per_node} GPUs per node")]
+    return []
+
+
+def world_violations(world_size: int | None, dp: int, tp: int, pp: int) -> list[Violation]:
+    """pp × dp × tp is the world size (when it is known)."""
+    if world_size is not None and dp * tp * pp != world_size:
+        return [Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} ≠ {world_size} ranks")]
+    return []
+
+
+def shard_group_violations(dp: int, dp_shard: int, zero: int | None) -> list[Violation]:
+    """A shard group (--dp-shard) divides the data axis, and only ZeRO has shards to group."""
+    if dp_shard and (dp_shard < 1 or dp % dp_shard):
+        return [Violation("dp_shard", f"--dp-shard {dp_shard} does not divide dp = {dp} "
+                                      f"(choose among {_divisors(dp)})")]
+    if dp_shard and dp_shard < dp and zero == 0:
+        return [Violation("dp_shard", f"--dp-shard {dp_shard} < dp = {dp} splits ZeRO shards into replicas; "
+                                      f"it needs --zero {spelled(ZERO_STAGES[1:])} (DDP shards nothing)")]
+    return []
+
+
+def degree_violations(world_size: int | None, dp: int, tp: int, pp: int, dp_shard: int = 0,
+                      zero: int | None = None) -> list[Violation]:
+    """The rules of the degrees themselves: the world size, and the shard groups of hybrid sharding."""
+    return world_violations(world_size, dp, tp, pp) + shard_group_violations(dp, dp_shard, zero)
+
+
+def shape_violations(params_only: bool, tp: int, pp: int) -> list[Violation]:
+    """tp and pp split the model's layers and matrices: a parameter count alone cannot say how."""
+    if params_only and (tp > 1 or pp > 1):
+        return [Violation("shape", "tp and pp need the model's shape; give --model or --layers/--hidden/--heads "
+                                   "instead of --params")]
+    return []
+
+
+def llama_tp_violations(model_cfg, tp: int) -> list[Violation]:
+    """The reference model under `LLAMA_TP_PLAN`: tp must divide the heads, the kv heads, the ffn width
+    and the vocabulary (Megatron's partitioning); the plan's styles check the same on the modules."""
+    checks = (("heads", "heads", model_cfg.n_heads), ("kv_heads", "kv heads", model_cfg.n_kv_heads),
+              ("ffn", "ffn", model_cfg.ffn_dim), ("vocab", "vocab", model_cfg.vocab_size))
+    return [Violation(f"{rule}_tp", f"{name} {size} not divisible by tp {tp}") for rule, name, size in checks
+            if size % tp]
+
+
+def layer_violations(n_layers: int, pp: int) -> list[Violation]:
+    """Each pipeline stage holds the same number of layers."""
+    if n_layers % pp:
+        return [Violation("layers_pp", f"layers {n_layers} not divisible by pp {pp}")]
+    return []
+
+
+def batch_violations(global_batch: int | None, micro_batch: int | None, dp: int) -> list[Violation]:
+    """The global batch must split into micro-batches over the data ranks (accumulation = global / (micro × dp))."""
+    if global_batch is None or micro_batch is None or global_batch % (micro_batch * dp) == 0:
+        return []
+    per_step = micro_batch * dp
+    lower = global_batch - global_batch % per_step
+    options = [b for b in (lower, lower + per_step) if b > 0]
+    hint = " or ".join(f"--global-batch {b}" for b in options)
+    divisors = [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0]
+    if divisors:
+        hint += f", or --micro-batch in {divisors}"
+    return [Violation("batch", f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x "
+                               f"{dp} data rank(s); use {hint}")]
+
+
+def zero_stage_violations(zero: int, pp: int) -> list[Violation]:
+    """ZeRO-3 is refused with pipeline parallelism.
+
+    A stage runs the forward and the backward of every micro-batch at different times,
+    interleaved with other micro-batches, so ZeRO-3 would all-gather the stage's parameters for
+    each micro-batch's forward and again for its backward (4·m gathers per step, m× plain
+    ZeRO-3's traffic) and could not defer its gradient reduce-scatter across micro-batches; or it
+    would keep them gathered between uses, which gives back the memory ZeRO-3 saves. DeepSpeed's
+    pipeline engine refuses it for the same reason; ZeRO-1/2 shard the optimizer state, most of
+    the saving.
+    """
+    if zero == 3 and pp > 1:
+        return [Violation("zero3_pp", f"--zero 3 with --pp {pp} is refused: ZeRO-3 would re-gather every stage's "
+                                      "parameters for each micro-batch; use --zero 1 or 2, which shard the "
+                                      "optimizer state")]
+    return []
+
+
+def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int | None = None) -> list[Violation]:
+    """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1 and a length tp divides."""
+    if not sequence_parallel:
+        return []
+    if tp == 1:
+        return [Violation("sp_tp", "--sequence-parallel needs tensor parallelism (--tp > 1)")]
+    if seq_len is not None and seq_len % tp:
+        return [Violation("sp_seq", f"--seq-len {seq_len} is not divisible by --tp {tp}, which sequence "
+                                    f"parallelism needs; use --seq-len {seq_len - seq_len % tp or tp}")]
+    return []
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,191 @@
+"""The shape of the code itself: packages documented, one home for the layout rules and the overlap policy.
+
+Pure tests (no processes), except one short training run that counts how often a run decides its layout.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import paratrain
+from paratrain.cli import build_parser, config_from_args, main
+from paratrain.comm import Comm
+from paratrain.config import Config, ConfigError, ParallelSection, validate
+from paratrain.errors import Violation
+from paratrain.mesh import Mesh, MeshShape
+from paratrain.models import get_model_config
+from paratrain.parallel import rules
+from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, parallelize
+from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
+from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
+from paratrain.plan import Layout, LayoutError, SearchSpace, Workload, get_hardware, search, validate_layout
+
+PACKAGE = Path(paratrain.__file__).parent
+
+
+def _one_rank_mesh() -> Mesh:
+    """A mesh of one CPU rank without a process group: every axis has one rank, so nothing communicates."""
+    return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None, "world": None})
+
+
+def import_graph(root: Path = PACKAGE.parent) -> dict[str, set[str]]:
+    """paratrain's modules and the paratrain modules each imports, function-level imports included."""
+    files = {}
+    for path in (root / "paratrain").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module_of(name: str) -> str | None:  # `paratrain.x.y.f` → the module `paratrain.x.y`
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {module_of(a.name) for a in node.names if a.name.startswith("paratrain")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paratrain"):
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else module_of(node.module)
+                         for a in node.names}
+        graph[name] = deps - {None, name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v] & graph.keys():
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_paratrain_imports_itself_back():
+    graph = import_graph()
+    assert "paratrain.commands.verify_model" in graph["paratrain.commands.verify"]  # imported inside a function
+    assert import_cycles(graph) == []
+
+
+def test_every_package_says_what_it_holds():
+    packages = [init for init in PACKAGE.rglob("__init__.py")]
+    missing = [str(init.parent.relative_to(PACKAGE.parent)) for init in packages
+               if not ast.get_docstring(ast.parse(init.read_text()))]
+    assert len(packages) > 5 and missing == []
+
+
+# -- the layout rules: one module, one list, one decision per run ------------------------------------
+
+PROBE = "probe: a rule of paratrain.parallel.rules"
+
+
+@pytest.fixture
+def probe_rule(monkeypatch):
+    """Break one rule function of the rules module for every layout: whoever reports it asked that module."""
+    monkeypatch.setattr(rules, "zero_stage_violations", lambda zero, pp: [Violation("probe", PROBE)])
+
+
+def test_parallelize_asks_the_rules_module(probe_rule):
+    with pytest.raises(ParallelConfigError, match=PROBE):
+        parallelize(nn.Linear(4, 4), _one_rank_mesh())
+
+
+def test_the_trainers_preflight_asks_the_rules_module(probe_rule, capsys, tmp_path):
+    with pytest.raises(ConfigError, match=PROBE):
+        validate(Config())
+    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
+    assert PROBE in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "refused before anything ran"
+
+
+def test_the_planner_asks_the_rules_module(probe_rule, capsys):
+    with pytest.raises(LayoutError, match=PROBE):
+        validate_layout(2, 2, 1, 1, get_model_config("tiny"), 8, 1)
+    work = Workload.for_model(get_model_config("tiny"), seq_len=256, global_batch=8)
+    result = search(work, 4, get_hardware("h100-80gb"))
+    assert result.searched > 0 and result.ranked == [] and "probe" in result.failures and "memory" not in result.failures
+    assert main(["plan", "--model", "tiny", "--dp", "2"]) == 2
+    assert PROBE in capsys.readouterr().err
+
+
+def test_verify_asks_the_rules_module(probe_rule, capsys):
+    for argv in (["verify", "--layouts", "dp2"],
+                 ["verify", "--model-factory", "test_your_own_model:model_factory", "--layouts", "dp2"]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert PROBE in captured.err and "reference" not in captured.out, "refused before anything ran"
+
+
+def test_one_train_run_decides_its_layout_once(monkeypatch, tmp_path):
+    """The preflight decides the layout with the model and the batch; the trainer and parallelize take its verdict."""
+    from paratrain.train import train
+
+    calls = []
+    decide = rules.layout_violations
+    monkeypatch.setattr(rules, "layout_violations", lambda layout: calls.append(layout) or decide(layout))
+    argv = ["train", "--model", "tiny", "--steps", "1", "--global-batch", "2", "--seq-len", "16", "--eval-batches",
+            "1", "--sample-tokens", "0", "--no-progress", "--data", str(Path(json.__file__).parent),
+            "--out", str(tmp_path / "run")]
+    train(config_from_args(build_parser().parse_args(argv)))
+    assert len(calls) == 1
+    assert calls[0].model == get_model_config("tiny") and calls[0].global_batch == 2 and calls[0].seq_len == 16
+
+
+def test_parallelize_refuses_a_verdict_on_another_layout():
+    checked = rules.check_layout(LayoutSpec(dp=1, zero=1))
+    assert parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=1), checked=checked)[0] is not None
+    with pytest.raises(ParallelConfigError, match="verdict on another layout"):
+        parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=2), checked=checked)
+
+
+def test_the_layout_enumerations_have_one_home():
+    zero_choices = next(f.metadata["choices"] for f in ParallelSection.__dataclass_fields__.values() if f.name == "zero")
+    assert zero_choices == ZERO_STAGES == SearchSpace().zero
+    with pytest.raises(ParallelConfigError, match="--zero must be 0, 1, 2 or 3"):
+        DataParallel(zero=4)
+    defaults = [ParallelSection().schedule, PipelineParallel().schedule, SearchSpace().schedule, Layout().schedule,
+                LayoutSpec(dp=1).schedule]
+    assert all(default == DEFAULT_SCHEDULE for default in defaults), defaults
+
+
+# -- what overlaps with compute: one policy ---------------------------------------------------------
+
+def test_prefetch_and_reductions_in_flight_ask_one_overlap_policy(monkeypatch):
+    mesh = _one_rank_mesh()
+    assert Comm(mesh).overlaps_compute() is False  # the CPU: gloo shares the cores with compute
+    for overlaps in (False, True):
+        monkeypatch.setattr(Comm, "overlaps_compute", lambda self, overlaps=overlaps: overlaps)
+        zero3, _ = parallelize(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), mesh, data=DataParallel(zero=3))
+        zero2, _ = parallelize(nn.Linear(4, 4), mesh, data=DataParallel(zero=2))
+        assert zero3.engine.prefetch is overlaps
+        assert zero3.engine._in_flight_limit == zero2.engine._in_flight_limit == int(overlaps)
