@@ -25,6 +25,7 @@ from paratrain.parallel.schedules import SCHEDULES
 
 
 DEFAULT_GLOBAL_BATCH = 16
+RECIPE_DEFAULT = "(default: the model's recipe, shown by `paratrain models`)"
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -77,13 +78,18 @@ class TrainSection:
                                             "ranks)")
     micro_batch: int | None = option(None, "sequences per forward/backward; accumulation = global / (micro * data "
                                            "ranks) (default: global / data ranks, one micro-batch per rank)")
-    lr: float = option(3e-3, "peak learning rate (AdamW)")
-    min_lr: float = option(3e-4, "learning rate at the end of the cosine decay")
-    warmup_steps: int = option(20, "steps of linear warmup from 0 to --lr")
-    weight_decay: float = option(0.1, "AdamW decoupled weight decay (matrices only, not norms)")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.95, "AdamW beta2")
-    grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
+    # The optimizer and schedule: None takes the named model's published recipe (`resolve_recipe`).
+    lr: float | None = option(None, f"peak learning rate (AdamW) {RECIPE_DEFAULT}")
+    min_lr: float | None = option(None, "learning rate at the end of the cosine decay (default: the recipe's, or "
+                                        "with --lr given the recipe's fraction of it)")
+    warmup_steps: int | None = option(None, f"steps of linear warmup from 0 to --lr {RECIPE_DEFAULT}")
+    weight_decay: float | None = option(None, f"AdamW decoupled weight decay (matrices only, not norms) "
+                                              f"{RECIPE_DEFAULT}")
+    beta1: float | None = option(None, f"AdamW beta1 {RECIPE_DEFAULT}")
+    beta2: float | None = option(None, f"AdamW beta2 {RECIPE_DEFAULT}")
+    eps: float | None = option(None, f"AdamW epsilon {RECIPE_DEFAULT}")
+    grad_clip: float | None = option(None, f"clip the global gradient norm to this value (0 disables) "
+                                           f"{RECIPE_DEFAULT}")
     seed: int = option(0, "seed for initialization and data order")
     eval_every: int = option(50, "evaluate every N steps (and at the end); 0 evaluates only at the end")
     log_every: int = option(1, "write the step record to metrics.jsonl every N steps (and at the last and "
@@ -294,6 +300,7 @@ def iter_options():
 
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Check every rule that can be checked before any process starts; raise ConfigError."""
+    resolve_recipe(cfg)
     t, d, r = cfg.train, cfg.data, cfg.run
     for name, value in [("--steps", t.steps), ("--global-batch", t.global_batch),
                         ("--micro-batch", t.micro_batch), ("--seq-len", d.seq_len),
@@ -315,6 +322,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     for name, value in [("--beta1", t.beta1), ("--beta2", t.beta2)]:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    if not t.eps > 0:
+        raise ConfigError(f"--eps must be positive, got {t.eps}")
     p = cfg.parallel
     for name, value in [("--dp", p.dp), ("--dp-shard", p.dp_shard),
                         ("--activation-checkpointing", p.activation_checkpointing)]:
@@ -326,6 +335,23 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check_launch(cfg)
     dp = data_ranks(cfg, world_size)  # resolves the batch defaults for this many data ranks
     check_batch(t.global_batch, t.micro_batch, dp)
+
+
+def resolve_recipe(cfg: Config) -> None:
+    """Fill the [train] optimizer options left unset from the named model's recipe (`paratrain.models.RECIPES`).
+
+    A value from the TOML file or the command line wins; a peak learning rate given without
+    --min-lr decays to the recipe's fraction of it. Every process resolves them alike, before
+    validation, and the run's config.json records the values used.
+    """
+    from paratrain.models import Recipe, get_recipe
+
+    t, recipe = cfg.train, get_recipe(cfg.model.name)
+    if t.min_lr is None and t.lr is not None:
+        t.min_lr = t.lr * (recipe.min_lr / recipe.lr)
+    for f in dataclasses.fields(Recipe):
+        if f.name != "source" and getattr(t, f.name) is None:
+            setattr(t, f.name, getattr(recipe, f.name))
 
 
 def _check_reliability(cfg: Config) -> None:
