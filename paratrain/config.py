@@ -27,6 +27,7 @@ from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 
 
 DEFAULT_GLOBAL_BATCH = 16
+RECIPE_DEFAULT = "(default: the model's recipe, shown by `paratrain models`)"
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -79,13 +80,18 @@ class TrainSection:
                                             "ranks)")
     micro_batch: int | None = option(None, "sequences per forward/backward; accumulation = global / (micro * data "
                                            "ranks) (default: global / data ranks, one micro-batch per rank)")
-    lr: float = option(3e-3, "peak learning rate (AdamW)")
-    min_lr: float = option(3e-4, "learning rate at the end of the cosine decay")
-    warmup_steps: int = option(20, "steps of linear warmup from 0 to --lr")
-    weight_decay: float = option(0.1, "AdamW decoupled weight decay (matrices only, not norms)")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.95, "AdamW beta2")
-    grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
+    # The optimizer and schedule: None takes the named model's published recipe (`resolve_recipe`).
+    lr: float | None = option(None, f"peak learning rate (AdamW) {RECIPE_DEFAULT}")
+    min_lr: float | None = option(None, "learning rate at the end of the cosine decay (default: the recipe's, or "
+                                        "with --lr given the recipe's fraction of it)")
+    warmup_steps: int | None = option(None, f"steps of linear warmup from 0 to --lr {RECIPE_DEFAULT}")
+    weight_decay: float | None = option(None, f"AdamW decoupled weight decay (matrices only, not norms) "
+                                              f"{RECIPE_DEFAULT}")
+    beta1: float | None = option(None, f"AdamW beta1 {RECIPE_DEFAULT}")
+    beta2: float | None = option(None, f"AdamW beta2 {RECIPE_DEFAULT}")
+    eps: float | None = option(None, f"AdamW epsilon {RECIPE_DEFAULT}")
+    grad_clip: float | None = option(None, f"clip the global gradient norm to this value (0 disables) "
+                                           f"{RECIPE_DEFAULT}")
     seed: int = option(0, "seed for initialization and data order")
     eval_every: int = option(50, "evaluate every N steps (and at the end); 0 evaluates only at the end")
     log_every: int = option(1, "write the step record to metrics.jsonl every N steps (and at the last and "
@@ -300,6 +306,7 @@ def validate(cfg: Config, world_size: int = 1, model_cfg=None) -> CheckedLayout:
     The option values first (`check_values`), then the layout (`check_layout`; without the model,
     the rules on its shape wait).
     """
+    resolve_recipe(cfg)  # the named model's recipe fills the options left unset
     check_values(cfg)
     return check_layout(cfg, world_size, model_cfg)
 
@@ -327,6 +334,8 @@ def check_values(cfg: Config) -> None:
     for name, value in [("--beta1", t.beta1), ("--beta2", t.beta2)]:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    if not t.eps > 0:
+        raise ConfigError(f"--eps must be positive, got {t.eps}")
     p = cfg.parallel
     for name, value in [("--dp", p.dp), ("--dp-shard", p.dp_shard),
                         ("--activation-checkpointing", p.activation_checkpointing)]:
@@ -336,6 +345,23 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
     _check_reliability(cfg)
     _check_launch(cfg)
+
+
+def resolve_recipe(cfg: Config) -> None:
+    """Fill the [train] optimizer options left unset from the named model's recipe (`paratrain.models.RECIPES`).
+
+    A value from the TOML file or the command line wins; a peak learning rate given without
+    --min-lr decays to the recipe's fraction of it. Every process resolves them alike, before
+    validation, and the run's config.json records the values used.
+    """
+    from paratrain.models import Recipe, get_recipe
+
+    t, recipe = cfg.train, get_recipe(cfg.model.name)
+    if t.min_lr is None and t.lr is not None:
+        t.min_lr = t.lr * (recipe.min_lr / recipe.lr)
+    for f in dataclasses.fields(Recipe):
+        if f.name != "source" and getattr(t, f.name) is None:
+            setattr(t, f.name, getattr(recipe, f.name))
 
 
 def _check_reliability(cfg: Config) -> None:

@@ -169,6 +169,28 @@ def test_models_json_lists_exact_counts(capsys):
     assert rows == {name: cfg.num_params() for name, cfg in MODEL_CONFIGS.items()}
 
 
+def test_models_shows_each_models_recipe(capsys):
+    """`paratrain models` prints the optimizer and schedule each named model trains with by default."""
+    from paratrain.models import get_recipe
+
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    for column in ("lr", "min_lr", "warmup", "beta2", "eps", "wd", "clip"):
+        assert column in header, column
+    table = lines[1:lines.index("")]  # the recipes' sources follow the table
+    rows = {line.split()[0]: line.split() for line in table}
+    assert set(rows) == set(MODEL_CONFIGS)
+    for name, row in rows.items():
+        recipe = get_recipe(name)
+        values = dict(zip(header, row))
+        assert float(values["lr"]) == recipe.lr and int(values["warmup"].replace(",", "")) == recipe.warmup_steps
+        assert float(values["beta2"]) == recipe.beta2 and float(values["eps"]) == recipe.eps
+    assert main(["models", "--json"]) == 0
+    documents = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert documents["llama2-7b"]["recipe"]["lr"] == get_recipe("llama2-7b").lr == 3e-4
+
+
 def test_prepare_then_train_on_it(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

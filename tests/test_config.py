@@ -30,6 +30,60 @@ def test_command_line_overrides_toml_overrides_defaults(tmp_path):
     assert cfg.train.global_batch == Config().train.global_batch  # default untouched
 
 
+def resolved(*argv):
+    """The config `paratrain train ARGV` runs with: parsed, then its defaults resolved as the trainer's preflight
+    resolves them (before any process starts; no 7B model is built)."""
+    from paratrain.run.build import preflight
+
+    cfg = parse(*argv, "--no-mem-check", "--out", "unused-run-dir")
+    preflight(cfg, 1)
+    return cfg
+
+
+def test_a_named_model_trains_with_its_published_recipe():
+    """Llama 2 (Touvron et al. 2023, §2.2 and table 1): AdamW β1 0.9, β2 0.95, eps 1e-5, 2,000 warm-up steps, cosine
+    to 10 % of the peak, weight decay 0.1, clipping at 1.0; peak 3e-4 for 7B and 13B, 1.5e-4 for 70B."""
+    t = resolved("--model", "llama2-7b").train
+    assert (t.lr, t.min_lr, t.warmup_steps) == (3e-4, pytest.approx(3e-5), 2000)
+    assert (t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_clip) == (0.9, 0.95, 1e-5, 0.1, 1.0)
+    assert resolved("--model", "llama2-13b").train.lr == 3e-4
+    assert (resolved("--model", "llama2-70b").train.lr, resolved("--model", "llama2-70b").train.min_lr) == \
+        (1.5e-4, pytest.approx(1.5e-5))
+    assert resolved("--model", "llama3-8b").train.lr == 3e-4  # Llama 3 (Dubey et al. 2024), table 3
+
+
+def test_the_default_model_keeps_its_recipe():
+    """`paratrain train` as the README runs it: the numbers it always trained with."""
+    t = resolved().train
+    assert (t.lr, t.min_lr, t.warmup_steps, t.weight_decay, t.beta1, t.beta2, t.grad_clip) == \
+        (3e-3, pytest.approx(3e-4), 20, 0.1, 0.9, 0.95, 1.0)
+    assert t.eps == 1e-8  # torch's AdamW default
+
+
+def test_the_users_options_win_over_the_recipe(tmp_path):
+    t = resolved("--model", "llama2-7b", "--lr", "1e-4", "--warmup-steps", "10", "--grad-clip", "0").train
+    assert (t.lr, t.warmup_steps, t.grad_clip) == (1e-4, 10, 0.0)
+    assert t.min_lr == pytest.approx(1e-5), "the decay ends at the recipe's fraction of the peak the user chose"
+    assert t.beta2 == 0.95 and t.eps == 1e-5
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\nname = 'llama2-7b'\n[train]\nlr = 2e-4\nmin_lr = 0.0\nbeta2 = 0.98\n")
+    t = resolved("--config", str(toml)).train
+    assert (t.lr, t.min_lr, t.beta2, t.warmup_steps) == (2e-4, 0.0, 0.98, 2000)
+    assert resolved("--config", str(toml), "--lr", "5e-5").train.lr == 5e-5  # the command line over the file
+
+
+def test_a_run_written_before_an_option_existed_is_the_same_run():
+    """A run directory whose config.json predates train.eps resumes; a changed option is still another run."""
+    from paratrain.run.rundir import config_difference
+
+    current = resolved().to_dict()
+    stored = json.loads(json.dumps(current))
+    del stored["train"]["eps"]
+    assert config_difference(stored, current) is None
+    stored["train"]["lr"] = 1e-3
+    assert config_difference(stored, current) == "train.lr is 0.001 there, 0.003 here"
+
+
 def test_unknown_toml_key_and_section_are_errors(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text("[train]\nstepz = 3\n")

@@ -1,8 +1,11 @@
-"""Model shapes: the `ModelConfig` dataclass, its analytic counts, and the named configs."""
+"""Model shapes: the `ModelConfig` dataclass, its analytic counts, and the named configs with their training
+recipes (`Recipe`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
 from paratrain.errors import ParatrainError
 
 
@@ -123,6 +126,64 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         max_seq_len=8192, rope_theta=500000.0,
     ),
 }
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The optimizer and learning-rate schedule a named model trains with: the defaults of the trainer's `[train]`
+    options of the same names (`paratrain.config.resolve_recipe`; an option the user gives wins).
+
+    Fields:
+        lr: peak learning rate, reached at the end of the warm-up.
+        min_lr: where the cosine decay ends (with another peak given, the same fraction of it).
+        warmup_steps: steps of linear warm-up from 0 to the peak.
+        beta1, beta2, eps: AdamW's moment decays and denominator epsilon.
+        weight_decay: AdamW's decoupled weight decay (matrices only).
+        grad_clip: the global gradient norm is clipped to this (0: no clipping).
+        source: where the numbers come from.
+    """
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip: float
+    source: str
+
+
+# The small configs train in minutes on a CPU: a high peak and a short warm-up, torch's AdamW epsilon.
+_QUICK = Recipe(lr=3e-3, min_lr=3e-4, warmup_steps=20, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                grad_clip=1.0, source="paratrain's own, for runs of a few hundred steps")
+# Llama 2 (Touvron et al. 2023, §2.2): "AdamW optimizer with β1 = 0.9, β2 = 0.95, eps = 10⁻⁵ ... a cosine
+# learning rate schedule, with warmup of 2000 steps, and decay final learning rate down to 10% of the peak
+# learning rate ... weight decay of 0.1 and gradient clipping of 1.0"; peak 3.0e-4 for 7B and 13B, 1.5e-4
+# for 34B and 70B (table 1).
+_LLAMA2 = Recipe(lr=3e-4, min_lr=3e-5, warmup_steps=2000, beta1=0.9, beta2=0.95, eps=1e-5, weight_decay=0.1,
+                 grad_clip=1.0, source="Llama 2 (Touvron et al. 2023), §2.2 and table 1")
+# Llama 3 (Dubey et al. 2024): peak 3e-4 for 8B (table 3). Its schedule is published for 405B only (§3.4.1:
+# linear warm-up of 8,000 steps, cosine decay to 1% of the peak), taken here as it stands; the paper does not
+# restate AdamW's betas, epsilon, weight decay or clipping, which stay Llama 2's.
+_LLAMA3_8B = Recipe(lr=3e-4, min_lr=3e-6, warmup_steps=8000, beta1=0.9, beta2=0.95, eps=1e-5,
+                    weight_decay=0.1, grad_clip=1.0,
+                    source="Llama 3 (Dubey et al. 2024), table 3 and §3.4.1 (schedule of 405B); AdamW as Llama 2")
+
+RECIPES: dict[str, Recipe] = {
+    "tiny": _QUICK,
+    "small": _QUICK,
+    "llama2-7b": _LLAMA2,
+    "llama2-13b": _LLAMA2,
+    "llama2-70b": dataclasses.replace(_LLAMA2, lr=1.5e-4, min_lr=1.5e-5),
+    "llama3-8b": _LLAMA3_8B,
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The named model's recipe; a name that is not a named config (with --init-from, --model only names the run)
+    gets the small configs'."""
+    return RECIPES.get(name, _QUICK)
 
 
 def get_model_config(name: str) -> ModelConfig:

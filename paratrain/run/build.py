@@ -180,7 +180,8 @@ def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
     # 17 ms for 27M parameters on one thread, against 77 for the default loop and 105 for foreach). Elsewhere
     # torch's default.
     fused = bool(params) and all(p.device.type in fused_optimizer_devices() for p in params) or None
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused)
+    t = cfg.train
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
 # -- the run directory --------------------------------------------------------------------------------

@@ -144,7 +144,9 @@ def config_difference(stored: dict, current: dict) -> str | None:
     for section in IDENTITY_SECTIONS:
         theirs, mine = stored.get(section, {}), current.get(section, {})
         for key in sorted(set(theirs) | set(mine)):
-            if key not in FREE_OPTIONS and theirs.get(key) != mine.get(key):
+            # An option newer than the stored run is not in its config: it ran with that option's fixed value
+            # of the time, which cannot be read back (train.eps, before the models' recipes: torch's 1e-8).
+            if key not in FREE_OPTIONS and (key in theirs or not theirs) and theirs.get(key) != mine.get(key):
                 return f"{section}.{key} is {theirs.get(key)!r} there, {mine.get(key)!r} here"
     return None
 
