@@ -33,6 +33,13 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def default_store() -> dist.Store:
+    """The key-value store the default process group was created on (private `_get_default_store`)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
 # -- the elastic launcher -----------------------------------------------------------------------------
 
 # LaunchConfig fields newer than torch 2.11, which an older LaunchConfig does not take: without them the

@@ -91,13 +91,30 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(timeout_s: float = 600.0, flight_records: str | None = None) -> tuple[DistEnv, torch.device]:
+def launcher_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
+    """The job's key-value store as the launcher's environment describes it (env://: MASTER_ADDR, MASTER_PORT;
+    hosted by torchrun's agent, else by rank 0), opened before the process group.
+
+    Through it the ranks agree on what the group's own setup needs (the run directory, where NCCL's
+    flight recorder must be told to dump before the group exists); `init_distributed(store=...)`
+    then builds the group on this same store, as torch's env:// initialization would.
+    """
+    os.environ.setdefault("MASTER_PORT", "29500")
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def init_distributed(timeout_s: float = 600.0, flight_records: str | None = None,
+                     store: dist.Store | None = None) -> tuple[DistEnv, torch.device]:
     """Join the process group described by the environment (if there is more than one process).
 
     Returns this process's DistEnv and the device it computes on. Safe to call
     when a process group already exists (tests, user scripts). On CUDA, NCCL's
     failure handling and flight recorder are set up first (`nccl_diagnostics`), its dumps
-    going to `flight_records` + rank.
+    going to `flight_records` + rank. `store`: the group's rendezvous, already opened by
+    `launcher_store` (None: torch opens it from the environment).
     """
     env = detect_env()
     device = default_device(env)
@@ -114,6 +131,8 @@ def init_distributed(timeout_s: float = 600.0, flight_records: str | None = None
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
+            # The prefix keeps the group's keys apart from the store's other users, as torch's env:// path does.
+            **({"store": dist.PrefixStore("default_pg", store)} if store is not None else {}),
             # NCCL: bound to this GPU at once (eager communicator creation, no device guessing).
             **({"device_id": device} if device.type == "cuda" else {}),
         )

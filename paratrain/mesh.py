@@ -203,7 +203,7 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
 
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None,
-              flight_records: str | None = None, dp_shard: int | None = None) -> Mesh:
+              flight_records: str | None = None, dp_shard: int | None = None, store=None) -> Mesh:
     """Join the job described by the launcher's environment and build the mesh.
 
     Creates the default process group if none exists (one process alone gets a
@@ -211,7 +211,8 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float 
     size divided by tp × pp; `dp_shard` splits it for hybrid sharding (None: no
     split). `timeout_s` bounds every collective (None: torch's default); a group
     that already exists keeps its own. `flight_records` is where
-    NCCL's flight recorder dumps each rank's last collectives on a timeout (+ rank).
+    NCCL's flight recorder dumps each rank's last collectives on a timeout (+ rank). `store`:
+    the job's store, when the caller opened it before (`paratrain.distributed.launcher_store`).
     """
     from paratrain.distributed import backend_for, detect_env, init_distributed
 
@@ -219,7 +220,7 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float 
     shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp, dp_shard=dp_shard)  # fail before any group exists
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     _, device = init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}),
-                                 flight_records=flight_records)
+                                 flight_records=flight_records, store=store)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     return build_mesh(shape, timeout, device)

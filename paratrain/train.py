@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from paratrain.checkpoint.files import write_safetensors
 from paratrain.config import Config
-from paratrain.distributed import detect_env, shutdown
+from paratrain.compat import default_store
+from paratrain.distributed import detect_env, launcher_store, shutdown
 from paratrain.faults import fault_requested, maybe_fault
 from paratrain.mesh import WORLD, init_mesh
 from paratrain.metrics import StepTimer, mfu, perplexity, unigram_entropy
@@ -65,11 +66,15 @@ def train(cfg: Config) -> RunResult:
     owns_group = not dist.is_initialized()
     env = detect_env()
     layout = preflight(cfg, env.world_size)  # before any process group exists; the layout decided once
+    store = None
+    if not cfg.run.out:  # under torchrun without a run id: the ranks agree on one before the group exists, where
+        # NCCL's flight recorder is told where to dump (into the run, where the failure summary reads)
+        store = launcher_store(env, cfg.reliability.pg_timeout_s) if owns_group else default_store()
+        cfg.run.out = shared_run_dir(cfg, store)
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                      dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s,
-                     flight_records=flight_record_prefix(cfg))
+                     flight_records=flight_record_prefix(cfg), store=store)
     try:
-        cfg.run.out = cfg.run.out or shared_run_dir(cfg, mesh)  # under torchrun without a run id
         run = build(cfg, env, mesh, layout)
         return finish(run, *loop(run))
     finally:

@@ -309,3 +309,51 @@ def test_fingerprints_name_the_first_divergence_and_the_rank_that_never_came(tmp
     assert describe(tmp_path / "b", 1, shape).endswith(
         "rank 2 never issued call #79 (all_reduce over dp shape [2]): its last was #70 all_reduce over dp shape [2] "
         "float32 (step 4) and it is at step 5, hung or dead outside a collective")
+
+
+class _SimulatedGPUs:
+    """torch.cuda's RNG functions over `count` visible devices, `current` this process's (torch.cuda.set_device's)."""
+
+    def __init__(self, count: int, current: int):
+        self.count, self.current = count, current
+        self.states = {i: torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(count)}
+
+    def _index(self, device) -> int:
+        index = device if isinstance(device, int) else torch.device(device).index
+        index = self.current if index is None else index
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        return index
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def set_rng_state(self, new_state, device="cuda"):
+        self.states[self._index(device)] = new_state.clone()
+
+    def install(self, monkeypatch) -> None:
+        # torch.cuda.random's own *_all functions call the names bound in that module.
+        for module in (torch.cuda, torch.cuda.random):
+            monkeypatch.setattr(module, "get_rng_state", self.get_rng_state)
+            monkeypatch.setattr(module, "set_rng_state", self.set_rng_state)
+            monkeypatch.setattr(module, "device_count", lambda: self.count)
+            monkeypatch.setattr(module, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_a_rank_saves_its_own_gpus_rng_state_and_restores_it_where_fewer_gpus_are_visible(tmp_path, monkeypatch):
+    """Saved as rank 1 of a machine with 2 visible GPUs (its own: cuda:1), restored where each process sees only
+    its own GPU (CUDA_VISIBLE_DEVICES per rank: cuda:0), through a checkpoint's per-rank state."""
+    from paratrain.checkpoint import LocalCoordinator, save_checkpoint
+    from paratrain.run.checkpoints import rng_state, set_rng_state
+
+    saving = _SimulatedGPUs(count=2, current=1)
+    saving.install(monkeypatch)
+    path = save_checkpoint(tmp_path, 1, {}, {"rng": rng_state()}, {}, coordinator=LocalCoordinator())
+
+    restoring = _SimulatedGPUs(count=1, current=0)
+    restoring.install(monkeypatch)
+    set_rng_state(CheckpointReader(path).rank_state(0)["rng"])
+    assert torch.equal(restoring.states[0], saving.states[1]), "restored to this rank's device"
+    saved = CheckpointReader(path).rank_state(0)["rng"]["cuda"]
+    assert torch.equal(saved, saving.states[1]), "this rank's device only, not every visible GPU's"

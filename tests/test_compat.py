@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import json
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,19 @@ def test_the_flat_collectives_are_torchs_newer_names_where_it_has_them_else_the_
     finally:
         monkeypatch.undo()
         importlib.reload(compat)
+
+
+def test_the_default_store_is_the_one_the_group_was_created_on():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        before = store.num_keys()
+        assert compat.default_store().compare_set("paratrain/test", "", "first") == b"first"
+        assert compat.default_store().compare_set("paratrain/test", "", "second") == b"first"
+        assert store.num_keys() == before + 1, "the key went into the group's store (under torch's own prefix)"
+    finally:
+        dist.destroy_process_group()
 
 
 # -- autograd -----------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def test_llama2_7b_zero3_bf16_on_8_gpus_resolves_sensible_defaults(monkeypatch):
     cfg = _config("--model", "llama2-7b", "--zero", "3", "--precision", "bf16", "--mem-budget", "80GB")
     preflight(cfg, world_size=8)
     assert (cfg.train.global_batch, cfg.train.micro_batch) == (16, 2), "16 sequences, one micro-batch per GPU"
-    assert cfg.run.out == "", "plain torchrun gives no run id: rank 0 names the run once the group exists"
+    assert cfg.run.out == "", "plain torchrun gives no run id: the ranks agree on a name through its store"
     assert cfg.train.peak_flops is None  # then MFU divides by the GPU's own peak:
     assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_of("NVIDIA H100 PCIe") == 756e12 and peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
@@ -53,7 +53,7 @@ def test_batch_defaults_divide_over_any_world_size():
 def test_the_run_directory_needs_no_out_under_any_launcher():
     cfg = _config("--model", "tiny")
     assert default_run_dir(cfg, {"WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "job42"}) == "runs/tiny-job42"
-    assert default_run_dir(cfg, {"WORLD_SIZE": "8"}) == ""  # rank 0 chooses, shared_run_dir broadcasts it
+    assert default_run_dir(cfg, {"WORLD_SIZE": "8"}) == ""  # the ranks agree on one: shared_run_dir
     assert default_run_dir(cfg, {}).startswith("runs/tiny-")
 
 

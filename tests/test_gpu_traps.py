@@ -16,6 +16,8 @@ process group's timeout says so.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,3 +293,59 @@ def test_two_stages_that_both_wait_to_send_are_named_together(tmp_path):
     assert line == ("rank 0 waits in transfer #1 over pp (send to rank 1 sizes [[4, 8]]), started, not completed; "
                     "rank 1 waits in transfer #1 over pp (send to rank 0 sizes [[4, 8]]) too"), line
 
+
+# -- where the flight recorder dumps: set before the process group exists -------------------------------
+
+def test_under_plain_torchrun_the_flight_records_go_into_the_run_before_the_group_exists(tmp_path, monkeypatch):
+    """`torchrun --nproc-per-node 2 -m paratrain train` on GPUs, no --out and no run id: each rank's dump prefix is
+    set before init_process_group, in the run's diagnostics (where the failure summary reads), the same run on
+    every rank. Simulated: CUDA present, torchrun's agent store hosted here, init_process_group stopped."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import paratrain.run.build as build
+    from paratrain.cli import build_parser
+    from paratrain.commands.train import config_from_args
+    from paratrain.run.diagnose import FLIGHT_PREFIX
+    from paratrain.run.rundir import diagnostics_dir
+    from paratrain.train import train
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def init_process_group(*args, **kwargs):
+        seen[os.environ["RANK"]] = {v: os.environ.get(v) for v in ("TORCH_FR_DUMP_TEMP_FILE",
+                                                                     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
+        raise Stop
+
+    agent = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(agent.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    outs = {}
+    for rank in ("0", "1"):
+        for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                     "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+            monkeypatch.delenv(name, raising=False)  # each rank a process of its own
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        # The ranks' clocks disagree: each proposes its own name for the run.
+        monkeypatch.setattr(build.time, "strftime", lambda fmt, rank=rank: f"clock-of-rank-{rank}")
+        cfg = config_from_args(build_parser().parse_args(["train", "--model", "tiny", "--mem-budget", "16GB"]))
+        with pytest.raises(Stop):
+            train(cfg)
+        outs[rank] = cfg.run.out
+    assert outs == {"0": "runs/tiny-clock-of-rank-0", "1": "runs/tiny-clock-of-rank-0"}, "one run, rank 0's name"
+    prefix = str(diagnostics_dir(Path(outs["0"])) / FLIGHT_PREFIX)
+    expected = {"TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    assert seen == {"0": expected, "1": expected}

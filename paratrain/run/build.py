@@ -186,11 +186,15 @@ def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
 
 # -- the run directory --------------------------------------------------------------------------------
 
+# The run directory's key in the job's store; torch's own keys are apart (its group's under "default_pg/").
+RUN_DIR_KEY = "paratrain/run_dir"
+
+
 def default_run_dir(cfg: Config, environ=os.environ) -> str:
-    """A fresh run directory name, the same on every rank of one job; '' when only rank 0 can choose it.
+    """A fresh run directory name, the same on every rank of one job; '' when the ranks must agree on one.
 
     Under torchrun with a run id (`--rdzv-id`, `--standalone`) the id names it; with none (plain
-    `torchrun --nproc-per-node N`) rank 0 names it once the process group exists (`shared_run_dir`).
+    `torchrun --nproc-per-node N`, srun) the ranks agree on one through the job's store (`shared_run_dir`).
     """
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     if int(environ.get("WORLD_SIZE", "1")) > 1:
@@ -198,16 +202,15 @@ def default_run_dir(cfg: Config, environ=os.environ) -> str:
     return f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def shared_run_dir(cfg: Config, mesh: Mesh) -> str:
-    """Rank 0's fresh run directory name, broadcast to every rank (collective)."""
-    name = f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}".encode() if mesh.rank == 0 else b""
-    size = torch.tensor([len(name)], dtype=torch.int64, device=mesh.device)
-    dist.broadcast(size, src=0)
-    data = torch.zeros(int(size.item()), dtype=torch.uint8, device=mesh.device)
-    if mesh.rank == 0:
-        data.copy_(torch.frombuffer(bytearray(name), dtype=torch.uint8))
-    dist.broadcast(data, src=0)
-    return bytes(data.cpu().tolist()).decode()
+def shared_run_dir(cfg: Config, store) -> str:
+    """A fresh run directory name, the same on every rank: the first proposal to reach the job's key-value store.
+
+    No collective: it runs before the process group exists (`paratrain.distributed.launcher_store`), so that
+    NCCL's flight recorder can be told to dump into the run. A store that outlives a restart (torchrun's
+    agent's) keeps the first attempt's name, and the restarted job continues that run.
+    """
+    proposal = f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return store.compare_set(RUN_DIR_KEY, "", proposal).decode()
 
 
 def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:

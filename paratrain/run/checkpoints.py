@@ -8,7 +8,7 @@ optimizer state (`paratrain.run.model_state`):
   layout (world size, degrees, ZeRO stage, precision, micro-batch), the loss
   scaler, the data sampler (a global stream position: it continues exactly
   under any number of data ranks) and the non-finite step counters;
-* per-rank state: each rank's RNG states (torch, Python, NumPy), restored to
+* per-rank state: each rank's RNG states (torch's CPU and its GPU's, Python, NumPy), restored to
   the same rank when the layout is unchanged.
 
 Resuming is decided once, by rank 0, which alone touches the checkpoint root
@@ -271,23 +271,33 @@ def explain_layout_error(cfg: Config, error: Exception) -> Exception:
 
 
 def rng_state() -> dict:
-    """This process's RNG states: torch (CPU, and CUDA devices if any), Python's `random`, NumPy's global."""
+    """This process's RNG states: torch's CPU generator, on a GPU this rank's device's (the current device,
+    set by `init_distributed`), Python's `random`, NumPy's global.
+
+    One device only: the other visible GPUs belong to other ranks, and a relaunch may see fewer of
+    them (one per process), where restoring every saved device's state would fail.
+    """
     version, internal, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(),
              "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
              "numpy": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state` returned (after a JSON round trip: lists instead of tuples)."""
+    """Restore what `rng_state` returned (after a JSON round trip: lists instead of tuples); the CUDA state to
+    this rank's device (the current one)."""
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     n = state["numpy"]
     np.random.set_state(("MT19937", np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda") if torch.cuda.is_available() else None
+    if isinstance(cuda, list):  # saved before one device's state was: every visible GPU's, this one's at its index
+        index = torch.cuda.current_device()
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)

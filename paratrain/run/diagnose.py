@@ -190,11 +190,13 @@ def _laggards(rings: dict[int, tuple[dict, list[dict]]]) -> str | None:
 
 # -- NCCL: torch's flight recorder ---------------------------------------------------------------------
 
-def flight_record_prefix(cfg) -> str | None:
-    """Where this attempt's flight-recorder dumps go (+ rank): beside the fingerprints; None without --out yet."""
+def flight_record_prefix(cfg) -> str:
+    """Where this attempt's flight-recorder dumps go (+ rank): beside the fingerprints, where the launcher's
+    failure summary reads them. Known before the process group exists (torch reads it then), as the
+    run directory is (`paratrain.run.build.shared_run_dir`)."""
     from paratrain.run.rundir import diagnostics_dir
 
-    return str(diagnostics_dir(Path(cfg.run.out)) / FLIGHT_PREFIX) if cfg.run.out else None
+    return str(diagnostics_dir(Path(cfg.run.out)) / FLIGHT_PREFIX)
 
 
 class _PlainData(pickle.Unpickler):
