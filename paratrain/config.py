@@ -306,13 +306,17 @@ def validate(cfg: Config, world_size: int = 1, model_cfg=None) -> CheckedLayout:
     The option values first (`check_values`), then the layout (`check_layout`; without the model,
     the rules on its shape wait).
     """
-    resolve_recipe(cfg)  # the named model's recipe fills the options left unset
     check_values(cfg)
     return check_layout(cfg, world_size, model_cfg)
 
 
 def check_values(cfg: Config) -> None:
-    """The rules of each option's own value (ranges, and the launcher's and reliability options); ConfigError."""
+    """The rules of each option's own value (ranges, and the launcher's and reliability options); ConfigError.
+
+    The named model's recipe first fills the options left unset (`resolve_recipe`), so that every path
+    that checks the values (validate, the trainer's preflight) checks the values the run will use.
+    """
+    resolve_recipe(cfg)
     t, d, r = cfg.train, cfg.data, cfg.run
     for name, value in [("--steps", t.steps), ("--global-batch", t.global_batch),
                         ("--micro-batch", t.micro_batch), ("--seq-len", d.seq_len),
