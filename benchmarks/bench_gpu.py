@@ -1,0 +1,372 @@
+"""One command for one GPU: paratrain's step time, MFU and memory against plain PyTorch and FSDP2, and the planner's.
+
+    python benchmarks/bench_gpu.py                        # H100 / H200: the 1B model, then llama2-7b where it fits
+    python benchmarks/bench_gpu.py --budget-s 300         # stop starting rows after 300 s (the rest noted as skipped)
+    python benchmarks/bench_gpu.py --device cpu --size tiny --steps 2 --warmup 1 --no-compile   # the dry run
+
+Rows, most important first (a row that is not started within --budget-s is written as skipped):
+  1. the 1B model of gpu_check.py (SIZES["1b"], batch 4 x seq 2048, bf16): plain PyTorch compiled (every
+     block torch.compile'd) and paratrain ZeRO-0 compiled; plain PyTorch eager, paratrain ZeRO-0 eager,
+     FSDP2 (fully_shard per block + root, MixedPrecisionPolicy bf16 params / fp32 reduce), paratrain ZeRO-3;
+     then paratrain ZeRO-0 and ZeRO-3 x eager/compiled x selective/full recomputation.
+  2. llama2-7b (bf16, seq 2048, micro-batch 1): a few paratrain ZeRO-3 rows with recomputation, each only
+     where torch.cuda.mem_get_info shows room for the planner's estimate (fp32 masters + Adam: ~16 bytes per
+     parameter, 112 GB, so an H200's 141 GB, not an H100's 80).
+paratrain rows that ask for what this build's parallelize() does not take (compile=True, a recomputation
+mode by name) are written as "not available in this build"; recomputation "full" falls back to
+activation_checkpointing=1 (every block), which is full recomputation.
+
+Per row: step time min / median / max over --steps timed steps after --warmup (synchronized around each),
+tokens/s, MFU (ModelConfig.flops_per_token, PaLM's 6N + attention, over paratrain.hardware's dense bf16
+peak), peak torch.cuda.max_memory_allocated (reset after warm-up, so it covers model state and the timed
+steps; absolute, so it includes what earlier rows left: "allocated before"), the bytes the row left allocated
+once its model and optimizer are dropped (gc.collect, torch.cuda.empty_cache: 0 unless something holds on), and the planner's prediction (paratrain.plan
+estimate on the preset matching the device: step time and peak memory) with measured / predicted. Plain
+PyTorch rows are predicted as the planner's ZeRO-0 layout, FSDP2 as its ZeRO-3.
+
+Writes benchmarks/results/gpu-bench-<date>.md and .json with the device, driver, torch and CUDA versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import inspect
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import paratrain
+from gpu_check import SIZES, adamw, batches, model_on_meta
+from paratrain import DataParallel
+from paratrain.hardware import device_peak_flops
+from paratrain.models import ModelConfig, get_model_config
+
+NOT_AVAILABLE = "not available in this build"
+MARGIN = 1.10  # a row of the large model starts only where free memory exceeds the planner's peak by 10%
+LARGE_ROW_MIN_S = 120  # building llama2-7b and a few steps: a row is not started with less budget left
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    model: str  # "small" (--size) or "large" (--large)
+    kind: str  # "pytorch", "fsdp2" or "paratrain"
+    compile: bool
+    zero: int | None = None  # paratrain's ZeRO stage
+    recompute: str = "none"  # "none", "selective" or "full"
+
+    @property
+    def name(self) -> str:
+        what = {"pytorch": "plain PyTorch", "fsdp2": "FSDP2"}.get(self.kind, f"paratrain ZeRO-{self.zero}")
+        return f"{what} {'compiled' if self.compile else 'eager'}" + \
+            (f" +{self.recompute} recompute" if self.recompute != "none" else "")
+
+
+def rows(large: bool) -> list[Row]:
+    out = [Row("small", "pytorch", True), Row("small", "paratrain", True, 0),
+           Row("small", "pytorch", False), Row("small", "paratrain", False, 0),
+           Row("small", "fsdp2", False), Row("small", "paratrain", False, 3), Row("small", "paratrain", True, 3)]
+    out += [Row("small", "paratrain", c, z, r) for z in (0, 3) for c in (False, True) for r in ("selective", "full")]
+    if large:
+        out += [Row("large", "paratrain", True, 3, "selective"), Row("large", "paratrain", False, 3, "full")]
+    return out
+
+
+# -- what this build's parallelize() takes ---------------------------------------------------------------------
+
+def parallelize_kwargs(row: Row) -> tuple[dict | None, str | None]:
+    """The keyword arguments for `row`'s compile and recomputation, or (None, why this build cannot)."""
+    params = inspect.signature(paratrain.parallelize).parameters
+    kwargs = {}
+    if row.compile:
+        if "compile" not in params:
+            return None, f"{NOT_AVAILABLE}: parallelize() has no compile argument"
+        kwargs["compile"] = True
+    if row.recompute != "none":
+        # An annotation naming str means recomputation modes by name; else only every k-th block (1: full).
+        by_name = "str" in str(params["activation_checkpointing"].annotation)
+        if by_name:
+            kwargs["activation_checkpointing"] = row.recompute
+        elif row.recompute == "full":
+            kwargs["activation_checkpointing"] = 1
+        else:
+            return None, f"{NOT_AVAILABLE}: activation_checkpointing takes only every k-th block, not {row.recompute!r}"
+    return kwargs, None
+
+
+# -- the planner's prediction ----------------------------------------------------------------------------------
+
+def hardware_preset(device_name: str) -> str | None:
+    for pattern, preset in (("H200", "h200"), ("H100", "h100-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
+                            ("A100", "a100-80gb")):
+        if pattern in device_name:
+            return preset
+    return None
+
+
+def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None) -> dict:
+    """The planner's step time (on the device's preset; None without one) and peak memory for `row`."""
+    from paratrain.plan import HARDWARE_PRESETS, Layout, Workload, estimate
+
+    zero = row.zero if row.kind == "paratrain" else (3 if row.kind == "fsdp2" else 0)
+    workload = Workload.for_model(cfg, seq_len=seq, global_batch=batch, precision="bf16")
+    layout_args = {"zero": zero, "micro_batch": batch, "recompute": row.recompute}
+    notes = []
+    if "compile" in {f.name for f in dataclasses.fields(Layout)}:
+        layout_args["compile"] = row.compile
+    elif row.compile:
+        notes.append("the planner has no compile flag: predicted as eager")
+    if row.kind != "paratrain":
+        notes.append(f"predicted as paratrain's ZeRO-{zero} layout")
+    # Memory does not depend on the hardware: any preset gives it; the time needs the device's own.
+    est = estimate(workload, Layout(**layout_args), HARDWARE_PRESETS[preset or "h100-80gb"])
+    return {"step_s": est.time.total if preset else None, "peak_bytes": est.memory.total,
+            "hardware": preset, "notes": notes}
+
+
+# -- building each row -----------------------------------------------------------------------------------------
+
+def compile_blocks(model) -> None:
+    for block in model.layers.values():
+        block.compile()
+
+
+def build_plain(cfg: ModelConfig, row: Row, x, y, device):
+    """Plain PyTorch (gpu_check's step: fp32 weights, autocast bf16, fused AdamW on CUDA) or FSDP2 (bf16 params)."""
+    model = model_on_meta(cfg).to_empty(device=device)
+    model._tie_weights()
+    model.init_weights(0)
+    if row.kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    if row.compile:
+        compile_blocks(model)
+    optimizer = adamw(model.parameters(), fused=device.type == "cuda")
+    autocast = row.kind == "pytorch"
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build_paratrain(cfg: ModelConfig, row: Row, kwargs: dict, x, y):
+    from paratrain.train import train_step
+
+    model, optimizer = paratrain.parallelize(
+        model_on_meta(cfg), paratrain.init_mesh(), optimizer=functools.partial(adamw, fused=x.is_cuda),
+        precision="bf16", data=DataParallel(zero=row.zero, grad_reduction="sum"),
+        init=functools.partial(model_on_meta(cfg).param_init, seed=0), **kwargs)
+    return lambda: train_step(model, optimizer, [(x, y)], 1.0)
+
+
+# -- measuring -------------------------------------------------------------------------------------------------
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(step, device, warmup: int, steps: int) -> dict:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return {"step_s": {"min": min(times), "median": statistics.median(times), "max": max(times), "all": times},
+            "peak_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def free(device) -> int | None:
+    """Drop what the finished row left (compiled code included); the bytes still allocated after that."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def run_row(row: Row, cfg: ModelConfig, batch: int, seq: int, device, args, preset: str | None) -> dict:
+    out = {"row": row.name, **dataclasses.asdict(row), "params": cfg.num_params(), "batch": batch, "seq": seq}
+    out["predicted"] = predict(cfg, row, batch, seq, preset)
+    kwargs = {}
+    if row.kind == "paratrain":
+        kwargs, why = parallelize_kwargs(row)
+        if why:
+            return {**out, "status": why}
+    if row.model == "large":
+        if device.type != "cuda":
+            return {**out, "status": "skipped: the large model needs a CUDA device"}
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        need = out["predicted"]["peak_bytes"] * MARGIN
+        if free_bytes < need:
+            return {**out, "status": f"skipped: needs ~{need / 1e9:.0f} GB (planner's peak + 10%), "
+                                     f"{free_bytes / 1e9:.0f} GB free"}
+    out["allocated_before"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    x, y = batches(cfg, 1, batch, seq, device)[0]
+    start = time.perf_counter()
+    try:
+        step = build_plain(cfg, row, x, y, device) if row.kind != "paratrain" else build_paratrain(cfg, row, kwargs, x, y)
+        out.update(measure(step, device, args.warmup, args.steps))
+        out["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - a row that fails (out of memory included) is a result
+        out["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    finally:
+        step = None  # the closure holds the model and its optimizer
+    out["row_s"] = time.perf_counter() - start
+    out["allocated_after_free"] = free(device)
+    if out["allocated_before"] is not None:  # what this row left behind (earlier rows' leftovers excluded)
+        out["left_by_row"] = out["allocated_after_free"] - out["allocated_before"]
+    if out["status"] == "ok":
+        median = out["step_s"]["median"]
+        out["tokens_per_s"] = batch * seq / median
+        peak = device_peak_flops(device) or args.peak_flops
+        out["mfu"] = cfg.flops_per_token(seq) * batch * seq / median / peak if peak else None
+        p = out["predicted"]
+        p["time_ratio"] = median / p["step_s"] if p["step_s"] else None
+        p["memory_ratio"] = out["peak_allocated"] / p["peak_bytes"] if out["peak_allocated"] else None
+    return out
+
+
+# -- the command -----------------------------------------------------------------------------------------------
+
+def driver_version() -> str | None:
+    if shutil.which("nvidia-smi"):
+        try:
+            return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (default cuda)")
+    parser.add_argument("--size", default="1b", choices=list(SIZES), help="the small model (default 1b)")
+    parser.add_argument("--large", default="llama2-7b",
+                        help="the large model, a paratrain.models name (default llama2-7b); '' for none")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step of the small model (default 4)")
+    parser.add_argument("--large-batch", type=int, default=1, help="micro-batch of the large model (default 1)")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence, at most the model's (default 2048)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per row (default 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them, compilation included "
+                                                              "(default 3)")
+    parser.add_argument("--budget-s", type=float, default=420,
+                        help="no row starts after this many seconds; the rest are written as skipped (default 420)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled rows (a quick CPU dry run)")
+    parser.add_argument("--peak-flops", type=float, default=None,
+                        help="peak FLOP/s for MFU where paratrain.hardware does not know the device (e.g. a CPU)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: error: no CUDA device here (use --device cpu --size tiny for the dry run)", file=sys.stderr)
+        return 2
+    begin = time.perf_counter()
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    paratrain.init_mesh()  # the process group of one that FSDP2's device mesh and paratrain share
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.node(),
+               "device": name, "driver": driver_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "peak_flops": device_peak_flops(device) or args.peak_flops, "budget_s": args.budget_s,
+               "steps": args.steps, "warmup": args.warmup, "rows": []}
+    print(f"bench_gpu on {name} (driver {results['driver']}, torch {results['torch']}, CUDA {results['cuda']})",
+          flush=True)
+    models = {"small": (SIZES[args.size], args.batch)}
+    if args.large:
+        models["large"] = (get_model_config(args.large), args.large_batch)
+    preset = hardware_preset(name)
+    for row in rows(bool(args.large)):
+        cfg, batch = models[row.model]
+        seq = min(args.seq, cfg.max_seq_len)
+        elapsed = time.perf_counter() - begin
+        left = args.budget_s - elapsed
+        if row.compile and args.no_compile:
+            result = {"row": row.name, **dataclasses.asdict(row), "status": "skipped: --no-compile"}
+        elif left <= 0 or (row.model == "large" and device.type == "cuda" and left < LARGE_ROW_MIN_S):
+            result = {"row": row.name, **dataclasses.asdict(row),
+                      "status": f"skipped: budget spent ({elapsed:.0f} s of --budget-s {args.budget_s:g})"}
+        else:
+            result = run_row(row, cfg, batch, seq, device, args, preset)
+        result["model_name"] = args.size if row.model == "small" else args.large
+        results["rows"].append(result)
+        print(f"  {result['model_name']:>10} {row.name:<44} {summary(result)}", flush=True)
+    results["total_s"] = time.perf_counter() - begin
+    write(results, Path(args.out))
+    return 1 if any(r["status"].startswith("error") for r in results["rows"]) else 0
+
+
+def summary(r: dict) -> str:
+    if r["status"] != "ok":
+        return r["status"]
+    s, p = r["step_s"], r["predicted"]
+    gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB")
+    mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+    ratio = (lambda v: "-" if v is None else f"{v:.2f}")
+    return (f"{s['min']:.3f} / {s['median']:.3f} / {s['max']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
+            f"{gib(r['peak_allocated'])} | {gib(r.get('allocated_before'))} | {gib(r.get('left_by_row'))} | "
+            f"{'-' if p['step_s'] is None else format(p['step_s'], '.3f')} ({ratio(p['time_ratio'])}) | "
+            f"{gib(p['peak_bytes'])} ({ratio(p['memory_ratio'])})")
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"gpu-bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = [f"# bench_gpu {results['date']} on {results['device']}, driver {results['driver']}, "
+             f"torch {results['torch']}, CUDA {results['cuda']}", "",
+             f"{results['warmup']} warm-up + {results['steps']} timed steps per row; budget {results['budget_s']:g} s, "
+             f"used {results['total_s']:.0f} s. Predicted = paratrain.plan's estimate "
+             "(measured / predicted in brackets).", "",
+             "| model | row | step s min / median / max | tokens/s | MFU | peak allocated | allocated before | "
+             "left after free | predicted step s | predicted peak |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for r in results["rows"]:
+        cells = summary(r).split(" | ")
+        cells += [""] * (8 - len(cells))
+        lines.append(f"| {r['model_name']} | {r['row']} | " + " | ".join(cells) + " |")
+        for note in r.get("predicted", {}).get("notes", []):
+            notes.append(f"- {r['model_name']} {r['row']}: {note}")
+    lines += ["", *dict.fromkeys(notes)]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"written: {stem}.json, {stem}.md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
