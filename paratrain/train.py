@@ -76,10 +76,16 @@ def train(cfg: Config) -> RunResult:
                      flight_records=flight_record_prefix(cfg), store=store)
     try:
         run = build(cfg, env, mesh, layout)
-        return finish(run, *loop(run))
-    finally:
-        if owns_group:
+        result = finish(run, *loop(run))
+    except BaseException:
+        # A worker of a launcher that fails leaves without tearing the group down: that can wait on peers still
+        # inside a collective, and the launcher names as the cause the rank whose error it records first.
+        if owns_group and not env.distributed:
             shutdown()
+        raise
+    if owns_group:
+        shutdown()
+    return result
 
 
 def loop(run: Run) -> tuple[float, float, float]:
