@@ -150,10 +150,11 @@ def test_bytes_per_axis_are_the_theory(world, zero):
     """Per step, fp32: reduce-scatter + all-gather of the whole model within the shard group, an
     all-reduce of the 1/dp_shard shard between replicas. ZeRO-3 gathers in forward and again in
     backward, where only the units whose weights autograd saved are needed: not the first Linear,
-    whose input needs no gradient (its weight gradient is grad_out × input)."""
+    whose input needs no gradient (its weight gradient is grad_out × input), nor the last, which stays
+    gathered from its forward into its backward."""
     shard, replicas = world // 2, 2
     full = 4 * PSI
-    gathers = 2 - 1 / LAYERS if zero == 3 else 1
+    gathers = 2 - 2 / LAYERS if zero == 3 else 1
     # On gloo ZeRO-1's reduce-scatter, in place, is issued as the all-reduce gloo's sends anyway (comm.py).
     reduced = 2 if zero == 1 else 1
     expected = {"dp_shard": (reduced + gathers) * full * (shard - 1) / shard,
