@@ -113,8 +113,8 @@ class ParallelSection:
     sequence_parallel: bool = option(False, "with --tp > 1, split norms and residuals along the sequence "
                                             "(same communication, 1/tp of those activations)")
     pp: int = option(1, "pipeline-parallel degree: the layers split into pp stages on different ranks")
-    schedule: str = option(DEFAULT_SCHEDULE.value, "pipeline schedule (micro-batches per step = global batch / (micro-batch × dp))",
-                           choices=SCHEDULES)
+    schedule: str = option(DEFAULT_SCHEDULE.value, "pipeline schedule (micro-batches per step = global batch / "
+                                                   "(micro-batch × dp))", choices=SCHEDULES)
     virtual_stages: int = option(1, "model chunks per pipeline rank (> 1 with --schedule interleaved)")
     zero: int = option(0, "ZeRO stage: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + parameters",
                        choices=ZERO_STAGES)

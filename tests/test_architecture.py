@@ -133,7 +133,8 @@ def test_the_planner_asks_the_rules_module(probe_rule, capsys):
         validate_layout(2, 2, 1, 1, get_model_config("tiny"), 8, 1)
     work = Workload.for_model(get_model_config("tiny"), seq_len=256, global_batch=8)
     result = search(work, 4, get_hardware("h100-80gb"))
-    assert result.searched > 0 and result.ranked == [] and "probe" in result.failures and "memory" not in result.failures
+    assert result.searched > 0 and result.ranked == []
+    assert "probe" in result.failures and "memory" not in result.failures
     assert main(["plan", "--model", "tiny", "--dp", "2"]) == 2
     assert PROBE in capsys.readouterr().err
 
@@ -169,13 +170,34 @@ def test_parallelize_refuses_a_verdict_on_another_layout():
 
 
 def test_the_layout_enumerations_have_one_home():
-    zero_choices = next(f.metadata["choices"] for f in ParallelSection.__dataclass_fields__.values() if f.name == "zero")
+    zero_choices = ParallelSection.__dataclass_fields__["zero"].metadata["choices"]
     assert zero_choices == ZERO_STAGES == SearchSpace().zero
     with pytest.raises(ParallelConfigError, match="--zero must be 0, 1, 2 or 3"):
         DataParallel(zero=4)
     defaults = [ParallelSection().schedule, PipelineParallel().schedule, SearchSpace().schedule, Layout().schedule,
                 LayoutSpec(dp=1).schedule]
     assert all(default == DEFAULT_SCHEDULE for default in defaults), defaults
+
+
+# -- one name per option ---------------------------------------------------------------------------
+
+def _actions(command: str) -> list:
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    return subparsers.choices[command]._actions
+
+
+def test_plan_and_verify_take_the_trainers_options_as_the_trainer_spells_them():
+    train = {a.dest: a for a in _actions("train")}
+    for command in ("plan", "verify"):
+        shared = [a for a in _actions(command) if a.dest in train]
+        assert len(shared) >= 10, command
+        for action in shared:
+            assert action.option_strings[:1] == train[action.dest].option_strings[:1], (command, action.dest)
+            assert action.help.split(" (default:")[0] == train[action.dest].help.split(" (default:")[0]
+        # no option of its own spelled like one of train's, except --calibrate's --out and --nproc
+        spelled = {s: a.dest for a in _actions(command) for s in a.option_strings}
+        clashes = {s for a in train.values() for s in a.option_strings if s in spelled and spelled[s] != a.dest}
+        assert clashes <= {"--out", "--nproc", "-h", "--help"}, (command, clashes)
 
 
 # -- what overlaps with compute: one policy ---------------------------------------------------------

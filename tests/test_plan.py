@@ -429,3 +429,41 @@ def test_zero3_comm_buffers_hold_two_gathered_units_and_their_gradients():
     root = 2 * LLAMA_7B.vocab_size * H + H
     assert estimate_memory(work, Layout(dp=8, zero=3)).comm_buffers == 2 * root * (2 + 2)
     assert estimate_memory(work, Layout(dp=1, zero=3)).comm_buffers == 0
+
+
+# -- the options shared with `paratrain train`, and the planner's older spellings -----------------
+
+
+def _plan_json(capsys, *argv):
+    code, out, err = run_plan(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("old, new", [
+    (["--seq", "1024"], ["--seq-len", "1024"]),
+    (["--recompute", "full"], ["--activation-checkpointing", "1"]),
+    (["--recompute", "none"], ["--activation-checkpointing", "0"]),
+    (["--layers", "4", "--hidden", "256", "--heads", "8", "--kv-heads", "4", "--vocab", "512", "--ffn", "768"],
+     ["--n-layers", "4", "--dim", "256", "--n-heads", "8", "--n-kv-heads", "4", "--vocab-size", "512",
+      "--ffn-dim", "768"]),
+])
+def test_the_planners_spellings_and_the_trainers_give_the_same_plan(capsys, old, new):
+    model = [] if "--layers" in old else ["--model", "llama2-7b"]
+    for mode in (["--dp", "2", "--tp", "2", "--global-batch", "8"], ["--gpus", "8", "--global-batch", "64"]):
+        planned = [_plan_json(capsys, *model, *mode, *spelling) for spelling in (old, new)]
+        assert planned[0] == planned[1]
+    if old[0] == "--seq":
+        assert planned[0]["workload"]["seq_len"] == 1024
+
+
+def test_activation_checkpointing_is_what_recompute_says(capsys):
+    full, none = (_plan_json(capsys, "--model", "llama2-7b", "--dp", "8", "--activation-checkpointing", k)
+                  for k in ("1", "0"))
+    assert full["layouts"][0]["recompute"] == "full" and none["layouts"][0]["recompute"] == "none"
+    assert full["layouts"][0]["memory_per_rank"]["activations"] < none["layouts"][0]["memory_per_rank"]["activations"]
+    for argv, message in [(["--activation-checkpointing", "2"], "the planner models 0 (none) and 1"),
+                          (["--activation-checkpointing", "1", "--recompute", "full"], "give one of them"),
+                          (["--zero", "4"], "--zero: 4 is not one of [0, 1, 2, 3]")]:
+        code, out, err = run_plan(capsys, "--model", "tiny", *argv)
+        assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1

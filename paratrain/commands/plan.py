@@ -1,15 +1,18 @@
 """`paratrain plan`: estimate one layout, or search the layouts of a GPU count.
 
-    paratrain plan --model llama2-7b --dp 8 --zero 1 --seq 4096 --global-batch 64
+    paratrain plan --model llama2-7b --dp 8 --zero 1 --seq-len 4096 --global-batch 64
     paratrain plan --params 7.5B --dp 64 --zero 3            # model states only (ZeRO Table 1)
     paratrain plan --model llama2-70b --gpus 64 --gpu-memory 80GB --gpus-per-node 8 \\
-                   --seq 4096 --global-batch 1024            # search
+                   --seq-len 4096 --global-batch 1024        # search
     paratrain plan --model llama2-70b --gpus 64 --tokens 2T --gpu-hour-price 2.5   # days, GPU-hours, cost
-    paratrain plan --model llama2-7b --dp 32 --dp-shard 8 --zero 3 --seq 4096 --global-batch 256 \
+    paratrain plan --model llama2-7b --dp 32 --dp-shard 8 --zero 3 --seq-len 4096 --global-batch 256 \
                    --inter-node-gbps 25                      # hybrid sharding: ZeRO-3 within each node
     paratrain plan --calibrate                               # measure this machine: a hardware profile
     paratrain plan --model tiny --dp 2 --hardware ~/.cache/paratrain/hardware.json
     paratrain plan --published                               # the presets against published runs
+
+The options and what they make are `paratrain.commands.plan_options`: the model, batch and
+layout options are `paratrain train`'s, the planner's older spellings (`--seq`, `--layers`, ...) kept.
 
 Bad input raises `PlanError` (a ValueError) with one line; `paratrain.cli` prints it and
 exits with 2.
@@ -20,48 +23,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 
-from paratrain.models.configs import MODEL_CONFIGS, ModelConfig, get_model_config
-from paratrain.plan.budget import DEFAULT_BATCH_TOKENS, budget, format_budget
-from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, GemmCurve, Hardware, get_hardware, save_profile
-from paratrain.plan.memory import (
-    DTYPE_BYTES,
-    GB,
-    Layout,
-    LayoutError,
-    MemoryBreakdown,
-    PlanError,
-    Recompute,
-    Workload,
+from paratrain.commands.options import given_options
+from paratrain.commands.plan_options import (  # noqa: F401  (parse_bytes: run.memory_budget reads --mem-budget with it)
+    BATCH_OPTIONS, LAYOUT_OPTIONS, MODEL_OPTIONS, add_shared_options, hardware_from_args, layout_from_args,
+    parse_bytes, parse_count, space_from_args, workload_from_args,
 )
 from paratrain.parallel import rules
-from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
-from paratrain.parallel.rules import ZERO_STAGES
-from paratrain.plan.search import Estimate, SearchResult, SearchSpace, estimate, layout_spec, search
-
-_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-_BYTE_UNITS = {"": GB, "B": 1, "KB": 1e3, "MB": 1e6, "GB": GB, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
-               "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_count(text: str, flag: str = "--params") -> int:
-    """'7.5B' → 7_500_000_000; also K, M, T suffixes and plain integers (underscores and commas allowed)."""
-    match = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*)\s*([KMBGT]?)\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise PlanError(f"{flag} {text!r} is not a count; use e.g. 7.5B, 70B, 1T or 6738415616")
-    value = float(match.group(1).replace("_", "").replace(",", "")) * _SUFFIXES[match.group(2).upper()]
-    if value < 1:
-        raise PlanError(f"{flag} {text!r} must be at least 1")
-    return int(round(value))
-
-
-def parse_bytes(text: str, flag: str = "--gpu-memory") -> float:
-    """'80GB' → 80e9 bytes (GB = 10⁹, GiB = 2³⁰); a bare number is GB."""
-    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*)\s*([KMGT]?I?B?)\s*", str(text), re.IGNORECASE)
-    if not match or match.group(2).upper() not in _BYTE_UNITS or float(match.group(1)) <= 0:
-        raise PlanError(f"{flag} {text!r} is not a memory size; use e.g. 80GB, 40GiB or 141")
-    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
+from paratrain.plan.budget import budget, format_budget
+from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, Hardware, save_profile
+from paratrain.plan.memory import GB, LayoutError, MemoryBreakdown, PlanError, Recompute, Workload
+from paratrain.plan.search import Estimate, SearchResult, estimate, layout_spec, search
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -71,50 +43,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "Estimate per-rank memory (ZeRO model states, Korthikanti activations), FLOPs, communication "
         "and step time of a training layout, or with --gpus N search every layout of N GPUs and rank "
         "the ones that fit by estimated step time. GB = 10^9 bytes."))
-    model = parser.add_argument_group("model (one of --model, --params, or --layers/--hidden/--heads)")
-    model.add_argument("--model", help=f"named model config: {', '.join(MODEL_CONFIGS)} (see `paratrain models`)")
+    model = parser.add_argument_group("model (one of --model, --params, or --n-layers/--dim/--n-heads)")
+    add_shared_options(model, MODEL_OPTIONS)
     model.add_argument("--params", help="parameter count only, e.g. 7.5B: model states, no activations "
                                         "(dp and ZeRO only)")
-    model.add_argument("--layers", type=int, help="transformer blocks (explicit sizes, or override --model)")
-    model.add_argument("--hidden", type=int, help="hidden size")
-    model.add_argument("--heads", type=int, help="query heads")
-    model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
-    model.add_argument("--vocab", type=int, help="vocabulary size (default 32000)")
-    model.add_argument("--ffn", type=int, help="feed-forward width (default: 8/3 × hidden rounded up to 256)")
-
-    batch = parser.add_argument_group("batch and precision")
-    batch.add_argument("--seq", type=int, help="tokens per sequence (default: the model's max_seq_len, else 2048)")
-    batch.add_argument("--global-batch", type=int, help="sequences per optimizer step over all data ranks "
-                                                        "(default: dp × micro-batch; required with --gpus)")
-    batch.add_argument("--micro-batch", type=int, help="sequences per forward/backward per data rank "
-                                                       "(default 1; --gpus searches 1, 2, 4, 8, 16)")
-    batch.add_argument("--precision", default="bf16", choices=list(DTYPE_BYTES),
-                       help="bf16/fp16: mixed precision with fp32 master weights (K = 12); fp32: K = 8 "
-                            "(default bf16)")
-    batch.add_argument("--reduce-dtype", choices=list(DTYPE_BYTES),
-                       help="dtype of gradients and their reduction (default: the --precision dtype)")
-
+    add_shared_options(parser.add_argument_group("batch and precision"), BATCH_OPTIONS)
     layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
-    layout.add_argument("--dp", type=int, help="data-parallel degree (default 1, or what --gpus leaves)")
-    layout.add_argument("--dp-shard", type=int,
-                        help="hybrid sharding (HSDP): ZeRO shards over groups of this many neighbouring data ranks "
-                             "(a node) and all-reduces the shards between the dp / dp-shard groups; must divide "
-                             "--dp and needs --zero 1-3 (default: the whole data axis; --gpus searches every "
-                             "divisor of dp)")
-    layout.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
-    layout.add_argument("--pp", type=int, help="pipeline-parallel degree (default 1)")
-    layout.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage (default 0)")
-    layout.add_argument("--virtual-stages", type=int, default=None,
-                        help="model chunks per pipeline rank for --schedule interleaved (default 2 there, else 1)")
-    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                        help="Megatron sequence parallelism (needs tp > 1; default off, searched with --gpus)")
+    add_shared_options(layout, LAYOUT_OPTIONS)
     layout.add_argument("--recompute", choices=[r.value for r in Recompute],
-                        help="activation checkpointing (default none; searched with --gpus)")
-    layout.add_argument("--schedule", choices=[s.value for s in ScheduleName], default=DEFAULT_SCHEDULE.value,
-                        help="pipeline schedule: gpipe holds m micro-batches, 1f1b min(p, m), interleaved "
-                             "p + (p-1)/v, zb-h1 min(p, m) (default 1f1b)")
-
+                        help="activation checkpointing as the planner models it: none, selective (the attention "
+                             "core) or full (every layer); --activation-checkpointing 0 is none, 1 full (default "
+                             "none; searched with --gpus)")
     _add_hardware_options(parser)
     return parser
 
@@ -163,89 +103,6 @@ def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
                           "prediction of each one's per-GPU throughput")
 
 
-# -- from arguments to planner objects ----------------------------------------------------
-
-
-def _explicit_sizes(args) -> dict:
-    names = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads", "kv_heads": "n_kv_heads",
-             "vocab": "vocab_size", "ffn": "ffn_dim"}
-    return {field: getattr(args, arg) for arg, field in names.items() if getattr(args, arg) is not None}
-
-
-def model_from_args(args) -> tuple[ModelConfig | None, str]:
-    """The model config and a display name; (None, '7.5B parameters') for --params."""
-    sizes = _explicit_sizes(args)
-    if args.params is not None:
-        if args.model or sizes:
-            raise PlanError("--params gives the parameter count only; do not combine it with --model or sizes")
-        return None, "model states only"
-    if args.model:
-        cfg = get_model_config(args.model)
-        return (dataclasses.replace(cfg, **sizes) if sizes else cfg), args.model
-    missing = [flag for flag, key in (("--layers", "n_layers"), ("--hidden", "dim"), ("--heads", "n_heads"))
-               if key not in sizes]
-    if missing:
-        raise PlanError(f"missing {', '.join(missing)}: give --model NAME, --params N or --layers/--hidden/--heads")
-    dim = sizes["dim"]
-    sizes.setdefault("n_kv_heads", sizes["n_heads"])
-    sizes.setdefault("vocab_size", 32000)
-    sizes.setdefault("ffn_dim", -(-(8 * dim // 3) // 256) * 256)
-    return ModelConfig(**sizes, max_seq_len=max(args.seq or 2048, 2048)), "custom"
-
-
-def workload_from_args(args) -> tuple[Workload, str]:
-    model, name = model_from_args(args)
-    seq = args.seq or (model.max_seq_len if model is not None else 2048)
-    batch = args.global_batch
-    if batch is None and args.tokens is not None:
-        batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
-    common = dict(seq_len=seq, global_batch=batch, precision=args.precision, reduce_dtype=args.reduce_dtype)
-    if model is None:
-        return Workload.for_params(parse_count(args.params), **common), name
-    return Workload.for_model(model, **common), name
-
-
-def hardware_from_args(args) -> Hardware:
-    overrides = {"gpus_per_node": args.gpus_per_node,
-                 "memory_bytes": parse_bytes(args.gpu_memory) if args.gpu_memory else None,
-                 "intra_node_bytes_per_s": args.intra_node_gbps * 1e9 if args.intra_node_gbps else None,
-                 "inter_node_bytes_per_s": args.inter_node_gbps * 1e9 if args.inter_node_gbps else None}
-    if args.peak_tflops is not None:
-        overrides[f"peak_{args.precision}"] = args.peak_tflops * 1e12
-    if args.efficiency is not None:
-        curve = get_hardware(args.hardware).gemm(args.precision)
-        overrides[f"gemm_{args.precision}"] = GemmCurve(args.efficiency, curve.half_size)
-    return get_hardware(args.hardware, **overrides)
-
-
-def _virtual_stages(args) -> int:
-    if args.virtual_stages is not None:
-        return args.virtual_stages
-    return 2 if args.schedule == ScheduleName.INTERLEAVED.value else 1
-
-
-def layout_from_args(args) -> Layout:
-    def given(value, default):
-        return default if value is None else value
-
-    return Layout(dp=given(args.dp, 1), tp=given(args.tp, 1), pp=given(args.pp, 1), zero=given(args.zero, 0),
-                  dp_shard=given(args.dp_shard, 0), micro_batch=given(args.micro_batch, 1),
-                  virtual_stages=_virtual_stages(args), sequence_parallel=bool(args.sequence_parallel),
-                  recompute=args.recompute or "none", schedule=args.schedule)
-
-
-def space_from_args(args) -> SearchSpace:
-    def one(value, default):
-        return (value,) if value is not None else default
-
-    return SearchSpace(
-        dp=args.dp, tp=args.tp, pp=args.pp, zero=one(args.zero, ZERO_STAGES), dp_shard=args.dp_shard,
-        micro_batch=one(args.micro_batch, SearchSpace.micro_batch),
-        recompute=one(Recompute(args.recompute) if args.recompute else None, tuple(Recompute)),
-        sequence_parallel=one(args.sequence_parallel, (False, True)),
-        schedule=ScheduleName(args.schedule), virtual_stages=_virtual_stages(args))
-
-
 # -- commands -------------------------------------------------------------------------------
 
 
@@ -256,11 +113,12 @@ def run(args) -> int:
         return _run_calibrate(args)
     if args.published:
         return _run_published(args)
-    workload, name = workload_from_args(args)
-    hardware = hardware_from_args(args)
+    opts = given_options(args)  # the options shared with `paratrain train`, by config key
+    workload, name = workload_from_args(args, opts)
+    hardware = hardware_from_args(args, workload.precision)
     if args.gpus is not None:
-        return _run_search(args, workload, name, hardware)
-    return _run_single(args, workload, name, hardware)
+        return _run_search(args, opts, workload, name, hardware)
+    return _run_single(args, opts, workload, name, hardware)
 
 
 def _check_modes(args) -> None:
@@ -321,8 +179,8 @@ def format_profile(hw: Hardware) -> str:
     return "\n".join(lines)
 
 
-def _run_single(args, workload: Workload, name: str, hardware: Hardware) -> int:
-    layout = layout_from_args(args)
+def _run_single(args, opts: dict, workload: Workload, name: str, hardware: Hardware) -> int:
+    layout = layout_from_args(args, opts)
     if workload.global_batch is None:
         workload = dataclasses.replace(workload, global_batch=layout.dp * layout.micro_batch)
     spec = layout_spec(workload, layout, gpus_per_node=hardware.gpus_per_node)
@@ -362,14 +220,14 @@ def _budget(args, est: Estimate | None):
     return budget(est, parse_count(args.tokens, "--tokens"), args.gpu_hour_price)
 
 
-def _run_search(args, workload: Workload, name: str, hardware: Hardware) -> int:
+def _run_search(args, opts: dict, workload: Workload, name: str, hardware: Hardware) -> int:
     if args.gpus < 1:
         raise PlanError(f"--gpus must be a positive integer, got {args.gpus}")
     if workload.global_batch is None:
         raise PlanError("--gpus needs --global-batch (sequences per optimizer step)")
     if args.top < 1:
         raise PlanError(f"--top must be a positive integer, got {args.top}")
-    result = search(workload, args.gpus, hardware, space_from_args(args), top=args.top)
+    result = search(workload, args.gpus, hardware, space_from_args(args, opts), top=args.top)
     plan = _budget(args, result.best)
     if args.json:
         doc = {"mode": "search", **_header_dict(workload, name, hardware, args.gpus),
@@ -404,7 +262,7 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
     what = f"{name} ({workload.num_params / 1e9:.2f}B parameters)" if workload.model else \
         f"{workload.num_params / 1e9:g}B parameters, model states only"
     batch = f"global batch {workload.global_batch}"
-    if args is not None and args.global_batch is None and args.tokens is not None:
+    if args is not None and "train.global_batch" not in given_options(args) and args.tokens is not None:
         batch += f" (assumed: {workload.global_batch * workload.seq_len / 1e6:.1f}M tokens per step, Llama 2's 4M)"
     curve = hardware.gemm(workload.precision)
     intra, inter = hardware.intra_node_bytes_per_s / 1e9, hardware.inter_node_bytes_per_s / 1e9

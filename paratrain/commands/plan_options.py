@@ -1,0 +1,179 @@
+"""`paratrain plan`'s options and what they make: the workload, the hardware, one layout or a search space.
+
+The model, batch and layout options are `paratrain train`'s (`paratrain.commands.options`: the
+same names, types, choices and help, from the config dataclasses); the planner keeps its older
+spellings as aliases (`--seq` for `--seq-len`, `--layers` for `--n-layers`, ...) and says in each
+option's help what it does without it. `--recompute none|full` says what `--activation-checkpointing
+0|1` says; the planner models no other k, and `--recompute selective` only the attention core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from paratrain.commands.options import add_config_options
+from paratrain.models.configs import ModelConfig, get_model_config
+from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
+from paratrain.parallel.rules import ZERO_STAGES
+from paratrain.plan.budget import DEFAULT_BATCH_TOKENS
+from paratrain.plan.hardware import GemmCurve, Hardware, get_hardware
+from paratrain.plan.memory import GB, Layout, PlanError, Recompute, Workload
+from paratrain.plan.search import SearchSpace
+
+_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_BYTE_UNITS = {"": GB, "B": 1, "KB": 1e3, "MB": 1e6, "GB": GB, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
+               "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_count(text: str, flag: str = "--params") -> int:
+    """'7.5B' → 7_500_000_000; also K, M, T suffixes and plain integers (underscores and commas allowed)."""
+    match = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*)\s*([KMBGT]?)\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise PlanError(f"{flag} {text!r} is not a count; use e.g. 7.5B, 70B, 1T or 6738415616")
+    value = float(match.group(1).replace("_", "").replace(",", "")) * _SUFFIXES[match.group(2).upper()]
+    if value < 1:
+        raise PlanError(f"{flag} {text!r} must be at least 1")
+    return int(round(value))
+
+
+def parse_bytes(text: str, flag: str = "--gpu-memory") -> float:
+    """'80GB' → 80e9 bytes (GB = 10⁹, GiB = 2³⁰); a bare number is GB."""
+    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*)\s*([KMGT]?I?B?)\s*", str(text), re.IGNORECASE)
+    if not match or match.group(2).upper() not in _BYTE_UNITS or float(match.group(1)) <= 0:
+        raise PlanError(f"{flag} {text!r} is not a memory size; use e.g. 80GB, 40GiB or 141")
+    return float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
+
+
+# The options `paratrain plan` shares with `paratrain train` (`paratrain.commands.options`): train's
+# names, types, choices and help. Each with the planner's older spellings, kept as aliases, and what
+# the planner does without it where that differs from train's default.
+MODEL_OPTIONS = {
+    "model.name": ((), "none: give --params or --n-layers/--dim/--n-heads"),
+    "model.n_layers": (("--layers",), "--model's"),
+    "model.dim": (("--hidden",), "--model's"),
+    "model.n_heads": (("--heads",), "--model's"),
+    "model.n_kv_heads": (("--kv-heads",), "--model's, else --n-heads"),
+    "model.vocab_size": (("--vocab",), "--model's, else 32000"),
+    "model.ffn_dim": (("--ffn",), "--model's, else 8/3 × --dim rounded up to 256"),
+}
+BATCH_OPTIONS = {
+    "data.seq_len": (("--seq",), "the model's max_seq_len, else 2048"),
+    "train.global_batch": ((), "dp × micro-batch; required with --gpus"),
+    "train.micro_batch": ((), f"1; --gpus searches {', '.join(map(str, SearchSpace.micro_batch))}"),
+    "parallel.precision": ((), "bf16: mixed precision, K = 12 bytes of optimizer state per parameter; fp32: K = 8"),
+    "parallel.reduce_dtype": ((), "the --precision dtype"),
+}
+LAYOUT_OPTIONS = {
+    "parallel.dp": ((), "1, or what --gpus leaves"),
+    "parallel.dp_shard": ((), "the whole data axis; --gpus searches every divisor of dp"),
+    "parallel.tp": ((), "1; --gpus searches"),
+    "parallel.pp": ((), "1; --gpus searches"),
+    "parallel.zero": ((), "0; --gpus searches"),
+    "parallel.virtual_stages": ((), "2 with --schedule interleaved, else 1"),
+    "parallel.sequence_parallel": ((), "off; --gpus searches both"),
+    "parallel.activation_checkpointing": ((), "0; the planner models 0 and 1, see --recompute"),
+    "parallel.schedule": ((), f"{DEFAULT_SCHEDULE.value}; gpipe holds m micro-batches, 1f1b and zb-h1 "
+                              "min(p, m), interleaved p + (p-1)/v"),
+}
+PLAN_DEFAULTS = {"parallel.precision": "bf16"}
+SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+
+
+def add_shared_options(group, options: dict) -> None:
+    """`options` (config key: (aliases, the planner's default)) as train's flags, into `group`."""
+    add_config_options(group, options, aliases={key: spellings for key, (spellings, _) in options.items()},
+                       defaults={key: PLAN_DEFAULTS[key] for key in options if key in PLAN_DEFAULTS},
+                       notes={key: note for key, (_, note) in options.items() if note})
+
+
+def model_from_args(args, opts: dict) -> tuple[ModelConfig | None, str]:
+    """The model config and a display name; (None, 'model states only') for --params."""
+    sizes = {name: opts[f"model.{name}"] for name in SIZES if opts.get(f"model.{name}") is not None}
+    name = opts.get("model.name")
+    if args.params is not None:
+        if name or sizes:
+            raise PlanError("--params gives the parameter count only; do not combine it with --model or sizes")
+        return None, "model states only"
+    if name:
+        cfg = get_model_config(name)
+        return (dataclasses.replace(cfg, **sizes) if sizes else cfg), name
+    missing = [flag for flag, key in (("--layers", "n_layers"), ("--hidden", "dim"), ("--heads", "n_heads"))
+               if key not in sizes]
+    if missing:
+        raise PlanError(f"missing {', '.join(missing)}: give --model NAME, --params N or --layers/--hidden/--heads")
+    dim = sizes["dim"]
+    sizes.setdefault("n_kv_heads", sizes["n_heads"])
+    sizes.setdefault("vocab_size", 32000)
+    sizes.setdefault("ffn_dim", -(-(8 * dim // 3) // 256) * 256)
+    return ModelConfig(**sizes, max_seq_len=max(opts.get("data.seq_len") or 2048, 2048)), "custom"
+
+
+def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
+    model, name = model_from_args(args, opts)
+    seq = opts.get("data.seq_len") or (model.max_seq_len if model is not None else 2048)
+    batch = opts.get("train.global_batch")
+    if batch is None and args.tokens is not None:
+        batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
+    common = dict(seq_len=seq, global_batch=batch, precision=opts["parallel.precision"],
+                  reduce_dtype=opts.get("parallel.reduce_dtype"))
+    if model is None:
+        return Workload.for_params(parse_count(args.params), **common), name
+    return Workload.for_model(model, **common), name
+
+
+def hardware_from_args(args, precision: str) -> Hardware:
+    overrides = {"gpus_per_node": args.gpus_per_node,
+                 "memory_bytes": parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+                 "intra_node_bytes_per_s": args.intra_node_gbps * 1e9 if args.intra_node_gbps else None,
+                 "inter_node_bytes_per_s": args.inter_node_gbps * 1e9 if args.inter_node_gbps else None}
+    if args.peak_tflops is not None:
+        overrides[f"peak_{precision}"] = args.peak_tflops * 1e12
+    if args.efficiency is not None:
+        curve = get_hardware(args.hardware).gemm(precision)
+        overrides[f"gemm_{precision}"] = GemmCurve(args.efficiency, curve.half_size)
+    return get_hardware(args.hardware, **overrides)
+
+
+def recompute_from_args(args, opts: dict) -> Recompute | None:
+    """--recompute, or --activation-checkpointing in the planner's terms (0: none, 1: full); None: not given."""
+    every = opts.get("parallel.activation_checkpointing")
+    if every is None:
+        return Recompute(args.recompute) if args.recompute else None
+    if args.recompute is not None:
+        raise PlanError("--recompute and --activation-checkpointing say the same thing; give one of them")
+    if every not in (0, 1):  # checkpointing every k-th block: the planner recomputes all blocks or none
+        raise PlanError(f"--activation-checkpointing {every}: the planner models 0 (none) and 1 (every block); "
+                        f"use one of them, or --recompute selective")
+    return Recompute.FULL if every else Recompute.NONE
+
+
+def _virtual_stages(opts: dict) -> int:
+    if opts.get("parallel.virtual_stages") is not None:
+        return opts["parallel.virtual_stages"]
+    return 2 if opts.get("parallel.schedule") == ScheduleName.INTERLEAVED.value else 1
+
+
+def layout_from_args(args, opts: dict) -> Layout:
+    def given(name, default):
+        value = opts.get(f"parallel.{name}")
+        return default if value is None else value
+
+    return Layout(dp=given("dp", 1), tp=given("tp", 1), pp=given("pp", 1), zero=given("zero", 0),
+                  dp_shard=given("dp_shard", 0), micro_batch=opts.get("train.micro_batch", 1),
+                  virtual_stages=_virtual_stages(opts), sequence_parallel=given("sequence_parallel", False),
+                  recompute=recompute_from_args(args, opts) or Recompute.NONE,
+                  schedule=given("schedule", DEFAULT_SCHEDULE))
+
+
+def space_from_args(args, opts: dict) -> SearchSpace:
+    def one(value, default):
+        return (value,) if value is not None else default
+
+    return SearchSpace(
+        dp=opts.get("parallel.dp"), tp=opts.get("parallel.tp"), pp=opts.get("parallel.pp"),
+        zero=one(opts.get("parallel.zero"), ZERO_STAGES), dp_shard=opts.get("parallel.dp_shard"),
+        micro_batch=one(opts.get("train.micro_batch"), SearchSpace.micro_batch),
+        recompute=one(recompute_from_args(args, opts), tuple(Recompute)),
+        sequence_parallel=one(opts.get("parallel.sequence_parallel"), (False, True)),
+        schedule=ScheduleName(opts.get("parallel.schedule", DEFAULT_SCHEDULE)), virtual_stages=_virtual_stages(opts))
