@@ -400,11 +400,22 @@ class StepTime:
         return out
 
 
-def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> PassTimes:
+def _block(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[Shape, PassTimes] | None:
+    """One micro-batch's shape on a rank and one block's pass times: the same on every stage (None: no model)."""
+    if workload.model is None:
+        return None
+    x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
+                 workload.precision, workload.flash_attention)
+    return x, block_times(hardware, x, layout.recompute)
+
+
+def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, stage: int,
+                     block: tuple[Shape, PassTimes] | None = None) -> PassTimes:
     """Forward and backward (with recomputation) of one micro-batch on one rank of `stage`.
 
     With only a parameter count, 6·N·T/(tp·pp) FLOPs at the plateau of the matmul curve. A CPU
-    profile with more ranks than cores gives each rank cores/ranks of a core.
+    profile with more ranks than cores gives each rank cores/ranks of a core. `block`: `_block`'s
+    answer, from a caller that times every stage (the search times thousands of layouts).
     """
     model, lay = workload.model, layout
     if model is None:
@@ -413,9 +424,8 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
         rate = hardware.peak(workload.precision) * hardware.gemm(workload.precision).peak_efficiency
         times = PassTimes(flops / 3 / rate, 2 * flops / 3 / rate)
     else:
-        x = Shape.of(model, lay.micro_batch, workload.seq_len, lay.tp, lay.sequence_parallel, workload.precision,
-                     workload.flash_attention)
-        times = block_times(hardware, x, lay.recompute).scaled(layers_on_stage(model.n_layers, lay.pp, stage))
+        x, one_block = block or _block(workload, lay, hardware)
+        times = one_block.scaled(layers_on_stage(model.n_layers, lay.pp, stage))
         if stage == 0:
             times += embedding_times(hardware, x)
         if stage == lay.pp - 1:
@@ -490,8 +500,9 @@ class _Stage:
     optimizer: float
 
 
-def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int) -> _Stage:
-    passes = stage_pass_times(workload, layout, hardware, stage)
+def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int,
+           block: tuple[Shape, PassTimes] | None) -> _Stage:
+    passes = stage_pass_times(workload, layout, hardware, stage, block)
     compute = passes.forward + passes.backward
     tp = collective_seconds(hardware, layout, "tp", tp_collectives(workload, layout, stage))
     pp = collective_seconds(hardware, layout, "pp", pp_sends(workload, layout, stage))
@@ -512,7 +523,8 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     """
     lay = layout
     m = lay.num_microbatches(workload.global_batch)
-    stages = [_stage(workload, lay, hardware, stage, m) for stage in range(lay.pp)]
+    block = _block(workload, lay, hardware)
+    stages = [_stage(workload, lay, hardware, stage, m, block) for stage in range(lay.pp)]
     slowest = max(stages, key=lambda s: s.per_mb)
     data = max(stages, key=lambda s: sum(s.dp_exposed.values()))  # the stage whose data-parallel time shows most
     dp_by_axis = {axis: data.dp_exposed.get(axis, 0.0) for axis in lay.data_axes}
