@@ -1,9 +1,10 @@
-"""The layout of DDP and ZeRO-1/2's flat gradient buckets: what each holds, and where.
+"""DDP and ZeRO-1/2's flat gradient buckets: what each holds and where, and ZeRO's way back out.
 
-`ddp.py`'s engine moves gradients through these buckets while backward runs; this module
-only lays them out, once: which parameters share a bucket (`make_buckets`), where each
-parameter's rows sit in it (`Slot`), a buffer whose padding is zero (`new_buffer`), and the
-views through which ZeRO's updated parameters are all-gathered back (`gather_plan`).
+`ddp.py`'s engine moves gradients into these buckets while backward runs and reduces them;
+this module lays the buckets out, once: which parameters share a bucket (`make_buckets`),
+where each parameter's rows sit in it (`Slot`), a buffer whose padding is zero
+(`new_buffer`); and, after ZeRO's optimizer step, all-gathers the updated parameters through
+the same layout (`all_gather_parameters`).
 
 The shard layout is paratrain.parallel.data.shard's: rank r owns rows
 [r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paratrain.comm import Comm
 from paratrain.parallel.data.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 
 
@@ -98,7 +100,33 @@ def new_buffer(bucket: Bucket, shards: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer
 
 
-def gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank: int, dtype: torch.dtype) -> Gather:
+@torch.no_grad()
+def all_gather_parameters(bucket: Bucket, comm: Comm, axis: str, shards: int, rank: int, dtype: torch.dtype,
+                          buffer_lives: bool) -> None:
+    """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N).
+
+    ZeRO-1 gathers through the bucket's own buffer when it has the parameters' dtype: its
+    gradients are spent once the optimizer has stepped (the masters' `.grad`, views of it, are
+    released first), and the copies around the gather are made once for the run. ZeRO-2, whose
+    buckets exist only while reduced (not `buffer_lives`), gathers through a buffer of its own each step.
+    """
+    gather = bucket.gather
+    if gather is None:
+        reuse = buffer_lives and bucket.buffer.dtype == dtype
+        gather = _gather_plan(bucket, bucket.buffer if reuse else None, shards, rank, dtype)
+        bucket.gather = gather if reuse else None
+    if bucket.gather is not None:
+        for slot in bucket.slots:
+            slot.master.grad = None  # its rows of the buffer are about to hold parameters
+    torch._foreach_copy_(gather.mine, gather.masters)
+    if gather.padding:
+        torch._foreach_zero_(gather.padding)
+    mine = gather.buffer.view(shards, bucket.chunk_numel)[rank]
+    comm.all_gather(gather.buffer, mine, axis)
+    torch._foreach_copy_(gather.rows, gather.parts)
+
+
+def _gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank: int, dtype: torch.dtype) -> Gather:
     """The views around `bucket`'s all-gather of updated parameters through `buffer` (None: a new one of `dtype`)."""
     if buffer is None:
         buffer = torch.empty(bucket.chunk_numel * shards, dtype=dtype, device=bucket.slots[0].param.device)

@@ -45,8 +45,9 @@ more per reduction), and the all-gather of updated parameters stays within
 the group; the loss, the pre-division and the used flags are over all dp ranks.
 
 A bucket's layout (which rows of which parameter sit where in its N chunks, and
-why only padding is ever zeroed) is `buckets.py`'s; this engine moves the
-gradients through the buckets.
+why only padding is ever zeroed) is `buckets.py`'s, as is ZeRO's all-gather of
+updated parameters through it; this engine moves the gradients into the
+buckets and reduces them.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.compat import at_backward_end, backward_pass_id
 from paratrain.mesh import Mesh
-from paratrain.parallel.data.buckets import Bucket, Slot, gather_plan, make_buckets, new_buffer
+from paratrain.parallel.data.buckets import Bucket, Slot, all_gather_parameters, make_buckets, new_buffer
 from paratrain.parallel.data.engine import used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
@@ -407,32 +408,8 @@ class DataParallelEngine:
                     torch._foreach_copy_([s.param.data for s in self.slots], [s.master.view_as(s.param) for s in self.slots])
             return
         for bucket in self.buckets:
-            self._all_gather_parameters(bucket)
-
-    @torch.no_grad()
-    def _all_gather_parameters(self, bucket: Bucket) -> None:
-        """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N).
-
-        ZeRO-1 gathers through the bucket's own buffer when it has the parameters' dtype: its
-        gradients are spent once the optimizer has stepped (the masters' `.grad`, views of it, are
-        released first), and the copies around the gather are made once for the run. ZeRO-2, whose
-        buckets exist only while reduced, gathers through a buffer of its own each step.
-        """
-        gather = bucket.gather
-        if gather is None:
-            reuse = not self.per_backward and bucket.buffer.dtype == self.precision.param_dtype
-            gather = gather_plan(bucket, bucket.buffer if reuse else None, self.shards, self.rank,
-                                 self.precision.param_dtype)
-            bucket.gather = gather if reuse else None
-        if bucket.gather is not None:
-            for slot in bucket.slots:
-                slot.master.grad = None  # its rows of the buffer are about to hold parameters
-        torch._foreach_copy_(gather.mine, gather.masters)
-        if gather.padding:
-            torch._foreach_zero_(gather.padding)
-        mine = gather.buffer.view(self.shards, bucket.chunk_numel)[self.rank]
-        self.comm.all_gather(gather.buffer, mine, self.shard_axis)
-        torch._foreach_copy_(gather.rows, gather.parts)
+            all_gather_parameters(bucket, self.comm, self.shard_axis, self.shards, self.rank, self.precision.param_dtype,
+                                  buffer_lives=not self.per_backward)
 
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:
