@@ -12,7 +12,6 @@ from paratrain.plan import (
     COLLECTIVE_KINDS,
     Collective,
     GemmCurve,
-    KernelStack,
     Layout,
     PlanError,
     Workload,
@@ -77,7 +76,7 @@ def calibrated(tmp_path_factory):
 def test_calibration_writes_a_complete_cpu_profile(calibrated, capsys):
     capsys.readouterr()
     hw = load_profile(calibrated)
-    assert hw.kernels is KernelStack.EAGER and hw.host_cores == hw.gpus_per_node >= 1
+    assert hw.host_cores == hw.gpus_per_node >= 1
     assert set(hw.collectives) == set(hw.collectives_shared) == set(COLLECTIVE_KINDS)
     assert set(hw.elementwise) == set(ELEMENTWISE_ACCESSES) and hw.op_overhead_s > 0
     for dtype in ("fp32", "bf16", "fp16"):

@@ -44,7 +44,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from paratrain.plan.hardware import COLLECTIVE_KINDS, Elementwise, GemmCurve, Hardware, KernelStack, LinkCost
+from paratrain.plan.hardware import COLLECTIVE_KINDS, Elementwise, GemmCurve, Hardware, LinkCost
 from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.plan.memory import PlanError
 from paratrain.plan.ops import FLASH_BACKWARD_MATMULS, Gemm
@@ -442,7 +442,7 @@ def build_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: st
         inter_node_latency_s=links["all_reduce"].latency_s, gemm_bf16=curves["bf16"], gemm_fp16=curves["fp16"],
         gemm_fp32=curves["fp32"], memory_efficiency=1.0, memory_curve=memory_curve, elementwise=elementwise,
         op_overhead_s=measured["elementwise"]["op_overhead"], link_efficiency=1.0, collectives=links,
-        collectives_shared=shared, comm_overlap=min(1.0, max(0.0, 1.0 - cpu / wall)), kernels=KernelStack.EAGER,
+        collectives_shared=shared, comm_overlap=min(1.0, max(0.0, 1.0 - cpu / wall)),
         host_cores=cores,
         source=(f"paratrain plan --calibrate on {machine['node']} ({machine['processor']}, {cores} cores, "
                 f"torch {machine['torch']}), {plan.nproc} ranks, {machine['date']}, load average "

@@ -405,7 +405,7 @@ def _block(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[Shap
     if workload.model is None:
         return None
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
-                 workload.precision, workload.flash_attention)
+                 workload.precision, workload.flash_attention, kernel_stack(layout))
     return x, block_times(hardware, x, layout.recompute)
 
 
@@ -437,27 +437,47 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
     return times.scaled(1 / hardware.compute_share(lay.world_size))
 
 
-def optimizer_bytes_per_param(workload: Workload, kernels: KernelStack) -> float:
-    """Bytes the optimizer step (Adam) and gradient clipping move per parameter shard element.
+def kernel_stack(layout: Layout) -> KernelStack:
+    """The run's element-wise kernels: fused by `torch.compile` (`Layout.compile`), else one per operator."""
+    return KernelStack.FUSED if layout.compile else KernelStack.EAGER
 
-    FUSED (a fused Adam): read the gradient, read and write the fp32 master (mixed precision)
-    and the two moments, write the parameter; clipping reads the gradient for its norm and
-    scales it in place. EAGER (torch.optim.AdamW's foreach path, paratrain's clipping and
-    non-finite check): about 24 fp32 passes over the shard (decay, two moment updates, square
-    root, two divisions, the update; norm, scale, check).
+
+def optimizer_bytes_per_param(workload: Workload) -> float:
+    """Bytes paratrain's step moves per parameter shard element after the backward (the trainer's fused AdamW).
+
+    Clipping reads the gradient for the global norm (the non-finite check rides on it) and scales
+    it in place; the fused Adam reads the gradient and reads and writes the fp32 master (mixed
+    precision) and the two moments; mixed precision then refreshes the 16-bit compute copy from
+    the master (read, write); the gradients are zeroed for the next step.
     """
-    if kernels is KernelStack.EAGER:
-        return 24 * 4.0 + (workload.param_bytes if workload.mixed else 0)
-    state = ADAM_MOMENT_BYTES + (MASTER_BYTES if workload.mixed else 0)
-    return 2 * state + 4 * workload.grad_bytes + workload.param_bytes
+    grad = MASTER_BYTES if workload.mixed else workload.grad_bytes  # the fp32 gradient the optimizer reads
+    state = ADAM_MOMENT_BYTES + MASTER_BYTES
+    copy = MASTER_BYTES + workload.param_bytes if workload.mixed else 0
+    return 3 * grad + grad + 2 * state + copy + grad
 
 
-def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> float:
+def per_microbatch_bytes_per_param(workload: Workload, layout: Layout, m: int) -> float:
+    """Bytes per parameter element that the step's micro-batches move outside their kernels' activations.
+
+    Accumulating the gradient over m micro-batches reads the sum and the new gradient and writes
+    the sum, m − 1 times; ZeRO-3 copies each unit's shard into its gathered buffer before forward
+    and before backward and its gradient out of one, every micro-batch (with one rank too: the
+    collective's input and output are distinct buffers).
+    """
+    grad = workload.grad_bytes
+    accumulate = (m - 1) * 3 * grad if layout.zero < 2 else 0.0  # ZeRO-2/3 reduce every micro-batch
+    gathers = m * (2 * 2 * workload.param_bytes + 2 * grad) if layout.zero == 3 else 0.0
+    return accumulate + gathers
+
+
+def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int) -> float:
     shards = layout.shard_ranks if layout.zero >= 1 else 1  # each rank steps its own shard
-    psi = stage_psi(workload, layout, stage) / shards
+    psi = stage_psi(workload, layout, stage)
     tensor = 4.0 * (block_param_count(workload.model) / 7 if workload.model is not None else psi)
     tensor /= layout.tp * shards
-    seconds = hardware.memory_seconds(psi * optimizer_bytes_per_param(workload, hardware.kernels), 3 * tensor)
+    step = psi / shards * optimizer_bytes_per_param(workload)
+    local = psi * per_microbatch_bytes_per_param(workload, layout, m)
+    seconds = hardware.memory_seconds(step, 3 * tensor) + hardware.memory_seconds(local, 3 * tensor)
     return seconds / hardware.compute_share(layout.world_size)
 
 
@@ -508,7 +528,7 @@ def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m
     pp = collective_seconds(hardware, layout, "pp", pp_sends(workload, layout, stage))
     dp_exposed, dp_total = _dp_exposed(workload, layout, hardware, stage, passes.backward, m * compute)
     return _Stage(compute + tp + pp, compute, tp, pp, dp_exposed, dp_total,
-                  _optimizer_seconds(workload, layout, hardware, stage))
+                  _optimizer_seconds(workload, layout, hardware, stage, m))
 
 
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:

@@ -203,6 +203,7 @@ class SearchSpace:
     schedule: ScheduleName = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     dp_shard: int | None = None
+    compile: bool = False  # the run's own setting, not searched: every candidate runs compiled or eager
 
 
 def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
@@ -236,7 +237,7 @@ def _candidates(world_size: int, space: SearchSpace):
                 for shard in _shard_groups(dp, zero, space):
                     yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, dp_shard=shard, micro_batch=mb,
                                  sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
-                                 virtual_stages=v)
+                                 virtual_stages=v, compile=space.compile)
 
 
 def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),
