@@ -9,6 +9,7 @@ memory-bound bandwidth and per-kernel time to the steps), never one per row.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,26 @@ def test_matmul_curve_matches_the_measured_kernel_rates():
         achieved = hw.peak("bf16") * hw.gemm("bf16").efficiency(m, n, k) / 1e12
         assert abs(achieved / tflops - 1) < 0.05, (m, k, n, achieved)
     assert GemmCurve(0.9, 100.0).efficiency(1e6, 1e6, 1e6) > GemmCurve(0.9, 100.0, 1e4).efficiency(1e6, 1e6, 1e6)
+
+
+def test_plan_compile_flag_selects_the_compiled_stack(capsys):
+    from paratrain.cli import main
+
+    argv = ["plan", "--model", "llama2-7b", "--seq-len", "2048", "--global-batch", "1", "--precision", "bf16",
+            "--hardware", "h200", "--json"]
+    steps = {}
+    for flag in ([], ["--compile"]):
+        assert main(argv + flag) == 0
+        (row,) = json.loads(capsys.readouterr().out)["layouts"]
+        steps[bool(flag)] = (row["compile"], row["step_time_s"])
+    assert steps[False][0] is False and steps[True][0] is True
+    assert steps[True][1] < steps[False][1]
+
+
+def test_the_search_takes_the_runs_compile_setting():
+    from paratrain.plan import SearchSpace, search
+
+    workload = Workload.for_model(ONE_B, seq_len=2048, global_batch=8, precision="bf16")
+    for compile in (False, True):
+        result = search(workload, 2, HARDWARE_PRESETS["h200"], SearchSpace(compile=compile), top=3)
+        assert result.ranked and all(e.layout.compile is compile for e in result.ranked)

@@ -266,7 +266,8 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
         batch += f" (assumed: {workload.global_batch * workload.seq_len / 1e6:.1f}M tokens per step, Llama 2's 4M)"
     curve = hardware.gemm(workload.precision)
     intra, inter = hardware.intra_node_bytes_per_s / 1e9, hardware.inter_node_bytes_per_s / 1e9
-    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}; "
+    stack = "compiled blocks" if args is not None and given_options(args).get("parallel.compile") else "eager"
+    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}, {stack}; "
             f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
             f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s, matmuls at {curve.peak_efficiency:g}·x/(x + "
             f"{curve.half_size:.0f}) of it, {hardware.gpus_per_node} per node; links {intra:g} GB/s in a node, "
