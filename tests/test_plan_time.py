@@ -29,7 +29,7 @@ from paratrain.plan import (
 )
 from paratrain.plan import ops
 from paratrain.plan.budget import budget
-from paratrain.plan.compute import boundary_crossings, collective_seconds, tp_collectives
+from paratrain.plan.collectives import boundary_crossings, collective_seconds, tp_collectives
 
 A100 = HARDWARE_PRESETS["a100-80gb"]
 H100 = HARDWARE_PRESETS["h100-80gb"]

@@ -79,8 +79,9 @@ def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
 
     cal = parser.add_argument_group("calibration (measure this machine instead of estimating)")
     cal.add_argument("--calibrate", action="store_true",
-                     help="measure matmuls, attention, element-wise kernels and collectives on --nproc local gloo "
-                          "ranks and write a hardware profile (JSON) for --hardware FILE")
+                     help="measure matmuls, attention, element-wise kernels and collectives on this machine's GPUs "
+                          "(NCCL between them), or without a GPU on --nproc local gloo ranks of the CPU, and write a "
+                          "hardware profile (JSON) for --hardware FILE")
     cal.add_argument("--out", metavar="FILE", help=f"with --calibrate: where to write the profile (default "
                                                    f"{DEFAULT_PROFILE}, which `paratrain report` reads)")
     cal.add_argument("--nproc", type=int, help="with --calibrate: ranks measured at once (default 2)")
@@ -136,10 +137,16 @@ def _check_modes(args) -> None:
 
 
 def _run_calibrate(args) -> int:
-    from paratrain.plan.calibrate import CalibrationPlan, calibrate
+    import torch
 
-    nproc = 2 if args.nproc is None else args.nproc
-    plan = CalibrationPlan.quick(nproc) if args.quick else CalibrationPlan(nproc=nproc)
+    from paratrain.plan.calibrate import CalibrationPlan, calibrate, choose_device
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choose_device(None, gpus > 0, gpus) == "cuda":  # the GPUs, one rank each; NCCL between them
+        plan = CalibrationPlan.gpu(args.nproc or gpus, quick=args.quick)
+    else:
+        nproc = 2 if args.nproc is None else args.nproc
+        plan = CalibrationPlan.quick(nproc) if args.quick else CalibrationPlan(nproc=nproc)
     hardware, _ = calibrate(plan, progress=not args.json)
     path = save_profile(hardware, args.out or DEFAULT_PROFILE)
     if args.json:

@@ -20,7 +20,8 @@ from paratrain.models.configs import ModelConfig
 from paratrain.parallel import rules
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
-from paratrain.plan.compute import Hardware, StepFlops, StepTime, comm_bytes_per_rank, step_flops, step_time
+from paratrain.plan.collectives import comm_bytes_per_rank
+from paratrain.plan.compute import Hardware, StepFlops, StepTime, step_flops, step_time
 from paratrain.plan.memory import (
     GB,
     Layout,
