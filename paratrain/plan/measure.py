@@ -93,7 +93,8 @@ def measure_gemms(rank: int, world: int, plan) -> dict:
             for shape, op in (((m, n, k), lambda x, w, dy: torch.mm(x, w.t())),
                               ((m, k, n), lambda x, w, dy: torch.mm(dy, w)),
                               ((n, k, m), lambda x, w, dy: torch.mm(dy.t(), x))):
-                rows.append((*shape, _sample(_cycle(pool, op), plan.min_seconds, plan.repeats, device_sync(plan.device))))
+                seconds = _sample(_cycle(pool, op), plan.min_seconds, plan.repeats, device_sync(plan.device))
+                rows.append((*shape, seconds))
         out[name] = rows
     return out
 

@@ -11,16 +11,17 @@ tensor-parallel rank, for b sequences of s tokens (T = b·s), with t = tp:
 
 Backward runs two matmuls for each forward one (the input gradient (m, k, n) and the weight
 gradient (k, n, m)), the attention core's backward four matmuls of the forward's shapes (five
-for a flash kernel, which recomputes the scores), and the element-wise backward moves about twice
-the forward's bytes. A flash kernel also reads and writes its operands once per pass (forward:
-q, k, v in, the output out; backward: those and the output's gradient in, three gradients out)
-and pays `Hardware.attention_overhead_s` per pass. Full recomputation runs the forward again; selective recomputation the
-attention core (and its softmax). A causal flash kernel skips the masked half of the scores;
-a kernel that materializes them (Megatron's fused softmax) computes all of them.
+for a flash kernel, which recomputes the scores), and the element-wise backward moves about
+twice the forward's bytes. A flash kernel also reads and writes its operands once per pass
+(forward: q, k, v in, the output out; backward: those and the output's gradient in, three
+gradients out) and pays `Hardware.attention_overhead_s` per pass. Full recomputation runs the
+forward again; selective recomputation the attention core (and its softmax). A causal flash
+kernel skips the masked half of the scores; a kernel that materializes them (Megatron's fused
+softmax) computes all of them.
 
-The element-wise parts depend on the software stack (`KernelStack`, the run's `Layout.compile`). Per token, with h_r the
-residual width a rank holds (h, or h/t under sequence parallelism), q = H·E/t, kv = K·E/t,
-f = ffn/t and S = (H/t)·s attention scores:
+The element-wise parts depend on the software stack (`KernelStack`, the run's `Layout.compile`).
+Per token, with h_r the residual width a rank holds (h, or h/t under sequence parallelism),
+q = H·E/t, kv = K·E/t, f = ffn/t and S = (H/t)·s attention scores:
 
     FUSED  memory accesses (elements read or written): norms 2·2h_r, dropout + residual adds
            2·3h_r, rotary 2(q + kv), SwiGLU 3f, softmax + dropout 4.5·S (materialized scores
