@@ -103,3 +103,18 @@ def test_the_search_takes_the_runs_compile_setting():
     for compile in (False, True):
         result = search(workload, 2, HARDWARE_PRESETS["h200"], SearchSpace(compile=compile), top=3)
         assert result.ranked and all(e.layout.compile is compile for e in result.ranked)
+
+
+def test_flash_attention_matches_the_measured_sdpa_rates():
+    """shared/gpu/H200-2026-11-26.md §4: causal SDPA forward + backward, 3.5 × the forward's 2·b·h·s²·d, within 3 %."""
+    from paratrain.plan import ops
+
+    hw = HARDWARE_PRESETS["h200"]
+    for batch, heads, seq, tflops in ((4, 16, 2048, 341), (1, 32, 2048, 267), (1, 32, 4096, 433)):
+        model = ModelConfig(vocab_size=32000, dim=heads * 128, n_layers=1, n_heads=heads, n_kv_heads=heads,
+                            ffn_dim=256, max_seq_len=seq)
+        x = ops.Shape.of(model, batch, seq, 1, False, "bf16", flash=True)
+        seconds = (ops.attention_seconds(hw, x, 2)
+                   + ops.attention_seconds(hw, x, ops.FLASH_BACKWARD_MATMULS, backward=True))
+        measured = 3.5 * 2 * batch * heads * seq**2 * 128 / (tflops * 1e12)
+        assert abs(seconds / measured - 1) < 0.03, (batch, heads, seq, seconds / measured)

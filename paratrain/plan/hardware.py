@@ -295,12 +295,12 @@ def _interpolate(curve: tuple[tuple[float, float], ...], size: float) -> float:
 #   its training steps (§2 and `benchmarks/results/gpu-bench-20261126-074256.md`, the test
 #   `tests/test_plan_h200.py`):
 #   GEMM curve e_max 0.975, x_half 300, x_power 25,000 (every linear within 4 %: mid-sized ones at
-#   ~780, the largest at the power limit's ~690); flash attention's matmuls at 1.14 × the curve at
-#   their (s, s, d) shapes plus its operands' bytes and 95 µs per pass (each SDPA point within 1 %);
+#   ~780, the largest at the power limit's ~690); flash attention's matmuls at 1.22 × the curve at
+#   their (s, s, d) shapes plus its operands' bytes and 85 µs per pass (each SDPA point within 3 %);
 #   memory-bound kernels at 52 % of the HBM bandwidth (eager element-wise kernels of 16-180 MB, the
 #   optimizer's passes) and 1 µs per eager kernel beyond its bytes. Those two, the only constants
-#   fitted to step times, take the seven measured steps (eager and compiled, ZeRO-0 and 3, no and
-#   full recomputation, 1B and 7B) within 5 %.
+#   fitted to step times, take the eleven measured steps (eager and compiled, ZeRO-0 and 3, no and
+#   full recomputation, 1B and 7B) within 6 %.
 # - Memory-bound kernels elsewhere reach ~80 % of the datasheet bandwidth (STREAM-like copies on
 #   A100); ring collectives ~77 % of NVLink (NCCL all-reduce bus bandwidth ~230 GB/s of
 #   300 on DGX A100, nccl-tests) and of InfiniBand.
@@ -308,7 +308,7 @@ _A100_GEMM = GemmCurve(0.80, 220.0)
 _HOPPER_GEMM = GemmCurve(0.975, 300.0, 25_000.0)
 _COMMON = dict(link_efficiency=0.77)
 _A100 = dict(memory_efficiency=0.8)
-_HOPPER = dict(memory_efficiency=0.52, attention_efficiency=1.14, attention_overhead_s=95e-6, op_overhead_s=1e-6)
+_HOPPER = dict(memory_efficiency=0.52, attention_efficiency=1.22, attention_overhead_s=85e-6, op_overhead_s=1e-6)
 
 
 def _gpu(name: str, memory: float, peak16: float, hbm: float, nvlink: float, ib: float, gemm: GemmCurve,
