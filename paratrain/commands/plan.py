@@ -84,7 +84,8 @@ def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
                           "hardware profile (JSON) for --hardware FILE")
     cal.add_argument("--out", metavar="FILE", help=f"with --calibrate: where to write the profile (default "
                                                    f"{DEFAULT_PROFILE}, which `paratrain report` reads)")
-    cal.add_argument("--nproc", type=int, help="with --calibrate: ranks measured at once (default 2)")
+    cal.add_argument("--nproc", type=int, help="with --calibrate: ranks measured at once (default: every GPU, one rank "
+                                               "each; without a GPU, 2)")
     cal.add_argument("--quick", action="store_true",
                      help="with --calibrate: a few seconds of measurements, enough to fit every constant but not "
                           "for accuracy (for trying the command out)")

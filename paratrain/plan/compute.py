@@ -185,9 +185,10 @@ def optimizer_bytes_per_param(workload: Workload) -> float:
     the master (read, write); the gradients are zeroed for the next step.
     """
     grad = MASTER_BYTES if workload.mixed else workload.grad_bytes  # the fp32 gradient the optimizer reads
-    state = ADAM_MOMENT_BYTES + MASTER_BYTES
+    clip = 3 * grad  # the norm's read, the scaling's read and write
+    adam = grad + 2 * (ADAM_MOMENT_BYTES + MASTER_BYTES)  # the parameter itself is the master in fp32
     copy = MASTER_BYTES + workload.param_bytes if workload.mixed else 0
-    return 3 * grad + grad + 2 * state + copy + grad
+    return clip + adam + copy + grad  # the last: zeroing
 
 
 def per_microbatch_bytes_per_param(workload: Workload, layout: Layout, m: int) -> float:
