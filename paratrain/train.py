@@ -28,8 +28,7 @@ from paratrain.distributed import detect_env, launcher_store, shutdown
 from paratrain.faults import fault_requested, maybe_fault
 from paratrain.mesh import WORLD, init_mesh
 from paratrain.metrics import StepTimer, mfu, perplexity, unigram_entropy
-from paratrain.models import ModelConfig
-from paratrain.models.generate import generate
+from paratrain.models import ModelConfig, generate
 from paratrain.parallel.model import IGNORE_INDEX, ParallelModel, Verdict
 from paratrain.peak_memory import ProcessPeak
 from paratrain.run.build import Run, build, preflight, shared_run_dir

@@ -1,8 +1,8 @@
-"""Reference Llama-style model, its named configs, and sampling (`paratrain.models.generate`).
+"""Reference Llama-style model, its named configs, and sampling.
 
-The configs are pure Python; the model needs torch and is imported on first use (PEP 562), so
-that reading a config (the planner, `paratrain models`) does not import torch. Sampling is its own
-submodule's `generate` (a package attribute of that name would be shadowed by the submodule).
+The configs and `generate` import no torch at import time; the model needs it and is imported
+on first use (PEP 562), so that reading a config (the planner, `paratrain models`) does not
+import torch.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 
 from paratrain.models.configs import (MODEL_CONFIGS, RECIPES, ModelConfig, ModelConfigError, Recipe, get_model_config,
                                       get_recipe)
+from paratrain.models.generate import generate
 
 _LAZY = {"Transformer": "paratrain.models.llama", "init_parameter": "paratrain.models.llama"}
 
@@ -21,6 +22,7 @@ __all__ = [
     "ModelConfigError",
     "Recipe",
     "Transformer",
+    "generate",
     "get_model_config",
     "get_recipe",
     "init_parameter",
