@@ -3,17 +3,35 @@
     mesh = paratrain.init_mesh(dp=4)
     model, optimizer = paratrain.parallelize(model, mesh, optimizer=partial(torch.optim.AdamW, lr=3e-4),
                                              data=paratrain.DataParallel(zero=3))
+
+The names below are imported on first use (PEP 562): `import paratrain` alone, and the commands
+that need no tensors (`paratrain plan`, `paratrain models`), do not pay for importing torch.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from paratrain.mesh import Mesh, MeshShape, init_mesh  # noqa: E402
-from paratrain.errors import ParatrainError, RunFailure  # noqa: E402
-from paratrain.parallel.api import (  # noqa: E402
-    DataParallel, GradReduction, ModelSpec, PipelineParallel, TensorParallel, parallelize,
-)
-from paratrain.parallel.model import ParallelModel  # noqa: E402
-from paratrain.parallel.pipeline.schedules import ScheduleName  # noqa: E402
+_EXPORTS = {
+    "Mesh": "paratrain.mesh", "MeshShape": "paratrain.mesh", "init_mesh": "paratrain.mesh",
+    "ParatrainError": "paratrain.errors", "RunFailure": "paratrain.errors",
+    "DataParallel": "paratrain.parallel.api", "GradReduction": "paratrain.parallel.api",
+    "ModelSpec": "paratrain.parallel.api", "PipelineParallel": "paratrain.parallel.api",
+    "TensorParallel": "paratrain.parallel.api", "parallelize": "paratrain.parallel.api",
+    "ParallelModel": "paratrain.parallel.model", "ScheduleName": "paratrain.parallel.pipeline.schedules",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["DataParallel", "GradReduction", "Mesh", "MeshShape", "ModelSpec", "ParallelModel", "ParatrainError", "PipelineParallel",
-           "RunFailure", "ScheduleName", "TensorParallel", "init_mesh", "parallelize"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -29,16 +29,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line of every command, or of `only` (its module alone imported: see `paratrain.commands`)."""
     parser = _Parser(prog="paratrain", description="Train large language models across many processes.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in COMMANDS.values():
-        command.add_parser(subparsers)
+    for name in [only] if only else COMMANDS:
+        COMMANDS[name].add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     try:
         return COMMANDS[args.command].run(args)
     except ParatrainError as e:

@@ -122,6 +122,7 @@ class ParallelSection:
                             choices=("fp32", "bf16", "fp16"))
     reduce_dtype: str = option("fp32", "dtype of gradient communication", choices=("fp32", "bf16", "fp16"))
     activation_checkpointing: int = option(0, "recompute activations of every k-th block in backward (0: off)")
+    compile: bool = option(False, "torch.compile each block (its element-wise operators fused between the matmuls)")
     bucket_mb: float = option(25.0, "gradient bucket size in MB (DDP, ZeRO-1/2)")
 
 

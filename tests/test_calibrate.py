@@ -12,7 +12,6 @@ from paratrain.plan import (
     COLLECTIVE_KINDS,
     Collective,
     GemmCurve,
-    KernelStack,
     Layout,
     PlanError,
     Workload,
@@ -21,7 +20,9 @@ from paratrain.plan import (
     save_profile,
     step_time,
 )
-from paratrain.plan.calibrate import CalibrationError, CalibrationPlan, fit_gemm_curve, fit_link
+from paratrain.plan.calibrate import CalibrationPlan, choose_device
+from paratrain.plan.fit import CalibrationError, fit_gemm_curve, fit_link
+from paratrain.plan.measure import _sample, device_sync
 from paratrain.plan.hardware import ELEMENTWISE_ACCESSES, hardware_to_dict
 
 
@@ -46,6 +47,46 @@ def test_link_fit_recovers_latency_and_bandwidth():
     assert fit_link("all_reduce", 2, flat).latency_s == 0.0
     with pytest.raises(CalibrationError, match="--nproc must be an integer of at least 2"):
         CalibrationPlan(nproc=1)
+
+
+def test_a_gpu_is_calibrated_where_there_is_one_and_the_cpu_elsewhere():
+    assert choose_device(None, cuda_available=True, gpus=8) == "cuda"
+    assert choose_device(None, cuda_available=False, gpus=0) == "cpu"
+    assert choose_device(None, cuda_available=True, gpus=0) == "cpu"  # CUDA built in, no device visible
+    assert choose_device("cpu", cuda_available=True, gpus=8) == "cpu"
+    with pytest.raises(CalibrationError, match="torch sees no GPU"):
+        choose_device("cuda", cuda_available=False, gpus=0)
+    with pytest.raises(CalibrationError, match="not one of: cpu, cuda"):
+        choose_device("tpu", cuda_available=False, gpus=0)
+
+
+def test_a_gpu_plan_measures_its_kernels_and_nccl_collectives_only_between_gpus():
+    one, eight = CalibrationPlan.gpu(1), CalibrationPlan.gpu(8)
+    assert one.device == eight.device == "cuda" and one.attention_dtype == "bf16"
+    assert one.phases == ("gemm", "attention", "memory", "elementwise")  # one GPU: no peer to measure links with
+    assert eight.phases == one.phases + ("collectives",) and eight.nproc == 8
+    assert CalibrationPlan().phases[-3:] == ("collectives", "collectives_shared", "overlap")  # the CPU's, as before
+    assert CalibrationPlan.gpu(2, quick=True).device == "cuda"
+    with pytest.raises(CalibrationError, match="at least 1 on cuda"):
+        CalibrationPlan.gpu(0)
+
+
+def test_each_timing_waits_for_the_device_before_reading_the_clock(monkeypatch):
+    """A GPU queues kernels and returns: every clock reading of a sample must follow a synchronize."""
+    import paratrain.plan.measure as measure
+
+    events = []
+    clock = iter(range(10**6))
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: events.append("clock") or next(clock) * 1e-3)
+    seconds = _sample(lambda: events.append("op"), min_seconds=0.01, repeats=3, sync=lambda: events.append("sync"))
+    assert seconds > 0
+    readings = [i for i, e in enumerate(events) if e == "clock"]
+    assert events[readings[0] - 1] == "sync" and all(events[i - 1] in ("sync", "clock") for i in readings)
+    assert events[-2:] == ["sync", "clock"]  # the final reading waits for the last queued call
+    assert device_sync("cpu")() is None  # a CPU has nothing to wait for
+    import torch
+
+    assert device_sync("cuda") is torch.cuda.synchronize
 
 
 def test_profiles_round_trip_as_json_and_refuse_unknown_fields(tmp_path):
@@ -77,7 +118,7 @@ def calibrated(tmp_path_factory):
 def test_calibration_writes_a_complete_cpu_profile(calibrated, capsys):
     capsys.readouterr()
     hw = load_profile(calibrated)
-    assert hw.kernels is KernelStack.EAGER and hw.host_cores == hw.gpus_per_node >= 1
+    assert hw.host_cores == hw.gpus_per_node >= 1
     assert set(hw.collectives) == set(hw.collectives_shared) == set(COLLECTIVE_KINDS)
     assert set(hw.elementwise) == set(ELEMENTWISE_ACCESSES) and hw.op_overhead_s > 0
     for dtype in ("fp32", "bf16", "fp16"):

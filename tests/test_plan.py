@@ -467,3 +467,15 @@ def test_activation_checkpointing_is_what_recompute_says(capsys):
                           (["--zero", "4"], "--zero: 4 is not one of [0, 1, 2, 3]")]:
         code, out, err = run_plan(capsys, "--model", "tiny", *argv)
         assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_answers_without_importing_torch():
+    """A search is arithmetic: the command imports no tensor library (torch alone takes seconds to import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from paratrain.cli import main; "
+            "main(['plan', '--model', 'llama2-7b', '--gpus', '8', '--global-batch', '64', '--json']); "
+            "sys.exit(3 if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

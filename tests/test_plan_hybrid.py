@@ -31,7 +31,7 @@ from paratrain.plan import (
     search,
     step_time,
 )
-from paratrain.plan.compute import axis_is_intra_node
+from paratrain.plan.collectives import axis_is_intra_node
 
 LLAMA_7B = get_model_config("llama2-7b")
 H100 = get_hardware("h100-80gb")  # 8 GPUs per node; NVLink 450 GB/s, InfiniBand 50 GB/s per GPU

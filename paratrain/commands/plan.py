@@ -79,11 +79,13 @@ def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
 
     cal = parser.add_argument_group("calibration (measure this machine instead of estimating)")
     cal.add_argument("--calibrate", action="store_true",
-                     help="measure matmuls, attention, element-wise kernels and collectives on --nproc local gloo "
-                          "ranks and write a hardware profile (JSON) for --hardware FILE")
+                     help="measure matmuls, attention, element-wise kernels and collectives on this machine's GPUs "
+                          "(NCCL between them), or without a GPU on --nproc local gloo ranks of the CPU, and write a "
+                          "hardware profile (JSON) for --hardware FILE")
     cal.add_argument("--out", metavar="FILE", help=f"with --calibrate: where to write the profile (default "
                                                    f"{DEFAULT_PROFILE}, which `paratrain report` reads)")
-    cal.add_argument("--nproc", type=int, help="with --calibrate: ranks measured at once (default 2)")
+    cal.add_argument("--nproc", type=int, help="with --calibrate: ranks measured at once (default: every GPU, one rank "
+                                               "each; without a GPU, 2)")
     cal.add_argument("--quick", action="store_true",
                      help="with --calibrate: a few seconds of measurements, enough to fit every constant but not "
                           "for accuracy (for trying the command out)")
@@ -136,10 +138,16 @@ def _check_modes(args) -> None:
 
 
 def _run_calibrate(args) -> int:
-    from paratrain.plan.calibrate import CalibrationPlan, calibrate
+    import torch
 
-    nproc = 2 if args.nproc is None else args.nproc
-    plan = CalibrationPlan.quick(nproc) if args.quick else CalibrationPlan(nproc=nproc)
+    from paratrain.plan.calibrate import CalibrationPlan, calibrate, choose_device
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choose_device(None, gpus > 0, gpus) == "cuda":  # the GPUs, one rank each; NCCL between them
+        plan = CalibrationPlan.gpu(args.nproc or gpus, quick=args.quick)
+    else:
+        nproc = 2 if args.nproc is None else args.nproc
+        plan = CalibrationPlan.quick(nproc) if args.quick else CalibrationPlan(nproc=nproc)
     hardware, _ = calibrate(plan, progress=not args.json)
     path = save_profile(hardware, args.out or DEFAULT_PROFILE)
     if args.json:
@@ -266,7 +274,8 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
         batch += f" (assumed: {workload.global_batch * workload.seq_len / 1e6:.1f}M tokens per step, Llama 2's 4M)"
     curve = hardware.gemm(workload.precision)
     intra, inter = hardware.intra_node_bytes_per_s / 1e9, hardware.inter_node_bytes_per_s / 1e9
-    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}; "
+    stack = "compiled blocks" if args is not None and given_options(args).get("parallel.compile") else "eager"
+    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}, {stack}; "
             f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
             f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s, matmuls at {curve.peak_efficiency:g}·x/(x + "
             f"{curve.half_size:.0f}) of it, {hardware.gpus_per_node} per node; links {intra:g} GB/s in a node, "

@@ -73,6 +73,8 @@ LAYOUT_OPTIONS = {
     "parallel.virtual_stages": ((), "2 with --schedule interleaved, else 1"),
     "parallel.sequence_parallel": ((), "off; --gpus searches both"),
     "parallel.activation_checkpointing": ((), "0; the planner models 0 and 1, see --recompute"),
+    "parallel.compile": ((), "off: eager, one kernel per element-wise operator; on: the compiled stack's fused "
+                             "kernels (the step time only)"),
     "parallel.schedule": ((), f"{DEFAULT_SCHEDULE.value}; gpipe holds m micro-batches, 1f1b and zb-h1 "
                               "min(p, m), interleaved p + (p-1)/v"),
 }
@@ -163,7 +165,7 @@ def layout_from_args(args, opts: dict) -> Layout:
                   dp_shard=given("dp_shard", 0), micro_batch=opts.get("train.micro_batch", 1),
                   virtual_stages=_virtual_stages(opts), sequence_parallel=given("sequence_parallel", False),
                   recompute=recompute_from_args(args, opts) or Recompute.NONE,
-                  schedule=given("schedule", DEFAULT_SCHEDULE))
+                  schedule=given("schedule", DEFAULT_SCHEDULE), compile=given("compile", False))
 
 
 def space_from_args(args, opts: dict) -> SearchSpace:
@@ -176,4 +178,5 @@ def space_from_args(args, opts: dict) -> SearchSpace:
         micro_batch=one(opts.get("train.micro_batch"), SearchSpace.micro_batch),
         recompute=one(recompute_from_args(args, opts), tuple(Recompute)),
         sequence_parallel=one(opts.get("parallel.sequence_parallel"), (False, True)),
-        schedule=ScheduleName(opts.get("parallel.schedule", DEFAULT_SCHEDULE)), virtual_stages=_virtual_stages(opts))
+        schedule=ScheduleName(opts.get("parallel.schedule", DEFAULT_SCHEDULE)), virtual_stages=_virtual_stages(opts),
+        compile=bool(opts.get("parallel.compile", False)))

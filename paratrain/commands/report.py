@@ -362,7 +362,7 @@ def planned_inputs(run: Run):
                         recompute=Recompute.FULL if p.get("activation_checkpointing") else Recompute.NONE,
                         schedule=p.get("schedule") or DEFAULT_SCHEDULE,
                         virtual_stages=(p.get("virtual_stages") or 1) if pp > 1 else 1,
-                        bucket_mb=p.get("bucket_mb") or 25.0)
+                        bucket_mb=p.get("bucket_mb") or 25.0, compile=bool(p.get("compile")))
     except (KeyError, TypeError, ValueError):  # an older or hand-written config: no estimate
         return None
     return workload, layout

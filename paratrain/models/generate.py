@@ -1,16 +1,23 @@
-"""Autoregressive sampling from a `Transformer`, for eyeballing a trained model."""
+"""Autoregressive sampling from a `Transformer`, for eyeballing a trained model.
+
+torch is imported inside the functions: `paratrain.models` exports `generate` without importing
+torch, so that reading a model config (the planner) stays free of it.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from paratrain.errors import ParatrainError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GenerationError(ParatrainError, ValueError):
     """A sampling argument is out of range."""
 
 
-@torch.no_grad()
 def generate(
     model,
     tokens: torch.Tensor,
@@ -27,15 +34,20 @@ def generate(
     is re-run at each step (no KV cache), cropped to the last `max_context` tokens (default:
     `model.config.max_seq_len`; pass it for a wrapped model).
     """
+    import torch
+
     _check_args(max_new_tokens, temperature, top_k)
     context = max_context or model.config.max_seq_len
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -context:])[:, -1, :].float()
-        tokens = torch.cat((tokens, _sample(logits, temperature, top_k, generator)), dim=1)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -context:])[:, -1, :].float()
+            tokens = torch.cat((tokens, _sample(logits, temperature, top_k, generator)), dim=1)
     return tokens
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+    import torch
+
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature

@@ -7,15 +7,8 @@
 Pure arithmetic: no processes, no torch.distributed. `paratrain plan` is its command line.
 """
 
-from paratrain.plan.compute import (
-    Collective,
-    StepFlops,
-    StepTime,
-    comm_bytes_per_rank,
-    ring_bytes,
-    step_flops,
-    step_time,
-)
+from paratrain.plan.collectives import Collective, comm_bytes_per_rank, ring_bytes
+from paratrain.plan.compute import StepFlops, StepTime, step_flops, step_time
 from paratrain.plan.hardware import (
     COLLECTIVE_KINDS,
     DEFAULT_PROFILE,

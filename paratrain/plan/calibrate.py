@@ -1,5 +1,10 @@
 """`paratrain plan --calibrate`: measure this machine and write a hardware profile (JSON).
 
+On a machine with GPUs (`choose_device`) each GPU is one rank: matmuls and flash attention in
+bf16, element-wise kernels and memory bandwidth at a GPU's sizes, and with two GPUs or more the
+collectives over NCCL (`CalibrationPlan.gpu`); every timing waits for the device before reading
+the clock (`paratrain.plan.measure`). Without a GPU, the CPU, as follows.
+
 Every measurement runs on `nproc` gloo ranks at once (`paratrain.testing.run_on_ranks`), one
 thread per rank, as training runs: what is measured is the throughput one process gets while
 its peers work beside it (on a CPU they share caches and memory bandwidth), and of the ranks the
@@ -40,21 +45,34 @@ import dataclasses
 import datetime
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
 
-from paratrain.plan.hardware import COLLECTIVE_KINDS, Elementwise, GemmCurve, Hardware, KernelStack, LinkCost
+from paratrain.plan.fit import CalibrationError, fit_attention, fit_gemm_curve, fit_link
+from paratrain.plan.hardware import HARDWARE_PRESETS, Hardware
 from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
-from paratrain.plan.memory import PlanError
-from paratrain.plan.ops import FLASH_BACKWARD_MATMULS, Gemm
+from paratrain.plan.measure import (
+    measure_attention,
+    measure_collectives,
+    measure_elementwise,
+    measure_gemms,
+    measure_memory,
+    measure_overlap,
+)
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-COLLECTIVE_CALLS = 12  # calls per timed loop of matmul + collective
+__all__ = ["CalibrationError", "CalibrationPlan", "calibrate", "choose_device"]
+DEVICES = ("cpu", "cuda")
 
 
-class CalibrationError(PlanError):
-    """A calibration measurement could not be made or fitted; the message says which."""
+def choose_device(requested: str | None, cuda_available: bool, gpus: int) -> str:
+    """The device to calibrate: `requested`, or a GPU when this machine has one, else the CPU."""
+    if requested is None:
+        return "cuda" if cuda_available and gpus > 0 else "cpu"
+    if requested not in DEVICES:
+        raise CalibrationError(f"calibration device {requested!r} is not one of: {', '.join(DEVICES)}")
+    if requested == "cuda" and not (cuda_available and gpus > 0):
+        raise CalibrationError("calibration device 'cuda' asked for, but torch sees no GPU; calibrate the CPU instead")
+    return requested
 
 
 @dataclass(frozen=True)
@@ -66,9 +84,13 @@ class CalibrationPlan:
     memory_sizes: fp32 elements of the element-wise add. collective_sizes: bytes of the full
     tensor (the all-gather's output, the reduce-scatter's input). min_seconds: each timing sample
     repeats its operation for at least this long; repeats: samples per measurement (median).
+    device: "cpu", or "cuda": one rank per GPU (nproc GPUs), collectives over NCCL when nproc ≥ 2
+    (`CalibrationPlan.gpu`). attention_dtype: the attention kernel's (a flash kernel needs 16 bits).
     """
 
     nproc: int = 2
+    device: str = "cpu"
+    attention_dtype: str = "fp32"
     gemm_shapes: dict[str, tuple[tuple[int, int, int], ...]] = field(default_factory=lambda: {
         "fp32": ((128, 128, 128), (256, 256, 256), (512, 512, 512), (512, 64, 256), (1024, 256, 256),
                  (1024, 768, 256), (2048, 256, 688), (1024, 1024, 1024), (4096, 512, 512)),
@@ -92,9 +114,35 @@ class CalibrationPlan:
     retries: int = 3
 
     def __post_init__(self):
-        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 2:
-            raise CalibrationError(f"--nproc must be an integer of at least 2 (collectives need peers), "
-                                   f"got {self.nproc!r}")
+        if self.device not in DEVICES:
+            raise CalibrationError(f"calibration device {self.device!r} is not one of: {', '.join(DEVICES)}")
+        least = 1 if self.device == "cuda" else 2  # a CPU profile needs peers for its collectives; one GPU has none
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < least:
+            raise CalibrationError(f"--nproc must be an integer of at least {least} on {self.device} "
+                                   f"(collectives need peers), got {self.nproc!r}")
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The measurements this plan takes: a GPU's collectives only between GPUs, its cores never time-shared."""
+        if self.device == "cpu":
+            return tuple(_PHASES)
+        return ("gemm", "attention", "memory", "elementwise") + (("collectives",) if self.nproc >= 2 else ())
+
+    @classmethod
+    def gpu(cls, gpus: int, quick: bool = False) -> CalibrationPlan:
+        """Sizes of a GPU's training kernels: linears of a 1-70B model's layers, flash attention in bf16,
+        element-wise kernels of 4-256 MB, collectives up to 256 MB, one rank per GPU."""
+        if quick:
+            return dataclasses.replace(cls.quick(2), nproc=gpus, device="cuda", attention_dtype="bf16")
+        square = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192))
+        layers = ((8192, 2048, 2048), (8192, 5632, 2048), (2048, 4096, 4096), (2048, 11008, 4096),
+                  (8192, 4096, 11008), (4096, 28672, 8192))
+        return cls(nproc=gpus, device="cuda", attention_dtype="bf16",
+                   gemm_shapes={"bf16": square + layers, "fp16": square, "fp32": square},
+                   attention_shapes=((4, 16, 2048, 128), (1, 32, 2048, 128), (1, 32, 4096, 128)),
+                   memory_sizes=(2**20, 2**22, 2**24, 2**26, 2**28), elementwise_sizes=(2**22, 2**24, 2**26),
+                   working_set=2**30, collective_sizes=(2**20, 2**22, 2**24, 2**26, 2**28), gap=(4096, 4096, 4096),
+                   quiet_wait=0.0, retries=0)
 
     @classmethod
     def quick(cls, nproc: int = 2) -> CalibrationPlan:
@@ -104,288 +152,6 @@ class CalibrationPlan:
                    attention_shapes=((1, 2, 64, 32),), memory_sizes=(2**12, 2**16, 2**18),
                    elementwise_sizes=(2**12, 2**16), working_set=2**20, collective_sizes=(2**12, 2**16, 2**18),
                    gap=(64, 64, 64), min_seconds=0.002, repeats=2, timeout=120.0, quiet_wait=0.0, retries=0)
-
-
-# -- timing (runs inside the rank processes) -------------------------------------------------
-
-
-def _sample(fn, min_seconds: float, repeats: int) -> float:
-    """Median seconds per call of `fn`, each sample looping it for at least `min_seconds`."""
-    fn()
-    start, calls = time.perf_counter(), 0
-    while calls == 0 or time.perf_counter() - start < min_seconds / 4:
-        fn()
-        calls += 1
-    per_sample = max(1, round(calls * min_seconds / (time.perf_counter() - start)))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(per_sample):
-            fn()
-        samples.append((time.perf_counter() - start) / per_sample)
-    return statistics.median(samples)
-
-
-def _dtype(name: str):
-    import torch
-
-    return getattr(torch, _DTYPES[name])
-
-
-def measure_gemms(rank: int, world: int, plan: CalibrationPlan) -> dict:
-    """{dtype: [(m, n, k, seconds), ...]} on this rank, every rank measuring at once.
-
-    Each shape (m, n, k) is a linear layer's: x [m, k], W [n, k]; its forward x·Wᵀ is (m, n, k),
-    the input gradient dY·W (m, k, n), the weight gradient dYᵀ·x (n, k, m), each timed. Operands
-    cycle through more layers than the caches hold: in a step, a layer's weights were last
-    touched a step ago.
-    """
-    import torch
-
-    out = {}
-    for name, shapes in plan.gemm_shapes.items():
-        dtype, rows = _dtype(name), []
-        for m, n, k in shapes:
-            size = (m * k + n * k + m * n) * torch.empty((), dtype=dtype).element_size()
-            pool = [(torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(m, n, dtype=dtype))
-                    for _ in range(max(2, plan.working_set // size))]
-            for shape, op in (((m, n, k), lambda x, w, dy: torch.mm(x, w.t())),
-                              ((m, k, n), lambda x, w, dy: torch.mm(dy, w)),
-                              ((n, k, m), lambda x, w, dy: torch.mm(dy.t(), x))):
-                rows.append((*shape, _sample(_cycle(pool, op), plan.min_seconds, plan.repeats)))
-        out[name] = rows
-    return out
-
-
-def _cycle(pool: list, op):
-    """A callable applying `op` to the next operands of `pool`, round and round."""
-    state = {"i": 0}
-
-    def step():
-        op(*pool[state["i"] % len(pool)])
-        state["i"] += 1
-
-    return step
-
-
-def measure_attention(rank: int, world: int, plan: CalibrationPlan) -> list:
-    """[(batch, heads, seq, head_dim, seconds)]: causal attention forward + backward, fp32."""
-    import torch
-    import torch.nn.functional as F
-
-    rows = []
-    for b, h, s, d in plan.attention_shapes:
-        q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
-        grad = torch.randn(b, h, s, d)
-
-        def step():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-
-        rows.append((b, h, s, d, _sample(step, plan.min_seconds, plan.repeats)))
-    return rows
-
-
-def _cycling(n: int, plan: CalibrationPlan, op):
-    """`op` over enough (x, y) pairs of n fp32 elements to fill the working set, one pair per call."""
-    import torch
-
-    return _cycle([(torch.randn(n), torch.randn(n)) for _ in range(max(2, plan.working_set // (8 * n)))], op)
-
-
-def measure_memory(rank: int, world: int, plan: CalibrationPlan) -> list:
-    """[(bytes touched, seconds)] of `x + y` into a fresh tensor, as autograd allocates its outputs."""
-    import torch
-
-    return [(3 * 4 * n, _sample(_cycling(n, plan, torch.add), plan.min_seconds, plan.repeats))
-            for n in plan.memory_sizes]
-
-
-def _elementwise_ops() -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    width = 256  # rows of a layer's width for the row-wise kernels
-    return {Elementwise.BINARY: torch.mul, Elementwise.UNARY: lambda x, y: torch.neg(x),
-            Elementwise.REDUCE: lambda x, y: x.view(-1, width).sum(-1), Elementwise.SILU: lambda x, y: F.silu(x),
-            Elementwise.SILU_BACKWARD: lambda x, y: torch.ops.aten.silu_backward(y, x),
-            Elementwise.SOFTMAX: lambda x, y: torch.log_softmax(x.view(-1, width), -1)}
-
-
-def measure_elementwise(rank: int, world: int, plan: CalibrationPlan) -> dict:
-    """{kind: [(elements, seconds)]} for each eager kind, and "op_overhead": seconds per operator or node."""
-    import torch
-
-    out = {kind.value: [(n, _sample(_cycling(n, plan, op), plan.min_seconds, plan.repeats))
-                        for n in plan.elementwise_sizes] for kind, op in _elementwise_ops().items()}
-    x, chain = torch.randn(16, requires_grad=True), 100
-
-    def forward_backward():
-        y = x
-        for _ in range(chain):
-            y = y * 1.0001
-        y.sum().backward()
-
-    out["op_overhead"] = _sample(forward_backward, plan.min_seconds, plan.repeats) / (2 * chain)
-    return out
-
-
-def _collective(kind: str, size: int, rank: int, group, group_size: int):
-    """A callable issuing one collective of a `size`-byte full tensor (fp32) over `group`, as paratrain.comm does."""
-    import torch
-    import torch.distributed as dist
-
-    numel = max(group_size, size // 4 // group_size * group_size)
-    full, part = torch.randn(numel), torch.randn(numel // group_size)
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    state = {"turn": 0}
-
-    def send():  # pairs (2i, 2i + 1), the direction alternating as boundaries go forward then back
-        sender = state["turn"] % 2
-        state["turn"] += 1
-        if rank % 2 == sender:
-            dist.isend(full, rank ^ 1).wait()
-        else:
-            dist.recv(full, rank ^ 1)
-
-    return {"all_reduce": lambda: dist.all_reduce(full, group=group),
-            "all_gather": lambda: gather(full, part, group=group),
-            "reduce_scatter": lambda: scatter(part, full, group=group), "send": send}[kind], numel * 4
-
-
-def _pair_group(rank: int, world: int):
-    """This rank's group of two, (2i, 2i + 1): every rank creates every pair's group, in order."""
-    import torch.distributed as dist
-
-    groups = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-    return groups[rank // 2]
-
-
-def measure_collectives(rank: int, world: int, plan: CalibrationPlan) -> dict:
-    """{kind: [(full bytes, seconds added per call)]}: loops of matmul + collective minus matmul alone.
-
-    Collectives run over pairs of ranks (every layout of the benchmarks communicates in groups of
-    two); with more ranks than `plan.nproc` the pairs run at once, time-sharing the cores. The
-    cost kept is the mean over the samples, not the median: a step pays the sum of its
-    collectives' costs, and on a shared host their distribution has a long tail.
-    """
-    import torch
-    import torch.distributed as dist
-
-    m, n, k = plan.gap
-    a, b = torch.randn(m, k), torch.randn(k, n)  # about a layer's compute between two collectives
-    group = _pair_group(rank, world)
-
-    def loop(calls: int, collective=None) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            torch.mm(a, b)
-            if collective is not None:
-                collective()
-        return time.perf_counter() - start
-
-    out: dict[str, list] = {}
-    for kind in COLLECTIVE_KINDS:
-        rows = []
-        for size in plan.collective_sizes:
-            op, nbytes = _collective(kind, size, rank, group, 2)
-            loop(2, op)  # warm-up: connections, buffers
-            added = [(loop(COLLECTIVE_CALLS, op) - loop(COLLECTIVE_CALLS)) / COLLECTIVE_CALLS
-                     for _ in range(plan.repeats)]
-            rows.append((nbytes, max(0.0, statistics.fmean(added))))
-        out[kind] = rows
-    return out
-
-
-def measure_overlap(rank: int, world: int, plan: CalibrationPlan) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) summed over all-reduces of the larger sizes.
-
-    The CPU time counts every thread of the process (the backend's too) and the kernel's copies
-    for its sockets: what the collective takes from the core that compute would otherwise use.
-    """
-    import torch
-    import torch.distributed as dist
-
-    wall = cpu = 0.0
-    for size in plan.collective_sizes[-3:]:
-        tensor = torch.randn(max(1, size // 4))
-        dist.all_reduce(tensor)
-        for _ in range(plan.repeats):
-            dist.barrier()
-            start, used = time.perf_counter(), time.process_time()
-            dist.all_reduce(tensor)
-            wall += time.perf_counter() - start
-            cpu += time.process_time() - used
-    return wall, cpu
-
-
-# -- fitting --------------------------------------------------------------------------------
-
-
-def fit_gemm_curve(rows: list[tuple[int, int, int, float]]) -> tuple[float, GemmCurve]:
-    """(plateau FLOP/s, GemmCurve(1, x_half)) from measured (m, n, k, seconds).
-
-    1/throughput = a + b/x with a = 1/A and b = x_half/A: a line in 1/x, fitted by least squares
-    on relative errors. A single shape, or a fit without a positive plateau, keeps the best
-    measured throughput as the plateau and x_half = 0.
-    """
-    points = [(3.0 / (1 / m + 1 / n + 1 / k), s / (2.0 * m * n * k)) for m, n, k, s in rows]
-    best = 1.0 / min(y for _, y in points)
-    if len({x for x, _ in points}) < 2:
-        return best, GemmCurve(1.0, 0.0)
-    weights = [1 / y for _, y in points]  # relative errors
-    a, b = _weighted_line([1 / x for x, _ in points], [y for _, y in points], weights)
-    if a <= 0:
-        return best, GemmCurve(1.0, 0.0)
-    return 1.0 / a, GemmCurve(1.0, max(0.0, b / a))
-
-
-def _weighted_line(xs: list[float], ys: list[float], weights: list[float]) -> tuple[float, float]:
-    """(intercept, slope) minimizing Σ (w·(y − intercept − slope·x))²."""
-    w2 = [w * w for w in weights]
-    sw, sx, sy = sum(w2), sum(w * x for w, x in zip(w2, xs)), sum(w * y for w, y in zip(w2, ys))
-    sxx = sum(w * x * x for w, x in zip(w2, xs))
-    sxy = sum(w * x * y for w, x, y in zip(w2, xs, ys))
-    det = sw * sxx - sx * sx
-    if det == 0:
-        return sy / sw, 0.0
-    slope = (sw * sxy - sx * sy) / det
-    return (sy - slope * sx) / sw, slope
-
-
-def fit_link(kind: str, world: int, rows: list[tuple[int, float]]) -> LinkCost:
-    """α and β of steps·α + bytes sent/β through measured (full bytes, seconds), relative errors.
-
-    A negative intercept means the latency is below what the sizes resolve: α = 0 and β from
-    the largest size. Costs that do not grow with size are refused (no bandwidth to fit).
-    """
-    from paratrain.plan.compute import Collective
-
-    samples = [(Collective(kind, size, world), max(seconds, 1e-7)) for size, seconds in rows]
-    xs = [c.bytes_sent / c.steps for c, _ in samples]
-    ys = [s / c.steps for c, s in samples]
-    alpha, inv_beta = _weighted_line(xs, ys, [1 / y for y in ys])
-    if inv_beta <= 0:
-        c, seconds = max(samples, key=lambda item: item[0].size)
-        if seconds <= 0:
-            raise CalibrationError(f"{kind}: the measured time does not grow with the size; rerun on a quieter machine")
-        return LinkCost(0.0, c.bytes_sent / seconds)
-    if alpha < 0:
-        c, seconds = max(samples, key=lambda item: item[0].size)
-        return LinkCost(0.0, c.bytes_sent / seconds)
-    return LinkCost(alpha, 1.0 / inv_beta)
-
-
-def fit_attention(rows: list, hardware: Hardware) -> float:
-    """Median of (time the GEMM curve predicts for the attention matmuls) / (measured time)."""
-    ratios = []
-    for b, h, s, d, seconds in rows:
-        matmuls = [Gemm(s, s, d, b * h), Gemm(s, d, s, b * h)]
-        forward = sum(hardware.gemm_seconds(g.m, g.n, g.k, "fp32", g.count) for g in matmuls)
-        predicted = 0.5 * forward * (2 + FLASH_BACKWARD_MATMULS) / 2  # causal: half the scores
-        ratios.append(predicted / seconds)
-    return statistics.median(ratios)
 
 
 def _slowest_over_ranks(per_rank: list, pick) -> list:
@@ -399,7 +165,12 @@ def machine_info() -> dict:
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "node": platform.node(),
+    gpu = {}
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        gpu = {"device_name": properties.name, "device_memory": properties.total_memory,
+               "gpus": torch.cuda.device_count()}
+    return {**gpu, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "node": platform.node(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "cores": cores, "loadavg": list(os.getloadavg()), "torch": torch.__version__}
 
@@ -421,8 +192,11 @@ def _physical_memory() -> float:
         return 16e9
 
 
-def build_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str = "cpu") -> Hardware:
+def build_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str | None = None) -> Hardware:
     """The profile from the measurements (`calibrate`'s rank results, medians over ranks)."""
+    if plan.device == "cuda":
+        return _gpu_profile(measured, plan, machine, name or "cuda")
+    name = name or "cpu"
     peaks, curves = {}, {}
     for dtype in ("fp32", "bf16", "fp16"):
         rows = measured["gemm"].get(dtype) or measured["gemm"]["fp32"]
@@ -442,13 +216,43 @@ def build_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: st
         inter_node_latency_s=links["all_reduce"].latency_s, gemm_bf16=curves["bf16"], gemm_fp16=curves["fp16"],
         gemm_fp32=curves["fp32"], memory_efficiency=1.0, memory_curve=memory_curve, elementwise=elementwise,
         op_overhead_s=measured["elementwise"]["op_overhead"], link_efficiency=1.0, collectives=links,
-        collectives_shared=shared, comm_overlap=min(1.0, max(0.0, 1.0 - cpu / wall)), kernels=KernelStack.EAGER,
+        collectives_shared=shared, comm_overlap=min(1.0, max(0.0, 1.0 - cpu / wall)),
         host_cores=cores,
         source=(f"paratrain plan --calibrate on {machine['node']} ({machine['processor']}, {cores} cores, "
                 f"torch {machine['torch']}), {plan.nproc} ranks, {machine['date']}, load average "
                 f"{machine['loadavg'][0]:.2f}; per phase other processes' CPU share / speed against the best probe "
                 f"(attempts): {_shares(machine, plan)}"))
     return dataclasses.replace(base, attention_efficiency=fit_attention(measured["attention"], base))
+
+
+def _gpu_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str) -> Hardware:
+    """A GPU's profile: its measured curves; links measured over NCCL between its GPUs, else the H100 preset's.
+
+    Collectives run beside the compute on a GPU (`comm_overlap` 1), and no rank time-shares a device.
+    """
+    peaks, curves = {}, {}
+    for dtype in ("fp32", "bf16", "fp16"):
+        peaks[dtype], curves[dtype] = fit_gemm_curve(measured["gemm"].get(dtype) or measured["gemm"]["bf16"])
+    memory_curve = tuple((float(b), b / s) for b, s in measured["memory"])
+    elementwise = {kind: tuple((float(n), n / s) for n, s in rows)
+                   for kind, rows in measured["elementwise"].items() if kind != "op_overhead"}
+    links = {kind: fit_link(kind, 2, rows) for kind, rows in measured.get("collectives", {}).items()}
+    preset = HARDWARE_PRESETS["h100-80gb"]
+    link = links.get("all_reduce")
+    intra = link.bytes_per_s if link else preset.intra_node_bytes_per_s
+    base = Hardware(
+        name=name, memory_bytes=float(machine["device_memory"]), peak_bf16=peaks["bf16"], peak_fp16=peaks["fp16"],
+        peak_fp32=peaks["fp32"], hbm_bytes_per_s=memory_curve[-1][1], intra_node_bytes_per_s=intra,
+        inter_node_bytes_per_s=preset.inter_node_bytes_per_s, gpus_per_node=plan.nproc,
+        intra_node_latency_s=link.latency_s if link else preset.intra_node_latency_s,
+        gemm_bf16=curves["bf16"], gemm_fp16=curves["fp16"], gemm_fp32=curves["fp32"], memory_efficiency=1.0,
+        memory_curve=memory_curve, elementwise=elementwise, op_overhead_s=measured["elementwise"]["op_overhead"],
+        link_efficiency=1.0 if link else preset.link_efficiency, collectives=links, comm_overlap=1.0,
+        source=(f"paratrain plan --calibrate on {machine['node']} ({machine['device_name']} × {plan.nproc}, "
+                f"torch {machine['torch']}), {machine['date']}; "
+                + ("collectives over NCCL" if link else "one GPU: links of the h100-80gb preset")))
+    return dataclasses.replace(base, attention_efficiency=fit_attention(measured["attention"], base,
+                                                                        plan.attention_dtype))
 
 
 # name: (measurement, ranks as a multiple of plan.nproc)
@@ -501,8 +305,8 @@ def calibrate(plan: CalibrationPlan = CalibrationPlan(), progress: bool = True) 
     machine["probe_flops"] = baseline
     measured: dict = {}
     conditions: dict = {}
-    bar = _progress(len(_PHASES), progress)
-    for name in _PHASES:
+    bar = _progress(len(plan.phases), progress)
+    for name in plan.phases:
         bar.set_description(f"calibrating: {name}")
         per_rank, conditions[name] = _measure_phase(name, plan, baseline)
         measured[name] = _reduce(name, per_rank)

@@ -1,32 +1,31 @@
-"""FLOPs, communication volume and step time of a layout.
+"""FLOPs and step time of a layout.
 
 FLOPs (PaLM, Chowdhery et al. 2022, app. B; `ModelConfig.flops_per_token`): a training
 step costs 6·N·T + 12·L·h·s·T for N matmul parameters and T tokens. Model FLOPs count that
 only; hardware FLOPs add what recomputation runs again: full recompute the forward of every
 block (2·N_blocks + 4·L·h·s per token), selective the attention core's forward (4·L·h·s).
 
-Communication is counted as paratrain's comm layer counts it (`paratrain.comm`): bytes one
-rank sends under a bandwidth-optimal ring, an all-reduce of S bytes over n ranks 2·S·(n−1)/n,
-an all-gather or reduce-scatter (S the full tensor) S·(n−1)/n, a point-to-point send S, per
-mesh axis as the runtime names them: dp, tp, pp, and under hybrid sharding dp_shard and
-dp_replicate in place of dp (`Layout.data_axes`).
+Communication (which collectives, their bytes and α-β time) is `paratrain.plan.collectives`;
+here, how they meet the compute: what overlaps, what is exposed.
 
-Time is α-β (Hockney; ring collectives as in Thakur et al. 2005): a collective of n ranks
-takes (steps × α) + bytes sent / β, with 2(n−1) steps for an all-reduce, n−1 for an
-all-gather or reduce-scatter, 1 for a send. β is the intra-node bandwidth when the group fits
-in one node (ranks are laid out pp × dp × tp, tp innermost; see `axis_span`), the inter-node
-one otherwise, times the achieved fraction; a calibrated profile gives measured (α, β) per
-kind instead.
 Compute is the sum of each operation's time (`paratrain.plan.ops`): matmuls at the size-
 dependent efficiency of `Hardware.gemm`, the rest memory-bound.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from paratrain.plan.collectives import (
+    Collective,
+    collective_seconds,
+    dp_collectives,
+    pp_sends,
+    stage_psi,
+    sync_collectives,
+    tp_collectives,
+)
 from paratrain.plan.hardware import (
     HARDWARE_PRESETS,
     GemmCurve,
@@ -39,286 +38,20 @@ from paratrain.plan.memory import (
     ADAM_MOMENT_BYTES,
     MASTER_BYTES,
     Layout,
-    PipelineBoundary,
     Recompute,
     Workload,
     block_param_count,
     layers_on_stage,
     pipeline_traits,
-    stage_param_count,
 )
 from paratrain.plan.ops import PassTimes, Shape, block_times, embedding_times, head_times
 
-__all__ = ["HARDWARE_PRESETS", "AxisCollectives", "Collective", "GemmCurve", "Hardware", "LinkCost", "StepFlops",
-           "StepTime", "comm_bytes_per_rank", "get_hardware", "ring_bytes", "step_flops", "step_time"]
+__all__ = ["HARDWARE_PRESETS", "GemmCurve", "Hardware", "LinkCost", "StepFlops", "StepTime", "get_hardware",
+           "step_flops", "step_time"]
 
-# -- communication --------------------------------------------------------------------------
-
-_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
-_RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 # B + W of a split backward (zero-bubble) over one whole backward of a stage: each matmul's two
 # products are split between them, the graph is walked twice (benchmarks/bench_split_backward.py).
 SPLIT_BACKWARD_COST = 1.08
-LOSS_BYTES = 4  # fp32 scalars: the vocab-parallel cross-entropy's row maxima and sums, norms, flags
-
-
-@dataclass(frozen=True)
-class Collective:
-    """`count` calls of one collective over `ranks` ranks; `size` is the full tensor's bytes."""
-
-    kind: str  # all_reduce, all_gather, reduce_scatter or send
-    size: float
-    ranks: int
-    count: float = 1.0
-
-    @property
-    def bytes_sent(self) -> float:
-        """Bytes one rank sends, as paratrain.comm counts them."""
-        if self.kind == "send":
-            return self.size * self.count
-        return ring_bytes(self.kind, self.size, self.ranks) * self.count
-
-    @property
-    def steps(self) -> int:
-        """Ring steps of one call: the latency terms it pays."""
-        return 1 if self.kind == "send" else _RING_STEPS[self.kind] * (self.ranks - 1)
-
-    def seconds(self, bandwidth: float, latency: float) -> float:
-        """Ring time; an all-reduce takes the double binary tree instead when that is faster.
-
-        NCCL switches to trees for latency-bound all-reduces (2·⌈log₂ n⌉ steps, each rank sending
-        about 2·S; Sanders et al. 2009), which makes a small all-reduce over thousands of ranks cost
-        microseconds, not the milliseconds of a 2(n − 1)-step ring.
-        """
-        if self.ranks == 1 or self.count == 0:
-            return 0.0
-        ring = self.count * self.steps * latency + self.bytes_sent / bandwidth
-        if self.kind != "all_reduce":
-            return ring
-        tree = self.count * (2 * math.ceil(math.log2(self.ranks)) * latency + 2 * self.size / bandwidth)
-        return min(ring, tree)
-
-
-def ring_bytes(kind: str, size: float, ranks: int) -> float:
-    """Bytes one rank sends in a ring: all-reduce 2·S·(n−1)/n, all-gather/reduce-scatter S·(n−1)/n."""
-    if ranks == 1:
-        return 0.0
-    return _RING_FACTOR[kind] * size * (ranks - 1) / ranks
-
-
-def axis_span(layout: Layout, axis: str) -> int:
-    """Consecutive ranks one group of `axis` reaches across (layout pp × dp × tp, tp innermost).
-
-    A tp group is tp neighbours; a dp group strides tp over dp × tp ranks. The data axis of
-    hybrid sharding splits as dp = dp_replicate × dp_shard with dp_shard inner
-    (`paratrain.mesh.MeshShape.groups`): a shard group spans dp_shard × tp ranks, a replica
-    group strides dp_shard × tp over the whole dp × tp block.
-    """
-    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "dp_shard": layout.tp * layout.shard_ranks,
-            "dp_replicate": layout.tp * layout.dp, "pp": layout.world_size, "world": layout.world_size}[axis]
-
-
-def axis_is_intra_node(layout: Layout, axis: str, gpus_per_node: int) -> bool:
-    """Whether every group of `axis` sits inside one node: its span fits in one and tiles the nodes."""
-    span = axis_span(layout, axis)
-    return span <= gpus_per_node and gpus_per_node % span == 0
-
-
-def collective_seconds(hardware: Hardware, layout: Layout, axis: str, collectives: list[Collective]) -> float:
-    """Time of `collectives` over `axis`: a calibrated (α, β) per kind inside a node, else the links.
-
-    On a CPU profile whose cores the layout's ranks time-share, the costs measured that way.
-    """
-    intra = axis_is_intra_node(layout, axis, hardware.gpus_per_node) or hardware.host_cores is not None
-    shared = hardware.compute_share(layout.world_size) < 1 and hardware.collectives_shared
-    costs = hardware.collectives_shared if shared else hardware.collectives
-    total = 0.0
-    for c in collectives:
-        measured = costs.get(c.kind) if intra else None
-        if measured is not None:
-            total += c.seconds(measured.bytes_per_s, measured.latency_s)
-        elif intra:
-            total += c.seconds(hardware.intra_node_bytes_per_s * hardware.link_efficiency,
-                               hardware.intra_node_latency_s)
-        else:
-            total += c.seconds(hardware.inter_node_bytes_per_s * hardware.link_efficiency,
-                               hardware.inter_node_latency_s)
-    return total
-
-
-def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
-    """Parameters one rank of `stage` holds before ZeRO sharding (Ψ of the ZeRO formulas)."""
-    if workload.model is None:
-        return workload.num_params / (layout.tp * layout.pp)
-    return float(stage_param_count(workload.model, layout.tp, layout.pp, stage))
-
-
-def _zero3_units(workload: Workload, layout: Layout, stage: int) -> int:
-    """ZeRO-3 gathers one unit per block plus the root's rest (embedding, head, final norm)."""
-    if workload.model is None:
-        return 1
-    return layers_on_stage(workload.model.n_layers, layout.pp, stage) + 1
-
-
-@dataclass(frozen=True)
-class AxisCollectives:
-    """One mesh axis's data-parallel collectives of a step on one rank, by how they meet the compute.
-
-    overlapped: launched asynchronously while backward (ZeRO-3: forward too) computes; compute
-        hides them but for the last call (`_dp_exposed`).
-    after: after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed.
-    """
-
-    overlapped: tuple[Collective, ...] = ()
-    after: tuple[Collective, ...] = ()
-
-    @property
-    def calls(self) -> tuple[Collective, ...]:
-        return self.overlapped + self.after
-
-
-def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, AxisCollectives]:
-    """Data-parallel collectives of one step on one rank of `stage`, per mesh axis (`Layout.data_axes`).
-
-    N is the ranks ZeRO shards over (`Layout.shard_ranks`: dp, or the shard group).
-    DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype), bucket by bucket.
-    ZeRO-1/2: a reduce-scatter of the gradients during backward and an all-gather of the updated
-    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data.ddp does, per bucket. DDP
-    and ZeRO-1 accumulate gradients locally over micro-batches and communicate once per step;
-    ZeRO-2 keeps no full gradient, so it reduce-scatters after every micro-batch. ZeRO-3: for
-    every micro-batch an all-gather of each unit's parameters before forward and again before
-    backward and a reduce-scatter of its gradients: 3Ψ(N−1)/N per micro-batch.
-
-    Hybrid sharding (R = dp / N replicas of each shard group): those reduce-scatters and
-    all-gathers run within the shard group (axis dp_shard), and every reduce-scatter of S bytes
-    is followed by an all-reduce of its S/N shard over the R replicas (axis dp_replicate),
-    2·(S/N)·(R−1)/R per reduction: the replicas' sum of the gradient that ZeRO over all dp
-    ranks would have reduced in one collective. The engines launch it as the reduce-scatter
-    lands and wait for it at the next one, so it overlaps compute as the reduce-scatters do.
-    """
-    if layout.dp == 1:
-        return {}
-    n, psi = layout.shard_ranks, stage_psi(workload, layout, stage)
-    grads, params = psi * workload.grad_bytes, psi * workload.param_bytes
-    m = layout.num_microbatches(workload.global_batch)
-    if layout.zero == 3:
-        units = _zero3_units(workload, layout, stage)
-        reduce = Collective("reduce_scatter", grads / units, n, m * units)
-        shard = AxisCollectives(overlapped=(Collective("all_gather", params / units, n, 2 * m * units), reduce))
-    else:
-        buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
-        if layout.zero == 0:
-            return {"dp": AxisCollectives(overlapped=(Collective("all_reduce", grads / buckets, n, buckets),))}
-        reduce = Collective("reduce_scatter", grads / buckets, n, buckets * (m if layout.zero == 2 else 1))
-        shard = AxisCollectives(overlapped=(reduce,), after=(Collective("all_gather", params / buckets, n, buckets),))
-    out = {layout.data_axes[0]: shard}
-    if layout.dp_replicate > 1:
-        replicas = Collective("all_reduce", reduce.size / n, layout.dp_replicate, reduce.count)
-        out["dp_replicate"] = AxisCollectives(overlapped=(replicas,))
-    return out
-
-
-def _activation_bytes(workload: Workload, layout: Layout) -> float:
-    return float(layout.micro_batch * workload.seq_len * workload.model.dim * workload.param_bytes)
-
-
-def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
-    """Tensor-parallel collectives of one micro-batch on `stage` (Shoeybi et al. 2019).
-
-    Each layer: 2 all-reduces of b·s·h in forward (after attention and after the MLP) and 2 in
-    backward (their conjugates before them); with sequence parallelism each all-reduce becomes
-    an all-gather + a reduce-scatter of the same full tensor (the same bytes). Full
-    recomputation runs the forward's 2 again. The vocab-parallel embedding adds one all-reduce
-    in forward (a reduce-scatter with SP) on the first stage; the head adds one all-reduce of
-    its input gradient in backward (all-gather forward + reduce-scatter backward with SP) on
-    the last, and the vocab-parallel cross-entropy two all-reduces of fp32 row statistics (the
-    maxima, b·s; the sums of exponentials and target logits, 2·b·s). Pipeline boundaries add
-    the all-gathers of `boundary_gathers`.
-    """
-    model, t = workload.model, layout.tp
-    if model is None or t == 1:
-        return []
-    size = _activation_bytes(workload, layout)
-    per_layer = 4 + (2 if layout.recompute is Recompute.FULL else 0)
-    layers = layers_on_stage(model.n_layers, layout.pp, stage) * per_layer
-    sp = layout.sequence_parallel
-    out = ([Collective("all_gather", size, t, layers), Collective("reduce_scatter", size, t, layers)] if sp
-           else [Collective("all_reduce", size, t, layers)])
-    if stage == 0:
-        out.append(Collective("reduce_scatter" if sp else "all_reduce", size, t))
-    if stage == layout.pp - 1:
-        out += ([Collective("all_gather", size, t), Collective("reduce_scatter", size, t)] if sp
-                else [Collective("all_reduce", size, t)])
-        rows = layout.micro_batch * workload.seq_len * LOSS_BYTES
-        out += [Collective("all_reduce", rows, t), Collective("all_reduce", 2 * rows, t)]
-    gathers = boundary_gathers(layout, stage)
-    if gathers:
-        out.append(Collective("all_gather", size, t, gathers))
-    return out
-
-
-def boundary_crossings(layout: Layout, stage: int) -> int:
-    """Stage boundaries pipeline rank `stage` sends across per micro-batch (activations forward + grads back).
-
-    Each of the rank's v chunks sends its output forward unless it is the model's last chunk and
-    its input gradient backward unless it is the first; it receives as many as it sends.
-    """
-    p, v = layout.pp, layout.chunks
-    chunks = [c * p + stage for c in range(v)]
-    return sum(g < v * p - 1 for g in chunks) + sum(g > 0 for g in chunks)
-
-
-def boundary_gathers(layout: Layout, stage: int) -> int:
-    """All-gathers over tp of a full b·s·h that stage boundaries cost rank `stage` per micro-batch.
-
-    Per boundary crossing (`boundary_crossings`): SCATTER_GATHER one (the receiver gathers the t
-    slices) plus, under sequence parallelism, the gather of the sequence shards into the whole
-    boundary tensor; FULL only the latter. See `PipelineBoundary`.
-    """
-    if layout.pp == 1 or layout.tp == 1:
-        return 0
-    per_crossing = int(layout.boundary is PipelineBoundary.SCATTER_GATHER) + int(layout.sequence_parallel)
-    return per_crossing * boundary_crossings(layout, stage)
-
-
-def pp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
-    """Point-to-point sends of one micro-batch by pipeline rank `stage` (Narayanan et al. 2021).
-
-    One send per boundary crossing (`boundary_crossings`) of b·s·h per rank with FULL boundaries,
-    b·s·h/t with SCATTER_GATHER (each tp rank its slice).
-    """
-    model, p = workload.model, layout.pp
-    if model is None or p == 1:
-        return []
-    size = _activation_bytes(workload, layout)
-    if layout.boundary is PipelineBoundary.SCATTER_GATHER:
-        size /= layout.tp
-    return [Collective("send", size, 2, boundary_crossings(layout, stage))]
-
-
-def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
-    """The step's small agreement collectives, per axis, as paratrain's step runs them.
-
-    One all-reduce over every rank (`ParallelModel.agree`): per rank its non-finite flags, stop
-    request, loss (a pipeline's from its last stage) and share of the global squared gradient
-    norm (whatever the layout shards), and per stage how many ranks reached each parameter.
-    """
-    return {"world": [Collective("all_reduce", 64.0, layout.world_size)]}
-
-
-def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
-    """Bytes one rank sends per step on each axis (the busiest rank of that axis).
-
-    The data axes are `Layout.data_axes`: dp, or dp_shard and dp_replicate under hybrid sharding.
-    """
-    m = layout.num_microbatches(workload.global_batch)
-    out = {axis: 0.0 for axis in (*layout.data_axes, "tp", "pp")}
-    for stage in range(layout.pp):
-        for axis, collectives in dp_collectives(workload, layout, stage).items():
-            out[axis] = max(out[axis], sum(c.bytes_sent for c in collectives.calls))
-        out["tp"] = max(out["tp"], m * sum(c.bytes_sent for c in tp_collectives(workload, layout, stage)))
-        out["pp"] = max(out["pp"], m * sum(c.bytes_sent for c in pp_sends(workload, layout, stage)))
-    return {axis: int(round(value)) for axis, value in out.items()}
 
 
 # -- FLOPs --------------------------------------------------------------------------------
@@ -367,7 +100,8 @@ class StepTime:
     tp_comm, pp_comm: exposed (on the critical path) tensor-parallel and point-to-point time.
     bubble: pipeline fill and drain, (p − 1)/v per-micro-batch stage times.
     dp_comm: data-parallel time not hidden behind compute (`dp_comm_total` is all of it).
-    optimizer: the (memory-bound) optimizer step, with gradient clipping.
+    optimizer: the (memory-bound) optimizer step, with gradient clipping, and the other passes over
+        the parameters (`per_microbatch_bytes_per_param`).
     sync: the step's small agreement collectives (flags, loss, the global gradient norm).
     dp_comm_by_axis: `dp_comm` split over the data axes (`Layout.data_axes`), summing to it: what
         `paratrain report` sets beside the runtime's exposed time per axis.
@@ -405,7 +139,7 @@ def _block(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[Shap
     if workload.model is None:
         return None
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
-                 workload.precision, workload.flash_attention)
+                 workload.precision, workload.flash_attention, kernel_stack(layout))
     return x, block_times(hardware, x, layout.recompute)
 
 
@@ -437,27 +171,50 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
     return times.scaled(1 / hardware.compute_share(lay.world_size))
 
 
-def optimizer_bytes_per_param(workload: Workload, kernels: KernelStack) -> float:
-    """Bytes the optimizer step (Adam) and gradient clipping move per parameter shard element.
+def kernel_stack(layout: Layout) -> KernelStack:
+    """The run's element-wise kernels: fused by `torch.compile` (`Layout.compile`), else one per operator."""
+    return KernelStack.FUSED if layout.compile else KernelStack.EAGER
 
-    FUSED (a fused Adam): read the gradient, read and write the fp32 master (mixed precision)
-    and the two moments, write the parameter; clipping reads the gradient for its norm and
-    scales it in place. EAGER (torch.optim.AdamW's foreach path, paratrain's clipping and
-    non-finite check): about 24 fp32 passes over the shard (decay, two moment updates, square
-    root, two divisions, the update; norm, scale, check).
+
+def optimizer_bytes_per_param(workload: Workload) -> float:
+    """Bytes paratrain's step moves per parameter shard element after the backward (the trainer's fused AdamW).
+
+    Clipping reads the gradient for the global norm (the non-finite check rides on it) and scales
+    it in place; the fused Adam reads the gradient and reads and writes the fp32 master (mixed
+    precision) and the two moments; mixed precision then refreshes the 16-bit compute copy from
+    the master (read, write); the gradients are zeroed for the next step.
     """
-    if kernels is KernelStack.EAGER:
-        return 24 * 4.0 + (workload.param_bytes if workload.mixed else 0)
-    state = ADAM_MOMENT_BYTES + (MASTER_BYTES if workload.mixed else 0)
-    return 2 * state + 4 * workload.grad_bytes + workload.param_bytes
+    grad = MASTER_BYTES if workload.mixed else workload.grad_bytes  # the fp32 gradient the optimizer reads
+    clip = 3 * grad  # the norm's read, the scaling's read and write
+    adam = grad + 2 * (ADAM_MOMENT_BYTES + MASTER_BYTES)  # the parameter itself is the master in fp32
+    copy = MASTER_BYTES + workload.param_bytes if workload.mixed else 0
+    return clip + adam + copy + grad  # the last: zeroing
 
 
-def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> float:
+def per_microbatch_bytes_per_param(workload: Workload, layout: Layout, m: int) -> float:
+    """Bytes per parameter element that the step's micro-batches move outside their kernels' activations.
+
+    Accumulating the gradient over m micro-batches reads the sum and the new gradient and writes
+    the sum, m − 1 times; ZeRO-3 copies each unit's shard into its gathered buffer before forward
+    and before backward and its gradient out of one, every micro-batch (with one rank too: the
+    collective's input and output are distinct buffers).
+    """
+    grad = workload.grad_bytes
+    accumulate = (m - 1) * 3 * grad if layout.zero < 2 else 0.0  # ZeRO-2/3 reduce every micro-batch
+    gathers = m * (2 * 2 * workload.param_bytes + 2 * grad) if layout.zero == 3 else 0.0
+    return accumulate + gathers
+
+
+def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int) -> float:
+    """The step's memory-bound passes over the parameters: the optimizer on this rank's shard, and the
+    micro-batches' gradient accumulation and ZeRO-3 copies over the stage's parameters."""
     shards = layout.shard_ranks if layout.zero >= 1 else 1  # each rank steps its own shard
-    psi = stage_psi(workload, layout, stage) / shards
+    psi = stage_psi(workload, layout, stage)
     tensor = 4.0 * (block_param_count(workload.model) / 7 if workload.model is not None else psi)
     tensor /= layout.tp * shards
-    seconds = hardware.memory_seconds(psi * optimizer_bytes_per_param(workload, hardware.kernels), 3 * tensor)
+    step = psi / shards * optimizer_bytes_per_param(workload)
+    local = psi * per_microbatch_bytes_per_param(workload, layout, m)
+    seconds = hardware.memory_seconds(step, 3 * tensor) + hardware.memory_seconds(local, 3 * tensor)
     return seconds / hardware.compute_share(layout.world_size)
 
 
@@ -508,7 +265,7 @@ def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m
     pp = collective_seconds(hardware, layout, "pp", pp_sends(workload, layout, stage))
     dp_exposed, dp_total = _dp_exposed(workload, layout, hardware, stage, passes.backward, m * compute)
     return _Stage(compute + tp + pp, compute, tp, pp, dp_exposed, dp_total,
-                  _optimizer_seconds(workload, layout, hardware, stage))
+                  _optimizer_seconds(workload, layout, hardware, stage, m))
 
 
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:

@@ -54,10 +54,13 @@ ELEMENTWISE_ACCESSES = {Elementwise.BINARY: 3, Elementwise.UNARY: 2, Elementwise
 
 
 class KernelStack(str, Enum):
-    """How the element-wise parts of a layer are implemented, which sets the bytes they move.
+    """How a run's element-wise parts are implemented, which sets the kernels they launch and the bytes they move.
 
-    FUSED: one kernel per fused region (Megatron's fused layer norm, bias + GeLU, scale + mask +
-    softmax, bias + dropout + add, fused Adam): each tensor is read and written about once.
+    A property of the run, not of the device (`Layout.compile` picks it):
+    FUSED: one kernel per fused region, as `torch.compile` makes of each block (inductor fuses
+    the norms, rotary, SwiGLU and residual adds between the matmuls) and as Megatron's fused
+    kernels do (fused layer norm, bias + GeLU, scale + mask + softmax, bias + dropout + add):
+    each tensor is read and written about once.
     EAGER: one kernel per PyTorch operator, as paratrain's reference model runs in eager mode:
     every operator reads its inputs and writes its output (see `paratrain.plan.ops`).
     """
@@ -68,7 +71,7 @@ class KernelStack(str, Enum):
 
 @dataclass(frozen=True)
 class GemmCurve:
-    """Fraction of peak a matmul of shape (m, n, k) achieves: e_max · x / (x + x_half).
+    """Fraction of peak a matmul of shape (m, n, k) achieves: e_max · x / (x + x_half) / (1 + x / x_power).
 
     x = 3 / (1/m + 1/n + 1/k), the harmonic mean of the three dimensions, is proportional to the
     matmul's arithmetic intensity (2mnk FLOPs over (mn + nk + mk) elements moved). The time
@@ -76,20 +79,29 @@ class GemmCurve:
     operand bytes: a roofline whose two regimes are joined smoothly. Small or skinny matmuls
     (tensor-parallel slices, small hidden sizes, attention's head dimension) fall below the
     plateau, large ones approach e_max.
+
+    x_power (`power_size`; None: no fall-off) is where a GPU's power limit takes the
+    clock down: the largest matmuls keep every tensor core busy for long enough to hold the board
+    at its power cap, and run slower per FLOP than mid-sized ones (an H200 measured 805 TFLOP/s
+    for 8192×5632→2048 and 686 for 16384×8192→8192, `hardware.py`'s presets).
     """
 
     peak_efficiency: float
     half_size: float
+    power_size: float | None = None
 
     def __post_init__(self):
         if not 0 < self.peak_efficiency <= 1:
             raise PlanError(f"GEMM peak_efficiency {self.peak_efficiency!r} must be in (0, 1]")
         if not self.half_size >= 0:
             raise PlanError(f"GEMM half_size {self.half_size!r} must be non-negative")
+        if self.power_size is not None and not self.power_size > 0:
+            raise PlanError(f"GEMM power_size {self.power_size!r} must be positive")
 
     def efficiency(self, m: float, n: float, k: float) -> float:
         x = 3.0 / (1.0 / m + 1.0 / n + 1.0 / k)
-        return self.peak_efficiency * x / (x + self.half_size)
+        droop = 1.0 if self.power_size is None else 1.0 + x / self.power_size
+        return self.peak_efficiency * x / (x + self.half_size) / droop
 
 
 @dataclass(frozen=True)
@@ -119,23 +131,26 @@ class Hardware:
         gpus_per_node: devices sharing the intra-node links (a CPU profile: its cores).
         intra_node_latency_s, inter_node_latency_s: α of one ring step.
         gemm_bf16, gemm_fp16, gemm_fp32: the matmul efficiency curve per dtype.
-        attention_efficiency: throughput of the attention kernel relative to the GEMM curve at
-            its matmul shapes (QKᵀ and PV per head): 1 when it runs like those matmuls.
+        attention_efficiency: throughput of the attention kernel's matmuls relative to the GEMM
+            curve at their shapes (QKᵀ and PV per head): 1 when they run like those matmuls.
+        attention_overhead_s: time of one attention call (forward and backward) beyond its
+            matmuls and the bytes of its operands (`paratrain.plan.ops.attention_seconds`): the
+            backward's preprocessing pass and the tail of each kernel's last wave of tiles.
         memory_efficiency: achieved fraction of `hbm_bytes_per_s` for memory-bound kernels.
         memory_curve: measured (bytes touched, bytes/s) points of element-wise kernels, ascending
             by size (a CPU's caches make bandwidth depend on size); empty: the fraction above.
         elementwise: measured (elements, elements/s) points per element-wise kind of an eager stack
             (`ELEMENTWISE_ACCESSES`), ascending by size; a kind without points moves its accesses
             through the memory bandwidth.
-        op_overhead_s: host time per operator dispatched (and per autograd node): an eager stack
-            on a CPU pays it in line; a GPU's asynchronous launches hide it (0).
+        op_overhead_s: time per kernel an eager stack launches beyond its bytes (per operator
+            and per autograd node): on a CPU the dispatch, paid in line; on a GPU the gap between
+            back-to-back kernels (launch, ramp-up and drain of each), the host running ahead.
         link_efficiency: achieved fraction of a link's bandwidth in ring collectives.
         collectives: measured intra-node cost per collective kind (calibration); empty: the links.
         collectives_shared: the same, measured with twice as many ranks as cores (a CPU profile):
             used when a layout's ranks time-share the cores.
         comm_overlap: fraction of overlappable communication that compute really hides (1 on
             GPUs, where collectives run beside the compute; less on a CPU, whose cores do both).
-        kernels: the software stack's element-wise implementation (bytes moved per layer).
         host_cores: set for a CPU profile: every rank of a job runs on this one host, one
             thread each, so with more ranks than cores each rank gets cores/ranks of one.
         source: where the numbers come from.
@@ -156,6 +171,7 @@ class Hardware:
     gemm_fp16: GemmCurve = GemmCurve(0.8, 300.0)
     gemm_fp32: GemmCurve = GemmCurve(0.8, 300.0)
     attention_efficiency: float = 1.0
+    attention_overhead_s: float = 0.0
     memory_efficiency: float = 0.8
     memory_curve: tuple[tuple[float, float], ...] = ()
     elementwise: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
@@ -164,7 +180,6 @@ class Hardware:
     collectives: Mapping[str, LinkCost] = field(default_factory=dict)
     collectives_shared: Mapping[str, LinkCost] = field(default_factory=dict)
     comm_overlap: float = 1.0
-    kernels: KernelStack = KernelStack.FUSED
     host_cores: int | None = None
     source: str = ""
 
@@ -192,9 +207,9 @@ class Hardware:
         if unknown:
             raise PlanError(f"hardware elementwise: unknown kind {sorted(unknown)[0]!r}; "
                             f"use {', '.join(ELEMENTWISE_ACCESSES)}")
-        if not self.op_overhead_s >= 0:
-            raise PlanError(f"hardware op_overhead_s={self.op_overhead_s!r} must be non-negative")
-        object.__setattr__(self, "kernels", KernelStack(self.kernels))
+        for name in ("op_overhead_s", "attention_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise PlanError(f"hardware {name}={getattr(self, name)!r} must be non-negative")
         object.__setattr__(self, "memory_curve", _curve(self.memory_curve))
         object.__setattr__(self, "elementwise",
                            {Elementwise(kind): _curve(points) for kind, points in self.elementwise.items()})
@@ -275,29 +290,40 @@ def _interpolate(curve: tuple[tuple[float, float], ...], size: float) -> float:
 #   (80-87 % of peak) for large sizes and falling off below ~1-2K in the smallest dimension;
 #   e_max and x_half place the curve there and were then checked against every A100 run of
 #   `paratrain.plan.published` (no run has constants of its own).
-# - H100 GEMM curve: e_max 0.72, x_half 330. Large BF16 GEMMs on H100 SXM reach ~650-750
-#   TFLOP/s in cuBLAS (65-75 % of the dense peak: the clock drops under full tensor-core load),
-#   and the curve saturates later than the A100's (more SMs to fill); checked against the
-#   H100 runs of `paratrain.plan.published`.
-# - Memory-bound kernels reach ~80 % of the datasheet bandwidth (STREAM-like copies on A100
-#   and H100); ring collectives ~77 % of NVLink (NCCL all-reduce bus bandwidth ~230 GB/s of
+# - H100/H200 (one chip, one set): fitted to one H200's measurements (`shared/gpu/H200-2026-11-26.md`
+#   §4: eleven bf16 linears of 686-807 TFLOP/s, causal SDPA forward + backward at 267-433) and then to
+#   its training steps (§2 and `benchmarks/results/gpu-bench-20261126-074256.md`, the test
+#   `tests/test_plan_h200.py`):
+#   GEMM curve e_max 0.975, x_half 300, x_power 25,000 (every linear within 4 %: mid-sized ones at
+#   ~780, the largest at the power limit's ~690); flash attention's matmuls at 1.22 × the curve at
+#   their (s, s, d) shapes plus its operands' bytes and 85 µs per pass (each SDPA point within 3 %);
+#   memory-bound kernels at 52 % of the HBM bandwidth (eager element-wise kernels of 16-180 MB, the
+#   optimizer's passes) and 1 µs per eager kernel beyond its bytes. Those two, the only constants
+#   fitted to step times, take the eleven measured steps (eager and compiled, ZeRO-0 and 3, no and
+#   full recomputation, 1B and 7B) within 6 %.
+# - Memory-bound kernels elsewhere reach ~80 % of the datasheet bandwidth (STREAM-like copies on
+#   A100); ring collectives ~77 % of NVLink (NCCL all-reduce bus bandwidth ~230 GB/s of
 #   300 on DGX A100, nccl-tests) and of InfiniBand.
 _A100_GEMM = GemmCurve(0.80, 220.0)
-_H100_GEMM = GemmCurve(0.72, 330.0)
-_COMMON = dict(memory_efficiency=0.8, link_efficiency=0.77, kernels=KernelStack.FUSED)
+_HOPPER_GEMM = GemmCurve(0.975, 300.0, 25_000.0)
+_COMMON = dict(link_efficiency=0.77)
+_A100 = dict(memory_efficiency=0.8)
+_HOPPER = dict(memory_efficiency=0.52, attention_efficiency=1.22, attention_overhead_s=85e-6, op_overhead_s=1e-6)
 
 
 def _gpu(name: str, memory: float, peak16: float, hbm: float, nvlink: float, ib: float, gemm: GemmCurve,
-         source: str) -> Hardware:
+         source: str, kind: dict) -> Hardware:
     return Hardware(name, memory, peak16, peak16, peak16 / 2, hbm, nvlink, ib, gemm_bf16=gemm, gemm_fp16=gemm,
-                    gemm_fp32=gemm, source=source, **_COMMON)
+                    gemm_fp32=gemm, source=source, **_COMMON, **kind)
 
 
 HARDWARE_PRESETS: dict[str, Hardware] = {
-    "a100-40gb": _gpu("a100-40gb", 40e9, 312e12, 1.555e12, 300e9, 25e9, _A100_GEMM, "NVIDIA A100 datasheet"),
-    "a100-80gb": _gpu("a100-80gb", 80e9, 312e12, 2.039e12, 300e9, 25e9, _A100_GEMM, "NVIDIA A100 datasheet"),
-    "h100-80gb": _gpu("h100-80gb", 80e9, 989e12, 3.35e12, 450e9, 50e9, _H100_GEMM, "NVIDIA H100 SXM datasheet"),
-    "h200": _gpu("h200", 141e9, 989e12, 4.8e12, 450e9, 50e9, _H100_GEMM, "NVIDIA H200 SXM datasheet"),
+    "a100-40gb": _gpu("a100-40gb", 40e9, 312e12, 1.555e12, 300e9, 25e9, _A100_GEMM, "NVIDIA A100 datasheet", _A100),
+    "a100-80gb": _gpu("a100-80gb", 80e9, 312e12, 2.039e12, 300e9, 25e9, _A100_GEMM, "NVIDIA A100 datasheet", _A100),
+    "h100-80gb": _gpu("h100-80gb", 80e9, 989e12, 3.35e12, 450e9, 50e9, _HOPPER_GEMM,
+                      "NVIDIA H100 SXM datasheet; efficiencies fitted on an H200", _HOPPER),
+    "h200": _gpu("h200", 141e9, 989e12, 4.8e12, 450e9, 50e9, _HOPPER_GEMM,
+                 "NVIDIA H200 SXM datasheet; efficiencies fitted on an H200 (shared/gpu/H200-2026-11-26.md)", _HOPPER),
 }
 
 
@@ -307,7 +333,6 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
 def hardware_to_dict(hardware: Hardware) -> dict:
     """The profile as JSON-ready data (what `save_profile` writes)."""
     out = dataclasses.asdict(hardware)
-    out["kernels"] = hardware.kernels.value
     out["memory_curve"] = [list(point) for point in hardware.memory_curve]
     out["elementwise"] = {kind.value: [list(point) for point in points]
                           for kind, points in hardware.elementwise.items()}
@@ -324,6 +349,7 @@ def hardware_from_dict(data: dict, where: str = "hardware profile") -> Hardware:
     if data.pop("format", None) != PROFILE_FORMAT:
         raise PlanError(f"{where}: not a paratrain hardware profile (format {PROFILE_FORMAT}); "
                         "write one with `paratrain plan --calibrate`")
+    data.pop("kernels", None)  # written before the kernel stack became the run's (`Layout.compile`)
     known = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(data) - known)
     if unknown:

@@ -166,6 +166,8 @@ class Layout:
         boundary: how stage boundaries travel under tp > 1 (`PipelineBoundary`).
         bucket_mb: gradient bucket size of DDP and ZeRO-1/2 in MiB (one collective per bucket;
             the last bucket of the backward cannot overlap with it).
+        compile: each block runs `torch.compile`d (the run's `parallel.compile`): its element-wise
+            operators fused (`KernelStack.FUSED`), else one kernel each (EAGER). Time only.
     """
 
     dp: int = 1
@@ -180,6 +182,7 @@ class Layout:
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     boundary: PipelineBoundary = PipelineBoundary.SCATTER_GATHER
     bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
+    compile: bool = False
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
@@ -239,6 +242,8 @@ class Layout:
                f"recompute={self.recompute.value}"
         if self.sequence_parallel:
             text += " sp"
+        if self.compile:
+            text += " compiled"
         if self.pp > 1:
             text += f" {self.schedule.value}" + (f" v={self.chunks}" if self.chunks > 1 else "")
         return text

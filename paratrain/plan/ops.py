@@ -11,14 +11,17 @@ tensor-parallel rank, for b sequences of s tokens (T = b·s), with t = tp:
 
 Backward runs two matmuls for each forward one (the input gradient (m, k, n) and the weight
 gradient (k, n, m)), the attention core's backward four matmuls of the forward's shapes (five
-for a flash kernel, which recomputes the scores), and the element-wise backward moves about twice
-the forward's bytes. Full recomputation runs the forward again; selective recomputation the
-attention core (and its softmax). A causal flash kernel skips the masked half of the scores;
-a kernel that materializes them (Megatron's fused softmax) computes all of them.
+for a flash kernel, which recomputes the scores), and the element-wise backward moves about
+twice the forward's bytes. A flash kernel also reads and writes its operands once per pass
+(forward: q, k, v in, the output out; backward: those and the output's gradient in, three
+gradients out) and pays `Hardware.attention_overhead_s` per pass. Full recomputation runs the
+forward again; selective recomputation the attention core (and its softmax). A causal flash
+kernel skips the masked half of the scores; a kernel that materializes them (Megatron's fused
+softmax) computes all of them.
 
-The element-wise parts depend on the software stack (`KernelStack`). Per token, with h_r the
-residual width a rank holds (h, or h/t under sequence parallelism), q = H·E/t, kv = K·E/t,
-f = ffn/t and S = (H/t)·s attention scores:
+The element-wise parts depend on the software stack (`KernelStack`, the run's `Layout.compile`).
+Per token, with h_r the residual width a rank holds (h, or h/t under sequence parallelism),
+q = H·E/t, kv = K·E/t, f = ffn/t and S = (H/t)·s attention scores:
 
     FUSED  memory accesses (elements read or written): norms 2·2h_r, dropout + residual adds
            2·3h_r, rotary 2(q + kv), SwiGLU 3f, softmax + dropout 4.5·S (materialized scores
@@ -45,6 +48,9 @@ from paratrain.plan.memory import DTYPE_BYTES, Recompute
 BACKWARD_MEMORY_FACTOR = 2.0  # element-wise backward reads the saved input and the gradient, writes one
 FLASH_BACKWARD_MATMULS = 5  # dQ, dK, dV, dP and the recomputed scores (Dao 2023, FlashAttention-2 §3.1.2)
 DENSE_BACKWARD_MATMULS = 4  # dQ, dK, dV, dP
+# A flash kernel's operands per token, in units of (q + kv) widths: forward reads q, k, v and writes
+# the output; backward reads those and the output's gradient and writes dq, dk, dv.
+FLASH_ACCESSES = (2, 4)
 SOFTMAX_ACCESSES = 4.5  # scale + mask + softmax (read, write) and dropout (read, write, 1-byte mask)
 # FUSED: accesses per token of the block's forward: (h_r, q + kv, f).
 _FUSED_ACCESSES = (4 + 6, 2, 3)
@@ -105,15 +111,17 @@ class Shape:
     residual: float  # h_r
     dtype: str
     flash: bool
+    kernels: KernelStack = KernelStack.EAGER
 
     @classmethod
     def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-           precision: str, flash: bool) -> Shape:
+           precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER) -> Shape:
         e = model.head_dim
         return cls(tokens=float(micro_batch * seq_len), seq_len=seq_len, batch=micro_batch, hidden=model.dim,
                    q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
                    local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
-                   residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision, flash=flash)
+                   residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision, flash=flash,
+                   kernels=KernelStack(kernels))
 
     @property
     def itemsize(self) -> int:
@@ -166,7 +174,7 @@ def _scores_seconds(hw: Hardware, x: Shape) -> float:
 
 def block_elementwise_times(hw: Hardware, x: Shape) -> PassTimes:
     """Forward and backward of one block's element-wise parts (module docstring)."""
-    if hw.kernels is KernelStack.FUSED:
+    if x.kernels is KernelStack.FUSED:
         residual, qkv, ffn = _FUSED_ACCESSES
         forward = _fused_seconds(hw, x, residual * x.residual + qkv * (x.q_width + x.kv_width) + ffn * x.ffn)
         backward = BACKWARD_MEMORY_FACTOR * forward
@@ -195,11 +203,18 @@ def _gemm_seconds(hw: Hardware, gemms: list[Gemm], dtype: str) -> float:
     return sum(hw.gemm_seconds(g.m, g.n, g.k, dtype, g.count) for g in gemms)
 
 
-def attention_seconds(hw: Hardware, x: Shape, matmuls: float) -> float:
-    """`matmuls` attention-core matmuls of the forward's shapes (2 = the forward)."""
+def attention_seconds(hw: Hardware, x: Shape, matmuls: float, backward: bool = False) -> float:
+    """One pass of the attention core: `matmuls` matmuls of the forward's shapes (2 = the forward).
+
+    A flash kernel adds its operands' bytes (`FLASH_ACCESSES`) and `Hardware.attention_overhead_s`.
+    """
     causal = 0.5 if x.flash else 1.0  # a flash kernel skips the masked half; materialized scores do not
     per_matmul = _gemm_seconds(hw, attention_gemms(x), x.dtype) / 2
-    return causal * matmuls * per_matmul / hw.attention_efficiency
+    seconds = causal * matmuls * per_matmul / hw.attention_efficiency
+    if not x.flash:
+        return seconds
+    accesses = FLASH_ACCESSES[backward] * x.tokens * (x.q_width + x.kv_width)
+    return seconds + hw.memory_seconds(accesses * x.itemsize) + hw.attention_overhead_s
 
 
 def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
@@ -208,7 +223,7 @@ def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
     elementwise = block_elementwise_times(hw, x)
     forward = _gemm_seconds(hw, gemms, x.dtype) + attention_seconds(hw, x, 2) + elementwise.forward
     backward = (_gemm_seconds(hw, [b for g in gemms for b in backward_gemms(g)], x.dtype)
-                + attention_seconds(hw, x, FLASH_BACKWARD_MATMULS if x.flash else DENSE_BACKWARD_MATMULS)
+                + attention_seconds(hw, x, FLASH_BACKWARD_MATMULS if x.flash else DENSE_BACKWARD_MATMULS, backward=True)
                 + elementwise.backward)
     if recompute is Recompute.FULL:
         backward += forward
@@ -220,7 +235,7 @@ def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
 def _cross_entropy_seconds(hw: Hardware, x: Shape, vocab_parallel: bool) -> PassTimes:
     """The loss on T·V/t fp32 logits: FUSED one pass each way; EAGER by kind (module docstring)."""
     logits = x.tokens * x.vocab
-    if hw.kernels is KernelStack.FUSED:
+    if x.kernels is KernelStack.FUSED:
         one = hw.memory_seconds(_FUSED_CE_ACCESSES * logits * 4, 3 * logits * 4)
         return PassTimes(one, one)
     # vocab-parallel: max and sum, shift and divide, exp; else one log-softmax
@@ -235,7 +250,7 @@ def _cross_entropy_seconds(hw: Hardware, x: Shape, vocab_parallel: bool) -> Pass
 def head_times(hw: Hardware, x: Shape, vocab_parallel: bool = False) -> PassTimes:
     """Final norm, output projection (T, V/t, h) and cross-entropy on the last stage."""
     head = Gemm(x.tokens, x.vocab, x.hidden)
-    norm = (hw.memory_seconds(4 * x.tokens * x.residual * x.itemsize) if hw.kernels is KernelStack.FUSED else
+    norm = (hw.memory_seconds(4 * x.tokens * x.residual * x.itemsize) if x.kernels is KernelStack.FUSED else
             _eager_seconds(hw, x, ((Elementwise.BINARY, {"residual": 2}), (Elementwise.UNARY, {"residual": 1}),
                                    (Elementwise.REDUCE, {"residual": 1})), 0))
     loss = _cross_entropy_seconds(hw, x, vocab_parallel)

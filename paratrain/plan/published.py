@@ -7,7 +7,8 @@ per-GPU throughput follows with the FLOP count the source itself uses (its conve
 recomputation counts, which attention FLOPs). `tests/test_plan_published.py` checks every run
 within ±15 %.
 
-The runs' own conditions are modelled as far as they were published: tensor, pipeline and
+Every run used fused kernels (Megatron's, or a compiled stack): the planner's compiled stack
+(`Layout.compile`). The runs' own conditions are modelled as far as they were published: tensor, pipeline and
 data-parallel degrees, micro-batch, recomputation, sequence parallelism, interleaving, the
 attention kernel, whether gradients are reduced during or after the backward. What a source
 does not state is assumed, and `assumed` says what.
@@ -114,7 +115,7 @@ class PublishedRun:
     def layout(self) -> Layout:
         return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, micro_batch=self.micro_batch,
                       sequence_parallel=self.sequence_parallel, recompute=self.recompute, schedule=self.schedule,
-                      virtual_stages=self.virtual_stages, bucket_mb=self.bucket_mb)
+                      virtual_stages=self.virtual_stages, bucket_mb=self.bucket_mb, compile=True)
 
     def predicted_tflops(self, hardware: Hardware | None = None) -> float:
         """Per-GPU TFLOP/s the planner predicts, counted with the source's FLOPs per token."""

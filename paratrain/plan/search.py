@@ -20,7 +20,8 @@ from paratrain.models.configs import ModelConfig
 from paratrain.parallel import rules
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
-from paratrain.plan.compute import Hardware, StepFlops, StepTime, comm_bytes_per_rank, step_flops, step_time
+from paratrain.plan.collectives import comm_bytes_per_rank
+from paratrain.plan.compute import Hardware, StepFlops, StepTime, step_flops, step_time
 from paratrain.plan.memory import (
     GB,
     Layout,
@@ -80,6 +81,11 @@ def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: Model
                                   global_batch=global_batch, micro_batch=micro_batch, seq_len=seq_len), LayoutError)
 
 
+def memory_reason(total: float, limit: float) -> str:
+    """Why a layout needing `total` bytes per rank does not fit in `limit`."""
+    return f"needs {total / GB:.1f} GB > {limit / GB:g} GB"
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Everything the planner says about one layout."""
@@ -100,7 +106,7 @@ class Estimate:
     def reason(self) -> str | None:
         if self.feasible:
             return None
-        return f"needs {self.memory.total / GB:.1f} GB > {self.memory_limit / GB:g} GB"
+        return memory_reason(self.memory.total, self.memory_limit)
 
     def mfu(self, hardware: Hardware) -> float:
         """Model FLOPs utilization: model FLOPs / (step time × ranks × peak)."""
@@ -115,7 +121,7 @@ class Estimate:
             "micro_batch": lay.micro_batch,
             "num_microbatches": lay.num_microbatches(self.workload.global_batch),
             "virtual_stages": lay.chunks, "sequence_parallel": lay.sequence_parallel,
-            "recompute": lay.recompute.value, "schedule": lay.schedule.value,
+            "recompute": lay.recompute.value, "schedule": lay.schedule.value, "compile": lay.compile,
             "memory_per_rank": self.memory.as_dict(),
             "step_time_s": self.time.total,
             "breakdown": self.time.as_dict(),
@@ -127,9 +133,13 @@ class Estimate:
         }
 
 
-def estimate(workload: Workload, layout: Layout, hardware: Hardware, memory_limit: float | None = None) -> Estimate:
-    """Memory, FLOPs, step time and communication of one layout (rules are not checked here)."""
-    return Estimate(workload=workload, layout=layout, memory=estimate_memory(workload, layout),
+def estimate(workload: Workload, layout: Layout, hardware: Hardware, memory_limit: float | None = None,
+             memory: MemoryBreakdown | None = None) -> Estimate:
+    """Memory, FLOPs, step time and communication of one layout (rules are not checked here).
+
+    `memory`: `estimate_memory`'s answer, from a caller that has it already.
+    """
+    return Estimate(workload=workload, layout=layout, memory=memory or estimate_memory(workload, layout),
                     flops=step_flops(workload, layout), time=step_time(workload, layout, hardware),
                     comm_bytes=comm_bytes_per_rank(workload, layout), memory_limit=memory_limit)
 
@@ -203,6 +213,7 @@ class SearchSpace:
     schedule: ScheduleName = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     dp_shard: int | None = None
+    compile: bool = False  # the run's own setting, not searched: every candidate runs compiled or eager
 
 
 def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
@@ -236,15 +247,16 @@ def _candidates(world_size: int, space: SearchSpace):
                 for shard in _shard_groups(dp, zero, space):
                     yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, dp_shard=shard, micro_batch=mb,
                                  sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
-                                 virtual_stages=v)
+                                 virtual_stages=v, compile=space.compile)
 
 
 def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),
            top: int | None = None) -> SearchResult:
     """Rank every valid layout of `world_size` ranks that fits in `hardware.memory_bytes` by step time.
 
-    Rules are checked first (cheap, and shared by every micro-batch and ZeRO choice); memory
-    and time are estimated only for layouts that pass them.
+    Rules are checked first (cheap, and shared by every micro-batch and ZeRO choice), then
+    memory; time is estimated only for layouts that pass both (most of a large model's
+    candidates do not fit, and the time model is the expensive part).
     """
     result = SearchResult(ranked=[])
     failures: dict[str, list[tuple[Layout, str]]] = defaultdict(list)
@@ -255,11 +267,11 @@ def search(workload: Workload, world_size: int, hardware: Hardware, space: Searc
         if broken:
             failures[broken[0].rule].append((layout, broken[0].message))
             continue
-        est = estimate(workload, layout, hardware, memory_limit=hardware.memory_bytes)
-        if est.feasible:
-            result.ranked.append(est)
-        else:
-            too_big.append((est.memory.total, layout, est.reason))
+        memory = estimate_memory(workload, layout)
+        if memory.total > hardware.memory_bytes:
+            too_big.append((memory.total, layout, memory_reason(memory.total, hardware.memory_bytes)))
+            continue
+        result.ranked.append(estimate(workload, layout, hardware, hardware.memory_bytes, memory))
     result.ranked.sort(key=lambda e: (e.time.total, e.memory.total))
     result.num_feasible = len(result.ranked)
     if top is not None:

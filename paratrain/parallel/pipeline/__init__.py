@@ -5,10 +5,26 @@
 - `simulator`: runs a schedule's actions without processes: deadlock check, bubble, timeline.
 - `stages`: where a model is cut into stages (balanced by cost) and how each stage is built.
 - `runner`: the one runtime that executes any schedule's actions with point-to-point transfers.
+
+The schedules and the simulator are pure Python; the runner and the stages need torch, and are
+imported on first use (PEP 562), so that the planner, which reads schedules only, does not import it.
 """
 
-from paratrain.parallel.pipeline.runner import PipelineRunner  # noqa: F401
+from __future__ import annotations
+
+import importlib
+
 from paratrain.parallel.pipeline.schedules import (  # noqa: F401
     DEFAULT_SCHEDULE, SCHEDULES, Action, Kind, Schedule, ScheduleName, build_schedule,
 )
-from paratrain.parallel.pipeline.stages import PipelineError, StageSplit, split_for_pipeline  # noqa: F401
+
+_LAZY = {"PipelineRunner": "paratrain.parallel.pipeline.runner", "PipelineError": "paratrain.parallel.pipeline.stages",
+         "StageSplit": "paratrain.parallel.pipeline.stages", "split_for_pipeline": "paratrain.parallel.pipeline.stages"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'paratrain.parallel.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

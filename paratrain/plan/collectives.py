@@ -1,0 +1,286 @@
+"""Communication of a layout: which collectives each step runs, the bytes they send and their time.
+
+Communication is counted as paratrain's comm layer counts it (`paratrain.comm`): bytes one
+rank sends under a bandwidth-optimal ring, an all-reduce of S bytes over n ranks 2·S·(n−1)/n,
+an all-gather or reduce-scatter (S the full tensor) S·(n−1)/n, a point-to-point send S, per
+mesh axis as the runtime names them: dp, tp, pp, and under hybrid sharding dp_shard and
+dp_replicate in place of dp (`Layout.data_axes`).
+
+Time is α-β (Hockney; ring collectives as in Thakur et al. 2005): a collective of n ranks
+takes (steps × α) + bytes sent / β, with 2(n−1) steps for an all-reduce, n−1 for an
+all-gather or reduce-scatter, 1 for a send. β is the intra-node bandwidth when the group fits
+in one node (ranks are laid out pp × dp × tp, tp innermost; see `axis_span`), the inter-node
+one otherwise, times the achieved fraction; a calibrated profile gives measured (α, β) per
+kind instead. How the collectives meet the compute (what overlaps) is `paratrain.plan.compute`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paratrain.plan.hardware import Hardware
+from paratrain.plan.memory import Layout, PipelineBoundary, Recompute, Workload, layers_on_stage, stage_param_count
+
+_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+_RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+LOSS_BYTES = 4  # fp32 scalars: the vocab-parallel cross-entropy's row maxima and sums, norms, flags
+
+
+@dataclass(frozen=True)
+class Collective:
+    """`count` calls of one collective over `ranks` ranks; `size` is the full tensor's bytes."""
+
+    kind: str  # all_reduce, all_gather, reduce_scatter or send
+    size: float
+    ranks: int
+    count: float = 1.0
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes one rank sends, as paratrain.comm counts them."""
+        if self.kind == "send":
+            return self.size * self.count
+        return ring_bytes(self.kind, self.size, self.ranks) * self.count
+
+    @property
+    def steps(self) -> int:
+        """Ring steps of one call: the latency terms it pays."""
+        return 1 if self.kind == "send" else _RING_STEPS[self.kind] * (self.ranks - 1)
+
+    def seconds(self, bandwidth: float, latency: float) -> float:
+        """Ring time; an all-reduce takes the double binary tree instead when that is faster.
+
+        NCCL switches to trees for latency-bound all-reduces (2·⌈log₂ n⌉ steps, each rank sending
+        about 2·S; Sanders et al. 2009), which makes a small all-reduce over thousands of ranks cost
+        microseconds, not the milliseconds of a 2(n − 1)-step ring.
+        """
+        if self.ranks == 1 or self.count == 0:
+            return 0.0
+        ring = self.count * self.steps * latency + self.bytes_sent / bandwidth
+        if self.kind != "all_reduce":
+            return ring
+        tree = self.count * (2 * math.ceil(math.log2(self.ranks)) * latency + 2 * self.size / bandwidth)
+        return min(ring, tree)
+
+
+def ring_bytes(kind: str, size: float, ranks: int) -> float:
+    """Bytes one rank sends in a ring: all-reduce 2·S·(n−1)/n, all-gather/reduce-scatter S·(n−1)/n."""
+    if ranks == 1:
+        return 0.0
+    return _RING_FACTOR[kind] * size * (ranks - 1) / ranks
+
+
+def axis_span(layout: Layout, axis: str) -> int:
+    """Consecutive ranks one group of `axis` reaches across (layout pp × dp × tp, tp innermost).
+
+    A tp group is tp neighbours; a dp group strides tp over dp × tp ranks. The data axis of
+    hybrid sharding splits as dp = dp_replicate × dp_shard with dp_shard inner
+    (`paratrain.mesh.MeshShape.groups`): a shard group spans dp_shard × tp ranks, a replica
+    group strides dp_shard × tp over the whole dp × tp block.
+    """
+    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "dp_shard": layout.tp * layout.shard_ranks,
+            "dp_replicate": layout.tp * layout.dp, "pp": layout.world_size, "world": layout.world_size}[axis]
+
+
+def axis_is_intra_node(layout: Layout, axis: str, gpus_per_node: int) -> bool:
+    """Whether every group of `axis` sits inside one node: its span fits in one and tiles the nodes."""
+    span = axis_span(layout, axis)
+    return span <= gpus_per_node and gpus_per_node % span == 0
+
+
+def collective_seconds(hardware: Hardware, layout: Layout, axis: str, collectives: list[Collective]) -> float:
+    """Time of `collectives` over `axis`: a calibrated (α, β) per kind inside a node, else the links.
+
+    On a CPU profile whose cores the layout's ranks time-share, the costs measured that way.
+    """
+    intra = axis_is_intra_node(layout, axis, hardware.gpus_per_node) or hardware.host_cores is not None
+    shared = hardware.compute_share(layout.world_size) < 1 and hardware.collectives_shared
+    costs = hardware.collectives_shared if shared else hardware.collectives
+    total = 0.0
+    for c in collectives:
+        measured = costs.get(c.kind) if intra else None
+        if measured is not None:
+            total += c.seconds(measured.bytes_per_s, measured.latency_s)
+        elif intra:
+            total += c.seconds(hardware.intra_node_bytes_per_s * hardware.link_efficiency,
+                               hardware.intra_node_latency_s)
+        else:
+            total += c.seconds(hardware.inter_node_bytes_per_s * hardware.link_efficiency,
+                               hardware.inter_node_latency_s)
+    return total
+
+
+def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
+    """Parameters one rank of `stage` holds before ZeRO sharding (Ψ of the ZeRO formulas)."""
+    if workload.model is None:
+        return workload.num_params / (layout.tp * layout.pp)
+    return float(stage_param_count(workload.model, layout.tp, layout.pp, stage))
+
+
+def _zero3_units(workload: Workload, layout: Layout, stage: int) -> int:
+    """ZeRO-3 gathers one unit per block plus the root's rest (embedding, head, final norm)."""
+    if workload.model is None:
+        return 1
+    return layers_on_stage(workload.model.n_layers, layout.pp, stage) + 1
+
+
+@dataclass(frozen=True)
+class AxisCollectives:
+    """One mesh axis's data-parallel collectives of a step on one rank, by how they meet the compute.
+
+    overlapped: launched asynchronously while backward (ZeRO-3: forward too) computes; compute
+        hides them but for the last call (`_dp_exposed`).
+    after: after the optimizer step (ZeRO-1/2's all-gather of the updated parameters), exposed.
+    """
+
+    overlapped: tuple[Collective, ...] = ()
+    after: tuple[Collective, ...] = ()
+
+    @property
+    def calls(self) -> tuple[Collective, ...]:
+        return self.overlapped + self.after
+
+
+def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, AxisCollectives]:
+    """Data-parallel collectives of one step on one rank of `stage`, per mesh axis (`Layout.data_axes`).
+
+    N is the ranks ZeRO shards over (`Layout.shard_ranks`: dp, or the shard group).
+    DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype), bucket by bucket.
+    ZeRO-1/2: a reduce-scatter of the gradients during backward and an all-gather of the updated
+    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data.ddp does, per bucket. DDP
+    and ZeRO-1 accumulate gradients locally over micro-batches and communicate once per step;
+    ZeRO-2 keeps no full gradient, so it reduce-scatters after every micro-batch. ZeRO-3: for
+    every micro-batch an all-gather of each unit's parameters before forward and again before
+    backward and a reduce-scatter of its gradients: 3Ψ(N−1)/N per micro-batch.
+
+    Hybrid sharding (R = dp / N replicas of each shard group): those reduce-scatters and
+    all-gathers run within the shard group (axis dp_shard), and every reduce-scatter of S bytes
+    is followed by an all-reduce of its S/N shard over the R replicas (axis dp_replicate),
+    2·(S/N)·(R−1)/R per reduction: the replicas' sum of the gradient that ZeRO over all dp
+    ranks would have reduced in one collective. The engines launch it as the reduce-scatter
+    lands and wait for it at the next one, so it overlaps compute as the reduce-scatters do.
+    """
+    if layout.dp == 1:
+        return {}
+    n, psi = layout.shard_ranks, stage_psi(workload, layout, stage)
+    grads, params = psi * workload.grad_bytes, psi * workload.param_bytes
+    m = layout.num_microbatches(workload.global_batch)
+    if layout.zero == 3:
+        units = _zero3_units(workload, layout, stage)
+        reduce = Collective("reduce_scatter", grads / units, n, m * units)
+        shard = AxisCollectives(overlapped=(Collective("all_gather", params / units, n, 2 * m * units), reduce))
+    else:
+        buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
+        if layout.zero == 0:
+            return {"dp": AxisCollectives(overlapped=(Collective("all_reduce", grads / buckets, n, buckets),))}
+        reduce = Collective("reduce_scatter", grads / buckets, n, buckets * (m if layout.zero == 2 else 1))
+        shard = AxisCollectives(overlapped=(reduce,), after=(Collective("all_gather", params / buckets, n, buckets),))
+    out = {layout.data_axes[0]: shard}
+    if layout.dp_replicate > 1:
+        replicas = Collective("all_reduce", reduce.size / n, layout.dp_replicate, reduce.count)
+        out["dp_replicate"] = AxisCollectives(overlapped=(replicas,))
+    return out
+
+
+def _activation_bytes(workload: Workload, layout: Layout) -> float:
+    return float(layout.micro_batch * workload.seq_len * workload.model.dim * workload.param_bytes)
+
+
+def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
+    """Tensor-parallel collectives of one micro-batch on `stage` (Shoeybi et al. 2019).
+
+    Each layer: 2 all-reduces of b·s·h in forward (after attention and after the MLP) and 2 in
+    backward (their conjugates before them); with sequence parallelism each all-reduce becomes
+    an all-gather + a reduce-scatter of the same full tensor (the same bytes). Full
+    recomputation runs the forward's 2 again. The vocab-parallel embedding adds one all-reduce
+    in forward (a reduce-scatter with SP) on the first stage; the head adds one all-reduce of
+    its input gradient in backward (all-gather forward + reduce-scatter backward with SP) on
+    the last, and the vocab-parallel cross-entropy two all-reduces of fp32 row statistics (the
+    maxima, b·s; the sums of exponentials and target logits, 2·b·s). Pipeline boundaries add
+    the all-gathers of `boundary_gathers`.
+    """
+    model, t = workload.model, layout.tp
+    if model is None or t == 1:
+        return []
+    size = _activation_bytes(workload, layout)
+    per_layer = 4 + (2 if layout.recompute is Recompute.FULL else 0)
+    layers = layers_on_stage(model.n_layers, layout.pp, stage) * per_layer
+    sp = layout.sequence_parallel
+    out = ([Collective("all_gather", size, t, layers), Collective("reduce_scatter", size, t, layers)] if sp
+           else [Collective("all_reduce", size, t, layers)])
+    if stage == 0:
+        out.append(Collective("reduce_scatter" if sp else "all_reduce", size, t))
+    if stage == layout.pp - 1:
+        out += ([Collective("all_gather", size, t), Collective("reduce_scatter", size, t)] if sp
+                else [Collective("all_reduce", size, t)])
+        rows = layout.micro_batch * workload.seq_len * LOSS_BYTES
+        out += [Collective("all_reduce", rows, t), Collective("all_reduce", 2 * rows, t)]
+    gathers = boundary_gathers(layout, stage)
+    if gathers:
+        out.append(Collective("all_gather", size, t, gathers))
+    return out
+
+
+def boundary_crossings(layout: Layout, stage: int) -> int:
+    """Stage boundaries pipeline rank `stage` sends across per micro-batch (activations forward + grads back).
+
+    Each of the rank's v chunks sends its output forward unless it is the model's last chunk and
+    its input gradient backward unless it is the first; it receives as many as it sends.
+    """
+    p, v = layout.pp, layout.chunks
+    chunks = [c * p + stage for c in range(v)]
+    return sum(g < v * p - 1 for g in chunks) + sum(g > 0 for g in chunks)
+
+
+def boundary_gathers(layout: Layout, stage: int) -> int:
+    """All-gathers over tp of a full b·s·h that stage boundaries cost rank `stage` per micro-batch.
+
+    Per boundary crossing (`boundary_crossings`): SCATTER_GATHER one (the receiver gathers the t
+    slices) plus, under sequence parallelism, the gather of the sequence shards into the whole
+    boundary tensor; FULL only the latter. See `PipelineBoundary`.
+    """
+    if layout.pp == 1 or layout.tp == 1:
+        return 0
+    per_crossing = int(layout.boundary is PipelineBoundary.SCATTER_GATHER) + int(layout.sequence_parallel)
+    return per_crossing * boundary_crossings(layout, stage)
+
+
+def pp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
+    """Point-to-point sends of one micro-batch by pipeline rank `stage` (Narayanan et al. 2021).
+
+    One send per boundary crossing (`boundary_crossings`) of b·s·h per rank with FULL boundaries,
+    b·s·h/t with SCATTER_GATHER (each tp rank its slice).
+    """
+    model, p = workload.model, layout.pp
+    if model is None or p == 1:
+        return []
+    size = _activation_bytes(workload, layout)
+    if layout.boundary is PipelineBoundary.SCATTER_GATHER:
+        size /= layout.tp
+    return [Collective("send", size, 2, boundary_crossings(layout, stage))]
+
+
+def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
+    """The step's small agreement collectives, per axis, as paratrain's step runs them.
+
+    One all-reduce over every rank (`ParallelModel.agree`): per rank its non-finite flags, stop
+    request, loss (a pipeline's from its last stage) and share of the global squared gradient
+    norm (whatever the layout shards), and per stage how many ranks reached each parameter.
+    """
+    return {"world": [Collective("all_reduce", 64.0, layout.world_size)]}
+
+
+def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
+    """Bytes one rank sends per step on each axis (the busiest rank of that axis).
+
+    The data axes are `Layout.data_axes`: dp, or dp_shard and dp_replicate under hybrid sharding.
+    """
+    m = layout.num_microbatches(workload.global_batch)
+    out = {axis: 0.0 for axis in (*layout.data_axes, "tp", "pp")}
+    for stage in range(layout.pp):
+        for axis, collectives in dp_collectives(workload, layout, stage).items():
+            out[axis] = max(out[axis], sum(c.bytes_sent for c in collectives.calls))
+        out["tp"] = max(out["tp"], m * sum(c.bytes_sent for c in tp_collectives(workload, layout, stage)))
+        out["pp"] = max(out["pp"], m * sum(c.bytes_sent for c in pp_sends(workload, layout, stage)))
+    return {axis: int(round(value)) for axis, value in out.items()}
