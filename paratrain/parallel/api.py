@@ -241,7 +241,7 @@ def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeli
                   checked: CheckedLayout | None) -> None:
     """The layout rules (`paratrain.parallel.rules`) on the mesh and the options, unless the caller decided them."""
     s = mesh.shape
-    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, dp_shard=s.dp_shard, zero=data.zero,
+    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, zero=data.zero,
                         sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
                         virtual_stages=pipeline.virtual_stages)
     if checked is None:
