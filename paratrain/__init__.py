@@ -10,10 +10,10 @@ __version__ = "0.1.0"
 from paratrain.mesh import Mesh, MeshShape, init_mesh  # noqa: E402
 from paratrain.errors import ParatrainError, RunFailure  # noqa: E402
 from paratrain.parallel.api import (  # noqa: E402
-    DataParallel, GradReduction, ModelSpec, PipelineParallel, TensorParallel, parallelize,
+    ContextParallel, DataParallel, GradReduction, ModelSpec, PipelineParallel, TensorParallel, parallelize,
 )
 from paratrain.parallel.model import ParallelModel  # noqa: E402
 from paratrain.parallel.pipeline.schedules import ScheduleName  # noqa: E402
 
-__all__ = ["DataParallel", "GradReduction", "Mesh", "MeshShape", "ModelSpec", "ParallelModel", "ParatrainError", "PipelineParallel",
+__all__ = ["ContextParallel", "DataParallel", "GradReduction", "Mesh", "MeshShape", "ModelSpec", "ParallelModel", "ParatrainError", "PipelineParallel",
            "RunFailure", "ScheduleName", "TensorParallel", "init_mesh", "parallelize"]
