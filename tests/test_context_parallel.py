@@ -114,3 +114,37 @@ def test_training_with_cp_equals_one_process(world, case):
         for name, value in ref_params.items():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
         assert cp_traffic["send"]["calls"] > 0  # the ring ran, on the cp axis
+
+
+def _fake_cp_comm(cp=2):
+    from paratrain.mesh import Mesh
+
+    return Comm(Mesh(shape=MeshShape(cp=cp), rank=0, groups={}))
+
+
+def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
+    from paratrain.parallel.context.sdpa import ContextParallelError, ContextSharding, RingSDPA
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ContextParallelError, match=r"is_causal=False; call it with is_causal=True and no mask"):
+        with RingSDPA(None):
+            F.scaled_dot_product_attention(q, q, q)
+    with pytest.raises(ContextParallelError, match="an attn_mask"):
+        with RingSDPA(None):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ContextParallelError, match="dropout_p=0.1"):
+        with RingSDPA(None):
+            F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+
+    class NoPositions(torch.nn.Module):
+        def forward(self, tokens):
+            return tokens
+
+    class NoSdpa(torch.nn.Module):
+        def forward(self, tokens, positions=None):
+            return tokens.float()
+
+    with pytest.raises(ContextParallelError, match="takes neither positions nor position_ids"):
+        ContextSharding(NoPositions(), _fake_cp_comm())
+    with pytest.raises(ContextParallelError, match="found no F.scaled_dot_product_attention call in NoSdpa"):
+        ContextSharding(NoSdpa(), _fake_cp_comm()).forward(NoSdpa(), (torch.zeros(1, 8, dtype=torch.long),), {})
