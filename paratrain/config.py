@@ -432,7 +432,8 @@ def check_layout(cfg: Config, world_size: int, model_cfg=None) -> CheckedLayout:
         raise ConfigError(str(e)) from None
     resolve_batch(cfg, dp)
     return rules.check_layout(LayoutSpec(
-        dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_shard=p.dp_shard, zero=p.zero, sequence_parallel=p.sequence_parallel,
+        dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, activation_checkpointing=p.activation_checkpointing,
+        dp_shard=p.dp_shard, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
         global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len), ConfigError)
 

@@ -189,9 +189,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     tensor = tensor or TensorParallel()
     pipeline = pipeline or PipelineParallel()
-    _check_layout(mesh, data, tensor, pipeline, checked)
+    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing)
     comm = comm or Comm(mesh)
-    sharding = _context_sharding(model, mesh, comm, context, activation_checkpointing)
+    sharding = _context_sharding(model, mesh, comm, context)
     split = None
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built
     #    there), and everything after works on that smaller module under the same names.
@@ -254,12 +254,12 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
 
 
 def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                  checked: CheckedLayout | None) -> None:
+                  checked: CheckedLayout | None, activation_checkpointing: int = 0) -> None:
     """The layout rules (`paratrain.parallel.rules`) on the mesh and the options, unless the caller decided them."""
     s = mesh.shape
     layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, zero=data.zero,
                         sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
-                        virtual_stages=pipeline.virtual_stages)
+                        virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
     if checked is None:
         rules.check_layout(layout, ParallelConfigError)
     elif not checked.describes(layout):
@@ -267,8 +267,7 @@ def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeli
                                   "pass the one paratrain.parallel.rules.check_layout gave for this layout")
 
 
-def _context_sharding(model: nn.Module, mesh: Mesh, comm: Comm, context: ContextParallel | None,
-                      activation_checkpointing: int):
+def _context_sharding(model: nn.Module, mesh: Mesh, comm: Comm, context: ContextParallel | None):
     """Context parallelism's forward wrapper, or None when the mesh has one cp rank.
 
     Read from the model as the user built it, before any step above wraps it: only the forward's
@@ -278,9 +277,6 @@ def _context_sharding(model: nn.Module, mesh: Mesh, comm: Comm, context: Context
     """
     if mesh.size("cp") == 1:
         return None
-    if activation_checkpointing:
-        raise ParallelConfigError("--cp with --activation-checkpointing is not supported yet (recomputation would "
-                                  "run attention outside the ring); drop one of them")
     from paratrain.parallel.context.sdpa import ContextSharding
 
     return ContextSharding(model, comm, (context or ContextParallel()).positions)

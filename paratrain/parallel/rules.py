@@ -56,6 +56,7 @@ class LayoutSpec:
         split the model's shape, cannot be estimated.
     global_batch, micro_batch: sequences per step (all data ranks) and per forward/backward.
     seq_len: tokens per sequence.
+    activation_checkpointing: recompute every k-th block (0: off).
     """
 
     dp: int
@@ -74,6 +75,7 @@ class LayoutSpec:
     micro_batch: int | None = None
     seq_len: int | None = None
     cp: int = 1
+    activation_checkpointing: int = 0
 
     @property
     def num_microbatches(self) -> int | None:
@@ -126,7 +128,7 @@ def layout_violations(layout: LayoutSpec) -> list[Violation]:
     return (node_violations(s.tp, s.gpus_per_node) + divisibility_violations(s)
             + shard_group_violations(s.dp, s.dp_shard, s.zero) + zero_stage_violations(s.zero, s.pp)
             + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
-            + context_parallel_violations(s.cp, s.seq_len, s.tp, s.pp, s.dp_shard, s.dp)
+            + context_parallel_violations(s.cp, s.seq_len, s.tp, s.pp, s.dp_shard, s.dp, s.activation_checkpointing)
             # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
             + schedule_violations(s.schedule, s.pp, s.virtual_stages, s.num_microbatches,
                                   s.model.n_layers if s.model is not None and s.chunks > 1 else None))
@@ -288,13 +290,14 @@ def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int 
 
 
 def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: int = 1, dp_shard: int = 0,
-                                dp: int = 1) -> list[Violation]:
+                                dp: int = 1, activation_checkpointing: int = 0) -> list[Violation]:
     """Context parallelism splits every sequence into 2·cp chunks (rank i holds chunks i and 2·cp−1−i, so
     causal attention costs each rank the same): the length must divide into them.
 
     Not yet composed (refused here, one home for the refusal): tensor and pipeline parallelism, whose
     activations would carry this rank's chunks through layers not tested with them, and hybrid sharding,
-    whose shard groups span data ranks only while cp ranks hold partial gradients too. That cp needs
+    whose shard groups span data ranks only while cp ranks hold partial gradients too; and activation
+    checkpointing, whose recomputation in backward would run attention outside the ring. That cp needs
     causal SDPA attention is found in the forward (`paratrain.parallel.context`): only then is the
     attention seen.
     """
@@ -310,6 +313,9 @@ def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: i
     if dp_shard and dp_shard < dp:
         return [Violation("cp_dp_shard", f"--cp {cp} with --dp-shard {dp_shard} is not supported yet (cp ranks' "
                                          "gradients must join the shard groups); drop --dp-shard")]
+    if activation_checkpointing:
+        return [Violation("cp_checkpointing", f"--cp {cp} with --activation-checkpointing is not supported yet "
+                                              "(recomputation would run attention outside the ring); drop one")]
     return []
 
 
