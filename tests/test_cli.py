@@ -54,7 +54,7 @@ def paratrain(*argv, timeout=120):
     (["--nproc", "4", "--pp", "4", "--n-layers", "2"], "layers 2 not divisible by pp 4"),
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "63"], "--seq-len 63 is not divisible by --tp 2"),
     (["--nproc", "2", "--cp", "2", "--seq-len", "30"], "--seq-len 30 is not divisible by 2 × --cp = 4"),
-    (["--nproc", "4", "--cp", "2", "--tp", "2"], "--cp 2 with --tp 2 --pp 1 is not supported yet"),
+    (["--nproc", "4", "--cp", "2", "--pp", "2"], "--cp 2 with --pp 2 is not supported yet"),
     (["--nproc", "2", "--cp", "2", "--activation-checkpointing", "1"], "--cp 2 with --activation-checkpointing is not supported yet"),
     (["--zero", "4"], "--zero: 4 is not one of [0, 1, 2, 3]"),
     (["--precision", "fp8"], "--precision: 'fp8' is not one of"),

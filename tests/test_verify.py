@@ -77,11 +77,13 @@ def test_data_and_zero3_layouts_match_one_process(capsys):
     assert all(line.split()[5] == "PASS" for line in table[1:]), table
 
 
-def test_a_context_parallel_layout_matches_one_process(capsys):
-    """cp2 through the trainer: sequences split over 2 ranks, attention as a ring, the eval loss too."""
-    assert main(["verify", *SMALL, "--layouts", "cp2"]) == 0
-    row = capsys.readouterr().out.splitlines()[-1].split()
-    assert row[0] == "cp2" and row[5] == "PASS", row
+def test_context_parallel_layouts_match_one_process(capsys):
+    """cp2, and cp2 with tensor and sequence parallelism, through the trainer: sequences split over the cp
+    ranks, attention as a ring, the eval loss too."""
+    assert main(["verify", *SMALL, "--layouts", "cp2;cp2,tp2,sp"]) == 0
+    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["cp2", "cp2,tp2,sp"]
+    assert all(line.split()[5] == "PASS" for line in table[1:]), table
 
 
 def test_a_broken_engine_fails(capsys, monkeypatch):

@@ -294,8 +294,10 @@ def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: i
     """Context parallelism splits every sequence into 2·cp chunks (rank i holds chunks i and 2·cp−1−i, so
     causal attention costs each rank the same): the length must divide into them.
 
-    Not yet composed (refused here, one home for the refusal): tensor and pipeline parallelism, whose
-    activations would carry this rank's chunks through layers not tested with them, and hybrid sharding,
+    Composes with data parallelism (DDP, ZeRO-1/2/3) and tensor parallelism (with sequence parallelism
+    too: each tp rank then holds 1/tp of this rank's chunks between the attention regions). Not yet
+    composed (refused here, one home for the refusal): pipeline parallelism, whose stages would pass
+    this rank's chunks without their positions, and hybrid sharding,
     whose shard groups span data ranks only while cp ranks hold partial gradients too; and activation
     checkpointing, whose recomputation in backward would run attention outside the ring. That cp needs
     causal SDPA attention is found in the forward (`paratrain.parallel.context`): only then is the
@@ -307,9 +309,9 @@ def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: i
         fit = seq_len - seq_len % (2 * cp) or 2 * cp
         return [Violation("cp_seq", f"--seq-len {seq_len} is not divisible by 2 × --cp = {2 * cp} (each rank holds "
                                     f"2 load-balanced chunks); use --seq-len {fit}")]
-    if tp > 1 or pp > 1:
-        return [Violation("cp_compose", f"--cp {cp} with --tp {tp} --pp {pp} is not supported yet; use --cp with "
-                                        "data parallelism (--dp, --zero) only")]
+    if pp > 1:
+        return [Violation("cp_compose", f"--cp {cp} with --pp {pp} is not supported yet; use --cp with data and "
+                                        "tensor parallelism (--dp, --zero, --tp) only")]
     if dp_shard and dp_shard < dp:
         return [Violation("cp_dp_shard", f"--cp {cp} with --dp-shard {dp_shard} is not supported yet (cp ranks' "
                                          "gradients must join the shard groups); drop --dp-shard")]
