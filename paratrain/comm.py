@@ -274,6 +274,26 @@ class Comm:
         with self._held(axis):
             self._exchange(ops, sends, receives, ranks, group, axis if defer_sends else None)
 
+    def start_exchange(self, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]],
+                       axis: str) -> list:
+        """`exchange`, returning as soon as the group is posted: the works to `wait(works, axis)` on later.
+
+        For transfers that overlap the caller's compute (ring attention posts the next K/V block, then
+        computes on the one it holds). Counted as `exchange` counts. Under `rendezvous` the group is
+        completed here, acknowledgements and all (the trap checks the order of the transfers, which is
+        the same), and nothing is left to wait on.
+        """
+        if self.rendezvous or (not sends and not receives):
+            self.exchange(sends, receives, axis)
+            return []
+        self.settle_sends(axis)
+        ranks, group = self.mesh.ranks(axis), self.mesh.group(axis)
+        ops = [dist.P2POp(dist.isend, t, ranks[peer], group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, ranks[peer], group) for t, peer in receives]
+        for t, _ in sends:
+            self._count("send", axis, t, _nbytes(t))
+        return dist.batch_isend_irecv(ops)
+
     def settle_sends(self, axis: str) -> None:
         """Wait for the sends an `exchange(defer_sends=True)` left in flight on `axis`."""
         if self._sending[axis]:

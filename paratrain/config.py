@@ -105,7 +105,7 @@ class TrainSection:
 
 @dataclass
 class ParallelSection:
-    dp: int = option(0, "data-parallel degree (0: the world size divided by tp × pp)")
+    dp: int = option(0, "data-parallel degree (0: the world size divided by tp × cp × pp)")
     dp_shard: int = option(0, "hybrid sharding: ZeRO shards over groups of this many data ranks (a node) and "
                               "replicates over dp / dp_shard groups (0: shard over all data ranks)")
     tp: int = option(1, "tensor-parallel degree: each layer's weight matrices split over tp ranks "
@@ -113,6 +113,8 @@ class ParallelSection:
     sequence_parallel: bool = option(False, "with --tp > 1, split norms and residuals along the sequence "
                                             "(same communication, 1/tp of those activations)")
     pp: int = option(1, "pipeline-parallel degree: the layers split into pp stages on different ranks")
+    cp: int = option(1, "context-parallel degree: each sequence split into 2·cp load-balanced chunks over cp "
+                        "neighbouring ranks, attention as a ring (--seq-len divisible by 2·cp)")
     schedule: str = option(DEFAULT_SCHEDULE.value, "pipeline schedule (micro-batches per step = global batch / "
                                                    "(micro-batch × dp))", choices=SCHEDULES)
     virtual_stages: int = option(1, "model chunks per pipeline rank (> 1 with --schedule interleaved)")
@@ -422,16 +424,17 @@ def check_layout(cfg: Config, world_size: int, model_cfg=None) -> CheckedLayout:
     from paratrain.mesh import MeshShape
 
     p, t = cfg.parallel, cfg.train
-    for name, value in [("--tp", p.tp), ("--pp", p.pp), ("--virtual-stages", p.virtual_stages)]:
+    for name, value in [("--tp", p.tp), ("--pp", p.pp), ("--cp", p.cp), ("--virtual-stages", p.virtual_stages)]:
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     try:
-        dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp).dp
+        dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp).dp
     except ParatrainError as e:  # the mesh's: a config error here, naming the options
         raise ConfigError(str(e)) from None
     resolve_batch(cfg, dp)
     return rules.check_layout(LayoutSpec(
-        dp=dp, tp=p.tp, pp=p.pp, dp_shard=p.dp_shard, zero=p.zero, sequence_parallel=p.sequence_parallel,
+        dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, activation_checkpointing=p.activation_checkpointing,
+        dp_shard=p.dp_shard, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
         global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len), ConfigError)
 

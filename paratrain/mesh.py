@@ -1,8 +1,14 @@
 """The process mesh: named axes over the world, this rank's coordinates, one group per axis.
 
-Ranks are laid out ``pp × dp × tp`` with ``tp`` innermost, so the ranks of a
+Ranks are laid out ``pp × dp × cp × tp`` with ``tp`` innermost, so the ranks of a
 tensor-parallel group are neighbours (on one node, on fast links) and the
-ranks of a pipeline group are far apart. ``MeshShape`` is pure arithmetic
+ranks of a pipeline group are far apart. ``cp`` (context parallelism: each rank
+holds 2 of the 2·cp chunks of every sequence) sits just outside ``tp``: its
+ring sends K/V blocks in every attention layer, forward and backward, so it
+is the second most talkative axis and gets the next nearest ranks (a node
+holds tp × cp ranks where it can), as in Megatron-Core and torchtitan; the
+data axis, which talks once per step, and the pipeline, once per
+micro-batch and stage boundary, go across nodes. ``MeshShape`` is pure arithmetic
 (tested without processes); ``Mesh`` adds the process groups and the device
 this process computes on. Besides the three axes, ``"world"`` names every
 rank at once (the mesh-wide agreement of a training step is one collective).
@@ -15,6 +21,12 @@ reduce-scattered within the shard group and the shards all-reduced between
 replicas. ``dp`` stays the whole data axis: batches, the loss and every
 agreement are over it. With ``dp_shard == dp`` (the default) there is one
 replica and the data axis is not split (`Mesh.shard_axis` is ``"dp"``).
+
+Context-parallel ranks see different tokens of the same sequences, so their
+gradients are partial sums like data ranks': with cp > 1 the gradients are
+reduced (and ZeRO shards) over ``"dp_cp"``, the ranks that differ only in
+their dp or cp coordinate (`Mesh.data_axis`), as torchtitan folds cp into
+FSDP's mesh. Batches, the loss and the agreement's counts stay per data rank.
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ import torch
 import torch.distributed as dist
 from paratrain.errors import ParatrainError
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
+DATA_CP = "dp_cp"  # the ranks that differ only in dp and cp: what gradients are reduced over with cp > 1
 DATA_SUBAXES = ("dp_shard", "dp_replicate")  # the data axis split for hybrid sharding (dp = replicate × shard)
 WORLD = "world"  # every rank of the mesh: not a parallelism axis, the group of mesh-wide agreements
 
@@ -45,6 +58,7 @@ class MeshShape:
     dp: int = 1
     tp: int = 1
     dp_shard: int = 0  # ranks a ZeRO shard group spans (0: the whole data axis, no replicas)
+    cp: int = 1  # context parallelism: ranks that split each sequence (after dp_shard: positional callers keep theirs)
 
     def __post_init__(self):
         for axis in AXES:
@@ -62,15 +76,16 @@ class MeshShape:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def size(self, axis: str) -> int:
-        return getattr(self, axis)
+        return self.dp * self.cp if axis == DATA_CP else getattr(self, axis)
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The axes `build_mesh` makes groups for: pp, dp, tp, and the data axis's two parts when it keeps replicas."""
-        return AXES + (DATA_SUBAXES if self.dp_replicate > 1 else ())
+        """The axes `build_mesh` makes groups for: pp, dp, cp, tp, the data axis's two parts when it keeps
+        replicas, and dp × cp together when cp > 1 (the gradients' group)."""
+        return AXES + (DATA_SUBAXES if self.dp_replicate > 1 else ()) + ((DATA_CP,) if self.cp > 1 else ())
 
     def num_communicators(self) -> int:
         """Process groups of more than one rank that each rank belongs to: the default group over the world and
@@ -81,17 +96,21 @@ class MeshShape:
         return 1 + sum(self.size(axis) > 1 for axis in self.axes)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's coordinate on each axis (tp varies fastest), the data axis's two parts included."""
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
+        """This rank's coordinate on each axis (tp varies fastest, then cp), the data axis's parts included."""
+        pp, rest = divmod(rank, self.dp * self.cp * self.tp)
+        dp, rest = divmod(rest, self.cp * self.tp)
+        cp, tp = divmod(rest, self.tp)
         replicate, shard = divmod(dp, self.dp_shard)
-        return {"pp": pp, "dp": dp, "tp": tp, "dp_shard": shard, "dp_replicate": replicate}
+        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_shard": shard, "dp_replicate": replicate,
+                DATA_CP: dp * self.cp + cp}
 
     def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0, dp_shard: int | None = None,
-                dp_replicate: int | None = None) -> int:
+                dp_replicate: int | None = None, cp: int = 0, dp_cp: int | None = None) -> int:
         if dp_shard is not None or dp_replicate is not None:
             dp = (dp_replicate or 0) * self.dp_shard + (dp_shard or 0)
-        return (pp * self.dp + dp) * self.tp + tp
+        if dp_cp is not None:
+            dp, cp = divmod(dp_cp, self.cp)
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of `axis`: the ranks that differ only in their `axis` coordinate."""
@@ -99,6 +118,9 @@ class MeshShape:
             return [g[i:i + self.dp_shard] for g in self.groups("dp") for i in range(0, self.dp, self.dp_shard)]
         if axis == "dp_replicate":  # every dp_shard-th rank of each data group: one per shard group
             return [g[i::self.dp_shard] for g in self.groups("dp") for i in range(self.dp_shard)]
+        if axis == DATA_CP:  # every (dp, cp) pair of one (pp, tp) position, dp-major
+            return [[self.rank_of(pp=p, tp=t, dp_cp=i) for i in range(self.dp * self.cp)]
+                    for p in range(self.pp) for t in range(self.tp)]
         others = [a for a in AXES if a != axis]
         result = []
         for fixed in itertools.product(*(range(self.size(a)) for a in others)):
@@ -108,20 +130,23 @@ class MeshShape:
 
     @classmethod
     def for_world(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1,
-                  dp_shard: int | None = None) -> MeshShape:
-        """Degrees for a world; dp defaults to what tp and pp leave. Explains a mismatch in one line."""
-        if tp < 1 or pp < 1 or (dp is not None and dp < 1):
-            raise MeshError(f"degrees must be at least 1 (dp={dp}, tp={tp}, pp={pp})")
+                  dp_shard: int | None = None, cp: int = 1) -> MeshShape:
+        """Degrees for a world; dp defaults to what tp, cp and pp leave. Explains a mismatch in one line."""
+        if tp < 1 or pp < 1 or cp < 1 or (dp is not None and dp < 1):
+            raise MeshError(f"degrees must be at least 1 (dp={dp}, cp={cp}, tp={tp}, pp={pp})")
+        others, named = tp * cp * pp, "tp × pp" if cp == 1 else "tp × cp × pp"
+        spelled = f"{tp} × {pp}" if cp == 1 else f"{tp} × {cp} × {pp}"
         if dp is None:
-            if world_size % (tp * pp):
-                raise MeshError(f"world size {world_size} is not divisible by tp × pp = {tp} × {pp}; "
-                                f"choose tp × pp among {_divisors(world_size)}")
-            dp = world_size // (tp * pp)
-        shape = cls(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard or 0)
+            if world_size % others:
+                raise MeshError(f"world size {world_size} is not divisible by {named} = {spelled}; "
+                                f"choose {named} among {_divisors(world_size)}")
+            dp = world_size // others
+        shape = cls(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard or 0, cp=cp)
         if shape.world_size != world_size:
-            raise MeshError(f"pp × dp × tp = {pp} × {dp} × {tp} = {shape.world_size} but the world has "
-                            f"{world_size} process(es); e.g. dp={world_size // math.gcd(world_size, tp * pp)} "
-                            f"needs tp × pp dividing {world_size}")
+            degrees = f"{pp} × {dp} × {tp}" if cp == 1 else f"{pp} × {dp} × {cp} × {tp}"
+            raise MeshError(f"pp × dp{'' if cp == 1 else ' × cp'} × tp = {degrees} = {shape.world_size} but the "
+                            f"world has {world_size} process(es); e.g. dp={world_size // math.gcd(world_size, others)} "
+                            f"needs {named} dividing {world_size}")
         return shape
 
 
@@ -145,12 +170,18 @@ class Mesh:
         return self.rank if axis == WORLD else self.shape.coords(self.rank)[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        return self.groups[axis]
+        return self.groups.get(axis)  # an axis of one rank may have no entry: there is no group to talk in
+
+    @property
+    def data_axis(self) -> str:
+        """The axis gradients are reduced over: ``"dp"``, or ``"dp_cp"`` with context parallelism (cp ranks
+        hold different tokens of the same sequences, so their gradients are partial sums too)."""
+        return "dp" if self.shape.cp == 1 else DATA_CP
 
     @property
     def shard_axis(self) -> str:
-        """The axis ZeRO shards over: ``"dp"``, or ``"dp_shard"`` when the data axis keeps replicas (HSDP)."""
-        return "dp" if self.shape.dp_replicate == 1 else "dp_shard"
+        """The axis ZeRO shards over: the data axis (`data_axis`), or ``"dp_shard"`` when it keeps replicas (HSDP)."""
+        return self.data_axis if self.shape.dp_replicate == 1 else "dp_shard"
 
     @property
     def replicas(self) -> int:
@@ -192,7 +223,7 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
     # When one axis is the whole world (the others have one rank), the mesh-wide agreement rides its group:
     # one process group over those ranks, not two (each holds its own threads, or NCCL communicator and
     # buffers, and a collective on a group that sat idle since the last step waits for it to wake).
-    spanning = [axis for axis in AXES if world > 1 and shape.size(axis) == world]
+    spanning = [axis for axis in shape.axes if world > 1 and shape.size(axis) == world and axis in AXES + (DATA_CP,)]
     if spanning:
         groups[WORLD] = groups[spanning[0]]
     if device is None:
@@ -203,13 +234,13 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
 
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None,
-              flight_records: str | None = None, dp_shard: int | None = None, store=None) -> Mesh:
+              flight_records: str | None = None, dp_shard: int | None = None, store=None, cp: int = 1) -> Mesh:
     """Join the job described by the launcher's environment and build the mesh.
 
     Creates the default process group if none exists (one process alone gets a
     group of one, so every code path is the same). dp defaults to the world
-    size divided by tp × pp; `dp_shard` splits it for hybrid sharding (None: no
-    split). `timeout_s` bounds every collective (None: torch's default); a group
+    size divided by tp × cp × pp; `dp_shard` splits it for hybrid sharding (None: no
+    split); `cp` splits every sequence over that many neighbouring ranks (context parallelism). `timeout_s` bounds every collective (None: torch's default); a group
     that already exists keeps its own. `flight_records` is where
     NCCL's flight recorder dumps each rank's last collectives on a timeout (+ rank). `store`:
     the job's store, when the caller opened it before (`paratrain.distributed.launcher_store`).
@@ -217,7 +248,7 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float 
     from paratrain.distributed import backend_for, detect_env, init_distributed
 
     world = detect_env().world_size
-    shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp, dp_shard=dp_shard)  # fail before any group exists
+    shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, cp=cp)  # fail before any group exists
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     _, device = init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}),
                                  flight_records=flight_records, store=store)

@@ -54,6 +54,7 @@ LAYOUT_TOKENS = (
     LayoutToken(r"shard([1-9]\d*)", "shardN", "dp_shard", lambda m: int(m[1]), "hybrid sharding (--dp-shard)"),
     LayoutToken(r"tp([1-9]\d*)", "tpN", "tp", lambda m: int(m[1]), "tensor parallelism"),
     LayoutToken(r"pp([1-9]\d*)", "ppN", "pp", lambda m: int(m[1]), "pipeline parallelism"),
+    LayoutToken(r"cp([1-9]\d*)", "cpN", "cp", lambda m: int(m[1]), "context parallelism"),
     LayoutToken(f"zero({'|'.join(map(str, ZERO_STAGES))})", f"zero{ZERO_STAGES[0]}-{ZERO_STAGES[-1]}", "zero",
                 lambda m: int(m[1]), "ZeRO"),
     LayoutToken(r"sp", "sp", "sequence_parallel", lambda m: True, "sequence parallelism"),
@@ -61,7 +62,7 @@ LAYOUT_TOKENS = (
     LayoutToken("|".join(SCHEDULES), "/".join(SCHEDULES), "schedule", lambda m: m[0], "pipeline schedules"),
     LayoutToken(r"v([1-9]\d*)", "vN", "virtual_stages", lambda m: int(m[1]), "interleaved virtual stages"),
 )
-DEGREES = ("dp", "tp", "pp")
+DEGREES = ("dp", "tp", "pp", "cp")
 KNOWN = ", ".join(kind.spelling for kind in LAYOUT_TOKENS)
 
 
@@ -83,7 +84,7 @@ def parse_layout(text: str) -> dict[str, Any]:
 
 
 def num_processes(overrides: dict[str, Any]) -> int:
-    """Processes a layout needs: the product of its degrees (dp, tp, pp; 1 when absent)."""
+    """Processes a layout needs: the product of its degrees (dp, tp, pp, cp; 1 when absent)."""
     n = 1
     for axis in DEGREES:
         n *= overrides.get(axis) or 1
@@ -95,7 +96,7 @@ def format_layout(parallel: dict[str, Any]) -> str:
     tokens = [f"dp{parallel.get('dp') or 1}"]
     if 0 < (parallel.get("dp_shard") or 0) < (parallel.get("dp") or 1):  # hybrid sharding: ZeRO over groups of N
         tokens.append(f"shard{parallel['dp_shard']}")
-    tokens += [f"{axis}{parallel[axis]}" for axis in ("tp", "pp") if (parallel.get(axis) or 1) > 1]
+    tokens += [f"{axis}{parallel[axis]}" for axis in ("cp", "tp", "pp") if (parallel.get(axis) or 1) > 1]
     if parallel.get("zero"):
         tokens.append(f"zero{parallel['zero']}")
     if parallel.get("sequence_parallel"):

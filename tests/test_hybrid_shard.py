@@ -115,7 +115,8 @@ def test_the_data_axis_splits_into_replicas_of_neighbouring_shard_groups():
     assert shape.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert shape.groups("dp_shard") == [[0, 2], [4, 6], [1, 3], [5, 7]]  # tp neighbours, then shard neighbours
     assert shape.groups("dp_replicate") == [[0, 4], [2, 6], [1, 5], [3, 7]]
-    assert shape.coords(6) == {"pp": 0, "dp": 3, "tp": 0, "dp_shard": 1, "dp_replicate": 1}
+    assert shape.coords(6) == {"pp": 0, "dp": 3, "cp": 0, "tp": 0, "dp_shard": 1, "dp_replicate": 1,
+                                "dp_cp": 3}
     for r in range(shape.world_size):
         c = shape.coords(r)
         assert shape.rank_of(pp=c["pp"], tp=c["tp"], dp_shard=c["dp_shard"], dp_replicate=c["dp_replicate"]) == r
@@ -164,3 +165,17 @@ def test_bytes_per_axis_are_the_theory(world, zero):
         for axis, theory in expected.items():
             assert measured[axis] == pytest.approx(theory, rel=0.01), (axis, measured)
         assert measured.get("dp", 0) < 0.01 * full  # only the used-parameter counts cross the whole data axis
+
+
+def test_context_parallel_rules_name_the_fix():
+    from paratrain.parallel.rules import LayoutSpec, layout_violations
+
+    assert layout_violations(LayoutSpec(dp=2, cp=2, zero=3, seq_len=128, world_size=4)) == []
+    (bad,) = layout_violations(LayoutSpec(dp=1, cp=2, seq_len=126))
+    assert bad.message == ("--seq-len 126 is not divisible by 2 × --cp = 4 (each rank holds 2 load-balanced "
+                           "chunks); use --seq-len 124")
+    assert layout_violations(LayoutSpec(dp=1, cp=2, tp=2, sequence_parallel=True, seq_len=64)) == []
+    assert layout_violations(LayoutSpec(dp=1, cp=2, pp=2))[0].rule == "cp_compose"
+    assert layout_violations(LayoutSpec(dp=4, cp=2, zero=3, dp_shard=2))[0].rule == "cp_dp_shard"
+    assert "dp × cp × tp × pp = 1 × 2 × 1 × 1 = 2 ≠ 4 ranks" in layout_violations(
+        LayoutSpec(dp=1, cp=2, world_size=4))[0].message

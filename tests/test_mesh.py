@@ -127,3 +127,27 @@ def _late_receiver(rank, world):
 
 def test_a_deferred_send_returns_before_its_receive_is_posted():
     assert run_on_ranks(_late_receiver, 2, timeout=60)[1] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_cp_sits_between_dp_and_tp_and_its_gradients_group_spans_dp_and_cp():
+    """pp × dp × cp × tp: a cp group is tp-strided neighbours; dp × cp reduces the gradients."""
+    shape = MeshShape(pp=2, dp=2, cp=2, tp=2)
+    assert shape.world_size == 16
+    assert {a: shape.coords(6)[a] for a in ("pp", "dp", "cp", "tp")} == {"pp": 0, "dp": 1, "cp": 1, "tp": 0}
+    assert shape.groups("tp")[:2] == [[0, 1], [2, 3]]
+    assert shape.groups("cp")[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert shape.groups("dp")[:2] == [[0, 4], [1, 5]]
+    assert shape.groups("pp")[0] == [0, 8]
+    assert shape.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    for axis in ("pp", "dp", "cp", "tp", "dp_cp"):
+        assert sorted(r for g in shape.groups(axis) for r in g) == list(range(16))
+        for group in shape.groups(axis):
+            assert [shape.coords(r)[axis] for r in group] == list(range(shape.size(axis)))
+    for r in range(16):
+        assert shape.rank_of(**shape.coords(r)) == r
+    assert "dp_cp" in shape.axes and "dp_cp" not in MeshShape(dp=4).axes
+    assert MeshShape.for_world(8, cp=2, tp=2) == MeshShape(dp=2, cp=2, tp=2)
+    with pytest.raises(MeshError, match=r"not divisible by tp × cp × pp = 1 × 3 × 1"):
+        MeshShape.for_world(8, cp=3)
+    with pytest.raises(MeshError, match="--cp must be at least 1"):
+        MeshShape(cp=0)

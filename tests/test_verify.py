@@ -28,10 +28,11 @@ def test_layouts_parse_into_parallel_overrides():
     assert parse_layout("dp2,zero3") == {"dp": 2, "zero": 3}
     assert parse_layout(" DP4 , bf16 ") == {"dp": 4, "precision": "bf16"}
     assert num_processes(parse_layout("dp4,zero1")) == 4 and num_processes({}) == 1
+    assert parse_layout("cp2,dp2") == {"cp": 2, "dp": 2} and num_processes(parse_layout("cp2,dp2")) == 4
 
 
 def test_format_is_the_inverse_of_parse():
-    for text in ["dp2,zero3,bf16", "dp4", "dp2,zero1,fp16", "dp4,shard2,zero3"]:
+    for text in ["dp2,zero3,bf16", "dp4", "dp2,zero1,fp16", "dp4,shard2,zero3", "dp2,cp2,zero3"]:
         assert format_layout(parse_layout(text)) == text
     assert format_layout({"dp": 0, "zero": 0, "precision": "fp32"}) == "dp1"
 
@@ -73,6 +74,15 @@ def test_data_and_zero3_layouts_match_one_process(capsys):
     assert main(["verify", *SMALL, "--layouts", "dp2;dp2,zero3"]) == 0
     table = capsys.readouterr().out.split("layout ")[-1].splitlines()
     assert [line.split()[0] for line in table[1:]] == ["dp2", "dp2,zero3"]
+    assert all(line.split()[5] == "PASS" for line in table[1:]), table
+
+
+def test_context_parallel_layouts_match_one_process(capsys):
+    """cp2, and cp2 with tensor and sequence parallelism, through the trainer: sequences split over the cp
+    ranks, attention as a ring, the eval loss too."""
+    assert main(["verify", *SMALL, "--layouts", "cp2;cp2,tp2,sp"]) == 0
+    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["cp2", "cp2,tp2,sp"]
     assert all(line.split()[5] == "PASS" for line in table[1:]), table
 
 

@@ -159,7 +159,7 @@ def run(job: dict) -> None:
 
     layout = job["layout"]
     mesh = init_mesh(dp=layout.get("dp") or 1, tp=layout.get("tp") or 1, pp=layout.get("pp") or 1,
-                     dp_shard=layout.get("dp_shard") or None)
+                     dp_shard=layout.get("dp_shard") or None, cp=layout.get("cp") or 1)
     spec = build_spec(job["factory"])
     given = functools.partial(_given, layout)  # the layout's [parallel] options, the rest left to the defaults
     model, optimizer = parallelize(

@@ -45,15 +45,17 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device, dtype
+    seq_len: int, head_dim: int, theta: float, device, dtype, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [S, E] for positions 0..seq_len-1, in the rotate-half layout.
+    """cos and sin tables [S, E] for positions 0..seq_len-1 (or `positions` [S]), in the rotate-half layout.
 
     Computed in fp32 with the same operations as Hugging Face's Llama, so exported
     checkpoints give identical logits there.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
-    freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    freqs = positions.to(device=device, dtype=torch.float)[:, None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -140,17 +142,18 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self._tie_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] for token ids [B, S].
 
         A pipeline stage without `tok_embeddings` takes hidden states [B, S, D] instead,
-        and one without `output` returns hidden states.
+        and one without `output` returns hidden states. `positions` [S]: each token's position
+        in its sequence (None: 0..S-1); context parallelism gives a rank's chunks of a sequence.
         """
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Recomputed each call (S·E/2 products): a cached buffer would hold garbage after
         # meta construction + to_empty, and wrappers would have one more tensor to broadcast.
         cos_SE, sin_SE = rotary_tables(
-            h_BSD.shape[1], self.config.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype
+            h_BSD.shape[1], self.config.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype, positions
         )
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, cos_SE, sin_SE)

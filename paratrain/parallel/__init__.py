@@ -6,5 +6,6 @@
 - `data`: DDP, ZeRO-1/2/3 and hybrid sharding (the `dp` axis).
 - `tensor`: tensor and sequence parallelism (the `tp` axis): primitives, layers, plans.
 - `pipeline`: schedules as data, their simulator, stage splitting and the runner (the `pp` axis).
+- `context`: context parallelism (the `cp` axis): the load-balanced sequence split and ring attention.
 - `norm`: sums of squares shared by every strategy's gradient norm.
 """

@@ -122,6 +122,21 @@ class PipelineParallel:
             object.__setattr__(self, "boundaries", tuple(self.boundaries))
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """Context parallelism over the mesh's cp axis (`paratrain.parallel.context`): each rank holds 2 of
+    the 2·cp load-balanced chunks of every sequence; causal SDPA attention runs as a ring over the cp ranks.
+
+    The model is called with whole sequences (token ids [batch, seq], the same on every cp rank) and
+    returns this rank's chunks' outputs; labels given whole are split the same way by `loss_fn` and
+    `train_step`. Its attention must call `F.scaled_dot_product_attention(..., is_causal=True)`.
+    positions: the keyword the model's forward takes token positions by (None: `positions`, as
+        paratrain's Transformer, or `position_ids`, as Hugging Face models, whichever it has).
+    """
+
+    positions: str | None = None
+
+
 @dataclass
 class ModelSpec:
     """A user's model and what paratrain needs to parallelize and train it, e.g. from `verify --model-factory`.
@@ -146,15 +161,15 @@ def _enum(cls, value, name: str):
 
 def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
                 *, data: DataParallel = DataParallel(), tensor: TensorParallel | None = None,
-                pipeline: PipelineParallel | None = None, precision: str | Precision = "fp32",
+                pipeline: PipelineParallel | None = None, context: ContextParallel | None = None, precision: str | Precision = "fp32",
                 reduce_dtype: str | None = None, activation_checkpointing: int = 0, init: Callable | None = None,
                 comm: Comm | None = None, checked: CheckedLayout | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
         needs an element-wise optimizer.
-    data / tensor / pipeline: each strategy's options (see the dataclasses); tensor and pipeline
-        apply when the mesh has tp > 1 or pp > 1 (or when given).
+    data / tensor / pipeline / context: each strategy's options (see the dataclasses); tensor, pipeline
+        and context apply when the mesh has tp > 1, pp > 1 or cp > 1 (tensor and pipeline also when given).
     precision: "fp32", "bf16" or "fp16" compute (or a `Precision`), fp32 master weights;
         reduce_dtype: gradient communication dtype (default fp32). In bf16 and fp16 the model's
         floating-point inputs are cast to the compute dtype where its forward begins (each
@@ -174,8 +189,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     tensor = tensor or TensorParallel()
     pipeline = pipeline or PipelineParallel()
-    _check_layout(mesh, data, tensor, pipeline, checked)
+    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing)
     comm = comm or Comm(mesh)
+    sharding = _context_sharding(model, mesh, comm, context)
     split = None
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built
     #    there), and everything after works on that smaller module under the same names.
@@ -224,7 +240,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         # Built last: a stage's shell shares the modules the steps above may have replaced.
         runner = PipelineRunner(split, pipeline.schedule, mesh, comm, policy, tp_axis=tp_info.axis if tp_info else None)
         runner.schedule(mesh.size("pp"))  # a schedule that cannot run fails now, not at step 1
-    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner)
+    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding)
     if optimizer is None:
         return wrapped, None
     opt = optimizer(engine.masters())
@@ -238,17 +254,32 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
 
 
 def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                  checked: CheckedLayout | None) -> None:
+                  checked: CheckedLayout | None, activation_checkpointing: int = 0) -> None:
     """The layout rules (`paratrain.parallel.rules`) on the mesh and the options, unless the caller decided them."""
     s = mesh.shape
-    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, dp_shard=s.dp_shard, zero=data.zero,
+    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, zero=data.zero,
                         sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
-                        virtual_stages=pipeline.virtual_stages)
+                        virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
     if checked is None:
         rules.check_layout(layout, ParallelConfigError)
     elif not checked.describes(layout):
         raise ParallelConfigError("checked= is the verdict on another layout than this mesh and these options; "
                                   "pass the one paratrain.parallel.rules.check_layout gave for this layout")
+
+
+def _context_sharding(model: nn.Module, mesh: Mesh, comm: Comm, context: ContextParallel | None):
+    """Context parallelism's forward wrapper, or None when the mesh has one cp rank.
+
+    Read from the model as the user built it, before any step above wraps it: only the forward's
+    signature (how it takes positions) matters, and no step changes it. It acts on the forward
+    alone (inputs split, SDPA answered by the ring), never on the parameters, so the engine reduces
+    the gradients over dp × cp (`Mesh.data_axis`) without knowing of it.
+    """
+    if mesh.size("cp") == 1:
+        return None
+    from paratrain.parallel.context.sdpa import ContextSharding
+
+    return ContextSharding(model, comm, (context or ContextParallel()).positions)
 
 
 def _default_init(model: nn.Module):

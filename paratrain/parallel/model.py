@@ -100,8 +100,11 @@ class ParallelModel(nn.Module):
     """The user's module under a data-parallel engine; call it like the module itself (not under pipelines)."""
 
     def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
-                 tp_info: TensorParallelInfo | None = None, pipeline=None):
+                 tp_info: TensorParallelInfo | None = None, pipeline=None, context=None):
         super().__init__()
+        # A `paratrain.parallel.context.sdpa.ContextSharding` under context parallelism: the forward sees this
+        # rank's chunks of each sequence, and labels given whole are split alike.
+        self.context = context
         self.module = module
         self.engine = engine
         self.comm = comm
@@ -134,7 +137,15 @@ class ParallelModel(nn.Module):
             raise self.pipeline.error("a pipeline-parallel model runs whole steps: call train_step(micro_batches, "
                                       "normalizer), eval_loss_sum(inputs, labels) or causal_logits(tokens)")
         args, kwargs = self.precision.cast_inputs((args, kwargs))
+        if self.context is not None:
+            return self.context.forward(self.module, args, kwargs)
         return self.module(*args, **kwargs)
+
+    def _local_labels(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """Labels for `output`: this rank's chunks of them when they are whole sequences under context parallelism."""
+        if self.context is None:
+            return labels
+        return self.context.labels(labels, getattr(output, "logits", output).shape[1])
 
     def loss_fn(self, output, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                 reduction: str = "sum") -> torch.Tensor:
@@ -143,6 +154,7 @@ class ParallelModel(nn.Module):
         `output` may be the logits or an object with `.logits` (Hugging Face models).
         """
         logits = getattr(output, "logits", output)
+        targets = self._local_labels(logits, targets)
         if self.tp_info is not None:
             return self.tp_info.loss_fn(logits, targets, ignore_index, reduction)
         return cross_entropy(logits, targets, ignore_index, reduction)
@@ -176,7 +188,11 @@ class ParallelModel(nn.Module):
         labels = labels.to(self.device)
         if self.pipeline is not None:
             return self.pipeline.eval_loss_sum(inputs.to(self.device), labels, loss_fn)
-        return loss_fn(self(inputs.to(self.device)), labels).float()
+        output = self(inputs.to(self.device))
+        loss = loss_fn(output, self._local_labels(output, labels)).float()
+        if self.context is not None:  # each cp rank summed its chunks' tokens: the sequences' sum is theirs together
+            self.comm.all_reduce(loss, self.context.axis)
+        return loss
 
     def comm_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over the data ranks (for losses and token counts); returns it."""
@@ -211,8 +227,8 @@ class ParallelModel(nn.Module):
         for i, (inputs, labels) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                token_losses = loss_fn(self(inputs.to(self.device, non_blocking=True)),
-                                       labels.to(self.device, non_blocking=True))
+                output = self(inputs.to(self.device, non_blocking=True))
+                token_losses = loss_fn(output, self._local_labels(output, labels.to(self.device, non_blocking=True)))
                 self.scale_loss(token_losses / normalizer).backward()
             loss_sum += token_losses.detach()
         self._result = StepResult(loss_sum, ~torch.isfinite(loss_sum))
@@ -309,7 +325,8 @@ class ParallelModel(nn.Module):
             sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
             own = sharded + replicated
             share = own if coords["tp"] == 0 else sharded
-        counted = coords["dp_replicate"] == 0 if self.engine.grads_sharded else coords["dp"] == 0
+        # Whole gradients are the same on every rank of the data axis (dp, or dp × cp with context parallelism).
+        counted = coords["dp_replicate"] == 0 if self.engine.grads_sharded else coords["dp"] == coords["cp"] == 0
         return own, share if counted else None
 
     def _decide(self, table: list[list[float]], names: list[str]) -> Verdict:
@@ -317,10 +334,11 @@ class ParallelModel(nn.Module):
         own = tuple(r for r, flag in enumerate(loss_bad) if flag)
         overflow = self.scaler.enabled and any(grads_bad) and not own
         culprits = own or (() if self.scaler.enabled else tuple(r for r, flag in enumerate(grads_bad) if flag))
-        # A data rank's values are written by every rank of its stage and tp group: count one of each. Its
-        # loss only by its last pipeline stage (the other stages write 0): summed over the stages.
+        # A data rank's values are written by every rank of its stage, tp and cp group: count one of each. Its
+        # loss only by its last pipeline stage (the other stages write 0): summed over the stages; and by each
+        # cp rank, its chunks' part: summed over the cp ranks.
         coords = [self.mesh.shape.coords(r) for r in range(len(loss))]
-        once = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0]
+        once = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0 and c["cp"] == 0]
         losses = [r for r, c in enumerate(coords) if c["tp"] == 0]
         rows = dict(zip(names, table[len(_FLAGS):]))
         return Verdict(skip=overflow or bool(culprits), overflow=overflow, nonfinite_ranks=culprits,

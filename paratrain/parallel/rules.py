@@ -1,6 +1,6 @@
 """Every layout rule, decided in one place: which degrees and strategy options can run together.
 
-A layout is the degrees (dp, tp, pp, and dp_shard for hybrid sharding) and the strategies' options
+A layout is the degrees (dp, tp, pp, cp, and dp_shard for hybrid sharding) and the strategies' options
 (ZeRO stage, sequence parallelism, pipeline schedule, virtual stages); `LayoutSpec` holds it with
 what the caller knows of the run around it: the world and its nodes, the model's shape, the batch,
 the sequence length. A rule whose input is not known (None) waits: `parallelize` knows its mesh and
@@ -48,7 +48,7 @@ class LayoutRuleError(ParatrainError, ValueError):
 class LayoutSpec:
     """A layout as the rules read it, with what is known of the run around it (None: unknown here).
 
-    dp, tp, pp: the degrees; dp_shard: ranks of a ZeRO shard group (0 or dp: the whole data axis).
+    dp, tp, pp, cp: the degrees; dp_shard: ranks of a ZeRO shard group (0 or dp: the whole data axis).
     zero, sequence_parallel, schedule, virtual_stages: the strategies' options.
     world_size: ranks of the job; gpus_per_node: devices of one node (tp must fit in one).
     model: the reference model's shape (a `ModelConfig`: heads, kv heads, ffn, vocabulary, layers).
@@ -56,6 +56,7 @@ class LayoutSpec:
         split the model's shape, cannot be estimated.
     global_batch, micro_batch: sequences per step (all data ranks) and per forward/backward.
     seq_len: tokens per sequence.
+    activation_checkpointing: recompute every k-th block (0: off).
     """
 
     dp: int
@@ -73,6 +74,8 @@ class LayoutSpec:
     global_batch: int | None = None
     micro_batch: int | None = None
     seq_len: int | None = None
+    cp: int = 1
+    activation_checkpointing: int = 0
 
     @property
     def num_microbatches(self) -> int | None:
@@ -106,9 +109,9 @@ class CheckedLayout:
     def describes(self, other: LayoutSpec) -> bool:
         """Whether this verdict is about `other`'s degrees and options (what `parallelize` knows of a layout)."""
         mine, theirs = self.spec, other
-        return ((mine.dp, mine.tp, mine.pp, mine.dp_shard or mine.dp, mine.zero, mine.sequence_parallel,
+        return ((mine.dp, mine.tp, mine.pp, mine.cp, mine.dp_shard or mine.dp, mine.zero, mine.sequence_parallel,
                  ScheduleName.parse(mine.schedule), mine.virtual_stages)
-                == (theirs.dp, theirs.tp, theirs.pp, theirs.dp_shard or theirs.dp, theirs.zero,
+                == (theirs.dp, theirs.tp, theirs.pp, theirs.cp, theirs.dp_shard or theirs.dp, theirs.zero,
                     theirs.sequence_parallel, ScheduleName.parse(theirs.schedule), theirs.virtual_stages))
 
 
@@ -119,12 +122,13 @@ def layout_violations(layout: LayoutSpec) -> list[Violation]:
 
     The order: where the ranks sit (tp within a node), then what another (dp, tp, pp) of the same
     world could fix (`divisibility_violations`), then the shard groups, ZeRO-3 with pipelines,
-    sequence parallelism and the schedule.
+    sequence and context parallelism, and the schedule.
     """
     s = layout
     return (node_violations(s.tp, s.gpus_per_node) + divisibility_violations(s)
             + shard_group_violations(s.dp, s.dp_shard, s.zero) + zero_stage_violations(s.zero, s.pp)
             + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
+            + context_parallel_violations(s.cp, s.seq_len, s.tp, s.pp, s.dp_shard, s.dp, s.activation_checkpointing)
             # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
             + schedule_violations(s.schedule, s.pp, s.virtual_stages, s.num_microbatches,
                                   s.model.n_layers if s.model is not None and s.chunks > 1 else None))
@@ -134,7 +138,7 @@ def divisibility_violations(layout: LayoutSpec) -> list[Violation]:
     """The rules on the degrees that another (dp, tp, pp) of the same world may satisfy: the world
     size, the model's shape under tp and pp, the batch over the data ranks (`nearest_layouts`)."""
     s = layout
-    out = world_violations(s.world_size, s.dp, s.tp, s.pp) + shape_violations(s.params_only, s.tp, s.pp)
+    out = world_violations(s.world_size, s.dp, s.tp, s.pp, s.cp) + shape_violations(s.params_only, s.tp, s.pp)
     if s.model is not None:
         out += llama_tp_violations(s.model, s.tp) + layer_violations(s.model.n_layers, s.pp)
     return out + batch_violations(s.global_batch, s.micro_batch, s.dp)
@@ -155,7 +159,7 @@ def explain(layout: LayoutSpec, violation: Violation) -> str:
     s = layout
     near = nearest_layouts(layout)
     hint = ("; nearest valid layouts: " + ", ".join(f"dp={d} tp={t} pp={p}" for d, t, p in near) if near else
-            f"; no layout of {s.world_size or s.dp * s.tp * s.pp} ranks fits global batch {s.global_batch} with "
+            f"; no layout of {s.world_size or s.dp * s.tp * s.pp * s.cp} ranks fits global batch {s.global_batch} with "
             f"micro-batch {s.micro_batch} (change the batch sizes)")
     return f"invalid layout dp={s.dp} tp={s.tp} pp={s.pp}: {violation.message}{hint}"
 
@@ -166,11 +170,11 @@ def nearest_layouts(layout: LayoutSpec, count: int = 3) -> list[tuple[int, int, 
     Valid for the divisibility rules; without the model's shape only tp = pp = 1 is offered (the
     shape would have to say whether tp and pp divide it).
     """
-    world = layout.world_size or layout.dp * layout.tp * layout.pp
+    world = layout.world_size or layout.dp * layout.tp * layout.pp * layout.cp
     valid = []
-    for t in _divisors(world):
-        for p in _divisors(world // t):
-            d = world // (t * p)
+    for t in _divisors(world // layout.cp):  # cp stays: it answers the sequence length, not the world
+        for p in _divisors(world // (layout.cp * t)):
+            d = world // (layout.cp * t * p)
             candidate = dataclasses.replace(layout, dp=d, tp=t, pp=p, world_size=world,
                                             params_only=layout.params_only or layout.model is None)
             if not divisibility_violations(candidate):
@@ -189,10 +193,13 @@ def node_violations(tp: int, gpus_per_node: int | None) -> list[Violation]:
     return []
 
 
-def world_violations(world_size: int | None, dp: int, tp: int, pp: int) -> list[Violation]:
-    """pp × dp × tp is the world size (when it is known)."""
-    if world_size is not None and dp * tp * pp != world_size:
-        return [Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} ≠ {world_size} ranks")]
+def world_violations(world_size: int | None, dp: int, tp: int, pp: int, cp: int = 1) -> list[Violation]:
+    """pp × dp × cp × tp is the world size (when it is known)."""
+    if world_size is not None and dp * tp * pp * cp != world_size:
+        if cp == 1:
+            return [Violation("world", f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} ≠ {world_size} ranks")]
+        return [Violation("world", f"dp × cp × tp × pp = {dp} × {cp} × {tp} × {pp} = {dp * cp * tp * pp} ≠ "
+                                   f"{world_size} ranks")]
     return []
 
 
@@ -279,6 +286,38 @@ def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int 
     if seq_len is not None and seq_len % tp:
         return [Violation("sp_seq", f"--seq-len {seq_len} is not divisible by --tp {tp}, which sequence "
                                     f"parallelism needs; use --seq-len {seq_len - seq_len % tp or tp}")]
+    return []
+
+
+def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: int = 1, dp_shard: int = 0,
+                                dp: int = 1, activation_checkpointing: int = 0) -> list[Violation]:
+    """Context parallelism splits every sequence into 2·cp chunks (rank i holds chunks i and 2·cp−1−i, so
+    causal attention costs each rank the same): the length must divide into them.
+
+    Composes with data parallelism (DDP, ZeRO-1/2/3) and tensor parallelism (with sequence parallelism
+    too: each tp rank then holds 1/tp of this rank's chunks between the attention regions). Not yet
+    composed (refused here, one home for the refusal): pipeline parallelism, whose stages would pass
+    this rank's chunks without their positions, and hybrid sharding,
+    whose shard groups span data ranks only while cp ranks hold partial gradients too; and activation
+    checkpointing, whose recomputation in backward would run attention outside the ring. That cp needs
+    causal SDPA attention is found in the forward (`paratrain.parallel.context`): only then is the
+    attention seen.
+    """
+    if cp == 1:
+        return []
+    if seq_len is not None and seq_len % (2 * cp):
+        fit = seq_len - seq_len % (2 * cp) or 2 * cp
+        return [Violation("cp_seq", f"--seq-len {seq_len} is not divisible by 2 × --cp = {2 * cp} (each rank holds "
+                                    f"2 load-balanced chunks); use --seq-len {fit}")]
+    if pp > 1:
+        return [Violation("cp_compose", f"--cp {cp} with --pp {pp} is not supported yet; use --cp with data and "
+                                        "tensor parallelism (--dp, --zero, --tp) only")]
+    if dp_shard and dp_shard < dp:
+        return [Violation("cp_dp_shard", f"--cp {cp} with --dp-shard {dp_shard} is not supported yet (cp ranks' "
+                                         "gradients must join the shard groups); drop --dp-shard")]
+    if activation_checkpointing:
+        return [Violation("cp_checkpointing", f"--cp {cp} with --activation-checkpointing is not supported yet "
+                                              "(recomputation would run attention outside the ring); drop one")]
     return []
 
 

@@ -97,7 +97,9 @@ class DataParallelEngine:
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision, stage: int = 0,
                  bucket_mb: float = 25.0, grad_reduction: str = "mean"):
         assert stage in (0, 1, 2) and grad_reduction in ("mean", "sum")
-        self.dp = mesh.size("dp")
+        # The data axis: dp, or dp × cp with context parallelism (cp ranks' gradients are partial sums too).
+        self.data_axis = mesh.data_axis
+        self.dp = mesh.size(self.data_axis)
         # One data rank computing in fp32 has nothing to reduce, shard or copy: its gradients accumulate
         # in .grad as autograd leaves them (no Python per parameter) and the optimizer steps the
         # parameters themselves. Every ZeRO stage is that one (a single shard is the whole model).
@@ -113,7 +115,7 @@ class DataParallelEngine:
         self.per_backward = stage == 2  # reduces every backward; buffers exist only while filled or reduced
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Every replica starts from dp rank 0's values: nothing moves when they already agree.
-        make_replicas([p.data for _, p in named], comm, "dp", int(bucket_mb * 2**20))
+        make_replicas([p.data for _, p in named], comm, self.data_axis, int(bucket_mb * 2**20))
         self.buckets = make_buckets(named, bucket_mb, self.precision.reduce_dtype, self.shards, self.rank)
         order = {id(p): i for i, (_, p) in enumerate(named)}
         self.slots = sorted((s for b in self.buckets for s in b.slots), key=lambda s: order[id(s.param)])
@@ -286,7 +288,7 @@ class DataParallelEngine:
             slot.filled = self.stage < 2 and slot.filled  # ZeRO-2: the next backward writes a fresh buffer
         bucket.launched_in_backward, bucket.launched_at = in_backward, time.perf_counter()
         if self.stage == 0:
-            bucket.work = self.comm.all_reduce(bucket.buffer, "dp", async_op=True)
+            bucket.work = self.comm.all_reduce(bucket.buffer, self.data_axis, async_op=True)
             return
         # ZeRO: at most one reduce-scatter in flight (`Comm.reductions_in_flight`: none on the CPU), landed
         # as the next one launches, so it overlaps the backward that filled the next bucket. ZeRO-2 frees
@@ -359,7 +361,7 @@ class DataParallelEngine:
         while self._in_flight:
             self._land(self._in_flight.popleft())
         self._replica_sum.land()
-        self.comm.wait([b.work for b in self.buckets if self.stage == 0], "dp")
+        self.comm.wait([b.work for b in self.buckets if self.stage == 0], self.data_axis)
         self._assign_master_grads()
         self._in_backward = self._accumulating = False
         return self._used_mask

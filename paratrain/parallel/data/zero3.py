@@ -150,7 +150,7 @@ class FullyShardedEngine:
         # whose dp_replicate groups each hold a copy of the shards (and sum their gradients).
         self.shard_axis, self.replicas = mesh.shard_axis, mesh.replicas
         self.num_ranks, self.rank, self.device = mesh.size(self.shard_axis), mesh.coord(self.shard_axis), mesh.device
-        self._divide_by = mesh.size("dp") if grad_reduction == "mean" else 1
+        self._divide_by = mesh.size(mesh.data_axis) if grad_reduction == "mean" else 1
         originals = dict(model.named_parameters())  # name -> parameter, each shared tensor once
         index_of = {id(p): i for i, p in enumerate(originals.values())}
         self._names = list(originals)

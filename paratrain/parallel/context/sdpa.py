@@ -1,0 +1,117 @@
+"""Context parallelism applied to a plain model: its inputs split, its causal SDPA calls run as a ring.
+
+No model code changes. During the wrapped forward:
+
+- the token ids (the forward's first argument, [B, S]) become this rank's two chunks [B, 2c]
+  (`split`), and the positions of those tokens in the whole sequence are passed by the keyword
+  the forward takes them by: `positions` ([2c], paratrain's Transformer) or `position_ids`
+  ([1, 2c], Hugging Face), so that RoPE rotates each token by its true position;
+- a Hugging Face forward that takes `attention_mask` gets one of all ones ([B, 2c], no padding)
+  unless the caller passed one (then it is split too): without a mask, transformers reads the jump
+  between the two chunks' position ids as two packed sequences and builds a block mask instead of
+  calling SDPA with is_causal=True;
+- every `F.scaled_dot_product_attention` call is intercepted (a `TorchFunctionMode`) and answered
+  by `ring.ring_attention` over the cp group. Only causal self-attention without a mask or dropout
+  has a ring form here: any other call ends in one line naming what to change.
+
+The labels are split like the tokens (`ContextSharding.labels`); a loss summed over this rank's
+tokens is this rank's part of the sequence's loss, and the parts add up over the cp ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from paratrain.comm import Comm
+from paratrain.errors import ParatrainError
+from paratrain.parallel.context.ring import Ring, ring_attention
+from paratrain.parallel.context.split import positions, shard_sequence
+
+POSITION_KEYWORDS = ("positions", "position_ids")  # paratrain's Transformer, Hugging Face models
+
+
+class ContextParallelError(ParatrainError, ValueError):
+    """A model or a call that context parallelism cannot run; the message names the fix."""
+
+
+class RingSDPA(TorchFunctionMode):
+    """While active, `F.scaled_dot_product_attention(q, k, v, is_causal=True)` runs as ring attention."""
+
+    def __init__(self, ring: Ring):
+        super().__init__()
+        self.ring = ring
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        return self._attention(*args, **kwargs)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+        if attn_mask is not None or not is_causal:
+            raise ContextParallelError("context parallelism (--cp) needs causal attention: the model called "
+                                       "F.scaled_dot_product_attention with " +
+                                       ("an attn_mask" if attn_mask is not None else "is_causal=False") +
+                                       "; call it with is_causal=True and no mask, or use --cp 1")
+        if dropout_p:
+            raise ContextParallelError(f"context parallelism (--cp) has no attention dropout: the model called "
+                                       f"F.scaled_dot_product_attention with dropout_p={dropout_p}; set it to 0 "
+                                       "or use --cp 1")
+        if query.shape[-2] != key.shape[-2]:
+            raise ContextParallelError(f"context parallelism (--cp) needs self-attention over the same tokens: "
+                                       f"{query.shape[-2]} queries against {key.shape[-2]} keys; use --cp 1")
+        return ring_attention(query, key, value, self.ring, scale)
+
+
+class ContextSharding:
+    """What a `ParallelModel` does around its module's forward under context parallelism."""
+
+    def __init__(self, module: nn.Module, comm: Comm, position_keyword: str | None = None, axis: str = "cp"):
+        self.comm, self.axis = comm, axis
+        self.size, self.rank = comm.mesh.size(axis), comm.mesh.coord(axis)
+        params = inspect.signature(module.forward).parameters
+        self.position_keyword = position_keyword or next((k for k in POSITION_KEYWORDS if k in params), None)
+        if self.position_keyword is None:
+            raise ContextParallelError(f"context parallelism (--cp) passes each token's position to the model, but "
+                                       f"{type(module).__name__}.forward takes neither {' nor '.join(POSITION_KEYWORDS)}"
+                                       "; add one (RoPE must rotate by the position in the whole sequence), or "
+                                       "name it with ContextParallel(positions=...)")
+        self.mask_keyword = "attention_mask" if "attention_mask" in params else None
+
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        """`module(*args, **kwargs)` on this rank's chunks of the sequences, its SDPA calls answered by the ring."""
+        if not args or not torch.is_tensor(args[0]) or args[0].dim() < 2:
+            raise ContextParallelError("context parallelism (--cp) splits the forward's first argument, token ids "
+                                       "[batch, seq]; pass them positionally")
+        tokens = args[0]
+        seq_len = tokens.shape[1]
+        local = shard_sequence(tokens, self.size, self.rank)
+        pos = positions(seq_len, self.size, self.rank, tokens.device)
+        kwargs = dict(kwargs)
+        kwargs[self.position_keyword] = pos[None] if self.position_keyword == "position_ids" else pos
+        if self.mask_keyword is not None:
+            mask = kwargs.get(self.mask_keyword)
+            kwargs[self.mask_keyword] = (torch.ones_like(local, dtype=torch.bool) if mask is None
+                                         else shard_sequence(mask, self.size, self.rank))
+        mode = RingSDPA(Ring(self.comm, seq_len, self.axis))
+        with mode:
+            output = module(local, *args[1:], **kwargs)
+        if mode.calls == 0:
+            raise ContextParallelError(f"context parallelism (--cp) found no F.scaled_dot_product_attention call in "
+                                       f"{type(module).__name__}'s forward; it needs SDPA attention (Hugging Face: "
+                                       "attn_implementation=\"sdpa\"), or use --cp 1")
+        return output
+
+    def labels(self, labels: torch.Tensor, output_len: int) -> torch.Tensor:
+        """This rank's chunks of `labels` when they are the whole sequence's (cp × the output's length); else as is."""
+        if labels.dim() >= 2 and labels.shape[1] == output_len * self.size:
+            return shard_sequence(labels, self.size, self.rank)
+        return labels

@@ -1,0 +1,150 @@
+"""Context parallelism: the load-balanced split, and ring attention equal to one process's causal SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratrain.comm import Comm
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.parallel.context.ring import Ring, ring_attention
+from paratrain.parallel.context.split import (
+    ContextSplitError, causal_pairs, positions, shard_sequence, unshard_sequence,
+)
+from paratrain.testing import run_on_ranks
+
+
+def test_each_rank_holds_chunk_i_and_its_mirror_and_the_causal_work_is_even():
+    assert positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    x = torch.arange(3 * 24).view(3, 24)
+    pieces = [shard_sequence(x, 3, r) for r in range(3)]
+    for r, piece in enumerate(pieces):
+        assert torch.equal(piece, x[:, positions(24, 3, r)])
+    assert torch.equal(unshard_sequence(pieces), x)
+    assert len({causal_pairs(4096, 4, r) for r in range(4)}) == 1
+    with pytest.raises(ContextSplitError, match="use --seq-len 18"):
+        shard_sequence(x[:, :23], 3, 0)
+
+
+def _attention_case(rank, world, heads, kv_heads, rendezvous):
+    mesh = build_mesh(MeshShape(cp=world))
+    comm = Comm(mesh, rendezvous=rendezvous)
+    g = torch.Generator().manual_seed(7)
+    b, s, e = 2, 8 * world, 8
+    q, k, v = (torch.randn(b, n, s, e, generator=g) for n in (heads, kv_heads, kv_heads))
+    grad = torch.randn(b, heads, s, e, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != kv_heads)
+    expected.backward(grad)
+    local = [shard_sequence(t, world, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    ring = Ring(comm, seq_len=s)
+    out = ring_attention(*local, ring)
+    forward_bytes = comm.bytes_by_axis().get("cp", 0)
+    out.backward(shard_sequence(grad, world, rank, dim=2))
+    errors = [(out - shard_sequence(expected, world, rank, dim=2)).abs().max().item()]
+    errors += [(t.grad - shard_sequence(f.grad, world, rank, dim=2)).abs().max().item() for t, f in zip(local, full)]
+    return errors, forward_bytes, comm.bytes_by_axis()["cp"] - forward_bytes
+
+
+@pytest.mark.parametrize("world, heads, kv_heads, rendezvous", [(2, 4, 2, False), (2, 2, 2, True), (4, 4, 1, False)])
+def test_ring_attention_equals_causal_sdpa_forward_and_backward(world, heads, kv_heads, rendezvous):
+    """fp32 within 1e-5; K/V bytes on the cp axis as the ring's formula: forward cp−1 K/V blocks, backward
+    cp−1 K/V blocks and cp fp32 dK/dV sums (rendezvous: each transfer acknowledged, as NCCL's sends wait)."""
+    results = run_on_ranks(_attention_case, world, heads, kv_heads, rendezvous, timeout=120)
+    block = 2 * 2 * kv_heads * 8 * 8 * 4  # K and V, B=2, Hk, 2c = 8 local tokens (of 8·cp), E=8, fp32
+    for errors, forward_bytes, backward_bytes in results:
+        assert max(errors) < 1e-5, errors
+        assert forward_bytes == (world - 1) * block
+        assert backward_bytes == (world - 1) * block + world * block
+
+
+def _hf_model():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _make(kind):
+    from tests.parallel_cases import make_model
+
+    return _hf_model() if kind == "hf" else make_model()
+
+
+def _train_cases(rank, world, cases):
+    from paratrain.parallel.api import DataParallel, parallelize
+    from tests.parallel_cases import adamw, batches, parallel_run
+
+    out = {}
+    for kind, dp, zero in cases:
+        mesh = build_mesh(MeshShape(dp=dp, cp=world // dp))
+        model, optimizer = parallelize(_make(kind), mesh, optimizer=adamw, data=DataParallel(zero=zero))
+        # The engine averages over the dp × cp ranks; each backward is of a token-loss sum over the global count.
+        losses = parallel_run(model, optimizer, batches(steps=3), mesh.coord("dp"), dp,
+                              lambda t: model.comm.all_reduce(t, "dp_cp"), loss_scale=world)
+        out[kind, dp, zero] = losses, model.full_state_dict(), model.comm.summary().get("cp", {})
+    return out
+
+
+_RESULTS = {}
+
+
+def _results(world, cases):
+    if world not in _RESULTS:
+        _RESULTS[world] = run_on_ranks(_train_cases, world, cases, timeout=300)
+    return _RESULTS[world]
+
+
+CASES = {2: [("ref", 1, 0), ("hf", 1, 0)], 4: [("ref", 2, 3)]}
+
+
+@pytest.mark.parametrize("world, case", [(w, c) for w, cases in CASES.items() for c in cases])
+def test_training_with_cp_equals_one_process(world, case):
+    """Losses and parameters after 3 steps (fp32) equal one process's on the same global batches: the
+    reference model and a Hugging Face Llama with SDPA attention at cp2, and dp2 × cp2 under ZeRO-3."""
+    from tests.parallel_cases import batches, reference_run
+
+    ref_losses, ref_params = reference_run(_make(case[0]), batches(steps=3))
+    for per_rank in _results(world, CASES[world]):
+        losses, params, cp_traffic = per_rank[case]
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        assert cp_traffic["send"]["calls"] > 0  # the ring ran, on the cp axis
+
+
+def _fake_cp_comm(cp=2):
+    from paratrain.mesh import Mesh
+
+    return Comm(Mesh(shape=MeshShape(cp=cp), rank=0, groups={}))
+
+
+def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
+    from paratrain.parallel.context.sdpa import ContextParallelError, ContextSharding, RingSDPA
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ContextParallelError, match=r"is_causal=False; call it with is_causal=True and no mask"):
+        with RingSDPA(None):
+            F.scaled_dot_product_attention(q, q, q)
+    with pytest.raises(ContextParallelError, match="an attn_mask"):
+        with RingSDPA(None):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ContextParallelError, match="dropout_p=0.1"):
+        with RingSDPA(None):
+            F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+
+    class NoPositions(torch.nn.Module):
+        def forward(self, tokens):
+            return tokens
+
+    class NoSdpa(torch.nn.Module):
+        def forward(self, tokens, positions=None):
+            return tokens.float()
+
+    with pytest.raises(ContextParallelError, match="takes neither positions nor position_ids"):
+        ContextSharding(NoPositions(), _fake_cp_comm())
+    with pytest.raises(ContextParallelError, match="found no F.scaled_dot_product_attention call in NoSdpa"):
+        ContextSharding(NoSdpa(), _fake_cp_comm()).forward(NoSdpa(), (torch.zeros(1, 8, dtype=torch.long),), {})
