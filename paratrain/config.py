@@ -150,6 +150,8 @@ class RunSection:
     log_samples: bool = option(False, "write the sample ids each rank reads at each step to "
                                       "<out>/samples/rank-R.jsonl (to check the data order)")
     progress: bool = option(True, "show a progress bar on the console")
+    tensorboard: bool = option(False, "also write each metrics.jsonl step record as TensorBoard scalars to "
+                                      "<out>/tensorboard (needs `pip install tensorboard`)")
 
 
 @dataclass
