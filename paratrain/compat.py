@@ -17,6 +17,7 @@ torch's ``_foreach_*`` operators are not here: they are ATen operators in torch'
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
@@ -79,13 +80,32 @@ def at_backward_end(callback: Callable[[], None]) -> None:
 def held_alone(tensor: torch.Tensor) -> bool:
     """Whether nothing but the caller references `tensor` and no other tensor shares its storage: what autograd
     checks before accumulating into a gradient in place (private use counts of the tensor and its storage)."""
-    # The storage count includes the reference that untyped_storage() itself makes to answer.
-    return tensor._use_count() == 1 and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
+    return tensor._use_count() == 1 and storage_alone(tensor)
+
+
+def storage_alone(tensor: torch.Tensor) -> bool:
+    """Whether no other tensor shares `tensor`'s storage (no view of it, no alias a cache keeps; private use count
+    of the storage)."""
+    # The count includes the reference that untyped_storage() itself makes to answer.
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
 
 
 # -- dispatch modes and pytrees (torch.utils' private modules, the documented way to write a mode) -------
 
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+
+class ObservingMode(TorchDispatchMode):
+    """A dispatch mode that watches the operators a model runs, compiled blocks included: it stays entered while
+    torch.compile'd code runs and sees that code's operators (higher-order ones too, such as a recompute's RNG
+    state), and not the compiler's own tracing (`ignore_compile_internals`; a torch without it traces the
+    mode's dispatch as any other Python)."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
 
 def is_wrapper_subclass_type(cls: type) -> bool:
@@ -104,6 +124,20 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
 def tree_leaves(tree: Any) -> list:
     """The leaves of a nest of lists, tuples and dicts, as torch's dispatch sees an operator's arguments."""
     return _pytree.tree_leaves(tree)
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+
+def compiled_module_namespaces() -> list[dict]:
+    """The globals of every Python module torch.compile's inductor has generated and loaded in this process
+    (private `torch._inductor.codecache.PyCodeCache`), none when inductor was never imported: TensorMemory
+    follows the allocation functions there, since a compiled kernel's output buffer is no operator's."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None:
+        return []
+    cache = codecache.PyCodeCache
+    modules = list(getattr(cache, "modules", [])) + list(getattr(cache, "modules_no_attr", {}).values())
+    return list({id(m): vars(m) for m in modules}.values())
 
 
 # -- optimizers ---------------------------------------------------------------------------------------

@@ -158,8 +158,8 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
                        tensor=TensorParallel(sequence_parallel=p.sequence_parallel),
                        pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
-                       activation_checkpointing=p.activation_checkpointing, init=weight_initializer(model, cfg),
-                       checked=layout)
+                       activation_checkpointing=p.activation_checkpointing, compile=p.compile,
+                       init=weight_initializer(model, cfg), checked=layout)
 
 
 def weight_initializer(model: Transformer, cfg: Config):
