@@ -9,7 +9,8 @@ One launch of 2 ranks (eager blocks; compiled ones are in test_compile.py):
   fp32: selective's lies strictly between none's and full's.
 - the planner: the bytes one more block leaves alive after the forward under selective recomputation
   (what it keeps for backward, its output counted as the next block's input) equal
-  `layer_activation_bytes(..., Recompute.SELECTIVE)` for that block's shape.
+  `layer_activation_bytes(..., Recompute.SELECTIVE)` for that block's shape, on one rank and per rank of
+  tp 2, with sequence parallelism and without.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def _step_peak(mesh, mode) -> int:
         return meter.end(model, optimizer).peak_bytes
 
 
-def _kept_after_forward(mesh, n_layers: int) -> int:
+def _kept_after_forward(mesh, n_layers: int, **options) -> int:
     """Bytes a selective model's forward leaves alive (what backward will read, and the logits)."""
+    gc.collect()  # the models built before are gone, not freed inside the window
     cfg = dataclasses.replace(WIDE, n_layers=n_layers)
-    model, _ = _parallel(cfg, mesh, "selective")
+    model, _ = _parallel(cfg, mesh, "selective", **options)
     x, _ = batches(vocab=64, steps=1, batch=ROWS, seq=SEQ)[0]
     meter = TensorMemory()
     with meter:
@@ -95,6 +97,8 @@ def _all(rank, world):  # noqa: ARG001
     return {
         "peaks": {mode: _step_peak(dp2, mode) for mode in MODES},
         "kept": {n: _kept_after_forward(dp2, n) for n in (2, 3)},
+        "kept_tp2": {n: _kept_after_forward(tp2, n, tensor=TensorParallel()) for n in (2, 3)},
+        "kept_tp2_sp": {n: _kept_after_forward(tp2, n, tensor=TensorParallel(sequence_parallel=True)) for n in (2, 3)},
         "zero3_prefetch": {mode: _trained(dp2, mode, zero=3) for mode in MODES},
         "tp2": {mode: _trained(tp2, mode, tensor=TensorParallel()) for mode in MODES},
     }
@@ -143,9 +147,11 @@ def test_selective_peak_lies_between_keeping_everything_and_full_recomputation()
         assert peaks["full"] < peaks["selective"] < peaks[0], {k: v / 2**20 for k, v in peaks.items()}
 
 
-def test_the_planner_counts_what_selective_recomputation_keeps():
-    per_layer = layer_activation_bytes(SEQ, ROWS, WIDE.dim, WIDE.n_heads, recompute=Recompute.SELECTIVE,
+@pytest.mark.parametrize("layout, tp, sp", [("kept", 1, False), ("kept_tp2", 2, False), ("kept_tp2_sp", 2, True)])
+def test_the_planner_counts_what_selective_recomputation_keeps(layout, tp, sp):
+    """Exactly (no tolerance): the planner's formula counts the tensors the policy keeps, element by element."""
+    per_layer = layer_activation_bytes(SEQ, ROWS, WIDE.dim, WIDE.n_heads, tp, sp, recompute=Recompute.SELECTIVE,
                                        precision="fp32", kv_heads=WIDE.n_kv_heads, ffn_dim=WIDE.ffn_dim)
     for per_rank in _results():
-        kept = per_rank["kept"]
+        kept = per_rank[layout]
         assert kept[3] - kept[2] == per_layer
