@@ -17,6 +17,7 @@ torch's ``_foreach_*`` operators are not here: they are ATen operators in torch'
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
@@ -80,9 +81,14 @@ def held_alone(tensor: torch.Tensor) -> bool:
     """Whether nothing but the caller references `tensor` and no other tensor shares its storage: what autograd
     checks before accumulating into a gradient in place (private use counts of the tensor and its storage).
     Meant for a gradient inside a custom Function's backward, whose sole count depends on the torch release."""
-    # The storage count includes the reference that untyped_storage() itself makes to answer.
-    return (tensor._use_count() == _SOLE_GRADIENT_USE_COUNT
-            and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2)
+    return tensor._use_count() == _SOLE_GRADIENT_USE_COUNT and storage_alone(tensor)
+
+
+def storage_alone(tensor: torch.Tensor) -> bool:
+    """Whether no other tensor shares `tensor`'s storage (no view of it, no alias a cache keeps; private use count
+    of the storage)."""
+    # The count includes the reference that untyped_storage() itself makes to answer.
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
 
 
 def _sole_gradient_use_count() -> int:
@@ -115,6 +121,19 @@ _SOLE_GRADIENT_USE_COUNT = _sole_gradient_use_count()
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
+class ObservingMode(TorchDispatchMode):
+    """A dispatch mode that watches the operators a model runs, compiled blocks included: it stays entered while
+    torch.compile'd code runs and sees that code's operators (higher-order ones too, such as a recompute's RNG
+    state), and not the compiler's own tracing (`ignore_compile_internals`; a torch without it traces the
+    mode's dispatch as any other Python)."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
 def is_wrapper_subclass_type(cls: type) -> bool:
     """Whether `cls` is a traceable tensor wrapper subclass (a DTensor): its dispatch runs the inner tensors'."""
     return _python_dispatch.is_traceable_wrapper_subclass_type(cls)
@@ -131,6 +150,20 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
 def tree_leaves(tree: Any) -> list:
     """The leaves of a nest of lists, tuples and dicts, as torch's dispatch sees an operator's arguments."""
     return _pytree.tree_leaves(tree)
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+
+def compiled_module_namespaces() -> list[dict]:
+    """The globals of every Python module torch.compile's inductor has generated and loaded in this process
+    (private `torch._inductor.codecache.PyCodeCache`), none when inductor was never imported: TensorMemory
+    follows the allocation functions there, since a compiled kernel's output buffer is no operator's."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None:
+        return []
+    cache = codecache.PyCodeCache
+    modules = list(getattr(cache, "modules", [])) + list(getattr(cache, "modules_no_attr", {}).values())
+    return list({id(m): vars(m) for m in modules}.values())
 
 
 # -- optimizers ---------------------------------------------------------------------------------------

@@ -123,8 +123,12 @@ class ParallelSection:
     precision: str = option("fp32", "compute dtype; master weights and optimizer state stay fp32",
                             choices=("fp32", "bf16", "fp16"))
     reduce_dtype: str = option("fp32", "dtype of gradient communication", choices=("fp32", "bf16", "fp16"))
-    activation_checkpointing: int = option(0, "recompute activations of every k-th block in backward (0: off)")
-    compile: bool = option(False, "torch.compile each block (its element-wise operators fused between the matmuls)")
+    activation_checkpointing: int | str = option(
+        0, "recompute activations in backward: 'full' (every block, from its input), 'selective' (every block "
+           "keeps its matmuls' and attention's outputs, recomputes norms and element-wise ops), k (every k-th "
+           "block, full), 0 or 'none' (off)")
+    compile: bool = option(False, "torch.compile each block (paratrain's hooks and communication stay outside the "
+                                  "compiled regions; the first step compiles)")
     bucket_mb: float = option(25.0, "gradient bucket size in MB (DDP, ZeRO-1/2)")
 
 
@@ -153,6 +157,8 @@ class RunSection:
     log_samples: bool = option(False, "write the sample ids each rank reads at each step to "
                                       "<out>/samples/rank-R.jsonl (to check the data order)")
     progress: bool = option(True, "show a progress bar on the console")
+    tensorboard: bool = option(False, "also write each metrics.jsonl step record as TensorBoard scalars to "
+                                      "<out>/tensorboard (needs `pip install tensorboard`)")
 
 
 @dataclass
@@ -240,6 +246,12 @@ def coerce(where: str, section_cls: type, f: dataclasses.Field, value: Any) -> A
     kind = _base_type(section_cls, f)
     if value is None:
         return None
+    if set(typing.get_args(typing.get_type_hints(section_cls)[f.name])) == {int, str}:  # a count or a named mode
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{where}: expected a number or a name, got {value!r}")
+        return value
     try:
         if kind is bool:
             value = _to_bool(value)
@@ -344,10 +356,15 @@ def check_values(cfg: Config) -> None:
     if not t.eps > 0:
         raise ConfigError(f"--eps must be positive, got {t.eps}")
     p = cfg.parallel
-    for name, value in [("--dp", p.dp), ("--dp-shard", p.dp_shard),
-                        ("--activation-checkpointing", p.activation_checkpointing)]:
+    for name, value in [("--dp", p.dp), ("--dp-shard", p.dp_shard)]:
         if value < 0:
             raise ConfigError(f"{name} must not be negative, got {value}")
+    from paratrain.parallel.recompute import Checkpointing, RecomputeError
+
+    try:
+        Checkpointing.parse(p.activation_checkpointing)
+    except RecomputeError as e:
+        raise ConfigError(str(e)) from None
     if p.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
     _check_reliability(cfg)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from paratrain.errors import ParatrainError
+
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float, num_devices: int) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
@@ -27,19 +29,52 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-class MetricsLog:
-    """Appends one JSON object per line and flushes it, so a crash loses no finished step."""
+def summary_writer_class():
+    """torch's TensorBoard SummaryWriter; a one-line ParatrainError when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ParatrainError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter
 
-    def __init__(self, path: Path):
+
+def scalars(record: dict, prefix: str = "") -> dict[str, float]:
+    """The record's numbers as TensorBoard tags: nested dicts flattened as `a/b`; lists, None and flags left out."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(scalars(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[prefix + key] = value
+    return out
+
+
+class MetricsLog:
+    """Appends one JSON object per line and flushes it, so a crash loses no finished step.
+
+    With `tensorboard` (a directory) each record's numbers also go there as scalars at the record's
+    step (`scalars`); metrics.jsonl stays the source of truth. `purge_step`: a resumed run's first
+    step, from which TensorBoard drops the events an earlier attempt wrote (as metrics.jsonl is cut
+    back to the resumed step).
+    """
+
+    def __init__(self, path: Path, tensorboard: Path | None = None, purge_step: int | None = None):
         self.path = path
+        self._writer = summary_writer_class()(str(tensorboard), purge_step=purge_step) if tensorboard else None
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
+        if self._writer is not None:
+            for tag, value in scalars({k: v for k, v in record.items() if k != "step"}).items():
+                self._writer.add_scalar(tag, value, global_step=record["step"])
+            self._writer.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -32,6 +32,13 @@ Two measures, for two questions:
             window = meter.end(model, optimizer)
     window.peak_bytes, window.by_category
 
+Compiled code (torch.compile) runs under the mode (an `ObservingMode`: the compiler's own tracing is
+not seen, the compiled code's operators are): its fused kernels are no operators, but the
+buffers they write are allocated by the compiled module's allocation functions, which the mode follows
+while it is entered (`_follow_compiled_allocations`), so a compiled region's activations and
+temporaries count as an eager one's do. (Modules compiled while the mode is entered are not followed:
+compile before measuring, as a warm-up step does.)
+
 What it cannot see: memory an operator uses inside itself and frees before returning (the
 process peak catches that), and memory that is not a tensor (gloo's internal buffers, the
 allocator's cache, code). The two measures together bound what a rank needs.
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import re
 import resource
@@ -53,7 +61,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from paratrain.compat import TorchDispatchMode, in_backward, inner_tensors, is_wrapper_subclass_type, tree_leaves
+from paratrain.compat import (ObservingMode, compiled_module_namespaces, in_backward, inner_tensors,
+                              is_wrapper_subclass_type, tree_leaves)
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "communication", "activations", "temporaries", "other")
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -174,7 +183,7 @@ class _Peak:
     members_bytes: int = 0
 
 
-class TensorMemory(TorchDispatchMode):
+class TensorMemory(ObservingMode):
     """Live tensor bytes of this process by category, and their peak over windows (see the module doc).
 
     `resolution`: the categories describe the set of storages alive when the live total last grew
@@ -195,12 +204,14 @@ class TensorMemory(TorchDispatchMode):
         self._ops = 0
         self._hooks: list = []
         self._original_resize = None
+        self._compiled_allocations: list[tuple[dict, str, object]] = []  # (module globals, name, original)
 
     # -- the mode ---------------------------------------------------------------------------------
     def __enter__(self):
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_begins),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
         self._follow_resize()
+        self._follow_compiled_allocations()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -208,6 +219,9 @@ class TensorMemory(TorchDispatchMode):
             hook.remove()
         self._hooks = []
         torch.UntypedStorage.resize_ = self._original_resize
+        for namespace, name, original in self._compiled_allocations:
+            namespace[name] = original
+        self._compiled_allocations = []
         return super().__exit__(*exc)
 
     def _optimizer_begins(self, optimizer, *_):
@@ -231,17 +245,35 @@ class TensorMemory(TorchDispatchMode):
 
         torch.UntypedStorage.resize_ = resize_
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_wrapper_subclass_type(t) for t in types):
-            return NotImplemented  # a DTensor's own dispatch runs the local operators, which come back here
-        out = func(*args, **(kwargs or {}))
-        self._ops += 1
+    def _follow_compiled_allocations(self) -> None:
+        """Route the allocation functions of the compiled modules loaded now through `_allocated`."""
+        for namespace in compiled_module_namespaces():
+            for name, original in list(namespace.items()):
+                if name.startswith("empty_strided") and callable(original):
+                    namespace[name] = functools.partial(self._allocated, original)
+                    self._compiled_allocations.append((namespace, name, original))
+
+    def _allocated(self, allocate, *args, **kwargs) -> torch.Tensor:
+        """A buffer a compiled kernel will write: born now, as an operator's output would be."""
+        out = allocate(*args, **kwargs)
+        self._see(out, self._phase(), op="compiled")
+        self._note_peak()
+        return out
+
+    def _phase(self) -> str:
         backward = in_backward()
         if backward and not self._in_backward:  # a backward begins: what lives now is what it needs
             for _, record in self._live.values():
                 record.saved = True
         self._in_backward = backward
-        phase = "optimizer" if self._in_optimizer else "backward" if backward else "step"
+        return "optimizer" if self._in_optimizer else "backward" if backward else "step"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # a DTensor's own dispatch runs the local operators, which come back here
+        out = func(*args, **(kwargs or {}))
+        self._ops += 1
+        phase = self._phase()
         comm = func.namespace == "c10d"
         for t in _tensors((args, kwargs)):
             self._see(t, "before", comm, op=func)
@@ -256,6 +288,8 @@ class TensorMemory(TorchDispatchMode):
         if t.device.type == "meta" or t.layout != torch.strided:
             return None
         storage = t.untyped_storage()
+        if storage.device.type == "meta":  # a fake tensor (torch.compile keeps its tracing values): no memory
+            return None
         entry = self._live.get(id(storage))
         if entry is None or entry[0]() is not storage:
             record = _Storage(storage.nbytes(), born, op=str(op or ""))

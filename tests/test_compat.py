@@ -159,6 +159,15 @@ def test_a_gradient_is_held_alone_only_without_other_references_or_views():
     assert seen == [False]
 
 
+def test_a_storage_is_alone_until_a_view_or_an_alias_shares_it():
+    t = torch.zeros(4)
+    assert compat.storage_alone(t)
+    alias = t.detach()
+    assert not compat.storage_alone(t) and not compat.storage_alone(alias)
+    del alias
+    assert compat.storage_alone(t)
+
+
 # -- dispatch modes and pytrees -----------------------------------------------------------------------
 
 def test_a_dispatch_mode_sees_each_operator_and_its_leaves():
@@ -207,3 +216,31 @@ def test_the_flight_record_is_json_under_the_newer_name_or_the_older(monkeypatch
     monkeypatch.delattr(c10d, "_dump_fr_trace_json", raising=False)
     monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *args: calls.append(args) or b"{}", raising=False)
     assert compat.flight_record_json() == b"{}" and calls == [(True, False)]
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+
+def test_the_modules_inductor_generated_are_found_with_their_allocation_functions():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: (x * 2).sin() + 1, backend="inductor", dynamic=False)
+    compiled(torch.ones(8))
+    allocators = [name for namespace in compat.compiled_module_namespaces() for name, value in namespace.items()
+                  if name.startswith("empty_strided") and callable(value)]
+    assert allocators, "TensorMemory follows these to see a compiled kernel's output buffers"
+
+
+def test_an_observing_mode_sees_compiled_code_run_and_not_its_tracing():
+    seen = []
+
+    class Seen(compat.ObservingMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x.mm(x).relu(), backend="aot_eager", dynamic=False)
+    with Seen():
+        compiled(torch.ones(2, 2))  # compiled under the mode, then run under it
+        traced, seen[:] = len(seen), []
+        compiled(torch.ones(2, 2))
+    assert torch.ops.aten.mm.default in seen and len(seen) == traced, "the second call runs what the first ran"

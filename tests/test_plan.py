@@ -188,9 +188,11 @@ S, B, H, A = 2048, 1, 4096, 32  # s·b·h = 8,388,608 and 5·a·s/h = 80
     (1, False, Recompute.NONE, 8_388_608 * 114),           # sbh(34 + 80)
     (8, False, Recompute.NONE, 8_388_608 * 23),            # sbh(10 + 24/8 + 80/8)
     (8, True, Recompute.NONE, 1_048_576 * 114),            # sbh/8 (34 + 80)
-    (1, False, Recompute.SELECTIVE, 8_388_608 * 34),       # sbh·34
-    (8, False, Recompute.SELECTIVE, 8_388_608 * 13),       # sbh(10 + 24/8)
-    (8, True, Recompute.SELECTIVE, 1_048_576 * 34),        # sbh/8·34
+    # selective, what paratrain keeps (f = 8h/3 = 10,923): 2 bytes × s·b·(h/t with SP + (2h + 2h + 2f)/t + 2h), and
+    # attention's fp32 log-sum-exp 4·b·a·s/t
+    (1, False, Recompute.SELECTIVE, 2 * 2048 * (4096 + 8192 + 8192 + 21_846 + 8192) + 4 * 32 * 2048),
+    (8, False, Recompute.SELECTIVE, 2 * 2048 * (4096 + (8192 + 8192 + 21_846) / 8 + 8192) + 4 * 32 * 2048 / 8),
+    (8, True, Recompute.SELECTIVE, 2 * 2048 * (4096 / 8 + (8192 + 8192 + 21_846) / 8 + 8192) + 4 * 32 * 2048 / 8),
     (8, False, Recompute.FULL, 2 * 8_388_608),             # 2sbh
     (8, True, Recompute.FULL, 2 * 1_048_576),              # 2sbh/8
 ])
@@ -458,11 +460,13 @@ def test_the_planners_spellings_and_the_trainers_give_the_same_plan(capsys, old,
 
 
 def test_activation_checkpointing_is_what_recompute_says(capsys):
-    full, none = (_plan_json(capsys, "--model", "llama2-7b", "--dp", "8", "--activation-checkpointing", k)
-                  for k in ("1", "0"))
+    full, none, selective = (_plan_json(capsys, "--model", "llama2-7b", "--dp", "8", "--activation-checkpointing", k)
+                             for k in ("1", "0", "selective"))
     assert full["layouts"][0]["recompute"] == "full" and none["layouts"][0]["recompute"] == "none"
-    assert full["layouts"][0]["memory_per_rank"]["activations"] < none["layouts"][0]["memory_per_rank"]["activations"]
-    for argv, message in [(["--activation-checkpointing", "2"], "the planner models 0 (none) and 1"),
+    assert selective["layouts"][0]["recompute"] == "selective"
+    activations = [plan["layouts"][0]["memory_per_rank"]["activations"] for plan in (full, selective, none)]
+    assert activations == sorted(activations) and len(set(activations)) == 3
+    for argv, message in [(["--activation-checkpointing", "2"], "the planner models none, selective and full"),
                           (["--activation-checkpointing", "1", "--recompute", "full"], "give one of them"),
                           (["--zero", "4"], "--zero: 4 is not one of [0, 1, 2, 3]")]:
         code, out, err = run_plan(capsys, "--model", "tiny", *argv)

@@ -52,9 +52,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
     add_shared_options(layout, LAYOUT_OPTIONS)
     layout.add_argument("--recompute", choices=[r.value for r in Recompute],
-                        help="activation checkpointing as the planner models it: none, selective (the attention "
-                             "core) or full (every layer); --activation-checkpointing 0 is none, 1 full (default "
-                             "none; searched with --gpus)")
+                        help="activation checkpointing as the planner models it: none, selective (the outputs of "
+                             "matmuls and attention kept, the rest recomputed) or full (every layer); the same as "
+                             "--activation-checkpointing none|selective|full (default none; searched with --gpus)")
     _add_hardware_options(parser)
     return parser
 

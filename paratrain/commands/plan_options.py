@@ -3,8 +3,8 @@
 The model, batch and layout options are `paratrain train`'s (`paratrain.commands.options`: the
 same names, types, choices and help, from the config dataclasses); the planner keeps its older
 spellings as aliases (`--seq` for `--seq-len`, `--layers` for `--n-layers`, ...) and says in each
-option's help what it does without it. `--recompute none|full` says what `--activation-checkpointing
-0|1` says; the planner models no other k, and `--recompute selective` only the attention core.
+option's help what it does without it. `--recompute none|selective|full` says what `--activation-checkpointing
+none|selective|full` (or 0|1) says; the planner models no other k.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.rules import ZERO_STAGES
 from paratrain.plan.budget import DEFAULT_BATCH_TOKENS
 from paratrain.plan.hardware import GemmCurve, Hardware, get_hardware
+from paratrain.parallel.recompute import Checkpointing
 from paratrain.plan.memory import GB, Layout, PlanError, Recompute, Workload
 from paratrain.plan.search import SearchSpace
 
@@ -72,7 +73,7 @@ LAYOUT_OPTIONS = {
     "parallel.zero": ((), "0; --gpus searches"),
     "parallel.virtual_stages": ((), "2 with --schedule interleaved, else 1"),
     "parallel.sequence_parallel": ((), "off; --gpus searches both"),
-    "parallel.activation_checkpointing": ((), "0; the planner models 0 and 1, see --recompute"),
+    "parallel.activation_checkpointing": ((), "none; the planner models none, selective and full (1), see --recompute"),
     "parallel.compile": ((), "off: eager, one kernel per element-wise operator; on: the compiled stack's fused "
                              "kernels (the step time only)"),
     "parallel.schedule": ((), f"{DEFAULT_SCHEDULE.value}; gpipe holds m micro-batches, 1f1b and zb-h1 "
@@ -138,16 +139,17 @@ def hardware_from_args(args, precision: str) -> Hardware:
 
 
 def recompute_from_args(args, opts: dict) -> Recompute | None:
-    """--recompute, or --activation-checkpointing in the planner's terms (0: none, 1: full); None: not given."""
-    every = opts.get("parallel.activation_checkpointing")
-    if every is None:
+    """--recompute, or --activation-checkpointing in the planner's terms (none, selective, full); None: not given."""
+    setting = opts.get("parallel.activation_checkpointing")
+    if setting is None:
         return Recompute(args.recompute) if args.recompute else None
     if args.recompute is not None:
         raise PlanError("--recompute and --activation-checkpointing say the same thing; give one of them")
-    if every not in (0, 1):  # checkpointing every k-th block: the planner recomputes all blocks or none
-        raise PlanError(f"--activation-checkpointing {every}: the planner models 0 (none) and 1 (every block); "
-                        f"use one of them, or --recompute selective")
-    return Recompute.FULL if every else Recompute.NONE
+    checkpointing = Checkpointing.parse(setting)
+    if checkpointing.every > 1:  # checkpointing every k-th block: the planner recomputes all blocks or none
+        raise PlanError(f"--activation-checkpointing {setting}: the planner models none, selective and full "
+                        f"(every block); use one of them")
+    return checkpointing.mode
 
 
 def _virtual_stages(opts: dict) -> int:

@@ -341,12 +341,13 @@ def planned_inputs(run: Run):
     `parallel.dp_shard` makes it a hybrid-sharded layout, whose data-parallel communication the
     planner gives per axis (dp_shard, dp_replicate) as the runtime records it.
 
-    Activation checkpointing of every k-th block is full recomputation for k = 1; for k > 1 the
-    planner, which recomputes all blocks or none, takes full recomputation too (an upper bound).
+    Activation checkpointing is the planner's mode of the same name ("selective", "full" or 1); every k-th
+    block for k > 1 is counted as none (`Checkpointing.planned`: the planner recomputes all blocks or none).
     """
     from paratrain.models import get_model_config
     from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
-    from paratrain.plan import Layout, Recompute, Workload
+    from paratrain.parallel.recompute import Checkpointing
+    from paratrain.plan import Layout, Workload
 
     c = run.config
     try:
@@ -359,7 +360,7 @@ def planned_inputs(run: Run):
         layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), dp_shard=p.get("dp_shard") or 0,
                         micro_batch=t["micro_batch"],
                         sequence_parallel=bool(p.get("sequence_parallel")),
-                        recompute=Recompute.FULL if p.get("activation_checkpointing") else Recompute.NONE,
+                        recompute=Checkpointing.parse(p.get("activation_checkpointing") or 0).planned,
                         schedule=p.get("schedule") or DEFAULT_SCHEDULE,
                         virtual_stages=(p.get("virtual_stages") or 1) if pp > 1 else 1,
                         bucket_mb=p.get("bucket_mb") or 25.0, compile=bool(p.get("compile")))

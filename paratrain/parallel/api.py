@@ -8,7 +8,7 @@
 Options come grouped by strategy, each a small frozen dataclass: `DataParallel` (ZeRO stage,
 buckets, gradient reduction, ZeRO-3 units), `TensorParallel` (the plan, sequence parallelism),
 `PipelineParallel` (schedule, virtual stages, stage boundaries); precision and activation
-checkpointing apply to every layout. The returned model is a `ParallelModel`
+checkpointing (`recompute`) and compilation (`compile`) apply to every layout. The returned model is a `ParallelModel`
 (`paratrain.parallel.model`, one type for every layout); the returned optimizer is the stock
 torch optimizer the caller asked for, built over the master weights the engine owns (ZeRO: this
 rank's shard), with a pre-step hook that finishes the gradients and agrees on the step when the
@@ -24,7 +24,6 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
@@ -33,6 +32,7 @@ from paratrain.parallel import rules
 from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
+from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
 from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.plan import apply_tensor_parallel
@@ -161,8 +161,9 @@ def _enum(cls, value, name: str):
 
 def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
                 *, data: DataParallel = DataParallel(), tensor: TensorParallel | None = None,
-                pipeline: PipelineParallel | None = None, context: ContextParallel | None = None, precision: str | Precision = "fp32",
-                reduce_dtype: str | None = None, activation_checkpointing: int = 0, init: Callable | None = None,
+                pipeline: PipelineParallel | None = None, context: ContextParallel | None = None,
+                precision: str | Precision = "fp32", reduce_dtype: str | None = None,
+                activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
                 comm: Comm | None = None, checked: CheckedLayout | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
@@ -175,7 +176,12 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         floating-point inputs are cast to the compute dtype where its forward begins (each
         pipeline stage's, under pipeline parallelism), as FSDP2's `cast_forward_inputs`; integer
         inputs (token ids) are left alone.
-    activation_checkpointing: 0 off, k > 0 recompute every k-th block.
+    activation_checkpointing: 0 or "none" off; "full" (or 1) every block, k > 1 every k-th block, recomputed
+        whole; "selective" every block keeps its matmuls' and attention's outputs and recomputes the rest
+        (`paratrain.parallel.recompute`).
+    compile: torch.compile each block's forward, paratrain's hooks and collectives outside the compiled
+        regions (`paratrain.parallel.compile`): True with inductor, a string with that torch.compile backend
+        (e.g. "aot_eager": the same graphs, run by eager kernels, no code generated).
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
@@ -187,6 +193,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     module materialized there; under ZeRO-3 each rank's shards are allocated there directly.
     """
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
+    checkpointing = Checkpointing.parse(activation_checkpointing)
     tensor = tensor or TensorParallel()
     pipeline = pipeline or PipelineParallel()
     _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing)
@@ -218,10 +225,18 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         _materialize(model, init, mesh.device)
     else:  # the parameters become shards on the device one by one; the buffers move as they are
         _move_buffers(model, mesh.device)
-    # 3. Activation checkpointing next: ZeRO-3 gathers parameters in forward hooks, and
-    #    recomputation must pass through those hooks to find whole parameters again.
-    if activation_checkpointing:
-        checkpoint_blocks(model, every=activation_checkpointing)
+    # 3. Recomputation and compilation of each block next: both wrap the forward of the blocks as tensor
+    #    parallelism left them (its layers inside, their collectives traced as custom operators), below
+    #    the module hooks that the engine registers after (ZeRO-3 gathers in them, outside the compiled
+    #    regions; a recompute finds whole parameters through the engine's saved-tensor hooks).
+    if compile:
+        if sharding is not None:  # the ring answers SDPA through a function mode, which a compiled block bypasses
+            raise ParallelConfigError("compile with context parallelism (cp > 1) is not supported yet; drop one")
+        from paratrain.parallel.compile import compile_blocks
+
+        compile_blocks(model, comm, checkpointing, backend="inductor" if compile is True else compile)
+    elif checkpointing.enabled:
+        checkpoint_blocks(model, checkpointing)
     # 4. The data-parallel engine last: it sees the final parameters it has to reduce.
     reduction = data.grad_reduction.value
     if data.zero == 3:
@@ -340,44 +355,3 @@ def _tp_local_init(init, info: TensorParallelInfo, name: str, local_shape) -> to
     shape, offset = info.global_shape(name, local_shape)
     full = init(name, shape)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
-
-
-def block_lists(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the children of its ModuleLists and ModuleDicts."""
-    blocks = []
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            blocks.extend(module.children() if isinstance(module, nn.ModuleList) else module.values())
-    return blocks
-
-
-def checkpoint_blocks(model: nn.Module, every: int = 1) -> int:
-    """Recompute every `every`-th block's activations in backward instead of storing them.
-
-    The block's class is swapped for a subclass whose call runs under
-    torch.utils.checkpoint, so parameter names (and checkpoints) do not change.
-    Returns the number of checkpointed blocks.
-    """
-    if every < 1:
-        raise ParallelConfigError(f"--activation-checkpointing must be ≥ 1 (every k-th block), got {every}")
-    chosen = block_lists(model)[::every]
-    for block in chosen:
-        block.__class__ = _checkpointed_class(type(block))
-    return len(chosen)
-
-
-_CHECKPOINTED: dict[type, type] = {}
-
-
-def _checkpointed_class(cls: type) -> type:
-    if getattr(cls, "_paratrain_checkpointed", False):
-        return cls
-    if cls not in _CHECKPOINTED:
-        def __call__(self, *args, **kwargs):
-            if not torch.is_grad_enabled():
-                return nn.Module.__call__(self, *args, **kwargs)
-            return checkpoint(nn.Module.__call__, self, *args, use_reentrant=False, **kwargs)
-
-        _CHECKPOINTED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_paratrain_checkpointed": True})
-    return _CHECKPOINTED[cls]
-

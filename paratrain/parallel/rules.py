@@ -26,12 +26,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from paratrain.errors import ParatrainError, Violation
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName, schedule_violations
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0: DDP; 1: + optimizer state sharded; 2: + gradients; 3: + parameters
+
+
+class Recompute(str, Enum):
+    """Activation checkpointing (Korthikanti et al. 2022 §5), as paratrain runs it (`parallel/recompute.py`)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"  # keep the matmuls' and attention's outputs, recompute the element-wise rest
+    FULL = "full"  # keep each layer's input, recompute the whole layer in backward
 
 
 def spelled(values) -> str:
@@ -56,7 +65,7 @@ class LayoutSpec:
         split the model's shape, cannot be estimated.
     global_batch, micro_batch: sequences per step (all data ranks) and per forward/backward.
     seq_len: tokens per sequence.
-    activation_checkpointing: recompute every k-th block (0: off).
+    activation_checkpointing: 0 / "none" off, "full", "selective", or k (every k-th block, full).
     """
 
     dp: int
@@ -75,7 +84,7 @@ class LayoutSpec:
     micro_batch: int | None = None
     seq_len: int | None = None
     cp: int = 1
-    activation_checkpointing: int = 0
+    activation_checkpointing: int | str = 0
 
     @property
     def num_microbatches(self) -> int | None:
@@ -290,7 +299,7 @@ def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int 
 
 
 def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: int = 1, dp_shard: int = 0,
-                                dp: int = 1, activation_checkpointing: int = 0) -> list[Violation]:
+                                dp: int = 1, activation_checkpointing: int | str = 0) -> list[Violation]:
     """Context parallelism splits every sequence into 2·cp chunks (rank i holds chunks i and 2·cp−1−i, so
     causal attention costs each rank the same): the length must divide into them.
 
@@ -315,7 +324,7 @@ def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: i
     if dp_shard and dp_shard < dp:
         return [Violation("cp_dp_shard", f"--cp {cp} with --dp-shard {dp_shard} is not supported yet (cp ranks' "
                                          "gradients must join the shard groups); drop --dp-shard")]
-    if activation_checkpointing:
+    if str(activation_checkpointing).strip() not in ("0", Recompute.NONE.value):
         return [Violation("cp_checkpointing", f"--cp {cp} with --activation-checkpointing is not supported yet "
                                               "(recomputation would run attention outside the ring); drop one")]
     return []

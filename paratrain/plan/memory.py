@@ -33,6 +33,7 @@ from paratrain.plan.model_states import (  # noqa: F401
     model_state_bytes,
     stage_param_count,
 )
+from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 
 GB = 10**9
 LOGIT_BYTES = 4  # logits are materialized in fp32 for the softmax cross-entropy
@@ -64,14 +65,6 @@ class PipelineBoundary(str, Enum):
 
     SCATTER_GATHER = "scatter-gather"
     FULL = "full"
-
-
-class Recompute(str, Enum):
-    """Activation checkpointing (Korthikanti et al. 2022 §5)."""
-
-    NONE = "none"
-    SELECTIVE = "selective"  # recompute only the attention core (softmax, dropout, scores × V)
-    FULL = "full"  # keep each layer's input, recompute the whole layer in backward
 
 
 def _enum(cls, value, flag: str):
@@ -251,7 +244,8 @@ class Layout:
 
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
-                           precision: str = "bf16") -> float:
+                           precision: str = "bf16", *, kv_heads: int | None = None,
+                           ffn_dim: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch, per tp rank.
 
     Korthikanti et al. 2022, with s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp,
@@ -260,23 +254,37 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     - no parallelism (§4.1, eq. 1):       s·b·h·(34 + 5·a·s/h)
     - tensor parallel (§4.2.1, eq. 2):    s·b·h·(10 + 24/t + 5·a·s/(h·t))
     - tensor + sequence parallel (eq. 3): s·b·h/t·(34 + 5·a·s/h)
-    - selective recompute (§5, eq. 6):    the 5·a·s/h term (attention scores, softmax, its
-      dropout) is recomputed, so dropped: s·b·h·(10 + 24/t), or s·b·h/t·34 with SP
     - full recompute (§5):                only the layer input, 2·s·b·h (÷t with SP)
 
     The constants are those of a GPT block (4h MLP, multi-head attention, dropout); they are
     used for Llama-style blocks too. fp32 activations double every term (an approximation:
     the 1-byte masks do not double).
+
+    Selective recompute is what paratrain's policy keeps (`paratrain.parallel.recompute`), counted
+    per element of the Llama block (kv = h·kv_heads/a, f = ffn_dim; default a GPT block as the
+    planner models one, `gpt_model`: kv_heads = a, f = 8h/3), in the activation dtype:
+    the block input s·b·h (÷t with SP); q and the attention output 2·s·b·h/t; k and v 2·s·b·kv/t;
+    the two gated-MLP projections 2·s·b·f/t; the outputs of wo and w2, 2·s·b·h, partial sums before
+    their reduction and so whole on every tp rank, with SP or not; and the attention kernel's fp32
+    log-sum-exp, 4·b·a·s/t bytes. Korthikanti's selective (§5, eq. 6: his 34·s·b·h less the
+    scores) keeps more: its norms' outputs, activation function's input and dropout masks, which
+    this policy recomputes.
     """
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     sbh = float(s * b * h)
     scores = 5 * a * s / h  # attention scores, softmax output and its dropout mask
+    if recompute is Recompute.SELECTIVE:
+        kv = h * (kv_heads or a) / a
+        f = ffn_dim if ffn_dim is not None else round(8 * h / 3)
+        sharded = 2 * h + 2 * kv + 2 * f
+        elements = s * b * (h / (t if sequence_parallel else 1) + sharded / t + 2 * h)
+        return elements * DTYPE_BYTES[precision] + 4.0 * b * a * s / t
     if recompute is Recompute.FULL:
         per_layer = 2 * sbh / (t if sequence_parallel else 1)
     elif sequence_parallel:
-        per_layer = sbh / t * (34 + (0 if recompute is Recompute.SELECTIVE else scores))
+        per_layer = sbh / t * (34 + scores)
     else:
-        per_layer = sbh * (10 + 24 / t + (0 if recompute is Recompute.SELECTIVE else scores / t))
+        per_layer = sbh * (10 + 24 / t + scores / t)
     return per_layer * DTYPE_BYTES[precision] / 2
 
 
@@ -360,7 +368,8 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     m = lay.num_microbatches(workload.global_batch)
     in_flight = in_flight_microbatches(lay.schedule, lay.pp, m, lay.chunks, stage)
     per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
-                                       lay.recompute, workload.precision)
+                                       lay.recompute, workload.precision, kv_heads=model.n_kv_heads,
+                                       ffn_dim=model.ffn_dim)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
     if stage == lay.pp - 1:
         total += logits_bytes(s, b, model.vocab_size, lay.tp) * in_flight

@@ -30,7 +30,7 @@ from paratrain.faults import current_attempt
 from paratrain.hardware import device_peak_flops
 from paratrain.peak_memory import ProcessPeak
 from paratrain.mesh import Mesh
-from paratrain.metrics import MetricsLog, unigram_entropy
+from paratrain.metrics import MetricsLog, summary_writer_class, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
 from paratrain.parallel.rules import CheckedLayout
@@ -39,7 +39,7 @@ from paratrain.run.guard import StepGuard
 from paratrain.run.inputs import check_paths
 from paratrain.run.memory_budget import check_free_memory, check_memory_budget
 from paratrain.run.samples import SampleRecorder
-from paratrain.run.rundir import apply_claim, claim_run_dir, diagnostics_dir
+from paratrain.run.rundir import METRICS_FILE, TENSORBOARD_DIR, apply_claim, claim_run_dir, diagnostics_dir
 
 
 @dataclass
@@ -95,6 +95,8 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     check_resume_option(cfg)
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
+    if cfg.run.tensorboard:
+        summary_writer_class()  # a missing tensorboard package refuses the run now, not after the build
     return layout
 
 
@@ -119,7 +121,8 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
         sampler = SampleRecorder(sampler, out, env.rank, resumed)
-    log = MetricsLog(out / "metrics.jsonl") if env.is_main else None
+    log = MetricsLog(out / METRICS_FILE, tensorboard=out / TENSORBOARD_DIR if cfg.run.tensorboard else None,
+                     purge_step=resumed + 1 if resumed else None) if env.is_main else None
     run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
               checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device))
     if env.is_main:
@@ -155,8 +158,8 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
                        tensor=TensorParallel(sequence_parallel=p.sequence_parallel),
                        pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
-                       activation_checkpointing=p.activation_checkpointing, init=weight_initializer(model, cfg),
-                       checked=layout)
+                       activation_checkpointing=p.activation_checkpointing, compile=p.compile,
+                       init=weight_initializer(model, cfg), checked=layout)
 
 
 def weight_initializer(model: Transformer, cfg: Config):

@@ -23,7 +23,8 @@ from pathlib import Path
 from paratrain.config import Config, ConfigError
 from paratrain.mesh import WORLD, Mesh, MeshShape
 from paratrain.models import ModelConfig
-from paratrain.plan import Layout, MemoryBreakdown, Recompute, Workload, estimate_memory
+from paratrain.parallel.recompute import Checkpointing
+from paratrain.plan import Layout, MemoryBreakdown, Workload, estimate_memory
 
 # cgroup v2, then v1: a container's limit is what the processes really have.
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -111,9 +112,7 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     p, t = cfg.parallel, cfg.train
     workload = Workload.for_model(model_cfg, seq_len=cfg.data.seq_len, global_batch=t.global_batch,
                                   precision=p.precision, reduce_dtype=p.reduce_dtype)
-    # Checkpointing every block is the planner's full recomputation; every k-th block (k > 1)
-    # keeps most activations, so it is counted as none (an over-estimate, never an under-estimate).
-    recompute = Recompute.FULL if p.activation_checkpointing == 1 else Recompute.NONE
+    recompute = Checkpointing.parse(p.activation_checkpointing).planned
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,
                     schedule=p.schedule, dp_shard=p.dp_shard, compile=p.compile)

@@ -3,6 +3,7 @@
     <out>/run.json          {"run_id": ...}: written when the run starts afresh
     <out>/config.json       the resolved config of the latest launch
     <out>/metrics.jsonl     one record per step; cut back to the resumed step on resume
+    <out>/tensorboard/      with --tensorboard, the same records as TensorBoard scalars (paratrain.metrics)
     <out>/checkpoints/      sharded checkpoints (paratrain.checkpoint)
     <out>/diagnostics/      per attempt, each rank's collective fingerprints (paratrain.run.diagnose)
     <out>/samples/          with --log-samples, each rank's sample ids per step (paratrain.run.samples)
@@ -30,6 +31,7 @@ from paratrain.config import Config, ConfigError
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 CHECKPOINT_DIR = "checkpoints"
 DIAGNOSTICS_DIR = "diagnostics"
 SAMPLES_DIR = "samples"
@@ -67,7 +69,8 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
         return RunClaim(out, fresh=True, wipe=(DIAGNOSTICS_DIR,))
     if cfg.run.overwrite:
         _refuse_overwriting_the_resume_source(cfg, out)
-        return RunClaim(out, fresh=True, wipe=(METRICS_FILE, RUN_FILE, CHECKPOINT_DIR, DIAGNOSTICS_DIR, SAMPLES_DIR))
+        return RunClaim(out, fresh=True, wipe=(METRICS_FILE, RUN_FILE, CHECKPOINT_DIR, DIAGNOSTICS_DIR, SAMPLES_DIR,
+                                                  TENSORBOARD_DIR))
     resume = cfg.checkpoint.resume
     if resume == "none":
         raise ConfigError(f"--out {out} already holds a run; choose another --out, pass --overwrite, or "

@@ -100,10 +100,11 @@ class DataParallelEngine:
         # The data axis: dp, or dp × cp with context parallelism (cp ranks' gradients are partial sums too).
         self.data_axis = mesh.data_axis
         self.dp = mesh.size(self.data_axis)
-        # One data rank computing in fp32 has nothing to reduce, shard or copy: its gradients accumulate
-        # in .grad as autograd leaves them (no Python per parameter) and the optimizer steps the
-        # parameters themselves. Every ZeRO stage is that one (a single shard is the whole model).
-        self.local = self.dp == 1 and not precision.mixed
+        # One data rank has nothing to reduce or shard: its gradients accumulate where autograd leaves
+        # them (no bucket held between steps). In fp32 the optimizer steps the parameters themselves; in mixed
+        # precision each 16-bit gradient is added into its fp32 master's as autograd leaves it (`_add_to_master`).
+        # Every ZeRO stage is that one (a single shard is the whole model).
+        self.local = self.dp == 1
         stage = 0 if self.local else stage
         self.model, self.comm, self.precision, self.stage = model, comm, precision, stage
         # ZeRO shards over the shard group (the data axis, or its dp_shard part under hybrid sharding).
@@ -120,8 +121,11 @@ class DataParallelEngine:
         order = {id(p): i for i, (_, p) in enumerate(named)}
         self.slots = sorted((s for b in self.buckets for s in b.slots), key=lambda s: order[id(s.param)])
         self._make_masters()
-        for slot in self.slots if not self.local else ():
-            slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
+        for slot in self.slots:
+            if not self.local:
+                slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
+            elif precision.mixed:  # the hook holds the master alone, not the engine (see `weak_hook`)
+                slot.param.register_post_accumulate_grad_hook(functools.partial(_add_to_master, slot.master))
         index = {id(s.param): i for i, s in enumerate(self.slots)}
         self._where = {s.param: (b, s, index[id(s.param)]) for b in self.buckets for s in b.slots}
         self._sync = True
@@ -159,7 +163,7 @@ class DataParallelEngine:
                     slot.master = slot.param  # plain DDP: the optimizer updates the parameters themselves
                 else:
                     slot.master = slot.param.detach()[lo:hi] if slot.param.dim() else slot.param.detach().reshape(1)[lo:hi]
-        if not self.per_backward and (self.stage > 0 or self.precision.mixed):
+        if not self.per_backward and (self.stage > 0 or self.precision.mixed) and not self.local:
             for bucket in self.buckets:  # DDP / ZeRO-1: one buffer per bucket for the whole run
                 bucket.buffer = new_buffer(bucket, self.shards, self.precision.reduce_dtype)
 
@@ -347,7 +351,7 @@ class DataParallelEngine:
         """
         device = self._used_mask.device
         if self.local:  # the gradients are where autograd left them; which exist is known on the host
-            used = [s.param.grad is not None for s in self.slots]
+            used = [s.master.grad is not None for s in self.slots]
             if any(used):
                 self._used_mask = used_flags(used, device)
             return self._used_mask
@@ -449,6 +453,15 @@ class DataParallelEngine:
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
         master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}
+
+
+@torch.no_grad()
+def _add_to_master(master: torch.Tensor, param: nn.Parameter) -> None:
+    """One data rank in mixed precision: the 16-bit gradient autograd just left is added into its fp32 master's
+    (micro-batches accumulate in fp32) and dropped (a gradient exists once)."""
+    grad, param.grad = param.grad, None
+    grad = grad.to(master.dtype).view_as(master)
+    master.grad = grad if master.grad is None else master.grad.add_(grad)
 
 
 def _storage_bytes(tensors) -> int:

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.compat import TorchDispatchMode, in_backward, tree_leaves
+from paratrain.compat import ObservingMode, in_backward, tree_leaves
 from paratrain.mesh import Mesh
 from paratrain.parallel.data.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares
@@ -67,7 +67,7 @@ class ZeroConfigError(ParatrainError, ValueError):
     """A ZeRO-3 setting or model that the engine cannot shard."""
 
 
-class _OutsideUse(TorchDispatchMode):
+class _OutsideUse(ObservingMode):  # compiled blocks compile and run under it
     """Active during the first forward: an operator on a shard is a parameter read outside its unit's forward.
 
     At rest a unit's module slots hold the shards; inside the unit's forward they hold the full

@@ -1,9 +1,11 @@
-"""Tensor-parallel communication: flat collectives along any dim, and autograd functions named by both passes.
+"""Tensor-parallel communication: autograd functions named by both passes, over the flat collectives of `collectives`.
 
 `copy_to_tp` is the identity forward and an all-reduce of the gradient backward; `reduce_from_tp`
 the reverse; `gather_sequence` / `reduce_scatter_sequence` are sequence parallelism's pair. Each
 runs on an explicit `(comm, axis)`, so the collectives are counted per mesh axis; the layers of
-`paratrain.parallel.tensor.layers` are built from them.
+`paratrain.parallel.tensor.layers` are built from them. While torch.compile traces a block, each
+primitive is its twin of `traced` instead (the same collectives as custom operators, so that the block
+compiles into one graph).
 """
 
 from __future__ import annotations
@@ -14,64 +16,14 @@ from typing import Callable
 import torch
 
 from paratrain.comm import Comm
-from paratrain.compat import held_alone
-from paratrain.errors import ParatrainError
+from paratrain.compat import held_alone, storage_alone
+from paratrain.parallel.tensor import traced
+from paratrain.parallel.tensor.collectives import (  # noqa: F401  (TensorParallelError, check_divisible: re-exported)
+    TensorParallelError, _all_gather, _all_reduce, _reduce_scatter, _split, check_divisible)
 
 
 # init(name, full_shape) -> the full fp32 initial value of parameter `name`.
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
-
-
-class TensorParallelError(ParatrainError, ValueError):
-    """A size or plan that tensor parallelism cannot split; the message names it and the rule."""
-
-
-def check_divisible(where: str, what: str, size: int, tp: int) -> None:
-    """Raise TensorParallelError unless `size` splits evenly over `tp` ranks."""
-    if size % tp:
-        raise TensorParallelError(f"{where}: {what}={size} is not divisible by tp={tp}; "
-                                  f"choose tp dividing {size}")
-
-
-# -- tensor helpers (flat dim-0 collectives along any dim) -----------------------------------
-
-def _split(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    n, r = comm.mesh.size(axis), comm.mesh.coord(axis)
-    check_divisible("split", f"size of dim {dim}", x.shape[dim], n)
-    return x.chunk(n, dim)[r].contiguous()
-
-
-def _all_gather(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    """The ranks' `x` concatenated along `dim`. Gathered as they are, stacked on a new leading dim (rank r's
-    block is its `x`, in place), then that dim moved beside `dim`: one copy, none when `dim` is 0."""
-    n, dim = comm.mesh.size(axis), dim % x.dim()
-    if n == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((n, *x.shape))
-    comm.all_gather(out.flatten(0, 1), x, axis)
-    return out.movedim(0, dim).flatten(dim, dim + 1)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
-    """Sum over the ranks of `x`, this rank's 1/n of it along `dim`. `dim` split in n blocks moved to the
-    front (one copy, none when `dim` is 0), so each rank's block is a chunk of dim 0; its block arrives in the
-    layout of `x`, so nothing is copied after."""
-    n, dim = comm.mesh.size(axis), dim % x.dim()
-    if n == 1:
-        return x
-    check_divisible("reduce-scatter", f"size of dim {dim} (sequence length)", x.shape[dim], n)
-    front = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
-    out = front.new_empty(front.shape[1:])
-    comm.reduce_scatter(out, front.flatten(0, 1), axis)
-    return out
-
-
-def _all_reduce(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    # A fresh contiguous buffer: autograd may hold `x`, and a gradient can be a stride-0 expand.
-    out = x.clone(memory_format=torch.contiguous_format)
-    comm.all_reduce(out, axis)
-    return out
 
 
 def _all_reduce_grad(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
@@ -110,6 +62,8 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 def copy_to_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     """Forward identity, backward all-reduce over `axis`: a replicated input enters a tp region."""
+    if torch.compiler.is_compiling():
+        return traced.pair(x, "identity", "all_reduce", comm, axis)
     return _TwoPasses.apply(x, _identity, partial(_all_reduce_grad, comm=comm, axis=axis))
 
 
@@ -118,7 +72,9 @@ class _ReduceInPlace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, axis):
-        if not x.is_contiguous() or (x.is_leaf and x.requires_grad):  # no place to sum in: a copy
+        # No place to sum in: a copy. Selective recomputation keeps an alias of a matmul's output (the
+        # partial sum) to return it again in the recompute, where it is summed again: it must stay partial.
+        if not x.is_contiguous() or (x.is_leaf and x.requires_grad) or not storage_alone(x):
             return _all_reduce(x, comm, axis)
         ctx.mark_dirty(x)
         comm.all_reduce(x, axis)
@@ -136,12 +92,16 @@ def reduce_from_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     layer's matmul or embedding output is, that nothing else reads. (A gradient entering a region
     is summed in place only when nothing else holds it: `_all_reduce_grad`.)
     """
+    if torch.compiler.is_compiling():
+        return traced.pair(x, "all_reduce", "identity", comm, axis)
     return _ReduceInPlace.apply(x, comm, axis)
 
 
 def gather_from_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
     """Forward all-gather along `dim`, backward split (keep this rank's chunk): assemble a sharded output."""
     dim %= x.dim()
+    if torch.compiler.is_compiling():
+        return traced.pair(x, "all_gather", "split", comm, axis, dim)
     return _TwoPasses.apply(x, partial(_all_gather, dim=dim, comm=comm, axis=axis),
                             partial(_split, dim=dim, comm=comm, axis=axis))
 
@@ -149,6 +109,8 @@ def gather_from_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> tor
 def scatter_to_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
     """Forward split along `dim` (keep this rank's chunk), backward all-gather."""
     dim %= x.dim()
+    if torch.compiler.is_compiling():
+        return traced.pair(x, "split", "all_gather", comm, axis, dim)
     return _TwoPasses.apply(x, partial(_split, dim=dim, comm=comm, axis=axis),
                             partial(_all_gather, dim=dim, comm=comm, axis=axis))
 
@@ -156,6 +118,8 @@ def scatter_to_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torc
 def gather_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
     """Forward all-gather of sequence shards, backward reduce-scatter (each rank's grad is partial)."""
     dim %= x.dim()
+    if torch.compiler.is_compiling():
+        return traced.pair(x, "all_gather", "reduce_scatter", comm, axis, dim)
     return _TwoPasses.apply(x, partial(_all_gather, dim=dim, comm=comm, axis=axis),
                             partial(_reduce_scatter, dim=dim, comm=comm, axis=axis))
 
@@ -163,6 +127,8 @@ def gather_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> tor
 def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
     """Forward reduce-scatter of partial outputs along the sequence, backward all-gather of the grad."""
     dim %= x.dim()
+    if torch.compiler.is_compiling():
+        return traced.pair(x, "reduce_scatter", "all_gather", comm, axis, dim)
     return _TwoPasses.apply(x, partial(_reduce_scatter, dim=dim, comm=comm, axis=axis),
                             partial(_all_gather, dim=dim, comm=comm, axis=axis))
 

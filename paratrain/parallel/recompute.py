@@ -1,0 +1,173 @@
+"""Activation recomputation: which blocks recompute in backward what they would otherwise keep, and what they keep.
+
+    parallelize(model, mesh, activation_checkpointing="selective")   # or "full", k (every k-th block), "none"
+
+The blocks are those of `paratrain.parallel.data.units.unit_modules(model, "blocks")` (the children of the
+model's ModuleLists, ModuleDicts and Sequentials: the reference model's ``layers``, a Hugging Face model's
+decoder layers, the layers of a plain Sequential), the same blocks ZeRO-3 shards and `compile.py` compiles.
+
+- full (``"full"``, or an integer k: every k-th block): the block keeps its inputs; backward runs its whole
+  forward again.
+- selective: every block keeps the outputs of its matmuls and of its attention kernel (`SAVED_OPS`:
+  aten.mm, addmm, bmm, the scaled-dot-product-attention kernels) and recomputes everything else: norms,
+  rotary embeddings, activation functions, residual adds, casts. Per layer of the reference model that
+  keeps the block input, q, k, v, the attention output and its log-sum-exp, and the outputs of wo, w1, w3
+  and w2 (`paratrain.plan.memory.layer_activation_bytes` counts exactly these); no matmul runs twice.
+  Under tensor parallelism the row layers' (wo, w2) outputs are kept as their partial sums, whole
+  b·s·h tensors, and their reduction runs again in the recompute.
+
+Both go through `torch.utils.checkpoint` (non-reentrant); selective through its selective-checkpoint
+contexts (`create_selective_checkpoint_contexts` with `CheckpointPolicy.MUST_SAVE` for `SAVED_OPS`,
+`PREFER_RECOMPUTE` for the rest).
+
+Where the checkpoint sits: inside the block's forward, below the module's hooks (ZeRO-3's gather and free,
+a sequence-parallel input hook), which run once per forward and never in a recompute. The checkpointed
+function takes the block's parameters as explicit inputs, so that checkpoint saves them with its inputs
+through the saved-tensor hooks in force around it: under ZeRO-3 those pack a gathered parameter as a
+reference into its unit's buffer (freed after the forward) and gather the unit again when the recompute
+unpacks it (`paratrain.parallel.data.zero3`), with the next unit prefetched as for any backward. The
+recompute therefore runs exactly the operators the forward ran, nothing of the engine's, which selective
+checkpointing requires (it replays the forward's operators by position). Compiled blocks (`compile.py`)
+put the same checkpoint inside the compiled function instead: the recompute is then part of the compiled
+backward graph, which reads the parameters the compiled forward saved, through the same hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from paratrain.errors import ParatrainError
+from paratrain.parallel.rules import Recompute  # noqa: F401 - the modes, one home with the other enumerations
+
+
+class RecomputeError(ParatrainError, ValueError):
+    """An activation-checkpointing setting that is not one of the modes; the message names them."""
+
+
+def _aten_ops(*names: str) -> frozenset:
+    """The default overloads of the named aten operators this torch has (SDPA's kernels vary by release)."""
+    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
+
+
+# What selective recomputation keeps: the outputs of matmuls and of attention kernels (every one of a
+# kernel's outputs: the attention output and its log-sum-exp, which its backward reads).
+SAVED_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+                      "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                      "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+                      "_efficient_attention_forward")
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep what `SAVED_OPS` computes; recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Which blocks recompute (every `every`-th one) and how (`mode`)."""
+
+    mode: Recompute = Recompute.NONE
+    every: int = 1
+
+    @classmethod
+    def parse(cls, value) -> Checkpointing:
+        """From `activation_checkpointing`: 0 / "none", "full", "selective", or k ≥ 1 (full, every k-th block)."""
+        if isinstance(value, Checkpointing):
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, str, Recompute)):
+            value = repr(value)
+        elif isinstance(value, int) and value >= 0:
+            return cls(Recompute.FULL, value) if value else cls()
+        elif not isinstance(value, int):
+            try:
+                return cls(Recompute(value))
+            except ValueError:
+                pass
+        raise RecomputeError(f"--activation-checkpointing {value} is not one of none, full, selective or k ≥ 1 "
+                             f"(every k-th block fully)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not Recompute.NONE
+
+    @property
+    def context_fn(self):
+        """checkpoint's `context_fn`: the selective contexts, or None for full recomputation."""
+        return selective_contexts if self.mode is Recompute.SELECTIVE else None
+
+    @property
+    def planned(self) -> Recompute:
+        """What the planner counts: every block's mode; every k-th block (k > 1) keeps most activations,
+        counted as none (an over-estimate, never an under-estimate)."""
+        return self.mode if self.every == 1 else Recompute.NONE
+
+    def chosen(self, blocks: list[nn.Module]) -> list[nn.Module]:
+        """The blocks that recompute."""
+        return [] if not self.enabled else blocks if self.mode is Recompute.SELECTIVE else blocks[::self.every]
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model, as ZeRO-3 finds its units (`unit_modules(model, "blocks")`)."""
+    from paratrain.parallel.data.units import unit_modules
+
+    return [module for _, module in unit_modules(model, "blocks")]
+
+
+def checkpoint_blocks(model: nn.Module, every: int | str | Checkpointing = 1) -> int:
+    """Make the chosen blocks recompute their activations in backward (eager blocks); return how many.
+
+    `every`: a `Checkpointing`, or what `Checkpointing.parse` reads (an integer k: every k-th block,
+    fully). Each chosen block's forward becomes `checkpointed_forward`; its class, its parameter names
+    and its hooks stay as they are.
+    """
+    setting = Checkpointing.parse(every)
+    chosen = setting.chosen(model_blocks(model))
+    for block in chosen:
+        block.forward = functools.partial(checkpointed_forward, block.forward, parameter_slots(block),
+                                          setting.context_fn)
+    return len(chosen)
+
+
+def parameter_slots(block: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (module, attribute) of `block` that holds a parameter."""
+    return [(module, name) for module in block.modules() for name, p in module._parameters.items() if p is not None]
+
+
+def checkpointed_forward(forward, slots: list[tuple[nn.Module, str]], context_fn, *args, **kwargs):
+    """`forward(*args, **kwargs)` under a non-reentrant checkpoint that takes the block's parameters as inputs.
+
+    Runs at the place of the block's forward, after its forward pre-hooks: the parameter `slots` hold
+    what those installed (ZeRO-3: full parameters gathered for this forward). Passed to checkpoint,
+    they are saved as its inputs; the recompute puts what it unpacks back in the slots while it runs.
+    """
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    params = [module._parameters[name] for module, name in slots]
+    options = {"context_fn": context_fn} if context_fn is not None else {}
+    return checkpoint(_with_parameters, forward, slots, len(params), *params, *args, use_reentrant=False,
+                      **options, **kwargs)
+
+
+def _with_parameters(forward, slots, count: int, *params_and_args, **kwargs):
+    params, args = params_and_args[:count], params_and_args[count:]
+    current = [module._parameters[name] for module, name in slots]
+    if all(p is q for p, q in zip(params, current)):  # the forward itself: the slots hold them already
+        return forward(*args, **kwargs)
+    try:
+        for (module, name), p in zip(slots, params):
+            module._parameters[name] = p
+        return forward(*args, **kwargs)
+    finally:
+        for (module, name), p in zip(slots, current):
+            module._parameters[name] = p
