@@ -359,7 +359,7 @@ def check_values(cfg: Config) -> None:
     for name, value in [("--dp", p.dp), ("--dp-shard", p.dp_shard)]:
         if value < 0:
             raise ConfigError(f"{name} must not be negative, got {value}")
-    from paratrain.parallel.recompute import Checkpointing, RecomputeError
+    from paratrain.parallel.rules import Checkpointing, RecomputeError
 
     try:
         Checkpointing.parse(p.activation_checkpointing)

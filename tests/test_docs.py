@@ -19,8 +19,8 @@ from paratrain.cli import build_parser
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-# Options of the launchers the pages show beside paratrain's own: torchrun's and Slurm's srun's.
-FOREIGN_OPTIONS = {"--nproc-per-node", "--rdzv-backend", "--nodes", "--ntasks-per-node", "--gpus-per-task"}
+# Options of the tools the pages show beside paratrain's own: torchrun's, Slurm's srun's, tensorboard's.
+FOREIGN_OPTIONS = {"--nproc-per-node", "--rdzv-backend", "--nodes", "--ntasks-per-node", "--gpus-per-task", "--logdir"}
 
 
 def prose(text: str) -> str:

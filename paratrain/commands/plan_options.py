@@ -18,7 +18,7 @@ from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.rules import ZERO_STAGES
 from paratrain.plan.budget import DEFAULT_BATCH_TOKENS
 from paratrain.plan.hardware import GemmCurve, Hardware, get_hardware
-from paratrain.parallel.recompute import Checkpointing
+from paratrain.parallel.rules import Checkpointing
 from paratrain.plan.memory import GB, Layout, PlanError, Recompute, Workload
 from paratrain.plan.search import SearchSpace
 

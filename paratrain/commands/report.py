@@ -346,7 +346,7 @@ def planned_inputs(run: Run):
     """
     from paratrain.models import get_model_config
     from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
-    from paratrain.parallel.recompute import Checkpointing
+    from paratrain.parallel.rules import Checkpointing
     from paratrain.plan import Layout, Workload
 
     c = run.config

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.comm import Comm
-from paratrain.parallel.recompute import Checkpointing, model_blocks
+from paratrain.parallel.recompute import Checkpointing, chosen_blocks, context_fn, model_blocks
 from paratrain.parallel.tensor import traced
 
 
@@ -52,12 +52,12 @@ def compile_blocks(model: nn.Module, comm: Comm, checkpointing: Checkpointing = 
     `backend`; return the blocks."""
     traced.register(comm)
     blocks = model_blocks(model)
-    recomputed = {id(block) for block in checkpointing.chosen(blocks)}
+    recomputed = {id(block) for block in chosen_blocks(checkpointing, blocks)}
     for block in blocks:
         forward, first = _unbound(block)
         if id(block) in recomputed:
             compiled = torch.compile(_run_checkpointed, backend=backend, dynamic=False)
-            block.forward = functools.partial(compiled, forward, checkpointing.context_fn, *first)
+            block.forward = functools.partial(compiled, forward, context_fn(checkpointing), *first)
         else:
             block.forward = functools.partial(torch.compile(_run, backend=backend, dynamic=False), forward, *first)
     return blocks

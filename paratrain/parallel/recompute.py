@@ -35,18 +35,13 @@ backward graph, which reads the parameters the compiled forward saved, through t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from paratrain.errors import ParatrainError
-from paratrain.parallel.rules import Recompute  # noqa: F401 - the modes, one home with the other enumerations
-
-
-class RecomputeError(ParatrainError, ValueError):
-    """An activation-checkpointing setting that is not one of the modes; the message names them."""
+# The modes and their parsing are torch-free and live with the other layout enumerations (the planner reads them).
+from paratrain.parallel.rules import Checkpointing, Recompute, RecomputeError  # noqa: F401
 
 
 def _aten_ops(*names: str) -> frozenset:
@@ -71,50 +66,14 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
 
-@dataclass(frozen=True)
-class Checkpointing:
-    """Which blocks recompute (every `every`-th one) and how (`mode`)."""
+def context_fn(setting: Checkpointing):
+    """checkpoint's `context_fn`: the selective contexts, or None for full recomputation."""
+    return selective_contexts if setting.mode is Recompute.SELECTIVE else None
 
-    mode: Recompute = Recompute.NONE
-    every: int = 1
 
-    @classmethod
-    def parse(cls, value) -> Checkpointing:
-        """From `activation_checkpointing`: 0 / "none", "full", "selective", or k ≥ 1 (full, every k-th block)."""
-        if isinstance(value, Checkpointing):
-            return value
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, (int, str, Recompute)):
-            value = repr(value)
-        elif isinstance(value, int) and value >= 0:
-            return cls(Recompute.FULL, value) if value else cls()
-        elif not isinstance(value, int):
-            try:
-                return cls(Recompute(value))
-            except ValueError:
-                pass
-        raise RecomputeError(f"--activation-checkpointing {value} is not one of none, full, selective or k ≥ 1 "
-                             f"(every k-th block fully)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode is not Recompute.NONE
-
-    @property
-    def context_fn(self):
-        """checkpoint's `context_fn`: the selective contexts, or None for full recomputation."""
-        return selective_contexts if self.mode is Recompute.SELECTIVE else None
-
-    @property
-    def planned(self) -> Recompute:
-        """What the planner counts: every block's mode; every k-th block (k > 1) keeps most activations,
-        counted as none (an over-estimate, never an under-estimate)."""
-        return self.mode if self.every == 1 else Recompute.NONE
-
-    def chosen(self, blocks: list[nn.Module]) -> list[nn.Module]:
-        """The blocks that recompute."""
-        return [] if not self.enabled else blocks if self.mode is Recompute.SELECTIVE else blocks[::self.every]
+def chosen_blocks(setting: Checkpointing, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks that recompute."""
+    return [] if not setting.enabled else blocks if setting.mode is Recompute.SELECTIVE else blocks[::setting.every]
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -132,10 +91,10 @@ def checkpoint_blocks(model: nn.Module, every: int | str | Checkpointing = 1) ->
     and its hooks stay as they are.
     """
     setting = Checkpointing.parse(every)
-    chosen = setting.chosen(model_blocks(model))
+    chosen = chosen_blocks(setting, model_blocks(model))
     for block in chosen:
         block.forward = functools.partial(checkpointed_forward, block.forward, parameter_slots(block),
-                                          setting.context_fn)
+                                          context_fn(setting))
     return len(chosen)
 
 

@@ -43,6 +43,47 @@ class Recompute(str, Enum):
     FULL = "full"  # keep each layer's input, recompute the whole layer in backward
 
 
+class RecomputeError(ParatrainError, ValueError):
+    """An activation-checkpointing setting that is not one of the modes; the message names them."""
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Which blocks recompute (every `every`-th one) and how (`mode`)."""
+
+    mode: Recompute = Recompute.NONE
+    every: int = 1
+
+    @classmethod
+    def parse(cls, value) -> Checkpointing:
+        """From `activation_checkpointing`: 0 / "none", "full", "selective", or k ≥ 1 (full, every k-th block)."""
+        if isinstance(value, Checkpointing):
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, str, Recompute)):
+            value = repr(value)
+        elif isinstance(value, int) and value >= 0:
+            return cls(Recompute.FULL, value) if value else cls()
+        elif not isinstance(value, int):
+            try:
+                return cls(Recompute(value))
+            except ValueError:
+                pass
+        raise RecomputeError(f"--activation-checkpointing {value} is not one of none, full, selective or k ≥ 1 "
+                             f"(every k-th block fully)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not Recompute.NONE
+
+    @property
+    def planned(self) -> Recompute:
+        """What the planner counts: every block's mode; every k-th block (k > 1) keeps most activations,
+        counted as none (an over-estimate, never an under-estimate)."""
+        return self.mode if self.every == 1 else Recompute.NONE
+
+
 def spelled(values) -> str:
     """'0, 1, 2 or 3': a short list of choices as a message writes it."""
     values = [str(v) for v in values]
@@ -324,7 +365,7 @@ def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: i
     if dp_shard and dp_shard < dp:
         return [Violation("cp_dp_shard", f"--cp {cp} with --dp-shard {dp_shard} is not supported yet (cp ranks' "
                                          "gradients must join the shard groups); drop --dp-shard")]
-    if str(activation_checkpointing).strip() not in ("0", Recompute.NONE.value):
+    if Checkpointing.parse(activation_checkpointing).enabled:
         return [Violation("cp_checkpointing", f"--cp {cp} with --activation-checkpointing is not supported yet "
                                               "(recomputation would run attention outside the ring); drop one")]
     return []

@@ -23,7 +23,7 @@ from pathlib import Path
 from paratrain.config import Config, ConfigError
 from paratrain.mesh import WORLD, Mesh, MeshShape
 from paratrain.models import ModelConfig
-from paratrain.parallel.recompute import Checkpointing
+from paratrain.parallel.rules import Checkpointing
 from paratrain.plan import Layout, MemoryBreakdown, Workload, estimate_memory
 
 # cgroup v2, then v1: a container's limit is what the processes really have.
