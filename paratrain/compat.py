@@ -78,9 +78,36 @@ def at_backward_end(callback: Callable[[], None]) -> None:
 
 def held_alone(tensor: torch.Tensor) -> bool:
     """Whether nothing but the caller references `tensor` and no other tensor shares its storage: what autograd
-    checks before accumulating into a gradient in place (private use counts of the tensor and its storage)."""
+    checks before accumulating into a gradient in place (private use counts of the tensor and its storage).
+    Meant for a gradient inside a custom Function's backward, whose sole count depends on the torch release."""
     # The storage count includes the reference that untyped_storage() itself makes to answer.
-    return tensor._use_count() == 1 and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
+    return (tensor._use_count() == _SOLE_GRADIENT_USE_COUNT
+            and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2)
+
+
+def _sole_gradient_use_count() -> int:
+    """The use count of a gradient that nothing else holds, as a custom Function's backward sees it: 1 on
+    torch 2.13, 2 on 2.11, whose engine keeps one more reference while the backward runs. Measured once, on a
+    fresh product's gradient, so that a shared gradient (one more holder) never counts as alone."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(grad._use_count())
+            return grad
+
+    with torch.enable_grad():
+        x = torch.zeros(2, device="cpu", requires_grad=True)
+        (Probe.apply(x * 1.0) * 2.0).sum().backward()
+    return seen[0]
+
+
+_SOLE_GRADIENT_USE_COUNT = _sole_gradient_use_count()
 
 
 # -- dispatch modes and pytrees (torch.utils' private modules, the documented way to write a mode) -------

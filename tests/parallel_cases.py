@@ -135,10 +135,10 @@ def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
 
 
-def adamw(params, lr: float = LR):
+def adamw(params, lr: float = LR, **options):
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr, **options)
 
 
 def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None = None, lr: float = LR):

@@ -97,6 +97,16 @@ def test_no_module_of_paratrain_imports_itself_back():
     assert import_cycles(graph) == []
 
 
+LINE_LIMIT = 500  # a module is read top to bottom in one sitting (DESIGN.md)
+
+
+def test_no_module_is_longer_than_one_sitting():
+    lengths = {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+               for path in PACKAGE.rglob("*.py")}
+    over = {path: lines for path, lines in sorted(lengths.items()) if lines > LINE_LIMIT}
+    assert len(lengths) > 50 and over == {}, f"over {LINE_LIMIT} lines, split each along a seam: {over}"
+
+
 def test_every_package_says_what_it_holds():
     packages = [init for init in PACKAGE.rglob("__init__.py")]
     missing = [str(init.parent.relative_to(PACKAGE.parent)) for init in packages

@@ -115,15 +115,48 @@ def test_backward_is_detected_its_pass_identified_and_a_callback_runs_at_its_end
     assert ended == [True, True], "each callback ran once, as its backward finished"
 
 
-def test_a_tensor_is_held_alone_only_without_other_references_or_views():
-    t = torch.zeros(4)
-    assert compat.held_alone(t)
-    view = t[:2]
-    assert not compat.held_alone(t), "a view shares its storage"
-    del view
-    assert compat.held_alone(t)
-    other = t.detach()  # noqa: F841 - another tensor on the same storage
-    assert not compat.held_alone(t)
+def _alone_in_backward(make_grad_holders) -> list[bool]:
+    """held_alone() of the gradient a custom Function's backward receives, after `make_grad_holders(grad)`."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            held = make_grad_holders(grad)  # noqa: F841 - kept alive while held_alone() looks
+            seen.append(compat.held_alone(grad))
+            return grad
+
+    x = torch.zeros(4, requires_grad=True)
+    (Probe.apply(x * 1.0) * 2.0).sum().backward()
+    return seen
+
+
+def test_a_gradient_is_held_alone_only_without_other_references_or_views():
+    assert _alone_in_backward(lambda grad: None) == [True], "a product's fresh gradient"
+    assert _alone_in_backward(lambda grad: grad[:2]) == [False], "a view shares its storage"
+    assert _alone_in_backward(lambda grad: grad.detach()) == [False], "another tensor on the same storage"
+
+    # A gradient autograd hands to two branches (an add passes its own to both inputs) is not alone.
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(compat.held_alone(grad))
+            return grad
+
+    x, z = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    zz = z * 1.0  # made first, so its backward runs after the probe's
+    ((Probe.apply(x * 1.0) + zz) * 2.0).sum().backward()
+    assert seen == [False]
 
 
 # -- dispatch modes and pytrees -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ process group's timeout says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -32,6 +33,23 @@ from paratrain.models import ModelConfig, Transformer
 from paratrain.run.model_state import load_model_shards, model_shards
 from paratrain.train import train_step
 from parallel_cases import adamw, batches, launch_once
+
+def _torch_adam_steps_on_the_default_device() -> bool:
+    """Whether this torch's own single-tensor Adam makes its `step` counter on the default device (torch
+    before 2.13 does: `torch.tensor(0.0)`, where 2.13 names the CPU). That allocation is torch's, not
+    paratrain's; under the trap the optimizer then runs fused, whose `step` follows its parameter."""
+    param = torch.zeros(1, requires_grad=True)
+    param.grad = torch.zeros(1)
+    optimizer = torch.optim.AdamW([param])
+    with torch.device("meta"):
+        try:
+            optimizer.step()
+        except RuntimeError:  # Tensor.item() cannot be called on meta tensors: the `step` just made
+            pass
+    return optimizer.state[param]["step"].is_meta
+
+
+trap_adamw = functools.partial(adamw, fused=True) if _torch_adam_steps_on_the_default_device() else adamw
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
@@ -73,7 +91,7 @@ def _model(layout: Layout, mesh, comm: Comm | None = None):
     with torch.device("meta"):
         model = Transformer(MODEL)
         return parallelize(
-            model, mesh, optimizer=adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum"),
+            model, mesh, optimizer=trap_adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum"),
             tensor=TensorParallel(sequence_parallel=layout.sp), comm=comm,
             pipeline=PipelineParallel(schedule=layout.schedule, virtual_stages=layout.virtual_stages))
 

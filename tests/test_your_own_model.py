@@ -282,15 +282,23 @@ def test_verify_refuses_a_bad_factory_in_one_line(capsys):
                                                "'nothing'")
 
 
-# -- the README's recipes, run verbatim -----------------------------------------------------------------
+# -- the documentation's recipes, run verbatim ----------------------------------------------------------
 
-def readme_recipes() -> dict[str, str]:
-    """The code block after each `<!-- recipe: NAME -->` marker of the README."""
+def documented_recipes() -> dict[str, str]:
+    """The code block after each `<!-- recipe: NAME -->` marker of the README and the pages under docs/."""
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    return dict(re.findall(r"<!-- recipe: (\w+) -->\n```python\n(.*?)```", text, flags=re.S))
+    root = pathlib.Path(__file__).parent.parent
+    recipes = {}
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        found = re.findall(r"<!-- recipe: (\w+) -->\n```python\n(.*?)```", text, flags=re.S)
+        assert len(found) == text.count("<!-- recipe:"), f"{page.name}: a recipe marker not followed by a python block"
+        for name, code in found:
+            assert name not in recipes, f"recipe {name} written twice ({page.name})"
+            recipes[name] = code
+    return recipes
 
 
 def _run_recipes(rank, world, recipes):
@@ -301,13 +309,13 @@ def _run_recipes(rank, world, recipes):
     for name, code in recipes.items():
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            exec(compile(code, f"README recipe {name}", "exec"), {"__name__": "__main__"})
+            exec(compile(code, f"recipe {name}", "exec"), {"__name__": "__main__"})
         printed[name] = [float(line.rsplit(" ", 1)[1]) for line in out.getvalue().splitlines()]
     return printed
 
 
-def test_the_readme_recipes_run_as_written():
-    recipes = readme_recipes()
+def test_the_documented_recipes_run_as_written():
+    recipes = documented_recipes()
     assert sorted(recipes) == ["hf_llama_tp", "sequential_pp", "zero3"]
     for rank, losses in enumerate(run_on_ranks(_run_recipes, 2, recipes, timeout=300)):
         for name, values in losses.items():

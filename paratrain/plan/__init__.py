@@ -33,18 +33,15 @@ from paratrain.plan.memory import (
     Layout,
     LayoutError,
     MemoryBreakdown,
-    ModelStates,
     PipelineBoundary,
     PlanError,
     Recompute,
     Workload,
     estimate_memory,
-    gpt_num_params,
     in_flight_microbatches,
     layer_activation_bytes,
-    model_state_bytes,
-    stage_param_count,
 )
+from paratrain.plan.model_states import ModelStates, gpt_num_params, model_state_bytes, stage_param_count
 from paratrain.parallel.pipeline.schedules import ScheduleName
 from paratrain.plan.search import (
     Estimate,

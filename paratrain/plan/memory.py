@@ -4,36 +4,8 @@ Everything here is arithmetic on a `Workload` (what is trained) and a `Layout`
 (how it is split). Bytes are exact products of the formulas below; GB means
 10⁹ bytes, as in the ZeRO paper.
 
-Model states (Rajbhandari et al. 2019, "ZeRO", §3.1 and Table 1). Ψ is the
-number of parameters this rank holds before data-parallel sharding (the
-model split over tp and pp, see `stage_param_count`), N the number of ranks
-ZeRO shards over: the data-parallel degree, or under hybrid sharding (HSDP,
-`Layout.dp_shard`) the shard group, whose dp / dp_shard replicas each hold
-the same shards. Mixed-precision Adam keeps 16-bit parameters (2Ψ), 16-bit gradients
-(2Ψ) and K = 12 bytes of optimizer state per parameter: the fp32 master copy
-(4Ψ) and the two fp32 moments (8Ψ)::
-
-    baseline  (2 + 2 + K)Ψ       ZeRO-1  (2 + 2 + K/N)Ψ
-    ZeRO-2    2Ψ + (2 + K)Ψ/N    ZeRO-3  (2 + 2 + K)Ψ/N
-
-fp32 training has no separate master copy (the parameters are the master):
-parameters 4Ψ, gradients 4Ψ, K = 8, sharded at the same ZeRO stages. Gradients
-take the reduce dtype's size when it differs from the parameter dtype.
-
-ZeRO-3 as paratrain.parallel.data.zero3 implements it (as FSDP2 does) keeps no
-16-bit copy at rest: each rank's fp32 parameter shard is the master, cast to
-the compute dtype as it enters the all-gather, and the reduce-scattered
-gradient is kept in fp32 on that shard. Mixed precision at ZeRO-3 is then
-parameters 4Ψ/N + gradients 4Ψ/N + moments 8Ψ/N, whatever the reduce dtype:
-the paper's (2 + 2 + 12)Ψ/N in total, with the master counted as the parameters.
-
-The seed arithmetic of DESIGN.md ("7B → 14 GB of fp16 weights; 56 GB of fp32
-Adam moments; 70 GB in all") counts the 16-bit weights (2Ψ) and the two fp32
-moments (8Ψ = 56 GB) only: 8 bytes per parameter is m and v, not master + m + v
-(that would be 12Ψ = 84 GB). It is a lower bound that leaves out the 16-bit
-gradients (14 GB) and the fp32 master copy (28 GB); full mixed-precision
-model states are 16Ψ = 112 GB. The breakdown reports `master_weights` and
-`adam_moments` separately so both readings can be printed.
+Model states (parameters, gradients and optimizer state at each ZeRO stage, and the
+parameters each tensor/pipeline rank holds) are `paratrain.plan.model_states`'s.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", §4 and Table 2), see `layer_activation_bytes`.
@@ -49,11 +21,20 @@ from paratrain.models.configs import ModelConfig
 from paratrain.parallel.pipeline.schedules import ScheduleName, chunks_per_rank
 from paratrain.parallel.pipeline.simulator import ScheduleTraits, traits_of
 from paratrain.parallel.rules import ZERO_STAGES, spelled
+# Model states moved to their own module; every name stays importable from here.
+from paratrain.plan.model_states import (  # noqa: F401
+    ADAM_MOMENT_BYTES,
+    DTYPE_BYTES,
+    MASTER_BYTES,
+    ModelStates,
+    block_param_count,
+    gpt_num_params,
+    layers_on_stage,
+    model_state_bytes,
+    stage_param_count,
+)
 
 GB = 10**9
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-MASTER_BYTES = 4  # fp32 master copy of each parameter (mixed precision only)
-ADAM_MOMENT_BYTES = 8  # fp32 first and second moments
 LOGIT_BYTES = 4  # logits are materialized in fp32 for the softmax cross-entropy
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb, and paratrain's bucket_mb
 ZERO3_PREFETCH_UNITS = 2  # units gathered at once (computing + prefetched), and gradients in flight
@@ -263,51 +244,6 @@ class Layout:
         return text
 
 
-@dataclass(frozen=True)
-class ModelStates:
-    """Bytes of parameters, gradients and optimizer state on one rank (floats, unrounded)."""
-
-    params: float
-    grads: float
-    master_weights: float
-    adam_moments: float
-
-    @property
-    def optimizer_state(self) -> float:
-        return self.master_weights + self.adam_moments
-
-
-def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
-                      reduce_dtype: str | None = None) -> ModelStates:
-    """Model states of a rank holding `num_params` (Ψ) parameters, ZeRO-sharded over `dp` (N).
-
-    N is the ranks that split the shards: the data-parallel degree, or the shard group
-    (`Layout.shard_ranks`) under hybrid sharding, whose replicas hold the same shards.
-
-    Rajbhandari et al. 2019 §3.1/§5: the optimizer state (K = 12 for mixed precision: fp32
-    master 4 + moments 8; K = 8 for fp32, whose parameters are the master) is divided by N
-    from ZeRO-1, gradients from ZeRO-2, parameters at ZeRO-3. At ZeRO-3 with mixed precision
-    the parameter shards are fp32 and are the master (see the module docstring). With a 16-bit
-    gradient dtype paratrain holds a little more than the paper while the optimizer steps: fp32
-    copies of the masters' gradients beside DDP / ZeRO-1's buckets (4Ψ/N; 4Ψ for DDP), and ZeRO-2's
-    reduced shard summed in fp32 (4Ψ/N, not 2Ψ/N). The trainer reduces in fp32 by default, where
-    the two agree.
-    """
-    param_bytes = DTYPE_BYTES[precision]
-    grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
-    master = MASTER_BYTES if precision != "fp32" else 0
-    if zero >= 3 and master:
-        # The fp32 shard is both the parameter and the master; its gradient is fp32 too.
-        param_bytes, grad_bytes, master = MASTER_BYTES, MASTER_BYTES, 0
-    psi, n = float(num_params), dp
-    return ModelStates(
-        params=param_bytes * psi / (n if zero >= 3 else 1),
-        grads=grad_bytes * psi / (n if zero >= 2 else 1),
-        master_weights=master * psi / (n if zero >= 1 else 1),
-        adam_moments=ADAM_MOMENT_BYTES * psi / (n if zero >= 1 else 1),
-    )
-
-
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
                            precision: str = "bf16") -> float:
@@ -342,40 +278,6 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
 def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1) -> float:
     """fp32 logits of one micro-batch on the last stage: b·s·V·4, ÷t with a vocab-parallel head."""
     return float(micro_batch * seq_len * vocab_size * LOGIT_BYTES) / tp
-
-
-def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
-    """Transformer layers of pipeline stage `stage` (the first n_layers mod pp stages take one more)."""
-    return n_layers // pp + (1 if stage < n_layers % pp else 0)
-
-
-def block_param_count(model: ModelConfig) -> int:
-    """Parameters of one transformer block, from ModelConfig.num_params() minus the non-block parts."""
-    embedding = model.vocab_size * model.dim
-    output = 0 if model.tie_embeddings else embedding
-    blocks = model.num_params() - embedding - output - model.dim
-    assert blocks % model.n_layers == 0, "every block has the same shape"
-    return blocks // model.n_layers
-
-
-def stage_param_count(model: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Parameters one tensor-parallel rank of pipeline stage `stage` holds.
-
-    Megatron partitioning (Shoeybi et al. 2019): every matrix of a block is split over tp
-    (q/k/v/gate/up by columns, out/down by rows), the two RMSNorm weights (2h) are replicated;
-    the embedding and the output head are vocab-parallel (V·h/t). The first stage holds the
-    embedding, the last the final norm and the output head; a tied head is a second copy on
-    the last stage when pp > 1 (as in Megatron), one shared table when pp = 1.
-    """
-    norms = 2 * model.dim
-    sharded = block_param_count(model) - norms
-    count = layers_on_stage(model.n_layers, pp, stage) * (-(-sharded // tp) + norms)
-    table = -(-(model.vocab_size * model.dim) // tp)
-    if stage == 0:
-        count += table
-    if stage == pp - 1:
-        count += model.dim + (table if not model.tie_embeddings or pp > 1 else 0)
-    return count
 
 
 # pp = 1 runs no schedule: micro-batches one after another (gradient accumulation), never idle
@@ -508,15 +410,3 @@ def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakd
 def estimate_memory(workload: Workload, layout: Layout) -> MemoryBreakdown:
     """Peak memory per rank: the breakdown of the pipeline stage with the largest total."""
     return max((stage_memory(workload, layout, stage) for stage in range(layout.pp)), key=lambda m: m.total)
-
-
-def gpt_num_params(n_layers: int, hidden: int, vocab_size: int = 51200, seq_len: int = 2048) -> int:
-    """Exact parameter count of a GPT-2-style model (Narayanan et al. 2021, Table 1's models).
-
-    Per layer: QKV 3h² + 3h, projection h² + h, MLP 8h² + 5h, two LayerNorms 4h → 12h² + 13h;
-    learned positions s·h; tied embedding V·h; the final LayerNorm 2h. This is the paper's
-    12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) plus the final LayerNorm's 2h (which the paper's
-    formula omits; under 10⁻⁶ of the total).
-    """
-    l, h = n_layers, hidden
-    return l * (12 * h * h + 13 * h) + (vocab_size + seq_len) * h + 2 * h

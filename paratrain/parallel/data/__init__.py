@@ -3,6 +3,8 @@
 - `engine`: the `Engine` protocol every data-parallel engine meets (what `ParallelModel` calls).
 - `ddp`: DDP (ZeRO-0) and ZeRO-1/2: gradients written into flat buckets as backward produces
   them, each bucket's all-reduce or reduce-scatter launched the moment it is full.
+- `buckets`: the layout of those buckets (which parameters share one, where each parameter's
+  rows sit in its N chunks) and ZeRO-1/2's all-gather of updated parameters through it.
 - `zero3`: ZeRO-3 (FSDP): parameters sharded at rest, one unit gathered at a time (where it
   prefetches the next), its gradients reduce-scattered as backward leaves it.
 - `units`: how a model is cut into ZeRO-3 units and how a unit's flat parameters are laid out.

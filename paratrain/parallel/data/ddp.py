@@ -44,14 +44,10 @@ followed by an all-reduce of the 1/N shard over dp_replicate (2·(Ψ/N)(R−1)/R
 more per reduction), and the all-gather of updated parameters stays within
 the group; the loss, the pre-division and the used flags are over all dp ranks.
 
-The shard layout is paratrain.parallel.data.shard's: rank r owns rows
-[r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
-chunk r packs rank r's (padded) rows of each parameter of the bucket, so a
-reduce-scatter leaves in chunk r exactly the gradient rank r's optimizer
-needs, and the all-gather of updated parameters is the same layout in the
-other direction. A gradient's first write into a bucket is a copy and later
-ones add, so no bucket is zeroed per step (only the padding, once per buffer,
-and the parameters a backward did not reach, when their bucket is launched).
+A bucket's layout (which rows of which parameter sit where in its N chunks, and
+why only padding is ever zeroed) is `buckets.py`'s, as is ZeRO's all-gather of
+updated parameters through it; this engine moves the gradients into the
+buckets and reduces them.
 """
 
 from __future__ import annotations
@@ -60,7 +56,7 @@ import contextlib
 import functools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -69,61 +65,17 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.compat import at_backward_end, backward_pass_id
 from paratrain.mesh import Mesh
+from paratrain.parallel.data.buckets import Bucket, Slot, all_gather_parameters, make_buckets, new_buffer
 from paratrain.parallel.data.engine import used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
-from paratrain.parallel.data.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
+from paratrain.parallel.data.shard import as_rows, chunk_tiles
 from paratrain.precision import Precision
 
 # Gradients wait, this many bytes of them at most, to be written into their buckets together: a few
 # foreach kernels per batch of small parameters instead of one kernel launched from Python for each.
 # A bucket's waiting gradients are written before it is launched, and every one when its backward ends.
 PENDING_BYTES = 2**18
-
-
-@dataclass
-class Slot:
-    """Where one parameter lives in its bucket and which of its rows this rank owns."""
-
-    name: str
-    param: nn.Parameter
-    offset: int  # within every rank's chunk
-    chunk_numel: int  # padded rows × row size
-    rows: tuple[int, int]  # owned rows [lo, hi)
-    master: torch.Tensor | None = None
-    filled: bool = False  # a gradient was written into the bucket since it was last reduced
-    # Views of a bucket buffer that lives for the run (DDP, ZeRO-1): made once, not per gradient or step.
-    span: torch.Tensor | None = None  # DDP: the parameter's gradient in its bucket
-    reduced: torch.Tensor | None = None  # this rank's reduced rows, shaped as the master
-
-    def columns(self, buffer: torch.Tensor, shards: int) -> torch.Tensor:
-        """This parameter's [N, c·rest] columns of a bucket buffer of N chunks."""
-        return buffer.view(shards, -1)[:, self.offset:self.offset + self.chunk_numel]
-
-
-@dataclass
-class Bucket:
-    slots: list[Slot]
-    chunk_numel: int
-    buffer: torch.Tensor | None = None  # N chunks of reduce dtype
-    ready: int = 0  # slots written in the current backward (the synced one, for DDP / ZeRO-1)
-    work: object = None
-    launched_in_backward: bool = False
-    shard_grad: torch.Tensor | None = None  # ZeRO-2: this rank's reduced rows, summed over backwards (master dtype)
-    launched_at: float = field(default=0.0)
-    gather: _Gather | None = None  # ZeRO-1: the all-gather of updated parameters through `buffer`, made once
-
-
-@dataclass
-class _Gather:
-    """The copies around one bucket's all-gather of updated parameters, as lists for foreach kernels."""
-
-    buffer: torch.Tensor  # N chunks of param dtype
-    mine: list[torch.Tensor]  # this rank's chunk: where each master's rows go (flat)
-    masters: list[torch.Tensor]  # each master, flat
-    padding: list[torch.Tensor]  # this rank's chunk: what holds no row (zeroed before the gather)
-    rows: list[torch.Tensor]  # each parameter's rows, in tiles
-    parts: list[torch.Tensor]  # the gathered buffer's matching tiles
 
 
 @dataclass
@@ -162,7 +114,7 @@ class DataParallelEngine:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Every replica starts from dp rank 0's values: nothing moves when they already agree.
         make_replicas([p.data for _, p in named], comm, "dp", int(bucket_mb * 2**20))
-        self.buckets = self._make_buckets(named, bucket_mb)
+        self.buckets = make_buckets(named, bucket_mb, self.precision.reduce_dtype, self.shards, self.rank)
         order = {id(p): i for i, (_, p) in enumerate(named)}
         self.slots = sorted((s for b in self.buckets for s in b.slots), key=lambda s: order[id(s.param)])
         self._make_masters()
@@ -190,22 +142,6 @@ class DataParallelEngine:
         self._reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _assign_master_grads
 
     # -- construction ---------------------------------------------------------
-    def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
-        """Group parameters, in reverse registration order, into buckets of about bucket_mb."""
-        limit = max(1, int(bucket_mb * 2**20 / self.precision.reduce_dtype.itemsize))
-        buckets, slots, size = [], [], 0
-        for name, p in reversed(named):
-            numel = padded_chunk_numel(p.shape, self.shards)
-            d0 = p.shape[0] if p.dim() else 1
-            slots.append(Slot(name, p, size, numel, row_range(d0, self.shards, self.rank)))
-            size += numel
-            if size * self.shards >= limit:
-                buckets.append(Bucket(slots, size))
-                slots, size = [], 0
-        if slots:
-            buckets.append(Bucket(slots, size))
-        return buckets
-
     def _make_masters(self) -> None:
         """fp32 master rows of each parameter: the parameter's own storage when it is fp32."""
         for slot in self.slots:
@@ -223,17 +159,7 @@ class DataParallelEngine:
                     slot.master = slot.param.detach()[lo:hi] if slot.param.dim() else slot.param.detach().reshape(1)[lo:hi]
         if not self.per_backward and (self.stage > 0 or self.precision.mixed):
             for bucket in self.buckets:  # DDP / ZeRO-1: one buffer per bucket for the whole run
-                bucket.buffer = self._new_buffer(bucket)
-
-    def _new_buffer(self, bucket: Bucket) -> torch.Tensor:
-        """A bucket buffer whose padding is zero (the rest is written before it is read)."""
-        device = bucket.slots[0].param.device
-        buffer = torch.empty(bucket.chunk_numel * self.shards, dtype=self.precision.reduce_dtype, device=device)
-        for slot in bucket.slots:
-            rows = as_rows(slot.param.detach())
-            for pad in chunk_padding(rows.shape[0], rows.shape[1], slot.columns(buffer, self.shards)):
-                pad.zero_()
-        return buffer
+                bucket.buffer = new_buffer(bucket, self.shards, self.precision.reduce_dtype)
 
     # -- the engine contract --------------------------------------------------
     def masters(self) -> list[torch.Tensor]:
@@ -275,7 +201,7 @@ class DataParallelEngine:
             # ZeRO-2: the bucket's first gradient of this backward. A reduce-scatter still in flight (CUDA)
             # is not waited for here: waiting would hold up the backward that makes this bucket's gradients
             # until it completes. It lands when this bucket launches (`_launch`).
-            bucket.buffer = self._new_buffer(bucket)
+            bucket.buffer = new_buffer(bucket, self.shards, self.precision.reduce_dtype)
         grad, param.grad = param.grad, None  # the bucket holds it from now on: a gradient never exists twice
         task = backward_pass_id()
         if task != self._end_queued_for:
@@ -352,7 +278,7 @@ class DataParallelEngine:
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
         self._write_pending()
         if bucket.buffer is None:  # ZeRO-2: no gradient of this bucket in this backward here (maybe on other ranks)
-            bucket.buffer = self._new_buffer(bucket)
+            bucket.buffer = new_buffer(bucket, self.shards, self.precision.reduce_dtype)
         for slot in bucket.slots:
             if not slot.filled:  # a parameter this rank's backward did not reach contributes zeros
                 for rows, part in chunk_tiles(as_rows(slot.param.detach()), slot.columns(bucket.buffer, self.shards)):
@@ -484,48 +410,8 @@ class DataParallelEngine:
                     torch._foreach_copy_([s.param.data for s in self.slots], [s.master.view_as(s.param) for s in self.slots])
             return
         for bucket in self.buckets:
-            self._all_gather_parameters(bucket)
-
-    @torch.no_grad()
-    def _all_gather_parameters(self, bucket: Bucket) -> None:
-        """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N).
-
-        ZeRO-1 gathers through the bucket's own buffer when it has the parameters' dtype: its
-        gradients are spent once the optimizer has stepped (the masters' `.grad`, views of it, are
-        released first), and the copies around the gather are made once for the run. ZeRO-2, whose
-        buckets exist only while reduced, gathers through a buffer of its own each step.
-        """
-        gather = bucket.gather
-        if gather is None:
-            reuse = not self.per_backward and bucket.buffer.dtype == self.precision.param_dtype
-            gather = self._gather(bucket, bucket.buffer if reuse else None)
-            bucket.gather = gather if reuse else None
-        if bucket.gather is not None:
-            for slot in bucket.slots:
-                slot.master.grad = None  # its rows of the buffer are about to hold parameters
-        torch._foreach_copy_(gather.mine, gather.masters)
-        if gather.padding:
-            torch._foreach_zero_(gather.padding)
-        mine = gather.buffer.view(self.shards, bucket.chunk_numel)[self.rank]
-        self.comm.all_gather(gather.buffer, mine, self.shard_axis)
-        torch._foreach_copy_(gather.rows, gather.parts)
-
-    def _gather(self, bucket: Bucket, buffer: torch.Tensor | None) -> _Gather:
-        if buffer is None:
-            buffer = torch.empty(bucket.chunk_numel * self.shards, dtype=self.precision.param_dtype,
-                                 device=bucket.slots[0].param.device)
-        mine = buffer.view(self.shards, bucket.chunk_numel)[self.rank]
-        gather = _Gather(buffer, [], [], [], [], [])
-        for slot in bucket.slots:
-            numel = slot.master.numel()
-            gather.mine.append(mine[slot.offset:slot.offset + numel])
-            gather.masters.append(slot.master.view(-1))
-            if numel < slot.chunk_numel:
-                gather.padding.append(mine[slot.offset + numel:slot.offset + slot.chunk_numel])
-            for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(buffer, self.shards)):
-                gather.rows.append(rows)
-                gather.parts.append(part)
-        return gather
+            all_gather_parameters(bucket, self.comm, self.shard_axis, self.shards, self.rank, self.precision.param_dtype,
+                                  buffer_lives=not self.per_backward)
 
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""DDP and ZeRO-1/2's flat gradient buckets: what each holds and where, and ZeRO's way back out.
+
+`ddp.py`'s engine moves gradients into these buckets while backward runs and reduces them;
+this module lays the buckets out, once: which parameters share a bucket (`make_buckets`),
+where each parameter's rows sit in it (`Slot`), a buffer whose padding is zero
+(`new_buffer`); and, after ZeRO's optimizer step, all-gathers the updated parameters through
+the same layout (`all_gather_parameters`).
+
+The shard layout is paratrain.parallel.data.shard's: rank r owns rows
+[r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
+chunk r packs rank r's (padded) rows of each parameter of the bucket, so a
+reduce-scatter leaves in chunk r exactly the gradient rank r's optimizer
+needs, and the all-gather of updated parameters is the same layout in the
+other direction. A gradient's first write into a bucket is a copy and later
+ones add, so no bucket is zeroed per step (only the padding, once per buffer,
+and the parameters a backward did not reach, when their bucket is launched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.comm import Comm
+from paratrain.parallel.data.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives in its bucket and which of its rows this rank owns."""
+
+    name: str
+    param: nn.Parameter
+    offset: int  # within every rank's chunk
+    chunk_numel: int  # padded rows × row size
+    rows: tuple[int, int]  # owned rows [lo, hi)
+    master: torch.Tensor | None = None
+    filled: bool = False  # a gradient was written into the bucket since it was last reduced
+    # Views of a bucket buffer that lives for the run (DDP, ZeRO-1): made once, not per gradient or step.
+    span: torch.Tensor | None = None  # DDP: the parameter's gradient in its bucket
+    reduced: torch.Tensor | None = None  # this rank's reduced rows, shaped as the master
+
+    def columns(self, buffer: torch.Tensor, shards: int) -> torch.Tensor:
+        """This parameter's [N, c·rest] columns of a bucket buffer of N chunks."""
+        return buffer.view(shards, -1)[:, self.offset:self.offset + self.chunk_numel]
+
+
+@dataclass
+class Bucket:
+    slots: list[Slot]
+    chunk_numel: int
+    buffer: torch.Tensor | None = None  # N chunks of reduce dtype
+    ready: int = 0  # slots written in the current backward (the synced one, for DDP / ZeRO-1)
+    work: object = None
+    launched_in_backward: bool = False
+    shard_grad: torch.Tensor | None = None  # ZeRO-2: this rank's reduced rows, summed over backwards (master dtype)
+    launched_at: float = field(default=0.0)
+    gather: Gather | None = None  # ZeRO-1: the all-gather of updated parameters through `buffer`, made once
+
+
+@dataclass
+class Gather:
+    """The copies around one bucket's all-gather of updated parameters, as lists for foreach kernels."""
+
+    buffer: torch.Tensor  # N chunks of param dtype
+    mine: list[torch.Tensor]  # this rank's chunk: where each master's rows go (flat)
+    masters: list[torch.Tensor]  # each master, flat
+    padding: list[torch.Tensor]  # this rank's chunk: what holds no row (zeroed before the gather)
+    rows: list[torch.Tensor]  # each parameter's rows, in tiles
+    parts: list[torch.Tensor]  # the gathered buffer's matching tiles
+
+
+def make_buckets(named, bucket_mb: float, dtype: torch.dtype, shards: int, rank: int) -> list[Bucket]:
+    """Group parameters, in reverse registration order, into buckets of about bucket_mb of `dtype`."""
+    limit = max(1, int(bucket_mb * 2**20 / dtype.itemsize))
+    buckets, slots, size = [], [], 0
+    for name, p in reversed(named):
+        numel = padded_chunk_numel(p.shape, shards)
+        d0 = p.shape[0] if p.dim() else 1
+        slots.append(Slot(name, p, size, numel, row_range(d0, shards, rank)))
+        size += numel
+        if size * shards >= limit:
+            buckets.append(Bucket(slots, size))
+            slots, size = [], 0
+    if slots:
+        buckets.append(Bucket(slots, size))
+    return buckets
+
+
+def new_buffer(bucket: Bucket, shards: int, dtype: torch.dtype) -> torch.Tensor:
+    """A bucket buffer whose padding is zero (the rest is written before it is read)."""
+    device = bucket.slots[0].param.device
+    buffer = torch.empty(bucket.chunk_numel * shards, dtype=dtype, device=device)
+    for slot in bucket.slots:
+        rows = as_rows(slot.param.detach())
+        for pad in chunk_padding(rows.shape[0], rows.shape[1], slot.columns(buffer, shards)):
+            pad.zero_()
+    return buffer
+
+
+@torch.no_grad()
+def all_gather_parameters(bucket: Bucket, comm: Comm, axis: str, shards: int, rank: int, dtype: torch.dtype,
+                          buffer_lives: bool) -> None:
+    """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N).
+
+    ZeRO-1 gathers through the bucket's own buffer when it has the parameters' dtype: its
+    gradients are spent once the optimizer has stepped (the masters' `.grad`, views of it, are
+    released first), and the copies around the gather are made once for the run. ZeRO-2, whose
+    buckets exist only while reduced (not `buffer_lives`), gathers through a buffer of its own each step.
+    """
+    gather = bucket.gather
+    if gather is None:
+        reuse = buffer_lives and bucket.buffer.dtype == dtype
+        gather = _gather_plan(bucket, bucket.buffer if reuse else None, shards, rank, dtype)
+        bucket.gather = gather if reuse else None
+    if bucket.gather is not None:
+        for slot in bucket.slots:
+            slot.master.grad = None  # its rows of the buffer are about to hold parameters
+    torch._foreach_copy_(gather.mine, gather.masters)
+    if gather.padding:
+        torch._foreach_zero_(gather.padding)
+    mine = gather.buffer.view(shards, bucket.chunk_numel)[rank]
+    comm.all_gather(gather.buffer, mine, axis)
+    torch._foreach_copy_(gather.rows, gather.parts)
+
+
+def _gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank: int, dtype: torch.dtype) -> Gather:
+    """The views around `bucket`'s all-gather of updated parameters through `buffer` (None: a new one of `dtype`)."""
+    if buffer is None:
+        buffer = torch.empty(bucket.chunk_numel * shards, dtype=dtype, device=bucket.slots[0].param.device)
+    mine = buffer.view(shards, bucket.chunk_numel)[rank]
+    gather = Gather(buffer, [], [], [], [], [])
+    for slot in bucket.slots:
+        numel = slot.master.numel()
+        gather.mine.append(mine[slot.offset:slot.offset + numel])
+        gather.masters.append(slot.master.view(-1))
+        if numel < slot.chunk_numel:
+            gather.padding.append(mine[slot.offset + numel:slot.offset + slot.chunk_numel])
+        for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(buffer, shards)):
+            gather.rows.append(rows)
+            gather.parts.append(part)
+    return gather
