@@ -155,12 +155,12 @@ def train_step(model: TrainableModel, optimizer, batches, grad_clip: float, *, t
     parallelism give exactly the gradient of one process holding the whole batch, whatever the
     number of padded tokens in each micro-batch. Only the last micro-batch communicates.
     `timer`: times each phase (None: untimed); `stop`: this rank asks every rank to stop after the
-    step (SIGTERM); `peak`: this rank's
-    memory meter, read and restarted at the agreement (so a step's peak covers the previous
-    optimizer step and this forward and backward; on CUDA reserved bytes beside it), reported per
-    rank; `loss_fn(output, labels)`: a token-loss sum (default: the model's cross-entropy). The
-    agreement is the step's one host read: the loss, the token count and the gradient norm come
-    back with it. Injected faults wrap the step from outside (`paratrain.faults.faulty`).
+    step (SIGTERM); `peak`: this rank's memory meter, read and restarted at the agreement (so a
+    step's peak covers the previous optimizer step and this forward and backward; on CUDA
+    reserved bytes beside it), reported per rank; `loss_fn(output, labels)`: a token-loss sum
+    (default: the model's cross-entropy). The agreement is the step's one host read: the loss,
+    the token count and the gradient norm come back with it. Injected faults wrap the step from
+    outside (`paratrain.faults.faulty`): the step holds no fault hook.
     """
     phase = timer.phase if timer is not None else _untimed
     # Counted where the labels are, read by nobody: the agreement carries it to the host with the rest.

@@ -49,14 +49,14 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import PER_DATA_RANK, WORLD, replicated_over
-from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, TrainableModel, Verdict
+from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict
 from paratrain.parallel.data.engine import Engine
 from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
 from paratrain.parallel.tensor.layers import gather_full
 from paratrain.precision import LossScaler, Precision, cross_entropy
 
-__all__ = ["IGNORE_INDEX", "LossFn", "ParallelModel", "StepResult", "TrainableModel", "Verdict",
-           "optimizer_state_bytes"]
+# The step's types live with the contract (`paratrain.parallel.contract`); importable from here as before.
+__all__ = ["IGNORE_INDEX", "LossFn", "ParallelModel", "StepResult", "Verdict", "optimizer_state_bytes"]
 
 
 class _Phase(Enum):
@@ -104,7 +104,7 @@ class ParallelModel(nn.Module):
                            for tp_sharded in (True, False)}  # a master's gradient, split over tp or not
         world = range(mesh.size(WORLD))
         self._data_ranks = [r for r in world if mesh.shape.owns(r, PER_DATA_RANK)]  # one rank per data rank
-        self._loss_ranks = [r for r in world if mesh.shape.owns(r, ("tp",))]  # each stage's (the last's counts)
+        self._loss_ranks = [r for r in world if mesh.shape.owns(r, ("tp",))]  # every stage's: the last writes it
 
     @property
     def mesh(self):
@@ -295,7 +295,7 @@ class ParallelModel(nn.Module):
         named = zip(self.engine.master_names(), self.engine.masters())
         sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
         own = sharded + replicated
-        if not self._owns_grad[True]:  # the tp-replicated gradients' copies own no fewer axes
+        if not self._owns_grad[True]:  # no tp shard counts here, so no tp-replicated gradient either
             return own, None
         return own, own if self._owns_grad[False] else sharded
 

@@ -173,8 +173,9 @@ def load_model_shards(model, optimizer, reader: CheckpointReader) -> None:
 
     Checks compatibility first (IncompatibleCheckpointError naming the first mismatching
     tensor and both shapes), then makes the model's parameters consistent with the loaded
-    masters through the engine's own post-step path (ZeRO-1/2: all-gather of every rank's
-    rows; mixed-precision DDP: the cast copy; ZeRO-3: nothing). Collective under ZeRO-1/2.
+    masters (`parameters_from_masters`: the engine's own post-step path; ZeRO-1/2: all-gather of
+    every rank's rows; mixed-precision DDP: the cast copy; ZeRO-3: nothing; the loss scale does
+    not move). Collective under ZeRO-1/2.
     The optimizer's state is replaced by the checkpoint's, placed as torch's own
     `Optimizer.load_state_dict` places it.
     """
