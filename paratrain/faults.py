@@ -6,9 +6,10 @@
     PARATRAIN_FAULT="negate_grads@rank1:step*"                 # every step
 
 This module is the only place that reads the variable and knows the faults. The training loop
-(`paratrain.train`) calls `maybe_fault` / `fault_requested` at its own points, in the open; the
-checkpoint storage core knows nothing of faults and reports the events of a save to a callback,
-which `checkpoint_events` builds from the faults of the save's points.
+(`paratrain.train`) calls `maybe_fault` / `fault_requested` at its own points, in the open, and
+wraps a step that has faults due in `faulty`: the step itself (`train_step`) holds no fault
+hook. The checkpoint storage core knows nothing of faults either and reports the events of a
+save to a callback, which `checkpoint_events` builds from the faults of the save's points.
 
 A fault fires when the code reaches a hook ``maybe_fault(kind, rank, step)``
 with the same kind, rank and step, and ``TORCHELASTIC_RESTART_COUNT`` (0 when
@@ -46,8 +47,12 @@ import re
 import signal
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
+
+import torch
+
 from paratrain.errors import ParatrainError
+from paratrain.mesh import WORLD
 
 FAULT_ENV = "PARATRAIN_FAULT"
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -154,6 +159,73 @@ def maybe_fault(kind: str, rank: int, step: int, environ: Mapping[str, str] | No
         while True:
             time.sleep(3600)
     return True
+
+
+# The faults that happen inside one training step, the ones `faulty` injects.
+STEP_FAULTS = ("nan", "sigkill", "raise", "oom", "hang", "infgrad", "negate_grads", "desync_shape")
+
+
+def faulty(step_fn: Callable, comm, rank: int, step: int) -> Callable:
+    """`step_fn(model, ...)` (`paratrain.train.train_step`) with this rank's faults of `step` injected, from outside.
+
+    `step_fn` itself when none is due (every step of a run without PARATRAIN_FAULT). Else the
+    step drives `_FaultyModel(model)`, which performs them where they belong: `nan` in the loss,
+    the actions (`sigkill`, `raise`, `oom`, `hang`) and the gradient faults (`infgrad`,
+    `negate_grads`) once the gradients are final, then `desync_shape` (a larger collective than
+    the peers' agreement, on `comm`, the run's communication layer that the model uses): all
+    before the step's agreement, where the peers wait.
+    """
+    if not any(fault_requested(kind, rank, step) for kind in STEP_FAULTS):
+        return step_fn
+
+    def step_with_faults(model, *args, **kwargs):
+        return step_fn(_FaultyModel(model, comm, rank, step), *args, **kwargs)
+
+    return step_with_faults
+
+
+class _FaultyModel:
+    """A parallel model whose step performs the faults injected at (rank, step); everything else is the model's."""
+
+    def __init__(self, model, comm, rank: int, step: int):
+        self._model, self._comm, self._rank, self._step = model, comm, rank, step
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def _due(self, kind: str) -> bool:
+        return fault_requested(kind, self._rank, self._step)
+
+    def train_step(self, micro_batches, normalizer, loss_fn=None):
+        """The `nan` fault: this rank's loss (and so its gradients) become NaN."""
+        loss_fn = loss_fn or self._model.loss_fn
+        if self._due("nan"):
+            loss_fn = functools.partial(_nan_loss, loss_fn)
+        return self._model.train_step(micro_batches, normalizer, loss_fn)
+
+    def finish_gradients(self) -> None:
+        """The model's, then the mid-step faults: the peers wait in the agreement that follows."""
+        self._model.finish_gradients()
+        for kind in ("sigkill", "raise", "oom", "hang"):
+            maybe_fault(kind, self._rank, self._step)
+        self._gradient_faults()
+        if self._due("desync_shape"):
+            mesh = self._model.mesh
+            self._comm.all_reduce(torch.zeros(64, mesh.size(WORLD), dtype=torch.float64, device=mesh.device), WORLD)
+
+    def _gradient_faults(self) -> None:
+        """The `infgrad` and `negate_grads` faults, on this rank's reduced gradients."""
+        grads = [m.grad for m in self._model.masters() if m.grad is not None]
+        if grads and self._due("infgrad"):
+            grads[0].view(-1)[:1] = float("inf")  # this rank's copy only
+        if self._due("negate_grads"):
+            # Adam is invariant to a constant gradient scale, so a sign flip is the simplest
+            # perturbation it cannot absorb: a wrongly reducing engine, which verify must catch.
+            torch._foreach_neg_(grads)
+
+
+def _nan_loss(loss_fn, output, labels):
+    return loss_fn(output, labels) * float("nan")
 
 
 def _hold_write(gate: str | None) -> None:

@@ -13,6 +13,11 @@ micro-batch and stage boundary, go across nodes. ``MeshShape`` is pure arithmeti
 this process computes on. Besides the three axes, ``"world"`` names every
 rank at once (the mesh-wide agreement of a training step is one collective).
 
+Rank ownership is decided here once for every caller: a tensor that several ranks hold alike
+(`replicated_over` names the axes it is copied along) is counted or written by the one copy at
+coordinate 0 of each of those axes (`MeshShape.owns`). The gradient norm, the step's agreement,
+the metrics per data rank, the checkpoint's boxes and the replica guard all ask that one rule.
+
 The data axis may be split in two for hybrid sharding (HSDP):
 ``dp = dp_replicate × dp_shard``, ``dp_shard`` inner. ZeRO shards over a
 group of ``dp_shard`` neighbouring data ranks (a node) and keeps
@@ -44,6 +49,8 @@ AXES = ("pp", "dp", "cp", "tp")
 DATA_CP = "dp_cp"  # the ranks that differ only in dp and cp: what gradients are reduced over with cp > 1
 DATA_SUBAXES = ("dp_shard", "dp_replicate")  # the data axis split for hybrid sharding (dp = replicate × shard)
 WORLD = "world"  # every rank of the mesh: not a parallelism axis, the group of mesh-wide agreements
+# What every rank of one data rank's pipeline and tensor-parallel group holds alike: its batch and its counts.
+PER_DATA_RANK = ("pp", "cp", "tp")
 
 
 class MeshError(ParatrainError, ValueError):
@@ -103,6 +110,12 @@ class MeshShape:
         replicate, shard = divmod(dp, self.dp_shard)
         return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_shard": shard, "dp_replicate": replicate,
                 DATA_CP: dp * self.cp + cp}
+
+    def owns(self, rank: int, replicated_over: tuple[str, ...]) -> bool:
+        """Whether `rank` is the one that counts or writes a tensor held alike along the axes `replicated_over`:
+        the copy at coordinate 0 of each of them (a norm counts each element once, a checkpoint writes it once)."""
+        coords = self.coords(rank)
+        return all(coords[axis] == 0 for axis in replicated_over)
 
     def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0, dp_shard: int | None = None,
                 dp_replicate: int | None = None, cp: int = 0, dp_cp: int | None = None) -> int:
@@ -194,9 +207,26 @@ class Mesh:
             return list(range(self.shape.world_size))
         return next(g for g in self.shape.groups(axis) if self.rank in g)
 
+    def owns(self, replicated_over: tuple[str, ...]) -> bool:
+        """Whether this rank counts or writes a tensor held alike along `replicated_over` (`MeshShape.owns`)."""
+        return self.shape.owns(self.rank, replicated_over)
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def replicated_over(data_sharded: bool, tp_sharded: bool) -> tuple[str, ...]:
+    """The axes along which ranks hold equal copies of one parameter's tensor (a master, its gradient, the
+    parameter itself).
+
+    Over the data axis: every data rank when the tensor is whole there (DDP's masters, ZeRO-1/2's
+    parameters), and every cp rank, which holds the same parameters for other tokens; else (ZeRO's
+    shards, over dp × cp) the replicas of each shard group, `dp_replicate` (one rank: no copies, without
+    hybrid sharding). Over tp unless tensor parallelism splits it.
+    Every stage of a pipeline holds its own parameters: never copies along pp.
+    """
+    return (("dp_replicate",) if data_sharded else ("dp", "cp")) + (() if tp_sharded else ("tp",))
 
 
 def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch.device | str | None = None) -> Mesh:

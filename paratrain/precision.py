@@ -6,7 +6,8 @@ forward, or a pipeline stage's, begins: `Precision.cast_inputs`); gradients are 
 optimizer updates fp32 master weights (for ``fp32`` the parameters themselves
 are the master copy). fp16's narrow range needs dynamic loss scaling:
 :class:`LossScaler` multiplies the loss, skips a step whose gradients hold
-inf/nan on any rank, and adapts the scale.
+inf/nan on any rank, and adapts the scale. Whatever the compute dtype, the loss is taken in at
+least fp32 (`cross_entropy`): bf16 would keep fewer than three significant digits of it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
 from paratrain.errors import ParatrainError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,6 +64,15 @@ def _cast_floats(value, dtype: torch.dtype):
         items = [_cast_floats(item, dtype) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple by field
     return value
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                  reduction: str = "sum") -> torch.Tensor:
+    """`F.cross_entropy` of logits [.., V] against targets [..], computed in at least fp32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=ignore_index, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
 
 
 def precision_policy(name: str = "fp32", reduce_dtype: str | None = None) -> Precision:

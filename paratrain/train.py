@@ -8,6 +8,7 @@ everything the loop uses; `train_step` is one optimizer step, every stage of it 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,11 +26,11 @@ from paratrain.checkpoint.files import write_safetensors
 from paratrain.config import Config
 from paratrain.compat import default_store
 from paratrain.distributed import detect_env, launcher_store, shutdown
-from paratrain.faults import fault_requested, maybe_fault
-from paratrain.mesh import WORLD, init_mesh
+from paratrain.faults import fault_requested, faulty, maybe_fault
+from paratrain.mesh import PER_DATA_RANK, WORLD, init_mesh
 from paratrain.metrics import StepTimer, mfu, perplexity, unigram_entropy
 from paratrain.models import ModelConfig, generate
-from paratrain.parallel.model import IGNORE_INDEX, ParallelModel, Verdict
+from paratrain.parallel.contract import IGNORE_INDEX, TrainableModel, Verdict
 from paratrain.peak_memory import ProcessPeak
 from paratrain.run.build import Run, build, preflight, shared_run_dir
 from paratrain.run.diagnose import flight_record_prefix
@@ -98,14 +99,15 @@ def loop(run: Run) -> tuple[float, float, float]:
     with guard.running(), run.checkpoints:  # a failed collective says which rank was where; saves are waited for
         for step in range(run.resumed_step + 1, t.steps + 1):
             guard.begin_step(step)
-            model.comm.reset()
-            timer, start = StepTimer(model.comm), time.perf_counter()
+            run.comm.reset()
+            timer, start = StepTimer(run.comm), time.perf_counter()
             lr = set_learning_rate(run.optimizer, step, cfg)
             with timer.phase("data"):
                 maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
                 batches = next_batches(run)
-            outcome = train_step(model, run.optimizer, batches, t.grad_clip, step=step, timer=timer,
-                                 stop=guard.stop_requested, peak=run.memory)
+            step_fn = faulty(train_step, run.comm, run.env.rank, step)  # train_step itself when no fault is due
+            outcome = step_fn(model, run.optimizer, batches, t.grad_clip, timer=timer, stop=guard.stop_requested,
+                              peak=run.memory)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
@@ -143,7 +145,7 @@ def next_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [run.train_set.get_batch(ids[i:i + micro]) for i in range(0, len(ids), micro)]
 
 
-def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, step: int = 0, timer: StepTimer | None = None,
+def train_step(model: TrainableModel, optimizer, batches, grad_clip: float, *, timer: StepTimer | None = None,
                stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, every stage in the order it runs.
 
@@ -152,31 +154,23 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     ranks, and the engine sums gradients over the data ranks, so accumulation and data
     parallelism give exactly the gradient of one process holding the whole batch, whatever the
     number of padded tokens in each micro-batch. Only the last micro-batch communicates.
-    `stop`: this rank asks every rank to stop after the step (SIGTERM); `peak`: this rank's
-    memory meter, read and restarted at the agreement (so a step's peak covers the previous
-    optimizer step and this forward and backward; on CUDA reserved bytes beside it), reported per
-    rank; `loss_fn(output, labels)`: a token-loss sum (default: the model's cross-entropy). The
-    agreement is the step's one host read: the loss, the token count and the gradient norm come
-    back with it. The fault hooks of `paratrain.faults` sit here, in the open.
+    `timer`: times each phase (None: untimed); `stop`: this rank asks every rank to stop after the
+    step (SIGTERM); `peak`: this rank's memory meter, read and restarted at the agreement (so a
+    step's peak covers the previous optimizer step and this forward and backward; on CUDA
+    reserved bytes beside it), reported per rank; `loss_fn(output, labels)`: a token-loss sum
+    (default: the model's cross-entropy). The agreement is the step's one host read: the loss,
+    the token count and the gradient norm come back with it. Injected faults wrap the step from
+    outside (`paratrain.faults.faulty`): the step holds no fault hook.
     """
-    timer = timer or StepTimer(model.comm)
-    rank = model.mesh.rank
+    phase = timer.phase if timer is not None else _untimed
     # Counted where the labels are, read by nobody: the agreement carries it to the host with the rest.
     local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).to(model.device, torch.float64)
-    with timer.phase("forward_backward"):
+    with phase("forward_backward"):
         # The step's global token count, summed over the data ranks on the device (no host sync).
         normalizer = model.comm_sum(local_tokens.to(torch.float32))
-        loss_fn = loss_fn or model.loss_fn
-        loss_fn = _nan_loss(loss_fn) if fault_requested("nan", rank, step) else loss_fn
-        result = model.train_step(batches, normalizer, loss_fn)
-    with timer.phase("optimizer"):
+        result = model.train_step(batches, normalizer, loss_fn or model.loss_fn)
+    with phase("optimizer"):
         model.finish_gradients()
-        for kind in ("sigkill", "raise", "oom", "hang"):
-            maybe_fault(kind, rank, step)  # mid-step: the peers wait in the agreement below
-        _gradient_faults(model, rank, step)
-        if fault_requested("desync_shape", rank, step):  # a larger collective than the peers' agreement below
-            model.comm.all_reduce(torch.zeros(64, model.mesh.size(WORLD), dtype=torch.float64, device=model.device),
-                                  WORLD)
         memory = peak.take() if peak is not None else None
         verdict = model.agree(result, stop=stop, counts={
             "tokens": local_tokens, "peak_mem": memory.peak_bytes if memory else 0,
@@ -189,20 +183,9 @@ def train_step(model: ParallelModel, optimizer, batches, grad_clip: float, *, st
     return StepOutcome(verdict.loss_sum / tokens, math.nan if verdict.skip else verdict.grad_norm, tokens, verdict)
 
 
-def _nan_loss(loss_fn):
-    """The `nan` fault: this rank's loss (and so its gradients) become NaN."""
-    return lambda output, labels: loss_fn(output, labels) * float("nan")
-
-
-def _gradient_faults(model: ParallelModel, rank: int, step: int) -> None:
-    """The `infgrad` and `negate_grads` faults, on this rank's reduced gradients."""
-    grads = [m.grad for m in model.engine.masters() if m.grad is not None]
-    if grads and fault_requested("infgrad", rank, step):
-        grads[0].view(-1)[:1] = float("inf")  # this rank's copy only
-    if fault_requested("negate_grads", rank, step):
-        # Adam is invariant to a constant gradient scale, so a sign flip is the simplest
-        # perturbation it cannot absorb: a wrongly reducing engine, which verify must catch.
-        torch._foreach_neg_(grads)
+def _untimed(name: str):
+    """A step phase that nobody times (`train_step` without a timer)."""
+    return contextlib.nullcontext()
 
 
 def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: float, timer: StepTimer,
@@ -211,17 +194,16 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: f
     run.tokens_seen += outcome.tokens
     peaks = [int(v) for v in outcome.verdict.per_rank["peak_mem"]]
     reserved = int(outcome.verdict.per_rank["reserved_mem"][run.mesh.rank])
-    coords = [run.mesh.shape.coords(r) for r in range(run.mesh.size(WORLD))]
-    data_ranks = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0]  # one per data rank
+    data_ranks = [r for r in range(run.mesh.size(WORLD)) if run.mesh.shape.owns(r, PER_DATA_RANK)]
     return {
         "step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm, "tokens": outcome.tokens,
         "tokens_seen": run.tokens_seen, "step_time_s": elapsed, "tokens_per_s": outcome.tokens / elapsed,
         "mfu": None if run.peak_flops is None else mfu(run.model_cfg.flops_per_token(run.cfg.data.seq_len),
                                                          outcome.tokens / elapsed, run.peak_flops, run.env.world_size),
-        "comm_bytes": run.model.comm.bytes_by_axis(),
+        "comm_bytes": run.comm.bytes_by_axis(),
         "peak_mem_bytes": peaks[run.mesh.rank], "peak_mem_bytes_per_rank": [peaks[r] for r in data_ranks],
         "reserved_mem_bytes": reserved or None,  # CUDA's caching allocator; none on the CPU
-        "skipped_steps": run.model.scaler.skipped_steps, "skipped_nonfinite": run.guard.bad_total,
+        "skipped_steps": run.model.skipped_steps, "skipped_nonfinite": run.guard.bad_total,
         # The save that followed the previous step: a record is written before its own save.
         "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s},
     }

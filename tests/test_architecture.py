@@ -221,3 +221,84 @@ def test_prefetch_and_reductions_in_flight_ask_one_overlap_policy(monkeypatch):
         zero2, _ = parallelize(nn.Linear(4, 4), mesh, data=DataParallel(zero=2))
         assert zero3.engine.prefetch is overlaps
         assert zero3.engine._in_flight_limit == zero2.engine._in_flight_limit == int(overlaps)
+
+
+# -- the parallel model's contract: nothing outside paratrain.parallel reaches past it -------------------
+
+MODEL_INTERNALS = {"engine", "comm", "scaler"}
+
+
+def reaches_into_a_model(source: str) -> list[str]:
+    """`x.engine`, `x.comm`, `x.scaler` where x is a model (a name or attribute called `model` or `*_model`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in MODEL_INTERNALS:
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name == "model" or name.endswith("_model"):
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"line {line}: {text}" for line, text in sorted(found)]
+
+
+def test_the_model_reach_finder_finds_a_reach():
+    assert reaches_into_a_model("run.model.engine.masters()\nx = self.model.scaler\nmodel.comm.reset()") == [
+        "line 1: run.model.engine", "line 2: self.model.scaler", "line 3: model.comm"]
+    assert reaches_into_a_model("self.comm.all_gather(a, b)\nrun.comm.reset()\ntimer.comm") == []
+
+
+def test_nothing_outside_parallel_reaches_into_a_models_engine_comm_or_scaler():
+    outside = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "parallel"]
+    reaches = {str(p.relative_to(PACKAGE)): found for p in outside if (found := reaches_into_a_model(p.read_text()))}
+    assert len(outside) > 50 and reaches == {}
+
+
+def test_the_parallel_model_keeps_its_contract():
+    from paratrain.parallel.contract import TrainableModel
+
+    model, _ = parallelize(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), _one_rank_mesh(), data=DataParallel(zero=3))
+    assert isinstance(model, TrainableModel)
+    assert model.masters() and model.replicated_over("0.weight") == ("dp_replicate", "tp")
+    assert model.replicated_over("0.weight", at_rest=True) == ("dp_replicate", "tp")
+    ddp, _ = parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=0))
+    assert ddp.replicated_over("weight") == ddp.replicated_over("weight", at_rest=True) == ("dp", "tp")
+
+
+# -- one training step's path through the code --------------------------------------------------------
+
+STEP_FILES = {0: 10, 3: 12}  # the most paratrain files one train_step may pass through, by ZeRO stage
+
+
+def _step_files(rank: int, world: int, zero: int) -> list[str]:
+    """The paratrain files one `train_step` (after a warm-up step) calls into on this rank."""
+    import sys
+
+    from parallel_cases import adamw, batches, make_model
+    from paratrain.train import train_step
+
+    mesh = paratrain.init_mesh(dp=world)
+    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, data=DataParallel(zero=zero))
+    x, y = batches()[0]
+    mine = [(x[rank::world], y[rank::world])]
+    train_step(model, optimizer, mine, 1.0)  # the first step makes its lazy state
+    seen = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
+            seen.add(str(Path(frame.f_code.co_filename).relative_to(PACKAGE)))
+
+    sys.setprofile(profile)
+    try:
+        train_step(model, optimizer, mine, 1.0)
+    finally:
+        sys.setprofile(None)
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("zero", sorted(STEP_FILES))
+def test_one_train_step_passes_through_few_files(zero):
+    from paratrain.testing import run_on_ranks
+
+    files = run_on_ranks(_step_files, 2, zero, timeout=120)[0]
+    assert "parallel/model.py" in files and "train.py" in files, files  # the profile saw the step
+    assert len(files) <= STEP_FILES[zero], f"{len(files)} files: {files}"
+    assert "faults.py" not in files, "fault injection wraps the step from outside"

@@ -13,8 +13,11 @@ import time
 
 import pytest
 
+import torch
+
 from paratrain.faults import (
-    FAULT_ENV, GATE_ENV, RESTART_ENV, Fault, FaultSpecError, active_faults, fault_requested, maybe_fault, parse_faults,
+    FAULT_ENV, GATE_ENV, RESTART_ENV, Fault, FaultSpecError, active_faults, fault_requested, faulty, maybe_fault,
+    parse_faults,
 )
 from paratrain.run.watchdog import TIMER_FILE_ENV, StepWatchdog
 
@@ -84,6 +87,56 @@ def test_the_environment_is_read_when_no_mapping_is_given(monkeypatch):
     assert fault_requested("nan", 0, 1)
     monkeypatch.setenv(RESTART_ENV, "1")
     assert not fault_requested("nan", 0, 1)
+
+
+class _Model:
+    """Just what a step calls on a model, for the fault wrapper to act on."""
+
+    mesh = "the model's mesh"
+
+    def __init__(self):
+        self.master = torch.nn.Parameter(torch.ones(3))
+        self.master.grad = torch.ones(3)
+
+    def loss_fn(self, output, labels):
+        return (output - labels).sum()
+
+    def train_step(self, micro_batches, normalizer, loss_fn=None):
+        return (loss_fn or self.loss_fn)(torch.ones(2), torch.zeros(2)) / normalizer
+
+    def finish_gradients(self):
+        pass
+
+    def masters(self):
+        return [self.master]
+
+
+def _step(model):
+    loss = model.train_step([], 2.0)
+    model.finish_gradients()
+    return loss, model.master.grad.tolist(), model.mesh
+
+
+def test_a_step_is_wrapped_only_when_one_of_its_faults_is_due(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "nan@rank1:step3,perturb@rank0:step2")
+    monkeypatch.delenv(RESTART_ENV, raising=False)
+    assert faulty(_step, None, 0, 3) is _step  # the nan is rank 1's
+    assert faulty(_step, None, 0, 2) is _step  # perturb is the loop's fault, not the step's
+    assert faulty(_step, None, 1, 3) is not _step
+    assert _step(_Model()) == (1.0, [1.0, 1.0, 1.0], "the model's mesh")
+
+
+@pytest.mark.parametrize("spec, loss, grad", [
+    ("nan@rank1:step3", float("nan"), [1.0, 1.0, 1.0]),
+    ("infgrad@rank1:step3", 1.0, [float("inf"), 1.0, 1.0]),
+    ("negate_grads@rank1:step*", 1.0, [-1.0, -1.0, -1.0]),
+])
+def test_the_wrapped_step_performs_the_fault_on_its_model(monkeypatch, spec, loss, grad):
+    monkeypatch.setenv(FAULT_ENV, spec)
+    monkeypatch.delenv(RESTART_ENV, raising=False)
+    got_loss, got_grad, mesh = faulty(_step, None, 1, 3)(_Model())
+    assert str(got_loss.item()) == str(loss)  # nan too
+    assert got_grad == grad and mesh == "the model's mesh"
 
 
 def test_the_step_watchdog_arms_torchruns_file_timer_when_the_agent_runs_one(tmp_path, monkeypatch):

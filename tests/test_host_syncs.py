@@ -59,7 +59,7 @@ def _count(layout) -> tuple[list[list[str]], list[float]]:
         # The batch, and the optimizer's step counters (CPU tensors unless capturable/fused), live on the host.
         steps = tuple(state["step"] for state in optimizer.state.values() if "step" in state)
         with HostSyncs(host=tuple(t for pair in micro for t in pair) + steps) as syncs:
-            outcome = train_step(model, optimizer, micro, CLIP, step=step)
+            outcome = train_step(model, optimizer, micro, CLIP)
         counts.append(syncs.calls)
         norms.append(outcome.grad_norm)
     return counts[2:], norms

@@ -1,10 +1,13 @@
 """Mesh coordinates and groups are pure arithmetic; the comm layer counts bytes as a ring sends them."""
 
+import collections
+import math
+
 import pytest
 import torch
 
 from paratrain.comm import Comm
-from paratrain.mesh import WORLD, MeshError, MeshShape, build_mesh
+from paratrain.mesh import PER_DATA_RANK, WORLD, MeshError, MeshShape, build_mesh, replicated_over
 from paratrain.testing import Collectives, run_on_ranks
 
 
@@ -18,6 +21,29 @@ def test_tp_is_innermost_and_pp_outermost():
     assert shape.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert shape.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert shape.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("data_sharded", [False, True])
+@pytest.mark.parametrize("tp_sharded", [False, True])
+def test_every_set_of_copies_of_a_tensor_has_exactly_one_owner(data_sharded, tp_sharded):
+    """Ranks holding the same copy differ only along the replicated axes: one of each such set owns it."""
+    shape = MeshShape(pp=2, dp=4, tp=2, dp_shard=2)
+    axes = replicated_over(data_sharded, tp_sharded)
+    parts = {a for axis in axes for a in (("dp_shard", "dp_replicate") if axis == "dp" else (axis,))}
+    copies = collections.defaultdict(list)
+    for rank in range(shape.world_size):
+        coords = shape.coords(rank)
+        copies[tuple(coords[a] for a in ("pp", "dp_replicate", "dp_shard", "tp") if a not in parts)].append(rank)
+    assert len(copies) == shape.world_size // math.prod(shape.size(a) for a in axes)
+    for ranks in copies.values():
+        assert [shape.owns(r, axes) for r in ranks].count(True) == 1, (axes, ranks)
+    per_data_rank = [r for r in range(shape.world_size) if shape.owns(r, PER_DATA_RANK)]
+    assert [shape.coords(r)["dp"] for r in per_data_rank] == list(range(shape.dp))
+
+
+def test_what_is_replicated_where():
+    assert replicated_over(data_sharded=False, tp_sharded=False) == ("dp", "tp")  # DDP's masters, tp-replicated
+    assert replicated_over(data_sharded=True, tp_sharded=True) == ("dp_replicate",)  # a ZeRO shard of a tp slice
 
 
 @pytest.mark.parametrize("pp, dp, tp", [(1, 4, 1), (2, 3, 2), (4, 1, 2), (3, 2, 1)])

@@ -138,7 +138,7 @@ def _run(case: Case, mesh):
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         model.comm.reset()
         outcome = train_step(model, optimizer, [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)],
-                             1.0, step=step, loss_fn=_loss_fn(case))
+                             1.0, loss_fn=_loss_fn(case))
         losses.append(outcome.loss)
         tp_calls.append(model.comm.summary().get("tp", {}).get("all_reduce", {}).get("calls", 0))
     logits = None if case.pp > 1 else model.full_logits(model(PROBE).logits).detach()

@@ -155,6 +155,8 @@ def run(job: dict) -> None:
     from paratrain.checkpoint.files import write_safetensors
 
     from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
+    from paratrain.comm import Comm
+    from paratrain.faults import faulty
     from paratrain.train import train_step
 
     layout = job["layout"]
@@ -162,12 +164,13 @@ def run(job: dict) -> None:
                      dp_shard=layout.get("dp_shard") or None, cp=layout.get("cp") or 1)
     spec = build_spec(job["factory"])
     given = functools.partial(_given, layout)  # the layout's [parallel] options, the rest left to the defaults
+    comm = Comm(mesh)  # the one the model communicates through, which an injected fault uses too
     model, optimizer = parallelize(
         spec.module, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.0),
         data=DataParallel(grad_reduction="sum", **given("zero", "bucket_mb")),
         tensor=TensorParallel(plan=spec.plan, **given("sequence_parallel")),
         pipeline=PipelineParallel(**given("schedule", "virtual_stages")),
-        **given("precision", "reduce_dtype", "activation_checkpointing"))
+        **given("precision", "reduce_dtype", "activation_checkpointing"), comm=comm)
     dp, rank = mesh.size("dp"), mesh.coord("dp")
     rows, micro = job["global_batch"] // dp, micro_batch(job["global_batch"], layout, job.get("micro_batch"))
     records = []
@@ -175,7 +178,8 @@ def run(job: dict) -> None:
                                           job["seed"]), start=1):
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         pieces = [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)]
-        outcome = train_step(model, optimizer, pieces, 1.0, step=step, loss_fn=spec.loss_fn)
+        step_fn = faulty(train_step, comm, mesh.rank, step)  # PARATRAIN_FAULT's faults: how verify is tested
+        outcome = step_fn(model, optimizer, pieces, 1.0, loss_fn=spec.loss_fn)
         records.append({"step": step, "loss": outcome.loss})
     out = Path(job["out"])
     shapes, weights = model.full_shapes(), model.full_parameters()  # collective: every rank iterates

@@ -136,6 +136,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.head_dim = config.head_dim  # read by every forward: an attribute, not the config's derived property
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
@@ -153,7 +154,7 @@ class Transformer(nn.Module):
         # Recomputed each call (S·E/2 products): a cached buffer would hold garbage after
         # meta construction + to_empty, and wrappers would have one more tensor to broadcast.
         cos_SE, sin_SE = rotary_tables(
-            h_BSD.shape[1], self.config.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype, positions
+            h_BSD.shape[1], self.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype, positions
         )
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, cos_SE, sin_SE)

@@ -1,7 +1,8 @@
 """Parallelism strategies applied to plain modules, one package per strategy.
 
 - `api`: `parallelize()`, the one place where strategies are applied, in a fixed, commented order.
-- `model`: `ParallelModel`, the wrapped model, and the contract the trainer and `run/` may use.
+- `model`: `ParallelModel`, the wrapped model; `contract`: `TrainableModel`, what the trainer and `run/`
+  may call on it (and the step's `StepResult` and `Verdict`).
 - `rules`: every layout rule, decided once (`parallelize`, `train`, `plan` and `verify` ask it).
 - `data`: DDP, ZeRO-1/2/3 and hybrid sharding (the `dp` axis).
 - `tensor`: tensor and sequence parallelism (the `tp` axis): primitives, layers, plans.

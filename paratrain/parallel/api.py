@@ -184,6 +184,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (e.g. "aot_eager": the same graphs, run by eager kernels, no code generated).
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
+    comm: the communication layer (`paratrain.comm.Comm` over `mesh`) the model runs its collectives
+        through, for a caller that reads its counters or listens to it (the trainer's metrics, step
+        timer and guard); None: the model makes its own, which it does not hand out.
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the

@@ -40,49 +40,23 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.mesh import WORLD
+from paratrain.mesh import PER_DATA_RANK, WORLD, replicated_over
+from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict
 from paratrain.parallel.data.engine import Engine
 from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
-from paratrain.parallel.tensor.layers import cross_entropy, gather_full
-from paratrain.precision import LossScaler, Precision
+from paratrain.parallel.tensor.layers import gather_full
+from paratrain.precision import LossScaler, Precision, cross_entropy
 
-IGNORE_INDEX = -100
-# loss_fn(output, labels) -> the sum of the per-token losses (a 0-d tensor): the default is cross-entropy.
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class StepResult:
-    """What the forward and backward passes of one step left behind, on the device (no host sync)."""
-
-    # Σ token losses of this data rank's micro-batches (fp64). Under pipeline parallelism only the last
-    # stage computes it: the other stages hold 0 until the step is agreed, when the agreement has
-    # brought the last stage's sum to every stage (written here then; read it after optimizer.step()).
-    loss_sum: torch.Tensor
-    nonfinite: torch.Tensor  # this rank computed a non-finite loss itself (bool)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What every rank agreed on for this step, from the same numbers."""
-
-    skip: bool  # no parameter moves: fp16 overflow, or a non-finite loss or gradient on some rank
-    overflow: bool  # fp16 gradients overflowed (the loss scaler backs off); not counted as a bad step
-    nonfinite_ranks: tuple[int, ...]  # the ranks behind a non-finite loss (else gradient); empty if none
-    stop: bool  # some rank asked to stop after this step (SIGTERM)
-    loss_sum: float  # Σ over the data ranks of their token-loss sums
-    grad_norm: float  # the global gradient norm over every shard and stage, before clipping
-    sums: dict[str, float] = field(default_factory=dict)  # the caller's counts, summed over the data ranks
-    per_rank: dict[str, tuple[float, ...]] = field(default_factory=dict)  # the same, rank by rank
+# The step's types live with the contract (`paratrain.parallel.contract`); importable from here as before.
+__all__ = ["IGNORE_INDEX", "LossFn", "ParallelModel", "StepResult", "Verdict", "optimizer_state_bytes"]
 
 
 class _Phase(Enum):
@@ -97,7 +71,13 @@ _FLAGS = ("loss_nonfinite", "grads_nonfinite", "stop", "loss_sum", "grad_sq")
 
 
 class ParallelModel(nn.Module):
-    """The user's module under a data-parallel engine; call it like the module itself (not under pipelines)."""
+    """The user's module under a data-parallel engine; call it like the module itself (not under pipelines).
+
+    What the trainer and `paratrain.run` may call is `TrainableModel` (`paratrain.parallel.contract`);
+    the engine, the communication layer and the loss scaler stay inside: the model's own methods
+    say what of them the outside needs (its masters, its loss-scale state, which copy of a
+    tensor this rank owns).
+    """
 
     def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
                  tp_info: TensorParallelInfo | None = None, pipeline=None, context=None):
@@ -121,6 +101,13 @@ class ParallelModel(nn.Module):
         self._flag_width = len(engine.masters()) if pipeline is None else \
             max(len(engine.masters()), len(pipeline.split.param_shapes))
         self._grad_norm = math.nan  # the agreed norm of the gradients as they are now (clipping scales it)
+        # Which copies this rank counts (`paratrain.mesh`: rank ownership), decided once: the mesh is fixed.
+        mesh = comm.mesh
+        self._owns_grad = {tp_sharded: mesh.owns(replicated_over(engine.grads_sharded, tp_sharded))
+                           for tp_sharded in (True, False)}  # a master's gradient, split over tp or not
+        world = range(mesh.size(WORLD))
+        self._data_ranks = [r for r in world if mesh.shape.owns(r, PER_DATA_RANK)]  # one rank per data rank
+        self._loss_ranks = [r for r in world if mesh.shape.owns(r, ("tp",))]  # every stage's: the last writes it
 
     @property
     def mesh(self):
@@ -221,16 +208,16 @@ class ParallelModel(nn.Module):
         loss_fn = loss_fn or self.loss_fn
         self._phase = _Phase.BACKWARD
         if self.pipeline is not None:
-            self._result = self.pipeline.run(micro_batches, normalizer, loss_fn, self)
-            return self._result
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.no_sync():
-                output = self(inputs.to(self.device, non_blocking=True))
-                token_losses = loss_fn(output, self._local_labels(output, labels.to(self.device, non_blocking=True)))
-                self.scale_loss(token_losses / normalizer).backward()
-            loss_sum += token_losses.detach()
+            loss_sum = self.pipeline.run(micro_batches, normalizer, loss_fn, self.no_sync, self.scale_loss)
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            for i, (inputs, labels) in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                with contextlib.nullcontext() if last else self.no_sync():
+                    output = self(inputs.to(self.device, non_blocking=True))
+                    token_losses = loss_fn(output, self._local_labels(output, labels.to(self.device, non_blocking=True)))
+                    self.scale_loss(token_losses / normalizer).backward()
+                loss_sum += token_losses.detach()
         self._result = StepResult(loss_sum, ~torch.isfinite(loss_sum))
         return self._result
 
@@ -312,39 +299,35 @@ class ParallelModel(nn.Module):
     def _grad_sq(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(Σ‖g‖² of this rank's gradients, this rank's share of the global Σ‖g‖² or None), on the device.
 
-        The shares of all ranks add up to the squared norm of the whole model's gradient: every
-        stage's gradients count, a tensor-parallel shard on each tp rank, a replicated one on tp
-        rank 0; gradients sharded over the data axis (ZeRO) on each rank of one replica
-        (dp_replicate 0), whole ones (DDP) on data rank 0 only. None: this rank's count elsewhere.
+        The shares of all ranks add up to the squared norm of the whole model's gradient: each
+        gradient counts on the rank that owns its copies (`Mesh.owns`): every stage's, a
+        tensor-parallel shard on each tp rank, a replicated one on tp rank 0; gradients sharded over
+        the data axis (ZeRO) on each rank of one replica (dp_replicate 0), whole ones (DDP) on data
+        rank 0 only. None: this rank's count elsewhere.
         """
-        coords = self.mesh.shape.coords(self.mesh.rank)
         if self.tp_info is None:
-            own = share = self.engine.local_grad_sq_sum()
-        else:
-            named = zip(self.engine.master_names(), self.engine.masters())
-            sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
-            own = sharded + replicated
-            share = own if coords["tp"] == 0 else sharded
-        # Whole gradients are the same on every rank of the data axis (dp, or dp × cp with context parallelism).
-        counted = coords["dp_replicate"] == 0 if self.engine.grads_sharded else coords["dp"] == coords["cp"] == 0
-        return own, share if counted else None
+            own = self.engine.local_grad_sq_sum()
+            return own, own if self._owns_grad[False] else None
+        named = zip(self.engine.master_names(), self.engine.masters())
+        sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
+        own = sharded + replicated
+        if not self._owns_grad[True]:  # no tp shard counts here, so no tp-replicated gradient either
+            return own, None
+        return own, own if self._owns_grad[False] else sharded
 
     def _decide(self, table: list[list[float]], names: list[str]) -> Verdict:
         loss_bad, grads_bad, stop, loss, grad_sq = table[:len(_FLAGS)]
         own = tuple(r for r, flag in enumerate(loss_bad) if flag)
         overflow = self.scaler.enabled and any(grads_bad) and not own
         culprits = own or (() if self.scaler.enabled else tuple(r for r, flag in enumerate(grads_bad) if flag))
-        # A data rank's values are written by every rank of its stage, tp and cp group: count one of each. Its
+        # A data rank's values are written by every rank of its stage, tp and cp group: count the owner's. Its
         # loss only by its last pipeline stage (the other stages write 0): summed over the stages; and by each
         # cp rank, its chunks' part: summed over the cp ranks.
-        coords = [self.mesh.shape.coords(r) for r in range(len(loss))]
-        once = [r for r, c in enumerate(coords) if c["tp"] == 0 and c["pp"] == 0 and c["cp"] == 0]
-        losses = [r for r, c in enumerate(coords) if c["tp"] == 0]
         rows = dict(zip(names, table[len(_FLAGS):]))
         return Verdict(skip=overflow or bool(culprits), overflow=overflow, nonfinite_ranks=culprits,
-                       stop=any(stop), loss_sum=math.fsum(loss[r] for r in losses),
+                       stop=any(stop), loss_sum=math.fsum(loss[r] for r in self._loss_ranks),
                        grad_norm=math.sqrt(math.fsum(grad_sq)),
-                       sums={name: sum(row[r] for r in once) for name, row in rows.items()},
+                       sums={name: sum(row[r] for r in self._data_ranks) for name, row in rows.items()},
                        per_rank={name: tuple(row) for name, row in rows.items()})
 
     def prepare_step(self) -> Verdict:
@@ -376,6 +359,13 @@ class ParallelModel(nn.Module):
     def after_step(self) -> None:
         """Parameters up to date with the masters; the fp16 loss scaler adapts; the next step may begin."""
         self.scaler.update(self.verdict.overflow if self.verdict is not None else False)
+        self.parameters_from_masters()
+
+    def parameters_from_masters(self) -> None:
+        """The parameters brought up to date with the masters (after a step, or after a checkpoint was loaded
+        into them), through the engine's post-step path (ZeRO-1/2: an all-gather of every rank's rows,
+        collective; mixed-precision DDP: the cast copy); the next step begins afresh. The loss scale
+        moves only in `after_step`: a loaded checkpoint took no step."""
         self.engine.after_step()
         self.verdict, self._result, self._phase = None, None, _Phase.BACKWARD
 
@@ -384,6 +374,35 @@ class ParallelModel(nn.Module):
 
     def _after_optimizer_step(self, *_) -> None:
         self.after_step()
+
+    # -- the state a checkpoint holds, and who owns which copy of it --------------------------------
+    def masters(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps (fp32; under ZeRO this rank's rows), in a fixed order."""
+        return self.engine.masters()
+
+    def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
+        """Per master, in `masters()` order: parameter name, the rows [lo, hi) of it the master holds (all of
+        them without ZeRO), and the parameter's shape on this rank (its tp slice)."""
+        return self.engine.master_rows()
+
+    def replicated_over(self, name: str, *, at_rest: bool = False) -> tuple[str, ...]:
+        """The mesh axes along which ranks hold equal copies of parameter `name`'s master (its gradient, its
+        checkpoint box) or, `at_rest`, of the parameter itself as the module holds it between steps
+        (ZeRO-1/2 shard the masters, not the parameters). `Mesh.owns` says which copy counts."""
+        data_sharded = self.engine.params_sharded if at_rest else self.engine.grads_sharded
+        return replicated_over(data_sharded, self.tp_info is not None and name in self.tp_info.sharded)
+
+    def loss_scale_state(self) -> dict:
+        """The fp16 loss scaler's state (scale, clean and skipped steps), for a checkpoint."""
+        return self.scaler.state_dict()
+
+    def load_loss_scale_state(self, state: dict) -> None:
+        self.scaler.load_state_dict(state)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the fp16 loss scaler skipped for overflowing gradients (0 without fp16)."""
+        return self.scaler.skipped_steps
 
     # -- whole-model views ------------------------------------------------------------------------
     def full_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
 from paratrain.config import Config, ConfigError, check_layout, check_values
 from paratrain.data import DataSampler, build_dataset
@@ -32,6 +33,7 @@ from paratrain.peak_memory import ProcessPeak
 from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, summary_writer_class, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
+from paratrain.parallel.contract import TrainableModel
 from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
@@ -54,7 +56,7 @@ class Run:
     eval_set: object
     tokenizer: object
     model_cfg: ModelConfig
-    model: object  # ParallelModel
+    model: TrainableModel
     optimizer: torch.optim.Optimizer
     sampler: DataSampler  # or a SampleRecorder around it (--log-samples)
     guard: StepGuard
@@ -67,6 +69,9 @@ class Run:
     # The process's memory peak, window by window: one per step (read at the step's agreement), the
     # first from process start (the build), the last to the end of the run (the sample and weights).
     memory: ProcessPeak = None
+    # The run's communication layer, which the model communicates through: its byte counts and blocked seconds
+    # are the metrics', its listeners the guard's. The run owns it (the model hands out none of its internals).
+    comm: Comm = None
 
     def __post_init__(self):
         self.memory = self.memory or ProcessPeak(self.mesh.device)
@@ -111,11 +116,12 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     out = prepare_run_dir(cfg, env)
     train_set, eval_set, tokenizer = load_data(cfg, env, out)
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout)
+    comm = Comm(mesh)
+    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
     dp = mesh.size("dp")
     accumulation = layout.accumulation
     sampler = DataSampler(len(train_set), t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
-    guard = StepGuard(cfg.reliability, model, env.rank, diagnostics_dir(out))
+    guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
                                       extra_state={"model_config": dataclasses.asdict(model_cfg)})
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
@@ -124,7 +130,8 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     log = MetricsLog(out / METRICS_FILE, tensorboard=out / TENSORBOARD_DIR if cfg.run.tensorboard else None,
                      purge_step=resumed + 1 if resumed else None) if env.is_main else None
     run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
-              checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device))
+              checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device),
+              comm=comm)
     if env.is_main:
         print(describe(run), flush=True)
     return run
@@ -141,13 +148,15 @@ def describe(run: Run) -> str:
             f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats")
 
 
-def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout: CheckedLayout | None = None):
+def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout: CheckedLayout | None = None,
+                         comm: Comm | None = None):
     """The reference model built on the meta device, materialized and wrapped for the mesh.
 
     parallelize() materializes only what the rank holds: its pipeline stages, its tensor-parallel
     slices, under ZeRO-3 its rows; each value is the slice of the same initialization
     (`weight_initializer`: seeded random, or the weights of --init-from). `layout`: the preflight's
-    verdict on the layout (None: parallelize decides the rules its mesh and options tell).
+    verdict on the layout (None: parallelize decides the rules its mesh and options tell). `comm`: the
+    run's communication layer (None: the model makes its own).
     """
     p = cfg.parallel
     with torch.device("meta"):
@@ -159,7 +168,7 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
                        pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
                        activation_checkpointing=p.activation_checkpointing, compile=p.compile,
-                       init=weight_initializer(model, cfg), checked=layout)
+                       init=weight_initializer(model, cfg), checked=layout, comm=comm)
 
 
 def weight_initializer(model: Transformer, cfg: Config):

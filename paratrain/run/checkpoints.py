@@ -93,7 +93,7 @@ class TrainingCheckpoints:
                                   f"{', '.join(missing)}")
         load_model_shards(self.model, self.optimizer, reader)
         self.sampler.load_state_dict(shared["sampler"])
-        self.model.scaler.load_state_dict(shared["scaler"])
+        self.model.load_loss_scale_state(shared["scaler"])
         self.guard.load_state_dict(shared["guard"])
         restored = self._restore_rng(reader, shared["layout"])
         if self.rank == 0:
@@ -183,7 +183,7 @@ class TrainingCheckpoints:
         start = time.perf_counter()
         shards = model_shards(self.model, self.optimizer)
         shared = {"step": step, "tokens_seen": tokens_seen, "run_id": self.run_id, "config": self.cfg.to_dict(),
-                  "layout": self.layout(), "scaler": self.model.scaler.state_dict(),
+                  "layout": self.layout(), "scaler": self.model.loss_scale_state(),
                   "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), **self.extra_state}
         rank_state = {"rng": rng_state()}
         if self.saver is not None:

@@ -1,6 +1,6 @@
 """Guards around each training step: non-finite steps, preemption, diverged replicas, failed collectives.
 
-    guard = StepGuard(cfg.reliability, model, rank, diagnostics_dir)
+    guard = StepGuard(cfg.reliability, model, comm, rank, diagnostics_dir)   # comm: the run's (`Run.comm`)
     with guard.running():                              # SIGTERM handled; the fingerprint ring closed at the end
         for step in ...:
             guard.begin_step(step)
@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from paratrain.checkpoint.format import CheckpointError
+from paratrain.comm import Comm
 from paratrain.config import ReliabilitySection
 from paratrain.run.diagnose import CollectiveFailure, FingerprintRing, any_failed, describe, mark_failed
 from paratrain.run.watchdog import StepWatchdog
@@ -73,12 +74,14 @@ OOM_HINT = ("lower --micro-batch or --seq-len, add --activation-checkpointing 1,
 
 
 class StepGuard:
-    """The step guards of one rank; see the module docstring. `rank` is the global rank."""
+    """The step guards of one rank; see the module docstring. `rank` is the global rank; `comm` the run's
+    communication layer, the one the model communicates through (its collectives are what the fingerprint
+    ring records, and the replica check runs its own on it)."""
 
-    def __init__(self, cfg: ReliabilitySection, model, rank: int, diagnostics: Path):
+    def __init__(self, cfg: ReliabilitySection, model, comm: Comm, rank: int, diagnostics: Path):
         self.cfg, self.rank, self.diagnostics = cfg, rank, Path(diagnostics)
         self.model = model
-        self.comm, self.mesh = model.comm, model.mesh
+        self.comm, self.mesh = comm, model.mesh
         self.world = self.mesh.shape.world_size
         self.step = 0
         self.stop_requested = False  # this rank got SIGTERM
@@ -182,13 +185,13 @@ class StepGuard:
     # -- replicas --------------------------------------------------------------------------
     def _replicated(self) -> list[tuple[str, list[torch.Tensor]]]:
         """(axis, the parameters held now that are equal across it) for dp (whole parameters: DDP, ZeRO-1/2),
-        dp_replicate (ZeRO-3's shards under hybrid sharding) and tp (those tensor parallelism does not split)."""
-        named = list(self.model.module.named_parameters())
-        sharded = set(self.model.tp_info.sharded) if self.model.tp_info is not None else set()
-        params_sharded = self.model.engine.params_sharded
-        over_dp = [] if params_sharded else [p for _, p in named]
-        over_replicas = [p for _, p in named] if params_sharded and self.mesh.replicas > 1 else []
-        return [("dp", over_dp), ("dp_replicate", over_replicas), ("tp", [p for n, p in named if n not in sharded])]
+        dp_replicate (ZeRO-3's shards under hybrid sharding) and tp (those tensor parallelism does not split):
+        each parameter under every axis `ParallelModel.replicated_over` names for it at rest."""
+        over = {"dp": [], "dp_replicate": [], "tp": []}
+        for name, param in self.model.module.named_parameters():
+            for axis in self.model.replicated_over(name, at_rest=True):
+                over[axis].append(param)
+        return list(over.items())
 
     def perturb(self) -> None:
         """The `perturb` fault: one replicated parameter changed by one unit in the last place, on this rank only."""

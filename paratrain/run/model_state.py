@@ -11,11 +11,13 @@ A rank's box of a master composes two splits:
   [lo, hi) (`paratrain.parallel.data.shard`), so the box's offset on dim 0 is the
   tp offset + lo and its shape (hi − lo, rest of the tp-local shape).
 
-Every box is written by exactly one rank: a master replicated over dp (DDP,
-zero=0) only by dp coordinate 0, a ZeRO shard kept by every replica of
-hybrid sharding only by dp_replicate coordinate 0, a parameter replicated
-over tp (not in ``tp_info.sharded``) only by tp coordinate 0, an empty box (trailing ZeRO
-ranks of a short tensor) by nobody. Element-wise optimizer state has its
+Every box is written by exactly one rank, the one that owns its copies
+(`paratrain.mesh`: `Mesh.owns` of the axes `ParallelModel.replicated_over`
+names): a master replicated over dp (DDP, zero=0) only by dp coordinate 0, a
+ZeRO shard kept by every replica of hybrid sharding only by dp_replicate
+coordinate 0, a parameter replicated over tp (not in ``tp_info.sharded``)
+only by tp coordinate 0, an empty box (trailing ZeRO ranks of a short
+tensor) by nobody. Element-wise optimizer state has its
 master's box. Scalar state (``step``) is a 0-d tensor, written by the rank
 that writes the master's first box (offset all zeros): a scalar rather than
 shared state because under pipeline parallelism rank 0 does not hold every
@@ -62,12 +64,9 @@ class MasterBox:
 
 def master_boxes(model) -> list[MasterBox]:
     """This rank's masters with their boxes, in the engine's order."""
-    engine, mesh, tp_info = model.engine, model.mesh, model.tp_info
-    dp_replicated = not engine.grads_sharded  # DDP: every dp rank holds the same whole masters
-    first_dp, first_tp = mesh.coord("dp") == 0, mesh.coord("tp") == 0
-    first_replica = mesh.coord("dp_replicate") == 0  # hybrid sharding: each shard group holds the same shards
+    mesh, tp_info = model.mesh, model.tp_info
     boxes = []
-    for master, (name, (lo, hi), local_shape) in zip(engine.masters(), engine.master_rows()):
+    for master, (name, (lo, hi), local_shape) in zip(model.masters(), model.master_rows()):
         local_shape = tuple(local_shape)
         if local_shape:
             global_shape, tp_offset = (tp_info.global_shape(name, local_shape) if tp_info is not None
@@ -75,8 +74,7 @@ def master_boxes(model) -> list[MasterBox]:
             offset, shape = (tp_offset[0] + lo, *tp_offset[1:]), (hi - lo, *local_shape[1:])
         else:  # a 0-d parameter: ZeRO shards it as one row of one element
             global_shape, offset, shape = (), (), ()
-        tp_replicated = tp_info is None or name not in tp_info.sharded
-        writer = (first_dp if dp_replicated else first_replica) and (first_tp or not tp_replicated) and hi > lo
+        writer = mesh.owns(model.replicated_over(name)) and hi > lo
         boxes.append(MasterBox(name, master, tuple(global_shape), tuple(offset), tuple(shape), hi == lo, writer))
     return boxes
 
@@ -175,8 +173,9 @@ def load_model_shards(model, optimizer, reader: CheckpointReader) -> None:
 
     Checks compatibility first (IncompatibleCheckpointError naming the first mismatching
     tensor and both shapes), then makes the model's parameters consistent with the loaded
-    masters through the engine's own post-step path (ZeRO-1/2: all-gather of every rank's
-    rows; mixed-precision DDP: the cast copy; ZeRO-3: nothing). Collective under ZeRO-1/2.
+    masters (`parameters_from_masters`: the engine's own post-step path; ZeRO-1/2: all-gather of
+    every rank's rows; mixed-precision DDP: the cast copy; ZeRO-3: nothing; the loss scale does
+    not move). Collective under ZeRO-1/2.
     The optimizer's state is replaced by the checkpoint's, placed as torch's own
     `Optimizer.load_state_dict` places it.
     """
@@ -191,7 +190,7 @@ def load_model_shards(model, optimizer, reader: CheckpointReader) -> None:
             states[box.master] = _read_state(box, reader, stored)
     if optimizer is not None:
         _load_optimizer_state(optimizer, states)
-    model.engine.after_step()
+    model.parameters_from_masters()
 
 
 def _read_state(box: MasterBox, reader: CheckpointReader, stored: set[str]) -> dict[str, torch.Tensor]:

@@ -338,7 +338,8 @@ class DataParallelEngine:
         self._launch_ready_buckets(in_backward=False)
         while self._in_flight:
             self._land(self._in_flight.popleft())
-        self._replica_sum.land()
+        if self.replicas > 1:  # hybrid sharding: the last shard's sum over the replicas
+            self._replica_sum.land()
         self._in_backward = False
 
     def finish_gradients(self) -> torch.Tensor:
@@ -364,7 +365,8 @@ class DataParallelEngine:
         self._used_mask = used_flags(self._used, device)
         while self._in_flight:
             self._land(self._in_flight.popleft())
-        self._replica_sum.land()
+        if self.replicas > 1:  # hybrid sharding: the last shard's sum over the replicas
+            self._replica_sum.land()
         self.comm.wait([b.work for b in self.buckets if self.stage == 0], self.data_axis)
         self._assign_master_grads()
         self._in_backward = self._accumulating = False

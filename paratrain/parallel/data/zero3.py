@@ -402,7 +402,8 @@ class FullyShardedEngine:
             return self._used_mask
         while self._in_flight:
             self._land(*self._in_flight.popleft())
-        self._replica_sum.land()
+        if self.replicas > 1:  # hybrid sharding: the last shard's sum over the replicas
+            self._replica_sum.land()
         self._used_mask = used_flags(self._used, self._device())
         for index, grad in self._new_grads.items():
             master = self._shards[index]

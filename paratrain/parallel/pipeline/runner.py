@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -79,10 +79,10 @@ class _Slot:
 class PipelineRunner:
     """This rank's pipeline stages, run by a schedule: the pipeline half of a `ParallelModel`.
 
-    `run(micro_batches, normalizer, loss_fn, model)` is the forward and backward of one
-    optimizer step (the model's `train_step` calls it); the model's engine, loss scaler and
-    device serve every stage; each stage's floating-point input is cast to `precision`'s compute
-    dtype as the stage begins. `tp_axis` names the tensor-parallel axis whose ranks share each
+    `run(micro_batches, normalizer, loss_fn, no_sync, scale_loss)` is the forward and backward of
+    one optimizer step (a `ParallelModel`'s `train_step` calls it with its engine's `no_sync` and
+    its loss scaler's `scale_loss`: the runner knows neither the model nor its engine); each
+    stage's floating-point input is cast to `precision`'s compute dtype as the stage begins. `tp_axis` names the tensor-parallel axis whose ranks share each
     boundary tensor (None: no tensor parallelism): they send a slice each, the receivers gather.
     """
 
@@ -113,16 +113,15 @@ class PipelineRunner:
             self._schedules[num_microbatches] = schedule
         return self._schedules[num_microbatches]
 
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], normalizer, loss_fn, model):
-        """Forward and backward of every (inputs, labels) micro-batch in schedule order; a `StepResult`.
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], normalizer, loss_fn,
+            no_sync: Callable[[], ContextManager], scale_loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of every (inputs, labels) micro-batch in schedule order; this rank's token-loss sum.
 
-        Each micro-batch's loss is `loss_fn(output, labels) / normalizer` on the last stage. The
-        result holds this rank's own token-loss sum and non-finite flag: the last stage's are the
-        step's, the other stages' zero and false. No collective of its own: the step's agreement
-        carries the last stage's sum to every stage (`ParallelModel.agree`).
+        Each micro-batch's loss is `scale_loss(loss_fn(output, labels) / normalizer)` on the last
+        stage; every backward but this rank's last runs inside `no_sync()`. The sum (fp64, on the
+        device) is the step's on the last stage, zero on the others. No collective of its own: the
+        step's agreement carries the last stage's sum to every stage (`ParallelModel.agree`).
         """
-        from paratrain.parallel.model import StepResult
-
         schedule = self.schedule(len(micro_batches))
         actions = schedule.actions[self.pp_rank]
         grad_kind = Kind.W if schedule.split_backward else Kind.B
@@ -133,14 +132,14 @@ class PipelineRunner:
         shapes = self._boundary_shapes(batches[0][0])
         for _, index, action, inbox, outbox in self._walk(schedule, shapes):
             # Data-parallel gradient communication runs in this rank's last backward of the step only.
-            with model.no_sync() if index != last_grad else contextlib.nullcontext():
+            with no_sync() if index != last_grad else contextlib.nullcontext():
                 if action.kind is Kind.F:
-                    loss_sum += self._forward(action, batches, normalizer, loss_fn, model, slots, inbox, outbox)
+                    loss_sum += self._forward(action, batches, normalizer, loss_fn, scale_loss, slots, inbox, outbox)
                 elif action.kind is Kind.B:
                     self._backward(action, slots, schedule.split_backward, inbox, outbox)
                 else:
                     self._weight_backward(action, slots)
-        return StepResult(loss_sum, ~torch.isfinite(loss_sum))
+        return loss_sum
 
     def _walk(self, schedule: Schedule, shapes: dict):
         """This rank's actions in order, the groups of transfers between them done on the way.
@@ -164,14 +163,14 @@ class PipelineRunner:
                 index += 1
         self._exchange(*groups[-1], outbox, shapes)  # and every send of the step is complete
 
-    def _forward(self, action: Action, batches, normalizer, loss_fn, model, slots, inbox, outbox) -> torch.Tensor:
+    def _forward(self, action: Action, batches, normalizer, loss_fn, scale_loss, slots, inbox, outbox) -> torch.Tensor:
         mb, s = action.microbatch, action.stage
         inputs, labels = batches[mb]
         x = inputs if s == 0 else inbox.pop(("activation", mb, s - 1)).requires_grad_()
         out = self._run_stage(s, x)  # x stays the leaf whose gradient goes back, in the dtype it came in
         if s == self.last_stage:
             token_loss = loss_fn(out, labels)
-            slots[mb, s] = _Slot(x if s > 0 else None, model.scale_loss(token_loss / normalizer))
+            slots[mb, s] = _Slot(x if s > 0 else None, scale_loss(token_loss / normalizer))
             return token_loss.detach()
         outbox["activation", mb, s] = out.detach()
         slots[mb, s] = _Slot(x if s > 0 else None, out)

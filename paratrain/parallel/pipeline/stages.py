@@ -89,7 +89,7 @@ class StageSplit:
         model = self.module
         shell = type(model).__new__(type(model))
         nn.Module.__init__(shell)
-        shell.config = model.config
+        shell.config, shell.head_dim = model.config, model.head_dim  # what Transformer.forward reads besides modules
         shell.tok_embeddings = model.tok_embeddings if first else None
         shell.layers = nn.ModuleDict({k: model.layers[k] for k in keys})
         shell.norm = model.norm if last else None

@@ -15,7 +15,8 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.parallel.norm import sum_of_squares
-from paratrain.parallel.tensor.layers import cross_entropy, gather_full, vocab_parallel_cross_entropy
+from paratrain.parallel.tensor.layers import gather_full, vocab_parallel_cross_entropy
+from paratrain.precision import cross_entropy
 
 
 @dataclass

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.precision import cross_entropy  # noqa: F401  (the whole-vocabulary loss, kept importable here)
 from paratrain.parallel.tensor.primitives import (
     InitFn, TensorParallelError, check_divisible, _all_gather, reduce_from_tp, gather_from_tp, reduce_scatter_sequence, enter_tp_region,
 )
@@ -297,15 +298,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_grad = row_grad.masked_fill(~here, 0.0).unsqueeze(-1).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -target_grad)
         return grad.to(ctx.logits_dtype), None, None, None, None
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                  reduction: str = "sum") -> torch.Tensor:
-    """`F.cross_entropy` of logits [.., V] against targets [..], computed in at least fp32."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction)
-    return loss.view(targets.shape) if reduction == "none" else loss
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm, axis: str = "tp",
