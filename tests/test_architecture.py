@@ -260,7 +260,7 @@ def test_the_parallel_model_keeps_its_contract():
     assert model.masters() and model.replicated_over("0.weight") == ("dp_replicate", "tp")
     assert model.replicated_over("0.weight", at_rest=True) == ("dp_replicate", "tp")
     ddp, _ = parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=0))
-    assert ddp.replicated_over("weight") == ddp.replicated_over("weight", at_rest=True) == ("dp", "tp")
+    assert ddp.replicated_over("weight") == ddp.replicated_over("weight", at_rest=True) == ("dp", "cp", "tp")
 
 
 # -- one training step's path through the code --------------------------------------------------------

@@ -42,7 +42,8 @@ def test_every_set_of_copies_of_a_tensor_has_exactly_one_owner(data_sharded, tp_
 
 
 def test_what_is_replicated_where():
-    assert replicated_over(data_sharded=False, tp_sharded=False) == ("dp", "tp")  # DDP's masters, tp-replicated
+    # DDP's masters, tp-replicated: alike on every data rank and every cp rank (other tokens, same parameters)
+    assert replicated_over(data_sharded=False, tp_sharded=False) == ("dp", "cp", "tp")
     assert replicated_over(data_sharded=True, tp_sharded=True) == ("dp_replicate",)  # a ZeRO shard of a tp slice
 
 
