@@ -201,37 +201,66 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     pipeline = pipeline or PipelineParallel()
     _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing)
     comm = comm or Comm(mesh)
+    # 0. Context parallelism reads the model as the user built it: only its forward's signature (how it
+    #    takes positions) matters, which no step below changes; it never touches the parameters.
     sharding = _context_sharding(model, mesh, comm, context)
-    split = None
-    # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built
-    #    there), and everything after works on that smaller module under the same names.
-    if mesh.size("pp") > 1:
-        from paratrain.parallel.pipeline.stages import split_for_pipeline
-
-        split = split_for_pipeline(model, mesh.size("pp"), mesh.coord("pp"), pipeline.virtual_stages,
-                                   list(pipeline.boundaries) if pipeline.boundaries is not None else None)
-        model = split.module
+    # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built there),
+    #    and everything after works on that smaller module under the same names.
+    split = _split(model, mesh, pipeline)
+    model = split.module if split is not None else model
     if init is None and any(p.is_meta for p in model.parameters()):
         init = _default_init(model)
-    tp_info = None
-    # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and
-    #    everything after (recomputation, gradient buckets, ZeRO shards) must see those slices.
-    if mesh.size("tp") > 1 or tensor.plan is not None:
-        tp_info, init = _apply_tensor_parallel(model, mesh, comm, tensor.plan, tensor.sequence_parallel, init,
-                                               materialize=data.zero < 3, device=mesh.device,
-                                               whole_model=split is None)
-        if split is not None and tensor.sequence_parallel:
-            from paratrain.parallel.pipeline.stages import sequence_parallel_boundaries
+    # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and everything
+    #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
+    tp_info, init = _tensor(model, mesh, comm, tensor, data, split, init)
+    # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
+    _materialize_or_move(model, init, mesh.device, data)
+    # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
+    #    parallelism left them, below the module hooks the engine registers after (ZeRO-3 gathers in
+    #    them, outside the compiled regions; a recompute finds whole parameters through the engine's
+    #    saved-tensor hooks).
+    _recompute_and_compile(model, comm, checkpointing, compile, sharding)
+    # 5. The data-parallel engine: it sees the final parameters it has to reduce.
+    engine = _engine(model, mesh, comm, policy, data, init)
+    # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
+    runner = _runner(split, mesh, comm, policy, pipeline, tp_info)
+    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding)
+    # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
+    return wrapped, _optimizer(optimizer, wrapped, engine, data)
 
-            tp_info.handles += sequence_parallel_boundaries(split, comm, tp_info.axis)
+
+def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):
+    """This rank's pipeline stages of `model` (a `PipelineSplit`), or None without pipeline parallelism."""
+    if mesh.size("pp") == 1:
+        return None
+    from paratrain.parallel.pipeline.stages import split_for_pipeline
+
+    return split_for_pipeline(model, mesh.size("pp"), mesh.coord("pp"), pipeline.virtual_stages,
+                              list(pipeline.boundaries) if pipeline.boundaries is not None else None)
+
+
+def _tensor(model: nn.Module, mesh: Mesh, comm: Comm, tensor: TensorParallel, data: DataParallel, split, init):
+    """Tensor parallelism applied in place: (what the plan did or None, the initializer of the local slices)."""
+    if mesh.size("tp") == 1 and tensor.plan is None:
+        return None, init
+    tp_info, init = _apply_tensor_parallel(model, mesh, comm, tensor.plan, tensor.sequence_parallel, init,
+                                           materialize=data.zero < 3, device=mesh.device, whole_model=split is None)
+    if split is not None and tensor.sequence_parallel:
+        from paratrain.parallel.pipeline.stages import sequence_parallel_boundaries
+
+        tp_info.handles += sequence_parallel_boundaries(split, comm, tp_info.axis)
+    return tp_info, init
+
+
+def _materialize_or_move(model: nn.Module, init, device: torch.device, data: DataParallel) -> None:
     if data.zero < 3:
-        _materialize(model, init, mesh.device)
+        _materialize(model, init, device)
     else:  # the parameters become shards on the device one by one; the buffers move as they are
-        _move_buffers(model, mesh.device)
-    # 3. Recomputation and compilation of each block next: both wrap the forward of the blocks as tensor
-    #    parallelism left them (its layers inside, their collectives traced as custom operators), below
-    #    the module hooks that the engine registers after (ZeRO-3 gathers in them, outside the compiled
-    #    regions; a recompute finds whole parameters through the engine's saved-tensor hooks).
+        _move_buffers(model, device)
+
+
+def _recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpointing, compile: bool | str,
+                           sharding) -> None:
     if compile:
         if sharding is not None:  # the ring answers SDPA through a function mode, which a compiled block bypasses
             raise ParallelConfigError("compile with context parallelism (cp > 1) is not supported yet; drop one")
@@ -240,35 +269,44 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         compile_blocks(model, comm, checkpointing, backend="inductor" if compile is True else compile)
     elif checkpointing.enabled:
         checkpoint_blocks(model, checkpointing)
-    # 4. The data-parallel engine last: it sees the final parameters it has to reduce.
+
+
+def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: DataParallel, init):
+    """The data-parallel engine of `data.zero`'s stage over the model's final parameters."""
     reduction = data.grad_reduction.value
     if data.zero == 3:
         from paratrain.parallel.data.zero3 import FullyShardedEngine
 
         prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
-        engine = FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
-                                    prefetch=prefetch)
-    else:
-        engine = DataParallelEngine(model, mesh, comm, policy, stage=data.zero, bucket_mb=data.bucket_mb,
-                                    grad_reduction=reduction)
-    runner = None
-    if split is not None:
-        from paratrain.parallel.pipeline.runner import PipelineRunner
+        return FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
+                                  prefetch=prefetch)
+    return DataParallelEngine(model, mesh, comm, policy, stage=data.zero, bucket_mb=data.bucket_mb,
+                              grad_reduction=reduction)
 
-        # Built last: a stage's shell shares the modules the steps above may have replaced.
-        runner = PipelineRunner(split, pipeline.schedule, mesh, comm, policy, tp_axis=tp_info.axis if tp_info else None)
-        runner.schedule(mesh.size("pp"))  # a schedule that cannot run fails now, not at step 1
-    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding)
-    if optimizer is None:
-        return wrapped, None
-    opt = optimizer(engine.masters())
+
+def _runner(split, mesh: Mesh, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info):
+    """The pipeline runner of this rank's stages, or None without pipeline parallelism."""
+    if split is None:
+        return None
+    from paratrain.parallel.pipeline.runner import PipelineRunner
+
+    runner = PipelineRunner(split, pipeline.schedule, mesh, comm, policy, tp_axis=tp_info.axis if tp_info else None)
+    runner.schedule(mesh.size("pp"))  # a schedule that cannot run fails now, not at step 1
+    return runner
+
+
+def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
+    """The caller's optimizer over the engine's masters, or None without a factory."""
+    if factory is None:
+        return None
+    opt = factory(engine.masters())
     if data.zero > 0 and not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
         raise ParallelConfigError(
             f"ZeRO shards optimizer state element by element, which {type(opt).__name__} does not allow; "
             f"use zero=0 or one of {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}")
     opt.register_step_pre_hook(wrapped._before_optimizer_step)
     opt.register_step_post_hook(wrapped._after_optimizer_step)
-    return wrapped, opt
+    return opt
 
 
 def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
