@@ -10,7 +10,7 @@ that need no tensors (`paratrain plan`, `paratrain models`), do not pay for impo
 
 from __future__ import annotations
 
-import importlib
+from paratrain.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -25,12 +25,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

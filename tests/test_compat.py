@@ -115,8 +115,9 @@ def test_backward_is_detected_its_pass_identified_and_a_callback_runs_at_its_end
     assert ended == [True, True], "each callback ran once, as its backward finished"
 
 
-def _alone_in_backward(make_grad_holders) -> list[bool]:
-    """held_alone() of the gradient a custom Function's backward receives, after `make_grad_holders(grad)`."""
+def _alone_in_backward(make_grad_holders=lambda grad: None, shared: bool = False) -> list[bool]:
+    """held_alone() of the gradient a custom Function's backward receives, after `make_grad_holders(grad)`;
+    `shared`: its output is added to another branch's, so autograd hands the same gradient to both."""
     seen = []
 
     class Probe(torch.autograd.Function):
@@ -130,42 +131,18 @@ def _alone_in_backward(make_grad_holders) -> list[bool]:
             seen.append(compat.held_alone(grad))
             return grad
 
-    x = torch.zeros(4, requires_grad=True)
-    (Probe.apply(x * 1.0) * 2.0).sum().backward()
+    x, z = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    zz = z * 1.0  # made first, so its backward runs after the probe's
+    out = Probe.apply(x * 1.0)
+    ((out + zz if shared else out) * 2.0).sum().backward()
     return seen
 
 
 def test_a_gradient_is_held_alone_only_without_other_references_or_views():
-    assert _alone_in_backward(lambda grad: None) == [True], "a product's fresh gradient"
+    assert _alone_in_backward() == [True], "a product's fresh gradient"
     assert _alone_in_backward(lambda grad: grad[:2]) == [False], "a view shares its storage"
     assert _alone_in_backward(lambda grad: grad.detach()) == [False], "another tensor on the same storage"
-
-    # A gradient autograd hands to two branches (an add passes its own to both inputs) is not alone.
-    seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(compat.held_alone(grad))
-            return grad
-
-    x, z = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
-    zz = z * 1.0  # made first, so its backward runs after the probe's
-    ((Probe.apply(x * 1.0) + zz) * 2.0).sum().backward()
-    assert seen == [False]
-
-
-def test_a_storage_is_alone_until_a_view_or_an_alias_shares_it():
-    t = torch.zeros(4)
-    assert compat.storage_alone(t)
-    alias = t.detach()
-    assert not compat.storage_alone(t) and not compat.storage_alone(alias)
-    del alias
-    assert compat.storage_alone(t)
+    assert _alone_in_backward(shared=True) == [False], "a gradient autograd hands to two branches"
 
 
 # -- dispatch modes and pytrees -----------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch.
 
 from __future__ import annotations
 
-import importlib
+from paratrain.lazy import lazy_getattr
 
 from paratrain.models.configs import (MODEL_CONFIGS, RECIPES, ModelConfig, ModelConfigError, Recipe, get_model_config,
                                       get_recipe)
@@ -29,9 +29,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'paratrain.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -12,7 +12,7 @@ imported on first use (PEP 562), so that the planner, which reads schedules only
 
 from __future__ import annotations
 
-import importlib
+from paratrain.lazy import lazy_getattr
 
 from paratrain.parallel.pipeline.schedules import (  # noqa: F401
     DEFAULT_SCHEDULE, SCHEDULES, Action, Kind, Schedule, ScheduleName, build_schedule,
@@ -22,9 +22,4 @@ _LAZY = {"PipelineRunner": "paratrain.parallel.pipeline.runner", "PipelineError"
          "StageSplit": "paratrain.parallel.pipeline.stages", "split_for_pipeline": "paratrain.parallel.pipeline.stages"}
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'paratrain.parallel.pipeline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
