@@ -148,3 +148,26 @@ def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
         ContextSharding(NoPositions(), _fake_cp_comm())
     with pytest.raises(ContextParallelError, match="found no F.scaled_dot_product_attention call in NoSdpa"):
         ContextSharding(NoSdpa(), _fake_cp_comm()).forward(NoSdpa(), (torch.zeros(1, 8, dtype=torch.long),), {})
+
+
+def _steps_under_the_meta_trap(rank, world):
+    """Two training steps at cp2 with the default device set to meta (as `tests/test_gpu_traps.py` sets it):
+    a split, ring buffer or exchange tensor made without naming a device lands on meta and fails."""
+    import functools
+
+    from paratrain.parallel.api import parallelize
+    from paratrain.train import train_step
+    from tests.parallel_cases import batches, make_model
+
+    mesh = build_mesh(MeshShape(cp=world))
+    model, optimizer = parallelize(make_model(), mesh, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    losses, data = [], batches(steps=2)
+    with torch.device("meta"):
+        for x, y in data:
+            losses.append(train_step(model, optimizer, [(x, y)], float(y.numel())).loss)
+    return losses
+
+
+def test_the_ring_allocates_nothing_on_the_default_device():
+    losses = run_on_ranks(_steps_under_the_meta_trap, 2, timeout=120)
+    assert losses[0] == losses[1] and len(losses[0]) == 2 and all(loss == loss for loss in losses[0])
