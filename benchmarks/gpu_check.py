@@ -115,12 +115,12 @@ def paratrain_losses(cfg: ModelConfig, data, layout: dict) -> list[float]:
         init=functools.partial(model_on_meta(cfg).param_init, seed=0))
     dp, rank = mesh.size("dp"), mesh.coord("dp")
     losses = []
-    for step, (x, y) in enumerate(data, start=1):
+    for x, y in data:
         rows = x.shape[0] // dp
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         micro = max(1, rows // (2 * mesh.size("pp"))) if mesh.size("pp") > 1 else rows
         pieces = [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)]
-        losses.append(train_step(model, optimizer, pieces, 1.0, step=step).loss)
+        losses.append(train_step(model, optimizer, pieces, 1.0).loss)
     return losses
 
 
@@ -188,8 +188,8 @@ def check_checkpoint(device, steps: int, fused: bool = False) -> dict:
 
     model, optimizer = build()
     with tempfile.TemporaryDirectory() as root:
-        for step, (x, y) in enumerate(data[:steps], start=1):
-            train_step(model, optimizer, [(x, y)], 1.0, step=step)
+        for x, y in data[:steps]:
+            train_step(model, optimizer, [(x, y)], 1.0)
         save_checkpoint(root, steps, model_shards(model, optimizer), coordinator=LocalCoordinator())
         went_on = [train_step(model, optimizer, [(x, y)], 1.0).loss for x, y in data[steps:]]
         fresh, fresh_optimizer = build()

@@ -106,11 +106,11 @@ def _train(case: Case, mesh, compiled: bool) -> dict:
     stats = torch._dynamo.utils.counters
     breaks_before = sum(stats["graph_break"].values())
     graphs, losses = [stats["stats"]["unique_graphs"]], []
-    for step, (x, y) in enumerate(batches(steps=STEPS, batch=rows * dp, seq=SEQ), start=1):
+    for x, y in batches(steps=STEPS, batch=rows * dp, seq=SEQ):
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         model.comm.reset()
         outcome = train_step(model, optimizer, [(x[i:i + ROWS], y[i:i + ROWS]) for i in range(0, rows, ROWS)],
-                             1.0, step=step)
+                             1.0)
         losses.append(outcome.loss)
         graphs.append(stats["stats"]["unique_graphs"])
     return {"losses": losses, "params": model.full_state_dict(), "graphs": graphs, "comm": model.comm.summary(),
