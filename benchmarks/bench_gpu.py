@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import paratrain
-from gpu_check import SIZES, adamw, batches, model_on_meta
+from gpu_check import SIZES, adamw, batches, measure, model_on_meta
 from paratrain import DataParallel
 from paratrain.hardware import device_peak_flops
 from paratrain.models import ModelConfig, get_model_config
@@ -185,27 +184,6 @@ def build_paratrain(cfg: ModelConfig, row: Row, kwargs: dict, x, y):
 
 # -- measuring -------------------------------------------------------------------------------------------------
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(step, device, warmup: int, steps: int) -> dict:
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return {"step_s": {"min": min(times), "median": statistics.median(times), "max": max(times), "all": times},
-            "peak_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-
-
 def free(device) -> int | None:
     """Drop what the finished row left (compiled code included); the bytes still allocated after that."""
     torch._dynamo.reset()
@@ -254,7 +232,7 @@ def run_row(row: Row, cfg: ModelConfig, batch: int, seq: int, device, args, pres
         out["mfu"] = cfg.flops_per_token(seq) * batch * seq / median / peak if peak else None
         p = out["predicted"]
         p["time_ratio"] = median / p["step_s"] if p["step_s"] else None
-        p["memory_ratio"] = out["peak_allocated"] / p["peak_bytes"] if out["peak_allocated"] else None
+        p["memory_ratio"] = out["max_memory_allocated"] / p["peak_bytes"] if out["max_memory_allocated"] else None
     return out
 
 
@@ -338,7 +316,7 @@ def summary(r: dict) -> str:
     mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
     ratio = (lambda v: "-" if v is None else f"{v:.2f}")
     return (f"{s['min']:.3f} / {s['median']:.3f} / {s['max']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
-            f"{gib(r['peak_allocated'])} | {gib(r.get('allocated_before'))} | {gib(r.get('left_by_row'))} | "
+            f"{gib(r['max_memory_allocated'])} | {gib(r.get('allocated_before'))} | {gib(r.get('left_by_row'))} | "
             f"{'-' if p['step_s'] is None else format(p['step_s'], '.3f')} ({ratio(p['time_ratio'])}) | "
             f"{gib(p['peak_bytes'])} ({ratio(p['memory_ratio'])})")
 

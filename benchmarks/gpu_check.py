@@ -238,7 +238,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _measure(step, device, warmup: int, steps: int) -> dict:
+def measure(step, device, warmup: int, steps: int) -> dict:
+    """Time `steps` calls of `step` after `warmup` (synchronized on CUDA): min, median, max and every time, and
+    the peak of allocated device memory over the timed steps (None off CUDA). bench_gpu.py measures with it too."""
     for _ in range(warmup):
         step()
     _sync(device)
@@ -251,7 +253,7 @@ def _measure(step, device, warmup: int, steps: int) -> dict:
         _sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"step_s": {"min": min(times), "median": statistics.median(times), "max": max(times)},
+    return {"step_s": {"min": min(times), "median": statistics.median(times), "max": max(times), "all": times},
             "max_memory_allocated": peak}
 
 
@@ -281,11 +283,11 @@ def check_throughput(cfg: ModelConfig, device, batch: int, seq: int, warmup: int
     peak = device_peak_flops(device)
     out = {}
 
-    out["pytorch_eager"] = _measure(_eager_step(cfg, x, y, device), device, warmup, steps)
+    out["pytorch_eager"] = measure(_eager_step(cfg, x, y, device), device, warmup, steps)
     pmodel, poptimizer = paratrain.parallelize(model_on_meta(cfg), paratrain.init_mesh(), optimizer=adamw,
                                                precision="bf16", data=DataParallel(grad_reduction="sum"),
                                                init=functools.partial(model_on_meta(cfg).param_init, seed=0))
-    out["paratrain"] = _measure(lambda: train_step(pmodel, poptimizer, [(x, y)], 1.0), device, warmup, steps)
+    out["paratrain"] = measure(lambda: train_step(pmodel, poptimizer, [(x, y)], 1.0), device, warmup, steps)
     for result in out.values():
         median = result["step_s"]["median"]
         result["tokens_per_s"] = tokens / median
