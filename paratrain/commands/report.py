@@ -121,8 +121,8 @@ def data_ranks(config: dict, records: list[dict]) -> int:
     ranks = records[0].get("peak_mem_bytes_per_rank")  # gathered over the dp axis
     if ranks:
         return len(ranks)
-    return max(1, config.get("run", {}).get("nproc", 1) // ((parallel.get("tp") or 1) * (parallel.get("pp") or 1)
-                                                            * (parallel.get("cp") or 1)))
+    tp_cp_pp = (parallel.get("tp") or 1) * (parallel.get("cp") or 1) * (parallel.get("pp") or 1)
+    return max(1, config.get("run", {}).get("nproc", 1) // tp_cp_pp)
 
 
 def layout_of(config: dict, dp: int) -> str:
@@ -358,12 +358,10 @@ def planned_inputs(run: Run):
         workload = Workload.for_model(model, seq_len=c["data"]["seq_len"], global_batch=t["global_batch"],
                                       precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"))
         pp = p.get("pp") or 1
-        layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, cp=p.get("cp") or 1, zero=p.get("zero", 0),
-                        dp_shard=p.get("dp_shard") or 0,
-                        micro_batch=t["micro_batch"],
-                        sequence_parallel=bool(p.get("sequence_parallel")),
+        layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), dp_shard=p.get("dp_shard") or 0,
+                        micro_batch=t["micro_batch"], sequence_parallel=bool(p.get("sequence_parallel")),
                         recompute=Checkpointing.parse(p.get("activation_checkpointing") or 0).planned,
-                        schedule=p.get("schedule") or DEFAULT_SCHEDULE,
+                        schedule=p.get("schedule") or DEFAULT_SCHEDULE, cp=p.get("cp") or 1,
                         virtual_stages=(p.get("virtual_stages") or 1) if pp > 1 else 1,
                         bucket_mb=p.get("bucket_mb") or 25.0, compile=bool(p.get("compile")))
     except (KeyError, TypeError, ValueError):  # an older or hand-written config: no estimate
