@@ -118,3 +118,19 @@ def test_the_128k_search_picks_context_parallelism_because_nothing_else_fits():
     short = search(dataclasses.replace(work, seq_len=4096, global_batch=512), 64, H100,
                    SearchSpace(zero=(3,), micro_batch=(1,)))
     assert {e.layout.cp for e in short.ranked} == {1}  # cp is tried for long sequences only
+
+
+def test_the_issues_command_picks_cp_and_a_fixed_cp_is_estimated(capsys):
+    """`paratrain plan --model llama3-8b --seq 131072 --gpus 64`, as the issue spells it (no --global-batch: 4M
+    tokens per step), picks cp > 1; `--cp` fixes the degree of one estimate, whose step time shows the ring."""
+    import json
+
+    from paratrain.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--seq", "131072", "--gpus", "64", "--json", "--top", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["global_batch"] == 32 and doc["layouts"][0]["cp"] > 1
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "131072", "--cp", "8", "--tp", "8",
+                 "--sequence-parallel", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: dp=1 cp=8 tp=8" in out and "cp comm (exposed)" in out and "fits in 80 GB" in out
