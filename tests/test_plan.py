@@ -388,7 +388,7 @@ def test_layout_violations_cover_search_only_rules():
     (["--params", "7.5X"], "--params '7.5X' is not a count"),
     (["--model", "gpt5"], "unknown model 'gpt5'"),
     (["--model", "llama2-70b", "--tp", "3"], "heads 64 not divisible by tp 3"),
-    (["--model", "llama2-70b", "--gpus", "64"], "--gpus needs --global-batch"),
+    (["--model", "llama2-70b", "--gpus", "0"], "--gpus must be a positive integer"),
     (["--params", "7B", "--tp", "2"], "tp and pp need the model's shape"),
     (["--layers", "4"], "missing --hidden, --heads"),
     (["--model", "tiny", "--gpu-memory", "lots"], "--gpu-memory 'lots' is not a memory size"),

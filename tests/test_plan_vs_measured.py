@@ -3,8 +3,8 @@
 For every layout the data-parallel tests run (dp 2 and 4, ZeRO 0-3, fp32 and bf16), the
 planner's params, grads, fp32 master and Adam moments (and their total) must agree with the
 bytes of the tensors that exist on a rank after a step, and its dp bytes per step with what
-paratrain.comm counted, within 10%. The tensor, sequence and pipeline layouts the other parity
-tests run are checked the same way, per mesh axis. Both sides see the same model and batch.
+paratrain.comm counted, within 10%. The tensor, sequence, pipeline and context-parallel layouts the
+other parity tests run are checked the same way, per mesh axis. Both sides see the same model and batch.
 """
 
 from __future__ import annotations
@@ -88,16 +88,20 @@ LAYOUTS_4 = {  # name: (Layout, global batch rows per micro-batch on each data r
     "pp2_dp2_gpipe_zero1": Layout(pp=2, dp=2, zero=1, micro_batch=2, schedule=ScheduleName.GPIPE),
     "pp2_tp2_sp_interleaved": Layout(pp=2, tp=2, sequence_parallel=True, micro_batch=2,
                                      schedule=ScheduleName.INTERLEAVED, virtual_stages=2),
+    # the ring's K/V sends on cp, ZeRO-1 over the dp × cp ranks on dp_cp
+    "dp2_cp2_zero1": Layout(dp=2, cp=2, zero=1, micro_batch=2),
 }
 
 
 def _config_for(layout: Layout):
+    if layout.cp > 1:  # the reference model repeats K/V to the query heads before SDPA on the CPU: the ring carries
+        return dataclasses.replace(EIGHT_LAYERS, n_kv_heads=EIGHT_LAYERS.n_heads)  # H heads, which Hk = H plans
     return dataclasses.replace(EIGHT_LAYERS, n_heads=8, n_kv_heads=4) if layout.tp == 4 else EIGHT_LAYERS
 
 
 def _measure_layout(layout: Layout):
     """Two steps; comm bytes per axis of the second (pipeline shapes are agreed in the first) and model state."""
-    mesh = build_mesh(MeshShape(pp=layout.pp, dp=layout.dp, tp=layout.tp))
+    mesh = build_mesh(MeshShape(pp=layout.pp, dp=layout.dp, tp=layout.tp, cp=layout.cp))
     with torch.device("meta"):
         model = Transformer(_config_for(layout))
     model, optimizer = parallelize(model, mesh, optimizer=adamw, init=lambda name,
@@ -139,7 +143,7 @@ def test_tensor_and_pipeline_layouts_match_the_planner(name):
     workload = Workload.for_model(_config_for(layout), seq_len=SEQ, global_batch=BATCH, precision="fp32",
                                   reduce_dtype="fp32")
     planned_comm = comm_bytes_per_rank(workload, layout)
-    for axis in ("dp", "tp", "pp"):
+    for axis in planned_comm:  # dp (dp_cp under cp), tp, pp, and cp under cp
         measured_axis = max(comm.get(axis, 0) for comm, _ in per_rank)
         assert _agrees(measured_axis, planned_comm[axis]), (axis, measured_axis, planned_comm[axis])
     m = estimate_memory(workload, layout)

@@ -231,8 +231,6 @@ def _budget(args, est: Estimate | None):
 def _run_search(args, opts: dict, workload: Workload, name: str, hardware: Hardware) -> int:
     if args.gpus < 1:
         raise PlanError(f"--gpus must be a positive integer, got {args.gpus}")
-    if workload.global_batch is None:
-        raise PlanError("--gpus needs --global-batch (sequences per optimizer step)")
     if args.top < 1:
         raise PlanError(f"--top must be a positive integer, got {args.top}")
     result = search(workload, args.gpus, hardware, space_from_args(args, opts), top=args.top)
@@ -270,7 +268,8 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
     what = f"{name} ({workload.num_params / 1e9:.2f}B parameters)" if workload.model else \
         f"{workload.num_params / 1e9:g}B parameters, model states only"
     batch = f"global batch {workload.global_batch}"
-    if args is not None and "train.global_batch" not in given_options(args) and args.tokens is not None:
+    if args is not None and "train.global_batch" not in given_options(args) and (args.tokens is not None
+                                                                                 or args.gpus is not None):
         batch += f" (assumed: {workload.global_batch * workload.seq_len / 1e6:.1f}M tokens per step, Llama 2's 4M)"
     curve = hardware.gemm(workload.precision)
     intra, inter = hardware.intra_node_bytes_per_s / 1e9, hardware.inter_node_bytes_per_s / 1e9
@@ -306,8 +305,10 @@ def format_memory(memory: MemoryBreakdown, limit: float | None = None) -> str:
 def format_time(est: Estimate, hardware: Hardware) -> str:
     """Step time breakdown, FLOPs and communication volume of one estimate."""
     t = est.time
-    rows = [("compute", t.compute), ("tp comm (exposed)", t.tp_comm), ("pp comm (exposed)", t.pp_comm),
-            ("dp comm (exposed)", t.dp_comm)]
+    rows = [("compute", t.compute), ("tp comm (exposed)", t.tp_comm), ("pp comm (exposed)", t.pp_comm)]
+    if est.layout.cp > 1:  # the ring attention's K/V traffic that its blocks' compute does not hide
+        rows.append(("cp comm (exposed)", t.cp_comm))
+    rows.append(("dp comm (exposed)", t.dp_comm))
     if est.layout.dp_replicate > 1:  # hybrid sharding: the data axis's two parts, on their own links
         rows += [(f"  {axis}", seconds) for axis, seconds in t.dp_comm_by_axis.items()]
     rows += [("pipeline bubble", t.bubble), ("optimizer step", t.optimizer)]
@@ -329,8 +330,8 @@ def format_search(result: SearchResult, workload: Workload, name: str, hardware:
              f"{result.num_infeasible:,} do not", ""]
     if result.ranked:
         lines.append(f"top {len(result.ranked)} by estimated step time:")
-        lines.append(f"   #   dp shard  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}  step s"
-                     "    MFU  compute   comm  bubble")
+        lines.append(f"   #   dp shard  cp  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}"
+                     "  step s    MFU  compute   comm  bubble")
         for i, est in enumerate(result.ranked, 1):
             lines.append(_search_row(i, est, hardware))
         best = result.ranked[0]
@@ -348,8 +349,9 @@ def format_search(result: SearchResult, workload: Workload, name: str, hardware:
 def _search_row(i: int, est: Estimate, hardware: Hardware) -> str:
     lay, t = est.layout, est.time
     sched = "-" if lay.pp == 1 else lay.schedule.value + (f" v={lay.chunks}" if lay.chunks > 1 else "")
-    shard = lay.shard_ranks if lay.dp_replicate > 1 else "-"  # a ZeRO shard group smaller than dp: HSDP
-    return (f"  {i:>2}  {lay.dp:>3} {shard:>5} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
+    shard = lay.dp_shard if lay.dp_replicate > 1 else "-"  # a ZeRO shard group smaller than dp: HSDP
+    return (f"  {i:>2}  {lay.dp:>3} {shard:>5} {lay.cp:>3} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} "
+            f"{lay.micro_batch:>3} "
             f"{lay.num_microbatches(est.workload.global_batch):>5}  {lay.recompute.value:<9}  "
             f"{'yes' if lay.sequence_parallel else 'no':<4} {sched:<16}{est.memory.total / GB:>6.1f}"
             f"  {t.total:>6.2f}  {est.mfu(hardware):>5.1%}  {t.compute:>7.2f} {t.exposed_comm:>6.2f} "

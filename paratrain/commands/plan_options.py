@@ -60,7 +60,7 @@ MODEL_OPTIONS = {
 }
 BATCH_OPTIONS = {
     "data.seq_len": (("--seq",), "the model's max_seq_len, else 2048"),
-    "train.global_batch": ((), "dp × micro-batch; required with --gpus"),
+    "train.global_batch": ((), "dp × micro-batch; with --gpus or --tokens, 4M tokens per step (Llama 2's)"),
     "train.micro_batch": ((), f"1; --gpus searches {', '.join(map(str, SearchSpace.micro_batch))}"),
     "parallel.precision": ((), "bf16: mixed precision, K = 12 bytes of optimizer state per parameter; fp32: K = 8"),
     "parallel.reduce_dtype": ((), "the --precision dtype"),
@@ -70,6 +70,7 @@ LAYOUT_OPTIONS = {
     "parallel.dp_shard": ((), "the whole data axis; --gpus searches every divisor of dp"),
     "parallel.tp": ((), "1; --gpus searches"),
     "parallel.pp": ((), "1; --gpus searches"),
+    "parallel.cp": ((), "1; --gpus searches it where each rank keeps at least 8192 tokens of a sequence"),
     "parallel.zero": ((), "0; --gpus searches"),
     "parallel.virtual_stages": ((), "2 with --schedule interleaved, else 1"),
     "parallel.sequence_parallel": ((), "off; --gpus searches both"),
@@ -116,7 +117,7 @@ def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
     model, name = model_from_args(args, opts)
     seq = opts.get("data.seq_len") or (model.max_seq_len if model is not None else 2048)
     batch = opts.get("train.global_batch")
-    if batch is None and args.tokens is not None:
+    if batch is None and (args.tokens is not None or args.gpus is not None):
         batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
     common = dict(seq_len=seq, global_batch=batch, precision=opts["parallel.precision"],
                   reduce_dtype=opts.get("parallel.reduce_dtype"))
@@ -163,7 +164,7 @@ def layout_from_args(args, opts: dict) -> Layout:
         value = opts.get(f"parallel.{name}")
         return default if value is None else value
 
-    return Layout(dp=given("dp", 1), tp=given("tp", 1), pp=given("pp", 1), zero=given("zero", 0),
+    return Layout(dp=given("dp", 1), tp=given("tp", 1), pp=given("pp", 1), cp=given("cp", 1), zero=given("zero", 0),
                   dp_shard=given("dp_shard", 0), micro_batch=opts.get("train.micro_batch", 1),
                   virtual_stages=_virtual_stages(opts), sequence_parallel=given("sequence_parallel", False),
                   recompute=recompute_from_args(args, opts) or Recompute.NONE,
@@ -175,7 +176,7 @@ def space_from_args(args, opts: dict) -> SearchSpace:
         return (value,) if value is not None else default
 
     return SearchSpace(
-        dp=opts.get("parallel.dp"), tp=opts.get("parallel.tp"), pp=opts.get("parallel.pp"),
+        dp=opts.get("parallel.dp"), tp=opts.get("parallel.tp"), pp=opts.get("parallel.pp"), cp=opts.get("parallel.cp"),
         zero=one(opts.get("parallel.zero"), ZERO_STAGES), dp_shard=opts.get("parallel.dp_shard"),
         micro_batch=one(opts.get("train.micro_batch"), SearchSpace.micro_batch),
         recompute=one(recompute_from_args(args, opts), tuple(Recompute)),

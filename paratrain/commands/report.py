@@ -114,14 +114,15 @@ def _read_config(path: Path) -> dict:
 
 
 def data_ranks(config: dict, records: list[dict]) -> int:
-    """The data-parallel degree: `parallel.dp`, or (dp 0: what tp × pp leave) one per peak-memory entry."""
+    """The data-parallel degree: `parallel.dp`, or (dp 0: what tp × cp × pp leave) one per peak-memory entry."""
     parallel = config.get("parallel", {})
     if parallel.get("dp"):
         return parallel["dp"]
     ranks = records[0].get("peak_mem_bytes_per_rank")  # gathered over the dp axis
     if ranks:
         return len(ranks)
-    return max(1, config.get("run", {}).get("nproc", 1) // ((parallel.get("tp") or 1) * (parallel.get("pp") or 1)))
+    tp_cp_pp = (parallel.get("tp") or 1) * (parallel.get("cp") or 1) * (parallel.get("pp") or 1)
+    return max(1, config.get("run", {}).get("nproc", 1) // tp_cp_pp)
 
 
 def layout_of(config: dict, dp: int) -> str:
@@ -358,10 +359,9 @@ def planned_inputs(run: Run):
                                       precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"))
         pp = p.get("pp") or 1
         layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), dp_shard=p.get("dp_shard") or 0,
-                        micro_batch=t["micro_batch"],
-                        sequence_parallel=bool(p.get("sequence_parallel")),
+                        micro_batch=t["micro_batch"], sequence_parallel=bool(p.get("sequence_parallel")),
                         recompute=Checkpointing.parse(p.get("activation_checkpointing") or 0).planned,
-                        schedule=p.get("schedule") or DEFAULT_SCHEDULE,
+                        schedule=p.get("schedule") or DEFAULT_SCHEDULE, cp=p.get("cp") or 1,
                         virtual_stages=(p.get("virtual_stages") or 1) if pp > 1 else 1,
                         bucket_mb=p.get("bucket_mb") or 25.0, compile=bool(p.get("compile")))
     except (KeyError, TypeError, ValueError):  # an older or hand-written config: no estimate

@@ -49,6 +49,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import PER_DATA_RANK, WORLD, replicated_over
+from paratrain.parallel.context.split import unshard_sequence
 from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict
 from paratrain.parallel.data.engine import Engine
 from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
@@ -157,16 +158,23 @@ class ParallelModel(nn.Module):
     def causal_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Whole-vocabulary fp32 logits of a causal model for token ids of any length (for generation), on every rank.
 
-        Sequence parallelism needs a length divisible by tp: the ids are padded on the right,
-        which a causal model's earlier positions never see, and the padded positions dropped.
+        Sequence parallelism needs a length divisible by tp, context parallelism one divisible by 2·cp:
+        the ids are padded on the right, which a causal model's earlier positions never see, and the
+        padded positions dropped. Under context parallelism each rank's chunks of the logits are
+        gathered over the cp ranks and put back in sequence order.
         """
         length = tokens.shape[1]
+        multiple = 2 * self.context.size if self.context is not None else 1
         if self.tp_info is not None and self.tp_info.sequence_parallel:
-            pad = -length % self.mesh.size(self.tp_info.axis)
-            tokens = F.pad(tokens, (0, pad))
+            multiple *= self.mesh.size(self.tp_info.axis)
+        tokens = F.pad(tokens, (0, -length % multiple))
         if self.pipeline is not None:
             return self.pipeline.causal_logits(tokens.to(self.device), self.full_logits)[:, :length]
-        return self.full_logits(self(tokens.to(self.device))).float()[:, :length]
+        logits = self.full_logits(self(tokens.to(self.device))).float()
+        if self.context is not None:
+            pieces = gather_full(logits, 1, self.comm, self.context.axis).chunk(self.context.size, dim=1)
+            logits = unshard_sequence(list(pieces), dim=1)
+        return logits[:, :length]
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn | None = None) -> torch.Tensor:

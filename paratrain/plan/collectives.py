@@ -3,13 +3,13 @@
 Communication is counted as paratrain's comm layer counts it (`paratrain.comm`): bytes one
 rank sends under a bandwidth-optimal ring, an all-reduce of S bytes over n ranks 2·S·(n−1)/n,
 an all-gather or reduce-scatter (S the full tensor) S·(n−1)/n, a point-to-point send S, per
-mesh axis as the runtime names them: dp, tp, pp, and under hybrid sharding dp_shard and
-dp_replicate in place of dp (`Layout.data_axes`).
+mesh axis as the runtime names them: dp, tp, pp, cp, and dp_cp in place of dp under context
+parallelism or dp_shard and dp_replicate under hybrid sharding (`Layout.data_axes`).
 
 Time is α-β (Hockney; ring collectives as in Thakur et al. 2005): a collective of n ranks
 takes (steps × α) + bytes sent / β, with 2(n−1) steps for an all-reduce, n−1 for an
 all-gather or reduce-scatter, 1 for a send. β is the intra-node bandwidth when the group fits
-in one node (ranks are laid out pp × dp × tp, tp innermost; see `axis_span`), the inter-node
+in one node (ranks are laid out pp × dp × cp × tp, tp innermost; see `axis_span`), the inter-node
 one otherwise, times the achieved fraction; a calibrated profile gives measured (α, β) per
 kind instead. How the collectives meet the compute (what overlaps) is `paratrain.plan.compute`'s.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from paratrain.plan.hardware import Hardware
 from paratrain.plan.memory import Layout, PipelineBoundary, Recompute, Workload, layers_on_stage, stage_param_count
+from paratrain.plan.ring import ring_kv_block_bytes
 
 _RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
@@ -72,15 +73,18 @@ def ring_bytes(kind: str, size: float, ranks: int) -> float:
 
 
 def axis_span(layout: Layout, axis: str) -> int:
-    """Consecutive ranks one group of `axis` reaches across (layout pp × dp × tp, tp innermost).
+    """Consecutive ranks one group of `axis` reaches across (layout pp × dp × cp × tp, tp innermost).
 
-    A tp group is tp neighbours; a dp group strides tp over dp × tp ranks. The data axis of
-    hybrid sharding splits as dp = dp_replicate × dp_shard with dp_shard inner
+    A tp group is tp neighbours; a cp group strides tp over cp × tp ranks; a dp group (and the
+    dp × cp group that reduces gradients under context parallelism) spans the dp × cp × tp block.
+    The data axis of hybrid sharding splits as dp = dp_replicate × dp_shard with dp_shard inner
     (`paratrain.mesh.MeshShape.groups`): a shard group spans dp_shard × tp ranks, a replica
     group strides dp_shard × tp over the whole dp × tp block.
     """
-    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "dp_shard": layout.tp * layout.shard_ranks,
-            "dp_replicate": layout.tp * layout.dp, "pp": layout.world_size, "world": layout.world_size}[axis]
+    block = layout.tp * layout.data_ranks
+    return {"tp": layout.tp, "cp": layout.tp * layout.cp, "dp": block, "dp_cp": block,
+            "dp_shard": layout.tp * layout.shard_ranks, "dp_replicate": block, "pp": layout.world_size,
+            "world": layout.world_size}[axis]
 
 
 def axis_is_intra_node(layout: Layout, axis: str, gpus_per_node: int) -> bool:
@@ -145,7 +149,7 @@ class AxisCollectives:
 def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, AxisCollectives]:
     """Data-parallel collectives of one step on one rank of `stage`, per mesh axis (`Layout.data_axes`).
 
-    N is the ranks ZeRO shards over (`Layout.shard_ranks`: dp, or the shard group).
+    N is the ranks ZeRO shards over (`Layout.shard_ranks`: dp × cp, or the shard group).
     DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype), bucket by bucket.
     ZeRO-1/2: a reduce-scatter of the gradients during backward and an all-gather of the updated
     parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data.ddp does, per bucket. DDP
@@ -161,7 +165,7 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
     ranks would have reduced in one collective. The engines launch it as the reduce-scatter
     lands and wait for it at the next one, so it overlaps compute as the reduce-scatters do.
     """
-    if layout.dp == 1:
+    if layout.data_ranks == 1:
         return {}
     n, psi = layout.shard_ranks, stage_psi(workload, layout, stage)
     grads, params = psi * workload.grad_bytes, psi * workload.param_bytes
@@ -173,7 +177,8 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
     else:
         buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
         if layout.zero == 0:
-            return {"dp": AxisCollectives(overlapped=(Collective("all_reduce", grads / buckets, n, buckets),))}
+            reduce = Collective("all_reduce", grads / buckets, n, buckets)
+            return {layout.data_axes[0]: AxisCollectives(overlapped=(reduce,))}
         reduce = Collective("reduce_scatter", grads / buckets, n, buckets * (m if layout.zero == 2 else 1))
         shard = AxisCollectives(overlapped=(reduce,), after=(Collective("all_gather", params / buckets, n, buckets),))
     out = {layout.data_axes[0]: shard}
@@ -184,7 +189,8 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
 
 
 def _activation_bytes(workload: Workload, layout: Layout) -> float:
-    return float(layout.micro_batch * workload.seq_len * workload.model.dim * workload.param_bytes)
+    """b·s·h of one micro-batch on one rank: its s/cp tokens under context parallelism."""
+    return float(layout.micro_batch * (workload.seq_len // layout.cp) * workload.model.dim * workload.param_bytes)
 
 
 def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
@@ -214,7 +220,7 @@ def tp_collectives(workload: Workload, layout: Layout, stage: int) -> list[Colle
     if stage == layout.pp - 1:
         out += ([Collective("all_gather", size, t), Collective("reduce_scatter", size, t)] if sp
                 else [Collective("all_reduce", size, t)])
-        rows = layout.micro_batch * workload.seq_len * LOSS_BYTES
+        rows = layout.micro_batch * (workload.seq_len // layout.cp) * LOSS_BYTES
         out += [Collective("all_reduce", rows, t), Collective("all_reduce", 2 * rows, t)]
     gathers = boundary_gathers(layout, stage)
     if gathers:
@@ -261,6 +267,54 @@ def pp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]
     return [Collective("send", size, 2, boundary_crossings(layout, stage))]
 
 
+@dataclass(frozen=True)
+class RingSends:
+    """The K/V traffic of one layer's ring attention on one rank, per micro-batch (`paratrain.parallel.context.ring`).
+
+    forward: cp − 1 sends of one K/V block (`ring_kv_block_bytes`), each posted before the block
+        before it is computed on and waited for after it.
+    backward: cp − 1 sends of a K/V block and cp sends of the fp32 dK/dV sums that follow the
+        blocks; the j-th sum leaves after step j's block and is waited for after step j + 1's,
+        so the last one (it returns the owner's gradient) has no compute left to hide behind.
+    """
+
+    kv_block: float  # bytes of one K/V block
+    dkv_block: float  # bytes of one fp32 dK/dV block
+    cp: int
+
+    @property
+    def forward(self) -> list[Collective]:
+        return [Collective("send", self.kv_block, self.cp, self.cp - 1)]
+
+    @property
+    def backward(self) -> list[Collective]:
+        return [Collective("send", self.kv_block, self.cp, self.cp - 1),
+                Collective("send", self.dkv_block, self.cp, self.cp)]
+
+    @property
+    def bytes_sent(self) -> float:
+        return sum(c.bytes_sent for c in self.forward + self.backward)
+
+
+def ring_sends(workload: Workload, layout: Layout) -> RingSends | None:
+    """One layer's ring traffic per micro-batch (None without context parallelism or a model shape)."""
+    if layout.cp == 1 or workload.model is None:
+        return None
+    shape = (workload.model, layout.micro_batch, workload.seq_len // layout.cp, layout.tp)
+    return RingSends(ring_kv_block_bytes(*shape, workload.param_bytes), ring_kv_block_bytes(*shape, 4), layout.cp)
+
+
+def cp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
+    """The cp axis's sends of one micro-batch on `stage`: every layer's ring, forward and backward (full
+    recomputation runs each layer's forward again in backward, its ring's forward sends included)."""
+    ring = ring_sends(workload, layout)
+    if ring is None:
+        return []
+    layers = layers_on_stage(workload.model.n_layers, layout.pp, stage)
+    passes = ring.forward * (2 if layout.recompute is Recompute.FULL else 1) + ring.backward
+    return [Collective(c.kind, c.size, c.ranks, c.count * layers) for c in passes]
+
+
 def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
     """The step's small agreement collectives, per axis, as paratrain's step runs them.
 
@@ -274,13 +328,16 @@ def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
 def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
     """Bytes one rank sends per step on each axis (the busiest rank of that axis).
 
-    The data axes are `Layout.data_axes`: dp, or dp_shard and dp_replicate under hybrid sharding.
+    The data axes are `Layout.data_axes`: dp, dp_cp under context parallelism, or dp_shard and
+    dp_replicate under hybrid sharding; cp (the ring's K/V traffic) appears when cp > 1.
     """
     m = layout.num_microbatches(workload.global_batch)
-    out = {axis: 0.0 for axis in (*layout.data_axes, "tp", "pp")}
+    out = {axis: 0.0 for axis in (*layout.data_axes, "tp", "pp", *(("cp",) if layout.cp > 1 else ()))}
     for stage in range(layout.pp):
         for axis, collectives in dp_collectives(workload, layout, stage).items():
             out[axis] = max(out[axis], sum(c.bytes_sent for c in collectives.calls))
         out["tp"] = max(out["tp"], m * sum(c.bytes_sent for c in tp_collectives(workload, layout, stage)))
         out["pp"] = max(out["pp"], m * sum(c.bytes_sent for c in pp_sends(workload, layout, stage)))
+        if layout.cp > 1:
+            out["cp"] = max(out["cp"], m * sum(c.bytes_sent for c in cp_sends(workload, layout, stage)))
     return {axis: int(round(value)) for axis, value in out.items()}

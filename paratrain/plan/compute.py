@@ -22,6 +22,7 @@ from paratrain.plan.collectives import (
     collective_seconds,
     dp_collectives,
     pp_sends,
+    ring_sends,
     stage_psi,
     sync_collectives,
     tp_collectives,
@@ -44,7 +45,7 @@ from paratrain.plan.memory import (
     layers_on_stage,
     pipeline_traits,
 )
-from paratrain.plan.ops import PassTimes, Shape, block_times, embedding_times, head_times
+from paratrain.plan.ops import PassTimes, Shape, attention_seconds, block_times, embedding_times, head_times
 
 __all__ = ["HARDWARE_PRESETS", "GemmCurve", "Hardware", "LinkCost", "StepFlops", "StepTime", "get_hardware",
            "step_flops", "step_time"]
@@ -98,6 +99,7 @@ class StepTime:
 
     compute: m micro-batches of forward + backward (with recomputation) on the slowest stage.
     tp_comm, pp_comm: exposed (on the critical path) tensor-parallel and point-to-point time.
+    cp_comm: the ring attention's K/V traffic not hidden behind its blocks' compute (`_ring_exposed`).
     bubble: pipeline fill and drain, (p − 1)/v per-micro-batch stage times.
     dp_comm: data-parallel time not hidden behind compute (`dp_comm_total` is all of it).
     optimizer: the (memory-bound) optimizer step, with gradient clipping, and the other passes over
@@ -116,10 +118,11 @@ class StepTime:
     dp_comm_total: float
     sync: float = 0.0
     dp_comm_by_axis: Mapping[str, float] = field(default_factory=dict)
+    cp_comm: float = 0.0
 
     @property
     def exposed_comm(self) -> float:
-        return self.tp_comm + self.pp_comm + self.dp_comm + self.sync
+        return self.tp_comm + self.pp_comm + self.cp_comm + self.dp_comm + self.sync
 
     @property
     def total(self) -> float:
@@ -127,7 +130,7 @@ class StepTime:
 
     def as_dict(self) -> dict[str, float]:
         """Seconds per part; a hybrid-sharded layout adds its data axes' parts (dp_shard_comm_s, ...)."""
-        keys = ("compute", "exposed_comm", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "sync",
+        keys = ("compute", "exposed_comm", "tp_comm", "pp_comm", "cp_comm", "dp_comm", "bubble", "optimizer", "sync",
                 "dp_comm_total", "total")
         out = {f"{key}_s": getattr(self, key) for key in keys}
         out.update({f"{axis}_comm_s": seconds for axis, seconds in self.dp_comm_by_axis.items()})
@@ -139,7 +142,7 @@ def _block(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[Shap
     if workload.model is None:
         return None
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
-                 workload.precision, workload.flash_attention, kernel_stack(layout))
+                 workload.precision, workload.flash_attention, kernel_stack(layout), layout.cp)
     return x, block_times(hardware, x, layout.recompute)
 
 
@@ -246,6 +249,41 @@ def _dp_exposed(workload: Workload, layout: Layout, hardware: Hardware, stage: i
     return exposed, total
 
 
+def _hidden_steps(hardware: Hardware, layout: Layout, sends: list[Collective], compute: float, steps: int) -> float:
+    """Exposed seconds of `steps` ring steps that each send `sends` while computing `compute` seconds:
+    per step, the send's time less the part of it that `comm_overlap` hides behind the compute."""
+    if steps == 0:
+        return 0.0
+    comm = collective_seconds(hardware, layout, "cp", [Collective(c.kind, c.size, c.ranks) for c in sends])
+    return steps * (comm - hardware.comm_overlap * min(comm, compute))
+
+
+def _ring_exposed(workload: Workload, layout: Layout, hardware: Hardware,
+                  block: tuple[Shape, PassTimes] | None) -> float:
+    """Exposed seconds of one layer's ring attention traffic per micro-batch on one rank (0 without cp).
+
+    The ring has cp steps; at each the rank computes its queries against one K/V block (1/cp of
+    its attention core's time, forward or backward) while the next block travels (`RingSends`).
+    A step's transfer hides behind its block's compute as the data-parallel collectives do
+    (`comm_overlap` of the overlappable time): exposed = comm − overlap·min(comm, compute) per
+    step. Forward: cp − 1 steps carry a K/V block. Backward: cp − 1 steps carry a K/V block and
+    the dK/dV sum of the step before; the last sum (back to the block's owner) waits alone.
+    Full recomputation runs the forward's ring again in backward.
+    """
+    ring = ring_sends(workload, layout)
+    if ring is None or block is None:
+        return 0.0
+    x = block[0]
+    scale = 1 / hardware.compute_share(layout.world_size)
+    forward_block = attention_seconds(hardware, x, 2) * scale / layout.cp
+    backward_block = attention_seconds(hardware, x, 4, backward=True) * scale / layout.cp
+    kv, dkv = ring.forward[0], ring.backward[1]
+    forward = _hidden_steps(hardware, layout, [kv], forward_block, layout.cp - 1)
+    backward = (_hidden_steps(hardware, layout, [kv, dkv], backward_block, layout.cp - 1)
+                + _hidden_steps(hardware, layout, [dkv], 0.0, 1))
+    return forward * (2 if layout.recompute is Recompute.FULL else 1) + backward
+
+
 @dataclass(frozen=True)
 class _Stage:
     per_mb: float
@@ -255,6 +293,7 @@ class _Stage:
     dp_exposed: dict[str, float]
     dp_total: float
     optimizer: float
+    cp: float = 0.0
 
 
 def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int,
@@ -263,16 +302,21 @@ def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m
     compute = passes.forward + passes.backward
     tp = collective_seconds(hardware, layout, "tp", tp_collectives(workload, layout, stage))
     pp = collective_seconds(hardware, layout, "pp", pp_sends(workload, layout, stage))
+    cp = 0.0
+    if layout.cp > 1:
+        cp = _ring_exposed(workload, layout, hardware, block) * layers_on_stage(workload.model.n_layers, layout.pp,
+                                                                                 stage)
     dp_exposed, dp_total = _dp_exposed(workload, layout, hardware, stage, passes.backward, m * compute)
-    return _Stage(compute + tp + pp, compute, tp, pp, dp_exposed, dp_total,
-                  _optimizer_seconds(workload, layout, hardware, stage, m))
+    return _Stage(compute + tp + pp + cp, compute, tp, pp, dp_exposed, dp_total,
+                  _optimizer_seconds(workload, layout, hardware, stage, m), cp)
 
 
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:
     """Step time of `layout` under the cost model (slowest pipeline stage, see `StepTime`).
 
     Per micro-batch, a stage takes compute + its tensor-parallel collectives (exposed:
-    they sit between dependent matmuls) + its sends. The pipeline runs m of those on the
+    they sit between dependent matmuls) + its sends + its ring attention's exposed K/V traffic
+    under context parallelism (`_ring_exposed`). The pipeline runs m of those on the
     slowest stage plus the schedule's bubble of them (`pipeline_traits`): p − 1 for GPipe and 1F1B,
     a bubble fraction (p − 1)/(m + p − 1), divided by v interleaved (Narayanan et al. 2021); ZB-H1
     fills two thirds of 1F1B's (m ≥ p; forward, input-gradient and weight-gradient passes of equal
@@ -287,7 +331,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     dp_by_axis = {axis: data.dp_exposed.get(axis, 0.0) for axis in lay.data_axes}
     sync = sum(collective_seconds(hardware, lay, axis, c) for axis, c in sync_collectives(lay).items())
     return StepTime(
-        compute=m * slowest.compute, tp_comm=m * slowest.tp, pp_comm=m * slowest.pp,
+        compute=m * slowest.compute, tp_comm=m * slowest.tp, pp_comm=m * slowest.pp, cp_comm=m * slowest.cp,
         bubble=pipeline_traits(lay.schedule, lay.pp, m, lay.chunks).bubble * slowest.per_mb,
         dp_comm=sum(dp_by_axis.values()), optimizer=max(s.optimizer for s in stages),
         dp_comm_total=max(s.dp_total for s in stages), sync=sync, dp_comm_by_axis=dp_by_axis,

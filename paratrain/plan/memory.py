@@ -34,6 +34,7 @@ from paratrain.plan.model_states import (  # noqa: F401
     stage_param_count,
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
+from paratrain.plan.ring import ring_attention_saved_bytes, ring_in_flight_bytes
 
 GB = 10**9
 LOGIT_BYTES = 4  # logits are materialized in fp32 for the softmax cross-entropy
@@ -145,7 +146,11 @@ class Layout:
     """How the work is split: degrees, ZeRO stage, micro-batch, recomputation, schedule.
 
     Fields:
-        dp, tp, pp: data-, tensor- and pipeline-parallel degrees (ranks laid out pp × dp × tp).
+        dp, tp, pp: data-, tensor- and pipeline-parallel degrees (ranks laid out pp × dp × cp × tp).
+        cp: context-parallel degree: every sequence split over cp ranks (s/cp tokens each, attention
+            by paratrain's ring, `paratrain.parallel.context`); they hold the same parameters for
+            other tokens, so gradients are reduced and ZeRO shards over dp × cp (the runtime's
+            "dp_cp" axis, `paratrain.mesh.Mesh.data_axis`).
         zero: ZeRO stage 0 (plain DDP) to 3.
         dp_shard: hybrid sharding (HSDP): ZeRO shards over groups of this many neighbouring data
             ranks and keeps dp / dp_shard replicas of the shards (dp = dp_replicate × dp_shard,
@@ -176,9 +181,10 @@ class Layout:
     boundary: PipelineBoundary = PipelineBoundary.SCATTER_GATHER
     bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
     compile: bool = False
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "virtual_stages"):
             _positive_int(getattr(self, name), "--" + name.replace("_", "-"))
         if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or self.dp_shard < 0:
             raise PlanError(f"--dp-shard must be 0 (the whole data axis) or a positive integer, got {self.dp_shard!r}")
@@ -192,27 +198,35 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks holding the same parameters for different tokens: dp × cp (gradients are reduced over them)."""
+        return self.dp * self.cp
 
     @property
     def shard_ranks(self) -> int:
-        """Ranks ZeRO shards model state over: dp_shard, or the whole data axis when it is not split."""
-        return self.dp_shard or self.dp
+        """Ranks ZeRO shards model state over: dp_shard (× cp), or the whole data axis (dp × cp) unsplit."""
+        return (self.dp_shard or self.dp) * self.cp
 
     @property
     def dp_replicate(self) -> int:
         """Replicas of each ZeRO shard group on the data axis (1: no hybrid sharding)."""
-        return max(1, self.dp // self.shard_ranks)
+        return max(1, self.data_ranks // self.shard_ranks)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The mesh axes the data-parallel collectives run on, named as paratrain's runtime names them.
 
-        ("dp",) when the data axis is whole; ("dp_shard", "dp_replicate") under hybrid sharding
+        ("dp",) when the data axis is whole, ("dp_cp",) with context parallelism (the dp × cp ranks,
+        `paratrain.mesh.DATA_CP`); ("dp_shard", "dp_replicate") under hybrid sharding
         (`paratrain.mesh.Mesh.shard_axis`), where ZeRO's reduce-scatters and all-gathers stay in
         the shard group and the reduced shards are all-reduced between replicas.
         """
-        return ("dp",) if self.dp_replicate == 1 else ("dp_shard", "dp_replicate")
+        if self.dp_replicate > 1:
+            return ("dp_shard", "dp_replicate")
+        return ("dp",) if self.cp == 1 else ("dp_cp",)
 
     @property
     def chunks(self) -> int:
@@ -228,9 +242,11 @@ class Layout:
     def label(self) -> str:
         """Short one-line description, e.g. 'dp=8 tp=8 pp=1 zero=1 mb=1 recompute=selective sp'.
 
-        A hybrid-sharded layout adds its shard group after dp: 'dp=32 dp_shard=8 tp=1 ...'.
+        A hybrid-sharded layout adds its shard group after dp: 'dp=32 dp_shard=8 tp=1 ...'; context
+        parallelism its degree: 'dp=4 cp=2 tp=8 ...'.
         """
-        shard = f" dp_shard={self.shard_ranks}" if self.dp_replicate > 1 else ""
+        shard = f" dp_shard={self.dp_shard or self.dp}" if self.dp_replicate > 1 else ""
+        shard += f" cp={self.cp}" if self.cp > 1 else ""
         text = f"dp={self.dp}{shard} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch} " \
                f"recompute={self.recompute.value}"
         if self.sequence_parallel:
@@ -245,7 +261,7 @@ class Layout:
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
                            precision: str = "bf16", *, kv_heads: int | None = None,
-                           ffn_dim: int | None = None) -> float:
+                           ffn_dim: int | None = None, cp: int = 1) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch, per tp rank.
 
     Korthikanti et al. 2022, with s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp,
@@ -269,7 +285,17 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     log-sum-exp, 4·b·a·s/t bytes. Korthikanti's selective (§5, eq. 6: his 34·s·b·h less the
     scores) keeps more: its norms' outputs, activation function's input and dropout masks, which
     this policy recomputes.
+
+    Context parallelism (cp > 1, `ring_attention_saved_bytes`): each rank holds s/cp tokens, so
+    every term above is taken at s/cp, except the attention scores: paratrain's ring keeps none
+    (it saves its output and log-sum-exp and recomputes the probabilities block by block in
+    backward), so the 5·a·s/h term is replaced by what the ring saves beyond the block's
+    tensors counted already. Everything is ∝ 1/cp; the K/V blocks the ring has in flight are one
+    layer's working set (`ring_in_flight_bytes`), counted once per stage.
     """
+    if cp > 1:
+        return _context_parallel_layer_bytes(seq_len // cp, micro_batch, hidden, heads, tp, sequence_parallel,
+                                             recompute, precision, kv_heads, ffn_dim)
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     sbh = float(s * b * h)
     scores = 5 * a * s / h  # attention scores, softmax output and its dropout mask
@@ -286,6 +312,23 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     else:
         per_layer = sbh * (10 + 24 / t + scores / t)
     return per_layer * DTYPE_BYTES[precision] / 2
+
+
+def _context_parallel_layer_bytes(local_tokens: int, micro_batch: int, hidden: int, heads: int, tp: int,
+                                  sequence_parallel: bool, recompute: Recompute, precision: str,
+                                  kv_heads: int | None, ffn_dim: int | None) -> float:
+    """`layer_activation_bytes` of one cp rank's s/cp tokens: the formulas without scores, plus the ring's own."""
+    no_scores = layer_activation_bytes(local_tokens, micro_batch, hidden, heads, tp, sequence_parallel, recompute,
+                                       precision, kv_heads=kv_heads, ffn_dim=ffn_dim)
+    if recompute is Recompute.FULL:
+        return no_scores  # only the layer input is kept
+    if recompute is Recompute.NONE:
+        sbh = float(local_tokens * micro_batch * hidden)
+        no_scores -= 5 * heads * local_tokens / hidden * sbh / tp * DTYPE_BYTES[precision] / 2
+        return no_scores + ring_attention_saved_bytes(local_tokens, micro_batch, hidden, heads, tp, precision)
+    # selective counts the attention kernel's fp32 lse already; the ring's is the same tensor
+    return no_scores + ring_attention_saved_bytes(local_tokens, micro_batch, hidden, heads, tp, precision,
+                                                  lse=False)
 
 
 def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1) -> float:
@@ -359,7 +402,9 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     Per layer `layer_activation_bytes`; times the layers on the stage and the micro-batches the
     schedule keeps in flight there (`in_flight_microbatches`); plus, on the last stage, the fp32
     logits of those micro-batches; plus, with full recomputation, one layer's activations
-    rebuilt during its backward (the recompute working set, Korthikanti et al. §5).
+    rebuilt during its backward (the recompute working set, Korthikanti et al. §5); plus, with
+    context parallelism, the K/V blocks the ring of one layer has in flight (`ring_in_flight_bytes`).
+    Under cp every rank holds s/cp tokens of each sequence, its logits included.
     """
     model, lay = workload.model, layout
     if model is None:
@@ -369,13 +414,15 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     in_flight = in_flight_microbatches(lay.schedule, lay.pp, m, lay.chunks, stage)
     per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
                                        lay.recompute, workload.precision, kv_heads=model.n_kv_heads,
-                                       ffn_dim=model.ffn_dim)
+                                       ffn_dim=model.ffn_dim, cp=lay.cp)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
     if stage == lay.pp - 1:
-        total += logits_bytes(s, b, model.vocab_size, lay.tp) * in_flight
+        total += logits_bytes(s // lay.cp, b, model.vocab_size, lay.tp) * in_flight
     if lay.recompute is Recompute.FULL:
         total += layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
-                                        Recompute.NONE, workload.precision)
+                                        Recompute.NONE, workload.precision, cp=lay.cp)
+    if lay.cp > 1:
+        total += ring_in_flight_bytes(model, b, s // lay.cp, lay.tp, workload.param_bytes)
     return total
 
 
@@ -395,7 +442,7 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
     the bucket. Gathered units and buckets are whole tensors whatever the shard group.
     """
     model, lay = workload.model, layout
-    if model is None or lay.dp == 1:
+    if model is None or lay.data_ranks == 1:
         return 0.0
     replicating = 1 / lay.shard_ranks if lay.dp_replicate > 1 else 0.0  # a shard on its way between replicas
     if lay.zero == 3:

@@ -115,13 +115,16 @@ class Shape:
 
     @classmethod
     def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-           precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER) -> Shape:
+           precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER, cp: int = 1) -> Shape:
+        """Under context parallelism (cp > 1) the rank holds s/cp tokens of each sequence and its queries
+        meet all s keys, block by block in paratrain's ring, whose blocks are explicit matmuls and a
+        materialized softmax (`paratrain.parallel.context.ring`): not a flash kernel, no causal skip."""
         e = model.head_dim
-        return cls(tokens=float(micro_batch * seq_len), seq_len=seq_len, batch=micro_batch, hidden=model.dim,
+        return cls(tokens=float(micro_batch * (seq_len // cp)), seq_len=seq_len, batch=micro_batch, hidden=model.dim,
                    q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
                    local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
-                   residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision, flash=flash,
-                   kernels=KernelStack(kernels))
+                   residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision,
+                   flash=flash and cp == 1, kernels=KernelStack(kernels))
 
     @property
     def itemsize(self) -> int:
@@ -136,9 +139,10 @@ def block_gemms(x: Shape) -> list[Gemm]:
 
 
 def attention_gemms(x: Shape) -> list[Gemm]:
-    """The attention core's forward matmuls: QKᵀ and PV for each sequence and local head."""
-    count = x.batch * x.local_heads
-    return [Gemm(x.seq_len, x.seq_len, x.head_dim, count), Gemm(x.seq_len, x.head_dim, x.seq_len, count)]
+    """The attention core's forward matmuls: QKᵀ and PV for each sequence and local head (the rank's
+    queries, all s of them or s/cp under context parallelism, against the whole sequence's keys)."""
+    count, queries = x.batch * x.local_heads, x.tokens / x.batch
+    return [Gemm(queries, x.seq_len, x.head_dim, count), Gemm(queries, x.head_dim, x.seq_len, count)]
 
 
 def backward_gemms(gemm: Gemm) -> list[Gemm]:

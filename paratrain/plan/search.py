@@ -33,6 +33,9 @@ from paratrain.plan.memory import (
 )
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8, 16)
+# The search tries context parallelism only where each rank keeps at least this many tokens of a
+# sequence: Llama 3 405B trained its 131,072-token stage at cp 16, 8192 tokens per rank (Dubey et al. 2024, §3.3.2).
+CP_MIN_TOKENS_PER_RANK = 8192
 
 
 def _divisors(n: int) -> list[int]:
@@ -45,12 +48,13 @@ def layout_spec(workload: Workload, layout: Layout, world_size: int | None = Non
 
     A workload without a global batch runs one micro-batch per data rank (`Layout.num_microbatches`).
     """
-    return LayoutSpec(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=layout.dp_shard, zero=layout.zero,
-                      sequence_parallel=layout.sequence_parallel, schedule=layout.schedule,
+    return LayoutSpec(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_shard=layout.dp_shard,
+                      zero=layout.zero, sequence_parallel=layout.sequence_parallel, schedule=layout.schedule,
                       virtual_stages=layout.virtual_stages, world_size=world_size, gpus_per_node=gpus_per_node,
                       model=workload.model, params_only=workload.model is None,
                       global_batch=workload.global_batch or layout.dp * layout.micro_batch,
-                      micro_batch=layout.micro_batch, seq_len=workload.seq_len)
+                      micro_batch=layout.micro_batch, seq_len=workload.seq_len,
+                      activation_checkpointing=layout.recompute.value)
 
 
 def layout_violations(workload: Workload, layout: Layout, world_size: int | None = None,
@@ -117,7 +121,8 @@ class Estimate:
         lay = self.layout
         batch = self.workload.global_batch or lay.dp * lay.micro_batch
         return {
-            "dp": lay.dp, "dp_shard": lay.shard_ranks, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+            "dp": lay.dp, "dp_shard": lay.dp_shard or lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp,
+            "zero": lay.zero,
             "micro_batch": lay.micro_batch,
             "num_microbatches": lay.num_microbatches(self.workload.global_batch),
             "virtual_stages": lay.chunks, "sequence_parallel": lay.sequence_parallel,
@@ -201,11 +206,14 @@ class SearchSpace:
 
     dp_shard None: with ZeRO, every shard group size that divides dp (hybrid sharding), the whole
     data axis included; a number fixes it (a candidate whose dp it equals is not split).
+    cp None: 1, and for a long sequence every degree that leaves each rank at least
+    `CP_MIN_TOKENS_PER_RANK` of its tokens (`_context_degrees`); a number fixes it.
     """
 
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
     zero: tuple[int, ...] = ZERO_STAGES
     micro_batch: tuple[int, ...] = DEFAULT_MICRO_BATCHES
     recompute: tuple[Recompute, ...] = tuple(Recompute)
@@ -229,25 +237,38 @@ def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
     return [0] + [d for d in _divisors(dp) if d < dp]
 
 
-def _candidates(world_size: int, space: SearchSpace):
+def _context_degrees(ranks: int, seq_len: int, space: SearchSpace) -> list[int]:
+    """The cp degrees to try on `ranks` ranks: the fixed one, else 1 and each divisor whose ranks keep at
+    least `CP_MIN_TOKENS_PER_RANK` tokens of a sequence (context parallelism answers long sequences)."""
+    if space.cp is not None:
+        return [space.cp]
+    return [c for c in _divisors(ranks) if c == 1 or seq_len // c >= CP_MIN_TOKENS_PER_RANK]
+
+
+def _candidates(world_size: int, space: SearchSpace, seq_len: int = 0):
     """Every layout of the space over `world_size` ranks, skipping exact duplicates.
 
-    ZeRO > 0 with dp = 1 shards nothing (the same layout as zero 0) and sequence parallelism
-    is a tp > 1 option, so those are not enumerated. ZeRO ≥ 1 layouts come with every shard
-    group of hybrid sharding (`_shard_groups`).
+    ZeRO > 0 with one data rank (dp × cp = 1) shards nothing (the same layout as zero 0) and
+    sequence parallelism is a tp > 1 option, so those are not enumerated. ZeRO ≥ 1 layouts come
+    with every shard group of hybrid sharding (`_shard_groups`).
     """
     for tp in [space.tp] if space.tp else _divisors(world_size):
         for pp in [space.pp] if space.pp else _divisors(max(1, world_size // tp)):
-            dp = space.dp or max(1, world_size // (tp * pp))
-            v = space.virtual_stages if space.schedule is ScheduleName.INTERLEAVED and pp > 1 else 1
-            choices = itertools.product(space.zero, space.micro_batch, space.recompute, space.sequence_parallel)
-            for zero, mb, recompute, sp in choices:
-                if (zero > 0 and dp == 1 and 0 in space.zero) or (sp and tp == 1 and False in space.sequence_parallel):
-                    continue
-                for shard in _shard_groups(dp, zero, space):
-                    yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, dp_shard=shard, micro_batch=mb,
-                                 sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
-                                 virtual_stages=v, compile=space.compile)
+            for cp in _context_degrees(max(1, world_size // (tp * pp)), seq_len, space):
+                yield from _options(space, space.dp or max(1, world_size // (tp * pp * cp)), tp, pp, cp)
+
+
+def _options(space: SearchSpace, dp: int, tp: int, pp: int, cp: int):
+    """The layouts of the space with these degrees: every ZeRO stage, micro-batch, recomputation, SP and shard group."""
+    v = space.virtual_stages if space.schedule is ScheduleName.INTERLEAVED and pp > 1 else 1
+    choices = itertools.product(space.zero, space.micro_batch, space.recompute, space.sequence_parallel)
+    for zero, mb, recompute, sp in choices:
+        if (zero > 0 and dp * cp == 1 and 0 in space.zero) or (sp and tp == 1 and False in space.sequence_parallel):
+            continue
+        for shard in _shard_groups(dp, zero, space):
+            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, micro_batch=mb,
+                         sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
+                         virtual_stages=v, compile=space.compile)
 
 
 def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),
@@ -261,7 +282,7 @@ def search(workload: Workload, world_size: int, hardware: Hardware, space: Searc
     result = SearchResult(ranked=[])
     failures: dict[str, list[tuple[Layout, str]]] = defaultdict(list)
     too_big: list[tuple[float, Layout, str]] = []
-    for layout in _candidates(world_size, space):
+    for layout in _candidates(world_size, space, workload.seq_len):
         result.searched += 1
         broken = layout_violations(workload, layout, world_size, hardware.gpus_per_node)
         if broken:

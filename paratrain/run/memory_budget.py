@@ -108,12 +108,12 @@ def cuda_reserve(shape: MeshShape, context: bool = True) -> tuple[float, str]:
 
 
 def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakdown:
-    """`estimate_memory` for the run's model, batch and layout."""
+    """`estimate_memory` for the run's model, batch and layout (with --cp, each rank's s/cp tokens and its ring)."""
     p, t = cfg.parallel, cfg.train
     workload = Workload.for_model(model_cfg, seq_len=cfg.data.seq_len, global_batch=t.global_batch,
                                   precision=p.precision, reduce_dtype=p.reduce_dtype)
     recompute = Checkpointing.parse(p.activation_checkpointing).planned
-    layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, micro_batch=t.micro_batch,
+    layout = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,
                     schedule=p.schedule, dp_shard=p.dp_shard, compile=p.compile)
     return estimate_memory(workload, layout)
