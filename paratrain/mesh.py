@@ -137,9 +137,12 @@ class MeshShape:
         return all(coords[axis] == 0 for axis in replicated_over)
 
     def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0, dp_shard: int | None = None,
-                dp_replicate: int | None = None, cp: int = 0, dp_cp: int | None = None) -> int:
+                dp_replicate: int | None = None, cp: int = 0, dp_cp: int | None = None, ep: int | None = None,
+                ep_replicate: int | None = None) -> int:
         if dp_shard is not None or dp_replicate is not None:
             dp = (dp_replicate or 0) * self.dp_shard + (dp_shard or 0)
+        if ep is not None or ep_replicate is not None:
+            dp = (ep_replicate or 0) * self.ep + (ep or 0)
         if dp_cp is not None:
             dp, cp = divmod(dp_cp, self.cp)
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp

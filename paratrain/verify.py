@@ -4,7 +4,7 @@ What both `paratrain verify` commands share (`paratrain.commands.verify` on the 
 `paratrain.commands.verify_model` on the user's own): the layout grammar, the processes and
 micro-batches a layout runs with, its layout rules, and the comparison that judges it.
 
-A layout is a comma-separated list of tokens (LAYOUT_TOKENS): `dpN`, `shardN`, `tpN`, `ppN`,
+A layout is a comma-separated list of tokens (LAYOUT_TOKENS): `dpN`, `shardN`, `epN` (expert ranks are data ranks: `ep2` alone is dp 2), `tpN`, `ppN`,
 `zeroK`, `sp`, a precision (`fp32`, `bf16`, `fp16`), a pipeline schedule (`gpipe`, `1f1b`,
 `interleaved`, `zb-h1`) and `vN` (virtual stages). Each sets one field of the `[parallel]`
 config section, whose values it takes (ZeRO stages, precisions, schedules).

@@ -170,3 +170,11 @@ def test_all_to_all_bytes_are_the_routed_rows():
             came = sum(other[2 * rank:2 * rank + 2])  # its rows to mine
             expected += 2 * (away + came) * row + 2 * 8
         assert sent == expected, (rank, sent, expected)
+
+
+def test_ep_token_alone_is_as_many_data_ranks():
+    from paratrain.verify import format_layout, num_processes, parse_layout
+
+    assert parse_layout("ep2") == {"ep": 2, "dp": 2} and num_processes(parse_layout("ep2")) == 2
+    assert num_processes(parse_layout("ep2,tp2")) == 4 and num_processes(parse_layout("pp2,ep2,1f1b")) == 4
+    assert format_layout(parse_layout("dp4,ep2,zero1")) == "dp4,ep2,zero1"

@@ -107,8 +107,11 @@ class ParallelModel(nn.Module):
         self._grad_norm = math.nan  # the agreed norm of the gradients as they are now (clipping scales it)
         # Which copies this rank counts (`paratrain.mesh`: rank ownership), decided once: the mesh is fixed.
         mesh = comm.mesh
-        self._owns_grad = {(expert, tp_sharded): mesh.owns(replicated_over(engine.grads_sharded, tp_sharded, expert))
-                           for expert in (False, True) for tp_sharded in (True, False)}  # split over tp or not
+        # Per group of parameters (the experts, under expert parallelism, are reduced by an engine of their own).
+        self._groups = engine.groups() if hasattr(engine, "groups") else [(engine, False)]
+        self._sharded = {expert: (group.grads_sharded, group.params_sharded) for group, expert in self._groups}
+        self._owns_grad = {(expert, tp_sharded): mesh.owns(replicated_over(self._sharded[expert][0], tp_sharded, expert))
+                           for expert in self._sharded for tp_sharded in (True, False)}  # split over tp or not
         world = range(mesh.size(WORLD))
         self._data_ranks = [r for r in world if mesh.shape.owns(r, PER_DATA_RANK)]  # one rank per data rank
         self._loss_ranks = [r for r in world if mesh.shape.owns(r, ("tp",))]  # every stage's: the last writes it
@@ -314,8 +317,7 @@ class ParallelModel(nn.Module):
         the data axis (ZeRO) on each rank of one replica (dp_replicate 0), whole ones (DDP) on data
         rank 0 only. None: this rank's count elsewhere.
         """
-        groups = self.engine.groups() if hasattr(self.engine, "groups") else [(self.engine, False)]
-        parts = [self._group_grad_sq(engine, expert) for engine, expert in groups]
+        parts = [self._group_grad_sq(engine, expert) for engine, expert in self._groups]
         own = sum(p[0] for p in parts)
         shares = [p[1] for p in parts if p[1] is not None]
         return own, sum(shares) if shares else None
@@ -406,8 +408,8 @@ class ParallelModel(nn.Module):
         """The mesh axes along which ranks hold equal copies of parameter `name`'s master (its gradient, its
         checkpoint box) or, `at_rest`, of the parameter itself as the module holds it between steps
         (ZeRO-1/2 shard the masters, not the parameters). `Mesh.owns` says which copy counts."""
-        data_sharded = self.engine.params_sharded if at_rest else self.engine.grads_sharded
         expert = self.expert_info is not None and name in self.expert_info.names
+        data_sharded = self._sharded[expert][1 if at_rest else 0]
         return replicated_over(data_sharded, self.tp_info is not None and name in self.tp_info.sharded, expert)
 
     def loss_scale_state(self) -> dict:
