@@ -108,7 +108,7 @@ class ParallelModel(nn.Module):
         # Which copies this rank counts (`paratrain.mesh`: rank ownership), decided once: the mesh is fixed.
         mesh = comm.mesh
         # Per group of parameters (the experts, under expert parallelism, are reduced by an engine of their own).
-        self._groups = engine.groups() if hasattr(engine, "groups") else [(engine, False)]
+        self._groups = engine.groups()
         self._sharded = {expert: (group.grads_sharded, group.params_sharded) for group, expert in self._groups}
         self._owns_grad = {(expert, tp_sharded): mesh.owns(replicated_over(self._sharded[expert][0], tp_sharded, expert))
                            for expert in self._sharded for tp_sharded in (True, False)}  # split over tp or not

@@ -174,6 +174,9 @@ class DataParallelEngine:
                 bucket.buffer = new_buffer(bucket, self.shards, self.precision.reduce_dtype)
 
     # -- the engine contract --------------------------------------------------
+    def groups(self) -> list[tuple[DataParallelEngine, bool]]:
+        return [(self, False)]
+
     def masters(self) -> list[torch.Tensor]:
         return [s.master for s in self.slots]
 
