@@ -66,16 +66,17 @@ def test_bad_expert_layouts_end_in_one_line(changes, message):
 
 # -- 2 ranks ----------------------------------------------------------------------------------------
 
-def _parallel(mesh, zero: int, data, one_expert: bool = False):
+def _parallel(mesh, zero: int, data, one_expert: bool = False, reduction: str = "sum"):
     with torch.device("meta"):
         model = Transformer(MOE)
     init = functools.partial(_init, one_expert)
     model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=LR), init=init,
-                                   data=DataParallel(zero=zero, grad_reduction="sum"))
-    for layer in moe_layers(model.module):
-        layer.aux_rows = BATCH  # the auxiliary loss averaged over the global batch, as `train_step` sets it
+                                   data=DataParallel(zero=zero, grad_reduction=reduction))
+    for layer in moe_layers(model.module):  # the auxiliary loss averaged over the global batch, as `train_step` sets
+        layer.aux_rows = BATCH if reduction == "sum" else BATCH // 2  # it; a mean: over this rank's own rows
     sizes = {n: tuple(p.shape) for n, p in model.module.named_parameters() if ".experts." in n}
-    losses = parallel_run(model, optimizer, data, mesh.rank, 2, lambda t: model.comm_sum(t))
+    losses = parallel_run(model, optimizer, data, mesh.rank, 2, lambda t: model.comm_sum(t),
+                          loss_scale=2.0 if reduction == "mean" else 1.0)
     return losses, model.full_state_dict(), sizes
 
 
@@ -108,6 +109,9 @@ def _all_cases(rank, world):  # noqa: ARG001
     return {
         "ddp": _parallel(mesh, 0, data),
         "zero1": _parallel(mesh, 1, data),
+        # Each rank's loss its own batch's share (× dp), gradients averaged: dense ones over the 2 data ranks, the
+        # experts' (held by one rank each, ep_replicate = 1) divided by dp = 2 as well, not by their 1 replica.
+        "mean": _parallel(mesh, 0, data, reduction="mean"),
         "one_expert": _parallel(mesh, 0, data[:2], one_expert=True),
         "a2a": _a2a_bytes(mesh),
     }
@@ -138,7 +142,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert diff <= 1e-5, f"{what}: relative difference {diff:.2e}"
 
 
-@pytest.mark.parametrize("case", ["ddp", "zero1"])
+@pytest.mark.parametrize("case", ["ddp", "zero1", "mean"])
 def test_ep2_trains_like_one_process(case):
     ref_losses, ref_params = _reference()
     for rank, (losses, params, sizes) in enumerate(r[case] for r in _results()):

@@ -364,6 +364,8 @@ class DataParallelEngine:
             used = [s.master.grad is not None for s in self.slots]
             if any(used):
                 self._used_mask = used_flags(used, device)
+            if any(used) and self.pre_divide != 1:  # a mean over data ranks of which this group has one (experts)
+                torch._foreach_div_([s.master.grad for s in self.slots if s.master.grad is not None], self.pre_divide)
             return self._used_mask
         if not self._accumulating:
             return self._used_mask
