@@ -116,6 +116,38 @@ def _sole_gradient_use_count() -> int:
 _SOLE_GRADIENT_USE_COUNT = _sole_gradient_use_count()
 
 
+# -- grouped GEMM ------------------------------------------------------------------------------------
+
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """Rows offsets[g-1]:offsets[g] of `x` [A, D] times `w[g]` [D, F], one kernel for all groups (private
+    `torch._grouped_mm`, the grouped GEMM of torch's own MoE layers); None where this torch lacks it or refuses
+    these tensors (its kernels want 16-byte aligned rows and, per device, some dtypes only), and the caller
+    loops over the groups instead. Whether a (device, dtype) works is probed once, forward and backward."""
+    if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 \
+            or (w.shape[-1] * w.element_size()) % 16 or x.dtype != w.dtype:
+        return None
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_MM_WORKS:
+        _GROUPED_MM_WORKS[key] = _grouped_mm_probe(x.device, x.dtype)
+    return torch._grouped_mm(x, w, offs=offsets) if _GROUPED_MM_WORKS[key] else None
+
+
+def _grouped_mm_probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs forward and backward on `device` in `dtype` (one group empty)."""
+    try:
+        with torch.enable_grad():
+            x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(3, 16, 8, device=device, dtype=dtype).transpose(-2, -1).requires_grad_()
+            offsets = torch.tensor([2, 2, 4], device=device, dtype=torch.int32)
+            torch._grouped_mm(x, w, offs=offsets).backward(torch.ones(4, 16, device=device, dtype=dtype))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 # -- dispatch modes and pytrees (torch.utils' private modules, the documented way to write a mode) -------
 
 TorchDispatchMode = _python_dispatch.TorchDispatchMode

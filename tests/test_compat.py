@@ -221,3 +221,14 @@ def test_an_observing_mode_sees_compiled_code_run_and_not_its_tracing():
         traced, seen[:] = len(seen), []
         compiled(torch.ones(2, 2))
     assert torch.ops.aten.mm.default in seen and len(seen) == traced, "the second call runs what the first ran"
+
+
+def test_grouped_mm_is_a_matmul_per_group_or_none():
+    """torch's private grouped GEMM, where this torch runs it for these tensors, equals a matmul per group of rows;
+    rows whose bytes are not 16-aligned get None (the caller's loop)."""
+    x, w = torch.randn(5, 8), torch.randn(3, 8, 4)
+    offsets = torch.tensor([2, 2, 5], dtype=torch.int32)
+    out = compat.grouped_mm(x, w, offsets)
+    assert out is not None  # CPU fp32 on torch 2.13
+    torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[2]]))
+    assert compat.grouped_mm(torch.randn(5, 6), torch.randn(3, 6, 4), offsets) is None

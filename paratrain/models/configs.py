@@ -31,6 +31,13 @@ class ModelConfig:
         norm_eps: epsilon added to the mean square in RMSNorm.
         rope_theta: base of the rotary embedding frequencies.
         tie_embeddings: the output projection reuses the embedding table (one parameter).
+        n_experts: experts of each block's mixture-of-experts feed-forward (`paratrain.models.moe`); 0: the
+            dense SwiGLU feed-forward.
+        top_k: experts each token is routed to (at most n_experts).
+        expert_ffn_dim: hidden width of each expert (and of the shared expert); 0: ffn_dim.
+        shared_expert: one always-on SwiGLU expert added to the routed output of each block.
+        aux_loss_coef: coefficient of the load-balancing loss E·Σ_e f_e·P_e (Switch; 1 when balanced).
+        z_loss_coef: coefficient of the router z-loss, the mean of logsumexp(router logits)².
     """
 
     vocab_size: int
@@ -43,6 +50,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    n_experts: int = 0
+    top_k: int = 2
+    expert_ffn_dim: int = 0
+    shared_expert: bool = False
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -55,6 +68,7 @@ class ModelConfig:
                 raise ModelConfigError(f"{name}={value!r} is invalid; use a positive number")
         if not isinstance(self.tie_embeddings, bool):
             raise ModelConfigError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
+        self._check_experts()
         if self.dim % self.n_heads:
             raise ModelConfigError(
                 f"dim={self.dim} is not divisible by n_heads={self.n_heads}; use a multiple of n_heads"
@@ -70,6 +84,31 @@ class ModelConfig:
                 "change dim or n_heads"
             )
 
+    def _check_experts(self) -> None:
+        for name in ("n_experts", "expert_ffn_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ModelConfigError(f"{name}={value!r} is invalid; use 0 or a positive integer")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k <= 0:
+            raise ModelConfigError(f"top_k={self.top_k!r} is invalid; use a positive integer")
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ModelConfigError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}; route each token to at "
+                                   "most n_experts experts")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ModelConfigError(f"{name}={value!r} is invalid; use 0 or a positive number")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the blocks' feed-forward is a mixture of experts."""
+        return self.n_experts > 0
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Hidden width of one expert: expert_ffn_dim, or ffn_dim when that is 0."""
+        return self.expert_ffn_dim or self.ffn_dim
+
     @property
     def head_dim(self) -> int:
         """Size of one attention head."""
@@ -80,6 +119,11 @@ class ModelConfig:
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else embedding
         return embedding + self.n_layers * self._block_params() + self.dim + output
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (top_k of n_experts run)."""
+        unused = (self.n_experts - self.top_k) * self._expert_params() if self.is_moe else 0
+        return self.num_params() - self.n_layers * unused
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at sequence length `seq_len`.
@@ -92,15 +136,21 @@ class ModelConfig:
         """
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
             raise ModelConfigError(f"seq_len={seq_len!r} is invalid; use a positive integer")
-        matmul_params = self.n_layers * self._block_params() + self.dim + self.vocab_size * self.dim
+        matmul_params = self.num_active_params() - self.vocab_size * self.dim * (not self.tie_embeddings)
         return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
 
     def _block_params(self) -> int:
         hd = self.head_dim
         attention = 2 * self.dim * self.n_heads * hd + 2 * self.dim * self.n_kv_heads * hd
         feed_forward = 3 * self.dim * self.ffn_dim
+        if self.is_moe:
+            shared = self._expert_params() if self.shared_expert else 0
+            feed_forward = self.dim * self.n_experts + self.n_experts * self._expert_params() + shared
         norms = 2 * self.dim
         return attention + feed_forward + norms
+
+    def _expert_params(self) -> int:
+        return 3 * self.dim * self.expert_hidden_dim
 
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {
@@ -124,6 +174,16 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
         max_seq_len=8192, rope_theta=500000.0,
+    ),
+    # Trains on the default corpus on a CPU in minutes; 8 experts split over ep = 1, 2, 4 or 8, heads over tp 2.
+    "tiny-moe": ModelConfig(
+        vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=1024,
+        n_experts=8, top_k=2,
+    ),
+    # Mixtral 8x7B (Jiang et al. 2024, table 1; Hugging Face's mistralai/Mixtral-8x7B-v0.1 config).
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=32768,
+        rope_theta=1e6, n_experts=8, top_k=2, expert_ffn_dim=14336,
     ),
 }
 
@@ -177,6 +237,9 @@ RECIPES: dict[str, Recipe] = {
     "llama2-13b": _LLAMA2,
     "llama2-70b": dataclasses.replace(_LLAMA2, lr=1.5e-4, min_lr=1.5e-5),
     "llama3-8b": _LLAMA3_8B,
+    "tiny-moe": _QUICK,
+    # Mixtral's paper publishes no optimizer settings: Llama 2's, as for the dense models of its size.
+    "mixtral-8x7b": dataclasses.replace(_LLAMA2, source="none published for Mixtral (Jiang et al. 2024); Llama 2's"),
 }
 
 

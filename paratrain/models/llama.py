@@ -25,8 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.configs import ModelConfig
+from paratrain.models.moe import MoE
 
 INIT_STD = 0.02
+# The parameters of a block's experts (`GroupedExperts`): [E, ...], the expert dimension first.
+EXPERT_TENSORS = (".experts.w1", ".experts.w2", ".experts.w3")
 
 
 class RMSNorm(nn.Module):
@@ -101,14 +104,22 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, hidden_dim: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        hidden_dim = hidden_dim or config.ffn_dim
+        self.w1 = nn.Linear(config.dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(config.dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, config.dim, bias=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+
+def moe_feed_forward(config: ModelConfig) -> MoE:
+    """The mixture-of-experts feed-forward of a block of `config` (n_experts > 0)."""
+    shared = FeedForward(config, config.expert_hidden_dim) if config.shared_expert else None
+    return MoE(config.dim, config.n_experts, config.top_k, config.expert_hidden_dim, shared,
+               config.aux_loss_coef, config.z_loss_coef)
 
 
 class TransformerBlock(nn.Module):
@@ -119,7 +130,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config) if not config.is_moe else moe_feed_forward(config)
 
     def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
         h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SE, sin_SE)
@@ -171,24 +182,33 @@ class Transformer(nn.Module):
         """Std of the normal init of parameter `name`; None for norm scales, which start at 1.
 
         0.02 everywhere, except the projections that write into the residual stream
-        (`wo`, `w2`), which get 0.02/sqrt(2·n_layers) so the stream's variance does not grow
-        with depth (GPT-2).
+        (`wo`, `w2`, the experts' `w2`), which get 0.02/sqrt(2·n_layers) so the stream's variance
+        does not grow with depth (GPT-2).
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith((".wo.weight", ".w2.weight")):
+        if name.endswith((".wo.weight", ".w2.weight", ".experts.w2")):
             return INIT_STD / math.sqrt(2 * self.config.n_layers)
         return INIT_STD
 
     def param_init(self, name: str, shape, seed: int) -> torch.Tensor:
         """Full fp32 CPU initial value of parameter `name` (named from this model's root).
 
-        A sharded materialization calls this with the global shape and keeps its slice.
+        A sharded materialization calls this with the global shape and keeps its slice. Each
+        expert of a `GroupedExperts` tensor is drawn from its own generator (name + expert index),
+        so a rank holding a block of experts can draw only those (`param_init_experts`).
         """
+        if name.endswith(EXPERT_TENSORS):
+            return self.param_init_experts(name, shape, seed, range(shape[0]))
         if self.config.tie_embeddings and name == "output.weight":
             # A stage that holds only the output projection still gets the shared table.
             name = "tok_embeddings.weight"
         return init_parameter(name, shape, seed, std=self.param_init_std(name))
+
+    def param_init_experts(self, name: str, shape, seed: int, experts: range) -> torch.Tensor:
+        """Initial values of experts `experts` of the `GroupedExperts` tensor `name` (global `shape`)."""
+        std = self.param_init_std(name)
+        return torch.stack([init_parameter(f"{name}[{e}]", shape[1:], seed, std=std) for e in experts])
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

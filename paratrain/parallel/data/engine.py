@@ -41,6 +41,10 @@ class Engine(Protocol):
     params_sharded: bool
     """Parameters at rest are this rank's 1/N rows (ZeRO-3): they are not replicas of each other."""
 
+    def groups(self) -> list[tuple["Engine", bool]]:
+        """(engine, holds experts) per group of parameters reduced alike: this engine alone, or one per group
+        (`paratrain.parallel.data.groups.GroupedEngine`); who owns a copy depends on the group."""
+
     def masters(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates (fp32), in a fixed order."""
 

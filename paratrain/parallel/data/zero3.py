@@ -417,6 +417,9 @@ class FullyShardedEngine:
         for i in indices:
             self._shards[i].grad = None
 
+    def groups(self) -> list[tuple[FullyShardedEngine, bool]]:
+        return [(self, False)]
+
     def masters(self) -> list[torch.Tensor]:
         """The fp32 shards the optimizer updates (they are also the model's parameters at rest)."""
         return list(self._shards)
