@@ -26,13 +26,14 @@ import json
 
 from paratrain.commands.options import given_options
 from paratrain.commands.plan_options import (  # noqa: F401  (parse_bytes: run.memory_budget reads --mem-budget with it)
-    BATCH_OPTIONS, LAYOUT_OPTIONS, MODEL_OPTIONS, add_shared_options, hardware_from_args, layout_from_args,
+    BATCH_OPTIONS, LAYOUT_OPTIONS, MODEL_OPTIONS, add_expert_option, add_shared_options, hardware_from_args, layout_from_args,
     parse_bytes, parse_count, space_from_args, workload_from_args,
 )
 from paratrain.parallel import rules
 from paratrain.plan.budget import budget, format_budget
 from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, Hardware, save_profile
 from paratrain.plan.memory import GB, LayoutError, MemoryBreakdown, PlanError, Recompute, Workload
+from paratrain.plan.moe import DEFAULT_IMBALANCE, is_moe
 from paratrain.plan.search import Estimate, SearchResult, estimate, layout_spec, search
 
 
@@ -47,10 +48,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_shared_options(model, MODEL_OPTIONS)
     model.add_argument("--params", help="parameter count only, e.g. 7.5B: model states, no activations "
                                         "(dp and ZeRO only)")
+    model.add_argument("--moe-imbalance", type=float, default=DEFAULT_IMBALANCE, metavar="C",
+                       help="a mixture of experts' assumed load imbalance: tokens the busiest expert rank receives "
+                            "over the mean (max/mean), scaling its expert compute, activations and all-to-all bytes "
+                            f"(default {DEFAULT_IMBALANCE}; 1: uniform routing)")
     add_shared_options(parser.add_argument_group("batch and precision"), BATCH_OPTIONS)
     layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
     add_shared_options(layout, LAYOUT_OPTIONS)
+    add_expert_option(layout)
     layout.add_argument("--recompute", choices=[r.value for r in Recompute],
                         help="activation checkpointing as the planner models it: none, selective (the outputs of "
                              "matmuls and attention kept, the rest recomputed) or full (every layer); the same as "
@@ -260,7 +266,9 @@ def _header_dict(workload: Workload, name: str, hardware: Hardware, gpus: int) -
     from paratrain.plan.hardware import hardware_to_dict
 
     model = dataclasses.asdict(workload.model) if workload.model is not None else None
-    return {"workload": {"model": name, "num_params": workload.num_params, "config": model,
+    active = workload.model.num_active_params() if workload.model is not None else workload.num_params
+    return {"workload": {"model": name, "num_params": workload.num_params, "active_params": active,
+                         "moe_imbalance": workload.moe_imbalance, "config": model,
                          "seq_len": workload.seq_len, "global_batch": workload.global_batch,
                          "precision": workload.precision, "reduce_dtype": workload.reduce_dtype or workload.precision},
             "hardware": {**hardware_to_dict(hardware), "gpus": gpus}}
@@ -269,6 +277,10 @@ def _header_dict(workload: Workload, name: str, hardware: Hardware, gpus: int) -
 def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=None) -> str:
     what = f"{name} ({workload.num_params / 1e9:.2f}B parameters)" if workload.model else \
         f"{workload.num_params / 1e9:g}B parameters, model states only"
+    if is_moe(workload.model):
+        m = workload.model
+        what = (f"{name} ({workload.num_params / 1e9:.2f}B parameters, {m.num_active_params() / 1e9:.2f}B active: "
+                f"top-{m.top_k} of {m.n_experts} experts; assumed load imbalance {workload.moe_imbalance:g} max/mean)")
     batch = f"global batch {workload.global_batch}"
     if args is not None and "train.global_batch" not in given_options(args) and args.tokens is not None:
         batch += f" (assumed: {workload.global_batch * workload.seq_len / 1e6:.1f}M tokens per step, Llama 2's 4M)"
@@ -308,7 +320,10 @@ def format_time(est: Estimate, hardware: Hardware) -> str:
     t = est.time
     rows = [("compute", t.compute), ("tp comm (exposed)", t.tp_comm), ("pp comm (exposed)", t.pp_comm),
             ("dp comm (exposed)", t.dp_comm)]
-    if est.layout.dp_replicate > 1:  # hybrid sharding: the data axis's two parts, on their own links
+    if est.layout.ep > 1:  # the experts' gradients on their replica group, and the all-to-alls
+        rows += [(f"  {axis}", seconds) for axis, seconds in t.dp_comm_by_axis.items()]
+        rows.append(("ep all-to-all", t.ep_comm))
+    if est.layout.dp_replicate > 1 and est.layout.ep == 1:  # hybrid sharding: the data axis's two parts
         rows += [(f"  {axis}", seconds) for axis, seconds in t.dp_comm_by_axis.items()]
     rows += [("pipeline bubble", t.bubble), ("optimizer step", t.optimizer)]
     lines = ["step time                      s   share"]
@@ -329,7 +344,7 @@ def format_search(result: SearchResult, workload: Workload, name: str, hardware:
              f"{result.num_infeasible:,} do not", ""]
     if result.ranked:
         lines.append(f"top {len(result.ranked)} by estimated step time:")
-        lines.append(f"   #   dp shard  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}  step s"
+        lines.append(f"   #   dp shard  ep  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}  step s"
                      "    MFU  compute   comm  bubble")
         for i, est in enumerate(result.ranked, 1):
             lines.append(_search_row(i, est, hardware))
@@ -349,7 +364,7 @@ def _search_row(i: int, est: Estimate, hardware: Hardware) -> str:
     lay, t = est.layout, est.time
     sched = "-" if lay.pp == 1 else lay.schedule.value + (f" v={lay.chunks}" if lay.chunks > 1 else "")
     shard = lay.shard_ranks if lay.dp_replicate > 1 else "-"  # a ZeRO shard group smaller than dp: HSDP
-    return (f"  {i:>2}  {lay.dp:>3} {shard:>5} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
+    return (f"  {i:>2}  {lay.dp:>3} {shard:>5} {lay.ep:>3} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
             f"{lay.num_microbatches(est.workload.global_batch):>5}  {lay.recompute.value:<9}  "
             f"{'yes' if lay.sequence_parallel else 'no':<4} {sched:<16}{est.memory.total / GB:>6.1f}"
             f"  {t.total:>6.2f}  {est.mfu(hardware):>5.1%}  {t.compute:>7.2f} {t.exposed_comm:>6.2f} "

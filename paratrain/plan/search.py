@@ -117,7 +117,7 @@ class Estimate:
         lay = self.layout
         batch = self.workload.global_batch or lay.dp * lay.micro_batch
         return {
-            "dp": lay.dp, "dp_shard": lay.shard_ranks, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+            "dp": lay.dp, "dp_shard": lay.shard_ranks, "ep": lay.ep, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
             "micro_batch": lay.micro_batch,
             "num_microbatches": lay.num_microbatches(self.workload.global_batch),
             "virtual_stages": lay.chunks, "sequence_parallel": lay.sequence_parallel,
@@ -201,6 +201,8 @@ class SearchSpace:
 
     dp_shard None: with ZeRO, every shard group size that divides dp (hybrid sharding), the whole
     data axis included; a number fixes it (a candidate whose dp it equals is not split).
+    ep None: for a MoE model every expert-parallel degree that divides both dp and the experts
+    (1 for a dense model); a number fixes it.
     """
 
     dp: int | None = None
@@ -214,6 +216,7 @@ class SearchSpace:
     virtual_stages: int = 1
     dp_shard: int | None = None
     compile: bool = False  # the run's own setting, not searched: every candidate runs compiled or eager
+    ep: int | None = None
 
 
 def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
@@ -229,12 +232,21 @@ def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
     return [0] + [d for d in _divisors(dp) if d < dp]
 
 
-def _candidates(world_size: int, space: SearchSpace):
+def _expert_degrees(dp: int, experts: int, space: SearchSpace) -> list[int]:
+    """The `Layout.ep` values to try: a fixed --ep as given (the rules refuse what cannot run); for a MoE
+    model of `experts` experts every divisor of dp that divides them too; 1 for a dense model."""
+    if space.ep is not None:
+        return [space.ep]
+    return [d for d in _divisors(dp) if experts % d == 0] if experts else [1]
+
+
+def _candidates(world_size: int, space: SearchSpace, experts: int = 0):
     """Every layout of the space over `world_size` ranks, skipping exact duplicates.
 
     ZeRO > 0 with dp = 1 shards nothing (the same layout as zero 0) and sequence parallelism
     is a tp > 1 option, so those are not enumerated. ZeRO ≥ 1 layouts come with every shard
-    group of hybrid sharding (`_shard_groups`).
+    group of hybrid sharding (`_shard_groups`), a MoE model's (`experts` > 0) with every
+    expert-parallel degree (`_expert_degrees`).
     """
     for tp in [space.tp] if space.tp else _divisors(world_size):
         for pp in [space.pp] if space.pp else _divisors(max(1, world_size // tp)):
@@ -244,10 +256,10 @@ def _candidates(world_size: int, space: SearchSpace):
             for zero, mb, recompute, sp in choices:
                 if (zero > 0 and dp == 1 and 0 in space.zero) or (sp and tp == 1 and False in space.sequence_parallel):
                     continue
-                for shard in _shard_groups(dp, zero, space):
+                for shard, ep in itertools.product(_shard_groups(dp, zero, space), _expert_degrees(dp, experts, space)):
                     yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, dp_shard=shard, micro_batch=mb,
                                  sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
-                                 virtual_stages=v, compile=space.compile)
+                                 virtual_stages=v, compile=space.compile, ep=ep)
 
 
 def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),
@@ -261,7 +273,8 @@ def search(workload: Workload, world_size: int, hardware: Hardware, space: Searc
     result = SearchResult(ranked=[])
     failures: dict[str, list[tuple[Layout, str]]] = defaultdict(list)
     too_big: list[tuple[float, Layout, str]] = []
-    for layout in _candidates(world_size, space):
+    experts = workload.model.n_experts if workload.model is not None else 0
+    for layout in _candidates(world_size, space, experts):
         result.searched += 1
         broken = layout_violations(workload, layout, world_size, hardware.gpus_per_node)
         if broken:
