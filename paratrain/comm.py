@@ -186,6 +186,19 @@ class Comm:
         self._count("broadcast", axis, tensor, _nbytes(tensor))
         return self._issue(axis, async_op, dist.broadcast, tensor, src=self.mesh.ranks(axis)[src], group=group)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], axis: str) -> None:
+        """Rows input_splits[i] of `input` (dim 0, in order) to the i-th rank of `axis`; output_splits[i] rows from
+        it into `output`. Counted: the rows sent to the other ranks (a rank's own rows stay in memory)."""
+        group, n = self._group(axis)
+        if n == 1:
+            output.copy_(input)
+            return
+        row_bytes = input[0:1].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        sent = (sum(input_splits) - input_splits[self.mesh.coord(axis)]) * row_bytes
+        self._count("all_to_all", axis, input, sent)
+        self._issue(axis, False, dist.all_to_all_single, output, input, output_splits, input_splits, group=group)
+
     def overlaps_compute(self) -> bool:
         """Whether communication runs beside compute on the mesh's device: the one policy of what overlaps.
 

@@ -115,6 +115,8 @@ class ParallelSection:
     pp: int = option(1, "pipeline-parallel degree: the layers split into pp stages on different ranks")
     cp: int = option(1, "context-parallel degree: each sequence split into 2·cp load-balanced chunks over cp "
                         "neighbouring ranks, attention as a ring (--seq-len divisible by 2·cp)")
+    ep: int = option(1, "expert-parallel degree: the experts of each MoE layer split over ep neighbouring data "
+                        "ranks, tokens sent to them by all-to-all (divides dp and the model's experts)")
     schedule: str = option(DEFAULT_SCHEDULE.value, "pipeline schedule (micro-batches per step = global batch / "
                                                    "(micro-batch × dp))", choices=SCHEDULES)
     virtual_stages: int = option(1, "model chunks per pipeline rank (> 1 with --schedule interleaved)")
@@ -451,7 +453,7 @@ def check_layout(cfg: Config, world_size: int, model_cfg=None) -> CheckedLayout:
     resolve_batch(cfg, dp)
     return rules.check_layout(LayoutSpec(
         dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, activation_checkpointing=p.activation_checkpointing,
-        dp_shard=p.dp_shard, zero=p.zero, sequence_parallel=p.sequence_parallel,
+        dp_shard=p.dp_shard, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
         global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len), ConfigError)
 

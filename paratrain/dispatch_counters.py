@@ -71,6 +71,14 @@ class HostSyncs(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+def _all_to_all_sent(input: torch.Tensor, input_splits: list[int], rank: int, n: int) -> float:
+    """Bytes of an all-to-all's input that go to other ranks: all but this rank's own split (equal splits if none)."""
+    total = input.numel() * input.element_size()
+    rows = input.shape[0] if input.dim() else 1
+    own = input_splits[rank] if input_splits else rows // n
+    return total - own * (total / rows if rows else 0)
+
+
 class Collectives(TorchDispatchMode):
     """Bytes that reach torch.distributed, per process group, counted from the tensors of each c10d op.
 
@@ -107,6 +115,8 @@ class Collectives(TorchDispatchMode):
             sent = max(nbytes) * (n - 1) / n  # the full tensor is the output of a gather, the input of a scatter
         elif op.startswith("broadcast"):
             sent = sum(nbytes) * (n - 1) / n  # a ring's (or tree's) S·(n−1) in all, per rank
+        elif op.startswith("alltoall_base"):  # (output, input, group, output splits, input splits, ...)
+            sent = _all_to_all_sent(args[1], args[4], group.rank(), n)
         else:
             sent = 0.0  # point-to-point and barriers: not what this count is for
         name = group.group_name

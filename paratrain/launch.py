@@ -187,7 +187,7 @@ def _last_attempt(cfg: Config, rank: int):
     if not attempts or not ring_path(attempts[-1], rank).exists():
         return None
     p = cfg.parallel
-    shape = MeshShape.for_world(cfg.run.nproc * cfg.run.nnodes, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp,
+    shape = MeshShape.for_world(cfg.run.nproc * cfg.run.nnodes, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
                                 dp_shard=p.dp_shard or None)
     return attempts[-1], rank, shape
 

@@ -32,6 +32,12 @@ gradients are partial sums like data ranks': with cp > 1 the gradients are
 reduced (and ZeRO shards) over ``"dp_cp"``, the ranks that differ only in
 their dp or cp coordinate (`Mesh.data_axis`), as torchtitan folds cp into
 FSDP's mesh. Batches, the loss and the agreement's counts stay per data rank.
+
+Expert parallelism splits the data axis once more: ``dp = ep_replicate × ep``, ``ep`` inner.
+The ``ep`` neighbouring data ranks of a group each hold E/ep experts of every MoE layer and send
+each other their tokens (all-to-all); the ``ep_replicate`` data ranks at one ``ep`` coordinate
+hold the same experts, which are copies only along that axis (`replicated_over`) and whose
+gradients are reduced over it. Every other parameter stays under the whole data axis.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ from paratrain.errors import ParatrainError
 AXES = ("pp", "dp", "cp", "tp")
 DATA_CP = "dp_cp"  # the ranks that differ only in dp and cp: what gradients are reduced over with cp > 1
 DATA_SUBAXES = ("dp_shard", "dp_replicate")  # the data axis split for hybrid sharding (dp = replicate × shard)
+# The data axis split for expert parallelism (dp = ep_replicate × ep): `ep` neighbouring data ranks hold the
+# experts of each MoE layer between them; the `ep_replicate` ranks at one ep coordinate hold the same block.
+EXPERT_AXES = ("ep", "ep_replicate")
 WORLD = "world"  # every rank of the mesh: not a parallelism axis, the group of mesh-wide agreements
 # What every rank of one data rank's pipeline and tensor-parallel group holds alike: its batch and its counts.
 PER_DATA_RANK = ("pp", "cp", "tp")
@@ -66,6 +75,7 @@ class MeshShape:
     tp: int = 1
     dp_shard: int = 0  # ranks a ZeRO shard group spans (0: the whole data axis, no replicas)
     cp: int = 1  # context parallelism: ranks that split each sequence (after dp_shard: positional callers keep theirs)
+    ep: int = 1  # expert parallelism: neighbouring data ranks that split the experts (divides dp)
 
     def __post_init__(self):
         for axis in AXES:
@@ -76,6 +86,9 @@ class MeshShape:
         if self.dp_shard < 1 or self.dp % self.dp_shard:
             raise MeshError(f"--dp-shard {self.dp_shard} must divide the data-parallel degree {self.dp}; "
                             f"choose among {_divisors(self.dp)}")
+        if self.ep < 1 or self.dp % self.ep:
+            raise MeshError(f"--ep {self.ep} must divide the data-parallel degree {self.dp}; "
+                            f"choose among {_divisors(self.dp)}")
 
     @property
     def dp_replicate(self) -> int:
@@ -85,14 +98,19 @@ class MeshShape:
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
+    @property
+    def ep_replicate(self) -> int:
+        return self.dp // self.ep
+
     def size(self, axis: str) -> int:
         return self.dp * self.cp if axis == DATA_CP else getattr(self, axis)
 
     @property
     def axes(self) -> tuple[str, ...]:
         """The axes `build_mesh` makes groups for: pp, dp, cp, tp, the data axis's two parts when it keeps
-        replicas, and dp × cp together when cp > 1 (the gradients' group)."""
-        return AXES + (DATA_SUBAXES if self.dp_replicate > 1 else ()) + ((DATA_CP,) if self.cp > 1 else ())
+        replicas, dp × cp together when cp > 1 (the gradients' group), and the expert axes when ep > 1."""
+        return (AXES + (DATA_SUBAXES if self.dp_replicate > 1 else ()) + ((DATA_CP,) if self.cp > 1 else ())
+                + (EXPERT_AXES if self.ep > 1 else ()))
 
     def num_communicators(self) -> int:
         """Process groups of more than one rank that each rank belongs to: the default group over the world and
@@ -108,8 +126,9 @@ class MeshShape:
         dp, rest = divmod(rest, self.cp * self.tp)
         cp, tp = divmod(rest, self.tp)
         replicate, shard = divmod(dp, self.dp_shard)
+        ep_replicate, ep = divmod(dp, self.ep)
         return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_shard": shard, "dp_replicate": replicate,
-                DATA_CP: dp * self.cp + cp}
+                DATA_CP: dp * self.cp + cp, "ep": ep, "ep_replicate": ep_replicate}
 
     def owns(self, rank: int, replicated_over: tuple[str, ...]) -> bool:
         """Whether `rank` is the one that counts or writes a tensor held alike along the axes `replicated_over`:
@@ -118,9 +137,12 @@ class MeshShape:
         return all(coords[axis] == 0 for axis in replicated_over)
 
     def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0, dp_shard: int | None = None,
-                dp_replicate: int | None = None, cp: int = 0, dp_cp: int | None = None) -> int:
+                dp_replicate: int | None = None, cp: int = 0, dp_cp: int | None = None, ep: int | None = None,
+                ep_replicate: int | None = None) -> int:
         if dp_shard is not None or dp_replicate is not None:
             dp = (dp_replicate or 0) * self.dp_shard + (dp_shard or 0)
+        if ep is not None or ep_replicate is not None:
+            dp = (ep_replicate or 0) * self.ep + (ep or 0)
         if dp_cp is not None:
             dp, cp = divmod(dp_cp, self.cp)
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
@@ -131,6 +153,10 @@ class MeshShape:
             return [g[i:i + self.dp_shard] for g in self.groups("dp") for i in range(0, self.dp, self.dp_shard)]
         if axis == "dp_replicate":  # every dp_shard-th rank of each data group: one per shard group
             return [g[i::self.dp_shard] for g in self.groups("dp") for i in range(self.dp_shard)]
+        if axis == "ep":  # runs of ep neighbouring ranks of each data group
+            return [g[i:i + self.ep] for g in self.groups("dp") for i in range(0, self.dp, self.ep)]
+        if axis == "ep_replicate":  # every ep-th rank of each data group: the holders of one block of experts
+            return [g[i::self.ep] for g in self.groups("dp") for i in range(self.ep)]
         if axis == DATA_CP:  # every (dp, cp) pair of one (pp, tp) position, dp-major
             return [[self.rank_of(pp=p, tp=t, dp_cp=i) for i in range(self.dp * self.cp)]
                     for p in range(self.pp) for t in range(self.tp)]
@@ -143,7 +169,7 @@ class MeshShape:
 
     @classmethod
     def for_world(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1,
-                  dp_shard: int | None = None, cp: int = 1) -> MeshShape:
+                  dp_shard: int | None = None, cp: int = 1, ep: int = 1) -> MeshShape:
         """Degrees for a world; dp defaults to what tp, cp and pp leave. Explains a mismatch in one line."""
         if tp < 1 or pp < 1 or cp < 1 or (dp is not None and dp < 1):
             raise MeshError(f"degrees must be at least 1 (dp={dp}, cp={cp}, tp={tp}, pp={pp})")
@@ -154,7 +180,7 @@ class MeshShape:
                 raise MeshError(f"world size {world_size} is not divisible by {named} = {spelled}; "
                                 f"choose {named} among {_divisors(world_size)}")
             dp = world_size // others
-        shape = cls(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard or 0, cp=cp)
+        shape = cls(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard or 0, cp=cp, ep=ep)
         if shape.world_size != world_size:
             degrees = f"{pp} × {dp} × {tp}" if cp == 1 else f"{pp} × {dp} × {cp} × {tp}"
             raise MeshError(f"pp × dp{'' if cp == 1 else ' × cp'} × tp = {degrees} = {shape.world_size} but the "
@@ -216,7 +242,7 @@ class Mesh:
         return self.rank == 0
 
 
-def replicated_over(data_sharded: bool, tp_sharded: bool) -> tuple[str, ...]:
+def replicated_over(data_sharded: bool, tp_sharded: bool, expert: bool = False) -> tuple[str, ...]:
     """The axes along which ranks hold equal copies of one parameter's tensor (a master, its gradient, the
     parameter itself).
 
@@ -225,7 +251,11 @@ def replicated_over(data_sharded: bool, tp_sharded: bool) -> tuple[str, ...]:
     shards, over dp × cp) the replicas of each shard group, `dp_replicate` (one rank: no copies, without
     hybrid sharding). Over tp unless tensor parallelism splits it.
     Every stage of a pipeline holds its own parameters: never copies along pp.
+    An expert tensor (`expert`: a block of E/ep experts) is whole on the `ep_replicate` data ranks
+    that hold the same block, and sharded over them by ZeRO: copies along `ep_replicate` or none.
     """
+    if expert:
+        return (() if data_sharded else ("ep_replicate",)) + (() if tp_sharded else ("tp",))
     return (("dp_replicate",) if data_sharded else ("dp", "cp")) + (() if tp_sharded else ("tp",))
 
 
@@ -264,13 +294,15 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
 
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float | None = None,
-              flight_records: str | None = None, dp_shard: int | None = None, store=None, cp: int = 1) -> Mesh:
+              flight_records: str | None = None, dp_shard: int | None = None, store=None, cp: int = 1,
+              ep: int = 1) -> Mesh:
     """Join the job described by the launcher's environment and build the mesh.
 
     Creates the default process group if none exists (one process alone gets a
     group of one, so every code path is the same). dp defaults to the world
     size divided by tp × cp × pp; `dp_shard` splits it for hybrid sharding (None: no
-    split); `cp` splits every sequence over that many neighbouring ranks (context parallelism). `timeout_s` bounds every collective (None: torch's default); a group
+    split); `cp` splits every sequence over that many neighbouring ranks (context parallelism); `ep` splits
+    the experts of MoE layers over that many neighbouring data ranks (expert parallelism). `timeout_s` bounds every collective (None: torch's default); a group
     that already exists keeps its own. `flight_records` is where
     NCCL's flight recorder dumps each rank's last collectives on a timeout (+ rank). `store`:
     the job's store, when the caller opened it before (`paratrain.distributed.launcher_store`).
@@ -278,7 +310,7 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float 
     from paratrain.distributed import backend_for, detect_env, init_distributed
 
     world = detect_env().world_size
-    shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, cp=cp)  # fail before any group exists
+    shape = MeshShape.for_world(world, dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, cp=cp, ep=ep)  # fail before any group exists
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     _, device = init_distributed(**({"timeout_s": timeout_s} if timeout_s is not None else {}),
                                  flight_records=flight_records, store=store)

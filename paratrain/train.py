@@ -73,6 +73,7 @@ def train(cfg: Config) -> RunResult:
         store = launcher_store(env, cfg.reliability.pg_timeout_s) if owns_group else default_store()
         cfg.run.out = shared_run_dir(cfg, store)
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp,
+                     ep=cfg.parallel.ep,
                      dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s,
                      flight_records=flight_record_prefix(cfg), store=store)
     try:

@@ -4,7 +4,7 @@ What both `paratrain verify` commands share (`paratrain.commands.verify` on the 
 `paratrain.commands.verify_model` on the user's own): the layout grammar, the processes and
 micro-batches a layout runs with, its layout rules, and the comparison that judges it.
 
-A layout is a comma-separated list of tokens (LAYOUT_TOKENS): `dpN`, `shardN`, `tpN`, `ppN`,
+A layout is a comma-separated list of tokens (LAYOUT_TOKENS): `dpN`, `shardN`, `epN` (expert ranks are data ranks: `ep2` alone is dp 2), `tpN`, `ppN`,
 `zeroK`, `sp`, a precision (`fp32`, `bf16`, `fp16`), a pipeline schedule (`gpipe`, `1f1b`,
 `interleaved`, `zb-h1`) and `vN` (virtual stages). Each sets one field of the `[parallel]`
 config section, whose values it takes (ZeRO stages, precisions, schedules).
@@ -55,6 +55,7 @@ LAYOUT_TOKENS = (
     LayoutToken(r"tp([1-9]\d*)", "tpN", "tp", lambda m: int(m[1]), "tensor parallelism"),
     LayoutToken(r"pp([1-9]\d*)", "ppN", "pp", lambda m: int(m[1]), "pipeline parallelism"),
     LayoutToken(r"cp([1-9]\d*)", "cpN", "cp", lambda m: int(m[1]), "context parallelism"),
+    LayoutToken(r"ep([1-9]\d*)", "epN", "ep", lambda m: int(m[1]), "expert parallelism"),
     LayoutToken(f"zero({'|'.join(map(str, ZERO_STAGES))})", f"zero{ZERO_STAGES[0]}-{ZERO_STAGES[-1]}", "zero",
                 lambda m: int(m[1]), "ZeRO"),
     LayoutToken(r"sp", "sp", "sequence_parallel", lambda m: True, "sequence parallelism"),
@@ -80,6 +81,8 @@ def parse_layout(text: str) -> dict[str, Any]:
         if kind.field in overrides:
             raise VerifyError(f"--layouts: {text!r} sets {kind.field} twice; keep one of its tokens")
         overrides[kind.field] = kind.value(match)
+    if overrides.get("ep", 1) > 1 and "dp" not in overrides:  # expert ranks are data ranks: ep2 alone is dp2
+        overrides["dp"] = overrides["ep"]
     return overrides
 
 
@@ -96,7 +99,7 @@ def format_layout(parallel: dict[str, Any]) -> str:
     tokens = [f"dp{parallel.get('dp') or 1}"]
     if 0 < (parallel.get("dp_shard") or 0) < (parallel.get("dp") or 1):  # hybrid sharding: ZeRO over groups of N
         tokens.append(f"shard{parallel['dp_shard']}")
-    tokens += [f"{axis}{parallel[axis]}" for axis in ("cp", "tp", "pp") if (parallel.get(axis) or 1) > 1]
+    tokens += [f"{axis}{parallel[axis]}" for axis in ("ep", "cp", "tp", "pp") if (parallel.get(axis) or 1) > 1]
     if parallel.get("zero"):
         tokens.append(f"zero{parallel['zero']}")
     if parallel.get("sequence_parallel"):

@@ -5,6 +5,12 @@ computes with `torch.nn.utils.clip_grad_norm_` on the whole batch, step by step.
 On a GPU every read of device memory by the host stalls the queue of kernels; `HostSyncs` counts
 the operations that would (scalar reads, value-dependent shapes, `.tolist()`), here on the CPU.
 The step is the trainer's (`paratrain.train.train_step`); the batch comes from the host (excused).
+
+Expert parallelism and MoE models are not in the table, by design: each MoE layer reads its exchanged
+per-expert counts on the host once per forward, its backward reusing them (`paratrain.parallel.expert.dispatch`:
+they are the split sizes of its all-to-all), the sync every dropless dispatcher makes (Megatron-Core's,
+torchtitan's); and a MoE layer counts its tokens per expert with `torch.bincount`, which sizes its output on the
+host, and where torch's grouped GEMM does not run (`paratrain.compat.grouped_mm`) loops over its experts' slices.
 """
 
 from __future__ import annotations

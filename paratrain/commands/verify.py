@@ -52,7 +52,7 @@ from paratrain.verify import KNOWN, Comparison, VerifyError, compare, micro_batc
 # The options shared with `paratrain train` (the trainer's flags and help) and verify's defaults of them.
 SHARED = ("model.name", "train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.path",
           "train.seed")
-LAYOUT_OPTIONS = ("parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.zero",
+LAYOUT_OPTIONS = ("parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.zero",
                   "parallel.sequence_parallel", "parallel.precision", "parallel.reduce_dtype", "parallel.schedule",
                   "parallel.virtual_stages", "parallel.activation_checkpointing", "parallel.bucket_mb")
 DEFAULTS = {"train.steps": 3, "train.global_batch": 8, "data.seq_len": 64}

@@ -27,6 +27,10 @@ LLAMA_TP_PLAN: dict[str, Style] = {
     "output": OutputHead(),
 }
 
+# The reference model with MoE feed-forwards: attention split as above; each MoE layer stays whole on every tp
+# rank, which routes the same tokens (its experts may be split over ep instead), so no region wraps it.
+LLAMA_MOE_TP_PLAN: dict[str, Style] = {k: v for k, v in LLAMA_TP_PLAN.items() if ".feed_forward" not in k}
+
 LLAMA_SP_PLAN: dict[str, Style] = {
     **LLAMA_TP_PLAN,
     "tok_embeddings": VocabEmbedding(defer_sp_reduce=True),

@@ -36,7 +36,7 @@ from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
 from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.plan import apply_tensor_parallel
-from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
+from paratrain.models.tp_plans import LLAMA_MOE_TP_PLAN, LLAMA_SP_PLAN, LLAMA_TP_PLAN
 from paratrain.parallel.data.units import UnitSpec
 from paratrain.precision import Precision, precision_policy
 
@@ -210,6 +210,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     model = split.module if split is not None else model
     if init is None and any(p.is_meta for p in model.parameters()):
         init = _default_init(model)
+    # 1b. Expert parallelism before tensor parallelism: tp materializes a meta model, and by then each MoE layer
+    #     must hold only this rank's block of experts (the initializer keeps the block of the whole).
+    expert_info, init = _expert(model, mesh, comm, init)
     # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and everything
     #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
     tp_info, init = _tensor(model, mesh, comm, tensor, data, split, init)
@@ -221,10 +224,10 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    saved-tensor hooks).
     _recompute_and_compile(model, comm, checkpointing, compile, sharding)
     # 5. The data-parallel engine: it sees the final parameters it has to reduce.
-    engine = _engine(model, mesh, comm, policy, data, init)
+    engine = _engine(model, mesh, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, mesh, comm, policy, pipeline, tp_info)
-    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding)
+    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info)
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     return wrapped, _optimizer(optimizer, wrapped, engine, data)
 
@@ -237,6 +240,19 @@ def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):
 
     return split_for_pipeline(model, mesh.size("pp"), mesh.coord("pp"), pipeline.virtual_stages,
                               list(pipeline.boundaries) if pipeline.boundaries is not None else None)
+
+
+def _expert(model: nn.Module, mesh: Mesh, comm: Comm, init):
+    """Expert parallelism over the mesh's ep axis: (what it did or None, the initializer of the local blocks)."""
+    if mesh.size("ep") == 1:
+        return None, init
+    from paratrain.parallel.expert import apply_expert_parallel
+
+    info = apply_expert_parallel(model, comm)
+    if not info.names:
+        raise ParallelConfigError(f"the mesh has ep={mesh.size('ep')} but {type(model).__name__} has no MoE layer; "
+                                  "use ep=1 for a dense model")
+    return info, (functools.partial(info.local_init, init) if init is not None else None)
 
 
 def _tensor(model: nn.Module, mesh: Mesh, comm: Comm, tensor: TensorParallel, data: DataParallel, split, init):
@@ -271,9 +287,20 @@ def _recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpoi
         checkpoint_blocks(model, checkpointing)
 
 
-def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: DataParallel, init):
-    """The data-parallel engine of `data.zero`'s stage over the model's final parameters."""
+def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: DataParallel, init, expert_info=None):
+    """The data-parallel engine of `data.zero`'s stage over the model's final parameters; under expert parallelism
+    one over the dense parameters (the data axis) and one over the experts (the ranks holding the same block)."""
     reduction = data.grad_reduction.value
+    if expert_info is not None:
+        from paratrain.parallel.data.groups import GroupedEngine
+        from paratrain.parallel.expert import REPLICATE_AXIS
+
+        named = [(n, p) for n, p in model.named_parameters()]
+        groups = [[(n, p) for n, p in named if (n in expert_info.names) == expert] for expert in (False, True)]
+        return GroupedEngine([DataParallelEngine(model, mesh, comm, policy, stage=data.zero, bucket_mb=data.bucket_mb,
+                                                 grad_reduction=reduction, params=params,
+                                                 axis=REPLICATE_AXIS if expert else None)
+                              for expert, params in zip((False, True), groups)], [False, True])
     if data.zero == 3:
         from paratrain.parallel.data.zero3 import FullyShardedEngine
 
@@ -313,7 +340,7 @@ def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeli
                   checked: CheckedLayout | None, activation_checkpointing: int = 0) -> None:
     """The layout rules (`paratrain.parallel.rules`) on the mesh and the options, unless the caller decided them."""
     s = mesh.shape
-    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, zero=data.zero,
+    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
                         sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
                         virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
     if checked is None:
@@ -380,7 +407,7 @@ def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, seque
             raise ParallelConfigError(f"tensor parallelism needs a plan for {type(model).__name__}: pass "
                                       "tensor=TensorParallel(plan={module pattern: style}) (see "
                                       "paratrain.parallel.tensor.plan)")
-        plan = LLAMA_SP_PLAN if sequence_parallel else LLAMA_TP_PLAN
+        plan = LLAMA_SP_PLAN if sequence_parallel else LLAMA_MOE_TP_PLAN if model.config.is_moe else LLAMA_TP_PLAN
     on_meta = any(p.is_meta for p in model.parameters())
     info = apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sequence_parallel,
                                  init=init if on_meta and materialize else None, device=device,

@@ -39,6 +39,7 @@ Nothing runs at the end of backward by itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from enum import Enum
 from typing import Iterator
@@ -80,8 +81,11 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
-                 tp_info: TensorParallelInfo | None = None, pipeline=None, context=None):
+                 tp_info: TensorParallelInfo | None = None, pipeline=None, context=None, expert_info=None):
         super().__init__()
+        # A `paratrain.parallel.expert.ExpertInfo` under expert parallelism: which parameters are blocks of experts.
+        self.expert_info = expert_info
+        self._moe = _moe_layers(module)
         # A `paratrain.parallel.context.sdpa.ContextSharding` under context parallelism: the forward sees this
         # rank's chunks of each sequence, and labels given whole are split alike.
         self.context = context
@@ -103,8 +107,11 @@ class ParallelModel(nn.Module):
         self._grad_norm = math.nan  # the agreed norm of the gradients as they are now (clipping scales it)
         # Which copies this rank counts (`paratrain.mesh`: rank ownership), decided once: the mesh is fixed.
         mesh = comm.mesh
-        self._owns_grad = {tp_sharded: mesh.owns(replicated_over(engine.grads_sharded, tp_sharded))
-                           for tp_sharded in (True, False)}  # a master's gradient, split over tp or not
+        # Per group of parameters (the experts, under expert parallelism, are reduced by an engine of their own).
+        self._groups = engine.groups() if hasattr(engine, "groups") else [(engine, False)]
+        self._sharded = {expert: (group.grads_sharded, group.params_sharded) for group, expert in self._groups}
+        self._owns_grad = {(expert, tp_sharded): mesh.owns(replicated_over(self._sharded[expert][0], tp_sharded, expert))
+                           for expert in self._sharded for tp_sharded in (True, False)}  # split over tp or not
         world = range(mesh.size(WORLD))
         self._data_ranks = [r for r in world if mesh.shape.owns(r, PER_DATA_RANK)]  # one rank per data rank
         self._loss_ranks = [r for r in world if mesh.shape.owns(r, ("tp",))]  # every stage's: the last writes it
@@ -203,10 +210,15 @@ class ParallelModel(nn.Module):
         cross-entropy ignoring label -100, vocab-parallel under tensor parallelism) divided by
         `normalizer` (the step's global token count, a number or a 0-d tensor on the device),
         so m micro-batches on N data ranks give the gradient of one batch of m·N. Under pipeline
-        parallelism the schedule runs the passes, `loss_fn` on the last stage.
+        parallelism the schedule runs the passes, `loss_fn` on the last stage. The auxiliary
+        losses of MoE layers are averaged over the step's sequences on every data rank alike
+        (`MoE.aux_rows`), the gradients being summed over the data ranks as the token loss's.
         """
         loss_fn = loss_fn or self.loss_fn
         self._phase = _Phase.BACKWARD
+        rows = sum(inputs.shape[0] for inputs, _ in micro_batches) * self.mesh.size("dp")
+        for layer in self._moe:
+            layer.aux_rows = rows
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(micro_batches, normalizer, loss_fn, self.no_sync, self.scale_loss)
         else:
@@ -305,15 +317,22 @@ class ParallelModel(nn.Module):
         the data axis (ZeRO) on each rank of one replica (dp_replicate 0), whole ones (DDP) on data
         rank 0 only. None: this rank's count elsewhere.
         """
+        parts = [self._group_grad_sq(engine, expert) for engine, expert in self._groups]
+        own = sum(p[0] for p in parts)
+        shares = [p[1] for p in parts if p[1] is not None]
+        return own, sum(shares) if shares else None
+
+    def _group_grad_sq(self, engine, expert: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_grad_sq` of one group of parameters (all but experts, or the experts: copies along other axes)."""
         if self.tp_info is None:
-            own = self.engine.local_grad_sq_sum()
-            return own, own if self._owns_grad[False] else None
-        named = zip(self.engine.master_names(), self.engine.masters())
+            own = engine.local_grad_sq_sum()
+            return own, own if self._owns_grad[expert, False] else None
+        named = zip(engine.master_names(), engine.masters())
         sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
         own = sharded + replicated
-        if not self._owns_grad[True]:  # no tp shard counts here, so no tp-replicated gradient either
+        if not self._owns_grad[expert, True]:  # no tp shard counts here, so no tp-replicated gradient either
             return own, None
-        return own, own if self._owns_grad[False] else sharded
+        return own, own if self._owns_grad[expert, False] else sharded
 
     def _decide(self, table: list[list[float]], names: list[str]) -> Verdict:
         loss_bad, grads_bad, stop, loss, grad_sq = table[:len(_FLAGS)]
@@ -389,8 +408,9 @@ class ParallelModel(nn.Module):
         """The mesh axes along which ranks hold equal copies of parameter `name`'s master (its gradient, its
         checkpoint box) or, `at_rest`, of the parameter itself as the module holds it between steps
         (ZeRO-1/2 shard the masters, not the parameters). `Mesh.owns` says which copy counts."""
-        data_sharded = self.engine.params_sharded if at_rest else self.engine.grads_sharded
-        return replicated_over(data_sharded, self.tp_info is not None and name in self.tp_info.sharded)
+        expert = self.expert_info is not None and name in self.expert_info.names
+        data_sharded = self._sharded[expert][1 if at_rest else 0]
+        return replicated_over(data_sharded, self.tp_info is not None and name in self.tp_info.sharded, expert)
 
     def loss_scale_state(self) -> dict:
         """The fp16 loss scaler's state (scale, clean and skipped steps), for a checkpoint."""
@@ -412,6 +432,8 @@ class ParallelModel(nn.Module):
         shapes = {name: tuple(shape) for name, _, shape in self.engine.master_rows()}
         if self.tp_info is not None:
             shapes = {name: self.tp_info.global_shape(name, shape)[0] for name, shape in shapes.items()}
+        if self.expert_info is not None:
+            shapes = {name: self.expert_info.global_shape(name, shape)[0] for name, shape in shapes.items()}
         return shapes
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -423,6 +445,8 @@ class ParallelModel(nn.Module):
         it, and the whole model is never on one rank.
         """
         whole = (lambda name, value: value) if self.tp_info is None else self.tp_info.gather
+        if self.expert_info is not None:  # expert tensors are whole over tp: gathered over ep only
+            whole = functools.partial(_whole_expert, self.expert_info, whole)
         if self.pipeline is None:
             for name, value in self.engine.full_parameters():
                 yield name, whole(name, value)
@@ -439,6 +463,18 @@ class ParallelModel(nn.Module):
         result["optimizer"] = optimizer_state_bytes(optimizer) if optimizer is not None else 0
         result["total"] = sum(result.values())
         return result
+
+
+def _whole_expert(info, whole_tp, name: str, value: torch.Tensor) -> torch.Tensor:
+    """An expert tensor gathered over ep, any other as tensor parallelism makes it whole."""
+    return info.gather(name, value) if name in info.names else whole_tp(name, value)
+
+
+def _moe_layers(module: nn.Module) -> list[nn.Module]:
+    """The MoE layers of `module` (none: nothing imported)."""
+    from paratrain.parallel.expert import moe_layers
+
+    return moe_layers(module)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -98,7 +98,8 @@ class LayoutRuleError(ParatrainError, ValueError):
 class LayoutSpec:
     """A layout as the rules read it, with what is known of the run around it (None: unknown here).
 
-    dp, tp, pp, cp: the degrees; dp_shard: ranks of a ZeRO shard group (0 or dp: the whole data axis).
+    dp, tp, pp, cp: the degrees; dp_shard: ranks of a ZeRO shard group (0 or dp: the whole data axis);
+    ep: data ranks that split the experts of MoE layers (expert parallelism).
     zero, sequence_parallel, schedule, virtual_stages: the strategies' options.
     world_size: ranks of the job; gpus_per_node: devices of one node (tp must fit in one).
     model: the reference model's shape (a `ModelConfig`: heads, kv heads, ffn, vocabulary, layers).
@@ -126,6 +127,7 @@ class LayoutSpec:
     seq_len: int | None = None
     cp: int = 1
     activation_checkpointing: int | str = 0
+    ep: int = 1
 
     @property
     def num_microbatches(self) -> int | None:
@@ -160,9 +162,9 @@ class CheckedLayout:
         """Whether this verdict is about `other`'s degrees and options (what `parallelize` knows of a layout)."""
         mine, theirs = self.spec, other
         return ((mine.dp, mine.tp, mine.pp, mine.cp, mine.dp_shard or mine.dp, mine.zero, mine.sequence_parallel,
-                 ScheduleName.parse(mine.schedule), mine.virtual_stages)
+                 ScheduleName.parse(mine.schedule), mine.virtual_stages, mine.ep)
                 == (theirs.dp, theirs.tp, theirs.pp, theirs.cp, theirs.dp_shard or theirs.dp, theirs.zero,
-                    theirs.sequence_parallel, ScheduleName.parse(theirs.schedule), theirs.virtual_stages))
+                    theirs.sequence_parallel, ScheduleName.parse(theirs.schedule), theirs.virtual_stages, theirs.ep))
 
 
 # -- the list ----------------------------------------------------------------------------------
@@ -179,6 +181,7 @@ def layout_violations(layout: LayoutSpec) -> list[Violation]:
             + shard_group_violations(s.dp, s.dp_shard, s.zero) + zero_stage_violations(s.zero, s.pp)
             + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
             + context_parallel_violations(s.cp, s.seq_len, s.tp, s.pp, s.dp_shard, s.dp, s.activation_checkpointing)
+            + expert_parallel_violations(s)
             # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
             + schedule_violations(s.schedule, s.pp, s.virtual_stages, s.num_microbatches,
                                   s.model.n_layers if s.model is not None and s.chunks > 1 else None))
@@ -369,6 +372,36 @@ def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: i
         return [Violation("cp_checkpointing", f"--cp {cp} with --activation-checkpointing is not supported yet "
                                               "(recomputation would run attention outside the ring); drop one")]
     return []
+
+
+def expert_parallel_violations(layout: LayoutSpec) -> list[Violation]:
+    """Expert parallelism splits the experts of every MoE layer over ep neighbouring data ranks.
+
+    ep divides dp, and the model (when known) has MoE layers whose expert count ep divides. Not
+    yet composed (refused here, one home for the refusal): ZeRO-3 (its units would gather the
+    expert blocks over the whole data axis), hybrid sharding and context parallelism (the data
+    axis split twice), sequence parallelism (each tp rank would route a different part of a
+    sequence, so the auxiliary loss and the experts' gradients would be partial over tp).
+    """
+    s, ep = layout, layout.ep
+    model = s.model
+    if ep == 1:
+        return []
+    if ep < 1 or s.dp % ep:
+        return [Violation("ep_dp", f"--ep {ep} does not divide dp = {s.dp} (expert ranks are data ranks); "
+                                   f"choose --ep among {_divisors(s.dp)}")]
+    if model is not None and not getattr(model, "n_experts", 0):
+        return [Violation("ep_dense", f"--ep {ep} needs a mixture-of-experts model, which this one is not "
+                                      "(n_experts = 0); use --ep 1 or an MoE model such as tiny-moe")]
+    if model is not None and model.n_experts % ep:
+        return [Violation("ep_experts", f"--ep {ep} does not divide the model's {model.n_experts} experts; "
+                                        f"choose --ep among {[d for d in _divisors(model.n_experts) if s.dp % d == 0]}")]
+    refused = [(s.zero == 3, "--zero 3", "use --zero 0, 1 or 2"),
+               (bool(s.dp_shard) and s.dp_shard < s.dp, f"--dp-shard {s.dp_shard}", "drop --dp-shard"),
+               (s.cp > 1, f"--cp {s.cp}", "drop --cp"),
+               (s.sequence_parallel, "--sequence-parallel", "drop --sequence-parallel")]
+    return [Violation("ep_compose", f"--ep {ep} with {what} is not supported yet; {fix}")
+            for bad, what, fix in refused if bad][:1]
 
 
 def _divisors(n: int) -> list[int]:

@@ -143,7 +143,7 @@ def describe(run: Run) -> str:
     entropy = unigram_entropy(run.train_set.stream.tokens, run.model_cfg.vocab_size)
     return (f"paratrain: {cfg.model.name} ({run.model_cfg.num_params():,} parameters), "
             f"{run.env.world_size} process(es) on {run.device.type} (dp={mesh.size('dp')}, "
-            f"tp={p.tp}{', sp' if p.sequence_parallel else ''}{f', cp={p.cp}' if p.cp > 1 else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
+            f"tp={p.tp}{', sp' if p.sequence_parallel else ''}{f', cp={p.cp}' if p.cp > 1 else ''}{f', ep={p.ep}' if p.ep > 1 else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
             f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
             f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats")
 

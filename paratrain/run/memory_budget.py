@@ -50,7 +50,7 @@ def check_memory_budget(cfg: Config, model_cfg: ModelConfig, dp: int) -> None:
     launcher = not env.distributed and (cfg.run.nproc > 1 or cfg.run.nnodes > 1)  # it starts the workers
     local_processes = cfg.run.nproc if launcher else env.local_world_size
     p = cfg.parallel
-    shape = MeshShape(pp=p.pp, dp=dp, tp=p.tp, dp_shard=p.dp_shard, cp=p.cp)
+    shape = MeshShape(pp=p.pp, dp=dp, tp=p.tp, dp_shard=p.dp_shard, cp=p.cp, ep=p.ep)
     budget = memory_budget(cfg.run.mem_budget, local_processes, launcher, shape)  # a bad --mem-budget is refused anyway
     if not cfg.run.mem_check or budget is None:
         return

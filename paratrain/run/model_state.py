@@ -64,13 +64,15 @@ class MasterBox:
 
 def master_boxes(model) -> list[MasterBox]:
     """This rank's masters with their boxes, in the engine's order."""
-    mesh, tp_info = model.mesh, model.tp_info
+    mesh, tp_info, expert_info = model.mesh, model.tp_info, getattr(model, "expert_info", None)
     boxes = []
     for master, (name, (lo, hi), local_shape) in zip(model.masters(), model.master_rows()):
         local_shape = tuple(local_shape)
         if local_shape:
             global_shape, tp_offset = (tp_info.global_shape(name, local_shape) if tp_info is not None
                                        else (local_shape, (0,) * len(local_shape)))
+            if expert_info is not None and name in expert_info.names:  # a block of experts: offset on dim 0
+                global_shape, tp_offset = expert_info.global_shape(name, local_shape)
             offset, shape = (tp_offset[0] + lo, *tp_offset[1:]), (hi - lo, *local_shape[1:])
         else:  # a 0-d parameter: ZeRO shards it as one row of one element
             global_shape, offset, shape = (), (), ()

@@ -95,10 +95,16 @@ class DataParallelEngine:
     params_sharded = False  # every data rank holds every parameter whole
 
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision, stage: int = 0,
-                 bucket_mb: float = 25.0, grad_reduction: str = "mean"):
+                 bucket_mb: float = 25.0, grad_reduction: str = "mean",
+                 params: list[tuple[str, nn.Parameter]] | None = None, axis: str | None = None):
+        """`params` (name, parameter): the ones this engine reduces (None: every trainable one of `model`);
+        `axis`: the ranks that hold copies of them, over which their gradients are reduced and ZeRO shards them
+        (None: the data axis, split for hybrid sharding). A mean divides by the whole data axis whatever the
+        axis: a group of parameters held by fewer data ranks (a block of experts) already sums, through its
+        forward, the contributions of the tokens of the others."""
         assert stage in (0, 1, 2) and grad_reduction in ("mean", "sum")
         # The data axis: dp, or dp × cp with context parallelism (cp ranks' gradients are partial sums too).
-        self.data_axis = mesh.data_axis
+        self.data_axis = axis or mesh.data_axis
         self.dp = mesh.size(self.data_axis)
         # One data rank has nothing to reduce or shard: its gradients accumulate where autograd leaves
         # them (no bucket held between steps). In fp32 the optimizer steps the parameters themselves; in mixed
@@ -108,13 +114,13 @@ class DataParallelEngine:
         stage = 0 if self.local else stage
         self.model, self.comm, self.precision, self.stage = model, comm, precision, stage
         # ZeRO shards over the shard group (the data axis, or its dp_shard part under hybrid sharding).
-        self.shard_axis = mesh.shard_axis
+        self.shard_axis = axis or mesh.shard_axis
         self.shards = mesh.size(self.shard_axis) if stage > 0 else 1
         self.rank = mesh.coord(self.shard_axis) if stage > 0 else 0
-        self.replicas = mesh.replicas if stage > 0 else 1
-        self.pre_divide = self.dp if grad_reduction == "mean" else 1
+        self.replicas = (1 if axis else mesh.replicas) if stage > 0 else 1
+        self.pre_divide = mesh.size(mesh.data_axis) if grad_reduction == "mean" else 1
         self.per_backward = stage == 2  # reduces every backward; buffers exist only while filled or reduced
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in (model.named_parameters() if params is None else params) if p.requires_grad]
         # Every replica starts from dp rank 0's values: nothing moves when they already agree.
         make_replicas([p.data for _, p in named], comm, self.data_axis, int(bucket_mb * 2**20))
         self.buckets = make_buckets(named, bucket_mb, self.precision.reduce_dtype, self.shards, self.rank)
