@@ -50,7 +50,7 @@ def layout_spec(workload: Workload, layout: Layout, world_size: int | None = Non
                       virtual_stages=layout.virtual_stages, world_size=world_size, gpus_per_node=gpus_per_node,
                       model=workload.model, params_only=workload.model is None,
                       global_batch=workload.global_batch or layout.dp * layout.micro_batch,
-                      micro_batch=layout.micro_batch, seq_len=workload.seq_len)
+                      micro_batch=layout.micro_batch, seq_len=workload.seq_len, ep=layout.ep)
 
 
 def layout_violations(workload: Workload, layout: Layout, world_size: int | None = None,

@@ -116,7 +116,7 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,
                     schedule=p.schedule, dp_shard=p.dp_shard, compile=p.compile,
-                    ep=getattr(p, "ep", 1))  # a mixture of experts' experts split over ep data ranks
+                    ep=p.ep)
     return estimate_memory(workload, layout)
 
 
