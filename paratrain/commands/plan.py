@@ -26,7 +26,7 @@ import json
 
 from paratrain.commands.options import given_options
 from paratrain.commands.plan_options import (  # noqa: F401  (parse_bytes: run.memory_budget reads --mem-budget with it)
-    BATCH_OPTIONS, LAYOUT_OPTIONS, MODEL_OPTIONS, add_expert_option, add_shared_options, hardware_from_args, layout_from_args,
+    BATCH_OPTIONS, LAYOUT_OPTIONS, MODEL_OPTIONS, add_shared_options, hardware_from_args, layout_from_args,
     parse_bytes, parse_count, space_from_args, workload_from_args,
 )
 from paratrain.parallel import rules
@@ -56,7 +56,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
     add_shared_options(layout, LAYOUT_OPTIONS)
-    add_expert_option(layout)
     layout.add_argument("--recompute", choices=[r.value for r in Recompute],
                         help="activation checkpointing as the planner models it: none, selective (the outputs of "
                              "matmuls and attention kept, the rest recomputed) or full (every layer); the same as "

@@ -13,7 +13,6 @@ import dataclasses
 import re
 
 from paratrain.commands.options import add_config_options
-from paratrain.config import ParallelSection
 from paratrain.models.configs import ModelConfig, get_model_config
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.rules import ZERO_STAGES
@@ -79,11 +78,8 @@ LAYOUT_OPTIONS = {
                              "kernels (the step time only)"),
     "parallel.schedule": ((), f"{DEFAULT_SCHEDULE.value}; gpipe holds m micro-batches, 1f1b and zb-h1 "
                               "min(p, m), interleaved p + (p-1)/v"),
+    "parallel.ep": ((), "1; --gpus searches the divisors of dp that divide the experts"),
 }
-# The trainer's --ep where the config has it (`parallel.ep`); else the planner's own --ep (`add_expert_option`).
-_HAS_EP = "ep" in {f.name for f in dataclasses.fields(ParallelSection)}
-if _HAS_EP:
-    LAYOUT_OPTIONS["parallel.ep"] = ((), "1; --gpus searches the divisors of dp that divide the experts")
 PLAN_DEFAULTS = {"parallel.precision": "bf16"}
 SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
 
@@ -93,18 +89,6 @@ def add_shared_options(group, options: dict) -> None:
     add_config_options(group, options, aliases={key: spellings for key, (spellings, _) in options.items()},
                        defaults={key: PLAN_DEFAULTS[key] for key in options if key in PLAN_DEFAULTS},
                        notes={key: note for key, (_, note) in options.items() if note})
-
-
-def add_expert_option(group) -> None:
-    """--ep for the planner when the trainer's config does not name it (the same meaning)."""
-    if not _HAS_EP:
-        group.add_argument("--ep", type=int, help="expert-parallel degree: a mixture of experts' experts split "
-                                                  "over groups of ep data ranks (default 1; --gpus searches the "
-                                                  "divisors of dp that divide the experts)")
-
-
-def _expert_degree(args, opts: dict) -> int | None:
-    return opts.get("parallel.ep", getattr(args, "ep", None))
 
 
 def model_from_args(args, opts: dict) -> tuple[ModelConfig | None, str]:
@@ -187,7 +171,7 @@ def layout_from_args(args, opts: dict) -> Layout:
                   virtual_stages=_virtual_stages(opts), sequence_parallel=given("sequence_parallel", False),
                   recompute=recompute_from_args(args, opts) or Recompute.NONE,
                   schedule=given("schedule", DEFAULT_SCHEDULE), compile=given("compile", False),
-                  ep=_expert_degree(args, opts) or 1)
+                  ep=given("ep", 1))
 
 
 def space_from_args(args, opts: dict) -> SearchSpace:
@@ -201,4 +185,4 @@ def space_from_args(args, opts: dict) -> SearchSpace:
         recompute=one(recompute_from_args(args, opts), tuple(Recompute)),
         sequence_parallel=one(opts.get("parallel.sequence_parallel"), (False, True)),
         schedule=ScheduleName(opts.get("parallel.schedule", DEFAULT_SCHEDULE)), virtual_stages=_virtual_stages(opts),
-        compile=bool(opts.get("parallel.compile", False)), ep=_expert_degree(args, opts))
+        compile=bool(opts.get("parallel.compile", False)), ep=opts.get("parallel.ep"))
