@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from paratrain.errors import ParatrainError
 
@@ -27,6 +29,65 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int, max_tokens: int = 20_00
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+# -- mixture-of-experts load ------------------------------------------------------------------
+
+_MOE_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.feed_forward$")
+
+
+def moe_layers(model) -> dict[int, object]:
+    """Layer index → the MoE module of that layer this rank holds (`paratrain.models.moe.MoE`: it records
+    `last_tokens_per_expert` and `last_aux_loss` after each forward); empty for a dense model."""
+    out = {}
+    for name, module in model.named_modules():
+        match = _MOE_MODULE.search(name)
+        if match and hasattr(module, "last_tokens_per_expert"):
+            out[int(match.group(1))] = module
+    return out
+
+
+def moe_counts(layers: dict[int, object], n_layers: int, n_experts: int) -> dict[str, torch.Tensor | float]:
+    """The step's last forward's expert load of this rank's MoE layers, for the step's agreement to sum over
+    the ranks: {"moe.3.e5": tokens of layer 3 routed to expert 5, "moe.3.aux": its auxiliary loss}.
+
+    Device tensors (0-d views) ride the agreement's one all-reduce and its one host read, so reading them
+    costs no sync. Every rank names every layer of the model (the agreement's rows must match across
+    ranks): a layer this rank does not hold, or has not run, counts 0.
+    """
+    out: dict[str, torch.Tensor | float] = {}
+    for layer in range(n_layers if n_experts else 0):
+        module = layers.get(layer)
+        counts = getattr(module, "last_tokens_per_expert", None)
+        aux = getattr(module, "last_aux_loss", None)
+        for e in range(n_experts):
+            out[f"moe.{layer}.e{e}"] = counts[e] if counts is not None else 0.0
+        out[f"moe.{layer}.aux"] = aux if aux is not None else 0.0
+    return out
+
+
+def expert_load(per_rank: dict[str, tuple[float, ...]], owners: list[int], data_ranks: int) -> dict | None:
+    """The metrics record's `moe` entry from the agreement's per-rank rows of `moe_counts` (None: a dense model).
+
+    `owners`: the ranks whose rows count (one per data rank and pipeline stage: the tensor and context
+    parallel ranks of a data rank see the same tokens); `data_ranks`: dp, to average the aux loss over.
+    tokens_per_expert: per layer, every data rank's assignments in the step's last micro-batch;
+    load_max_mean: per layer, the busiest expert's tokens over the mean (1 when balanced, E when one
+    expert takes everything); aux_loss: the auxiliary terms (coefficients applied) summed over the
+    layers, averaged over the data ranks: what the backward added beside the LM loss, which `loss` is.
+    """
+    rows = {key: sum(values[r] for r in owners) for key, values in per_rank.items() if key.startswith("moe.")}
+    if not rows:
+        return None
+    layers = sorted({int(key.split(".")[1]) for key in rows})
+    tokens = {f"layer{i}": [int(rows[key]) for key in sorted((k for k in rows if k.startswith(f"moe.{i}.e")),
+                                                                key=lambda k: int(k.rsplit(".e", 1)[1]))]
+              for i in layers}
+    ratio = {name: (max(t) / (sum(t) / len(t)) if sum(t) else None) for name, t in tokens.items()}
+    aux = sum(rows[f"moe.{i}.aux"] for i in layers) / data_ranks
+    finite = [r for r in ratio.values() if r is not None]
+    return {"aux_loss": aux, "tokens_per_expert": tokens, "load_max_mean": ratio,
+            "load_max_mean_worst": max(finite) if finite else None}
 
 
 def summary_writer_class():

@@ -16,7 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from paratrain.compat import default_store
 from paratrain.distributed import detect_env, launcher_store, shutdown
 from paratrain.faults import fault_requested, faulty, maybe_fault
 from paratrain.mesh import PER_DATA_RANK, WORLD, init_mesh
-from paratrain.metrics import StepTimer, mfu, perplexity, unigram_entropy
+from paratrain.metrics import StepTimer, expert_load, mfu, moe_counts, moe_layers, perplexity, unigram_entropy
 from paratrain.models import ModelConfig, generate
 from paratrain.parallel.contract import IGNORE_INDEX, TrainableModel, Verdict
 from paratrain.peak_memory import ProcessPeak
@@ -97,6 +97,8 @@ def loop(run: Run) -> tuple[float, float, float]:
                disable=not (run.env.is_main and cfg.run.progress))
     first_loss = loss = eval_loss = float("nan")
     last_save_s = 0.0
+    layers = moe_layers(model)  # a mixture of experts' layers on this rank, whose load each step's agreement carries
+    load = lambda: moe_counts(layers, run.model_cfg.n_layers, run.model_cfg.n_experts)  # noqa: E731
     with guard.running(), run.checkpoints:  # a failed collective says which rank was where; saves are waited for
         for step in range(run.resumed_step + 1, t.steps + 1):
             guard.begin_step(step)
@@ -108,7 +110,7 @@ def loop(run: Run) -> tuple[float, float, float]:
                 batches = next_batches(run)
             step_fn = faulty(train_step, run.comm, run.env.rank, step)  # train_step itself when no fault is due
             outcome = step_fn(model, run.optimizer, batches, t.grad_clip, timer=timer, stop=guard.stop_requested,
-                              peak=run.memory)
+                              peak=run.memory, more_counts=load if layers or run.model_cfg.n_experts else None)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
@@ -147,7 +149,8 @@ def next_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train_step(model: TrainableModel, optimizer, batches, grad_clip: float, *, timer: StepTimer | None = None,
-               stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None) -> StepOutcome:
+               stop: bool = False, peak: ProcessPeak | None = None, loss_fn=None,
+               more_counts: Callable[[], dict] | None = None) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, every stage in the order it runs.
 
     The loss is the mean over every target token of the global batch: each micro-batch
@@ -160,8 +163,9 @@ def train_step(model: TrainableModel, optimizer, batches, grad_clip: float, *, t
     step's peak covers the previous optimizer step and this forward and backward; on CUDA
     reserved bytes beside it), reported per rank; `loss_fn(output, labels)`: a token-loss sum
     (default: the model's cross-entropy). The agreement is the step's one host read: the loss,
-    the token count and the gradient norm come back with it. Injected faults wrap the step from
-    outside (`paratrain.faults.faulty`): the step holds no fault hook.
+    the token count and the gradient norm come back with it, and `more_counts()`'s numbers of this
+    rank, read once the backward has run (a MoE's expert load, `paratrain.metrics.moe_counts`).
+    Injected faults wrap the step from outside (`paratrain.faults.faulty`): the step holds no fault hook.
     """
     phase = timer.phase if timer is not None else _untimed
     # Counted where the labels are, read by nobody: the agreement carries it to the host with the rest.
@@ -175,7 +179,7 @@ def train_step(model: TrainableModel, optimizer, batches, grad_clip: float, *, t
         memory = peak.take() if peak is not None else None
         verdict = model.agree(result, stop=stop, counts={
             "tokens": local_tokens, "peak_mem": memory.peak_bytes if memory else 0,
-            "reserved_mem": (memory.reserved_bytes or 0) if memory else 0})
+            "reserved_mem": (memory.reserved_bytes or 0) if memory else 0, **(more_counts() if more_counts else {})})
         if not verdict.skip:  # by the agreed norm: no collective, no host read
             model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
         optimizer.step()  # a skipped step has no gradients: no parameter moves
@@ -207,7 +211,19 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: f
         "skipped_steps": run.model.skipped_steps, "skipped_nonfinite": run.guard.bad_total,
         # The save that followed the previous step: a record is written before its own save.
         "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s},
+        **moe_record(run, outcome.verdict),
     }
+
+
+def moe_record(run: Run, verdict: Verdict) -> dict:
+    """{"moe": the expert load and aux loss of the step (`paratrain.metrics.expert_load`)}, or {} for a dense model.
+
+    A data rank's tokens are seen alike by its tensor- and context-parallel ranks: the rows of each data
+    rank's tp = cp = 0 ranks count, one per pipeline stage.
+    """
+    owners = [r for r in range(run.mesh.size(WORLD)) if run.mesh.shape.owns(r, ("tp", "cp"))]
+    load = expert_load(verdict.per_rank, owners, run.mesh.size("dp"))
+    return {"moe": load} if load is not None else {}
 
 
 @torch.no_grad()

@@ -96,3 +96,57 @@ def test_on_cuda_each_step_reads_only_events_the_gpu_has_passed(monkeypatch):
         assert all(made < reading for made, reading in reads), reads
         assert parts["comm_exposed_s"] == ({"dp": pytest.approx(0.01 * (step - 1))} if step > 1 else {})
         reads.clear()
+
+
+def test_expert_load_sums_the_owners_rows_and_states_the_max_over_mean():
+    """Rows of 4 ranks (dp 2 × tp 2: the tp = 1 ranks see their data rank's tokens again and do not count)."""
+    per_rank = {"moe.0.e0": (6, 6, 2, 2), "moe.0.e1": (2, 2, 6, 6), "moe.0.aux": (0.5, 0.5, 0.7, 0.7),
+                "moe.1.e0": (8, 8, 8, 8), "moe.1.e1": (0, 0, 0, 0), "moe.1.aux": (1.0, 1.0, 1.0, 1.0),
+                "tokens": (1, 1, 1, 1)}
+    load = metrics.expert_load(per_rank, owners=[0, 2], data_ranks=2)
+    assert load["tokens_per_expert"] == {"layer0": [8, 8], "layer1": [16, 0]}
+    assert load["load_max_mean"] == {"layer0": 1.0, "layer1": 2.0} and load["load_max_mean_worst"] == 2.0
+    assert load["aux_loss"] == pytest.approx((0.5 + 0.7) / 2 + 1.0)
+    assert metrics.expert_load({"tokens": (1, 1)}, [0, 1], 2) is None  # a dense model: no entry
+
+
+def _moe_config(out, ep: int = 1):
+    from paratrain.config import Config
+
+    cfg = Config()
+    cfg.model.name = "tiny-moe"
+    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 2, 64, 4, 2, 64
+    cfg.data.seq_len = 32
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 3, 8, 8 // (2 if ep > 1 else 1)
+    cfg.train.warmup_steps, cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 1, 0, 1, 4
+    cfg.parallel.ep = ep
+    cfg.run.out, cfg.run.progress = str(out), False
+    return cfg
+
+
+def _train_moe(rank, world_size, out):
+    from paratrain.train import train
+
+    train(_moe_config(out, ep=2))
+
+
+def test_a_moe_run_logs_expert_load_and_aux_loss_alike_on_one_process_and_on_ep2(tmp_path):
+    """Every step's record has each layer's tokens per expert (the last micro-batch of every data rank: 8
+    sequences × 32 tokens × top-2), their max/mean and the aux loss apart from the LM loss; two ranks with
+    ep = 2 route the same tokens to the same experts as one process."""
+    from paratrain.testing import run_on_ranks
+    from paratrain.train import train
+
+    train(_moe_config(tmp_path / "one"))
+    one = metrics.read_metrics(tmp_path / "one" / "metrics.jsonl")
+    run_on_ranks(_train_moe, 2, str(tmp_path / "two"), timeout=180)
+    two = metrics.read_metrics(tmp_path / "two" / "metrics.jsonl")
+    for a, b in zip(one, two, strict=True):
+        load = a["moe"]
+        assert set(load["tokens_per_expert"]) == {"layer0", "layer1"}
+        assert all(sum(t) == 8 * 32 * 2 and len(t) == 8 for t in load["tokens_per_expert"].values())
+        assert all(1 <= r <= 8 for r in load["load_max_mean"].values())
+        assert load["aux_loss"] > 0 and load["aux_loss"] != pytest.approx(a["loss"])
+        assert b["moe"]["tokens_per_expert"] == load["tokens_per_expert"]
+        assert b["moe"]["aux_loss"] == pytest.approx(load["aux_loss"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["comm_bytes"]["ep"] > 0

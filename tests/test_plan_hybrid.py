@@ -216,7 +216,7 @@ def test_cli_search_ranks_the_hybrid_layout_first(capsys):
     assert set(row["comm_bytes_per_rank"]) == {"dp_shard", "dp_replicate", "tp", "pp"}
     code, out, _ = run_plan(capsys, *SEVEN_B, "--gpus", "32", "--zero", "3", "--inter-node-gbps", "25", "--top", "3")
     assert code == 0
-    assert "   #   dp shard  cp  tp  pp zero" in out and "best: dp=32 dp_shard=8 tp=1 pp=1 zero=3" in out
+    assert "   #   dp shard  cp  ep  tp  pp zero" in out and "best: dp=32 dp_shard=8 tp=1 pp=1 zero=3" in out
     assert "25 GB/s between nodes" in out
 
 

@@ -219,3 +219,18 @@ def test_prediction_needs_a_profile_and_takes_the_calibrated_one_by_default(tmp_
     assert main(["report", str(run_dir), "--hardware", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert "hardware profile" in err and "does not exist" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_mixture_of_experts_gets_its_expert_load_figure(real_run, tmp_path, capsys):
+    """The load per layer and the aux loss of each step, from the metrics' `moe` entries; none for a dense run."""
+    moe = write_run(tmp_path / "moe", dp=2, zero=1)
+    records = [json.loads(line) for line in (moe / "metrics.jsonl").read_text().splitlines()]
+    with open(moe / "metrics.jsonl", "w") as f:
+        for r in records:
+            r["moe"] = {"aux_loss": 0.02, "load_max_mean": {"layer0": 1.5, "layer1": 1.2}, "load_max_mean_worst": 1.5,
+                        "tokens_per_expert": {"layer0": [3, 1], "layer1": [2, 2]}}
+            f.write(json.dumps(r) + "\n")
+    assert main(["report", str(moe), "--out", str(tmp_path / "with")]) == 0
+    assert (tmp_path / "with" / "experts.png").read_bytes().startswith(PNG_MAGIC)
+    assert main(["report", str(real_run), "--out", str(tmp_path / "without")]) == 0
+    assert not (tmp_path / "without" / "experts.png").exists()

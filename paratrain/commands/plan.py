@@ -33,6 +33,7 @@ from paratrain.parallel import rules
 from paratrain.plan.budget import budget, format_budget
 from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, Hardware, save_profile
 from paratrain.plan.memory import GB, LayoutError, MemoryBreakdown, PlanError, Recompute, Workload
+from paratrain.plan.moe import DEFAULT_IMBALANCE, is_moe
 from paratrain.plan.search import Estimate, SearchResult, estimate, layout_spec, search
 
 
@@ -47,6 +48,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_shared_options(model, MODEL_OPTIONS)
     model.add_argument("--params", help="parameter count only, e.g. 7.5B: model states, no activations "
                                         "(dp and ZeRO only)")
+    model.add_argument("--moe-imbalance", type=float, default=DEFAULT_IMBALANCE, metavar="C",
+                       help="a mixture of experts' assumed load imbalance: tokens the busiest expert rank receives "
+                            "over the mean (max/mean), scaling its expert compute, activations and all-to-all bytes "
+                            f"(default {DEFAULT_IMBALANCE}; 1: uniform routing)")
     add_shared_options(parser.add_argument_group("batch and precision"), BATCH_OPTIONS)
     layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
@@ -258,7 +263,9 @@ def _header_dict(workload: Workload, name: str, hardware: Hardware, gpus: int) -
     from paratrain.plan.hardware import hardware_to_dict
 
     model = dataclasses.asdict(workload.model) if workload.model is not None else None
-    return {"workload": {"model": name, "num_params": workload.num_params, "config": model,
+    active = workload.model.num_active_params() if workload.model is not None else workload.num_params
+    return {"workload": {"model": name, "num_params": workload.num_params, "active_params": active,
+                         "moe_imbalance": workload.moe_imbalance, "config": model,
                          "seq_len": workload.seq_len, "global_batch": workload.global_batch,
                          "precision": workload.precision, "reduce_dtype": workload.reduce_dtype or workload.precision},
             "hardware": {**hardware_to_dict(hardware), "gpus": gpus}}
@@ -267,6 +274,10 @@ def _header_dict(workload: Workload, name: str, hardware: Hardware, gpus: int) -
 def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=None) -> str:
     what = f"{name} ({workload.num_params / 1e9:.2f}B parameters)" if workload.model else \
         f"{workload.num_params / 1e9:g}B parameters, model states only"
+    if is_moe(workload.model):
+        m = workload.model
+        what = (f"{name} ({workload.num_params / 1e9:.2f}B parameters, {m.num_active_params() / 1e9:.2f}B active: "
+                f"top-{m.top_k} of {m.n_experts} experts; assumed load imbalance {workload.moe_imbalance:g} max/mean)")
     batch = f"global batch {workload.global_batch}"
     if args is not None and "train.global_batch" not in given_options(args) and (args.tokens is not None
                                                                                  or args.gpus is not None):
@@ -309,7 +320,10 @@ def format_time(est: Estimate, hardware: Hardware) -> str:
     if est.layout.cp > 1:  # the ring attention's K/V traffic that its blocks' compute does not hide
         rows.append(("cp comm (exposed)", t.cp_comm))
     rows.append(("dp comm (exposed)", t.dp_comm))
-    if est.layout.dp_replicate > 1:  # hybrid sharding: the data axis's two parts, on their own links
+    if est.layout.ep > 1:  # the experts' gradients on their replica group, and the all-to-alls
+        rows += [(f"  {axis}", seconds) for axis, seconds in t.dp_comm_by_axis.items()]
+        rows.append(("ep all-to-all", t.ep_comm))
+    if est.layout.dp_replicate > 1 and est.layout.ep == 1:  # hybrid sharding: the data axis's two parts
         rows += [(f"  {axis}", seconds) for axis, seconds in t.dp_comm_by_axis.items()]
     rows += [("pipeline bubble", t.bubble), ("optimizer step", t.optimizer)]
     lines = ["step time                      s   share"]
@@ -330,7 +344,7 @@ def format_search(result: SearchResult, workload: Workload, name: str, hardware:
              f"{result.num_infeasible:,} do not", ""]
     if result.ranked:
         lines.append(f"top {len(result.ranked)} by estimated step time:")
-        lines.append(f"   #   dp shard  cp  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}"
+        lines.append(f"   #   dp shard  cp  ep  tp  pp zero  mb     m  recompute  sp   {'schedule':<16}{'mem GB':>6}"
                      "  step s    MFU  compute   comm  bubble")
         for i, est in enumerate(result.ranked, 1):
             lines.append(_search_row(i, est, hardware))
@@ -349,8 +363,8 @@ def format_search(result: SearchResult, workload: Workload, name: str, hardware:
 def _search_row(i: int, est: Estimate, hardware: Hardware) -> str:
     lay, t = est.layout, est.time
     sched = "-" if lay.pp == 1 else lay.schedule.value + (f" v={lay.chunks}" if lay.chunks > 1 else "")
-    shard = lay.dp_shard if lay.dp_replicate > 1 else "-"  # a ZeRO shard group smaller than dp: HSDP
-    return (f"  {i:>2}  {lay.dp:>3} {shard:>5} {lay.cp:>3} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} "
+    shard = lay.shard_ranks if lay.dp_replicate > 1 else "-"  # a ZeRO shard group smaller than dp: HSDP
+    return (f"  {i:>2}  {lay.dp:>3} {shard:>5} {lay.cp:>3} {lay.ep:>3} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} "
             f"{lay.micro_batch:>3} "
             f"{lay.num_microbatches(est.workload.global_batch):>5}  {lay.recompute.value:<9}  "
             f"{'yes' if lay.sequence_parallel else 'no':<4} {sched:<16}{est.memory.total / GB:>6.1f}"

@@ -79,6 +79,7 @@ LAYOUT_OPTIONS = {
                              "kernels (the step time only)"),
     "parallel.schedule": ((), f"{DEFAULT_SCHEDULE.value}; gpipe holds m micro-batches, 1f1b and zb-h1 "
                               "min(p, m), interleaved p + (p-1)/v"),
+    "parallel.ep": ((), "1; --gpus searches the divisors of dp that divide the experts"),
 }
 PLAN_DEFAULTS = {"parallel.precision": "bf16"}
 SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
@@ -121,6 +122,8 @@ def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
         batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
     common = dict(seq_len=seq, global_batch=batch, precision=opts["parallel.precision"],
                   reduce_dtype=opts.get("parallel.reduce_dtype"))
+    if model is not None:
+        common["moe_imbalance"] = getattr(args, "moe_imbalance", Workload.moe_imbalance)
     if model is None:
         return Workload.for_params(parse_count(args.params), **common), name
     return Workload.for_model(model, **common), name
@@ -168,7 +171,8 @@ def layout_from_args(args, opts: dict) -> Layout:
                   dp_shard=given("dp_shard", 0), micro_batch=opts.get("train.micro_batch", 1),
                   virtual_stages=_virtual_stages(opts), sequence_parallel=given("sequence_parallel", False),
                   recompute=recompute_from_args(args, opts) or Recompute.NONE,
-                  schedule=given("schedule", DEFAULT_SCHEDULE), compile=given("compile", False))
+                  schedule=given("schedule", DEFAULT_SCHEDULE), compile=given("compile", False),
+                  ep=given("ep", 1))
 
 
 def space_from_args(args, opts: dict) -> SearchSpace:
@@ -182,4 +186,4 @@ def space_from_args(args, opts: dict) -> SearchSpace:
         recompute=one(recompute_from_args(args, opts), tuple(Recompute)),
         sequence_parallel=one(opts.get("parallel.sequence_parallel"), (False, True)),
         schedule=ScheduleName(opts.get("parallel.schedule", DEFAULT_SCHEDULE)), virtual_stages=_virtual_stages(opts),
-        compile=bool(opts.get("parallel.compile", False)))
+        compile=bool(opts.get("parallel.compile", False)), ep=opts.get("parallel.ep"))

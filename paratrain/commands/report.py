@@ -444,6 +444,28 @@ def plot_pipeline(run: Run, out: Path) -> Path | None:
     return path
 
 
+def experts_figure(runs: list[Run]):
+    """A mixture of experts' routing per step: each layer's busiest expert over the mean (1: balanced, E: one
+    expert takes every token) and the auxiliary loss beside the LM loss; None when no run has MoE records."""
+    moe = [run for run in runs if any("moe" in r for r in run.records)]
+    if not moe:
+        return None
+    fig, (balance, aux) = _figure(2, "Expert load")
+    for run in moe:
+        rows = [r for r in run.records if r.get("moe")]
+        layers = list(rows[0]["moe"]["load_max_mean"])
+        for i, layer in enumerate(layers):
+            balance.plot([r["step"] for r in rows], [r["moe"]["load_max_mean"].get(layer) for r in rows],
+                         color=run.color, alpha=0.35 + 0.65 * (i + 1) / len(layers), marker=".",
+                         label=f"{run.label} {layer}")
+        aux.plot([r["step"] for r in rows], [r["moe"]["aux_loss"] for r in rows], color=run.color, marker=".",
+                 label=run.label)
+    balance.set(xlabel="step", ylabel="tokens per expert, max / mean", ylim=(1, None))
+    aux.set(xlabel="step", ylabel="auxiliary loss (coefficients applied)")
+    balance.legend(fontsize="small")
+    return fig
+
+
 FIGURES = {"loss.png": loss_figure, "throughput.png": throughput_figure, "memory.png": memory_figure,
            "comm.png": comm_figure}
 
@@ -456,6 +478,10 @@ def write_report(runs: list[Run], out: str | Path) -> list[Path]:
     for name, build in FIGURES.items():
         build(runs).savefig(out / name, dpi=110)
         paths.append(out / name)
+    experts = experts_figure(runs)  # only for a mixture of experts
+    if experts is not None:
+        experts.savefig(out / "experts.png", dpi=110)
+        paths.append(out / "experts.png")
     return paths + [p for p in (plot_pipeline(run, out) for run in runs) if p is not None]
 
 

@@ -1,9 +1,10 @@
-"""Export a run or a checkpoint as a Hugging Face Llama directory, and import such a directory back.
+"""Export a run or a checkpoint as a Hugging Face Llama (or Mixtral) directory, and import such a directory back.
 
     result = export_hf("runs/tiny-1", "hf/tiny")   # newest committed checkpoint of the run, else its final/
     config, state = import_hf("hf/tiny")           # ModelConfig + state dict under our parameter names
 
-The export is one directory that `LlamaForCausalLM.from_pretrained` loads:
+The export is one directory that `LlamaForCausalLM.from_pretrained` loads (`MixtralForCausalLM` for a
+mixture of experts, each stacked expert tensor written as its E per-expert tensors, `paratrain.interop.hf`):
 ``config.json``, the weights under Hugging Face names in ``model.safetensors``
 (or, with `max_shard_bytes`, in ``model-0000i-of-0000n.safetensors`` files
 listed by ``model.safetensors.index.json``), and the run's tokenizer when one
@@ -48,7 +49,7 @@ from paratrain.interop.hf import (
 from paratrain.checkpoint.reader import CheckpointReader
 from paratrain.checkpoint.store import find_latest, list_checkpoints
 from paratrain.models import ModelConfig, ModelConfigError
-from paratrain.interop.hf import hf_name
+from paratrain.interop.hf import hf_name, hf_names, is_stacked_experts
 
 MODEL_PREFIX = "model/"
 MODEL_CONFIG_KEY = "model_config"
@@ -345,14 +346,31 @@ def _write_weights(directory: Path, shapes: dict[str, tuple[int, ...]], read: Ca
         files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0
     for file, group in zip(files, groups):
-        entries = [(hf_name(name), dtype, tuple(shapes[name])) for name in group]
-        write_safetensors(directory / file, entries, ((hf_name(name), read(name)) for name in group))
+        entries = [entry for name in group for entry in _hf_entries(name, shapes[name], dtype)]
+        write_safetensors(directory / file, entries, (item for name in group for item in _hf_tensors(name, read)))
         weight_map.update({key: file for key, _, _ in entries})
         total += sum(math.prod(shape) * dtype.itemsize for _, _, shape in entries)
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return files
+
+
+def _hf_entries(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
+    """(HF key, dtype, shape) of each tensor our parameter `name` is written as: one, or a stacked expert
+    tensor's E rows (Mixtral's experts.{j}.w1.weight, ...)."""
+    if is_stacked_experts(name):
+        return [(key, dtype, tuple(shape[1:])) for key in hf_names(name, shape[0])]
+    return [(hf_name(name), dtype, tuple(shape))]
+
+
+def _hf_tensors(name: str, read: Callable[[str], torch.Tensor]):
+    """(HF key, tensor) of each tensor our parameter `name` is written as, read once."""
+    tensor = read(name)
+    if is_stacked_experts(name):
+        yield from zip(hf_names(name, tensor.shape[0]), tensor.unbind(0))
+    else:
+        yield hf_name(name), tensor
 
 
 def _shard_groups(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int | None) -> list[list[str]]:

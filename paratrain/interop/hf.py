@@ -1,7 +1,21 @@
-"""Hugging Face Llama directories: parameter names, `config.json` ↔ `ModelConfig`, reading the weights under our names.
+"""Hugging Face Llama and Mixtral directories: parameter names, `config.json` ↔ `ModelConfig`, reading the
+weights under our names.
 
 Names: `Transformer` and `LlamaForCausalLM` share the rotary convention (rotate-half), so
 weights move across under `hf_name` / `from_hf_name` unchanged (no permutation of wq/wk).
+
+A mixture of experts (`ModelConfig.n_experts` > 0) is a ``MixtralForCausalLM``, stored as the
+Mixtral checkpoints on the Hub store it (and as transformers 5 still saves it, fusing the experts
+only in memory): the router ``model.layers.{i}.block_sparse_moe.gate.weight`` [E, D] is our
+``layers.{i}.feed_forward.router.weight``; expert j's ``...block_sparse_moe.experts.{j}.w1.weight``
+[F, D], ``w3`` [F, D] and ``w2`` [D, F] are row j of our stacked ``feed_forward.experts.w1`` [E, F, D],
+``w3`` [E, F, D] and ``w2`` [E, D, F] (`hf_names`). Mixtral routes as paratrain does: a softmax over
+all E logits in fp32, the top k, their weights renormalized to sum to 1. Its training-time
+load-balancing loss differs (transformers' ``load_balancing_loss_func`` averages the token fractions
+and probabilities over all layers and tokens before the product and does not divide the fractions
+by k, so a uniform load gives k, not one per layer); ``router_aux_loss_coef`` is carried over as
+`aux_loss_coef` all the same, a coefficient of paratrain's own per-layer loss. A shared expert has
+no Mixtral counterpart and is refused.
 
 A directory holds ``config.json`` (a ``LlamaForCausalLM`` config) and the
 weights, either in one ``model.safetensors`` or in several files listed by
@@ -35,6 +49,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURE = "LlamaForCausalLM"
+MOE_ARCHITECTURE = "MixtralForCausalLM"
+_ARCHITECTURES = {"llama": ARCHITECTURE, "mixtral": MOE_ARCHITECTURE}
 # Stored by some converters, recomputed by every Llama implementation: not a weight.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Defaults of Hugging Face's LlamaConfig for keys a config.json may leave out.
@@ -61,22 +77,54 @@ _BLOCK = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.router.weight": "block_sparse_moe.gate.weight",  # Mixtral
 }
 _TOP_INV = {v: k for k, v in _TOP.items()}
 _BLOCK_INV = {v: k for k, v in _BLOCK.items()}
 _OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Our stacked expert tensors [E, ...]: one Mixtral tensor per expert, named by its index j.
+_OURS_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 
 
 def hf_name(name: str) -> str:
-    """Hugging Face Llama name of our parameter `name`, e.g. layers.3.attention.wq.weight →
-    model.layers.3.self_attn.q_proj.weight."""
+    """Hugging Face Llama (or Mixtral) name of our parameter `name`, e.g. layers.3.attention.wq.weight →
+    model.layers.3.self_attn.q_proj.weight. A stacked expert tensor has one name per expert: `hf_names`."""
     return _translate(name, _TOP, _OURS_BLOCK, _BLOCK, "model.layers.{}.{}")
 
 
 def from_hf_name(name: str) -> str:
-    """Our parameter name for the Hugging Face Llama name `name`; the inverse of `hf_name`."""
+    """Our parameter name for the Hugging Face name `name`; the inverse of `hf_name` (a Mixtral expert's
+    tensor names the stacked tensor it is a row of, `from_hf_expert` says which)."""
+    expert = from_hf_expert(name)
+    if expert is not None:
+        return expert[0]
     return _translate(name, _TOP_INV, _HF_BLOCK, _BLOCK_INV, "layers.{}.{}")
+
+
+def is_stacked_experts(name: str) -> bool:
+    """Whether our parameter `name` stacks the experts of a layer ([E, ...]: one Hugging Face tensor per row)."""
+    return _OURS_EXPERTS.fullmatch(name) is not None
+
+
+def hf_names(name: str, num_experts: int = 0) -> list[str]:
+    """The Hugging Face tensors of our parameter `name`, in order: one, or for a stacked expert tensor
+    layers.{i}.feed_forward.experts.w1 the E rows model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight."""
+    match = _OURS_EXPERTS.fullmatch(name)
+    if match is None:
+        return [hf_name(name)]
+    layer, weight = match.groups()
+    return [f"model.layers.{layer}.block_sparse_moe.experts.{j}.{weight}.weight" for j in range(num_experts)]
+
+
+def from_hf_expert(name: str) -> tuple[str, int] | None:
+    """(our stacked tensor, row j) of a Mixtral expert tensor name; None for any other name."""
+    match = _HF_EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    layer, j, weight = match.groups()
+    return f"layers.{layer}.feed_forward.experts.{weight}", int(j)
 
 
 def _translate(name: str, top: dict, block_re: re.Pattern, block: dict, block_fmt: str) -> str:
@@ -93,10 +141,13 @@ class HFError(ParatrainError, ValueError):
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tokens: dict | None = None) -> dict:
-    """The ``config.json`` of a `LlamaForCausalLM` computing what `Transformer(cfg)` computes.
+    """The ``config.json`` of a `LlamaForCausalLM` (a `MixtralForCausalLM` for a mixture of experts) computing
+    what `Transformer(cfg)` computes.
 
     `tokens` may give ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``.
     """
+    if cfg.n_experts:
+        return _mixtral_config(cfg, dtype, tokens)
     doc = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -125,8 +176,43 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tokens: dict
     return doc
 
 
+def _mixtral_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None) -> dict:
+    """`hf_config` of a mixture of experts: a Mixtral config (its intermediate_size is one expert's width)."""
+    if cfg.shared_expert:
+        raise HFError("shared_expert=true has no Mixtral counterpart; only routed experts export")
+    doc = {
+        "architectures": [MOE_ARCHITECTURE],
+        "model_type": "mixtral",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.expert_ffn_dim or cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_local_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    doc.update({k: v for k, v in (tokens or {}).items() if v is not None})
+    return doc
+
+
 def model_config_from_hf(doc: Any, where: str = CONFIG_FILE) -> ModelConfig:
-    """The `ModelConfig` of a ``config.json`` document; HFError naming the field if it is not a plain Llama."""
+    """The `ModelConfig` of a ``config.json`` document; HFError naming the field if it is not a plain Llama or
+    Mixtral."""
     if not isinstance(doc, dict):
         raise HFError(f"{where}: expected a JSON object, got {type(doc).__name__}")
     _check_supported(doc, where)
@@ -142,18 +228,35 @@ def model_config_from_hf(doc: Any, where: str = CONFIG_FILE) -> ModelConfig:
             norm_eps=float(_get(doc, "rms_norm_eps")),
             rope_theta=float(_rope_theta(doc, where)),
             tie_embeddings=_get(doc, "tie_word_embeddings"),
+            **_moe_fields(doc, where),
         )
     except (ModelConfigError, TypeError, ValueError) as exc:
         raise HFError(f"{where}: {exc}") from None
 
 
+def _moe_fields(doc: dict, where: str) -> dict:
+    """The mixture-of-experts fields of a Mixtral config (none for a Llama one)."""
+    if doc.get("model_type", "llama") != "mixtral":
+        return {}
+    sliding = doc.get("sliding_window")
+    if sliding is not None and sliding < _get(doc, "max_position_embeddings"):
+        raise HFError(f"{where}: sliding_window {sliding} is not supported; paratrain's attention is full "
+                      f"causal (set sliding_window null)")
+    return {"n_experts": _required(doc, "num_local_experts", where),
+            "top_k": _required(doc, "num_experts_per_tok", where),
+            "aux_loss_coef": float(doc.get("router_aux_loss_coef", 0.001))}
+
+
 def _check_supported(doc: dict, where: str) -> None:
-    if doc.get("model_type", "llama") != "llama":
-        raise HFError(f"{where}: model_type {doc['model_type']!r} is not supported; only 'llama' models import")
-    architectures = doc.get("architectures") or [ARCHITECTURE]
-    if ARCHITECTURE not in architectures:
-        raise HFError(f"{where}: architectures {architectures} has no {ARCHITECTURE!r}; only causal-LM Llama "
-                      f"weights (with lm_head) import")
+    model_type = doc.get("model_type", "llama")
+    if model_type not in _ARCHITECTURES:
+        raise HFError(f"{where}: model_type {model_type!r} is not supported; only 'llama' and 'mixtral' models "
+                      f"import")
+    architecture = _ARCHITECTURES[model_type]
+    architectures = doc.get("architectures") or [architecture]
+    if architecture not in architectures:
+        raise HFError(f"{where}: architectures {architectures} has no {architecture!r}; only causal-LM "
+                      f"{model_type} weights (with lm_head) import")
     if doc.get("hidden_act", "silu") != "silu":
         raise HFError(f"{where}: hidden_act {doc['hidden_act']!r} is not supported; paratrain's Llama uses 'silu'")
     for key in ("attention_bias", "mlp_bias"):
@@ -205,7 +308,8 @@ def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter name → shape for `Transformer(cfg)`, a tied table once (as `tok_embeddings.weight`)."""
+    """Our parameter name → shape for `Transformer(cfg)`, a tied table once (as `tok_embeddings.weight`);
+    a stacked expert tensor whole ([E, ...])."""
     with torch.device("meta"):
         model = Transformer(cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -238,6 +342,8 @@ class HFWeights:
             name = "tok_embeddings.weight"
         if name not in self._shapes:
             raise HFError(f"{self.directory}: the model has no parameter {name!r}")
+        if is_stacked_experts(name):  # one stored tensor per expert, stacked in expert order
+            return torch.stack([self._read_hf(key) for key in hf_names(name, self.config.n_experts)])
         return self._read_hf(hf_name(name))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -263,27 +369,40 @@ class HFWeights:
             return handle.get_tensor(key)
 
     def _check_tensors(self) -> None:
-        """Names and shapes of every stored tensor against the config (from the file headers only)."""
-        ours = {}
+        """Names and shapes of every stored tensor against the config (from the file headers only).
+
+        A stacked expert tensor [E, ...] is checked as its E stored rows, each of the shape [...].
+        """
+        stored = set()
         for key, (file, _) in self._stored.items():
             if key.endswith(_IGNORED_SUFFIXES):
                 continue
             try:
-                ours[from_hf_name(key)] = key
+                from_hf_name(key)
             except HFNameError:
-                raise HFError(f"{self.directory / file}: tensor {key!r} is not part of a Llama model") from None
-        tied_head = ours.pop("output.weight", None) if self.config.tie_embeddings else None
-        missing = [hf_name(n) for n in self._shapes if n not in ours]
+                raise HFError(f"{self.directory / file}: tensor {key!r} is not part of a Llama model (nor of a "
+                              f"Mixtral one)") from None
+            stored.add(key)
+        tied_head = hf_name("output.weight") if self.config.tie_embeddings else None
+        tied_head = tied_head if tied_head in stored else None
+        wanted = {key: (name, shape) for name, shape in self._shapes.items() for key, shape in self._stored_form(name, shape)}
+        missing = [key for key in wanted if key not in stored]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise HFError(f"{self.directory}: tensor {missing[0]!r} is missing{more}")
-        for name, expected in self._shapes.items():
-            shape = self._stored[ours[name]][1]
+        for key, (_, expected) in wanted.items():
+            shape = self._stored[key][1]
             if shape != expected:
-                raise HFError(f"{self.directory}: tensor {ours[name]!r} has shape {list(shape)} but "
+                raise HFError(f"{self.directory}: tensor {key!r} has shape {list(shape)} but "
                               f"config.json implies {list(expected)}")
         if tied_head is not None:
             self._check_tied_head(tied_head)
+
+    def _stored_form(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """(stored key, shape) of each tensor holding our parameter `name` of `shape`."""
+        if is_stacked_experts(name):
+            return [(key, shape[1:]) for key in hf_names(name, shape[0])]
+        return [(hf_name(name), shape)]
 
     def _check_tied_head(self, key: str) -> None:
         """tie_word_embeddings with an lm_head.weight stored anyway: accepted only if it is the table."""

@@ -20,11 +20,21 @@ import math
 from dataclasses import dataclass
 
 from paratrain.plan.hardware import Hardware
-from paratrain.plan.memory import Layout, PipelineBoundary, Recompute, Workload, layers_on_stage, stage_param_count
+from paratrain.plan import moe
+from paratrain.plan.memory import (
+    Layout,
+    PipelineBoundary,
+    Recompute,
+    Workload,
+    layers_on_stage,
+    stage_dense_params,
+    stage_expert_params,
+)
 from paratrain.plan.ring import ring_kv_block_bytes
 
-_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
-_RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+# An all-to-all of S bytes (a rank's whole buffer, its own 1/n included) sends S·(n−1)/n in n−1 pairwise steps.
+_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+_RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 LOSS_BYTES = 4  # fp32 scalars: the vocab-parallel cross-entropy's row maxima and sums, norms, flags
 
 
@@ -32,7 +42,7 @@ LOSS_BYTES = 4  # fp32 scalars: the vocab-parallel cross-entropy's row maxima an
 class Collective:
     """`count` calls of one collective over `ranks` ranks; `size` is the full tensor's bytes."""
 
-    kind: str  # all_reduce, all_gather, reduce_scatter or send
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all or send
     size: float
     ranks: int
     count: float = 1.0
@@ -66,7 +76,8 @@ class Collective:
 
 
 def ring_bytes(kind: str, size: float, ranks: int) -> float:
-    """Bytes one rank sends in a ring: all-reduce 2·S·(n−1)/n, all-gather/reduce-scatter S·(n−1)/n."""
+    """Bytes one rank sends in a ring: all-reduce 2·S·(n−1)/n, all-gather/reduce-scatter S·(n−1)/n; an
+    all-to-all of a rank's S bytes S·(n−1)/n."""
     if ranks == 1:
         return 0.0
     return _RING_FACTOR[kind] * size * (ranks - 1) / ranks
@@ -79,12 +90,13 @@ def axis_span(layout: Layout, axis: str) -> int:
     dp × cp group that reduces gradients under context parallelism) spans the dp × cp × tp block.
     The data axis of hybrid sharding splits as dp = dp_replicate × dp_shard with dp_shard inner
     (`paratrain.mesh.MeshShape.groups`): a shard group spans dp_shard × tp ranks, a replica
-    group strides dp_shard × tp over the whole dp × tp block.
+    group strides dp_shard × tp over the whole dp × tp block. The expert axis splits it the same
+    way: an ep group spans ep × tp ranks, an expert's replica group strides over the dp × tp block.
     """
     block = layout.tp * layout.data_ranks
     return {"tp": layout.tp, "cp": layout.tp * layout.cp, "dp": block, "dp_cp": block,
             "dp_shard": layout.tp * layout.shard_ranks, "dp_replicate": block, "pp": layout.world_size,
-            "world": layout.world_size}[axis]
+            "world": layout.world_size, "ep": layout.tp * layout.cp * layout.ep, moe.EXPERT_DATA_AXIS: block}[axis]
 
 
 def axis_is_intra_node(layout: Layout, axis: str, gpus_per_node: int) -> bool:
@@ -116,10 +128,8 @@ def collective_seconds(hardware: Hardware, layout: Layout, axis: str, collective
 
 
 def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
-    """Parameters one rank of `stage` holds before ZeRO sharding (Ψ of the ZeRO formulas)."""
-    if workload.model is None:
-        return workload.num_params / (layout.tp * layout.pp)
-    return float(stage_param_count(workload.model, layout.tp, layout.pp, stage))
+    """Parameters one rank of `stage` holds before ZeRO sharding (Ψ of the ZeRO formulas), E/ep experts per layer."""
+    return stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
 
 
 def _zero3_units(workload: Workload, layout: Layout, stage: int) -> int:
@@ -164,28 +174,41 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
     2·(S/N)·(R−1)/R per reduction: the replicas' sum of the gradient that ZeRO over all dp
     ranks would have reduced in one collective. The engines launch it as the reduce-scatter
     lands and wait for it at the next one, so it overlaps compute as the reduce-scatters do.
+
+    A MoE model's routed experts (E/ep per layer on a rank) are reduced the same way but over
+    their replica group of dp/ep ranks (`paratrain.plan.moe.expert_shard_ranks`), on the axis
+    `paratrain.plan.moe.EXPERT_DATA_AXIS`; the dense parameters over the data axes as above.
     """
     if layout.data_ranks == 1:
         return {}
-    n, psi = layout.shard_ranks, stage_psi(workload, layout, stage)
+    experts = stage_expert_params(workload, layout, stage) if layout.ep > 1 else 0.0  # ep = 1: every data rank's
+    dense, reduce = _sharded_collectives(workload, layout, stage, stage_psi(workload, layout, stage) - experts,
+                                         layout.shard_ranks)
+    out = {layout.data_axes[0]: dense}
+    if layout.dp_replicate > 1:
+        replicas = Collective("all_reduce", reduce.size / layout.shard_ranks, layout.dp_replicate, reduce.count)
+        out["dp_replicate"] = AxisCollectives(overlapped=(replicas,))
+    replicas = moe.expert_shard_ranks(layout.shard_ranks, layout.ep)
+    if experts and replicas > 1:
+        out[moe.EXPERT_DATA_AXIS] = _sharded_collectives(workload, layout, stage, experts, replicas)[0]
+    return out
+
+
+def _sharded_collectives(workload: Workload, layout: Layout, stage: int, psi: float,
+                         n: int) -> tuple[AxisCollectives, Collective]:
+    """The collectives of Ψ = `psi` parameters reduced (and ZeRO-sharded) over `n` ranks, and the reduction itself."""
     grads, params = psi * workload.grad_bytes, psi * workload.param_bytes
     m = layout.num_microbatches(workload.global_batch)
     if layout.zero == 3:
         units = _zero3_units(workload, layout, stage)
         reduce = Collective("reduce_scatter", grads / units, n, m * units)
-        shard = AxisCollectives(overlapped=(Collective("all_gather", params / units, n, 2 * m * units), reduce))
-    else:
-        buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
-        if layout.zero == 0:
-            reduce = Collective("all_reduce", grads / buckets, n, buckets)
-            return {layout.data_axes[0]: AxisCollectives(overlapped=(reduce,))}
-        reduce = Collective("reduce_scatter", grads / buckets, n, buckets * (m if layout.zero == 2 else 1))
-        shard = AxisCollectives(overlapped=(reduce,), after=(Collective("all_gather", params / buckets, n, buckets),))
-    out = {layout.data_axes[0]: shard}
-    if layout.dp_replicate > 1:
-        replicas = Collective("all_reduce", reduce.size / n, layout.dp_replicate, reduce.count)
-        out["dp_replicate"] = AxisCollectives(overlapped=(replicas,))
-    return out
+        return AxisCollectives(overlapped=(Collective("all_gather", params / units, n, 2 * m * units), reduce)), reduce
+    buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
+    if layout.zero == 0:
+        reduce = Collective("all_reduce", grads / buckets, n, buckets)
+        return AxisCollectives(overlapped=(reduce,)), reduce
+    reduce = Collective("reduce_scatter", grads / buckets, n, buckets * (m if layout.zero == 2 else 1))
+    return AxisCollectives(overlapped=(reduce,), after=(Collective("all_gather", params / buckets, n, buckets),)), reduce
 
 
 def _activation_bytes(workload: Workload, layout: Layout) -> float:
@@ -313,6 +336,20 @@ def cp_sends(workload: Workload, layout: Layout, stage: int) -> list[Collective]
     layers = layers_on_stage(workload.model.n_layers, layout.pp, stage)
     passes = ring.forward * (2 if layout.recompute is Recompute.FULL else 1) + ring.backward
     return [Collective(c.kind, c.size, c.ranks, c.count * layers) for c in passes]
+def ep_collectives(workload: Workload, layout: Layout, stage: int) -> list[Collective]:
+    """Expert-parallel all-to-alls of one micro-batch on `stage` (`paratrain.plan.moe`).
+
+    Per MoE layer: dispatch and combine forward and their transposes backward, each of a rank's
+    k·c·T routed copies of h activations, T = b·s tokens (c the assumed imbalance, for the
+    busiest rank); full recomputation runs the forward's two again. None without ep.
+    """
+    model = workload.model
+    if layout.ep == 1 or not moe.is_moe(model):
+        return []
+    tokens = layout.micro_batch * workload.seq_len
+    size = moe.routed_tokens(tokens, model, workload.moe_imbalance) * model.dim * workload.param_bytes
+    per_layer = moe.ALL_TO_ALLS_PER_LAYER + (2 if layout.recompute is Recompute.FULL else 0)
+    return [Collective("all_to_all", size, layout.ep, per_layer * layers_on_stage(model.n_layers, layout.pp, stage))]
 
 
 def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
@@ -329,11 +366,16 @@ def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
     """Bytes one rank sends per step on each axis (the busiest rank of that axis).
 
     The data axes are `Layout.data_axes`: dp, dp_cp under context parallelism, or dp_shard and
-    dp_replicate under hybrid sharding; cp (the ring's K/V traffic) appears when cp > 1.
+    dp_replicate under hybrid sharding; cp (the ring's K/V traffic) appears when cp > 1; with
+    ep > 1, ep (the all-to-alls) and the experts' replica group's axis too.
     """
     m = layout.num_microbatches(workload.global_batch)
     out = {axis: 0.0 for axis in (*layout.data_axes, "tp", "pp", *(("cp",) if layout.cp > 1 else ()))}
+    if layout.ep > 1:
+        out.update({"ep": 0.0, moe.EXPERT_DATA_AXIS: 0.0})
     for stage in range(layout.pp):
+        if layout.ep > 1:
+            out["ep"] = max(out["ep"], m * sum(c.bytes_sent for c in ep_collectives(workload, layout, stage)))
         for axis, collectives in dp_collectives(workload, layout, stage).items():
             out[axis] = max(out[axis], sum(c.bytes_sent for c in collectives.calls))
         out["tp"] = max(out["tp"], m * sum(c.bytes_sent for c in tp_collectives(workload, layout, stage)))

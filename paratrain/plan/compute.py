@@ -21,6 +21,7 @@ from paratrain.plan.collectives import (
     Collective,
     collective_seconds,
     dp_collectives,
+    ep_collectives,
     pp_sends,
     ring_sends,
     stage_psi,
@@ -44,7 +45,9 @@ from paratrain.plan.memory import (
     block_param_count,
     layers_on_stage,
     pipeline_traits,
+    stage_expert_params,
 )
+from paratrain.plan import moe
 from paratrain.plan.ops import PassTimes, Shape, attention_seconds, block_times, embedding_times, head_times
 
 __all__ = ["HARDWARE_PRESETS", "GemmCurve", "Hardware", "LinkCost", "StepFlops", "StepTime", "get_hardware",
@@ -74,7 +77,8 @@ def _recompute_flops_per_token(workload: Workload, recompute: Recompute, layers:
     attention_forward = 4.0 * layers * model.dim * s
     if recompute is Recompute.SELECTIVE:
         return attention_forward
-    return 2.0 * layers * block_param_count(model) + attention_forward
+    active_block = block_param_count(model) - moe.inactive_params(model) // model.n_layers  # k of E experts
+    return 2.0 * layers * active_block + attention_forward
 
 
 def step_flops(workload: Workload, layout: Layout) -> StepFlops:
@@ -105,8 +109,11 @@ class StepTime:
     optimizer: the (memory-bound) optimizer step, with gradient clipping, and the other passes over
         the parameters (`per_microbatch_bytes_per_param`).
     sync: the step's small agreement collectives (flags, loss, the global gradient norm).
-    dp_comm_by_axis: `dp_comm` split over the data axes (`Layout.data_axes`), summing to it: what
-        `paratrain report` sets beside the runtime's exposed time per axis.
+    dp_comm_by_axis: `dp_comm` split over the data axes (`Layout.data_axes`, and with ep > 1 the
+        experts' replica axis), summing to it: what `paratrain report` sets beside the runtime's
+        exposed time per axis.
+    ep_comm: a MoE model's expert-parallel all-to-alls (`paratrain.plan.moe`): exposed, each sits
+        between the router and the experts or the experts and the combine.
     """
 
     compute: float
@@ -119,10 +126,11 @@ class StepTime:
     sync: float = 0.0
     dp_comm_by_axis: Mapping[str, float] = field(default_factory=dict)
     cp_comm: float = 0.0
+    ep_comm: float = 0.0
 
     @property
     def exposed_comm(self) -> float:
-        return self.tp_comm + self.pp_comm + self.cp_comm + self.dp_comm + self.sync
+        return self.tp_comm + self.pp_comm + self.cp_comm + self.dp_comm + self.sync + self.ep_comm
 
     @property
     def total(self) -> float:
@@ -133,6 +141,8 @@ class StepTime:
         keys = ("compute", "exposed_comm", "tp_comm", "pp_comm", "cp_comm", "dp_comm", "bubble", "optimizer", "sync",
                 "dp_comm_total", "total")
         out = {f"{key}_s": getattr(self, key) for key in keys}
+        if self.ep_comm:
+            out["ep_comm_s"] = self.ep_comm
         out.update({f"{axis}_comm_s": seconds for axis, seconds in self.dp_comm_by_axis.items()})
         return out
 
@@ -142,7 +152,8 @@ def _block(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[Shap
     if workload.model is None:
         return None
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
-                 workload.precision, workload.flash_attention, kernel_stack(layout), layout.cp)
+                 workload.precision, workload.flash_attention, kernel_stack(layout), layout.cp, layout.ep,
+                 workload.moe_imbalance)
     return x, block_times(hardware, x, layout.recompute)
 
 
@@ -212,10 +223,12 @@ def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, s
     """The step's memory-bound passes over the parameters: the optimizer on this rank's shard, and the
     micro-batches' gradient accumulation and ZeRO-3 copies over the stage's parameters."""
     shards = layout.shard_ranks if layout.zero >= 1 else 1  # each rank steps its own shard
+    expert_shards = moe.expert_shard_ranks(layout.shard_ranks, layout.ep) if layout.zero >= 1 else 1
     psi = stage_psi(workload, layout, stage)
     tensor = 4.0 * (block_param_count(workload.model) / 7 if workload.model is not None else psi)
     tensor /= layout.tp * shards
-    step = psi / shards * optimizer_bytes_per_param(workload)
+    experts = stage_expert_params(workload, layout, stage)
+    step = ((psi - experts) / shards + experts / expert_shards) * optimizer_bytes_per_param(workload)
     local = psi * per_microbatch_bytes_per_param(workload, layout, m)
     seconds = hardware.memory_seconds(step, 3 * tensor) + hardware.memory_seconds(local, 3 * tensor)
     return seconds / hardware.compute_share(layout.world_size)
@@ -294,6 +307,7 @@ class _Stage:
     dp_total: float
     optimizer: float
     cp: float = 0.0
+    ep: float = 0.0
 
 
 def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int,
@@ -306,9 +320,10 @@ def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m
     if layout.cp > 1:
         cp = _ring_exposed(workload, layout, hardware, block) * layers_on_stage(workload.model.n_layers, layout.pp,
                                                                                  stage)
+    ep = collective_seconds(hardware, layout, "ep", ep_collectives(workload, layout, stage))
     dp_exposed, dp_total = _dp_exposed(workload, layout, hardware, stage, passes.backward, m * compute)
-    return _Stage(compute + tp + pp + cp, compute, tp, pp, dp_exposed, dp_total,
-                  _optimizer_seconds(workload, layout, hardware, stage, m), cp)
+    return _Stage(compute + tp + pp + cp + ep, compute, tp, pp, dp_exposed, dp_total,
+                  _optimizer_seconds(workload, layout, hardware, stage, m), cp, ep)
 
 
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:
@@ -328,11 +343,13 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     stages = [_stage(workload, lay, hardware, stage, m, block) for stage in range(lay.pp)]
     slowest = max(stages, key=lambda s: s.per_mb)
     data = max(stages, key=lambda s: sum(s.dp_exposed.values()))  # the stage whose data-parallel time shows most
-    dp_by_axis = {axis: data.dp_exposed.get(axis, 0.0) for axis in lay.data_axes}
+    axes = (*lay.data_axes, moe.EXPERT_DATA_AXIS) if moe.EXPERT_DATA_AXIS in data.dp_exposed else lay.data_axes
+    dp_by_axis = {axis: data.dp_exposed.get(axis, 0.0) for axis in axes}
     sync = sum(collective_seconds(hardware, lay, axis, c) for axis, c in sync_collectives(lay).items())
     return StepTime(
         compute=m * slowest.compute, tp_comm=m * slowest.tp, pp_comm=m * slowest.pp, cp_comm=m * slowest.cp,
         bubble=pipeline_traits(lay.schedule, lay.pp, m, lay.chunks).bubble * slowest.per_mb,
         dp_comm=sum(dp_by_axis.values()), optimizer=max(s.optimizer for s in stages),
         dp_comm_total=max(s.dp_total for s in stages), sync=sync, dp_comm_by_axis=dp_by_axis,
+        ep_comm=m * slowest.ep,
     )

@@ -34,6 +34,7 @@ from paratrain.plan.model_states import (  # noqa: F401
     stage_param_count,
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
+from paratrain.plan import moe
 from paratrain.plan.ring import ring_attention_saved_bytes, ring_in_flight_bytes
 
 GB = 10**9
@@ -99,6 +100,9 @@ class Workload:
             chip and skips the causal half (FlashAttention, PyTorch's scaled_dot_product_attention);
             False: the scores are materialized and softmaxed in memory (Megatron before 2023).
             Time only: the activation formulas are Korthikanti's either way.
+        moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
+            busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
+            dense model.
     """
 
     model: ModelConfig | None
@@ -108,9 +112,14 @@ class Workload:
     precision: str = "bf16"
     reduce_dtype: str | None = None
     flash_attention: bool = True
+    moe_imbalance: float = moe.DEFAULT_IMBALANCE
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")
+        if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
+                or not self.moe_imbalance >= 1:
+            raise PlanError(f"--moe-imbalance must be a number ≥ 1 (max/mean tokens per expert rank), "
+                            f"got {self.moe_imbalance!r}")
         _positive_int(self.seq_len, "--seq")
         if self.global_batch is not None:
             _positive_int(self.global_batch, "--global-batch")
@@ -166,6 +175,8 @@ class Layout:
             the last bucket of the backward cannot overlap with it).
         compile: each block runs `torch.compile`d (the run's `parallel.compile`): its element-wise
             operators fused (`KernelStack.FUSED`), else one kernel each (EAGER). Time only.
+        ep: expert-parallel degree: a MoE model's experts split over groups of ep neighbouring data
+            ranks (`paratrain.plan.moe`); it divides dp. 1: every data rank holds every expert.
     """
 
     dp: int = 1
@@ -182,9 +193,10 @@ class Layout:
     bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
     compile: bool = False
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "micro_batch", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "virtual_stages", "ep"):
             _positive_int(getattr(self, name), "--" + name.replace("_", "-"))
         if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or self.dp_shard < 0:
             raise PlanError(f"--dp-shard must be 0 (the whole data axis) or a positive integer, got {self.dp_shard!r}")
@@ -243,10 +255,11 @@ class Layout:
         """Short one-line description, e.g. 'dp=8 tp=8 pp=1 zero=1 mb=1 recompute=selective sp'.
 
         A hybrid-sharded layout adds its shard group after dp: 'dp=32 dp_shard=8 tp=1 ...'; context
-        parallelism its degree: 'dp=4 cp=2 tp=8 ...'.
+        parallelism its degree: 'dp=4 cp=2 tp=8 ...'; an expert-parallel one its ep degree: 'dp=64 ep=8 tp=1 ...'.
         """
-        shard = f" dp_shard={self.dp_shard or self.dp}" if self.dp_replicate > 1 else ""
+        shard = f" dp_shard={self.shard_ranks}" if self.dp_replicate > 1 else ""
         shard += f" cp={self.cp}" if self.cp > 1 else ""
+        shard += f" ep={self.ep}" if self.ep > 1 else ""
         text = f"dp={self.dp}{shard} tp={self.tp} pp={self.pp} zero={self.zero} mb={self.micro_batch} " \
                f"recompute={self.recompute.value}"
         if self.sequence_parallel:
@@ -400,7 +413,8 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     """Activations of one rank of `stage`: layers × in-flight micro-batches, logits, recompute working set.
 
     Per layer `layer_activation_bytes`; times the layers on the stage and the micro-batches the
-    schedule keeps in flight there (`in_flight_microbatches`); plus, on the last stage, the fp32
+    schedule keeps in flight there (`in_flight_microbatches`), a MoE layer's routed copies added
+    (`paratrain.plan.moe.layer_activation_delta_bytes`); plus, on the last stage, the fp32
     logits of those micro-batches; plus, with full recomputation, one layer's activations
     rebuilt during its backward (the recompute working set, Korthikanti et al. §5); plus, with
     context parallelism, the K/V blocks the ring of one layer has in flight (`ring_in_flight_bytes`).
@@ -415,6 +429,9 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
                                        lay.recompute, workload.precision, kv_heads=model.n_kv_heads,
                                        ffn_dim=model.ffn_dim, cp=lay.cp)
+    per_layer += moe.layer_activation_delta_bytes(model, s // lay.cp * b, lay.tp, lay.recompute is Recompute.SELECTIVE,
+                                                  lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
+                                                  workload.moe_imbalance)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
     if stage == lay.pp - 1:
         total += logits_bytes(s // lay.cp, b, model.vocab_size, lay.tp) * in_flight
@@ -447,20 +464,55 @@ def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -
     replicating = 1 / lay.shard_ranks if lay.dp_replicate > 1 else 0.0  # a shard on its way between replicas
     if lay.zero == 3:
         block = block_param_count(model)
-        unit = max(block, model.num_params() - model.n_layers * block) / lay.tp
+        routed = moe.routed_params_per_layer(model)
+        block_unit = (block - routed) / lay.tp + routed / lay.ep  # experts whole on a tp rank, E/ep of them
+        unit = max(block_unit, (model.num_params() - model.n_layers * block) / lay.tp)
         return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes) \
             + unit * workload.grad_bytes * replicating
     bucket = min(lay.bucket_mb * 2**20, stage_params * workload.grad_bytes)
     return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: bucket * (2 + replicating)}[lay.zero]
 
 
+def stage_expert_params(workload: Workload, layout: Layout, stage: int) -> float:
+    """Routed-expert parameters one rank of `stage` holds: its layers' E/ep experts, 3·h·f each (0 if dense)."""
+    model = workload.model
+    if not moe.is_moe(model):
+        return 0.0
+    layers = layers_on_stage(model.n_layers, layout.pp, stage)
+    return float(layers * model.n_experts // layout.ep * moe.one_expert_params(model))
+
+
+def stage_dense_params(workload: Workload, layout: Layout, stage: int) -> float:
+    """Parameters one rank of `stage` holds outside the routed experts, tp-split as `stage_param_count` says."""
+    if workload.model is None:
+        return workload.num_params / (layout.tp * layout.pp)
+    model = workload.model
+    routed = layers_on_stage(model.n_layers, layout.pp, stage) * -(-moe.routed_params_per_layer(model) // layout.tp)
+    return float(stage_param_count(model, layout.tp, layout.pp, stage) - routed)
+
+
+def _add(a: ModelStates, b: ModelStates) -> ModelStates:
+    return ModelStates(a.params + b.params, a.grads + b.grads, a.master_weights + b.master_weights,
+                       a.adam_moments + b.adam_moments)
+
+
+def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelStates:
+    """Model states of one rank of `stage`: the dense parameters ZeRO-sharded over the shard group, the
+    routed experts (E/ep per layer) over their replica group (`paratrain.plan.moe.expert_shard_ranks`)."""
+    w, lay = workload, layout
+    dense = model_state_bytes(stage_dense_params(w, lay, stage), lay.shard_ranks, lay.zero, w.precision,
+                              w.reduce_dtype)
+    experts = stage_expert_params(w, lay, stage)
+    if not experts:
+        return dense
+    shards = moe.expert_shard_ranks(lay.shard_ranks, lay.ep)
+    return _add(dense, model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype))
+
+
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     """Memory of one rank of pipeline stage `stage`."""
-    if workload.model is None:
-        psi = workload.num_params / (layout.tp * layout.pp)
-    else:
-        psi = stage_param_count(workload.model, layout.tp, layout.pp, stage)
-    states = model_state_bytes(psi, layout.shard_ranks, layout.zero, workload.precision, workload.reduce_dtype)
+    psi = stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
+    states = stage_model_states(workload, layout, stage)
     return MemoryBreakdown(
         stage=stage, params=states.params, grads=states.grads, master_weights=states.master_weights,
         adam_moments=states.adam_moments, activations=stage_activation_bytes(workload, layout, stage),

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from paratrain.models.configs import ModelConfig
 from paratrain.plan.hardware import Elementwise, Hardware, KernelStack
+from paratrain.plan import moe
 from paratrain.plan.memory import DTYPE_BYTES, Recompute
 
 BACKWARD_MEMORY_FACTOR = 2.0  # element-wise backward reads the saved input and the gradient, writes one
@@ -112,19 +113,35 @@ class Shape:
     dtype: str
     flash: bool
     kernels: KernelStack = KernelStack.EAGER
+    # A MoE block (`paratrain.plan.moe`); zeros for a dense one, whose MLP is `ffn`.
+    router: int = 0  # E: the router's outputs
+    experts: float = 0.0  # E/ep: the experts on this rank
+    expert_ffn: int = 0  # f of one expert
+    routed: float = 0.0  # k·c·T: (token, expert) copies this rank's experts process (c: the assumed imbalance)
+    shared_ffn: int = 0  # f of the shared expert, 0 without one
 
     @classmethod
     def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-           precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER, cp: int = 1) -> Shape:
+           precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER, cp: int = 1, ep: int = 1,
+           imbalance: float = moe.DEFAULT_IMBALANCE) -> Shape:
         """Under context parallelism (cp > 1) the rank holds s/cp tokens of each sequence and its queries
         meet all s keys, block by block in paratrain's ring, whose blocks are explicit matmuls and a
-        materialized softmax (`paratrain.parallel.context.ring`): not a flash kernel, no causal skip."""
-        e = model.head_dim
-        return cls(tokens=float(micro_batch * (seq_len // cp)), seq_len=seq_len, batch=micro_batch, hidden=model.dim,
-                   q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
-                   local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
-                   residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision,
-                   flash=flash and cp == 1, kernels=KernelStack(kernels))
+        materialized softmax (`paratrain.parallel.context.ring`): not a flash kernel, no causal skip.
+        A mixture of experts (`paratrain.plan.moe`) adds its router and its routed copies' expert widths."""
+        e, tokens = model.head_dim, float(micro_batch * (seq_len // cp))
+        routing = {}
+        if moe.is_moe(model):
+            fe = model.expert_hidden_dim
+            routed = moe.routed_tokens(tokens, model, imbalance)
+            shared = fe if model.shared_expert else 0
+            # the element-wise SwiGLU runs on every routed copy and on the shared expert: its width per token
+            routing = dict(router=model.n_experts, experts=model.n_experts / ep, expert_ffn=fe, routed=routed,
+                           shared_ffn=shared, ffn=routed / tokens * fe + shared)
+        return cls(**{**dict(tokens=tokens, seq_len=seq_len, batch=micro_batch, hidden=model.dim,
+                             q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
+                             local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
+                             residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision,
+                             flash=flash and cp == 1, kernels=KernelStack(kernels)), **routing})
 
     @property
     def itemsize(self) -> int:
@@ -132,10 +149,30 @@ class Shape:
 
 
 def block_gemms(x: Shape) -> list[Gemm]:
-    """The forward matmuls of one block on one rank (shapes in the module docstring)."""
+    """The forward matmuls of one block on one rank (shapes in the module docstring).
+
+    A MoE block's MLP is the router (T, E, h), each of the rank's E/ep experts on its share of the
+    k·c·T routed copies (grouped: w1 and w3 (k·c·T·ep/E, f, h), w2 (k·c·T·ep/E, h, f)), and the
+    shared expert on all T tokens.
+    """
     t, h = x.tokens, x.hidden
-    return [Gemm(t, x.q_width, h), Gemm(t, x.kv_width, h, 2), Gemm(t, h, x.q_width),
-            Gemm(t, x.ffn, h, 2), Gemm(t, h, x.ffn)]
+    attention = [Gemm(t, x.q_width, h), Gemm(t, x.kv_width, h, 2), Gemm(t, h, x.q_width)]
+    if not x.experts:
+        return attention + [Gemm(t, x.ffn, h, 2), Gemm(t, h, x.ffn)]
+    rows = x.routed / x.experts
+    mlp = [Gemm(t, x.router, h), Gemm(rows, x.expert_ffn, h, 2 * x.experts), Gemm(rows, h, x.expert_ffn, x.experts)]
+    if x.shared_ffn:
+        mlp += [Gemm(t, x.shared_ffn, h, 2), Gemm(t, h, x.shared_ffn)]
+    return attention + mlp
+
+
+def dispatch_elementwise_times(hw: Hardware, x: Shape) -> PassTimes:
+    """A MoE block's token permutation: gathering the k·c·T routed copies (h each) and scattering them back
+    (an index-add), forward; their two transposes and the weights' gradient backward."""
+    if not x.experts:
+        return PassTimes(0.0, 0.0)
+    one = hw.elementwise_seconds(Elementwise.UNARY, x.routed * x.hidden, x.itemsize)
+    return PassTimes(2 * one, BACKWARD_MEMORY_FACTOR * 2 * one)
 
 
 def attention_gemms(x: Shape) -> list[Gemm]:
@@ -186,7 +223,7 @@ def block_elementwise_times(hw: Hardware, x: Shape) -> PassTimes:
         forward = _eager_seconds(hw, x, _EAGER_FORWARD, EAGER_OPS_PER_BLOCK[0])
         backward = _eager_seconds(hw, x, _EAGER_BACKWARD, EAGER_OPS_PER_BLOCK[1])
     scores = _scores_seconds(hw, x)
-    return PassTimes(forward + scores, backward + BACKWARD_MEMORY_FACTOR * scores)
+    return PassTimes(forward + scores, backward + BACKWARD_MEMORY_FACTOR * scores) + dispatch_elementwise_times(hw, x)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def layout_spec(workload: Workload, layout: Layout, world_size: int | None = Non
                       model=workload.model, params_only=workload.model is None,
                       global_batch=workload.global_batch or layout.dp * layout.micro_batch,
                       micro_batch=layout.micro_batch, seq_len=workload.seq_len,
-                      activation_checkpointing=layout.recompute.value)
+                      activation_checkpointing=layout.recompute.value, ep=layout.ep)
 
 
 def layout_violations(workload: Workload, layout: Layout, world_size: int | None = None,
@@ -121,7 +121,7 @@ class Estimate:
         lay = self.layout
         batch = self.workload.global_batch or lay.dp * lay.micro_batch
         return {
-            "dp": lay.dp, "dp_shard": lay.dp_shard or lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp,
+            "dp": lay.dp, "dp_shard": lay.shard_ranks, "cp": lay.cp, "ep": lay.ep, "tp": lay.tp, "pp": lay.pp,
             "zero": lay.zero,
             "micro_batch": lay.micro_batch,
             "num_microbatches": lay.num_microbatches(self.workload.global_batch),
@@ -208,6 +208,8 @@ class SearchSpace:
     data axis included; a number fixes it (a candidate whose dp it equals is not split).
     cp None: 1, and for a long sequence every degree that leaves each rank at least
     `CP_MIN_TOKENS_PER_RANK` of its tokens (`_context_degrees`); a number fixes it.
+    ep None: for a MoE model every expert-parallel degree that divides both dp and the experts
+    (1 for a dense model); a number fixes it.
     """
 
     dp: int | None = None
@@ -222,6 +224,7 @@ class SearchSpace:
     virtual_stages: int = 1
     dp_shard: int | None = None
     compile: bool = False  # the run's own setting, not searched: every candidate runs compiled or eager
+    ep: int | None = None
 
 
 def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
@@ -245,30 +248,40 @@ def _context_degrees(ranks: int, seq_len: int, space: SearchSpace) -> list[int]:
     return [c for c in _divisors(ranks) if c == 1 or seq_len // c >= CP_MIN_TOKENS_PER_RANK]
 
 
-def _candidates(world_size: int, space: SearchSpace, seq_len: int = 0):
+def _expert_degrees(dp: int, experts: int, space: SearchSpace) -> list[int]:
+    """The `Layout.ep` values to try: a fixed --ep as given (the rules refuse what cannot run); for a MoE
+    model of `experts` experts every divisor of dp that divides them too; 1 for a dense model."""
+    if space.ep is not None:
+        return [space.ep]
+    return [d for d in _divisors(dp) if experts % d == 0] if experts else [1]
+
+
+def _candidates(world_size: int, space: SearchSpace, seq_len: int = 0, experts: int = 0):
     """Every layout of the space over `world_size` ranks, skipping exact duplicates.
 
     ZeRO > 0 with one data rank (dp × cp = 1) shards nothing (the same layout as zero 0) and
     sequence parallelism is a tp > 1 option, so those are not enumerated. ZeRO ≥ 1 layouts come
-    with every shard group of hybrid sharding (`_shard_groups`).
+    with every shard group of hybrid sharding (`_shard_groups`), a MoE model's (`experts` > 0) with
+    every expert-parallel degree (`_expert_degrees`).
     """
     for tp in [space.tp] if space.tp else _divisors(world_size):
         for pp in [space.pp] if space.pp else _divisors(max(1, world_size // tp)):
             for cp in _context_degrees(max(1, world_size // (tp * pp)), seq_len, space):
-                yield from _options(space, space.dp or max(1, world_size // (tp * pp * cp)), tp, pp, cp)
+                yield from _options(space, space.dp or max(1, world_size // (tp * pp * cp)), tp, pp, cp, experts)
 
 
-def _options(space: SearchSpace, dp: int, tp: int, pp: int, cp: int):
-    """The layouts of the space with these degrees: every ZeRO stage, micro-batch, recomputation, SP and shard group."""
+def _options(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, experts: int = 0):
+    """The layouts of the space with these degrees: every ZeRO stage, micro-batch, recomputation, SP, shard
+    group and expert-parallel degree."""
     v = space.virtual_stages if space.schedule is ScheduleName.INTERLEAVED and pp > 1 else 1
     choices = itertools.product(space.zero, space.micro_batch, space.recompute, space.sequence_parallel)
     for zero, mb, recompute, sp in choices:
         if (zero > 0 and dp * cp == 1 and 0 in space.zero) or (sp and tp == 1 and False in space.sequence_parallel):
             continue
-        for shard in _shard_groups(dp, zero, space):
+        for shard, ep in itertools.product(_shard_groups(dp, zero, space), _expert_degrees(dp, experts, space)):
             yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, micro_batch=mb,
                          sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
-                         virtual_stages=v, compile=space.compile)
+                         virtual_stages=v, compile=space.compile, ep=ep)
 
 
 def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),
@@ -282,7 +295,8 @@ def search(workload: Workload, world_size: int, hardware: Hardware, space: Searc
     result = SearchResult(ranked=[])
     failures: dict[str, list[tuple[Layout, str]]] = defaultdict(list)
     too_big: list[tuple[float, Layout, str]] = []
-    for layout in _candidates(world_size, space, workload.seq_len):
+    experts = workload.model.n_experts if workload.model is not None else 0
+    for layout in _candidates(world_size, space, workload.seq_len, experts):
         result.searched += 1
         broken = layout_violations(workload, layout, world_size, hardware.gpus_per_node)
         if broken:

@@ -115,7 +115,8 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     recompute = Checkpointing.parse(p.activation_checkpointing).planned
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,
-                    schedule=p.schedule, dp_shard=p.dp_shard, compile=p.compile)
+                    schedule=p.schedule, dp_shard=p.dp_shard, compile=p.compile,
+                    ep=p.ep)
     return estimate_memory(workload, layout)
 
 
