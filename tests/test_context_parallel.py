@@ -1,5 +1,7 @@
 """Context parallelism: the load-balanced split, and ring attention equal to one process's causal SDPA."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,24 +71,52 @@ def _hf_model():
 
 
 def _make(kind):
-    from tests.parallel_cases import make_model
+    import dataclasses
 
-    return _hf_model() if kind == "hf" else make_model()
+    from tests.parallel_cases import TINY, make_model
+
+    if kind == "hf":
+        return _hf_model()
+    return make_model(dataclasses.replace(TINY, n_layers=4)) if kind == "ref4" else make_model()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One layout of the parity runs: a model kind ("ref": the tiny Transformer, "ref4": with 4 layers, "hf")
+    and the degrees and options besides cp (cp = world / (dp · pp))."""
+
+    kind: str = "ref"
+    dp: int = 1
+    zero: int = 0
+    checkpointing: int | str = 0
+    pp: int = 1
+    schedule: str | None = None
+
+
+def _train_case(case: Case, world: int):
+    from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
+    from paratrain.train import train_step
+    from tests.parallel_cases import adamw, batches, parallel_run
+
+    mesh = build_mesh(MeshShape(dp=case.dp, pp=case.pp, cp=world // (case.dp * case.pp)))
+    if case.pp == 1:
+        model, optimizer = parallelize(_make(case.kind), mesh, optimizer=adamw, data=DataParallel(zero=case.zero),
+                                       activation_checkpointing=case.checkpointing)
+        # The engine averages over the dp × cp ranks; each backward is of a token-loss sum over the global count.
+        losses = parallel_run(model, optimizer, batches(steps=3), mesh.coord("dp"), case.dp,
+                              lambda t: model.comm.all_reduce(t, "dp_cp"), loss_scale=world)
+    else:  # the trainer's step: 4 micro-batches of 2 sequences through the schedule, gradients summed
+        pipeline = PipelineParallel(schedule=case.schedule, virtual_stages=2 if case.schedule == "interleaved" else 1)
+        model, optimizer = parallelize(_make(case.kind), mesh, optimizer=adamw, pipeline=pipeline,
+                                       data=DataParallel(grad_reduction="sum"),
+                                       activation_checkpointing=case.checkpointing)
+        losses = [train_step(model, optimizer, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 1.0).loss
+                  for x, y in batches(steps=3)]
+    return losses, model.full_state_dict(), model.comm.summary().get("cp", {})
 
 
 def _train_cases(rank, world, cases):
-    from paratrain.parallel.api import DataParallel, parallelize
-    from tests.parallel_cases import adamw, batches, parallel_run
-
-    out = {}
-    for kind, dp, zero in cases:
-        mesh = build_mesh(MeshShape(dp=dp, cp=world // dp))
-        model, optimizer = parallelize(_make(kind), mesh, optimizer=adamw, data=DataParallel(zero=zero))
-        # The engine averages over the dp × cp ranks; each backward is of a token-loss sum over the global count.
-        losses = parallel_run(model, optimizer, batches(steps=3), mesh.coord("dp"), dp,
-                              lambda t: model.comm.all_reduce(t, "dp_cp"), loss_scale=world)
-        out[kind, dp, zero] = losses, model.full_state_dict(), model.comm.summary().get("cp", {})
-    return out
+    return {case: _train_case(case, world) for case in cases}
 
 
 _RESULTS = {}
@@ -98,22 +128,49 @@ def _results(world, cases):
     return _RESULTS[world]
 
 
-CASES = {2: [("ref", 1, 0), ("hf", 1, 0)], 4: [("ref", 2, 3)]}
+CASES = {2: [Case(), Case("hf"), Case(checkpointing="full"), Case(checkpointing="selective"),
+             Case(checkpointing=2)],
+         4: [Case(dp=2, zero=3), Case("ref4", pp=2, schedule="gpipe"), Case("ref4", pp=2, schedule="interleaved"),
+             Case("ref4", pp=2, schedule="zb-h1", checkpointing="full")]}
 
 
-@pytest.mark.parametrize("world, case", [(w, c) for w, cases in CASES.items() for c in cases])
+def _name(case: Case, world: int) -> str:
+    cp = world // (case.dp * case.pp)
+    degrees = "".join(f"{axis}{n}_" for axis, n in (("dp", case.dp), ("pp", case.pp)) if n > 1)
+    options = [f"zero{case.zero}" if case.zero else "", case.schedule or "", f"ac-{case.checkpointing}" if case.checkpointing else ""]
+    return "_".join([f"{degrees}cp{cp}", case.kind] + [o for o in options if o])
+
+
+@pytest.mark.parametrize("world, case", [(w, c) for w, cases in CASES.items() for c in cases],
+                         ids=[_name(c, w) for w, cases in CASES.items() for c in cases])
 def test_training_with_cp_equals_one_process(world, case):
     """Losses and parameters after 3 steps (fp32) equal one process's on the same global batches: the
-    reference model and a Hugging Face Llama with SDPA attention at cp2, and dp2 × cp2 under ZeRO-3."""
+    reference model and a Hugging Face Llama with SDPA attention at cp2; cp2 with activation checkpointing
+    (full, selective, every 2nd block), whose recompute runs attention through the ring again; dp2 × cp2
+    under ZeRO-3; pp2 × cp2 under GPipe, interleaved (2 virtual stages) and ZB-H1 with full recomputation."""
     from tests.parallel_cases import batches, reference_run
 
-    ref_losses, ref_params = reference_run(_make(case[0]), batches(steps=3))
+    ref_losses, ref_params = reference_run(_make(case.kind), batches(steps=3))
     for per_rank in _results(world, CASES[world]):
         losses, params, cp_traffic = per_rank[case]
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for name, value in ref_params.items():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
         assert cp_traffic["send"]["calls"] > 0  # the ring ran, on the cp axis
+
+
+def test_a_recompute_sends_the_kv_blocks_around_the_ring_again():
+    """Recomputing a block in backward runs its ring forward again: each recomputed layer adds one forward's
+    K/V sends per step, (cp − 1) blocks of 2·B·Hk·2c·E·4 bytes; selective keeps the matmuls' outputs but
+    no communication, so it re-sends them too."""
+    plain = _results(2, CASES[2])[0][Case()][2]["send"]["bytes"]
+    # K and V; B = 8, 4 heads (on the CPU the reference model repeats its 2 kv heads before SDPA), 2c = 8 local
+    # tokens of 16, E = 8; fp32
+    block = 2 * 8 * 4 * 8 * 8 * 4
+    steps, layers = 3, 3
+    for checkpointing, recomputed in (("full", layers), ("selective", layers), (2, 2)):
+        sent = _results(2, CASES[2])[0][Case(checkpointing=checkpointing)][2]["send"]["bytes"]
+        assert sent - plain == steps * recomputed * block, checkpointing
 
 
 def _fake_cp_comm(cp=2):
@@ -146,6 +203,8 @@ def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
 
     with pytest.raises(ContextParallelError, match="takes neither positions nor position_ids"):
         ContextSharding(NoPositions(), _fake_cp_comm())
+    with pytest.raises(ContextParallelError, match="an nn.Sequential cannot hand on to its layers; use --cp 1"):
+        ContextSharding(torch.nn.Sequential(torch.nn.Linear(4, 4)), _fake_cp_comm())  # also as pipeline stages
     with pytest.raises(ContextParallelError, match="found no F.scaled_dot_product_attention call in NoSdpa"):
         ContextSharding(NoSdpa(), _fake_cp_comm()).forward(NoSdpa(), (torch.zeros(1, 8, dtype=torch.long),), {})
 

@@ -226,7 +226,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 5. The data-parallel engine: it sees the final parameters it has to reduce.
     engine = _engine(model, mesh, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
-    runner = _runner(split, mesh, comm, policy, pipeline, tp_info)
+    runner = _runner(split, mesh, comm, policy, pipeline, tp_info, sharding)
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info)
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     return wrapped, _optimizer(optimizer, wrapped, engine, data)
@@ -311,13 +311,15 @@ def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: D
                               grad_reduction=reduction)
 
 
-def _runner(split, mesh: Mesh, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info):
-    """The pipeline runner of this rank's stages, or None without pipeline parallelism."""
+def _runner(split, mesh: Mesh, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):
+    """The pipeline runner of this rank's stages (each stage's forward on this rank's chunks of the sequences
+    under context parallelism: `sharding`), or None without pipeline parallelism."""
     if split is None:
         return None
     from paratrain.parallel.pipeline.runner import PipelineRunner
 
-    runner = PipelineRunner(split, pipeline.schedule, mesh, comm, policy, tp_axis=tp_info.axis if tp_info else None)
+    runner = PipelineRunner(split, pipeline.schedule, mesh, comm, policy, tp_axis=tp_info.axis if tp_info else None,
+                            context=sharding)
     runner.schedule(mesh.size("pp"))  # a schedule that cannot run fails now, not at step 1
     return runner
 

@@ -18,7 +18,10 @@ decoder layers, the layers of a plain Sequential), the same blocks ZeRO-3 shards
 
 Both go through `torch.utils.checkpoint` (non-reentrant); selective through its selective-checkpoint
 contexts (`create_selective_checkpoint_contexts` with `CheckpointPolicy.MUST_SAVE` for `SAVED_OPS`,
-`PREFER_RECOMPUTE` for the rest).
+`PREFER_RECOMPUTE` for the rest). Under context parallelism the recompute runs under the ring the forward
+ran under (`eager_context_fn`): its attention is ring attention again, whose K/V travel around the cp
+ranks a second time (the full recompute reruns the ring's forward; selective keeps its matmuls' outputs
+but still re-sends the K/V blocks, as SAVED_OPS holds no communication).
 
 Where the checkpoint sits: inside the block's forward, below the module's hooks (ZeRO-3's gather and free,
 a sequence-parallel input hook), which run once per forward and never in a recompute. The checkpointed
@@ -34,6 +37,7 @@ backward graph, which reads the parameters the compiled forward saved, through t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -71,6 +75,35 @@ def context_fn(setting: Checkpointing):
     return selective_contexts if setting.mode is Recompute.SELECTIVE else None
 
 
+def eager_context_fn(setting: Checkpointing):
+    """checkpoint's `context_fn` for an eager block: `context_fn`'s, with the recompute run under the
+    context-parallel ring its forward ran under (`paratrain.parallel.context.sdpa.recompute_context`)."""
+    return functools.partial(_recompute_as_forward, context_fn(setting))
+
+
+def _recompute_as_forward(inner):
+    from paratrain.parallel.context.sdpa import recompute_context
+
+    forward, recompute = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    return forward, _together(recompute, recompute_context())
+
+
+class _together:
+    """Contexts entered as one, as often as needed: a recompute may run twice (ZB-H1's W after its B)."""
+
+    def __init__(self, *contexts):
+        self.contexts, self.stacks = contexts, []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        for context in self.contexts:
+            stack.enter_context(context)
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc):
+        return self.stacks.pop().__exit__(*exc)
+
+
 def chosen_blocks(setting: Checkpointing, blocks: list[nn.Module]) -> list[nn.Module]:
     """The blocks that recompute."""
     return [] if not setting.enabled else blocks if setting.mode is Recompute.SELECTIVE else blocks[::setting.every]
@@ -94,7 +127,7 @@ def checkpoint_blocks(model: nn.Module, every: int | str | Checkpointing = 1) ->
     chosen = chosen_blocks(setting, model_blocks(model))
     for block in chosen:
         block.forward = functools.partial(checkpointed_forward, block.forward, parameter_slots(block),
-                                          context_fn(setting))
+                                          eager_context_fn(setting))
     return len(chosen)
 
 

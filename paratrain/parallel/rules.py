@@ -180,7 +180,7 @@ def layout_violations(layout: LayoutSpec) -> list[Violation]:
     return (node_violations(s.tp, s.gpus_per_node) + divisibility_violations(s)
             + shard_group_violations(s.dp, s.dp_shard, s.zero) + zero_stage_violations(s.zero, s.pp)
             + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
-            + context_parallel_violations(s.cp, s.seq_len, s.tp, s.pp, s.dp_shard, s.dp, s.activation_checkpointing)
+            + context_parallel_violations(s.cp, s.seq_len, s.dp_shard, s.dp)
             + expert_parallel_violations(s)
             # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
             + schedule_violations(s.schedule, s.pp, s.virtual_stages, s.num_microbatches,
@@ -342,19 +342,19 @@ def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int 
     return []
 
 
-def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: int = 1, dp_shard: int = 0,
-                                dp: int = 1, activation_checkpointing: int | str = 0) -> list[Violation]:
+def context_parallel_violations(cp: int, seq_len: int | None, dp_shard: int = 0, dp: int = 1) -> list[Violation]:
     """Context parallelism splits every sequence into 2·cp chunks (rank i holds chunks i and 2·cp−1−i, so
     causal attention costs each rank the same): the length must divide into them.
 
     Composes with data parallelism (DDP, ZeRO-1/2/3) and tensor parallelism (with sequence parallelism
-    too: each tp rank then holds 1/tp of this rank's chunks between the attention regions). Not yet
-    composed (refused here, one home for the refusal): pipeline parallelism, whose stages would pass
-    this rank's chunks without their positions, and hybrid sharding,
-    whose shard groups span data ranks only while cp ranks hold partial gradients too; and activation
-    checkpointing, whose recomputation in backward would run attention outside the ring. That cp needs
-    causal SDPA attention is found in the forward (`paratrain.parallel.context`): only then is the
-    attention seen.
+    too: each tp rank then holds 1/tp of this rank's chunks between the attention regions), with pipeline
+    parallelism (every schedule: each stage runs on this rank's chunks with their positions, its
+    attention a ring over the cp ranks of its stage) and with activation checkpointing (the recompute
+    runs its attention through the ring again). Not yet composed (refused here, one home for the
+    refusal): hybrid sharding, whose shard groups would have to span dp_shard × cp ranks (cp ranks hold
+    partial gradients of the same shards) and its replicas the dp_replicate ranks of one cp coordinate,
+    groups the mesh does not build. That cp needs causal SDPA attention is found in the forward
+    (`paratrain.parallel.context`): only then is the attention seen.
     """
     if cp == 1:
         return []
@@ -362,15 +362,9 @@ def context_parallel_violations(cp: int, seq_len: int | None, tp: int = 1, pp: i
         fit = seq_len - seq_len % (2 * cp) or 2 * cp
         return [Violation("cp_seq", f"--seq-len {seq_len} is not divisible by 2 × --cp = {2 * cp} (each rank holds "
                                     f"2 load-balanced chunks); use --seq-len {fit}")]
-    if pp > 1:
-        return [Violation("cp_compose", f"--cp {cp} with --pp {pp} is not supported yet; use --cp with data and "
-                                        "tensor parallelism (--dp, --zero, --tp) only")]
     if dp_shard and dp_shard < dp:
         return [Violation("cp_dp_shard", f"--cp {cp} with --dp-shard {dp_shard} is not supported yet (cp ranks' "
                                          "gradients must join the shard groups); drop --dp-shard")]
-    if Checkpointing.parse(activation_checkpointing).enabled:
-        return [Violation("cp_checkpointing", f"--cp {cp} with --activation-checkpointing is not supported yet "
-                                              "(recomputation would run attention outside the ring); drop one")]
     return []
 
 

@@ -20,7 +20,9 @@ tokens is this rank's part of the sequence's loss, and the parts add up over the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,10 @@ class ContextParallelError(ParatrainError, ValueError):
     """A model or a call that context parallelism cannot run; the message names the fix."""
 
 
+# The ring mode the current forward runs under, for a recomputation in backward to run under again.
+_ACTIVE: ContextVar[RingSDPA | None] = ContextVar("paratrain_ring_sdpa", default=None)
+
+
 class RingSDPA(TorchFunctionMode):
     """While active, `F.scaled_dot_product_attention(q, k, v, is_causal=True)` runs as ring attention."""
 
@@ -46,6 +52,15 @@ class RingSDPA(TorchFunctionMode):
         super().__init__()
         self.ring = ring
         self.calls = 0
+        self._token = None
+
+    def __enter__(self):
+        self._token = _ACTIVE.set(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.reset(self._token)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -71,12 +86,28 @@ class RingSDPA(TorchFunctionMode):
         return ring_attention(query, key, value, self.ring, scale)
 
 
+def recompute_context():
+    """What a recomputation in backward of a forward running now must run under: the same ring (a new
+    `RingSDPA` over it; its K/V travel around again), or nothing outside context parallelism.
+
+    Read while the forward runs (torch.utils.checkpoint's `context_fn` is called then), entered when
+    backward recomputes: the ring's mode is long exited by then, and attention recomputed outside it
+    would attend over this rank's chunks alone.
+    """
+    active = _ACTIVE.get()
+    return contextlib.nullcontext() if active is None else RingSDPA(active.ring)
+
+
 class ContextSharding:
     """What a `ParallelModel` does around its module's forward under context parallelism."""
 
     def __init__(self, module: nn.Module, comm: Comm, position_keyword: str | None = None, axis: str = "cp"):
         self.comm, self.axis = comm, axis
         self.size, self.rank = comm.mesh.size(axis), comm.mesh.coord(axis)
+        if isinstance(module, nn.Sequential) and position_keyword is None:
+            raise ContextParallelError("context parallelism (--cp) passes each token's position to the model's "
+                                       "forward, which an nn.Sequential cannot hand on to its layers; use --cp 1, or "
+                                       "a model whose forward takes positions (pipelined: paratrain's Transformer)")
         params = inspect.signature(module.forward).parameters
         self.position_keyword = position_keyword or next((k for k in POSITION_KEYWORDS if k in params), None)
         if self.position_keyword is None:
@@ -92,18 +123,24 @@ class ContextSharding:
             raise ContextParallelError("context parallelism (--cp) splits the forward's first argument, token ids "
                                        "[batch, seq]; pass them positionally")
         tokens = args[0]
-        seq_len = tokens.shape[1]
-        local = shard_sequence(tokens, self.size, self.rank)
-        pos = positions(seq_len, self.size, self.rank, tokens.device)
         kwargs = dict(kwargs)
+        if self.mask_keyword is not None and kwargs.get(self.mask_keyword) is not None:
+            kwargs[self.mask_keyword] = shard_sequence(kwargs[self.mask_keyword], self.size, self.rank)
+        local = shard_sequence(tokens, self.size, self.rank)
+        return self.local_forward(module, (local, *args[1:]), kwargs, tokens.shape[1])
+
+    def local_forward(self, module: nn.Module, args: tuple, kwargs: dict, seq_len: int):
+        """`module(*args, **kwargs)` on inputs that are this rank's chunks already, of sequences of `seq_len`
+        tokens (a later pipeline stage's activations): the positions passed, the SDPA calls answered by the ring."""
+        local = args[0]
+        kwargs = dict(kwargs)
+        pos = positions(seq_len, self.size, self.rank, local.device)
         kwargs[self.position_keyword] = pos[None] if self.position_keyword == "position_ids" else pos
-        if self.mask_keyword is not None:
-            mask = kwargs.get(self.mask_keyword)
-            kwargs[self.mask_keyword] = (torch.ones_like(local, dtype=torch.bool) if mask is None
-                                         else shard_sequence(mask, self.size, self.rank))
+        if self.mask_keyword is not None and kwargs.get(self.mask_keyword) is None:
+            kwargs[self.mask_keyword] = torch.ones(local.shape[:2], dtype=torch.bool, device=local.device)
         mode = RingSDPA(Ring(self.comm, seq_len, self.axis))
         with mode:
-            output = module(local, *args[1:], **kwargs)
+            output = module(*args, **kwargs)
         if mode.calls == 0:
             raise ContextParallelError(f"context parallelism (--cp) found no F.scaled_dot_product_attention call in "
                                        f"{type(module).__name__}'s forward; it needs SDPA attention (Hugging Face: "

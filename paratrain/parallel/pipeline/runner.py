@@ -86,8 +86,10 @@ class PipelineRunner:
     boundary tensor (None: no tensor parallelism): they send a slice each, the receivers gather.
     """
 
-    def __init__(self, split: StageSplit, schedule: str, mesh, comm, precision: Precision, tp_axis: str | None = None):
+    def __init__(self, split: StageSplit, schedule: str, mesh, comm, precision: Precision, tp_axis: str | None = None,
+                 context=None):
         self.split = split
+        self.context = context  # a `ContextSharding` under context parallelism: every stage runs on this rank's chunks
         self.precision = precision
         self.schedule_name = ScheduleName(schedule)
         self.comm = comm
@@ -167,19 +169,35 @@ class PipelineRunner:
         mb, s = action.microbatch, action.stage
         inputs, labels = batches[mb]
         x = inputs if s == 0 else inbox.pop(("activation", mb, s - 1)).requires_grad_()
-        out = self._run_stage(s, x)  # x stays the leaf whose gradient goes back, in the dtype it came in
+        out = self._run_stage(s, x, inputs.shape[1])  # x stays the leaf whose gradient goes back, in its dtype
         if s == self.last_stage:
-            token_loss = loss_fn(out, labels)
+            token_loss = loss_fn(out, self._local_labels(out, labels))
             slots[mb, s] = _Slot(x if s > 0 else None, scale_loss(token_loss / normalizer))
             return token_loss.detach()
         outbox["activation", mb, s] = out.detach()
         slots[mb, s] = _Slot(x if s > 0 else None, out)
         return torch.zeros((), device=out.device)
 
-    def _run_stage(self, stage: int, x):
+    def _run_stage(self, stage: int, x, seq_len: int):
         """One stage's forward: its input in the compute dtype (the model's floating-point input on the first
-        stage, on a later one the activation its sender computed), its output checked."""
-        return self._stage_output(stage, self.shells[stage](self.precision.cast_inputs(x)))
+        stage, on a later one the activation its sender computed), its output checked.
+
+        Under context parallelism the first stage splits the token ids (sequences of `seq_len` tokens) into
+        this rank's chunks; a later stage receives activations of those chunks already, from the stage
+        before it on the same cp rank. Every stage is given its chunks' positions and runs its attention
+        as the ring over the cp ranks of its own stage."""
+        shell, x = self.shells[stage], self.precision.cast_inputs(x)
+        if self.context is None:
+            out = shell(x)
+        elif stage == 0:
+            out = self.context.forward(shell, (x,), {})
+        else:
+            out = self.context.local_forward(shell, (x,), {}, seq_len)
+        return self._stage_output(stage, out)
+
+    def _local_labels(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the last stage's output: this rank's chunks of them under context parallelism."""
+        return labels if self.context is None else self.context.labels(labels, output.shape[1])
 
     def _stage_output(self, stage: int, out):
         """A stage boundary carries one tensor: anything else is refused naming the stage and what it returned."""
@@ -255,7 +273,7 @@ class PipelineRunner:
                 x = torch.zeros(shape, dtype=dtype, device=self.device)
             if s < self.last_stage:
                 with torch.compiler.set_stance("force_eager"):  # compiled blocks: no graph for a no-grad pass run once
-                    out = self._run_stage(s, x)
+                    out = self._run_stage(s, x, inputs.shape[1])
                 shapes[s] = (tuple(out.shape), out.dtype)
                 self.comm.exchange([(_encode_header(*shapes[s], self.device), (s + 1) % self.pp)], [], "pp")
         self._shapes[key] = shapes
@@ -303,7 +321,7 @@ class PipelineRunner:
         for _, _, action, inbox, outbox in self._walk(schedule, self._boundary_shapes(inputs)):
             s = action.stage
             x = inputs if s == 0 else inbox.pop(("activation", 0, s - 1))
-            out = self._run_stage(s, x)
+            out = self._run_stage(s, x, inputs.shape[1])
             if s < self.last_stage:
                 outbox["activation", 0, s] = out
         return out if self.last_stage in self.split.stages else None
@@ -312,8 +330,11 @@ class PipelineRunner:
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Tensor:
         """Token-loss sum of one batch, on every pipeline rank."""
         out = self.forward_only(inputs)
-        loss = torch.zeros((), device=self.device) if out is None else loss_fn(out, labels).float()
+        loss = torch.zeros((), device=self.device) if out is None else \
+            loss_fn(out, self._local_labels(out, labels)).float()
         self.comm.all_reduce(loss, "pp")
+        if self.context is not None:  # each cp rank summed its chunks' tokens
+            self.comm.all_reduce(loss, self.context.axis)
         return loss
 
     @torch.no_grad()
