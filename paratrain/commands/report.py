@@ -29,12 +29,13 @@ Bad input raises `ReportError` (a ValueError) with one line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from paratrain.commands.report_plan import (format_prediction, measured_breakdown, planned_comm,  # noqa: F401
+                                           planned_inputs, predicted_step)
 from paratrain.errors import ParatrainError
 
 MB = 10**6
@@ -331,96 +332,6 @@ def _planned_marks(ax, runs: list[Run], axes: list[str]) -> None:
                 ax.plot([x - half, x + half], [planned[axis] / MB] * 2, color="black", linewidth=2.5,
                         label=None if labelled else "estimate of paratrain plan")
                 labelled = True
-
-
-_MODEL_SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
-
-
-def planned_inputs(run: Run):
-    """(Workload, Layout) of the run's resolved config for the planner; None for an older or partial config.
-
-    `parallel.dp_shard` makes it a hybrid-sharded layout, whose data-parallel communication the
-    planner gives per axis (dp_shard, dp_replicate) as the runtime records it.
-
-    Activation checkpointing is the planner's mode of the same name ("selective", "full" or 1); every k-th
-    block for k > 1 is counted as none (`Checkpointing.planned`: the planner recomputes all blocks or none).
-    """
-    from paratrain.models import get_model_config
-    from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
-    from paratrain.parallel.rules import Checkpointing
-    from paratrain.plan import Layout, Workload
-
-    c = run.config
-    try:
-        p, t, m = c["parallel"], c["train"], c["model"]
-        sizes = {k: m[k] for k in _MODEL_SIZES if m.get(k) is not None}
-        model = dataclasses.replace(get_model_config(m["name"]), **sizes)
-        workload = Workload.for_model(model, seq_len=c["data"]["seq_len"], global_batch=t["global_batch"],
-                                      precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"))
-        pp = p.get("pp") or 1
-        layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), dp_shard=p.get("dp_shard") or 0,
-                        micro_batch=t["micro_batch"], sequence_parallel=bool(p.get("sequence_parallel")),
-                        recompute=Checkpointing.parse(p.get("activation_checkpointing") or 0).planned,
-                        schedule=p.get("schedule") or DEFAULT_SCHEDULE, cp=p.get("cp") or 1,
-                        virtual_stages=(p.get("virtual_stages") or 1) if pp > 1 else 1,
-                        bucket_mb=p.get("bucket_mb") or 25.0, compile=bool(p.get("compile")))
-    except (KeyError, TypeError, ValueError):  # an older or hand-written config: no estimate
-        return None
-    return workload, layout
-
-
-def planned_comm(run: Run) -> dict[str, int] | None:
-    """Bytes per step per axis that the planner estimates for the run's model and layout (None: unknown)."""
-    from paratrain.plan import comm_bytes_per_rank
-
-    inputs = planned_inputs(run)
-    return comm_bytes_per_rank(*inputs) if inputs else None
-
-
-def measured_breakdown(run: Run) -> dict[str, float] | None:
-    """Medians over the steps of the step time and of each part of `time_breakdown_s` (None: not logged)."""
-    rows = [r for r in run.records if isinstance(r.get("time_breakdown_s"), dict) and r.get("step_time_s")]
-    if not rows:
-        return None
-    parts = [r["time_breakdown_s"] for r in rows]
-    axes = sorted({axis for b in parts for axis in (b.get("comm_exposed_s") or {})})
-    out = {"step": _median([r["step_time_s"] for r in rows]),
-           "compute": _median([b.get("compute_s", 0.0) for b in parts]),
-           "optimizer": _median([b.get("optimizer_s", 0.0) for b in parts]),
-           "pipeline": _median([b.get("pipeline_wait_s", 0.0) for b in parts]),
-           "other": _median([sum(b.get(k, 0.0) for k in ("data_s", "checkpoint_s", "other_s")) for b in parts])}
-    for axis in axes:
-        out[f"comm {axis}"] = _median([(b.get("comm_exposed_s") or {}).get(axis, 0.0) for b in parts])
-    return out
-
-
-def predicted_step(run: Run, hardware):
-    """The planner's StepTime for the run's config on `hardware` (None when the config is not understood)."""
-    from paratrain.plan import step_time
-
-    inputs = planned_inputs(run)
-    return step_time(*inputs, hardware) if inputs else None
-
-
-def format_prediction(run: Run, hardware) -> list[str]:
-    """Predicted against measured step time and breakdown, one line per part."""
-    measured, predicted = measured_breakdown(run), predicted_step(run, hardware)
-    if measured is None or predicted is None:
-        return ["  predicted step time: n/a (the run logs no time breakdown, or its config is not understood)"]
-    predicted_comm = {**predicted.dp_comm_by_axis, "tp": predicted.tp_comm, "world": predicted.sync}
-    comm_axes = sorted({k.split()[1] for k in measured if k.startswith("comm ")} | set(predicted.dp_comm_by_axis)
-                       | {"tp"})
-    rows = [("compute", measured["compute"], predicted.compute)]
-    rows += [(f"exposed comm {axis}", measured.get(f"comm {axis}", 0.0), predicted_comm.get(axis, 0.0))
-             for axis in comm_axes]
-    rows += [("pipeline wait (bubble + pp comm)", measured["pipeline"], predicted.bubble + predicted.pp_comm),
-             ("optimizer", measured["optimizer"], predicted.optimizer),
-             ("data, checkpoint, other", measured["other"], None)]
-    lines = [f"  step time: measured median {measured['step']:.3f} s, predicted {predicted.total:.3f} s "
-             f"({predicted.total / measured['step']:.2f}× the measured) on {hardware.name}",
-             f"    {'part':<34}{'measured s':>11}{'predicted s':>12}"]
-    lines += [f"    {name:<34}{m:>11.3f}{'-' if p is None else f'{p:.3f}':>12}" for name, m, p in rows]
-    return lines
 
 
 def plot_pipeline(run: Run, out: Path) -> Path | None:
