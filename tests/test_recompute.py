@@ -174,3 +174,14 @@ def test_the_planner_counts_what_selective_recomputation_keeps(layout, tp, sp):
             assert measured == per_layer
         else:  # one partial sum (wo's or w2's, s·b·h) is counted by the planner and not held: never under, at most that
             assert measured <= per_layer <= measured + SEQ * ROWS * WIDE.dim * 4, (measured, per_layer)
+
+
+def test_selective_recomputation_with_zb_h1_is_refused_in_one_line():
+    """zb-h1 runs a block's backward twice (input gradients, then weight gradients); torch's selective contexts
+    replay a block's saved outputs once, so the pair is refused before step 1 (full recomputation composes)."""
+    from paratrain.parallel.rules import LayoutRuleError, LayoutSpec, check_layout
+
+    with pytest.raises(LayoutRuleError, match="selective with --schedule zb-h1 is refused"):
+        check_layout(LayoutSpec(dp=1, pp=2, schedule="zb-h1", activation_checkpointing="selective"))
+    for schedule, mode in (("zb-h1", "full"), ("1f1b", "selective")):
+        check_layout(LayoutSpec(dp=1, pp=2, schedule=schedule, activation_checkpointing=mode))

@@ -182,6 +182,7 @@ def layout_violations(layout: LayoutSpec) -> list[Violation]:
             + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
             + context_parallel_violations(s.cp, s.seq_len, s.dp_shard, s.dp)
             + expert_parallel_violations(s)
+            + recompute_violations(s.activation_checkpointing, s.schedule, s.pp)
             # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
             + schedule_violations(s.schedule, s.pp, s.virtual_stages, s.num_microbatches,
                                   s.model.n_layers if s.model is not None and s.chunks > 1 else None))
@@ -339,6 +340,20 @@ def sequence_parallel_violations(sequence_parallel: bool, tp: int, seq_len: int 
     if seq_len is not None and seq_len % tp:
         return [Violation("sp_seq", f"--seq-len {seq_len} is not divisible by --tp {tp}, which sequence "
                                     f"parallelism needs; use --seq-len {seq_len - seq_len % tp or tp}")]
+    return []
+
+
+def recompute_violations(activation_checkpointing: int | str, schedule: str | ScheduleName,
+                         pp: int) -> list[Violation]:
+    """Selective recomputation answers one backward per block (torch's selective-checkpoint contexts replay
+    the saved outputs once); zb-h1 runs two per block, the input gradients and later the weight gradients.
+    Full recomputation composes with every schedule (it recomputes the block for each)."""
+    if (pp > 1 and ScheduleName.parse(schedule) is ScheduleName.ZB_H1
+            and Checkpointing.parse(activation_checkpointing).mode is Recompute.SELECTIVE):
+        return [Violation("recompute_schedule", "--activation-checkpointing selective with --schedule zb-h1 is "
+                                                "refused (zb-h1 runs two backwards per block, selective "
+                                                "recomputation answers one); use --activation-checkpointing full "
+                                                "or --schedule 1f1b")]
     return []
 
 
