@@ -15,7 +15,7 @@ Which kernel runs is decided here once, by `attention_kernel(device type, dtype,
   (compute_log_sumexp) and its backward, as torch's own context parallel calls them. No GPU runs
   here: this path is checked only on meta tensors (the ops' shape functions).
 - anything else: explicit math (scores, mask, logsumexp) in at least fp32.
-These are private aten ops (DESIGN: private torch APIs behind one small function); the explicit
+These are private aten ops, each behind one small function (STYLE 12); the explicit
 math is their reference in tests.
 """
 
