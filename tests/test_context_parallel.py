@@ -210,3 +210,28 @@ def _steps_under_the_meta_trap(rank, world):
 def test_the_ring_allocates_nothing_on_the_default_device():
     losses = run_on_ranks(_steps_under_the_meta_trap, 2, timeout=120)
     assert losses[0] == losses[1] and len(losses[0]) == 2 and all(loss == loss for loss in losses[0])
+
+
+def _bf16_case(rank, world):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, 64, 16, generator=g) for n in (4, 2, 2))
+    grad = torch.randn(2, 4, 64, 16, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    expected.backward(grad)
+    local = [shard_sequence(t, world, rank, dim=2).bfloat16().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, Ring(Comm(build_mesh(MeshShape(cp=world))), seq_len=64))
+    out.backward(shard_sequence(grad, world, rank, dim=2).bfloat16())
+    dtypes = [out.dtype] + [t.grad.dtype for t in local]
+    errors = [(out.float() - shard_sequence(expected, world, rank, dim=2)).abs().max().item()]
+    errors += [(t.grad.float() - shard_sequence(f.grad, world, rank, dim=2)).abs().max().item()
+               for t, f in zip(local, full)]
+    return dtypes, errors
+
+
+def test_ring_attention_in_bf16_is_fp32_sdpa_within_bf16_rounding():
+    """The fused kernel in bf16 (merges and dK/dV sums in fp32): output and gradients in bf16, within 3e-2 of
+    one process's fp32 SDPA on O(1) values (bf16 keeps 8 bits of mantissa)."""
+    for dtypes, errors in run_on_ranks(_bf16_case, 2, timeout=120):
+        assert dtypes == [torch.bfloat16] * 4
+        assert max(errors) < 3e-2, errors
