@@ -28,7 +28,11 @@ def test_each_rank_holds_chunk_i_and_its_mirror_and_the_causal_work_is_even():
         shard_sequence(x[:, :23], 3, 0)
 
 
-def _attention_case(rank, world, heads, kv_heads, rendezvous):
+def _attention_case(rank, world, heads, kv_heads, rendezvous, explicit=False):
+    if explicit:  # the fallback for devices and dtypes without a fused kernel, on the same ring
+        from paratrain.parallel.context import kernels, ring as ring_module
+
+        ring_module.attention_kernel = lambda *_: kernels.EXPLICIT
     mesh = build_mesh(MeshShape(cp=world))
     comm = Comm(mesh, rendezvous=rendezvous)
     g = torch.Generator().manual_seed(7)
@@ -48,16 +52,51 @@ def _attention_case(rank, world, heads, kv_heads, rendezvous):
     return errors, forward_bytes, comm.bytes_by_axis()["cp"] - forward_bytes
 
 
-@pytest.mark.parametrize("world, heads, kv_heads, rendezvous", [(2, 4, 2, False), (2, 2, 2, True), (4, 4, 1, False)])
-def test_ring_attention_equals_causal_sdpa_forward_and_backward(world, heads, kv_heads, rendezvous):
-    """fp32 within 1e-5; K/V bytes on the cp axis as the ring's formula: forward cp−1 K/V blocks, backward
-    cp−1 K/V blocks and cp fp32 dK/dV sums (rendezvous: each transfer acknowledged, as NCCL's sends wait)."""
-    results = run_on_ranks(_attention_case, world, heads, kv_heads, rendezvous, timeout=120)
+@pytest.mark.parametrize("world, heads, kv_heads, rendezvous, explicit",
+                         [(2, 4, 2, False, False), (2, 2, 2, True, False), (4, 4, 1, False, False),
+                          (4, 4, 2, False, True)])
+def test_ring_attention_equals_causal_sdpa_forward_and_backward(world, heads, kv_heads, rendezvous, explicit):
+    """fp32 within 1e-5, with the fused CPU kernel and with the explicit fallback; K/V bytes on the cp axis as
+    the ring's formula: forward cp−1 K/V blocks, backward cp−1 K/V blocks and cp fp32 dK/dV sums
+    (rendezvous: each transfer acknowledged, as NCCL's sends wait)."""
+    results = run_on_ranks(_attention_case, world, heads, kv_heads, rendezvous, explicit, timeout=120)
     block = 2 * 2 * kv_heads * 8 * 8 * 4  # K and V, B=2, Hk, 2c = 8 local tokens (of 8·cp), E=8, fp32
     for errors, forward_bytes, backward_bytes in results:
         assert max(errors) < 1e-5, errors
         assert forward_bytes == (world - 1) * block
         assert backward_bytes == (world - 1) * block + world * block
+
+
+def _kernel_calls(rank, world):
+    """(queries, keys, causal) of every kernel call of one ring attention, forward then backward."""
+    from paratrain.parallel.context import kernels, ring as ring_module
+
+    calls = []
+    chosen = kernels.attention_kernel("cpu", torch.float32, 8)
+
+    def forward(q, k, v, causal, scale):
+        calls.append(("F", q.shape[2], k.shape[2], causal))
+        return chosen.forward(q, k, v, causal, scale)
+
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        calls.append(("B", q.shape[2], k.shape[2], causal))
+        return chosen.backward(dout, q, k, v, out, lse, causal, scale)
+
+    ring_module.attention_kernel = lambda *_: kernels.BlockKernel("recorded", forward, backward)
+    q, k, v = (torch.randn(1, 2, 2 * 4, 8, requires_grad=True) for _ in range(3))  # 2c = 8 local tokens
+    ring_attention(q, k, v, Ring(Comm(build_mesh(MeshShape(cp=world))), seq_len=8 * world)).sum().backward()
+    return calls
+
+
+def test_each_ring_step_computes_only_the_unmasked_half_of_another_ranks_block():
+    """cp 4, 2c = 8 local tokens: step 0 one causal 8×8 call; an earlier rank's block 8 queries × its first 4
+    keys, a later rank's 4 queries × 8 keys: half a block's work each, forward and backward alike."""
+    c, world = 4, 4
+    for rank, calls in enumerate(run_on_ranks(_kernel_calls, world, timeout=120)):
+        sources = [(rank - step) % world for step in range(world)]
+        expected = [(2 * c, 2 * c, True)] + [(2 * c, c, False) if j < rank else (c, 2 * c, False) for j in sources[1:]]
+        assert calls == [("F", *e) for e in expected] + [("B", *e) for e in expected], (rank, calls)
+        assert sum(q * k for _, q, k, causal in calls if not causal) == 2 * (world - 1) * 2 * c * c
 
 
 def _hf_model():
@@ -230,3 +269,28 @@ def _steps_under_the_meta_trap(rank, world):
 def test_the_ring_allocates_nothing_on_the_default_device():
     losses = run_on_ranks(_steps_under_the_meta_trap, 2, timeout=120)
     assert losses[0] == losses[1] and len(losses[0]) == 2 and all(loss == loss for loss in losses[0])
+
+
+def _bf16_case(rank, world):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, 64, 16, generator=g) for n in (4, 2, 2))
+    grad = torch.randn(2, 4, 64, 16, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    expected.backward(grad)
+    local = [shard_sequence(t, world, rank, dim=2).bfloat16().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, Ring(Comm(build_mesh(MeshShape(cp=world))), seq_len=64))
+    out.backward(shard_sequence(grad, world, rank, dim=2).bfloat16())
+    dtypes = [out.dtype] + [t.grad.dtype for t in local]
+    errors = [(out.float() - shard_sequence(expected, world, rank, dim=2)).abs().max().item()]
+    errors += [(t.grad.float() - shard_sequence(f.grad, world, rank, dim=2)).abs().max().item()
+               for t, f in zip(local, full)]
+    return dtypes, errors
+
+
+def test_ring_attention_in_bf16_is_fp32_sdpa_within_bf16_rounding():
+    """The fused kernel in bf16 (merges and dK/dV sums in fp32): output and gradients in bf16, within 3e-2 of
+    one process's fp32 SDPA on O(1) values (bf16 keeps 8 bits of mantissa)."""
+    for dtypes, errors in run_on_ranks(_bf16_case, 2, timeout=120):
+        assert dtypes == [torch.bfloat16] * 4
+        assert max(errors) < 3e-2, errors

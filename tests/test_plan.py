@@ -1,5 +1,6 @@
 """The planner: published numbers (DESIGN seed, ZeRO Table 1, Megatron Table 1), formulas, search, CLI."""
 
+import dataclasses
 import json
 from decimal import Decimal
 
@@ -209,11 +210,14 @@ def test_in_flight_microbatches_per_schedule():
 
 
 def test_stage_activations_hand_computed():
-    work = Workload.for_model(LLAMA_7B, seq_len=S, global_batch=8)
+    """Korthikanti's formula where the attention kernel materializes the scores (flash_attention False)."""
+    work = Workload.for_model(LLAMA_7B, seq_len=S, global_batch=8, flash_attention=False)
     layout = Layout(pp=4, micro_batch=1)  # m = 8, 1F1B, 8 layers per stage
     per_layer = 8_388_608 * 114
     first = estimate_memory(work, layout)  # the first stage holds the most: 4 micro-batches
     assert first.stage == 0 and first.activations == per_layer * 8 * 4
+    flash = estimate_memory(dataclasses.replace(work, flash_attention=True), layout)  # 34·s·b·h and the fp32 lse
+    assert flash.activations == (8_388_608 * 34 + 4 * A * S) * 8 * 4
     from paratrain.plan.memory import stage_activation_bytes
     logits = 1 * S * LLAMA_7B.vocab_size * 4
     assert stage_activation_bytes(work, layout, 3) == per_layer * 8 + logits
@@ -221,7 +225,8 @@ def test_stage_activations_hand_computed():
     assert stage_activation_bytes(work, gpipe, 0) == per_layer * 8 * 8
     full = Layout(tp=2, sequence_parallel=True, recompute="full")
     working_layer = layer_activation_bytes(S, 1, H, A, 2, True, Recompute.NONE)
-    assert estimate_memory(Workload.for_model(LLAMA_7B, seq_len=S, global_batch=1), full).activations == (
+    assert estimate_memory(Workload.for_model(LLAMA_7B, seq_len=S, global_batch=1, flash_attention=False),
+                           full).activations == (
         2 * 8_388_608 / 2 * 32 + 1 * S * LLAMA_7B.vocab_size * 4 / 2 + working_layer)
 
 

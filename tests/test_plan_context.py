@@ -59,10 +59,45 @@ def test_a_stage_holds_its_tokens_logits_and_one_ring_in_flight():
     per_layer = layer_activation_bytes(s, 1, LLAMA3_8B.dim, LLAMA3_8B.n_heads, tp, True, precision="bf16", cp=4)
     logits = local * LLAMA3_8B.vocab_size * 4 / tp
     kv, dkv = (_kv_block(LLAMA3_8B, 1, s, 4, tp, size) for size in (2, 4))
-    scores = 3 * 4 * (LLAMA3_8B.n_heads // tp) * local * local  # the ring's fp32 block math, one layer at a time
-    expected = per_layer * LLAMA3_8B.n_layers + logits + 2 * kv + 2 * dkv + scores
+    expanded = kv * LLAMA3_8B.n_heads // LLAMA3_8B.n_kv_heads  # the computed block at query heads, and its grads
+    expected = per_layer * LLAMA3_8B.n_layers + logits + 2 * kv + 2 * dkv + 2 * expanded
     assert stage_activation_bytes(work, lay, 0) == pytest.approx(expected, rel=1e-12)
-    assert stage_activation_bytes(work, lay, 0) < base / 4
+    assert stage_activation_bytes(work, lay, 0) < 1.15 * base / 4  # ∝ 1/cp, plus the ring's fp32 output copy
+    explicit = dataclasses.replace(work, flash_attention=False)  # the ring's fallback: fp32 block scores instead
+    scores = 3 * 4 * (LLAMA3_8B.n_heads // tp) * local * local
+    assert stage_activation_bytes(explicit, lay, 0) - stage_activation_bytes(work, lay, 0) == pytest.approx(
+        scores - 2 * expanded, rel=1e-12)
+
+
+def test_a_flash_kernel_at_cp_1_stores_its_lse_not_the_scores():
+    """Korthikanti's 5·a·s/h scores term where the kernel materializes them, the fp32 lse (4·b·a·s/t) where not."""
+    s, b, h, a, tp = 8192, 2, 4096, 32, 4
+    for sp in (False, True):
+        dense = layer_activation_bytes(s, b, h, a, tp, sp, Recompute.NONE, "bf16")
+        flash = layer_activation_bytes(s, b, h, a, tp, sp, Recompute.NONE, "bf16", flash=True)
+        assert dense - flash == pytest.approx(5 * a * s / h * s * b * h / tp - 4 * b * a * s / tp, rel=1e-12)
+    work = Workload.for_model(LLAMA3_8B, seq_len=131072, global_batch=8, precision="bf16")
+    lay = Layout(dp=8, tp=8, sequence_parallel=True, recompute=Recompute.FULL)
+    assert estimate(work, lay, H100).memory.total < 0.5 * estimate(
+        dataclasses.replace(work, flash_attention=False), lay, H100).memory.total
+
+
+def test_the_planned_ring_work_is_the_ring_kernels_calls():
+    """The planner's attention core at cp is the causal half of s/cp queries × s keys: exactly what the ring's
+    calls compute (`Part`: the own block causal, then one unmasked half-block per step), summed over steps."""
+    from paratrain.parallel.context.ring import Part
+    from paratrain.plan.ops import Shape, attention_gemms
+
+    seq, cp = 131072, 8
+    c = seq // (2 * cp)
+    for rank in range(cp):
+        calls = [Part.of(rank, (rank - step) % cp) for step in range(cp)]
+        pairs = sum((2 * c) ** 2 / 2 if p is Part.OWN else
+                    len(range(2 * c)[p.queries(c)]) * len(range(2 * c)[p.keys(c)]) for p in calls)
+        x = Shape.of(LLAMA3_8B, 1, seq, 1, False, "bf16", True, cp=cp)
+        qk = attention_gemms(x)[0]
+        assert x.flash and x.ring_steps == cp
+        assert 0.5 * qk.m * qk.n == pairs  # per head: the causal half of the rank's queries × all keys
 
 
 @pytest.mark.parametrize("cp, tp, precision, recompute", [
@@ -106,15 +141,17 @@ def test_the_ring_hides_behind_its_blocks_until_the_link_is_slow():
     assert estimate(work, Layout(dp=64), H100).time.cp_comm == 0.0
 
 
-def test_the_128k_search_picks_context_parallelism_because_nothing_else_fits():
-    """llama3-8b, 131072 tokens, 64 H100s (ZeRO-3, micro-batch 1 to keep the search small): every layout
-    without cp needs more than 80 GB; the best has cp > 1."""
+def test_the_128k_search_picks_context_parallelism_because_it_avoids_recomputation():
+    """llama3-8b, 131072 tokens, 64 H100s (ZeRO-3, micro-batch 1 to keep the search small), flash attention
+    everywhere: cp 1 fits only with full recomputation or pipelining; the best layout has cp > 1 and recomputes
+    nothing, and is faster than the best without cp."""
     work = Workload.for_model(LLAMA3_8B, seq_len=131072, global_batch=32, precision="bf16")
     result = search(work, 64, H100, SearchSpace(zero=(3,), micro_batch=(1,)))
-    assert result.best is not None and result.best.layout.cp > 1
-    assert all(e.layout.cp > 1 for e in result.ranked)
-    no_cp = [layout for layout, _ in result.failures["memory"] if layout.cp == 1]
-    assert no_cp and all(estimate(work, layout, H100).memory.total > H100.memory_bytes for layout in no_cp)
+    best = result.best
+    assert best is not None and best.layout.cp > 1 and best.layout.recompute is Recompute.NONE
+    no_cp = [e for e in result.ranked if e.layout.cp == 1]
+    assert no_cp and all(e.layout.recompute is not Recompute.NONE or e.layout.pp > 1 for e in no_cp)
+    assert best.time.total < min(e.time.total for e in no_cp)
     short = search(dataclasses.replace(work, seq_len=4096, global_batch=512), 64, H100,
                    SearchSpace(zero=(3,), micro_batch=(1,)))
     assert {e.layout.cp for e in short.ranked} == {1}  # cp is tried for long sequences only

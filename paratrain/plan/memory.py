@@ -97,9 +97,10 @@ class Workload:
         precision: "bf16" or "fp16" (mixed precision with fp32 master weights) or "fp32".
         reduce_dtype: dtype of gradients and their reduction; None means the parameter dtype.
         flash_attention: the attention core runs as one kernel that keeps the s×s scores on
-            chip and skips the causal half (FlashAttention, PyTorch's scaled_dot_product_attention);
-            False: the scores are materialized and softmaxed in memory (Megatron before 2023).
-            Time only: the activation formulas are Korthikanti's either way.
+            chip and skips the causal half (FlashAttention, PyTorch's scaled_dot_product_attention,
+            and paratrain's ring, whose blocks are such kernels); False: the scores are materialized
+            and softmaxed in memory (Megatron before 2023). Activations drop Korthikanti's scores
+            term under a flash kernel (`layer_activation_bytes`' flash).
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -274,7 +275,7 @@ class Layout:
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
                            precision: str = "bf16", *, kv_heads: int | None = None,
-                           ffn_dim: int | None = None, cp: int = 1) -> float:
+                           ffn_dim: int | None = None, cp: int = 1, flash: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch, per tp rank.
 
     Korthikanti et al. 2022, with s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp,
@@ -299,6 +300,11 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     scores) keeps more: its norms' outputs, activation function's input and dropout masks, which
     this policy recomputes.
 
+    flash: the attention kernel keeps no s×s scores (FlashAttention, SDPA's flash and memory-efficient
+    kernels on a GPU, its fused flash kernel on the CPU): the 5·a·s/h term (scores, softmax output,
+    dropout mask) is replaced by what such a kernel saves beyond its inputs and output, its fp32
+    log-sum-exp, 4·b·a·s/t bytes (`_scores_bytes`, the one place this is decided).
+
     Context parallelism (cp > 1, `ring_attention_saved_bytes`): each rank holds s/cp tokens, so
     every term above is taken at s/cp, except the attention scores: paratrain's ring keeps none
     (it saves its output and log-sum-exp and recomputes the probabilities block by block in
@@ -311,6 +317,9 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                                              recompute, precision, kv_heads, ffn_dim)
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     sbh = float(s * b * h)
+    if flash and recompute is Recompute.NONE:
+        no_scores = layer_activation_bytes(s, b, h, a, t, sequence_parallel, recompute, precision)
+        return no_scores - _scores_bytes(s, b, h, a, t, precision) + 4.0 * b * a * s / t
     scores = 5 * a * s / h  # attention scores, softmax output and its dropout mask
     if recompute is Recompute.SELECTIVE:
         kv = h * (kv_heads or a) / a
@@ -336,12 +345,17 @@ def _context_parallel_layer_bytes(local_tokens: int, micro_batch: int, hidden: i
     if recompute is Recompute.FULL:
         return no_scores  # only the layer input is kept
     if recompute is Recompute.NONE:
-        sbh = float(local_tokens * micro_batch * hidden)
-        no_scores -= 5 * heads * local_tokens / hidden * sbh / tp * DTYPE_BYTES[precision] / 2
+        no_scores -= _scores_bytes(local_tokens, micro_batch, hidden, heads, tp, precision)
         return no_scores + ring_attention_saved_bytes(local_tokens, micro_batch, hidden, heads, tp, precision)
     # selective counts the attention kernel's fp32 lse already; the ring's is the same tensor
     return no_scores + ring_attention_saved_bytes(local_tokens, micro_batch, hidden, heads, tp, precision,
                                                   lse=False)
+
+
+def _scores_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int, precision: str) -> float:
+    """Korthikanti's materialized-attention term, 5·a·s/h of s·b·h per tp rank (with SP or not): what a kernel
+    that keeps the scores in memory stores, and a flash kernel or paratrain's ring does not."""
+    return 5 * heads * seq_len / hidden * float(seq_len * micro_batch * hidden) / tp * DTYPE_BYTES[precision] / 2
 
 
 def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1) -> float:
@@ -428,7 +442,7 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     in_flight = in_flight_microbatches(lay.schedule, lay.pp, m, lay.chunks, stage)
     per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
                                        lay.recompute, workload.precision, kv_heads=model.n_kv_heads,
-                                       ffn_dim=model.ffn_dim, cp=lay.cp)
+                                       ffn_dim=model.ffn_dim, cp=lay.cp, flash=workload.flash_attention)
     per_layer += moe.layer_activation_delta_bytes(model, s // lay.cp * b, lay.tp, lay.recompute is Recompute.SELECTIVE,
                                                   lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
                                                   workload.moe_imbalance)
@@ -437,9 +451,9 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
         total += logits_bytes(s // lay.cp, b, model.vocab_size, lay.tp) * in_flight
     if lay.recompute is Recompute.FULL:
         total += layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
-                                        Recompute.NONE, workload.precision, cp=lay.cp)
+                                        Recompute.NONE, workload.precision, cp=lay.cp, flash=workload.flash_attention)
     if lay.cp > 1:
-        total += ring_in_flight_bytes(model, b, s // lay.cp, lay.tp, workload.param_bytes)
+        total += ring_in_flight_bytes(model, b, s // lay.cp, lay.tp, workload.param_bytes, workload.flash_attention)
     return total
 
 

@@ -52,6 +52,7 @@ DENSE_BACKWARD_MATMULS = 4  # dQ, dK, dV, dP
 # A flash kernel's operands per token, in units of (q + kv) widths: forward reads q, k, v and writes
 # the output; backward reads those and the output's gradient and writes dq, dk, dv.
 FLASH_ACCESSES = (2, 4)
+_RING_ACCESSES = 0.75  # a ring call past the own block touches (q + kv + out) of 2c and c rows: 3/4 of the own call's
 SOFTMAX_ACCESSES = 4.5  # scale + mask + softmax (read, write) and dropout (read, write, 1-byte mask)
 # FUSED: accesses per token of the block's forward: (h_r, q + kv, f).
 _FUSED_ACCESSES = (4 + 6, 2, 3)
@@ -119,14 +120,15 @@ class Shape:
     expert_ffn: int = 0  # f of one expert
     routed: float = 0.0  # k·c·T: (token, expert) copies this rank's experts process (c: the assumed imbalance)
     shared_ffn: int = 0  # f of the shared expert, 0 without one
+    ring_steps: int = 1  # cp: the attention core runs as this many kernel calls (paratrain's ring)
 
     @classmethod
     def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
            precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER, cp: int = 1, ep: int = 1,
            imbalance: float = moe.DEFAULT_IMBALANCE) -> Shape:
         """Under context parallelism (cp > 1) the rank holds s/cp tokens of each sequence and its queries
-        meet all s keys, block by block in paratrain's ring, whose blocks are explicit matmuls and a
-        materialized softmax (`paratrain.parallel.context.ring`): not a flash kernel, no causal skip.
+        meet all s keys, block by block in paratrain's ring (`paratrain.parallel.context.ring`): one fused
+        kernel call per block on its unmasked part, so a flash kernel's causal half, in cp calls.
         A mixture of experts (`paratrain.plan.moe`) adds its router and its routed copies' expert widths."""
         e, tokens = model.head_dim, float(micro_batch * (seq_len // cp))
         routing = {}
@@ -141,7 +143,7 @@ class Shape:
                              q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
                              local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
                              residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision,
-                             flash=flash and cp == 1, kernels=KernelStack(kernels)), **routing})
+                             flash=flash, kernels=KernelStack(kernels), ring_steps=cp), **routing})
 
     @property
     def itemsize(self) -> int:
@@ -248,14 +250,31 @@ def attention_seconds(hw: Hardware, x: Shape, matmuls: float, backward: bool = F
     """One pass of the attention core: `matmuls` matmuls of the forward's shapes (2 = the forward).
 
     A flash kernel adds its operands' bytes (`FLASH_ACCESSES`) and `Hardware.attention_overhead_s`.
+    In paratrain's ring (`ring_steps` = cp > 1) the rank's s/cp queries meet the s keys in cp calls:
+    the own block causal, (s/cp)²/2, and cp − 1 halves of a block, (s/cp)²/2 each, so s²/(2·cp) in
+    all, the causal half of `attention_gemms` as in one kernel. Each call pays the overhead; the
+    halved calls touch 3/4 of the own call's operands (q or the block halved, `_RING_ACCESSES`), and
+    the forward merges each into the running fp32 output (`_ring_merge_seconds`).
     """
     causal = 0.5 if x.flash else 1.0  # a flash kernel skips the masked half; materialized scores do not
     per_matmul = _gemm_seconds(hw, attention_gemms(x), x.dtype) / 2
     seconds = causal * matmuls * per_matmul / hw.attention_efficiency
     if not x.flash:
         return seconds
-    accesses = FLASH_ACCESSES[backward] * x.tokens * (x.q_width + x.kv_width)
-    return seconds + hw.memory_seconds(accesses * x.itemsize) + hw.attention_overhead_s
+    calls = 1 + _RING_ACCESSES * (x.ring_steps - 1)
+    accesses = FLASH_ACCESSES[backward] * x.tokens * (x.q_width + x.kv_width) * calls
+    return (seconds + hw.memory_seconds(accesses * x.itemsize) + x.ring_steps * hw.attention_overhead_s
+            + _ring_merge_seconds(hw, x, backward))
+
+
+def _ring_merge_seconds(hw: Hardware, x: Shape, backward: bool) -> float:
+    """The ring's fp32 accumulation between calls: forward, the lse rule on out (read the running
+    output and the block's, write the merged: 3 accesses of q width per merged query row); backward,
+    dQ's sum (3 accesses). Halved calls merge on average 3/4 of the rows (all or half)."""
+    if x.ring_steps == 1:
+        return 0.0
+    rows = _RING_ACCESSES * (x.ring_steps - 1) * x.tokens
+    return hw.memory_seconds(3 * rows * x.q_width * 4)
 
 
 def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:

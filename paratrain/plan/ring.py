@@ -11,7 +11,7 @@ from __future__ import annotations
 from paratrain.models.configs import ModelConfig
 from paratrain.plan.model_states import DTYPE_BYTES
 
-RING_SCORE_BLOCKS = 3  # fp32 score-sized tensors alive at once in a ring step's backward: probabilities, dP, dS
+RING_SCORE_BLOCKS = 3  # fp32 score-sized tensors alive at once in the explicit fallback's backward: P, dP, dS
 
 
 def ring_attention_saved_bytes(local_tokens: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
@@ -32,15 +32,22 @@ def ring_kv_block_bytes(model: ModelConfig, micro_batch: int, local_tokens: int,
     return 2.0 * micro_batch * local_tokens * model.n_kv_heads * model.head_dim / tp * itemsize
 
 
-def ring_in_flight_bytes(model: ModelConfig, micro_batch: int, local_tokens: int, tp: int, itemsize: int) -> float:
+def ring_in_flight_bytes(model: ModelConfig, micro_batch: int, local_tokens: int, tp: int, itemsize: int,
+                         flash: bool = True) -> float:
     """The ring's working set during one layer's attention, transient (one layer at a time).
 
     Two K/V blocks (the one computed on and the one arriving) and, in backward, two fp32 dK/dV
-    sums (the one leaving and the one arriving); and the block math's scores: the ring computes
-    each block pair explicitly in fp32 (`paratrain.parallel.context.ring`, not a flash kernel), so
-    `RING_SCORE_BLOCKS` tensors of b·(a/t)·(s/cp)² fp32 scores exist at once.
+    sums (the one leaving and the one arriving); and what the block's kernel call needs beyond
+    them (`paratrain.parallel.context.kernels`). A fused kernel (flash: the GPU's memory-efficient
+    kernel, the CPU's flash kernel) keeps no scores; under GQA the block it computes on is
+    expanded to the a query heads for the call and its dK/dV come back so before they are summed
+    per kv head: 2 such blocks, 2·b·(a/t)·(s/cp)·E·bytes each. The explicit fallback (flash False)
+    materializes `RING_SCORE_BLOCKS` tensors of b·(a/t)·(s/cp)² fp32 scores at once instead.
     """
-    scores = RING_SCORE_BLOCKS * 4.0 * micro_batch * model.n_heads / tp * local_tokens * local_tokens
     kv = ring_kv_block_bytes(model, micro_batch, local_tokens, tp, itemsize)
     dkv = ring_kv_block_bytes(model, micro_batch, local_tokens, tp, 4)
+    if flash:
+        expanded = 0.0 if model.n_heads == model.n_kv_heads else kv * model.n_heads / model.n_kv_heads
+        return 2 * kv + 2 * dkv + 2 * expanded
+    scores = RING_SCORE_BLOCKS * 4.0 * micro_batch * model.n_heads / tp * local_tokens * local_tokens
     return 2 * kv + 2 * dkv + scores

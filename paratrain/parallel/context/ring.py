@@ -2,36 +2,48 @@
 
 Each of the cp ranks holds 2·c tokens of every sequence (`split`: chunks i and 2·cp−1−i) and
 their queries, keys and values. Attention needs every key before each query, so the K/V blocks
-travel around the ring: at step j rank i holds the block of rank (i − j) mod cp, computes its
-queries against it (the causal mask read from the two blocks' positions in the whole sequence),
-and merges the result into its running output with the log-sum-exp rule
+travel around the ring: at step j rank i holds the block of rank (i − j) mod cp and computes its
+queries against the part of it they see (`Part`), and merges the result into its running output
+with the log-sum-exp rule
 
     lse = log(e^lse₁ + e^lse₂),   out = out₁·e^(lse₁ − lse) + out₂·e^(lse₂ − lse),
 
-which is exact: softmax over the union of two key sets from the softmaxes over each. The first
-block is the rank's own, where every query sees at least itself, so the running lse is finite.
+which is exact: softmax over the union of two key sets from the softmaxes over each. In the
+load-balanced layout half of every other rank's block is fully masked, so each step is one
+kernel call on the unmasked half: the own block (step 0) one causal call over the 2c local
+tokens; an earlier rank's block (j < i) all 2c queries against its first chunk's c keys, without
+a mask; a later rank's (j > i) only the second local chunk's c queries against all 2c keys. The
+own block comes first and every query sees itself there, so the running lse is finite.
+
+Kernels (`kernels.attention_kernel`, chosen once by device, dtype and head size): fused
+attention that returns the lse (CPU flash, CUDA memory-efficient), explicit math elsewhere.
+Merges accumulate out and lse in at least fp32; each block's backward is given the global out
+and lse of its queries (FlashAttention's backward recomputes P from them), so the per-block
+gradients add up to the exact ones.
 
 Communication (per attention call, B batch, Hk kv heads, E head size, 2·c local tokens, s bytes
 per element of K/V, counted on the cp axis as sends):
 - forward: cp − 1 sends of one K/V block, 2·B·Hk·2c·E·s bytes each; the next block's send and
   receive are posted before the current block is computed on, and waited for after it.
-- backward: the K/V blocks travel the ring again (cp − 1 sends), and with each block the fp32
-  sum of its dK/dV so far, which goes on to the next rank after this rank adds its part; after
-  cp sends it is back with the block's owner, complete (cp sends of 2·B·Hk·2c·E·4 bytes).
+- backward: the K/V blocks travel the ring again (cp − 1 sends), and with each block the sum of
+  its dK/dV so far in at least fp32, which goes on to the next rank after this rank adds its part;
+  after cp sends it is back with the block's owner, complete (cp sends of 2·B·Hk·2c·E·4 bytes).
 
 GQA: query head h reads kv head h // (H / Hk) (Hugging Face's grouping and SDPA's enable_gqa), so
-K/V travel with Hk heads, never repeated. The block math is explicit (scores, mask, logsumexp)
-in at least fp32: correctness first; a fused kernel that returns the lse can replace
-`_block_forward` without changing the ring.
+K/V travel with Hk heads, never repeated. The fused ops want equal heads, so the block being
+computed on is expanded to H heads for its call only (a transient H/Hk times the block), and its
+dK/dV summed back over each group before they travel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from paratrain.comm import Comm
+from paratrain.parallel.context.kernels import attention_kernel
 from paratrain.parallel.context.split import positions
 
 
@@ -76,45 +88,51 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     return _RingAttention.apply(q, k, v, ring, scale)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+class Part(Enum):
+    """Which part of a K/V block this rank's queries see (rank i holds chunks i and 2·cp−1−i, the block
+    of rank j chunks j and 2·cp−1−j): the rest of the block is fully masked and never computed."""
+
+    OWN = "own"        # j == i: causal attention over the local 2c tokens (local order is position order)
+    EARLIER = "earlier"  # j < i: every local query sees chunk j wholly, chunk 2·cp−1−j not at all
+    LATER = "later"    # j > i: only chunk 2·cp−1−i's queries see anything, and they see the whole block
+
+    @staticmethod
+    def of(rank: int, source: int) -> "Part":
+        return Part.OWN if source == rank else Part.EARLIER if source < rank else Part.LATER
+
+    def queries(self, c: int) -> slice:
+        """The local query rows this block's call computes."""
+        return slice(c, None) if self is Part.LATER else slice(None)
+
+    def keys(self, c: int) -> slice:
+        """The block's key rows that call reads."""
+        return slice(None, c) if self is Part.EARLIER else slice(None)
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, H, S, E] → [B, Hk, H/Hk, S, E]: the query heads of each kv head side by side."""
-    b, h, s, e = x.shape
-    return x.reshape(b, kv_heads, h // kv_heads, s, e)
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    return x if rows == slice(None) else x[:, :, rows].contiguous()
 
 
-def _scores(q5, k5, q_pos, k_pos, scale):
-    scores = torch.matmul(q5, k5.transpose(-1, -2)) * scale  # [B, Hk, G, Sq, Sk]
-    return scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hk, S, E] → [B, H, S, E], kv head h // groups for query head h (the fused ops want equal heads)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _block_forward(q5, kv, q_pos, k_pos, scale):
-    """(out, lse) of the queries over one K/V block; lse is −inf (and out 0) where a query sees no key."""
-    k5, v5 = (t.unsqueeze(2).to(q5.dtype) for t in kv)
-    scores = _scores(q5, k5, q_pos, k_pos, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    return torch.matmul(probs, v5), lse
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of `_expand` for gradients: [B, H, S, E] summed over each kv head's group → [B, Hk, S, E]."""
+    b, h, s, e = grad.shape
+    return grad if groups == 1 else grad.view(b, h // groups, groups, s, e).sum(2)
 
 
 def _merge(out, lse, block_out, block_lse):
-    """The log-sum-exp rule: the output over both key sets from each one's (`lse` finite)."""
+    """The log-sum-exp rule in out's dtype (at least fp32): the output over both key sets from each one's."""
+    block_out, block_lse = block_out.to(out.dtype), block_lse.to(lse.dtype)
     new = torch.logaddexp(lse, block_lse)
     return out * torch.exp(lse - new)[..., None] + block_out * torch.exp(block_lse - new)[..., None], new
 
 
-def _block_backward(q5, kv, q_pos, k_pos, scale, lse, dout5, delta):
-    """(dQ, dK, dV) of one block from the final lse (FlashAttention's backward: P recomputed, not stored)."""
-    k5, v5 = (t.unsqueeze(2).to(q5.dtype) for t in kv)
-    probs = torch.exp(_scores(q5, k5, q_pos, k_pos, scale) - lse[..., None])
-    dv = torch.matmul(probs.transpose(-1, -2), dout5).sum(2)
-    dscores = probs * (torch.matmul(dout5, v5.transpose(-1, -2)) - delta[..., None])
-    dq = torch.matmul(dscores, k5) * scale
-    dk = torch.matmul(dscores.transpose(-1, -2), q5).sum(2) * scale
-    return dq, torch.stack([dk, dv])
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -122,41 +140,50 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float):
+        kernel = attention_kernel(q.device.type, q.dtype, q.shape[-1])
         kv = torch.stack([k, v]).contiguous()  # one message per step
-        q5 = _grouped(q, k.shape[1]).to(_compute_dtype(q.dtype))
-        q_pos = ring.positions(ring.rank, q.device)
+        c, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        q = q.contiguous()
         out = lse = None
         for step in range(ring.size):
             works, incoming = ring.pass_on(kv) if step < ring.size - 1 else ([], None)
-            source = (ring.rank - step) % ring.size
-            block = _block_forward(q5, kv, q_pos, ring.positions(source, q.device), scale)
-            out, lse = block if out is None else _merge(out, lse, *block)
+            part = Part.of(ring.rank, (ring.rank - step) % ring.size)
+            rows, keys = part.queries(c), part.keys(c)
+            block = kernel.forward(_rows(q, rows), *(_expand(_rows(t, keys), groups) for t in kv),
+                                   part is Part.OWN, scale)
+            if out is None:  # step 0: the own block, where every query sees itself, so lse is finite
+                out, lse = block[0].to(_accumulator(q.dtype)), block[1].to(_accumulator(q.dtype))
+            else:
+                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *block)
             ring.wait(works)
             kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
-        return out.reshape(q.shape).to(q.dtype)
+        ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
-        q5 = _grouped(q, k.shape[1]).to(out.dtype)
-        dout5 = _grouped(dout, k.shape[1]).to(out.dtype)
-        delta = (dout5 * out).sum(-1)  # Σ_k P·dP per query: the softmax's backward term
-        q_pos = ring.positions(ring.rank, q.device)
-        dq = torch.zeros_like(q5)
+        ring, scale, kernel = ctx.ring, ctx.scale, ctx.kernel
+        c, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        dout, out_q = dout.contiguous().to(q.dtype), out.to(q.dtype)  # the kernels read them in q's dtype
+        dq = torch.zeros_like(out)
         kv = torch.stack([k, v]).contiguous()
         dkv_works, dkv_in = [], None
         for step in range(ring.size):
             kv_works, kv_next = ring.pass_on(kv) if step < ring.size - 1 else ([], None)
-            source = (ring.rank - step) % ring.size
-            dq_block, dkv = _block_backward(q5, kv, q_pos, ring.positions(source, q.device), scale, lse, dout5, delta)
-            dq += dq_block
+            part = Part.of(ring.rank, (ring.rank - step) % ring.size)
+            rows, keys = part.queries(c), part.keys(c)
+            dq_block, dk, dv = kernel.backward(
+                _rows(dout, rows), _rows(q, rows), *(_expand(_rows(t, keys), groups) for t in kv),
+                _rows(out_q, rows), _rows(lse, rows), part is Part.OWN, scale)
+            dq[:, :, rows] += dq_block
+            dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
+            dkv[0][:, :, keys], dkv[1][:, :, keys] = _fold(dk.to(out.dtype), groups), _fold(dv.to(out.dtype), groups)
             ring.wait(dkv_works)  # the previous holder's sum for this block
             dkv = dkv if dkv_in is None else dkv + dkv_in
-            dkv_works, dkv_in = ring.pass_on(dkv.contiguous())  # on to the next holder; the last step: its owner
+            dkv_works, dkv_in = ring.pass_on(dkv)  # on to the next holder; the last step: its owner
             ring.wait(kv_works)
             kv = kv_next
         ring.wait(dkv_works)
-        return dq.reshape(q.shape).to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None

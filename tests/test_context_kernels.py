@@ -1,0 +1,48 @@
+"""The ring's block kernels: the fused CPU op against explicit math, which one runs where, the CUDA op's call shapes."""
+
+import pytest
+import torch
+
+from paratrain.parallel.context import kernels
+from paratrain.parallel.context.kernels import attention_kernel
+
+
+@pytest.mark.parametrize("causal, sq, sk", [(True, 16, 16), (False, 16, 8), (False, 8, 16)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+def test_cpu_flash_equals_explicit_math_forward_lse_and_backward(causal, sq, sk, dtype, tol):
+    """The ring's three call shapes (own block causal, earlier block's half keys, later block's half queries);
+    the backward given the same out and lse; bf16 against fp32 math within bf16's rounding."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g).to(dtype) for n in (sq, sk, sk))
+    dout = torch.randn(2, 4, sq, 8, generator=g).to(dtype)
+    out, lse = kernels.CPU_FLASH.forward(q, k, v, causal, 0.35)
+    ref_out, ref_lse = kernels.EXPLICIT.forward(q, k, v, causal, 0.35)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, sq)
+    assert (out.float() - ref_out.float()).abs().max() < tol and (lse - ref_lse).abs().max() < tol * 4
+    grads = kernels.CPU_FLASH.backward(dout, q, k, v, out, lse, causal, 0.35)
+    refs = kernels.EXPLICIT.backward(dout, q, k, v, out, lse, causal, 0.35)
+    for got, ref in zip(grads, refs):
+        assert got.shape == ref.shape and (got.float() - ref.float()).abs().max() < tol * 4
+
+
+def test_the_kernel_is_chosen_by_device_dtype_and_head_size_in_one_place():
+    assert attention_kernel("cpu", torch.float32, 8) is kernels.CPU_FLASH
+    assert attention_kernel("cpu", torch.bfloat16, 7) is kernels.CPU_FLASH
+    assert attention_kernel("cuda", torch.bfloat16, 128) is kernels.CUDA_EFFICIENT
+    assert attention_kernel("cuda", torch.float32, 64) is kernels.CUDA_EFFICIENT
+    assert attention_kernel("cuda", torch.float64, 64) is kernels.EXPLICIT
+    assert attention_kernel("cuda", torch.float16, 36) is kernels.EXPLICIT
+    assert attention_kernel("mps", torch.float32, 64) is kernels.EXPLICIT
+    assert attention_kernel("cpu", torch.int8, 64) is kernels.EXPLICIT
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(40, 40, True), (40, 20, False), (20, 40, False)])
+def test_cuda_efficient_calls_match_the_ops_schemas_on_meta_tensors(sq, sk, causal):
+    """No GPU here: the aten ops' meta functions check the arguments and give the shapes. The forward's lse,
+    padded to a multiple of 32 rows by the op, comes back as [B, H, Sq] for the merge."""
+    q, dout = (torch.empty(2, 4, sq, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.empty(2, 4, sk, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = kernels.CUDA_EFFICIENT.forward(q, k, v, causal, 0.125)
+    assert out.shape == q.shape and lse.shape == (2, 4, sq) and lse.dtype == torch.float32
+    dq, dk, dv = kernels.CUDA_EFFICIENT.backward(dout, q, k, v, out, lse, causal, 0.125)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
