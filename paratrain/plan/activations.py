@@ -1,0 +1,103 @@
+"""Activation bytes of one transformer layer and of the logits, per micro-batch and rank: the formulas
+(Korthikanti et al. 2022, paratrain's selective policy, flash kernels, context parallelism's ring) that
+`paratrain.plan.memory` sums over a stage's layers and micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+from paratrain.parallel.rules import Recompute
+from paratrain.plan.model_states import DTYPE_BYTES
+from paratrain.plan.ring import ring_attention_saved_bytes
+
+LOGIT_BYTES = 4  # logits are materialized in fp32 for the softmax cross-entropy
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                           sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
+                           precision: str = "bf16", *, kv_heads: int | None = None,
+                           ffn_dim: int | None = None, cp: int = 1, flash: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward, for one micro-batch, per tp rank.
+
+    Korthikanti et al. 2022, with s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp,
+    16-bit activations and 1-byte dropout masks:
+
+    - no parallelism (§4.1, eq. 1):       s·b·h·(34 + 5·a·s/h)
+    - tensor parallel (§4.2.1, eq. 2):    s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    - tensor + sequence parallel (eq. 3): s·b·h/t·(34 + 5·a·s/h)
+    - full recompute (§5):                only the layer input, 2·s·b·h (÷t with SP)
+
+    The constants are those of a GPT block (4h MLP, multi-head attention, dropout); they are
+    used for Llama-style blocks too. fp32 activations double every term (an approximation:
+    the 1-byte masks do not double).
+
+    Selective recompute is what paratrain's policy keeps (`paratrain.parallel.recompute`), counted
+    per element of the Llama block (kv = h·kv_heads/a, f = ffn_dim; default a GPT block as the
+    planner models one, `gpt_model`: kv_heads = a, f = 8h/3), in the activation dtype:
+    the block input s·b·h (÷t with SP); q and the attention output 2·s·b·h/t; k and v 2·s·b·kv/t;
+    the two gated-MLP projections 2·s·b·f/t; the outputs of wo and w2, 2·s·b·h, partial sums before
+    their reduction and so whole on every tp rank, with SP or not; and the attention kernel's fp32
+    log-sum-exp, 4·b·a·s/t bytes. Korthikanti's selective (§5, eq. 6: his 34·s·b·h less the
+    scores) keeps more: its norms' outputs, activation function's input and dropout masks, which
+    this policy recomputes.
+
+    flash: the attention kernel keeps no s×s scores (FlashAttention, SDPA's flash and memory-efficient
+    kernels on a GPU, its fused flash kernel on the CPU): the 5·a·s/h term (scores, softmax output,
+    dropout mask) is replaced by what such a kernel saves beyond its inputs and output, its fp32
+    log-sum-exp, 4·b·a·s/t bytes (`_scores_bytes`, the one place this is decided).
+
+    Context parallelism (cp > 1, `ring_attention_saved_bytes`): each rank holds s/cp tokens, so
+    every term above is taken at s/cp, except the attention scores: paratrain's ring keeps none
+    (it saves its output and log-sum-exp and recomputes the probabilities block by block in
+    backward), so the 5·a·s/h term is replaced by what the ring saves beyond the block's
+    tensors counted already. Everything is ∝ 1/cp; the K/V blocks the ring has in flight are one
+    layer's working set (`ring_in_flight_bytes`), counted once per stage.
+    """
+    if cp > 1:
+        return _context_parallel_layer_bytes(seq_len // cp, micro_batch, hidden, heads, tp, sequence_parallel,
+                                             recompute, precision, kv_heads, ffn_dim)
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    sbh = float(s * b * h)
+    if flash and recompute is Recompute.NONE:
+        no_scores = layer_activation_bytes(s, b, h, a, t, sequence_parallel, recompute, precision)
+        return no_scores - _scores_bytes(s, b, h, a, t, precision) + 4.0 * b * a * s / t
+    scores = 5 * a * s / h  # attention scores, softmax output and its dropout mask
+    if recompute is Recompute.SELECTIVE:
+        kv = h * (kv_heads or a) / a
+        f = ffn_dim if ffn_dim is not None else round(8 * h / 3)
+        sharded = 2 * h + 2 * kv + 2 * f
+        elements = s * b * (h / (t if sequence_parallel else 1) + sharded / t + 2 * h)
+        return elements * DTYPE_BYTES[precision] + 4.0 * b * a * s / t
+    if recompute is Recompute.FULL:
+        per_layer = 2 * sbh / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per_layer = sbh / t * (34 + scores)
+    else:
+        per_layer = sbh * (10 + 24 / t + scores / t)
+    return per_layer * DTYPE_BYTES[precision] / 2
+
+
+def _context_parallel_layer_bytes(local_tokens: int, micro_batch: int, hidden: int, heads: int, tp: int,
+                                  sequence_parallel: bool, recompute: Recompute, precision: str,
+                                  kv_heads: int | None, ffn_dim: int | None) -> float:
+    """`layer_activation_bytes` of one cp rank's s/cp tokens: the formulas without scores, plus the ring's own."""
+    no_scores = layer_activation_bytes(local_tokens, micro_batch, hidden, heads, tp, sequence_parallel, recompute,
+                                       precision, kv_heads=kv_heads, ffn_dim=ffn_dim)
+    if recompute is Recompute.FULL:
+        return no_scores  # only the layer input is kept
+    if recompute is Recompute.NONE:
+        no_scores -= _scores_bytes(local_tokens, micro_batch, hidden, heads, tp, precision)
+        return no_scores + ring_attention_saved_bytes(local_tokens, micro_batch, hidden, heads, tp, precision)
+    # selective counts the attention kernel's fp32 lse already; the ring's is the same tensor
+    return no_scores + ring_attention_saved_bytes(local_tokens, micro_batch, hidden, heads, tp, precision,
+                                                  lse=False)
+
+
+def _scores_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int, precision: str) -> float:
+    """Korthikanti's materialized-attention term, 5·a·s/h of s·b·h per tp rank (with SP or not): what a kernel
+    that keeps the scores in memory stores, and a flash kernel or paratrain's ring does not."""
+    return 5 * heads * seq_len / hidden * float(seq_len * micro_batch * hidden) / tp * DTYPE_BYTES[precision] / 2
+
+
+def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1) -> float:
+    """fp32 logits of one micro-batch on the last stage: b·s·V·4, ÷t with a vocab-parallel head."""
+    return float(micro_batch * seq_len * vocab_size * LOGIT_BYTES) / tp
