@@ -116,7 +116,7 @@ def test_the_data_axis_splits_into_replicas_of_neighbouring_shard_groups():
     assert shape.groups("dp_shard") == [[0, 2], [4, 6], [1, 3], [5, 7]]  # tp neighbours, then shard neighbours
     assert shape.groups("dp_replicate") == [[0, 4], [2, 6], [1, 5], [3, 7]]
     assert shape.coords(6) == {"pp": 0, "dp": 3, "cp": 0, "tp": 0, "dp_shard": 1, "dp_replicate": 1,
-                                "dp_cp": 3}
+                                "dp_cp": 3, "ep": 0, "ep_replicate": 3}
     for r in range(shape.world_size):
         c = shape.coords(r)
         assert shape.rank_of(pp=c["pp"], tp=c["tp"], dp_shard=c["dp_shard"], dp_replicate=c["dp_replicate"]) == r
