@@ -152,7 +152,9 @@ class _RingAttention(torch.autograd.Function):
             block = kernel.forward(_rows(q, rows), *(_expand(_rows(t, keys), groups) for t in kv),
                                    part is Part.OWN, scale)
             if out is None:  # step 0: the own block, where every query sees itself, so lse is finite
-                out, lse = block[0].to(_accumulator(q.dtype)), block[1].to(_accumulator(q.dtype))
+                # Copies, never the kernel's own outputs: the merges below write into them, and under selective
+                # recomputation torch keeps the kernel's outputs to replay them (a mutated one is refused).
+                out, lse = (t.to(_accumulator(q.dtype), copy=True) for t in block)
             else:
                 out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *block)
             ring.wait(works)
