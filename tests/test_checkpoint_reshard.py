@@ -4,7 +4,8 @@ Every layout trains SAVE_AT steps of the same global batches from the same initi
 saves; every other layout (and one process) loads each checkpoint, which must give back the
 saved parameters bit for bit, then trains STEPS_AFTER more steps, which must equal those of a
 single process that never changed layout (fp32, rel 1e-5). One launch per world size and
-phase: the runs of one world size share their processes. Loaded optimizer state lands where
+phase: the runs of one world size share their processes. A mixture of experts has its own,
+smaller matrix across expert parallelism (`MOE_LAYOUTS`). Loaded optimizer state lands where
 torch's own `load_state_dict` puts it, for every kind of optimizer, on the host and off it.
 """
 
