@@ -4,12 +4,14 @@ Every layout trains SAVE_AT steps of the same global batches from the same initi
 saves; every other layout (and one process) loads each checkpoint, which must give back the
 saved parameters bit for bit, then trains STEPS_AFTER more steps, which must equal those of a
 single process that never changed layout (fp32, rel 1e-5). One launch per world size and
-phase: the runs of one world size share their processes. Loaded optimizer state lands where
+phase: the runs of one world size share their processes. A mixture of experts has its own,
+smaller matrix across expert parallelism (`MOE_LAYOUTS`). Loaded optimizer state lands where
 torch's own `load_state_dict` puts it, for every kind of optimizer, on the host and off it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ class Layout:
     pp: int = 1
     zero: int = 0
     dp_shard: int = 0  # hybrid sharding: ZeRO shards over groups of this many data ranks (0: all of them)
+    ep: int = 1  # expert parallelism: data ranks that split the experts of the MoE model (`MOE_LAYOUTS`)
 
     @property
     def world(self) -> int:
@@ -49,11 +52,17 @@ ONE = Layout("one")
 LAYOUTS = [ONE, Layout("dp4_zero1", dp=4, zero=1), Layout("dp2_zero3", dp=2, zero=3),
            Layout("dp2_tp2", dp=2, tp=2), Layout("pp2_dp2_zero1", pp=2, dp=2, zero=1),
            Layout("hsdp2x2_zero3", dp=4, zero=3, dp_shard=2)]
+# Checkpoints are layout-free across expert parallelism: a MoE model's expert tensors, saved as [E/ep, ...]
+# blocks at offset ep_rank·E/ep (their optimizer state ZeRO-sharded over ep_replicate), load into one
+# process, plain data parallelism and ep2 alike.
+MOE = dataclasses.replace(TINY, n_layers=2, n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.1)
+MOE_LAYOUTS = [ONE, Layout("dp2_zero1", dp=2, zero=1), Layout("dp2_ep2_zero1", dp=2, ep=2, zero=1),
+               Layout("dp4_ep2_zero1", dp=4, ep=2, zero=1)]
 
 
-def build(layout: Layout, seed: int = 0):
-    mesh = build_mesh(MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=layout.dp_shard))
-    module = Transformer(TINY)
+def build(layout: Layout, seed: int = 0, config=TINY):
+    mesh = build_mesh(MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=layout.dp_shard, ep=layout.ep))
+    module = Transformer(config)
     module.init_weights(seed)
     return parallelize(module, mesh, optimizer=adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum")) + (mesh,)
 
@@ -71,15 +80,15 @@ def run_steps(model, optimizer, mesh, steps: range) -> list[float]:
     return losses
 
 
-def save(layout: Layout, root: Path) -> None:
-    model, optimizer, mesh = build(layout)
+def save(layout: Layout, root: Path, config=TINY) -> None:
+    model, optimizer, mesh = build(layout, config=config)
     run_steps(model, optimizer, mesh, range(SAVE_AT))
     save_checkpoint(root / layout.name, SAVE_AT, model_shards(model, optimizer), coordinator=DistCoordinator())
 
 
-def load_and_continue(layout: Layout, path: Path) -> dict:
+def load_and_continue(layout: Layout, path: Path, config=TINY) -> dict:
     """Load `path` into a fresh `layout` (different init seed: everything must come from the file), train on."""
-    model, optimizer, mesh = build(layout, seed=1)
+    model, optimizer, mesh = build(layout, seed=1, config=config)
     reader = CheckpointReader(path)
     load_model_shards(model, optimizer, reader)
     exact = all(torch.equal(tensor, reader.read(spec.name, spec.offset, tensor.shape))
@@ -90,48 +99,64 @@ def load_and_continue(layout: Layout, path: Path) -> dict:
     return {"exact": exact, "losses": run_steps(model, optimizer, mesh, range(SAVE_AT, SAVE_AT + STEPS_AFTER))}
 
 
-def _phase(rank, world, root, saves, loads):
+def _phase(rank, world, root, saves, loads, config=TINY):
     """Save each layout of `saves`, then load each (layout, checkpoint) pair of `loads`; results on rank 0."""
     root = Path(root)
     for layout in saves:
-        save(layout, root)
+        save(layout, root, config)
     results = {}
     for layout, source in loads:
-        results[layout.name, source] = load_and_continue(layout, next((root / source).glob("step-*")))
+        results[layout.name, source] = load_and_continue(layout, next((root / source).glob("step-*")), config)
     return results
 
 
-def _reference(rank, world):
-    model, optimizer, mesh = build(ONE)
+def _reference(rank, world, config=TINY):
+    model, optimizer, mesh = build(ONE, config=config)
     return run_steps(model, optimizer, mesh, range(SAVE_AT + STEPS_AFTER))
 
 
-@pytest.mark.slow
-def test_every_layout_loads_every_other_layouts_checkpoint(tmp_path):
-    reference = run_on_ranks(_reference, 1, timeout=60)[0][SAVE_AT:]
+def _check_matrix(root: Path, layouts: list[Layout], config) -> None:
+    """Every layout of `layouts` saves, every other one loads it: bit for bit, then trains on as one process."""
+    reference = run_on_ranks(_reference, 1, config, timeout=60)[0][SAVE_AT:]
     by_world: dict[int, list[Layout]] = {}
-    for layout in LAYOUTS:
+    for layout in layouts:
         by_world.setdefault(layout.world, []).append(layout)
     results = {}
     # Phase 1 saves every layout (and loads what already exists); phase 2 loads the rest.
     for phase in (1, 2):
-        for world, layouts in sorted(by_world.items()):
+        for world, group in sorted(by_world.items()):
             saved = {l.name for w, ls in by_world.items() for l in ls if phase == 2 or w <= world}
-            loads = [(l, s.name) for l in layouts for s in LAYOUTS
+            loads = [(l, s.name) for l in group for s in layouts
                      if s.name != l.name and (s.name in saved) and (l.name, s.name) not in results]
-            saves = layouts if phase == 1 else []
+            saves = group if phase == 1 else []
             if saves or loads:
-                results.update(run_on_ranks(_phase, world, str(tmp_path), saves, loads, timeout=180)[0])
-    assert len(results) == len(LAYOUTS) * (len(LAYOUTS) - 1)
+                results.update(run_on_ranks(_phase, world, str(root), saves, loads, config, timeout=180)[0])
+    assert len(results) == len(layouts) * (len(layouts) - 1)
     for (layout, source), result in sorted(results.items()):
         assert result["exact"], f"{source} → {layout}: loaded parameters differ from the saved ones"
         assert result["losses"] == pytest.approx(reference, rel=1e-5), f"{source} → {layout}"
+
+
+@pytest.mark.slow
+def test_every_layout_loads_every_other_layouts_checkpoint(tmp_path):
+    _check_matrix(tmp_path, LAYOUTS, TINY)
     # Hybrid sharding saves each box once: the second replica of the shards writes nothing, so the
     # checkpoint is the one two ranks of plain ZeRO-3 write, box for box.
     hybrid, plain = (CheckpointReader(next((tmp_path / name).glob("step-*")))
                      for name in ("hsdp2x2_zero3", "dp2_zero3"))
     assert hybrid.names() == plain.names()
     assert all(hybrid.boxes(name) == plain.boxes(name) for name in plain.names())
+
+
+def test_moe_checkpoints_load_across_expert_parallelism(tmp_path):
+    _check_matrix(tmp_path, MOE_LAYOUTS, MOE)
+    # The experts' blocks and their Adam moments are each written once: by the ep2 ranks of ep_replicate
+    # coordinate 0, each its block of 2 of the 4 experts; under dp4 as ZeRO-1 rows of it, by both holders.
+    for layout, boxes in (("dp2_ep2_zero1", [(0, 0, 0), (2, 0, 0)]),
+                          ("dp4_ep2_zero1", [(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)])):
+        reader = CheckpointReader(next((tmp_path / layout).glob("step-*")))
+        for name in ("model/layers.0.feed_forward.experts.w1", "optim/layers.1.feed_forward.experts.w2/exp_avg_sq"):
+            assert sorted(tuple(box.offset) for box in reader.boxes(name)) == boxes, (layout, name, reader.boxes(name))
 
 
 def _load_error(model, optimizer, path) -> str:

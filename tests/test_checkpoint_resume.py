@@ -168,6 +168,30 @@ def test_a_run_continues_exactly_under_hybrid_sharding(base_run, tmp_path):
     assert writers == {"rank-00000.safetensors", "rank-00001.safetensors"}, writers  # dp_replicate coordinate 0
 
 
+@pytest.mark.slow
+def test_a_moe_run_continues_exactly_across_expert_parallelism(tmp_path, capsys):
+    """A mixture of experts trained by two ranks with --ep 2 (each holding half of the experts) loses what one
+    process loses; resumed by one process from its step-4 checkpoint, it goes on losing the same, and the log
+    names the layout it left."""
+    moe = ("--model", "tiny-moe")
+    one, ep2 = tmp_path / "one", tmp_path / "ep2"
+    assert main(["train", *RUN, "--out", str(one), *moe]) == 0
+    run_on_ranks(_resume, 2, str(ep2), *moe, "--ep", "2", timeout=120)
+    expected = [r["loss"] for r in read_metrics(one / "metrics.jsonl")]
+    records = read_metrics(ep2 / "metrics.jsonl")
+    assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
+    assert records[-1]["comm_bytes"]["ep"] > 0, "the tokens went to their experts' ranks"
+    layout = CheckpointReader(ep2 / "checkpoints" / "step-00000004").shared_state()["layout"]
+    assert (layout["dp"], layout["ep"]) == (2, 2)
+    shutil.rmtree(ep2 / "checkpoints" / "step-00000008")
+    capsys.readouterr()
+    assert main(["train", *RUN, "--out", str(ep2), *moe]) == 0
+    assert "layout changed from dp=2 tp=1 pp=1 ep=2 zero=0 fp32 on 2 process(es) to dp=1" in capsys.readouterr().out
+    records = read_metrics(ep2 / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
+
+
 def test_a_layout_that_no_longer_fits_names_the_checkpoints_layout(base_run, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(base_run, out)

@@ -159,13 +159,13 @@ class TrainingCheckpoints:
         return reader
 
     def _restore_rng(self, reader: CheckpointReader, saved_layout: dict) -> bool:
-        if saved_layout != self.layout():
+        if with_layout_defaults(saved_layout) != self.layout():
             return False
         set_rng_state(reader.rank_state(self.rank)["rng"])
         return True
 
     def _layout_change(self, saved: dict) -> str:
-        now = self.layout()
+        now, saved = self.layout(), with_layout_defaults(saved)
         if saved == now:
             return ""
         return (f"; layout changed from {describe_layout(saved)} to {describe_layout(now)} "
@@ -220,7 +220,7 @@ class TrainingCheckpoints:
         m, p, t = self.mesh, self.cfg.parallel, self.cfg.train
         dp = m.size("dp")
         return {"world_size": m.shape.world_size, "dp": dp, "dp_shard": m.shape.dp_shard, "tp": m.size("tp"),
-                "pp": m.size("pp"), "zero": p.zero,
+                "pp": m.size("pp"), "ep": m.shape.ep, "zero": p.zero,
                 "precision": p.precision, "global_batch": t.global_batch, "micro_batch": t.micro_batch,
                 "accumulation": t.global_batch // (t.micro_batch * dp)}
 
@@ -239,8 +239,19 @@ class TrainingCheckpoints:
             raise CheckpointError(error)
 
 
+# Degrees the layout record gained after checkpoints were already saved without them: their value then.
+_LAYOUT_DEFAULTS = {"ep": 1}
+
+
+def with_layout_defaults(layout: dict) -> dict:
+    """A saved layout record with the degrees older checkpoints did not record filled in (they had none of them)."""
+    return {**_LAYOUT_DEFAULTS, **layout}
+
+
 def describe_layout(layout: dict) -> str:
-    return (f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} zero={layout['zero']} {layout['precision']} "
+    layout = with_layout_defaults(layout)
+    ep = f" ep={layout['ep']}" if layout["ep"] > 1 else ""
+    return (f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']}{ep} zero={layout['zero']} {layout['precision']} "
             f"on {layout['world_size']} process(es)")
 
 
