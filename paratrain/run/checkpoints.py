@@ -220,7 +220,7 @@ class TrainingCheckpoints:
         m, p, t = self.mesh, self.cfg.parallel, self.cfg.train
         dp = m.size("dp")
         return {"world_size": m.shape.world_size, "dp": dp, "dp_shard": m.shape.dp_shard, "tp": m.size("tp"),
-                "pp": m.size("pp"), "ep": m.shape.ep, "zero": p.zero,
+                "pp": m.size("pp"), "cp": m.size("cp"), "ep": m.shape.ep, "zero": p.zero,
                 "precision": p.precision, "global_batch": t.global_batch, "micro_batch": t.micro_batch,
                 "accumulation": t.global_batch // (t.micro_batch * dp)}
 
@@ -240,7 +240,7 @@ class TrainingCheckpoints:
 
 
 # Degrees the layout record gained after checkpoints were already saved without them: their value then.
-_LAYOUT_DEFAULTS = {"ep": 1}
+_LAYOUT_DEFAULTS = {"cp": 1, "ep": 1}
 
 
 def with_layout_defaults(layout: dict) -> dict:
@@ -250,8 +250,8 @@ def with_layout_defaults(layout: dict) -> dict:
 
 def describe_layout(layout: dict) -> str:
     layout = with_layout_defaults(layout)
-    ep = f" ep={layout['ep']}" if layout["ep"] > 1 else ""
-    return (f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']}{ep} zero={layout['zero']} {layout['precision']} "
+    extra = "".join(f" {axis}={layout[axis]}" for axis in ("cp", "ep") if layout[axis] > 1)
+    return (f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']}{extra} zero={layout['zero']} {layout['precision']} "
             f"on {layout['world_size']} process(es)")
 
 
