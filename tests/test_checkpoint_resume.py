@@ -168,26 +168,34 @@ def test_a_run_continues_exactly_under_hybrid_sharding(base_run, tmp_path):
     assert writers == {"rank-00000.safetensors", "rank-00001.safetensors"}, writers  # dp_replicate coordinate 0
 
 
+# (model options, the parallel layout's options, the axis it talks on, its degrees in the checkpoint's layout record)
+SPLIT_RUNS = {
+    "ep2": (("--model", "tiny-moe"), ("--ep", "2"), "ep", {"dp": 2, "ep": 2}, "dp=2 tp=1 pp=1 ep=2"),
+    "cp2": ((), ("--cp", "2"), "cp", {"dp": 1, "cp": 2}, "dp=1 tp=1 pp=1 cp=2"),
+}
+
+
 @pytest.mark.slow
-def test_a_moe_run_continues_exactly_across_expert_parallelism(tmp_path, capsys):
-    """A mixture of experts trained by two ranks with --ep 2 (each holding half of the experts) loses what one
-    process loses; resumed by one process from its step-4 checkpoint, it goes on losing the same, and the log
-    names the layout it left."""
-    moe = ("--model", "tiny-moe")
-    one, ep2 = tmp_path / "one", tmp_path / "ep2"
-    assert main(["train", *RUN, "--out", str(one), *moe]) == 0
-    run_on_ranks(_resume, 2, str(ep2), *moe, "--ep", "2", timeout=120)
+@pytest.mark.parametrize("name", list(SPLIT_RUNS))
+def test_a_run_continues_exactly_across_expert_and_context_parallelism(name, tmp_path, capsys):
+    """Two ranks that each hold half of the experts (--ep 2: a mixture of experts) or half of every sequence
+    (--cp 2) lose what one process loses; resumed by one process from their step-4 checkpoint, the run goes on
+    losing the same, and the log names the layout it left."""
+    model, layout, axis, degrees, described = SPLIT_RUNS[name]
+    one, split = tmp_path / "one", tmp_path / name
+    assert main(["train", *RUN, "--out", str(one), *model]) == 0
+    run_on_ranks(_resume, 2, str(split), *model, *layout, timeout=120)
     expected = [r["loss"] for r in read_metrics(one / "metrics.jsonl")]
-    records = read_metrics(ep2 / "metrics.jsonl")
+    records = read_metrics(split / "metrics.jsonl")
     assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
-    assert records[-1]["comm_bytes"]["ep"] > 0, "the tokens went to their experts' ranks"
-    layout = CheckpointReader(ep2 / "checkpoints" / "step-00000004").shared_state()["layout"]
-    assert (layout["dp"], layout["ep"]) == (2, 2)
-    shutil.rmtree(ep2 / "checkpoints" / "step-00000008")
+    assert records[-1]["comm_bytes"][axis] > 0, f"the run talked on {axis}"
+    saved = CheckpointReader(split / "checkpoints" / "step-00000004").shared_state()["layout"]
+    assert {key: saved[key] for key in degrees} == degrees
+    shutil.rmtree(split / "checkpoints" / "step-00000008")
     capsys.readouterr()
-    assert main(["train", *RUN, "--out", str(ep2), *moe]) == 0
-    assert "layout changed from dp=2 tp=1 pp=1 ep=2 zero=0 fp32 on 2 process(es) to dp=1" in capsys.readouterr().out
-    records = read_metrics(ep2 / "metrics.jsonl")
+    assert main(["train", *RUN, "--out", str(split), *model]) == 0
+    assert f"layout changed from {described} zero=0 fp32 on 2 process(es) to dp=1" in capsys.readouterr().out
+    records = read_metrics(split / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
 
