@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench_dp import MB, add_common_args, adamw_factory, build_model, doc_parser, fmt, fmt_load, model_config
-from bench_dp import run_meta, write_results
+from bench_dp import failed_row, run_meta, write_results
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import parallelize
 from paratrain.peak_memory import TensorMemory
@@ -202,8 +202,7 @@ def run_row(spec: Spec, args) -> dict:
     try:
         results = run_on_ranks(bench_rank, spec.cp, spec, args, timeout=args.timeout)
     except RankError as exc:
-        reason = next((line for line in reversed(str(exc).splitlines()) if "Error" in line), str(exc).splitlines()[0])
-        return {**row, "error": reason.strip()[:300], "detail": str(exc)[-4000:]}
+        return failed_row(row, exc)
     r0 = results[0]
     row.update(step_s=statistics.median(r0["times"]), step_times_s=r0["times"], losses=r0["losses"],
                activations_mb=max(r["activations"] for r in results) / MB)

@@ -333,6 +333,13 @@ def run_variant(spec: Spec, world: int, args) -> dict:
             "comm_mb_per_step": max(statistics.mean(r["comm"]) for r in results) / MB}
 
 
+def failed_row(row: dict, exc: Exception) -> dict:
+    """A row whose launch failed: the failure's last error line as its reason (a rank's traceback ends in it)."""
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    reason = next((line for line in reversed(lines) if "Error" in line), lines[0])
+    return {**row, "error": reason.strip()[:300], "detail": str(exc)[-4000:]}
+
+
 def merge_rounds(runs: list[dict]) -> dict:
     """One row from a variant's rounds: step time the median of the rounds' medians, every step's time
     kept; bytes, memory and losses from the first round."""
