@@ -415,6 +415,29 @@ def measured(*owners, device: torch.device | str = "cpu"):
         holder.window = meter.end(*owners)
 
 
+def kept_by_forward(model: nn.Module, forward, repeats: int = 3) -> int:
+    """Bytes of tensors `forward()` leaves alive (what backward reads, and the output), the fewest of `repeats`.
+
+    Each forward runs with the garbage collector held off after one collection: what building the model
+    or the forward before left in cycles is freed before the window, and nothing is freed inside it.
+    The fewest, because a collective's handle may hold a tensor a moment longer on a loaded machine.
+    """
+    kept = []
+    for _ in range(repeats):
+        gc.collect()
+        gc.disable()
+        try:
+            meter = TensorMemory()
+            with meter:
+                meter.begin(model)
+                out = forward()
+                kept.append(meter.total - meter.end(model).start_bytes)
+        finally:
+            gc.enable()
+        del out
+    return min(kept)
+
+
 @dataclass
 class _Result:
     window: Window | None = None

@@ -13,14 +13,13 @@ The same launch generates: `causal_logits` (what `paratrain train` samples text 
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
 
 from paratrain import init_mesh, parallelize
 from paratrain.models import ModelConfig, Transformer
-from paratrain.peak_memory import TensorMemory
+from paratrain.peak_memory import kept_by_forward
 from parallel_cases import launch_once
 
 SEQ = 2048  # long against the model's width: activations, not weights, are what is measured
@@ -38,20 +37,7 @@ def _model(cp: int, world: int):
 def _kept_by_a_forward(model) -> int:
     """The fewest bytes of three forwards' (a collective's handle may hold a tensor a moment longer under load)."""
     tokens = torch.randint(0, LONG.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    kept = []
-    for _ in range(3):
-        gc.collect()
-        gc.disable()  # nothing built before is freed inside the window
-        try:
-            meter = TensorMemory()
-            with meter:
-                meter.begin(model)
-                logits = model(tokens)
-                kept.append(meter.total - meter.end(model).start_bytes)
-        finally:
-            gc.enable()
-        del logits
-    return min(kept)
+    return kept_by_forward(model, lambda: model(tokens))
 
 
 def _all(rank, world):

@@ -27,7 +27,7 @@ from paratrain.cli import build_parser, config_from_args
 from paratrain.config import ConfigError, validate
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.recompute import Checkpointing, Recompute, RecomputeError
-from paratrain.peak_memory import TensorMemory
+from paratrain.peak_memory import TensorMemory, kept_by_forward
 from paratrain.plan.memory import layer_activation_bytes
 from parallel_cases import TINY, adamw, batches, launch_once, loss_sum
 
@@ -87,22 +87,7 @@ def _kept_after_forward(mesh, n_layers: int, **options) -> int:
     cfg = dataclasses.replace(WIDE, n_layers=n_layers)
     model, _ = _parallel(cfg, mesh, "selective", **options)
     x, _ = batches(vocab=64, steps=1, batch=ROWS, seq=SEQ)[0]
-    return min(_kept_by_one_forward(model, x) for _ in range(3))
-
-
-def _kept_by_one_forward(model, x) -> int:
-    gc.collect()  # what building the model (or the last forward) left in cycles is freed now, and
-    gc.disable()  # no collection frees it inside the window
-    try:
-        meter = TensorMemory()
-        with meter:
-            meter.begin(model)
-            logits = model(x)
-            kept = meter.total - meter.end(model).start_bytes
-    finally:
-        gc.enable()
-    del logits
-    return kept
+    return kept_by_forward(model, lambda: model(x))
 
 
 def _all(rank, world):  # noqa: ARG001
