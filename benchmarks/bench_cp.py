@@ -23,7 +23,6 @@ the largest relative difference of the losses from one process's. See benchmarks
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from bench_dp import MB, add_common_args, adamw_factory, build_model, doc_parser
 from bench_dp import failed_row, run_meta, write_results
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import parallelize
-from paratrain.peak_memory import TensorMemory
+from paratrain.peak_memory import kept_by_forward
 from paratrain.testing import RankError, run_on_ranks
 
 
@@ -150,28 +149,16 @@ def step(run: Single, x, y, args) -> float:
 
 def activation_bytes(run: Single, x) -> int:
     """Bytes a forward leaves alive (what backward reads, and the logits); the fewest of two forwards."""
-    kept = []
-    model = run.model
-    for _ in range(2):
-        gc.collect()
-        gc.disable()
-        try:
-            meter = TensorMemory()
-            with meter:
-                meter.begin(model)
-                if isinstance(run, TorchCP):
-                    from torch.distributed.tensor.experimental import context_parallel
+    def forward():
+        if not isinstance(run, TorchCP):
+            return run.model(x)
+        from torch.distributed.tensor.experimental import context_parallel
 
-                    xs, pos = x.clone(), torch.arange(x.shape[1])
-                    with context_parallel(run.mesh, buffers=[xs, pos], buffer_seq_dims=[1, 0]):
-                        out = model(xs, positions=pos)
-                else:
-                    out = model(x)
-                kept.append(meter.total - meter.end(model).start_bytes)
-        finally:
-            gc.enable()
-        del out
-    return min(kept)
+        xs, pos = x.clone(), torch.arange(x.shape[1])
+        with context_parallel(run.mesh, buffers=[xs, pos], buffer_seq_dims=[1, 0]):
+            return run.model(xs, positions=pos)
+
+    return kept_by_forward(run.model, forward, repeats=2)
 
 
 def bench_rank(rank: int, world: int, spec: Spec, args) -> dict:
