@@ -178,7 +178,10 @@ def bench_rank(rank: int, world: int, spec: Spec, args) -> dict:
 
 # ---------------------------------------------------------------- driver
 def kv_formula(args, cp: int) -> int:
-    """The ring's K/V bytes per rank per step (fp32): layers × [(cp−1)·KV + (cp−1)·KV + cp·dKV]."""
+    """The ring's K/V bytes per rank per step (fp32): layers × [(cp−1)·KV + (cp−1)·KV + cp·dKV]; none at cp 1,
+    where attention is the model's own SDPA call and no ring runs."""
+    if cp == 1:
+        return 0
     block = 2 * args.micro_batch * args.heads * (args.seq // cp) * (args.dim // args.heads) * 4
     return args.layers * ((cp - 1) * block + (cp - 1) * block + cp * block)
 
