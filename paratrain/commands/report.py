@@ -31,11 +31,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from paratrain.commands.report_plan import (format_prediction, measured_breakdown, planned_comm,  # noqa: F401
-                                           planned_inputs, predicted_step)
+from paratrain.commands.report_plan import (format_prediction, measured_breakdown, median_or_none,  # noqa: F401
+                                           planned_comm, planned_inputs, predicted_step)
 from paratrain.errors import ParatrainError
 
 MB = 10**6
@@ -148,25 +147,21 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 # -- summary -------------------------------------------------------------------------------
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def run_summary(run: Run) -> dict:
     """The numbers of one run the text summary prints (None where the metrics lack them)."""
     _, losses = run.series("loss")
     eval_steps, eval_losses = run.series("eval_loss")
     peaks = [max(r.get("peak_mem_bytes_per_rank") or [r.get("peak_mem_bytes") or 0]) for r in run.records]
     axes = sorted({axis for r in run.records for axis in (r.get("comm_bytes") or {})})
-    comm = {axis: _median([(r.get("comm_bytes") or {}).get(axis, 0) for r in run.records]) for axis in axes}
+    comm = {axis: median_or_none([(r.get("comm_bytes") or {}).get(axis, 0) for r in run.records]) for axis in axes}
     return {
         "steps": len(run.records),
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "eval_loss": eval_losses[-1] if eval_losses else None,
         "eval_step": eval_steps[-1] if eval_steps else None,
-        "tokens_per_s": _median(run.series("tokens_per_s")[1]),
-        "mfu": _median(run.series("mfu")[1]),
+        "tokens_per_s": median_or_none(run.series("tokens_per_s")[1]),
+        "mfu": median_or_none(run.series("mfu")[1]),
         "peak_mem_bytes": max(peaks) if any(peaks) else None,
         "comm_bytes_per_step": comm,
     }

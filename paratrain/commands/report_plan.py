@@ -11,7 +11,7 @@ import dataclasses
 import statistics
 
 
-def _median(values: list[float]) -> float | None:
+def median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
@@ -66,13 +66,13 @@ def measured_breakdown(run: Run) -> dict[str, float] | None:
         return None
     parts = [r["time_breakdown_s"] for r in rows]
     axes = sorted({axis for b in parts for axis in (b.get("comm_exposed_s") or {})})
-    out = {"step": _median([r["step_time_s"] for r in rows]),
-           "compute": _median([b.get("compute_s", 0.0) for b in parts]),
-           "optimizer": _median([b.get("optimizer_s", 0.0) for b in parts]),
-           "pipeline": _median([b.get("pipeline_wait_s", 0.0) for b in parts]),
-           "other": _median([sum(b.get(k, 0.0) for k in ("data_s", "checkpoint_s", "other_s")) for b in parts])}
+    out = {"step": median_or_none([r["step_time_s"] for r in rows]),
+           "compute": median_or_none([b.get("compute_s", 0.0) for b in parts]),
+           "optimizer": median_or_none([b.get("optimizer_s", 0.0) for b in parts]),
+           "pipeline": median_or_none([b.get("pipeline_wait_s", 0.0) for b in parts]),
+           "other": median_or_none([sum(b.get(k, 0.0) for k in ("data_s", "checkpoint_s", "other_s")) for b in parts])}
     for axis in axes:
-        out[f"comm {axis}"] = _median([(b.get("comm_exposed_s") or {}).get(axis, 0.0) for b in parts])
+        out[f"comm {axis}"] = median_or_none([(b.get("comm_exposed_s") or {}).get(axis, 0.0) for b in parts])
     return out
 
 
