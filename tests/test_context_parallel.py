@@ -242,8 +242,17 @@ def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
 
     with pytest.raises(ContextParallelError, match="takes neither positions nor position_ids"):
         ContextSharding(NoPositions(), _fake_cp_comm())
-    with pytest.raises(ContextParallelError, match="an nn.Sequential cannot hand on to its layers; use --cp 1"):
+    with pytest.raises(ContextParallelError, match="take positions or position_ids by keyword, and none of this "
+                                                   "one's does; give its attention blocks one"):
         ContextSharding(torch.nn.Sequential(torch.nn.Linear(4, 4)), _fake_cp_comm())  # also as pipeline stages
+    # A Sequential's layers that take positions get them; the stage without one (here only the embedding) does
+    # not look for an SDPA call, the stage with one does.
+    sequential = torch.nn.Sequential(torch.nn.Embedding(4, 4), NoSdpa())
+    sharding = ContextSharding(sequential, _fake_cp_comm())
+    assert sharding.position_keyword == "positions" and sharding.positioned == {"1"}
+    assert sharding.forward(sequential[:1], (torch.zeros(1, 8, dtype=torch.long),), {}).shape == (1, 4, 4)
+    with pytest.raises(ContextParallelError, match="found no F.scaled_dot_product_attention call in Sequential"):
+        sharding.forward(sequential, (torch.zeros(1, 8, dtype=torch.long),), {})
     with pytest.raises(ContextParallelError, match="found no F.scaled_dot_product_attention call in NoSdpa"):
         ContextSharding(NoSdpa(), _fake_cp_comm()).forward(NoSdpa(), (torch.zeros(1, 8, dtype=torch.long),), {})
 
@@ -294,3 +303,42 @@ def test_ring_attention_in_bf16_is_fp32_sdpa_within_bf16_rounding():
     for dtypes, errors in run_on_ranks(_bf16_case, 2, timeout=120):
         assert dtypes == [torch.bfloat16] * 4
         assert max(errors) < 3e-2, errors
+
+
+def hf_sequential_factory():
+    """What `paratrain verify --model-factory test_context_parallel:hf_sequential_factory` builds: a transformers
+    Llama with SDPA attention laid out as an nn.Sequential of its own modules, with its tensor-parallel plan."""
+    from paratrain import ModelSpec
+    from paratrain.interop.hf_stages import as_sequential, sequential_plan
+    from paratrain.models.tp_plans import HF_LLAMA_PLAN
+
+    model = _hf_model()
+    model.config.tie_word_embeddings = False
+    sequential = as_sequential(model)
+    return ModelSpec(sequential, plan=sequential_plan(HF_LLAMA_PLAN, sequential))
+
+
+def test_verify_passes_the_cp_layouts_on_a_hugging_face_llama_through_the_model_factory(capsys, monkeypatch):
+    """The acceptance layouts of context parallelism, pipelined one included, on a transformers Llama with SDPA."""
+    from paratrain.cli import main
+    from paratrain.faults import FAULT_ENV
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    layouts = ["cp2", "dp2,cp2,zero3", "cp2,tp2", "pp2,cp2,1f1b"]
+    assert main(["verify", "--model-factory", "test_context_parallel:hf_sequential_factory", "--steps", "3",
+                 "--seq-len", "128", "--layouts", ";".join(layouts)]) == 0
+    rows = capsys.readouterr().out.split("layout ")[-1].splitlines()[1:]
+    assert [r.split()[0] for r in rows] == layouts and all(r.split()[5] == "PASS" for r in rows), rows
+
+
+def test_as_sequential_computes_the_hugging_face_models_logits():
+    from paratrain.interop.hf_stages import SequentialError, as_sequential
+
+    model = _hf_model()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(as_sequential(model)(tokens), model(tokens).logits, rtol=0, atol=0)
+    import transformers
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
+    with pytest.raises(SequentialError, match="as_sequential lays out llama models, not gpt2; write the model"):
+        as_sequential(gpt2)

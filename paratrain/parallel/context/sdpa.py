@@ -5,7 +5,9 @@ No model code changes. During the wrapped forward:
 - the token ids (the forward's first argument, [B, S]) become this rank's two chunks [B, 2c]
   (`split`), and the positions of those tokens in the whole sequence are passed by the keyword
   the forward takes them by: `positions` ([2c], paratrain's Transformer) or `position_ids`
-  ([1, 2c], Hugging Face), so that RoPE rotates each token by its true position;
+  ([1, 2c], Hugging Face), so that RoPE rotates each token by its true position; an nn.Sequential
+  (a pipeline stage too) hands them to each layer whose forward takes that keyword, and only the
+  tensor to the others (`paratrain.interop.hf_stages.as_sequential` lays a Hugging Face Llama out so);
 - a Hugging Face forward that takes `attention_mask` gets one of all ones ([B, 2c], no padding)
   unless the caller passed one (then it is split too): without a mask, transformers reads the jump
   between the two chunks' position ids as two packed sequences and builds a block mask instead of
@@ -104,10 +106,14 @@ class ContextSharding:
     def __init__(self, module: nn.Module, comm: Comm, position_keyword: str | None = None, axis: str = "cp"):
         self.comm, self.axis = comm, axis
         self.size, self.rank = comm.mesh.size(axis), comm.mesh.coord(axis)
-        if isinstance(module, nn.Sequential) and position_keyword is None:
-            raise ContextParallelError("context parallelism (--cp) passes each token's position to the model's "
-                                       "forward, which an nn.Sequential cannot hand on to its layers; use --cp 1, or "
-                                       "a model whose forward takes positions (pipelined: paratrain's Transformer)")
+        if isinstance(module, nn.Sequential):
+            # A Sequential's forward hands each layer one tensor: the positions go to each layer that takes them,
+            # known by child name, which pipeline stages keep and which outlives any later wrapping of a forward.
+            self.position_keyword = position_keyword or _sequential_position_keyword(module)
+            self.positioned = {name for name, layer in module.named_children() if _takes(layer, self.position_keyword)}
+            self.mask_keyword = None
+            return
+        self.positioned = None
         params = inspect.signature(module.forward).parameters
         self.position_keyword = position_keyword or next((k for k in POSITION_KEYWORDS if k in params), None)
         if self.position_keyword is None:
@@ -140,8 +146,11 @@ class ContextSharding:
             kwargs[self.mask_keyword] = torch.ones(local.shape[:2], dtype=torch.bool, device=local.device)
         mode = RingSDPA(Ring(self.comm, seq_len, self.axis))
         with mode:
-            output = module(*args, **kwargs)
-        if mode.calls == 0:
+            if isinstance(module, nn.Sequential):
+                output = _sequential_forward(module, args, kwargs, self.positioned)
+            else:
+                output = module(*args, **kwargs)
+        if mode.calls == 0 and _expects_attention(module, self.positioned):
             raise ContextParallelError(f"context parallelism (--cp) found no F.scaled_dot_product_attention call in "
                                        f"{type(module).__name__}'s forward; it needs SDPA attention (Hugging Face: "
                                        "attn_implementation=\"sdpa\"), or use --cp 1")
@@ -152,3 +161,33 @@ class ContextSharding:
         if labels.dim() >= 2 and labels.shape[1] == output_len * self.size:
             return shard_sequence(labels, self.size, self.rank)
         return labels
+
+
+def _takes(layer: nn.Module, keyword: str) -> bool:
+    return keyword in inspect.signature(layer.forward).parameters
+
+
+def _sequential_position_keyword(module: nn.Sequential) -> str:
+    """The position keyword the layers of `module` take (the attention blocks of a model written as a Sequential)."""
+    found = {k for layer in module for k in POSITION_KEYWORDS if _takes(layer, k)}
+    if len(found) != 1:
+        raise ContextParallelError("context parallelism (--cp) passes each token's position to the layers of an "
+                                   f"nn.Sequential that take {' or '.join(POSITION_KEYWORDS)} by keyword, and "
+                                   + ("none of this one's does" if not found else "this one's take both") +
+                                   "; give its attention blocks one such keyword (e.g. paratrain.interop.hf_stages."
+                                   "as_sequential for a Hugging Face model), or use --cp 1")
+    return found.pop()
+
+
+def _sequential_forward(module: nn.Sequential, args: tuple, kwargs: dict, positioned: set[str]):
+    """An nn.Sequential's forward that also hands `kwargs` (the positions) to the layers named in `positioned`."""
+    x, = args
+    for name, layer in module.named_children():
+        x = layer(x, **kwargs) if name in positioned else layer(x)
+    return x
+
+
+def _expects_attention(module: nn.Module, positioned: set[str] | None) -> bool:
+    """Whether `module` should have called SDPA: any model but a Sequential (a pipeline stage) none of whose layers
+    takes positions, as a stage of only the embedding or the head."""
+    return not isinstance(module, nn.Sequential) or any(name in positioned for name in module._modules)
