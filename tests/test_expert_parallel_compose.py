@@ -1,6 +1,7 @@
 """Expert parallelism composed with the other strategies, each against one process.
 
-ep2 with activation checkpointing (full and selective), in bf16, and pp2 × ep2 under GPipe, ZB-H1 and
+ep2 with activation checkpointing (full and selective), in bf16, with ZeRO-3 (expert blocks
+sharded over `ep_replicate`, the rest over the data axis), and pp2 × ep2 under GPipe, ZB-H1 and
 interleaved 1F1B; every run is `ParallelModel.train_step` over micro-batches then AdamW with
 clipping, the MoE's auxiliary loss included, against one process on the whole global batch (fp32:
 losses and parameters within 1e-5; bf16: a one-process bf16 run, within the 2% that bf16 keeps
@@ -51,9 +52,11 @@ CASES = {
     "checkpoint_full": Case(checkpointing="full"),
     "checkpoint_selective": Case(checkpointing="selective"),
     "bf16": Case(precision="bf16"),
+    "zero3": Case(zero=3),
     "gpipe": Case(pp=2, schedule="gpipe"),
     "zb-h1": Case(pp=2, schedule="zb-h1"),
     "interleaved": Case(pp=2, schedule="interleaved", virtual_stages=2),
+    "dp4_zero3": Case(dp=4, zero=3, micro=1),
 }
 
 
