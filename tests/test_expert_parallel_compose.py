@@ -5,7 +5,9 @@ sharded over `ep_replicate`, the rest over the data axis), and pp2 × ep2 under 
 interleaved 1F1B; every run is `ParallelModel.train_step` over micro-batches then AdamW with
 clipping, the MoE's auxiliary loss included, against one process on the whole global batch (fp32:
 losses and parameters within 1e-5; bf16: a one-process bf16 run, within the 2% that bf16 keeps
-of fp32 elsewhere). One launch per world size.
+of fp32 elsewhere). The expert load a step reports sums every micro-batch's tokens once, however
+often activation checkpointing runs a forward again (which sends its all-to-alls again: counted
+here). One launch per world size.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import pytest
 import torch
 
 from paratrain.mesh import MeshShape, build_mesh
+from paratrain.metrics import moe_counts, moe_layers as layers_by_index
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
 from paratrain.parallel.expert import moe_layers
+from paratrain.testing import Collectives
 from parallel_cases import adamw, batches, launch_once, make_model, reference_run
 from test_expert_parallel import MOE, _close
 
@@ -86,11 +90,31 @@ def _my_micro_batches(x, y, mesh, micro: int):
     return [(x[i:i + micro], y[i:i + micro]) for i in range(lo, lo + rows, micro)]
 
 
+def _step_load(mesh, checkpointing: str):
+    """One step of ep2, 2 micro-batches of 2 rows per rank: (the step's counts summed over the data ranks, as the
+    agreement sums `moe_counts`; the last forward's count of assignments, per layer; bytes sent on ep)."""
+    with torch.device("meta"):
+        model = Transformer(MOE)
+    model, _ = parallelize(model, mesh, init=lambda name, shape: Transformer(MOE).param_init(name, shape, 0),
+                           activation_checkpointing=checkpointing, data=DataParallel(grad_reduction="sum"))
+    x, y = batches(steps=1, batch=BATCH)[0]
+    counted = Collectives()
+    with counted:
+        model.train_step(_my_micro_batches(x, y, mesh, 2), float((y != -100).sum()))
+    counts = moe_counts(layers_by_index(model.module), MOE.n_layers, MOE.n_experts)
+    summed = {k: model.comm_sum(torch.as_tensor(v, dtype=torch.float64).clone()).item() for k, v in counts.items()}
+    last = [int(layer.last_tokens_per_expert.sum()) for layer in moe_layers(model.module)]
+    return summed, last, counted.by_axis(mesh).get("ep", 0.0)
+
+
 def _all_cases(rank, world):  # noqa: ARG001
     results = {}
     for name, case in CASES.items():
         if case.world == world:
             results[name] = _train(case, build_mesh(MeshShape(dp=case.dp, ep=case.ep, pp=case.pp)))
+    if world == 2:
+        mesh = build_mesh(MeshShape(dp=2, ep=2))
+        results["load"] = {mode: _step_load(mesh, mode) for mode in ("none", "full", "selective")}
     return results
 
 
@@ -145,3 +169,32 @@ def test_ep2_in_bf16_tracks_one_bf16_process():
     for losses, params in _results(2, "bf16"):
         assert losses == pytest.approx(ref_losses, rel=2e-2)
         assert _model_diff(params, ref_params) <= 1e-2
+
+
+def test_a_steps_expert_load_counts_every_micro_batch_once():
+    """Per layer: the step's tokens per expert, summed over the data ranks, are one process's count for the
+    whole global batch (same weights, same routing), although each rank ran 2 micro-batches and activation
+    checkpointing ran each forward again in backward; the last forward alone saw a quarter of them."""
+    model = make_model(MOE)
+    x, _ = batches(steps=1, batch=BATCH)[0]
+    with torch.no_grad():
+        model(x)
+    for per_mode in _results(2, "load"):
+        for mode, (summed, last, _) in per_mode.items():
+            for i, layer in enumerate(moe_layers(model)):
+                want = layer.last_tokens_per_expert.tolist()
+                assert [int(summed[f"moe.{i}.e{e}"]) for e in range(MOE.n_experts)] == want, (mode, i)
+                assert sum(want) == BATCH * 16 * MOE.top_k and last[i] == sum(want) // 4, (mode, i)
+
+
+def test_recomputation_sends_a_forwards_all_to_alls_again():
+    """Without recomputation a step sends, per layer and micro-batch, the counts (E/ep int64 to the other rank)
+    and the rows out and back, forward, then the rows again backward: 2·R + C. Recomputing the blocks, full or
+    selective (no communication is kept), runs the forward's three all-to-alls again: 3·R + 2·C."""
+    counts = MOE.n_layers * 2 * (MOE.n_experts // 2) * 8  # layers × micro-batches × counts sent × int64
+    for per_mode in _results(2, "load"):
+        plain = per_mode["none"][2]
+        rows = (plain - counts) / 2
+        assert rows > 0
+        for mode in ("full", "selective"):
+            assert per_mode[mode][2] == 3 * rows + 2 * counts, mode
