@@ -135,10 +135,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch._grouped_mm(x, w, offs=offsets) if _GROUPED_MM_WORKS[key] else None
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _grouped_mm_probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward on `device` in `dtype` (one group empty)."""
+    """Whether torch._grouped_mm runs forward and backward on `device` in `dtype` (one group empty).
+
+    Run apart from what surrounds the first call (private `_disable_current_modes`): that call is inside a
+    model's forward, where activation checkpointing's saved-tensor hooks and its selective-recompute mode
+    would record the probe's tensors and operators in the forward but not in the recompute (which finds the
+    answer cached), and fail on the mismatch or, worse, replay saved outputs at the wrong positions."""
     try:
-        with torch.enable_grad():
+        with _python_dispatch._disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+                torch.enable_grad():
             x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(3, 16, 8, device=device, dtype=dtype).transpose(-2, -1).requires_grad_()
             offsets = torch.tensor([2, 2, 4], device=device, dtype=torch.int32)

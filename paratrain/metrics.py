@@ -38,18 +38,19 @@ _MOE_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.feed_forward$")
 
 def moe_layers(model) -> dict[int, object]:
     """Layer index → the MoE module of that layer this rank holds (`paratrain.models.moe.MoE`: it records
-    `last_tokens_per_expert` and `last_aux_loss` after each forward); empty for a dense model."""
+    `step_tokens_per_expert` and `step_aux_loss` over a step's forwards); empty for a dense model."""
     out = {}
     for name, module in model.named_modules():
         match = _MOE_MODULE.search(name)
-        if match and hasattr(module, "last_tokens_per_expert"):
+        if match and hasattr(module, "step_tokens_per_expert"):
             out[int(match.group(1))] = module
     return out
 
 
 def moe_counts(layers: dict[int, object], n_layers: int, n_experts: int) -> dict[str, torch.Tensor | float]:
-    """The step's last forward's expert load of this rank's MoE layers, for the step's agreement to sum over
-    the ranks: {"moe.3.e5": tokens of layer 3 routed to expert 5, "moe.3.aux": its auxiliary loss}.
+    """The step's expert load of this rank's MoE layers (every micro-batch's forward, once), for the step's
+    agreement to sum over the ranks: {"moe.3.e5": tokens of layer 3 routed to expert 5, "moe.3.aux": its
+    auxiliary loss, the mean over the step's sequences on this rank}.
 
     Device tensors (0-d views) ride the agreement's one all-reduce and its one host read, so reading them
     costs no sync. Every rank names every layer of the model (the agreement's rows must match across
@@ -58,8 +59,8 @@ def moe_counts(layers: dict[int, object], n_layers: int, n_experts: int) -> dict
     out: dict[str, torch.Tensor | float] = {}
     for layer in range(n_layers if n_experts else 0):
         module = layers.get(layer)
-        counts = getattr(module, "last_tokens_per_expert", None)
-        aux = getattr(module, "last_aux_loss", None)
+        counts = getattr(module, "step_tokens_per_expert", None)
+        aux = getattr(module, "step_aux_loss", None)
         for e in range(n_experts):
             out[f"moe.{layer}.e{e}"] = counts[e] if counts is not None else 0.0
         out[f"moe.{layer}.aux"] = aux if aux is not None else 0.0
@@ -71,7 +72,7 @@ def expert_load(per_rank: dict[str, tuple[float, ...]], owners: list[int], data_
 
     `owners`: the ranks whose rows count (one per data rank and pipeline stage: the tensor and context
     parallel ranks of a data rank see the same tokens); `data_ranks`: dp, to average the aux loss over.
-    tokens_per_expert: per layer, every data rank's assignments in the step's last micro-batch;
+    tokens_per_expert: per layer, every data rank's assignments over the step's micro-batches;
     load_max_mean: per layer, the busiest expert's tokens over the mean (1 when balanced, E when one
     expert takes everything); aux_loss: the auxiliary terms (coefficients applied) summed over the
     layers, averaged over the data ranks: what the backward added beside the LM loss, which `loss` is.

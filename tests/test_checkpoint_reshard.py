@@ -53,11 +53,11 @@ LAYOUTS = [ONE, Layout("dp4_zero1", dp=4, zero=1), Layout("dp2_zero3", dp=2, zer
            Layout("dp2_tp2", dp=2, tp=2), Layout("pp2_dp2_zero1", pp=2, dp=2, zero=1),
            Layout("hsdp2x2_zero3", dp=4, zero=3, dp_shard=2)]
 # Checkpoints are layout-free across expert parallelism: a MoE model's expert tensors, saved as [E/ep, ...]
-# blocks at offset ep_rank·E/ep (their optimizer state ZeRO-sharded over ep_replicate), load into one
-# process, plain data parallelism and ep2 alike.
+# blocks at offset ep_rank·E/ep (their optimizer state ZeRO-sharded over ep_replicate, under ZeRO-3 the blocks
+# too), load into one process, plain data parallelism and ep2 alike.
 MOE = dataclasses.replace(TINY, n_layers=2, n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.1)
 MOE_LAYOUTS = [ONE, Layout("dp2_zero1", dp=2, zero=1), Layout("dp2_ep2_zero1", dp=2, ep=2, zero=1),
-               Layout("dp4_ep2_zero1", dp=4, ep=2, zero=1)]
+               Layout("dp4_ep2_zero1", dp=4, ep=2, zero=1), Layout("dp2_ep2_zero3", dp=2, ep=2, zero=3)]
 
 
 def build(layout: Layout, seed: int = 0, config=TINY):
@@ -152,7 +152,7 @@ def test_moe_checkpoints_load_across_expert_parallelism(tmp_path):
     _check_matrix(tmp_path, MOE_LAYOUTS, MOE)
     # The experts' blocks and their Adam moments are each written once: by the ep2 ranks of ep_replicate
     # coordinate 0, each its block of 2 of the 4 experts; under dp4 as ZeRO-1 rows of it, by both holders.
-    for layout, boxes in (("dp2_ep2_zero1", [(0, 0, 0), (2, 0, 0)]),
+    for layout, boxes in (("dp2_ep2_zero1", [(0, 0, 0), (2, 0, 0)]), ("dp2_ep2_zero3", [(0, 0, 0), (2, 0, 0)]),
                           ("dp4_ep2_zero1", [(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)])):
         reader = CheckpointReader(next((tmp_path / layout).glob("step-*")))
         for name in ("model/layers.0.feed_forward.experts.w1", "optim/layers.1.feed_forward.experts.w2/exp_avg_sq"):

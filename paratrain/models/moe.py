@@ -89,7 +89,11 @@ class MoE(nn.Module):
     Submodules: `router` (Linear dim → E, no bias), `experts` (`GroupedExperts`), `shared` (a dense
     SwiGLU, or None). After each forward, for metrics: `last_aux_loss` (detached fp32 scalar: the
     aux and z terms, coefficients applied, mean over this forward's sequences) and
-    `last_tokens_per_expert` (int64 [E]: the assignments of this forward's tokens to each expert).
+    `last_tokens_per_expert` (int64 [E]: the assignments of this forward's tokens to each expert);
+    over the forwards since `reset_step_load()` (a step's micro-batches): `step_tokens_per_expert`
+    (their sum) and `step_aux_loss` (the mean over their sequences). A forward that activation
+    checkpointing runs again inside backward routes identically (same inputs, same weights) and is
+    not counted again: a step's load is that of its tokens, once each.
 
     `aux_rows`: the number of sequences the auxiliary terms are averaged over (None: this forward's).
     A step made of several forwards (micro-batches, data ranks) sets it to the whole batch's rows,
@@ -107,6 +111,18 @@ class MoE(nn.Module):
         self.aux_rows: int | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: torch.Tensor | None = None
+        self.reset_step_load()
+
+    def reset_step_load(self) -> None:
+        """Start a step's load from nothing (`paratrain.parallel.model.ParallelModel.train_step` calls it)."""
+        self.step_tokens_per_expert: torch.Tensor | None = None
+        self._step_aux_sum: torch.Tensor | None = None
+        self._step_rows = 0
+
+    @property
+    def step_aux_loss(self) -> torch.Tensor | None:
+        """The auxiliary terms (coefficients applied) averaged over the sequences of the step's forwards."""
+        return None if self._step_aux_sum is None else self._step_aux_sum / self._step_rows
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         b, s, d = x_BSD.shape
@@ -122,22 +138,33 @@ class MoE(nn.Module):
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_A, y_AD)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
-        self.last_tokens_per_expert = counts_E.detach()
-        return self._attach_aux(out_TD.view(b, s, d), logits_TE.view(b, s, -1), experts_TK.view(b, s, -1))
+        recomputed = compat.in_backward()  # activation checkpointing's second run of this forward
+        if not recomputed:
+            self.last_tokens_per_expert = counts_E.detach()
+            self.step_tokens_per_expert = _add(self.step_tokens_per_expert, self.last_tokens_per_expert)
+        return self._attach_aux(out_TD.view(b, s, d), logits_TE.view(b, s, -1), experts_TK.view(b, s, -1), recomputed)
 
     def dispatch(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for assignments sorted by expert; expert parallelism replaces this step."""
         return self.experts(x_AD, counts_E)
 
-    def _attach_aux(self, out_BSD, logits_BSE, experts_BSK) -> torch.Tensor:
+    def _attach_aux(self, out_BSD, logits_BSE, experts_BSK, recomputed: bool) -> torch.Tensor:
         per_sequence_B = self.aux_loss_coef * load_balancing_loss(logits_BSE, experts_BSK)
         if self.z_loss_coef:
             per_sequence_B = per_sequence_B + self.z_loss_coef * z_loss(logits_BSE)
-        self.last_aux_loss = per_sequence_B.detach().mean()
+        if not recomputed:
+            self.last_aux_loss = per_sequence_B.detach().mean()
+            self._step_aux_sum = _add(self._step_aux_sum, per_sequence_B.detach().sum())
+            self._step_rows += out_BSD.shape[0]
         if not torch.is_grad_enabled() or not (self.aux_loss_coef or self.z_loss_coef):
             return out_BSD
         aux = per_sequence_B.sum() / (self.aux_rows or out_BSD.shape[0])
         return _AttachAuxLoss.apply(out_BSD, aux)
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """A running sum that starts at the first value (no kernel for a zero start)."""
+    return value.clone() if total is None else total + value
 
 
 def route(logits_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -289,8 +289,17 @@ def _recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpoi
 
 def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: DataParallel, init, expert_info=None):
     """The data-parallel engine of `data.zero`'s stage over the model's final parameters; under expert parallelism
-    one over the dense parameters (the data axis) and one over the experts (the ranks holding the same block)."""
+    one over the dense parameters (the data axis) and one over the experts (the ranks holding the same block), or
+    under ZeRO-3 one engine sharding each kind over its own axis."""
     reduction = data.grad_reduction.value
+    if data.zero == 3:  # one engine: each expert block sharded over the ranks holding it, the rest over the data axis
+        from paratrain.parallel.data.zero3 import FullyShardedEngine
+        from paratrain.parallel.expert import REPLICATE_AXIS
+
+        prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
+        return FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
+                                  prefetch=prefetch, expert_names=expert_info.names if expert_info else (),
+                                  expert_axis=REPLICATE_AXIS)
     if expert_info is not None:
         from paratrain.parallel.data.groups import GroupedEngine
         from paratrain.parallel.expert import REPLICATE_AXIS
@@ -301,12 +310,6 @@ def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: D
                                                  grad_reduction=reduction, params=params,
                                                  axis=REPLICATE_AXIS if expert else None)
                               for expert, params in zip((False, True), groups)], [False, True])
-    if data.zero == 3:
-        from paratrain.parallel.data.zero3 import FullyShardedEngine
-
-        prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
-        return FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
-                                  prefetch=prefetch)
     return DataParallelEngine(model, mesh, comm, policy, stage=data.zero, bucket_mb=data.bucket_mb,
                               grad_reduction=reduction)
 

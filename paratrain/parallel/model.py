@@ -220,13 +220,15 @@ class ParallelModel(nn.Module):
         so m micro-batches on N data ranks give the gradient of one batch of m·N. Under pipeline
         parallelism the schedule runs the passes, `loss_fn` on the last stage. The auxiliary
         losses of MoE layers are averaged over the step's sequences on every data rank alike
-        (`MoE.aux_rows`), the gradients being summed over the data ranks as the token loss's.
+        (`MoE.aux_rows`), the gradients being summed over the data ranks as the token loss's; their
+        expert load (`MoE.step_tokens_per_expert`) sums over this step's micro-batches.
         """
         loss_fn = loss_fn or self.loss_fn
         self._phase = _Phase.BACKWARD
         rows = sum(inputs.shape[0] for inputs, _ in micro_batches) * self.mesh.size("dp")
-        for layer in self._moe:
+        for layer in self._moe:  # and each layer's expert load counts this step's forwards
             layer.aux_rows = rows
+            layer.reset_step_load()
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(micro_batches, normalizer, loss_fn, self.no_sync, self.scale_loss)
         else:

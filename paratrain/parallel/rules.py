@@ -386,11 +386,12 @@ def context_parallel_violations(cp: int, seq_len: int | None, dp_shard: int = 0,
 def expert_parallel_violations(layout: LayoutSpec) -> list[Violation]:
     """Expert parallelism splits the experts of every MoE layer over ep neighbouring data ranks.
 
-    ep divides dp, and the model (when known) has MoE layers whose expert count ep divides. Not
-    yet composed (refused here, one home for the refusal): ZeRO-3 (its units would gather the
-    expert blocks over the whole data axis), hybrid sharding and context parallelism (the data
-    axis split twice), sequence parallelism (each tp rank would route a different part of a
-    sequence, so the auxiliary loss and the experts' gradients would be partial over tp).
+    ep divides dp, and the model (when known) has MoE layers whose expert count ep divides. ZeRO-3
+    composes: each expert block is sharded over the `ep_replicate` ranks that hold it, every other
+    parameter over the data axis. Not yet composed (refused here, one home for the refusal): hybrid
+    sharding and context parallelism (the data axis split twice), sequence parallelism (each tp
+    rank would route a different part of a sequence, so the auxiliary loss and the experts'
+    gradients would be partial over tp).
     """
     s, ep = layout, layout.ep
     model = s.model
@@ -405,8 +406,7 @@ def expert_parallel_violations(layout: LayoutSpec) -> list[Violation]:
     if model is not None and model.n_experts % ep:
         return [Violation("ep_experts", f"--ep {ep} does not divide the model's {model.n_experts} experts; "
                                         f"choose --ep among {[d for d in _divisors(model.n_experts) if s.dp % d == 0]}")]
-    refused = [(s.zero == 3, "--zero 3", "use --zero 0, 1 or 2"),
-               (bool(s.dp_shard) and s.dp_shard < s.dp, f"--dp-shard {s.dp_shard}", "drop --dp-shard"),
+    refused = [(bool(s.dp_shard) and s.dp_shard < s.dp, f"--dp-shard {s.dp_shard}", "drop --dp-shard"),
                (s.cp > 1, f"--cp {s.cp}", "drop --cp"),
                (s.sequence_parallel, "--sequence-parallel", "drop --sequence-parallel")]
     return [Violation("ep_compose", f"--ep {ep} with {what} is not supported yet; {fix}")

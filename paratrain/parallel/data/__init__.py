@@ -8,6 +8,9 @@
 - `zero3`: ZeRO-3 (FSDP): parameters sharded at rest, one unit gathered at a time (where it
   prefetches the next), its gradients reduce-scattered as backward leaves it.
 - `units`: how a model is cut into ZeRO-3 units and how a unit's flat parameters are laid out.
+- `placement`: the axis each ZeRO-3 parameter is sharded over (expert blocks: `ep_replicate`).
+- `outside_use`: ZeRO-3's check that no parameter is read outside its unit's forward.
+- `groups`: one engine per group of parameters (DDP, ZeRO-1/2 under expert parallelism).
 - `shard`: which rows of every parameter rank r of N owns (the layout checkpoints record).
 - `replicas`: agreeing start-up values, and hybrid sharding's all-reduce across replica groups.
 """

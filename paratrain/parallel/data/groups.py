@@ -5,7 +5,8 @@ the `ep_replicate` data ranks that hold the same block. `GroupedEngine` runs one
 `DataParallelEngine` per group, each over its own axis, and answers the `Engine` contract for
 all of them: masters, names and flags are the groups' in order, one after the other. Which
 copies a rank owns (`paratrain.mesh.replicated_over`) is then a property of the group, so the
-engine says, per master, which group it belongs to (`expert`).
+engine says, per master, which group it belongs to (`expert`). One engine that holds both kinds
+itself (ZeRO-3 sharding each over its own axis) reports them as two `MasterGroup`s instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 from typing import Iterator
 
 import torch
+
+from paratrain.parallel.norm import sum_of_squares
 
 
 class GroupedEngine:
@@ -79,3 +82,23 @@ class GroupedEngine:
             for key, value in engine.resident_bytes().items():
                 totals[key] = totals.get(key, 0) + value
         return totals
+
+
+class MasterGroup:
+    """Some of one engine's masters, seen as a group: what `ParallelModel` asks a group (its gradient norm's
+    part, whose copies count) of the engine's masters at `indices`."""
+
+    def __init__(self, engine, indices: list[int]):
+        self.engine, self.indices = engine, indices
+        self.grads_sharded, self.params_sharded = engine.grads_sharded, engine.params_sharded
+
+    def masters(self) -> list[torch.Tensor]:
+        masters = self.engine.masters()
+        return [masters[i] for i in self.indices]
+
+    def master_names(self) -> list[str]:
+        names = self.engine.master_names()
+        return [names[i] for i in self.indices]
+
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        return sum_of_squares((m.grad for m in self.masters() if m.grad is not None), self.engine.device)

@@ -34,7 +34,12 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.errors import ParatrainError
 from paratrain.parallel.data.shard import chunk_padding, chunk_tiles, rows_per_rank
+
+class ZeroConfigError(ParatrainError, ValueError):
+    """A ZeRO-3 setting or model that the engine cannot shard."""
+
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 UnitSpec = Callable[[str, nn.Module], bool] | tuple[type, ...] | str | None

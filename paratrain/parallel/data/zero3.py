@@ -46,54 +46,24 @@ import contextlib
 import functools
 import math
 from collections import deque
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, Collection, ContextManager, Iterator
 
 import torch
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.compat import ObservingMode, in_backward, tree_leaves
+from paratrain.compat import in_backward
 from paratrain.mesh import Mesh
 from paratrain.parallel.data.engine import used_flags
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.data.replicas import ReplicaSum
 from paratrain.parallel.data.shard import row_range
-from paratrain.parallel.data.units import SavedView, Unit, UnitSpec, parameter_slots, row_shape, unit_modules
+from paratrain.parallel.data.groups import MasterGroup
+from paratrain.parallel.data.outside_use import OutsideUse
+from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
+from paratrain.parallel.data.units import (SavedView, Unit, UnitSpec, ZeroConfigError, parameter_slots, row_shape,
+                                          unit_modules)
 from paratrain.precision import Precision
-from paratrain.errors import ParatrainError
-
-
-class ZeroConfigError(ParatrainError, ValueError):
-    """A ZeRO-3 setting or model that the engine cannot shard."""
-
-
-class _OutsideUse(ObservingMode):  # compiled blocks compile and run under it
-    """Active during the first forward: an operator on a shard is a parameter read outside its unit's forward.
-
-    At rest a unit's module slots hold the shards; inside the unit's forward they hold the full
-    parameters. A model that reads a parameter from somewhere else (a weight used transposed by
-    its parent, say) would compute with the shard, which is the wrong shape or, worse, the right
-    shape with the wrong values: this says so, once, with the fix.
-    """
-
-    def __init__(self, engine: FullyShardedEngine):
-        super().__init__()
-        self.engine, self.active = engine, True
-        self.names = {id(shard): name for shard, name in zip(engine._shards, engine._names)}
-        self.owners = {name: unit.name or "the root" for unit in engine.units
-                       for name in (engine._names[fp.index] for fp in unit.params)}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.engine._in_engine:
-            for leaf in tree_leaves((args, kwargs)):
-                name = self.names.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-                if name is not None and any(leaf is s for s in self.engine._shards):
-                    raise ZeroConfigError(
-                        f"ZeRO-3: parameter {name!r} is read outside the forward of its unit "
-                        f"({self.owners.get(name, 'the root')!r}), where it is this rank's shard; use "
-                        f"DataParallel(units='blocks') (parameters outside the blocks stay gathered for the whole "
-                        f"forward) or units= that puts that module together with the one that reads it")
-        return func(*args, **(kwargs or {}))
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -134,7 +104,9 @@ class FullyShardedEngine:
     `units`: None (blocks of ModuleList/ModuleDict), module classes, or a
     predicate (name, module) -> bool. `grad_reduction`: "mean" divides
     gradients by N (DDP semantics), "sum" adds them (the caller's loss is
-    already normalized by the global token count).
+    already normalized by the global token count). `expert_names`: parameters that only the
+    `expert_axis` ranks hold copies of (expert parallelism's blocks of experts), sharded over those
+    (`placement.py`) and reported as a group of their own (`groups`).
     """
 
     grads_sharded = True  # each rank holds only its shard of every gradient: global norms need a dp all-reduce
@@ -142,25 +114,27 @@ class FullyShardedEngine:
 
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision,
                  units: UnitSpec = None, prefetch: bool = True,
-                 init: Callable[[str, torch.Size], torch.Tensor] | None = None, grad_reduction: str = "mean"):
+                 init: Callable[[str, torch.Size], torch.Tensor] | None = None, grad_reduction: str = "mean",
+                 expert_names: Collection[str] = (), expert_axis: str = "ep_replicate"):
         if grad_reduction not in ("mean", "sum"):
             raise ZeroConfigError(f"grad_reduction={grad_reduction!r} is invalid; use 'mean' or 'sum'")
         self.model, self.comm, self.precision, self.prefetch = model, comm, precision, prefetch
         # Shards split over the shard group: the data axis, or its dp_shard part under hybrid sharding,
         # whose dp_replicate groups each hold a copy of the shards (and sum their gradients).
         self.shard_axis, self.replicas = mesh.shard_axis, mesh.replicas
-        self.num_ranks, self.rank, self.device = mesh.size(self.shard_axis), mesh.coord(self.shard_axis), mesh.device
+        self.mesh, self.device = mesh, mesh.device
         self._divide_by = mesh.size(mesh.data_axis) if grad_reduction == "mean" else 1
         originals = dict(model.named_parameters())  # name -> parameter, each shared tensor once
         index_of = {id(p): i for i, p in enumerate(originals.values())}
         self._names = list(originals)
         self._shapes = [p.shape for p in originals.values()]
+        self._axes = [expert_axis if name in expert_names else self.shard_axis for name in self._names]
         # state_dict names (a tied parameter has several) -> parameter index
         self._state_names = {name: index_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
         _check_buffers(model)
         init = init or _default_init(model, originals)
-        self._shards = [self._make_shard(name, p, init) for name, p in originals.items()]
-        self.units = self._build_units(model, units, index_of)
+        self._shards = [self._make_shard(name, p, init, axis) for (name, p), axis in zip(originals.items(), self._axes)]
+        self.units = self._build_units(model, units, index_of, set(expert_names))
         self.root = self.units[0]
         for unit in self.units:
             unit.restore()
@@ -180,7 +154,7 @@ class FullyShardedEngine:
         self._used_mask = torch.zeros(len(self._shards), device=self._device())
         # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
         self._accumulating = False
-        self._outside_use: _OutsideUse | None = None
+        self._outside_use: OutsideUse | None = None
         self._in_engine = 0  # > 0 while the engine's own code runs (it may touch shards)
 
     @contextlib.contextmanager
@@ -195,10 +169,10 @@ class FullyShardedEngine:
     def _device(self) -> torch.device:
         return self.device
 
-    def _make_shard(self, name: str, param: nn.Parameter, init) -> nn.Parameter:
-        """This rank's rows of one parameter as an fp32 leaf; a meta parameter's full value lives only here."""
+    def _make_shard(self, name: str, param: nn.Parameter, init, axis: str) -> nn.Parameter:
+        """This rank's rows over `axis` of one parameter as an fp32 leaf; a meta parameter's full value lives only here."""
         rows = row_shape(param.shape)
-        lo, hi = row_range(rows[0], self.num_ranks, self.rank)
+        lo, hi = row_range(rows[0], *shard_place(self.mesh, axis))
         device = self.device  # the mesh's, whatever device a materialized model was built on
         # The shard is allocated before the full value, so that the freed full value is the most
         # recent allocation and the next one reuses its memory (measured: peak RSS of a sharded
@@ -210,14 +184,14 @@ class FullyShardedEngine:
         shard.copy_(full.reshape(rows)[lo:hi])
         return nn.Parameter(shard, requires_grad=param.requires_grad)
 
-    def _build_units(self, model: nn.Module, spec: UnitSpec, index_of: dict[int, int]) -> list[Unit]:
-        named = [("", model)] + unit_modules(model, spec)
+    def _build_units(self, model: nn.Module, spec: UnitSpec, index_of: dict[int, int], experts: set[str]) -> list[Unit]:
+        named = [("", model)] + axis_units(model, unit_modules(model, spec), experts)
         slots = parameter_slots(model, {id(m) for _, m in named[1:]})
         units = []
         for name, module in named:
             indexed = [(mod, attr, index_of[id(mod._parameters[attr])]) for mod, attr in slots.get(id(module), [])]
-            units.append(Unit(name, module, indexed, self._shards, self._shapes, self.num_ranks,
-                              self.shard_axis))
+            axis = unit_axis(name, [self._axes[i] for _, _, i in indexed], self.shard_axis)
+            units.append(Unit(name, module, indexed, self._shards, self._shapes, self.mesh.size(axis), axis))
         return units
 
     def _register_hooks(self, unit: Unit) -> None:
@@ -271,7 +245,7 @@ class FullyShardedEngine:
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         if self._outside_use is None:  # the first forward: check that every parameter is read inside its unit
-            self._outside_use = _OutsideUse(self)
+            self._outside_use = OutsideUse(self)
             self._outside_use.__enter__()
 
     def _end_forward(self) -> None:
@@ -366,7 +340,7 @@ class FullyShardedEngine:
             self._land(*self._in_flight.popleft())
         flat = unit.flatten_grads(grads, self.precision.reduce_dtype, self._divide_by)
         out = torch.empty(unit.chunk_numel, dtype=flat.dtype, device=flat.device)
-        work = self.comm.reduce_scatter(out, flat, axis=self.shard_axis, async_op=True)
+        work = self.comm.reduce_scatter(out, flat, axis=unit.axis, async_op=True)
         self._in_flight.append((unit, work, out, flat))
         while len(self._in_flight) > self._in_flight_limit:
             self._land(*self._in_flight.popleft())
@@ -375,8 +349,8 @@ class FullyShardedEngine:
         """Wait for one reduce-scatter and add its shard gradients to this backward's new gradients; under
         hybrid sharding, first sum the shard over the replicas (`ReplicaSum`: asynchronously, landed at
         the next reduction or when the gradients are finished)."""
-        self.comm.wait([work], self.shard_axis)
-        if self.replicas == 1:
+        self.comm.wait([work], unit.axis)
+        if self.replicas == 1 or unit.axis != self.shard_axis:  # (expert blocks have no replicas of their shards)
             self._add_shard(unit, out)
         else:
             self._replica_sum.push(out, functools.partial(self._add_shard, unit, out))
@@ -417,8 +391,12 @@ class FullyShardedEngine:
         for i in indices:
             self._shards[i].grad = None
 
-    def groups(self) -> list[tuple[FullyShardedEngine, bool]]:
-        return [(self, False)]
+    def groups(self) -> list[tuple[object, bool]]:
+        """This engine alone, or its dense masters and its expert blocks as two groups (`MasterGroup`)."""
+        if all(axis == self.shard_axis for axis in self._axes):
+            return [(self, False)]
+        return [(MasterGroup(self, [i for i, axis in enumerate(self._axes) if (axis != self.shard_axis) == expert]),
+                 expert) for expert in (False, True)]
 
     def masters(self) -> list[torch.Tensor]:
         """The fp32 shards the optimizer updates (they are also the model's parameters at rest)."""
@@ -429,8 +407,8 @@ class FullyShardedEngine:
 
     def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
         """Per master (in `masters()` order): parameter name, the rows [lo, hi) it holds, the parameter's full shape."""
-        return [(name, row_range(row_shape(shape)[0], self.num_ranks, self.rank), shape)
-                for name, shape in zip(self._names, self._shapes)]
+        return [(name, row_range(row_shape(shape)[0], *shard_place(self.mesh, axis)), shape)
+                for name, shape, axis in zip(self._names, self._shapes, self._axes)]
 
     def after_step(self) -> None:
         """Nothing to copy: the masters are the shards, cast to param_dtype at each gather."""
@@ -472,12 +450,14 @@ class FullyShardedEngine:
     def _gather_parameter(self, index: int) -> torch.Tensor:
         shard, shape = self._shards[index], self._shapes[index]
         rows = row_shape(shape)
-        c = math.ceil(rows[0] / self.num_ranks)
+        axis = self._axes[index]
+        ranks = self.mesh.size(axis)
+        c = math.ceil(rows[0] / ranks)
         chunk = torch.empty((c, *rows[1:]), dtype=shard.dtype, device=shard.device)
         chunk[:shard.shape[0]] = shard
         chunk[shard.shape[0]:].zero_()  # padding
-        out = torch.empty((self.num_ranks * c, *rows[1:]), dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(out.view(-1), chunk.view(-1), axis=self.shard_axis)
+        out = torch.empty((ranks * c, *rows[1:]), dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(out.view(-1), chunk.view(-1), axis=axis)
         return out[:rows[0]].reshape(shape).clone()
 
 
