@@ -415,7 +415,7 @@ def measured(*owners, device: torch.device | str = "cpu"):
         holder.window = meter.end(*owners)
 
 
-def kept_by_forward(model: nn.Module, forward, repeats: int = 3) -> int:
+def kept_by_forward(model: nn.Module, forward, repeats: int = 5) -> int:
     """Bytes of tensors `forward()` leaves alive (what backward reads, and the output), the fewest of `repeats`.
 
     Each forward runs with the garbage collector held off after one collection: what building the model

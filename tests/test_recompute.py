@@ -80,7 +80,7 @@ def _step_peak(mesh, mode) -> int:
 def _kept_after_forward(mesh, n_layers: int, **options) -> int:
     """Bytes a selective model's forward leaves alive (what backward will read, and the logits).
 
-    The fewest of three forwards: a collective's handle may hold its tensors a moment after the
+    The fewest of five forwards: a collective's handle may hold its tensors a moment after the
     forward returns, as long as the process group's thread takes under load; what the model keeps is
     what every forward leaves."""
     gc.collect()  # the models built before are gone, not freed inside the window
