@@ -1,7 +1,8 @@
 """Local multi-process launch through PyTorch's elastic launcher (the library behind torchrun).
 
 ``paratrain train --nproc N`` calls :func:`launch_local`, which starts N
-worker processes with the same environment torchrun would give them, and a
+worker processes with the same environment torchrun would give them (forked from
+a server that imported torch once: `paratrain.forkserver`), and a
 c10d rendezvous bound to the loopback interface. The c10d store is not
 authenticated: it must never listen on a public interface. With ``--nnodes M``
 each node's launcher meets the others at ``--rdzv-endpoint`` under
@@ -19,12 +20,12 @@ import sys
 import uuid
 from pathlib import Path
 
-import torch.multiprocessing
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import elastic_launch
 
+from paratrain import forkserver
 from paratrain.compat import elastic_launch_config
 from paratrain.config import Config
 from paratrain.distributed import free_port
@@ -51,7 +52,7 @@ class Preempted(RunFailure):
 
 @record
 def _worker(config: dict, timer_requests=None) -> None:
-    """Entry point of each launched process (module level, so it can be spawned)."""
+    """Entry point of each launched process (module level: it is pickled to the forked worker)."""
     from paratrain.train import train
 
     if timer_requests is not None:
@@ -80,7 +81,7 @@ def launch_local(cfg: Config) -> None:
 def launch_processes(entry, payload, nproc: int, max_restarts: int = 0) -> None:
     """Run `entry(payload)` on `nproc` processes of this node through torch's elastic agent, as torchrun would.
 
-    `entry` is a module-level function (it is spawned) and `payload` plain data. The agent's
+    `entry` is a module-level function (it is pickled to each worker) and `payload` plain data. The agent's
     ChildFailedError and SignalException reach the caller.
     """
     _launch(_node_config(nproc, max_restarts), entry, payload)
@@ -96,7 +97,14 @@ def _launch(launch, entry, *args) -> None:
     # The agent logs each failure as a multi-line traceback of its own
     # internals; the one line from describe_failure says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    elastic_launch(launch, entry)(*args)
+    forkserver.context()  # its preload, before the agent starts the server
+    elastic_launch(launch, _forked)(entry, forkserver.launcher_state(), *args)
+
+
+def _forked(entry, state: dict, *args):
+    """Each worker's first call: the launcher's environment, directory and import path taken, then `entry(*args)`."""
+    forkserver.adopt(state)
+    return entry(*args)
 
 
 def launch_config(cfg: Config):
@@ -117,7 +125,7 @@ def _node_config(nproc: int, max_restarts: int, nnodes: int = 1, rdzv_id: str | 
         rdzv_configs={"join_timeout": join_timeout_s},
         max_restarts=max_restarts,
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method="forkserver",  # workers forked from one process that imported torch (paratrain.forkserver)
         # One node: everything on the loopback interface. Several: each node's own address.
         local_addr="127.0.0.1" if nnodes == 1 else None,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,  # newer than torch 2.11, whose agent waits 30 s too
@@ -139,8 +147,8 @@ class _TimerServer:
     """The launcher's timer server and the queue its workers send their countdowns over."""
 
     def __init__(self, timeout_s: float, explain):
-        # A spawn-context queue: it travels to the spawned workers as an argument of their entry point.
-        self.requests = torch.multiprocessing.get_context("spawn").Queue()
+        # A queue of the workers' context: it travels to them as an argument of their entry point.
+        self.requests = forkserver.context().Queue()
         self.server = StepTimerServer(self.requests, timeout_s, explain=explain)
         self.server.start()
 

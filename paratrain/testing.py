@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from paratrain import forkserver
 from paratrain.dispatch_counters import Collectives, HostSyncs
 from paratrain.distributed import free_port
 
@@ -164,16 +165,8 @@ def _pickle_call(fn, args) -> bytes:
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server preloaded with torch (takes effect when it first starts)."""
-    context = multiprocessing.get_context("forkserver")
-    # torch._dynamo: torch.optim.Optimizer.__init__ and meta-device initialization import it
-    # lazily, about 2-3 s per rank; imported once in the server, every rank inherits it.
-    preload = ["torch", "torch.distributed", "torch._dynamo", __name__]
-    # Test modules import pytest; importing it once in the server saves it per rank.
-    if "pytest" in sys.modules:
-        preload.append("pytest")
-    context.set_forkserver_preload(preload)
-    return context
+    """The forkserver context, its server preloaded with torch and this module (`paratrain.forkserver`)."""
+    return forkserver.context(__name__)
 
 
 def _start_ranks(context, ranks, world_size, timeout, env, payload, run_dir) -> None:

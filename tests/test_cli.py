@@ -215,6 +215,30 @@ def test_log_every_thins_the_metrics_and_every_record_has_its_grad_norm(tmp_path
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records), records
 
 
+def _write_environment(out: str) -> None:
+    """A launched worker's view of the launcher: the variables named below and its directory, by rank."""
+    seen = {k: os.environ.get(k) for k in ("PARATRAIN_PROBE", "PARATRAIN_GONE", "RANK", "WORLD_SIZE")}
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps({**seen, "cwd": os.getcwd()}))
+
+
+def test_forked_workers_see_the_launchers_environment_and_directory_at_each_launch(tmp_path, monkeypatch):
+    """Workers are forked from a server started by the first launch at the latest (paratrain.forkserver); a
+    later launch's workers still get what the launcher has then: a variable set since, one deleted since, its
+    directory."""
+    from paratrain.launch import launch_processes
+
+    monkeypatch.setenv("PARATRAIN_GONE", "1")
+    launch_processes(_write_environment, str(tmp_path), 1)  # the server exists from here on
+    monkeypatch.delenv("PARATRAIN_GONE")
+    monkeypatch.setenv("PARATRAIN_PROBE", "2")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    launch_processes(_write_environment, str(tmp_path), 2)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen == [{"PARATRAIN_PROBE": "2", "PARATRAIN_GONE": None, "RANK": str(r), "WORLD_SIZE": "2",
+                     "cwd": str(tmp_path / "elsewhere")} for r in range(2)], seen
+
+
 @pytest.mark.slow
 def test_nproc_2_runs_two_processes_through_the_elastic_launcher(tmp_path):
     out = tmp_path / "run"
@@ -241,8 +265,8 @@ def _worker_pids(launcher_pid: int) -> list[int]:
         pid = frontier.pop()
         for child in _children(pid):
             frontier.append(child)
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"multiprocessing" in cmd and b"spawn_main" in cmd:
+            # Workers are forked by the launcher's forkserver (paratrain.forkserver), which is their parent.
+            if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 pids.append(child)
     return pids
 

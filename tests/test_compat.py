@@ -53,7 +53,7 @@ def test_paratrain_train_nproc_2_builds_its_launch_config_on_a_torch_without_shu
     monkeypatch.setattr(launch, "LaunchConfig", older, raising=False)
     cfg = config_from_args(build_parser().parse_args(["train", "--model", "tiny", "--nproc", "2"]))
     config = launch.launch_config(cfg)
-    assert isinstance(config, older) and config.nproc_per_node == 2 and config.start_method == "spawn"
+    assert isinstance(config, older) and config.nproc_per_node == 2 and config.start_method == "forkserver"
 
 
 def test_the_launch_config_keeps_newer_fields_where_torch_has_them_and_refuses_unknown_ones():

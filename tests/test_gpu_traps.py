@@ -11,6 +11,10 @@ With `Comm(mesh, rendezvous=True)` every send waits for the receiver's acknowled
 schedule must train there to the losses of the normal mode, and a schedule whose transfers are
 grouped one action at a time (interleaved 1F1B, which then deadlocks under NCCL) must hang until the
 process group's timeout says so.
+
+CUDA before the fork: workers are forked from a server that imported torch (`paratrain.forkserver`);
+a CUDA context made there would be unusable in every forked worker. Importing what the server
+preloads must never initialize CUDA.
 """
 
 from __future__ import annotations
@@ -367,3 +371,20 @@ def test_under_plain_torchrun_the_flight_records_go_into_the_run_before_the_grou
     prefix = str(diagnostics_dir(Path(outs["0"])) / FLIGHT_PREFIX)
     expected = {"TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
     assert seen == {"0": expected, "1": expected}
+
+
+def test_what_the_forkserver_preloads_never_initializes_cuda():
+    """Every module the worker server imports, with CUDA's initialization made to fail: none may call it."""
+    import subprocess
+    import sys
+
+    from paratrain import forkserver
+
+    modules = [*forkserver.PRELOAD, "paratrain.forkserver", "paratrain.testing", "paratrain.launch"]
+    code = ("import torch, torch.cuda\n"
+            "def trapped(*a, **k): raise SystemExit('CUDA initialized while importing the preload')\n"
+            "torch.cuda._lazy_init = trapped\n"
+            f"for name in {modules!r}: __import__(name)\n"
+            "assert not torch.cuda.is_initialized()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

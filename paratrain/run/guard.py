@@ -58,6 +58,9 @@ from paratrain.parallel.data.replicas import INT_OF_SIZE, bit_hash
 
 # torchrun waits 30 s (--shutdown-timeout) between SIGTERM and SIGKILL: finish the step and save before.
 SIGTERM_GRACE_S = 25.0
+# How long a rank whose collective failed waits before it exits: past the launcher's monitor interval (0.2 s),
+# so that a peer that died first (killed, out of memory) is the one the launcher names.
+PEER_EXIT_GRACE_S = 1.0
 
 
 class TrainingAborted(RunFailure):
@@ -169,6 +172,9 @@ class StepGuard:
             report = describe(self.diagnostics, self.rank, self.mesh.shape)
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             print(f"paratrain: {report}", file=sys.stderr, flush=True)
+            # The launcher names the first worker it sees exit. A collective fails here mostly because a peer
+            # died or failed first: a moment's wait lets the launcher see that peer's exit before this one's.
+            time.sleep(PEER_EXIT_GRACE_S)
             raise CollectiveFailure(f"{report} (error: {cause[:300]})") from exc
 
     def close(self) -> None:

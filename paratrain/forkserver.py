@@ -1,0 +1,54 @@
+"""The process paratrain starts its worker processes from: torch imported once, every worker forked from it.
+
+A fresh interpreter per worker (multiprocessing's "spawn", torchrun's default) imports torch and
+torch._dynamo again, 3–5 s of CPU per process, at every launch and every elastic restart. The
+forkserver imports them once, when it first starts, and forks each worker from that state
+(`context`). The server never initializes CUDA (importing torch does not), so each worker
+initializes its own, as a spawned one would.
+
+A forked worker inherits the server's state from when the server started, not the launcher's
+now: the launcher hands its environment, working directory and `sys.path` over at each launch
+(`launcher_state`), and the worker takes them (`adopt`), keeping the variables its launcher set
+for it alone since the fork (RANK, LOCAL_RANK, MASTER_PORT, …), as spawn would have given it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+# The server's environment: this module is preloaded there, so a forked worker inherits this snapshot.
+_SERVER_ENV = dict(os.environ)
+_IMPORTED_IN = os.getpid()
+
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]  # _dynamo: optimizers and meta init import it lazily
+
+
+def context(*extra: str) -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server preloaded with torch, this module and `extra` (when it first starts)."""
+    ctx = multiprocessing.get_context("forkserver")
+    preload = [*PRELOAD, __name__, *extra]
+    if "pytest" in sys.modules:  # test modules import it: once in the server rather than once per worker
+        preload.append("pytest")
+    ctx.set_forkserver_preload(preload)
+    return ctx
+
+
+def launcher_state() -> dict:
+    """What a spawned worker would have inherited from the launcher now: environment, directory, import path."""
+    return {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path)}
+
+
+def adopt(state: dict) -> None:
+    """In a forked worker: take the launcher's `state`, over it the variables set for this worker since the fork."""
+    if os.getpid() == _IMPORTED_IN:
+        # Not inherited from a server that preloaded this module (another caller started it first): what was
+        # set for this worker alone is unknown, so every variable it has stays and the launcher's are added.
+        own = dict(os.environ)
+    else:
+        own = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**state["environ"], **own})
+    os.chdir(state["cwd"])
+    sys.path[:] = state["path"]
