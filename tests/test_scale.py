@@ -32,7 +32,7 @@ def big_config(out, corpus: str = "default") -> Config:
     cfg.parallel.zero = 3
     cfg.parallel.activation_checkpointing = 1  # as a model too large for one rank is trained
     t = cfg.train
-    t.steps, t.global_batch, t.micro_batch, t.warmup_steps = 3, WORLD, 1, 1
+    t.steps, t.global_batch, t.micro_batch, t.warmup_steps = 2, WORLD, 1, 1
     t.eval_every, t.eval_batches, t.sample_tokens = 0, 1, 8
     t.peak_flops = 1e12
     cfg.run.out, cfg.run.progress = str(out), False
@@ -86,7 +86,7 @@ def test_zero3_trains_a_model_whose_fp32_weights_exceed_a_ranks_cap(tmp_path):
                                   f"(whole fp32 model {full_fp32_bytes() / 2**20:.0f} MiB)")
     assert results[0][1]  # the text sample
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in metrics)
+    assert len(metrics) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in metrics)
     weights = tmp_path / "run" / "final" / "model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
         stored = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
