@@ -22,7 +22,8 @@ import sys
 _SERVER_ENV = dict(os.environ)
 _IMPORTED_IN = os.getpid()
 
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]  # _dynamo: optimizers and meta init import it lazily
+# _dynamo: optimizers and meta-device initialization import it lazily; paratrain.train: what every worker runs.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "paratrain.train"]
 
 
 def context(*extra: str) -> multiprocessing.context.BaseContext:
