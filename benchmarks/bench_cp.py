@@ -158,7 +158,7 @@ def activation_bytes(run: Single, x) -> int:
         with context_parallel(run.mesh, buffers=[xs, pos], buffer_seq_dims=[1, 0]):
             return run.model(xs, positions=pos)
 
-    return kept_by_forward(run.model, forward, repeats=2)
+    return kept_by_forward(run.model, forward, repeats=3)
 
 
 def bench_rank(rank: int, world: int, spec: Spec, args) -> dict:

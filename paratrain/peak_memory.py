@@ -416,11 +416,14 @@ def measured(*owners, device: torch.device | str = "cpu"):
 
 
 def kept_by_forward(model: nn.Module, forward, repeats: int = 5) -> int:
-    """Bytes of tensors `forward()` leaves alive (what backward reads, and the output), the fewest of `repeats`.
+    """Bytes of tensors `forward()` leaves alive (what backward reads, and the output), the median of `repeats`.
 
     Each forward runs with the garbage collector held off after one collection: what building the model
     or the forward before left in cycles is freed before the window, and nothing is freed inside it.
-    The fewest, because a collective's handle may hold a tensor a moment longer on a loaded machine.
+    The median (an observed value), because a collective's tensor is released by the process group's
+    thread, not by this one: on a loaded machine a forward's last collective may still hold one when the
+    window closes (one reading too high), or the previous forward's may let go inside the window (one
+    too low). Most readings are neither, and the median is one of those.
     """
     kept = []
     for _ in range(repeats):
@@ -435,7 +438,7 @@ def kept_by_forward(model: nn.Module, forward, repeats: int = 5) -> int:
         finally:
             gc.enable()
         del out
-    return min(kept)
+    return sorted(kept)[len(kept) // 2]
 
 
 @dataclass

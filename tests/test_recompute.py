@@ -80,9 +80,9 @@ def _step_peak(mesh, mode) -> int:
 def _kept_after_forward(mesh, n_layers: int, **options) -> int:
     """Bytes a selective model's forward leaves alive (what backward will read, and the logits).
 
-    The fewest of five forwards: a collective's handle may hold its tensors a moment after the
-    forward returns, as long as the process group's thread takes under load; what the model keeps is
-    what every forward leaves."""
+    The median of five forwards (`kept_by_forward`): under load a collective's tensor is released by the
+    process group's thread a moment late, inside the next window or after this one; what the model keeps is
+    what most forwards leave."""
     gc.collect()  # the models built before are gone, not freed inside the window
     cfg = dataclasses.replace(WIDE, n_layers=n_layers)
     model, _ = _parallel(cfg, mesh, "selective", **options)
