@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench_dp import MB, add_common_args, adamw_factory, build_model, doc_parser, fmt, fmt_load, model_config
-from bench_dp import failed_row, run_meta, write_results
+from bench_dp import failed_row, fmt_spread, run_meta, write_results
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import parallelize
 from paratrain.peak_memory import kept_by_forward
@@ -231,7 +231,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['label']} | {r['cp']} | did not run: {r['error']} |" + " |" * (len(head) - 3))
             continue
-        spread = f"{r['step_s'] * 1e3:.0f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
+        spread = fmt_spread(r, ".0f")
         kv = f"{r['kv_bytes']:,}" if "kv_bytes" in r else "-"
         formula = (f"{r['kv_formula']:,} ({'equal' if r['kv_bytes'] == r['kv_formula'] else 'DIFFERS'})"
                    if "kv_formula" in r else "-")

@@ -396,6 +396,12 @@ def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def fmt_spread(row: dict, spec: str = ".1f") -> str:
+    """A row's median step in ms and, in brackets, its fastest and slowest: "412.3 (398–455)"."""
+    times = row["step_times_s"]
+    return f"{row['step_s'] * 1e3:{spec}} ({min(times) * 1e3:.0f}–{max(times) * 1e3:.0f})"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     head = ["variant", "ranks", "step ms median (min–max)", "tokens/s", "peak RSS Δ MB/rank", "RSS end MB/rank",
             "model state MB/rank", "comm MB/rank/step", "time ratio", "state ratio", "RSS ratio",
@@ -418,7 +424,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['ranks']} | {r['error']} |" + " |" * (len(head) - 3))
             continue
-        spread = f"{r['step_s'] * 1e3:.1f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
+        spread = fmt_spread(r, ".1f")
         cells = [r["variant"], str(r["ranks"]), spread, fmt(r["tokens_per_s"], ",.0f"),
                  fmt(r["peak_rss_delta_mb"], ".1f"), fmt(r["rss_end_mb"], ".0f"), fmt(r["state_mb"], ".2f"),
                  fmt(r["comm_mb_per_step"], ".2f"), ratio_cell(r), fmt(r.get("state_ratio"), ".2f"),

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench_dp import (
-    MB, PAIRS, add_common_args, build_model, doc_parser, fmt, fmt_load, failure_notes, machine, model_config,
-    proc_status_kb, setup_paratrain, setup_pytorch, warm_process, write_results,
+    MB, PAIRS, add_common_args, build_model, doc_parser, fmt, fmt_load, fmt_spread, failure_notes, machine,
+    model_config, proc_status_kb, setup_paratrain, setup_pytorch, warm_process, write_results,
 )
 from paratrain.peak_memory import CATEGORIES, TensorMemory, return_freed_memory
 from paratrain.testing import RankError, run_on_ranks
@@ -161,7 +161,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             lines.append(f"| {r['model']} | {r['variant']} | {r['ranks']} | {r['error']} |" + " |" * (len(head) - 4))
             continue
         parts = " / ".join(f"{r['by_category_mb'][c]:.1f}" for c in CATEGORIES)
-        spread = f"{r['step_s'] * 1e3:.0f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
+        spread = fmt_spread(r, ".0f")
         cells = [r["model"], r["variant"], str(r["ranks"]), f"{r['tracked_peak_mb']:.1f}", parts,
                  f"{r['rss_rise_mb']:.1f}", spread, fmt(r.get("tracked_ratio"), ".2f"), fmt(r.get("rss_ratio"), ".2f"),
                  fmt(r.get("time_ratio"), ".2f"), fmt(r.get("loss_max_rel_diff"), ".1e")]

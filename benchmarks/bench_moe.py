@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench_dp import MB, add_common_args, adamw_factory, build_model, doc_parser, fmt, fmt_load, global_batch
-from bench_dp import failed_row, machine, run_rounds, write_results
+from bench_dp import failed_row, fmt_spread, machine, run_rounds, write_results
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig
 from paratrain.parallel.api import parallelize
@@ -250,7 +250,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['label']} | {r['ranks']} | did not run: {r['error']} |" + " |" * (len(head) - 3))
             continue
-        spread = f"{r['step_s'] * 1e3:.0f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
+        spread = fmt_spread(r, ".0f")
         equal = r["a2a_bytes"] == r["a2a_formula"]
         cells = [r["label"], str(r["ranks"]), spread, fmt(r.get("time_ratio"), ".2f"), fmt(r["peak_mb"], ".2f"),
                  fmt(r["state_mb"], ".2f"), fmt(r["rss_rise_mb"], ".1f"),

@@ -35,8 +35,8 @@ import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 
 from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, global_batch,
-    model_config, optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds,
+    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
+    global_batch, model_config, optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds,
     set_time_ratio, storage_bytes, write_results,
 )
 from paratrain.mesh import MeshShape, build_mesh
@@ -509,7 +509,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['label']} | {r['error']} |" + " |" * (len(head) - 2))
             continue
-        spread = f"{r['step_s'] * 1e3:.1f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
+        spread = fmt_spread(r, ".1f")
         sim = r["simulated"]
         cells = [r["label"], spread, fmt(r["tokens_per_s"], ",.0f"), per_rank(r["peak_rss_delta_mb"], ".1f"),
                  per_rank(r["p2p_mb_per_step"], ".2f") if r["ranks"] > 1 else "—",

@@ -39,8 +39,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, global_batch,
-    model_config, optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes,
+    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
+    global_batch, model_config, optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes,
     write_results,
 )
 from paratrain.comm import Comm
@@ -377,7 +377,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['label']} | {r['ranks']} | {r['error']} |" + " |" * (len(head) - 3))
             continue
-        spread = f"{r['step_s'] * 1e3:.1f} ({min(r['step_times_s']) * 1e3:.0f}–{max(r['step_times_s']) * 1e3:.0f})"
+        spread = fmt_spread(r, ".1f")
         cells = [r["label"], str(r["ranks"]), spread, fmt(r["tokens_per_s"], ",.0f"),
                  fmt(r["peak_rss_delta_mb"], ".1f"), fmt(r["params_mb"], ".2f"), fmt(r["state_mb"], ".2f"),
                  fmt(r["comm_mb_per_step"], ".2f"), fmt(r["calls_per_step"], ".0f")]
