@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from paratrain import init_mesh, parallelize
 from paratrain.models import ModelConfig, Transformer
 from paratrain.peak_memory import TensorMemory
+from paratrain.plan import Layout, Workload, estimate_memory
 from paratrain.testing import run_on_ranks
 from parallel_cases import batches
 
@@ -74,9 +75,9 @@ def _plain(precision: str, x, y, compiled: bool = True):
     return _peak(model, optimizer, step)
 
 
-def _paratrain(precision: str, x, y, mesh):
+def _paratrain(precision: str, x, y, mesh, recompute: str = "none"):
     model, optimizer = parallelize(_model(), mesh, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                                   precision=precision, compile=True)
+                                   precision=precision, compile=True, activation_checkpointing=recompute)
 
     def step():
         model.loss_fn(model(x), y).backward()
@@ -94,6 +95,7 @@ def _measure(rank, world):  # noqa: ARG001
     for precision in ("bf16", "fp32"):
         runs[precision, "plain"] = functools.partial(_plain, precision, x, y)
         runs[precision, "paratrain"] = functools.partial(_paratrain, precision, x, y, mesh)
+    runs["bf16", "paratrain selective"] = functools.partial(_paratrain, "bf16", x, y, mesh, "selective")
     results = {}
     for key, run in runs.items():
         torch._dynamo.reset()
@@ -124,3 +126,17 @@ def test_compiled_peak_is_at_most_plain_pytorchs(precision):
     mib = lambda parts: {k: round(v / 2**20, 3) for k, v in parts.items() if v}  # noqa: E731
     assert ours <= plain, (ours / plain, mib(our_parts), mib(plain_parts))
     assert our_parts["other"] < 0.01 * ours, "no buffer outside the named roles: no gradient bucket kept"
+
+
+@pytest.mark.parametrize("precision, row, recompute", [("bf16", "paratrain", "none"), ("fp32", "paratrain", "none"),
+                                                        ("bf16", "paratrain selective", "selective")])
+def test_the_planner_predicts_the_compiled_peak(precision, row, recompute):
+    """`paratrain plan --compile`'s peak (`block_bytes_as_run(compiled=True)`: what inductor's partitioner keeps)
+    within 10% of the measured one (1.001 of it in each row here); the eager count misses it by 10%."""
+    peak = _results()[precision, row][0]
+    workload = Workload.for_model(CFG, seq_len=SEQ, global_batch=ROWS, precision=precision, reduce_dtype="fp32")
+    planned = {compiled: estimate_memory(workload, Layout(micro_batch=ROWS, recompute=recompute,
+                                                          compile=compiled)).total for compiled in (True, False)}
+    assert 0.9 <= peak / planned[True] <= 1.1, (peak / 2**20, planned[True] / 2**20)
+    if recompute == "none":  # the measured 0.89-0.90 of eager's count, 1.00 of compiled's
+        assert peak / planned[False] < 0.95, "compiled blocks keep less than eager ones"

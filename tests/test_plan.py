@@ -216,8 +216,12 @@ def test_stage_activations_hand_computed():
     per_layer = 8_388_608 * 114
     first = estimate_memory(work, layout)  # the first stage holds the most: 4 micro-batches
     assert first.stage == 0 and first.activations == per_layer * 8 * 4
-    flash = estimate_memory(dataclasses.replace(work, flash_attention=True), layout)  # 34·s·b·h and the fp32 lse
-    assert flash.activations == (8_388_608 * 34 + 4 * A * S) * 8 * 4
+    # A flash kernel, the block counted as paratrain's runs (`block_bytes_as_run`), bytes per token, bf16: two
+    # norms (fp32 input copy, normalized, output: 4h + 2h + 2h, and 4 of statistics), q, k, v and the output at
+    # every head (4·2h) with the fp32 log-sum-exp (4a), and the gated MLP's four f-wide tensors (4·2f).
+    flash = estimate_memory(dataclasses.replace(work, flash_attention=True), layout)
+    per_token = 2 * ((4 + 2 + 2) * H + 4) + 4 * 2 * H + 4 * A + 4 * 2 * LLAMA_7B.ffn_dim
+    assert flash.activations == S * per_token * 8 * 4
     from paratrain.plan.memory import stage_activation_bytes
     logits = 1 * S * LLAMA_7B.vocab_size * 4
     assert stage_activation_bytes(work, layout, 3) == per_layer * 8 + logits

@@ -70,12 +70,16 @@ def test_a_stage_holds_its_tokens_logits_and_one_ring_in_flight():
 
 
 def test_a_flash_kernel_at_cp_1_stores_its_lse_not_the_scores():
-    """Korthikanti's 5·a·s/h scores term where the kernel materializes them, the fp32 lse (4·b·a·s/t) where not."""
+    """Korthikanti's 5·a·s/h scores term where the kernel materializes them (bytes per token growing with s);
+    a flash kernel's block keeps the same bytes per token at any length, its fp32 lse (4·a/t) among them."""
     s, b, h, a, tp = 8192, 2, 4096, 32, 4
     for sp in (False, True):
-        dense = layer_activation_bytes(s, b, h, a, tp, sp, Recompute.NONE, "bf16")
-        flash = layer_activation_bytes(s, b, h, a, tp, sp, Recompute.NONE, "bf16", flash=True)
-        assert dense - flash == pytest.approx(5 * a * s / h * s * b * h / tp - 4 * b * a * s / tp, rel=1e-12)
+        dense = [layer_activation_bytes(n, b, h, a, tp, sp, Recompute.NONE, "bf16") for n in (s, 2 * s)]
+        flash = [layer_activation_bytes(n, b, h, a, tp, sp, Recompute.NONE, "bf16", flash=True) for n in (s, 2 * s)]
+        assert dense[1] - 2 * dense[0] == pytest.approx(5 * a * s / h * 2 * s * b * h / tp, rel=1e-12)
+        assert flash[1] == 2 * flash[0]
+        fewer_heads = layer_activation_bytes(s, b, h, a // 2, tp, sp, Recompute.NONE, "bf16", flash=True)
+        assert flash[0] - fewer_heads == pytest.approx(4 * b * (a // 2) * s / tp, rel=1e-12)
     work = Workload.for_model(LLAMA3_8B, seq_len=131072, global_batch=8, precision="bf16")
     lay = Layout(dp=8, tp=8, sequence_parallel=True, recompute=Recompute.FULL)
     assert estimate(work, lay, H100).memory.total < 0.5 * estimate(

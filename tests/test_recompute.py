@@ -77,15 +77,15 @@ def _step_peak(mesh, mode) -> int:
         return meter.end(model, optimizer).peak_bytes
 
 
-def _kept_after_forward(mesh, n_layers: int, **options) -> int:
-    """Bytes a selective model's forward leaves alive (what backward will read, and the logits).
+def _kept_after_forward(mesh, n_layers: int, mode="selective", **options) -> int:
+    """Bytes a `mode` model's forward leaves alive (what backward will read, and the logits).
 
     The median of five forwards (`kept_by_forward`): under load a collective's tensor is released by the
     process group's thread a moment late, inside the next window or after this one; what the model keeps is
     what most forwards leave."""
     gc.collect()  # the models built before are gone, not freed inside the window
     cfg = dataclasses.replace(WIDE, n_layers=n_layers)
-    model, _ = _parallel(cfg, mesh, "selective", **options)
+    model, _ = _parallel(cfg, mesh, mode, **options)
     x, _ = batches(vocab=64, steps=1, batch=ROWS, seq=SEQ)[0]
     return kept_by_forward(model, lambda: model(x))
 
@@ -97,6 +97,11 @@ def _all(rank, world):  # noqa: ARG001
         "kept": {n: _kept_after_forward(dp2, n) for n in (2, 3)},
         "kept_tp2": {n: _kept_after_forward(tp2, n, tensor=TensorParallel()) for n in (2, 3)},
         "kept_tp2_sp": {n: _kept_after_forward(tp2, n, tensor=TensorParallel(sequence_parallel=True)) for n in (2, 3)},
+        "all": {n: _kept_after_forward(dp2, n, 0) for n in (2, 3)},
+        "all_bf16": {n: _kept_after_forward(dp2, n, 0, precision="bf16") for n in (2, 3)},
+        "all_tp2": {n: _kept_after_forward(tp2, n, 0, tensor=TensorParallel()) for n in (2, 3)},
+        "all_tp2_sp": {n: _kept_after_forward(tp2, n, 0, tensor=TensorParallel(sequence_parallel=True))
+                       for n in (2, 3)},
         "zero3_prefetch": {mode: _trained(dp2, mode, zero=3) for mode in MODES},
         "tp2": {mode: _trained(tp2, mode, tensor=TensorParallel()) for mode in MODES},
     }
@@ -159,6 +164,19 @@ def test_the_planner_counts_what_selective_recomputation_keeps(layout, tp, sp):
             assert measured == per_layer
         else:  # one partial sum (wo's or w2's, s·b·h) is counted by the planner and not held: never under, at most that
             assert measured <= per_layer <= measured + SEQ * ROWS * WIDE.dim * 4, (measured, per_layer)
+
+
+@pytest.mark.parametrize("layout, tp, sp, precision", [("all", 1, False, "fp32"), ("all_bf16", 1, False, "bf16"),
+                                                       ("all_tp2", 2, False, "fp32"), ("all_tp2_sp", 2, True, "fp32")])
+def test_the_planner_counts_what_a_block_keeps_without_recomputation(layout, tp, sp, precision):
+    """Exactly: the planner counts a block's kept tensors as paratrain's block runs them (`block_bytes_as_run`:
+    the norms' fp32 copies in bf16, the attention kernel's inputs at every query head and its log-sum-exp, the
+    gated MLP's four tensors; with SP the gathered input each matmul keeps)."""
+    per_layer = layer_activation_bytes(SEQ, ROWS, WIDE.dim, WIDE.n_heads, tp, sp, recompute=Recompute.NONE,
+                                       precision=precision, kv_heads=WIDE.n_kv_heads, ffn_dim=WIDE.ffn_dim, flash=True)
+    for per_rank in _results():
+        kept = per_rank[layout]
+        assert kept[3] - kept[2] == per_layer
 
 
 def test_selective_recomputation_with_zb_h1_is_refused_in_one_line():

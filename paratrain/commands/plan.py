@@ -310,6 +310,8 @@ def format_memory(memory: MemoryBreakdown, limit: float | None = None) -> str:
     if limit is not None:
         verdict = "fits in" if memory.total <= limit else "does NOT fit in"
         lines[-1] += f"   {verdict} {limit / GB:g} GB"
+    if not memory.gradients_meet_activations:
+        lines.append("  (a peak, not the sum: the gradients are born as backward frees the activations)")
     return "\n".join(lines)
 
 

@@ -15,7 +15,8 @@ LOGIT_BYTES = 4  # logits are materialized in fp32 for the softmax cross-entropy
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
                            precision: str = "bf16", *, kv_heads: int | None = None,
-                           ffn_dim: int | None = None, cp: int = 1, flash: bool = False) -> float:
+                           ffn_dim: int | None = None, cp: int = 1, flash: bool = False,
+                           compiled: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch, per tp rank.
 
     Korthikanti et al. 2022, with s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp,
@@ -41,9 +42,12 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     this policy recomputes.
 
     flash: the attention kernel keeps no s×s scores (FlashAttention, SDPA's flash and memory-efficient
-    kernels on a GPU, its fused flash kernel on the CPU): the 5·a·s/h term (scores, softmax output,
-    dropout mask) is replaced by what such a kernel saves beyond its inputs and output, its fp32
-    log-sum-exp, 4·b·a·s/t bytes (`_scores_bytes`, the one place this is decided).
+    kernels on a GPU, its fused flash kernel on the CPU), and the block is counted as paratrain's Llama
+    block runs, not as Korthikanti's GPT block: without recomputation `block_bytes_as_run` (eager, or
+    `compiled`: what inductor's partitioner saves); with selective recomputation under `compiled` one
+    s·b·h activation less than eager (the partitioner drops an output of the policy's that backward
+    does not read). Without flash, the 5·a·s/h term stands for the scores, softmax output and dropout
+    mask that a kernel materializing them keeps (`_scores_bytes`).
 
     Context parallelism (cp > 1, `ring_attention_saved_bytes`): each rank holds s/cp tokens, so
     every term above is taken at s/cp, except the attention scores: paratrain's ring keeps none
@@ -57,15 +61,14 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                                              recompute, precision, kv_heads, ffn_dim)
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     sbh = float(s * b * h)
+    f = ffn_dim if ffn_dim is not None else round(8 * h / 3)
     if flash and recompute is Recompute.NONE:
-        no_scores = layer_activation_bytes(s, b, h, a, t, sequence_parallel, recompute, precision)
-        return no_scores - _scores_bytes(s, b, h, a, t, precision) + 4.0 * b * a * s / t
+        return block_bytes_as_run(s * b, h, a, f, t, sequence_parallel, precision, compiled)
     scores = 5 * a * s / h  # attention scores, softmax output and its dropout mask
     if recompute is Recompute.SELECTIVE:
         kv = h * (kv_heads or a) / a
-        f = ffn_dim if ffn_dim is not None else round(8 * h / 3)
         sharded = 2 * h + 2 * kv + 2 * f
-        elements = s * b * (h / (t if sequence_parallel else 1) + sharded / t + 2 * h)
+        elements = s * b * (h / (t if sequence_parallel else 1) + sharded / t + 2 * h - (flash and compiled) * h)
         return elements * DTYPE_BYTES[precision] + 4.0 * b * a * s / t
     if recompute is Recompute.FULL:
         per_layer = 2 * sbh / (t if sequence_parallel else 1)
@@ -74,6 +77,55 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     else:
         per_layer = sbh * (10 + 24 / t + scores / t)
     return per_layer * DTYPE_BYTES[precision] / 2
+
+
+NORM_STATS_BYTES = 4  # an RMSNorm's fp32 reciprocal root-mean-square, per token
+
+
+def block_bytes_as_run(tokens: int, hidden: int, heads: int, ffn_dim: int, tp: int = 1,
+                       sequence_parallel: bool = False, precision: str = "bf16", compiled: bool = False) -> float:
+    """Bytes one Llama block (RMSNorm, attention by a flash kernel, SwiGLU) keeps for backward, per tp rank, as
+    its kernels run: eager, each operator saving its own inputs, or `compiled`, inductor's partitioner saving
+    what is cheapest to keep and recomputing element-wise results. p is the activation dtype's size; every
+    count is per token and was measured on paratrain's block (`tests/test_plan_vs_measured.py`):
+
+    - each of the two norms, eager: its input cast to fp32 (4·h), the normalized value and its scaled output
+      (p·h each, the latter the next matmul's input); compiled: its input and output only (2·p·h). Under
+      sequence parallelism these are 1/t of the sequence, and the matmul's input is the all-gathered whole
+      (p·h), which the matmul saves; plus its fp32 statistics (4 bytes, ÷t with SP);
+    - attention: q, k and v at every query head (grouped k/v heads are repeated for the kernel) and the
+      kernel's output, 4·p·h/t, and its fp32 log-sum-exp, 4·a/t;
+    - the gated MLP: the gate and up projections, the activation and their product, 4·p·f/t eager; compiled
+      recomputes the activation, 3·p·f/t.
+
+    The block's input and the residual stream are not kept: an addition's backward reads nothing.
+    """
+    h, f, t, p = hidden, ffn_dim, tp, DTYPE_BYTES[precision]
+    attention = 4 * p * h / t + 4 * heads / t
+    mlp = (3 if compiled else 4) * p * f / t
+    return float(tokens) * (2 * _norm_bytes(h, t, sequence_parallel, p, compiled) + attention + mlp)
+
+
+def _norm_bytes(hidden: int, tp: int, sequence_parallel: bool, p: int, compiled: bool) -> float:
+    """Per token, one RMSNorm and its output as the next matmul's input (`block_bytes_as_run`)."""
+    own = (p if compiled else NORM_STATS_BYTES + p) * hidden  # compiled keeps the input; eager its fp32 copy
+    if sequence_parallel:
+        return own / tp + p * hidden + NORM_STATS_BYTES / tp  # the whole gathered input of the matmul
+    return own + p * hidden + NORM_STATS_BYTES
+
+
+def head_bytes_as_run(tokens: int, hidden: int, vocab_size: int, tp: int = 1, sequence_parallel: bool = False,
+                      precision: str = "bf16") -> float:
+    """What the last stage keeps beyond its blocks, per micro-batch: the final norm (eager: it is not in a block)
+    and the loss's fp32 log-probabilities (`logits_bytes`). The 16-bit logits themselves are not kept."""
+    norm = float(tokens) * _norm_bytes(hidden, tp, sequence_parallel, DTYPE_BYTES[precision], compiled=False)
+    return norm + logits_bytes(tokens, 1, vocab_size, tp)
+
+
+def loss_backward_bytes(tokens: int, vocab_size: int, tp: int = 1) -> float:
+    """The loss's backward at its peak, once per step whatever the micro-batches in flight: the gradient of the
+    log-probabilities and that of the logits, both fp32, beside the saved log-probabilities."""
+    return 2 * logits_bytes(tokens, 1, vocab_size, tp)
 
 
 def _context_parallel_layer_bytes(local_tokens: int, micro_batch: int, hidden: int, heads: int, tp: int,

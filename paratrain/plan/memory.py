@@ -35,12 +35,18 @@ from paratrain.plan.model_states import (  # noqa: F401
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 from paratrain.plan import moe
-from paratrain.plan.activations import LOGIT_BYTES, layer_activation_bytes, logits_bytes  # noqa: F401
+from paratrain.plan.activations import (  # noqa: F401
+    LOGIT_BYTES,
+    head_bytes_as_run,
+    layer_activation_bytes,
+    logits_bytes,
+    loss_backward_bytes,
+)
+from paratrain.plan.buffers import ZERO3_PREFETCH_UNITS, comm_buffer_bytes, comm_buffer_parts  # noqa: F401
 from paratrain.plan.ring import ring_in_flight_bytes
 
 GB = 10**9
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb, and paratrain's bucket_mb
-ZERO3_PREFETCH_UNITS = 2  # units gathered at once (computing + prefetched), and gradients in flight
 
 
 class PlanError(ParatrainError, ValueError):
@@ -312,6 +318,9 @@ class MemoryBreakdown:
     activations: float
     comm_buffers: float
     model_states_only: bool = False
+    gradients_meet_activations: bool = True  # see `gradients_meet_activations`
+    backward_tail: float = 0.0  # activations still alive when the last gradient is made (a recomputed layer)
+    gathered_params: float = 0.0  # the part of comm_buffers alive as backward begins (ZeRO-3's gathered units)
 
     @property
     def optimizer_state(self) -> float:
@@ -320,7 +329,14 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer_state + self.activations + self.comm_buffers
+        """The peak: everything at once, or, where the gradients are born as backward frees the activations,
+        the larger of the two moments: backward beginning (activations, no gradient) and ending (every
+        gradient, the activations of `backward_tail`)."""
+        resident = self.params + self.optimizer_state
+        if self.gradients_meet_activations:
+            return resident + self.comm_buffers + self.grads + self.activations
+        return resident + max(self.activations + self.gathered_params,
+                              self.grads + self.comm_buffers + self.backward_tail)
 
     def as_dict(self) -> dict[str, int | bool]:
         """Integer bytes per kind (JSON-ready); `optimizer_state` includes `master_weights`."""
@@ -337,9 +353,11 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
 
     Per layer `layer_activation_bytes`; times the layers on the stage and the micro-batches the
     schedule keeps in flight there (`in_flight_microbatches`), a MoE layer's routed copies added
-    (`paratrain.plan.moe.layer_activation_delta_bytes`); plus, on the last stage, the fp32
-    logits of those micro-batches; plus, with full recomputation, one layer's activations
-    rebuilt during its backward (the recompute working set, Korthikanti et al. §5); plus, with
+    (`paratrain.plan.moe.layer_activation_delta_bytes`); plus, on the last stage, the final norm and
+    the fp32 log-probabilities of those micro-batches (`head_bytes_as_run`; under a kernel that
+    materializes the scores, or cp, the fp32 logits); plus the larger of two transients that never
+    meet: the loss's backward on the last stage (`loss_backward_bytes`) and, with full recomputation,
+    one layer's activations rebuilt during its backward (Korthikanti et al. §5); plus, with
     context parallelism, the K/V blocks the ring of one layer has in flight (`ring_in_flight_bytes`).
     Under cp every rank holds s/cp tokens of each sequence, its logits included.
     """
@@ -351,49 +369,49 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     in_flight = in_flight_microbatches(lay.schedule, lay.pp, m, lay.chunks, stage)
     per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
                                        lay.recompute, workload.precision, kv_heads=model.n_kv_heads,
-                                       ffn_dim=model.ffn_dim, cp=lay.cp, flash=workload.flash_attention)
+                                       ffn_dim=model.ffn_dim, cp=lay.cp, flash=workload.flash_attention,
+                                       compiled=lay.compile)
     per_layer += moe.layer_activation_delta_bytes(model, s // lay.cp * b, lay.tp, lay.recompute is Recompute.SELECTIVE,
                                                   lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
                                                   workload.moe_imbalance)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
+    transient = recompute_working_bytes(workload, layout) if lay.recompute is Recompute.FULL else 0.0
     if stage == lay.pp - 1:
-        total += logits_bytes(s // lay.cp, b, model.vocab_size, lay.tp) * in_flight
-    if lay.recompute is Recompute.FULL:
-        total += layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
-                                        Recompute.NONE, workload.precision, cp=lay.cp, flash=workload.flash_attention)
+        tokens = s // lay.cp * b
+        if workload.flash_attention and lay.cp == 1:  # counted as paratrain's model runs (`head_bytes_as_run`)
+            total += head_bytes_as_run(tokens, model.dim, model.vocab_size, lay.tp, lay.sequence_parallel,
+                                       workload.precision) * in_flight
+            # the loss's backward runs before any block's: its buffers and a recomputed layer never meet
+            transient = max(transient, loss_backward_bytes(tokens, model.vocab_size, lay.tp))
+        else:
+            total += logits_bytes(s // lay.cp, b, model.vocab_size, lay.tp) * in_flight
+    total += transient
     if lay.cp > 1:
         total += ring_in_flight_bytes(model, b, s // lay.cp, lay.tp, workload.param_bytes, workload.flash_attention)
     return total
 
 
-def comm_buffer_bytes(workload: Workload, layout: Layout, stage_params: float) -> float:
-    """Transient communication buffers.
-
-    ZeRO-3 (one unit per block, plus the root's remaining parameters: embedding, head, final
-    norm, as paratrain.parallel.data.units wraps them): `ZERO3_PREFETCH_UNITS` units gathered
-    in the parameter dtype (the one computing, the one prefetched) and as many unit gradients
-    awaiting their reduce-scatter, in the gradient dtype; the largest unit, ÷tp. ZeRO-2: two
-    buckets, one being filled and the one before it in flight meanwhile (paratrain.parallel.data.ddp,
-    on CUDA; on the CPU each lands at once). DDP and ZeRO-1: their
-    buckets are the gradients (counted there); ZeRO-1 adds one bucket's all-gather of updated
-    parameters. Nothing when only the parameter count is known. Hybrid sharding keeps one
-    reduced shard more (1/dp_shard of a unit's gradients, or of a ZeRO-2 bucket) while it is
-    summed over the replicas and the next one is reduced; ZeRO-1 sums its shard in place in
-    the bucket. Gathered units and buckets are whole tensors whatever the shard group.
-    """
+def recompute_working_bytes(workload: Workload, layout: Layout) -> float:
+    """Under full recomputation, the one layer whose activations are rebuilt for its backward (Korthikanti §5)."""
     model, lay = workload.model, layout
-    if model is None or lay.data_ranks == 1:
-        return 0.0
-    replicating = 1 / lay.shard_ranks if lay.dp_replicate > 1 else 0.0  # a shard on its way between replicas
-    if lay.zero == 3:
-        block = block_param_count(model)
-        routed = moe.routed_params_per_layer(model)
-        block_unit = (block - routed) / lay.tp + routed / lay.ep  # experts whole on a tp rank, E/ep of them
-        unit = max(block_unit, (model.num_params() - model.n_layers * block) / lay.tp)
-        return ZERO3_PREFETCH_UNITS * unit * (workload.param_bytes + workload.grad_bytes) \
-            + unit * workload.grad_bytes * replicating
-    bucket = min(lay.bucket_mb * 2**20, stage_params * workload.grad_bytes)
-    return {0: 0.0, 1: bucket * workload.param_bytes / workload.grad_bytes, 2: bucket * (2 + replicating)}[lay.zero]
+    return layer_activation_bytes(workload.seq_len, lay.micro_batch, model.dim, model.n_heads, lay.tp,
+                                  lay.sequence_parallel, Recompute.NONE, workload.precision, kv_heads=model.n_kv_heads,
+                                  ffn_dim=model.ffn_dim, cp=lay.cp, flash=workload.flash_attention,
+                                  compiled=lay.compile)
+
+
+def gradients_meet_activations(workload: Workload, layout: Layout) -> bool:
+    """Whether a step's gradients are alive while its activations peak (as backward begins).
+
+    They are under gradient accumulation and pipelines (the earlier micro-batches' gradients), and where
+    DDP and ZeRO-1 keep their buckets for the whole run (data ranks > 1). Otherwise they are born during
+    backward as the activations it reads die: on one data rank (added into the fp32 masters' as autograd
+    leaves them) and in ZeRO-2/3 (reduced shards), with one micro-batch per step.
+    """
+    lay = layout
+    if lay.pp > 1 or lay.num_microbatches(workload.global_batch) > 1:
+        return True
+    return lay.data_ranks > 1 and lay.zero <= 1
 
 
 def stage_expert_params(workload: Workload, layout: Layout, stage: int) -> float:
@@ -436,10 +454,15 @@ def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakd
     """Memory of one rank of pipeline stage `stage`."""
     psi = stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
     states = stage_model_states(workload, layout, stage)
+    gathered, gradient_buffers = comm_buffer_parts(workload, layout, psi)
     return MemoryBreakdown(
         stage=stage, params=states.params, grads=states.grads, master_weights=states.master_weights,
         adam_moments=states.adam_moments, activations=stage_activation_bytes(workload, layout, stage),
-        comm_buffers=comm_buffer_bytes(workload, layout, psi), model_states_only=workload.model is None,
+        comm_buffers=gathered + gradient_buffers, model_states_only=workload.model is None,
+        gathered_params=gathered,
+        gradients_meet_activations=workload.model is None or gradients_meet_activations(workload, layout),
+        backward_tail=recompute_working_bytes(workload, layout) if workload.model is not None
+        and layout.recompute is Recompute.FULL else 0.0,
     )
 
 
