@@ -120,7 +120,8 @@ def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None
     from paratrain.plan import HARDWARE_PRESETS, Layout, Workload, estimate
 
     zero = row.zero if row.kind == "paratrain" else (3 if row.kind == "fsdp2" else 0)
-    workload = Workload.for_model(cfg, seq_len=seq, global_batch=batch, precision="bf16")
+    workload = Workload.for_model(cfg, seq_len=seq, global_batch=batch, precision="bf16",
+                                  reduce_dtype="fp32")  # parallelize's default, and FSDP2's policy here
     layout_args = {"zero": zero, "micro_batch": batch, "recompute": row.recompute}
     notes = []
     if "compile" in {f.name for f in dataclasses.fields(Layout)}:
