@@ -14,9 +14,7 @@ for it alone since the fork (RANK, LOCAL_RANK, MASTER_PORT, …), as spawn would
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 
@@ -55,20 +53,3 @@ def adopt(state: dict) -> None:
     os.environ.update({**state["environ"], **own})
     os.chdir(state["cwd"])
     sys.path[:] = state["path"]
-
-
-def _is_server_preload() -> bool:
-    """Whether this import is the server's preload (`multiprocessing.forkserver.main` is a caller)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is multiprocessing.forkserver.main.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
-if _is_server_preload():
-    # What the server imported stays for its life: frozen, the garbage collector never walks it again, in the
-    # server or in a worker forked from it (no copy-on-write of those pages), and the server's exit skips the
-    # final walk over torch's objects (1.1 s of 1.3 s, during which it still held the launcher's stdout).
-    gc.freeze()
