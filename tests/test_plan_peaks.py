@@ -64,10 +64,10 @@ def step_peak(mesh, zero: int, mode: str, x, y, compile: bool = False) -> int:
         return meter.end(model, optimizer).peak_bytes
 
 
-def planned(zero: int, mode: str, dp: int = 1, compile: bool = False) -> float:
+def planned(zero: int, mode: str, dp: int = 1, compile: bool = False):
+    """The planner's `MemoryBreakdown` of the layout `step_peak` measures."""
     workload = Workload.for_model(CFG, seq_len=SEQ, global_batch=ROWS * dp, precision="bf16", reduce_dtype="fp32")
-    return estimate_memory(workload, Layout(dp=dp, zero=zero, micro_batch=ROWS, recompute=mode,
-                                            compile=compile)).total
+    return estimate_memory(workload, Layout(dp=dp, zero=zero, micro_batch=ROWS, recompute=mode, compile=compile))
 
 
 def _measure(rank, world):
@@ -86,16 +86,9 @@ def measured(world: int) -> dict:
     return _RESULTS[world]
 
 
-@pytest.mark.parametrize("zero, mode", ONE_RANK)
-def test_one_ranks_peak_is_what_the_planner_predicts(zero, mode):
-    peak, plan = measured(1)[zero, mode], planned(zero, mode)
-    assert 1 - TOLERANCE <= peak / plan <= 1 + TOLERANCE, f"measured {peak / 2**20:.2f} MiB, planned " \
-                                                          f"{plan / 2**20:.2f} (ratio {peak / plan:.3f})"
-
-
-@pytest.mark.parametrize("zero, mode", TWO_RANKS)
-def test_two_data_ranks_peaks_are_what_the_planner_predicts(zero, mode):
-    peak, plan = measured(2)[zero, mode], planned(zero, mode, dp=2)
+@pytest.mark.parametrize("world, zero, mode", [(1, *case) for case in ONE_RANK] + [(2, *case) for case in TWO_RANKS])
+def test_the_step_peak_is_what_the_planner_predicts(world, zero, mode):
+    peak, plan = measured(world)[zero, mode], planned(zero, mode, dp=world).total
     assert 1 - TOLERANCE <= peak / plan <= 1 + TOLERANCE, f"measured {peak / 2**20:.2f} MiB, planned " \
                                                           f"{plan / 2**20:.2f} (ratio {peak / plan:.3f})"
 
@@ -103,8 +96,7 @@ def test_two_data_ranks_peaks_are_what_the_planner_predicts(zero, mode):
 def test_counting_every_gradient_beside_the_activations_would_miss_zero_3():
     """The check can fail: at one rank, ZeRO-3's gradients (4 bytes a parameter) are born as backward frees the
     activations; a planner adding them to the activations' peak over-predicts by more than the tolerance."""
-    workload = Workload.for_model(CFG, seq_len=SEQ, global_batch=ROWS, precision="bf16", reduce_dtype="fp32")
-    memory = estimate_memory(workload, Layout(zero=3, micro_batch=ROWS))
+    memory = planned(3, "none")
     summed = memory.params + memory.grads + memory.optimizer_state + memory.activations + memory.comm_buffers
     assert not memory.gradients_meet_activations
     assert summed / measured(1)[3, "none"] > 1 + TOLERANCE

@@ -10,11 +10,6 @@ from paratrain.plan.model_states import block_param_count
 ZERO3_PREFETCH_UNITS = 2  # units gathered at once (computing + prefetched), and gradients in flight
 
 
-def comm_buffer_bytes(workload, layout, stage_params: float) -> float:
-    """Transient communication buffers (`comm_buffer_parts`), both parts."""
-    return sum(comm_buffer_parts(workload, layout, stage_params))
-
-
 def comm_buffer_parts(workload, layout, stage_params: float) -> tuple[float, float]:
     """Transient communication buffers.
 

@@ -42,7 +42,7 @@ from paratrain.plan.activations import (  # noqa: F401
     logits_bytes,
     loss_backward_bytes,
 )
-from paratrain.plan.buffers import ZERO3_PREFETCH_UNITS, comm_buffer_bytes, comm_buffer_parts  # noqa: F401
+from paratrain.plan.buffers import comm_buffer_parts
 from paratrain.plan.ring import ring_in_flight_bytes
 
 GB = 10**9
@@ -375,7 +375,7 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
                                                   lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
                                                   workload.moe_imbalance)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
-    transient = recompute_working_bytes(workload, layout) if lay.recompute is Recompute.FULL else 0.0
+    transient = recompute_working_bytes(workload, layout)
     if stage == lay.pp - 1:
         tokens = s // lay.cp * b
         if workload.flash_attention and lay.cp == 1:  # counted as paratrain's model runs (`head_bytes_as_run`)
@@ -392,8 +392,11 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
 
 
 def recompute_working_bytes(workload: Workload, layout: Layout) -> float:
-    """Under full recomputation, the one layer whose activations are rebuilt for its backward (Korthikanti §5)."""
+    """Under full recomputation, the one layer whose activations are rebuilt for its backward (Korthikanti §5);
+    0 under any other mode, or with no model shape."""
     model, lay = workload.model, layout
+    if model is None or lay.recompute is not Recompute.FULL:
+        return 0.0
     return layer_activation_bytes(workload.seq_len, lay.micro_batch, model.dim, model.n_heads, lay.tp,
                                   lay.sequence_parallel, Recompute.NONE, workload.precision, kv_heads=model.n_kv_heads,
                                   ffn_dim=model.ffn_dim, cp=lay.cp, flash=workload.flash_attention,
@@ -461,8 +464,7 @@ def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakd
         comm_buffers=gathered + gradient_buffers, model_states_only=workload.model is None,
         gathered_params=gathered,
         gradients_meet_activations=workload.model is None or gradients_meet_activations(workload, layout),
-        backward_tail=recompute_working_bytes(workload, layout) if workload.model is not None
-        and layout.recompute is Recompute.FULL else 0.0,
+        backward_tail=recompute_working_bytes(workload, layout),
     )
 
 
