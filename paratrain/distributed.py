@@ -13,11 +13,17 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-import torch
-import torch.distributed as dist
 from paratrain.errors import ParatrainError
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+# torch is imported where a function needs it, not here: reading the launcher's environment
+# (`detect_env`) is torch-free, so `paratrain train --nproc N` can decide to start its worker
+# server before the launcher itself spends seconds importing torch (`paratrain.forkserver.start`).
 
 
 class LaunchError(ParatrainError, RuntimeError):
@@ -82,6 +88,8 @@ def free_port() -> int:
 
 def default_device(env: DistEnv) -> torch.device:
     """One CUDA device per local rank when CUDA is present, else the CPU."""
+    import torch
+
     if torch.cuda.is_available():
         return torch.device("cuda", env.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -99,6 +107,8 @@ def launcher_store(env: DistEnv, timeout_s: float = 600.0) -> dist.Store:
     flight recorder must be told to dump before the group exists); `init_distributed(store=...)`
     then builds the group on this same store, as torch's env:// initialization would.
     """
+    import torch.distributed as dist
+
     os.environ.setdefault("MASTER_PORT", "29500")
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
@@ -116,6 +126,9 @@ def init_distributed(timeout_s: float = 600.0, flight_records: str | None = None
     going to `flight_records` + rank. `store`: the group's rendezvous, already opened by
     `launcher_store` (None: torch opens it from the environment).
     """
+    import torch
+    import torch.distributed as dist
+
     env = detect_env()
     device = default_device(env)
     if device.type == "cuda":
@@ -159,5 +172,7 @@ def nccl_diagnostics(environ, flight_records: str | None) -> None:
 
 
 def shutdown() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()

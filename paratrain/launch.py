@@ -88,7 +88,6 @@ def launch_processes(entry, payload, nproc: int, max_restarts: int = 0) -> None:
 
 
 def _launch(launch, entry, *args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # With the rendezvous store shared between agent and workers (torch's default), a restarted
     # worker can read its peer's address left by the previous attempt and connect to a dead
     # process (gloo "Connection refused", or a hang; pytorch/pytorch#135712). Unshared, each
@@ -97,7 +96,7 @@ def _launch(launch, entry, *args) -> None:
     # The agent logs each failure as a multi-line traceback of its own
     # internals; the one line from describe_failure says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    forkserver.context()  # its preload, before the agent starts the server
+    forkserver.start()  # running, its preload set, before the agent asks for workers
     elastic_launch(launch, _forked)(entry, forkserver.launcher_state(), *args)
 
 

@@ -239,6 +239,17 @@ def test_forked_workers_see_the_launchers_environment_and_directory_at_each_laun
                      "cwd": str(tmp_path / "elsewhere")} for r in range(2)], seen
 
 
+def test_a_local_launch_starts_its_worker_server_before_the_launcher_imports_torch(tmp_path):
+    """The server imports torch for the workers (seconds of one core) while the launcher imports it on another:
+    `paratrain train --nproc 2` decides to launch, and starts the server, before torch is in the launcher."""
+    code = ("import sys; from paratrain import forkserver; "
+            "forkserver.start = lambda *extra: sys.exit(3 if 'torch' in sys.modules else 4); "
+            "from paratrain.cli import main; "
+            f"main(['train', '--nproc', '2', '--steps', '1', '--out', {str(tmp_path / 'run')!r}])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, (done.returncode, done.stderr[-2000:])
+
+
 @pytest.mark.slow
 def test_nproc_2_runs_two_processes_through_the_elastic_launcher(tmp_path):
     out = tmp_path / "run"

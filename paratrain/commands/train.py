@@ -16,15 +16,22 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from paratrain.distributed import detect_env
-    from paratrain.launch import PREEMPTED_EXIT, launch_local
-    from paratrain.run.build import preflight
-    from paratrain.train import train
+    from paratrain.distributed import detect_env  # torch-free, as is everything up to the launch decision
 
     cfg = config_from_args(args)
     if (cfg.run.nproc > 1 or cfg.run.nnodes > 1) and not detect_env().distributed:
+        from paratrain import forkserver
+
+        # The workers' server imports torch on one core while this process imports it on another.
+        forkserver.start()
+        from paratrain.launch import launch_local
+        from paratrain.run.build import preflight
+
         # Before any process starts: no restart is burned on bad input.
         preflight(cfg, world_size=cfg.run.nproc * cfg.run.nnodes)
         launch_local(cfg)  # each worker calls train(cfg)
         return 0
+    from paratrain.launch import PREEMPTED_EXIT
+    from paratrain.train import train
+
     return PREEMPTED_EXIT if train(cfg).preempted else 0
