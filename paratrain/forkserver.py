@@ -28,12 +28,26 @@ _IMPORTED_IN = os.getpid()
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "paratrain.train"]
 
 
+# Hugging Face architectures paratrain reads and writes (paratrain.interop.hf): a model factory or a test that
+# builds one does so in every worker.
+HF_MODELING = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
+
+
+def _loaded_libraries() -> list[str]:
+    """What the caller has imported that each worker would import again, for seconds of one core: pytest (test
+    modules import it), transformers (about 2 s with a model's classes) with the modeling modules the caller
+    has loaded and those of the architectures paratrain lays out. A module the server cannot import is skipped."""
+    found = ["pytest"] if "pytest" in sys.modules else []
+    if "transformers" in sys.modules:
+        loaded = [m for m in sys.modules if m.startswith("transformers.models.") and ".modeling_" in m]
+        found += ["transformers", *dict.fromkeys([*HF_MODELING, *loaded])]
+    return found
+
+
 def context(*extra: str) -> multiprocessing.context.BaseContext:
     """The forkserver context, its server preloaded with torch, this module and `extra` (when it first starts)."""
     ctx = multiprocessing.get_context("forkserver")
-    preload = [*PRELOAD, *extra]
-    if "pytest" in sys.modules:  # test modules import it: once in the server rather than once per worker
-        preload.append("pytest")
+    preload = [*PRELOAD, *extra, *_loaded_libraries()]
     preload.append(__name__)  # last: its import in the server freezes what the others made (`_is_server_preload`)
     ctx.set_forkserver_preload(preload)
     return ctx
