@@ -14,7 +14,6 @@ for it alone since the fork (RANK, LOCAL_RANK, MASTER_PORT, …), as spawn would
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -47,8 +46,9 @@ def _loaded_libraries() -> list[str]:
 def context(*extra: str) -> multiprocessing.context.BaseContext:
     """The forkserver context, its server preloaded with torch, this module and `extra` (when it first starts)."""
     ctx = multiprocessing.get_context("forkserver")
-    preload = [*PRELOAD, *extra, *_loaded_libraries()]
-    preload.append(__name__)  # last: its import in the server freezes what the others made (`_is_server_preload`)
+    # This module: its import in the server takes the snapshot `adopt` compares against. The last: it freezes
+    # what the others made.
+    preload = [*PRELOAD, __name__, *extra, *_loaded_libraries(), "paratrain.forkserver_preloaded"]
     ctx.set_forkserver_preload(preload)
     return ctx
 
@@ -85,23 +85,3 @@ def adopt(state: dict) -> None:
     os.environ.update({**state["environ"], **own})
     os.chdir(state["cwd"])
     sys.path[:] = state["path"]
-
-
-def _is_server_preload() -> bool:
-    """Whether this import is the server's preload (`multiprocessing.forkserver.main` is a caller)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is multiprocessing.forkserver.main.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
-if _is_server_preload():
-    # What the server imported stays for its life: frozen (as Python's docs advise before forking), the garbage
-    # collector never walks it again, in the server or in a worker forked from it. A full collection in a worker
-    # drops from 0.2 s to under a millisecond, no page of torch's objects is copied by one, and the server's exit
-    # skips the final walk over them (1.1 s of 1.3 s, during which it still held the launcher's stdout).
-    # What a worker creates is never frozen: a model it drops is collected as before. Only a cycle through an
-    # object made here that later became garbage would outlive its use; the preload's objects live to the end.
-    gc.freeze()
