@@ -44,7 +44,8 @@ def _loaded_libraries() -> list[str]:
 
 
 def context(*extra: str) -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server preloaded with torch, this module and `extra` (when it first starts)."""
+    """The forkserver context; when its server first starts, it preloads torch, the trainer, this module, `extra`
+    and the libraries the caller has loaded that workers would import again (`_loaded_libraries`)."""
     ctx = multiprocessing.get_context("forkserver")
     # This module: its import in the server takes the snapshot `adopt` compares against. The last: it freezes
     # what the others made.

@@ -10,7 +10,8 @@ One launch of 2 ranks (eager blocks; compiled ones are in test_compile.py):
 - the planner: the bytes one more block leaves alive after the forward under selective recomputation
   (what it keeps for backward, its output counted as the next block's input) equal
   `layer_activation_bytes(..., Recompute.SELECTIVE)` for that block's shape, on one rank and per rank of
-  tp 2, with sequence parallelism and without.
+  tp 2, with sequence parallelism and without; and without recomputation, `layer_activation_bytes(...,
+  Recompute.NONE)` in fp32 and bf16, on one rank and per rank of tp 2 with and without sequence parallelism.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def run(args) -> int:
         from paratrain.launch import launch_local
         from paratrain.run.build import preflight
 
-        # Before any process starts: no restart is burned on bad input.
+        # Before any worker starts: no restart is burned on bad input.
         preflight(cfg, world_size=cfg.run.nproc * cfg.run.nnodes)
         launch_local(cfg)  # each worker calls train(cfg)
         return 0
