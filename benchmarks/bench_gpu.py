@@ -115,8 +115,9 @@ def hardware_preset(device_name: str) -> str | None:
     return None
 
 
-def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None) -> dict:
-    """The planner's step time (on the device's preset; None without one) and peak memory for `row`."""
+def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None, profile=None) -> dict:
+    """The planner's step time (on `profile`, a calibrated Hardware, else the device's preset; None without
+    either) and peak memory for `row`."""
     from paratrain.plan import HARDWARE_PRESETS, Layout, Workload, estimate
 
     zero = row.zero if row.kind == "paratrain" else (3 if row.kind == "fsdp2" else 0)
@@ -131,9 +132,10 @@ def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None
     if row.kind != "paratrain":
         notes.append(f"predicted as paratrain's ZeRO-{zero} layout")
     # Memory does not depend on the hardware: any preset gives it; the time needs the device's own.
-    est = estimate(workload, Layout(**layout_args), HARDWARE_PRESETS[preset or "h100-80gb"])
-    return {"step_s": est.time.total if preset else None, "peak_bytes": est.memory.total,
-            "hardware": preset, "notes": notes}
+    hardware = profile or HARDWARE_PRESETS[preset or "h100-80gb"]
+    est = estimate(workload, Layout(**layout_args), hardware)
+    return {"step_s": est.time.total if preset or profile else None, "peak_bytes": est.memory.total,
+            "hardware": hardware.name if profile else preset, "notes": notes}
 
 
 # -- building each row -----------------------------------------------------------------------------------------
@@ -195,9 +197,10 @@ def free(device) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
-def run_row(row: Row, cfg: ModelConfig, batch: int, seq: int, device, args, preset: str | None) -> dict:
+def run_row(row: Row, cfg: ModelConfig, batch: int, seq: int, device, args, preset: str | None,
+            profile=None) -> dict:
     out = {"row": row.name, **dataclasses.asdict(row), "params": cfg.num_params(), "batch": batch, "seq": seq}
-    out["predicted"] = predict(cfg, row, batch, seq, preset)
+    out["predicted"] = predict(cfg, row, batch, seq, preset, profile)
     kwargs = {}
     if row.kind == "paratrain":
         kwargs, why = parallelize_kwargs(row)
@@ -267,8 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled rows (a quick CPU dry run)")
     parser.add_argument("--peak-flops", type=float, default=None,
                         help="peak FLOP/s for MFU where paratrain.hardware does not know the device (e.g. a CPU)")
+    parser.add_argument("--profile", metavar="JSON", default=None,
+                        help="predict with this hardware profile (paratrain plan --calibrate's) instead of the "
+                             "device's preset")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = parser.parse_args(argv)
+    profile = None
+    if args.profile:
+        from paratrain.plan.hardware import load_profile
+        from paratrain.plan.memory import PlanError
+
+        try:
+            profile = load_profile(args.profile)
+        except PlanError as e:
+            print(f"bench_gpu: error: {e}", file=sys.stderr)
+            return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: error: no CUDA device here (use --device cpu --size tiny for the dry run)", file=sys.stderr)
         return 2
@@ -282,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.node(),
                "device": name, "driver": driver_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                "peak_flops": device_peak_flops(device) or args.peak_flops, "budget_s": args.budget_s,
-               "steps": args.steps, "warmup": args.warmup, "rows": []}
+               "steps": args.steps, "warmup": args.warmup, "profile": args.profile, "rows": []}
     print(f"bench_gpu on {name} (driver {results['driver']}, torch {results['torch']}, CUDA {results['cuda']})",
           flush=True)
     models = {"small": (SIZES[args.size], args.batch)}
@@ -300,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"row": row.name, **dataclasses.asdict(row),
                       "status": f"skipped: budget spent ({elapsed:.0f} s of --budget-s {args.budget_s:g})"}
         else:
-            result = run_row(row, cfg, batch, seq, device, args, preset)
+            result = run_row(row, cfg, batch, seq, device, args, preset, profile)
         result["model_name"] = args.size if row.model == "small" else args.large
         results["rows"].append(result)
         print(f"  {result['model_name']:>10} {row.name:<44} {summary(result)}", flush=True)
@@ -329,7 +345,8 @@ def write(results: dict, out: Path) -> None:
     lines = [f"# bench_gpu {results['date']} on {results['device']}, driver {results['driver']}, "
              f"torch {results['torch']}, CUDA {results['cuda']}", "",
              f"{results['warmup']} warm-up + {results['steps']} timed steps per row; budget {results['budget_s']:g} s, "
-             f"used {results['total_s']:.0f} s. Predicted = paratrain.plan's estimate "
+             f"used {results['total_s']:.0f} s. Predicted = paratrain.plan's estimate on "
+             f"{'the calibrated profile ' + results['profile'] if results.get('profile') else 'the preset'} "
              "(measured / predicted in brackets).", "",
              "| model | row | step s min / median / max | tokens/s | MFU | peak allocated | allocated before | "
              "left after free | predicted step s | predicted peak |",

@@ -1,22 +1,31 @@
-"""One command for a CUDA machine: is paratrain right and fast on this GPU?
+"""One command to run first on any CUDA machine: is every path built without a GPU right on this one?
 
     python benchmarks/gpu_check.py                    # one GPU is enough; 2+ GPUs add the NCCL layouts
-    python benchmarks/gpu_check.py --device cpu --size tiny --steps 4    # the same checks, small, on the CPU
+    python benchmarks/gpu_check.py --device cpu --size tiny --steps 2    # the same rows, small, on the CPU
 
-1. Equivalence at world 1, bf16: every data-parallel engine (DDP, ZeRO-1/2/3) and tensor parallelism
-   (the reference plan, degenerate at tp = 1) against one plain PyTorch process (autocast bf16, fp32
-   weights, AdamW), same model, same batches: largest relative loss difference per layout.
-2. A checkpoint saved mid-run, loaded into a fresh model: the next steps' losses equal those of the
-   run that went on (bit-exact); with AdamW and with fused AdamW (whose step count must be loaded
-   onto the GPU, where its kernel reads it).
-3. Memory given back: a bf16 model and its optimizer (DDP, ZeRO-1/2/3), built, trained and dropped
-   (gc.collect()): torch.cuda.memory_allocated left above where it stood before the build (on the
-   CPU, live tensor bytes: paratrain.peak_memory.TensorMemory); under 1% of the model's bytes.
-4. A 1B-class model: tokens/s, MFU (the GPU's dense bf16 peak, paratrain.hardware) and
-   torch.cuda.max_memory_allocated of paratrain (DDP at world 1, bf16) against plain PyTorch eager
-   (the same model, autocast bf16, AdamW(fused=True)), on the same GPU, several steps after warm-up.
-5. With 2+ GPUs: dp2 (ZeRO 0-3), tp2, tp2 with sequence parallelism and pp2 with every schedule over
-   NCCL, against the single-process reference.
+One PASS/FAIL row per check (SKIP where the machine lacks what a row needs, e.g. a second GPU); the exit
+status is 1 if any row failed. About 3 minutes on one H100/H200.
+
+- ring kernels fp32 / bf16: the ring's block kernels (parallel/context/kernels.py: CUDA memory-efficient in
+  fp32, flash in bf16) over one causal attention split into 4 query/key blocks, merged by lse, backward
+  from the merged out and lse, against whole causal SDPA (out, dq, dk, dv; norm-relative);
+  cp2: ring attention over 2 ranks (NCCL) against one process (2+ GPUs).
+- experts grouped GEMM: GroupedExperts through torch._grouped_mm against its per-expert loop, forward and
+  backward, bf16; tiny-moe: `paratrain train --model tiny-moe` learns (loss falls by a third).
+- compile ZeRO-0 / ZeRO-3: parallelize(compile=True) against eager, bf16, no graph break.
+- selective recomputation against none, bf16.
+- plan --calibrate --quick: writes a profile (kept beside the results for bench_gpu.py --profile).
+- elastic launcher: `paratrain train` run through torch's elastic agent and the worker server (a worker
+  forked from the server initializes CUDA itself).
+- world 1, bf16: DDP, ZeRO-1/2/3 and tensor parallelism (the reference plan at tp 1) against one plain
+  PyTorch process (autocast bf16, fp32 weights, AdamW): largest relative loss difference.
+- checkpoint: saved mid-run and loaded into a fresh model, the next steps bit-equal, with AdamW and fused
+  AdamW (whose step count must be loaded onto the GPU).
+- memory given back: a bf16 model and its optimizer (DDP, ZeRO-1/2/3) built, trained and dropped
+  (gc.collect()): under 1% of its bytes left (torch.cuda.memory_allocated; on the CPU, live tensor bytes).
+- the 1B step: paratrain (DDP at world 1, bf16) against plain PyTorch eager (autocast, fused AdamW) on the
+  same GPU: paratrain's median step within 10% of plain PyTorch's (tokens/s, MFU, peak memory reported).
+- with 2+ GPUs: dp2 (ZeRO 0-3), tp2, tp2 with sequence parallelism and pp2 with every schedule over NCCL.
 
 Writes benchmarks/results/gpu-check-<date>.json and .md with the device, torch and CUDA versions.
 """
@@ -32,6 +41,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -112,6 +122,7 @@ def paratrain_losses(cfg: ModelConfig, data, layout: dict) -> list[float]:
         tensor=TensorParallel(plan=LLAMA_TP_PLAN if layout.get("tp") == 1 else None,
                               sequence_parallel=layout.get("sp", False)),
         pipeline=PipelineParallel(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1),
+        compile=layout.get("compile", False), activation_checkpointing=layout.get("recompute", 0),
         init=functools.partial(model_on_meta(cfg).param_init, seed=0))
     dp, rank = mesh.size("dp"), mesh.coord("dp")
     losses = []
@@ -295,17 +306,309 @@ def check_throughput(cfg: ModelConfig, device, batch: int, seq: int, warmup: int
     return {"params": cfg.num_params(), "batch": batch, "seq": seq, "peak_flops": peak, **out}
 
 
+# -- paths built without a GPU ---------------------------------------------------------------------------------
+
+def _norm_relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_ring_kernels(device, dtype: torch.dtype) -> dict:
+    """The ring's block kernel for `dtype` on `device` against whole causal SDPA, split into 4 blocks as the ring
+    computes it: forward per (query, key) block merged by lse, backward from the merged out (contiguous, as the
+    ring's row slices are) and lse."""
+    from paratrain.parallel.context.kernels import attention_kernel
+    from paratrain.parallel.context.ring import _merge
+
+    b, h, s, e, blocks = (2, 8, 1024, 64, 4) if device.type == "cuda" else (1, 2, 64, 16, 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(b, h, s, e, generator=g).to(device, dtype) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(grad)
+    kernel = attention_kernel(device.type, dtype, e)
+    n, scale = s // blocks, e ** -0.5
+    qs, ks, vs, gs = ([t[:, :, i * n:(i + 1) * n].contiguous() for i in range(blocks)] for t in (q, k, v, grad))
+    outs, lses = [], []
+    for i in range(blocks):
+        out = lse = None
+        for j in range(i + 1):
+            bo, bl = kernel.forward(qs[i], ks[j], vs[j], i == j, scale)
+            out, lse = (bo.float(), bl.float()) if out is None else _merge(out, lse, bo, bl)
+        outs.append(out.to(dtype).contiguous())
+        lses.append(lse)
+    dq, dk, dv = ([torch.zeros_like(t, dtype=torch.float32) for t in ts] for ts in (qs, ks, vs))
+    for i in range(blocks):
+        for j in range(i + 1):
+            a, bb, c = kernel.backward(gs[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale)
+            dq[i] += a.float()
+            dk[j] += bb.float()
+            dv[j] += c.float()
+    _sync(device)
+    errors = {name: _norm_relative(torch.cat(mine, 2), theirs) for name, mine, theirs in
+              (("out", outs, ref), ("dq", dq, full[0].grad), ("dk", dk, full[1].grad), ("dv", dv, full[2].grad))}
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    return {"passed": max(errors.values()) <= tol, "kernel": kernel.name, "errors": errors, "tol": tol,
+            "detail": f"{kernel.name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f" (tol {tol:g})"}
+
+
+def _cp2_worker(job: dict) -> None:
+    """Each of 2 processes: ring attention over cp = 2 (NCCL) against causal SDPA of the whole sequence."""
+    from paratrain.comm import Comm
+    from paratrain.distributed import shutdown
+    from paratrain.mesh import MeshShape, build_mesh
+    from paratrain.parallel.context.ring import Ring, ring_attention
+    from paratrain.parallel.context.split import shard_sequence
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    mesh = paratrain.init_mesh(cp=2)
+    rank = mesh.coord("cp")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 8, 1024, 64, generator=g).to(device, torch.bfloat16) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(grad)
+    local = [shard_sequence(t, 2, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, Ring(Comm(build_mesh(MeshShape(cp=2))), seq_len=1024))
+    out.backward(shard_sequence(grad, 2, rank, dim=2))
+    errors = [_norm_relative(out, shard_sequence(ref, 2, rank, dim=2))]
+    errors += [_norm_relative(t.grad, shard_sequence(f.grad, 2, rank, dim=2)) for t, f in zip(local, full)]
+    if int(os.environ["RANK"]) == 0:
+        Path(job["out"]).write_text(json.dumps(errors))
+    shutdown()
+
+
+def check_cp2(device) -> dict:
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return {"skipped": "needs 2 GPUs"}
+    from paratrain.launch import launch_processes
+
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "cp2.json"
+        launch_processes(_cp2_worker, {"out": str(path)}, 2)
+        errors = json.loads(path.read_text())
+    return {"passed": max(errors) <= 3e-2, "detail": f"out, dq, dk, dv {', '.join(f'{e:.1e}' for e in errors)}"}
+
+
+def check_grouped_experts(device) -> dict:
+    """GroupedExperts through the grouped GEMM (where this device has it) against its own per-expert loop, bf16."""
+    from paratrain import compat
+    from paratrain.models.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 256, 512).to(device, torch.bfloat16)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.05)
+    counts = [37, 0, 120, 64, 5, 200, 90, 44]
+    x = torch.randn(sum(counts), 256, device=device, dtype=torch.bfloat16)
+    counts_e = torch.tensor(counts, device=device)
+    grad = torch.randn_like(x)
+
+    def run(grouped: bool):
+        xi = x.clone().requires_grad_()
+        out = experts(xi, counts_e, counts) if grouped else experts._loop(xi, counts)
+        out.backward(grad)
+        grads = [xi.grad, *(w.grad.clone() for w in experts.parameters())]
+        experts.zero_grad(set_to_none=True)
+        return [out, *grads]
+
+    used = compat.grouped_mm(x[:16], experts.w1.transpose(-2, -1)[:2],
+                             torch.tensor([8, 16], device=device, dtype=torch.int32)) is not None
+    errors = [_norm_relative(a, b) for a, b in zip(run(True), run(False))]
+    tol = 2e-2
+    how = "torch._grouped_mm" if used else "no grouped GEMM on this device: the loop both ways"
+    return {"passed": max(errors) <= tol, "grouped_mm": used,
+            "detail": f"{how}; out, dx, dw1, dw3, dw2 max {max(errors):.1e} (tol {tol:g})"}
+
+
+def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paratrain", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _losses_of_run(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind", "step") == "step" and "loss" in r]
+
+
+def check_tiny_moe(device, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as work:
+        result = _run_cli(["train", "--model", "tiny-moe", "--steps", str(steps), "--out", f"{work}/run",
+                           "--log-every", "1"], timeout=600)
+        if result.returncode:
+            return {"passed": False, "detail": (result.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+        losses = _losses_of_run(Path(work) / "run")
+    return {"passed": losses[-1] < losses[0] - 0.5, "losses": losses,
+            "detail": f"{steps} steps: loss {losses[0]:.2f} -> {losses[-1]:.2f} (must fall by 0.5 nats)"}
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def check_compile(device, zero: int, steps: int) -> dict:
+    """ZeRO-`zero` with compile=True against the same layout eager, bf16; no graph break. On the CPU the
+    aot_eager backend stands in for inductor (the same graphs, no kernel compilation)."""
+    data = batches(CHECK, steps, 8, 64, device)
+    eager = paratrain_losses(CHECK, data, {"zero": zero})
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters
+    before, graphs_before = _graph_breaks(), stats["stats"]["unique_graphs"]
+    compiled = paratrain_losses(CHECK, data, {"zero": zero, "compile": True if device.type == "cuda" else "aot_eager"})
+    breaks, graphs = _graph_breaks() - before, stats["stats"]["unique_graphs"] - graphs_before
+    diff = relative_difference(compiled, eager)
+    return {"passed": diff <= TOL and breaks == 0 and graphs > 0, "rel_diff": diff, "graph_breaks": breaks,
+            "graphs": graphs, "detail": f"loss rel diff {diff:.1e} (tol {TOL:g}), {graphs} graphs, {breaks} graph breaks"}
+
+
+def check_selective(device, steps: int) -> dict:
+    data = batches(CHECK, steps, 8, 64, device)
+    none = paratrain_losses(CHECK, data, {"zero": 0})
+    selective = paratrain_losses(CHECK, data, {"zero": 0, "recompute": "selective"})
+    diff = relative_difference(selective, none)
+    return {"passed": diff <= TOL, "rel_diff": diff, "detail": f"loss rel diff {diff:.1e} (tol {TOL:g})"}
+
+
+def check_calibrate(device, profile: Path) -> dict:
+    args = ["plan", "--calibrate", "--quick", "--out", str(profile)]
+    result = _run_cli(args + ([] if device.type == "cuda" else ["--nproc", "2"]), timeout=600)
+    if result.returncode or not profile.exists():
+        return {"passed": False, "detail": (result.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+    data = json.loads(profile.read_text())
+    return {"passed": True, "profile": str(profile),
+            "detail": f"{profile.name}: bf16 peak {data.get('peak_bf16', 0) / 1e12:.1f} TFLOP/s, "
+                      f"memory {data.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s"}
+
+
+def check_launcher(device, steps: int) -> dict:
+    """`paratrain train` through torch's elastic agent (launch_local) with one worker forked from the worker
+    server, in this process, which has CUDA initialized by the rows before it."""
+    from paratrain.commands.options import config_from_args
+    from paratrain.cli import build_parser
+    from paratrain.launch import launch_local
+
+    with tempfile.TemporaryDirectory() as work:
+        cfg = config_from_args(build_parser().parse_args(
+            ["train", "--model", "tiny", "--steps", str(steps), "--out", f"{work}/run", "--log-every", "1"]))
+        launch_local(cfg)
+        losses = _losses_of_run(Path(work) / "run")
+    return {"passed": len(losses) == steps and losses[-1] < losses[0], "losses": losses,
+            "detail": f"1 worker, {steps} steps: loss {losses[0]:.2f} -> {losses[-1]:.2f}"}
+
+
 # -- the command ---------------------------------------------------------------------------------------------
+
+def _world1_rows(device, steps: int) -> list:
+    data = batches(CHECK, steps, 8, 64, device)
+    reference = functools.cache(lambda: reference_losses(CHECK, data, device))
+
+    def row(layout):
+        losses = paratrain_losses(CHECK, data, layout)
+        diff = relative_difference(losses, reference())
+        return {"passed": diff <= TOL, "losses": losses, "rel_diff": diff,
+                "detail": f"loss rel diff {diff:.1e} vs one plain PyTorch process (tol {TOL:g})"}
+
+    return [(f"world 1 {name}", functools.partial(row, layout)) for name, layout in LAYOUTS_1.items()]
+
+
+def _world2_rows(device, steps: int) -> list:
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return [("world 2 NCCL layouts", lambda: {"skipped": "needs 2 GPUs"})]
+    results = functools.cache(lambda: check_world2(device, steps)["layouts"])
+
+    def row(name):
+        r = results()[name]
+        if "error" in r:
+            return {"passed": False, "detail": r["error"]}
+        return {"passed": r["rel_diff"] <= TOL, **r, "detail": f"loss rel diff {r['rel_diff']:.1e} (tol {TOL:g})"}
+
+    return [(f"world 2 {name}", functools.partial(row, name)) for name in LAYOUTS_2]
+
+
+def _checkpoint_row(device, steps: int, fused: bool) -> dict:
+    r = check_checkpoint(device, steps, fused)
+    return {**r, "passed": r["bit_equal"],
+            "detail": f"next {len(r['went_on'])} losses bit-equal: {r['bit_equal']}"
+                      + (f"; fused AdamW's step on {', '.join(r['step_device'])}" if fused else "")}
+
+
+def _release_rows(device, steps: int) -> list:
+    results = functools.cache(lambda: check_release(device, steps))
+
+    def row(name):
+        r = results()[name]
+        return {**r, "passed": r["freed"], "detail": f"{r['left_bytes']:,} of {r['built_bytes']:,} bytes left"}
+
+    return [(f"memory given back {name}", functools.partial(row, name)) for name in ("zero0", "zero1", "zero2", "zero3")]
+
+
+def _throughput_row(cfg: ModelConfig, device, batch: int, seq: int, steps: int) -> dict:
+    t = check_throughput(cfg, device, batch, seq, 2, steps)
+    mine, plain = t["paratrain"], t["pytorch_eager"]
+    ratio = mine["step_s"]["median"] / plain["step_s"]["median"]
+    mem = (lambda r: "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f} GiB")
+    mfu = (lambda r: "-" if r["mfu"] is None else f"{r['mfu']:.1%}")
+    # On 2 shared CPU cores a step's time is noise: the bound is a GPU's.
+    passed = ratio <= 1.10 if device.type == "cuda" else True
+    return {**t, "passed": passed, "time_ratio": ratio,
+            "detail": f"{t['params'] / 1e6:,.0f}M params, {batch}x{seq}: step {mine['step_s']['median']:.3f} s vs "
+                      f"plain {plain['step_s']['median']:.3f} s ({ratio:.2f}x), MFU {mfu(mine)} vs {mfu(plain)}, "
+                      f"peak {mem(mine)} vs {mem(plain)}"}
+
+
+def rows(device, args, profile: Path) -> list:
+    """(name, check) in the order they run: each check returns {"passed", "detail", ...} or {"skipped": why}."""
+    steps = args.check_steps
+    seq = min(args.seq, SIZES[args.size].max_seq_len)
+    return [
+        ("ring kernels fp32", lambda: check_ring_kernels(device, torch.float32)),
+        ("ring kernels bf16", lambda: check_ring_kernels(device, torch.bfloat16)),
+        ("ring attention cp2", lambda: check_cp2(device)),
+        ("experts grouped GEMM", lambda: check_grouped_experts(device)),
+        ("tiny-moe trains", lambda: check_tiny_moe(device, args.train_steps)),
+        ("compile ZeRO-0", lambda: check_compile(device, 0, steps)),
+        ("compile ZeRO-3", lambda: check_compile(device, 3, steps)),
+        ("selective recomputation", lambda: check_selective(device, steps)),
+        ("plan --calibrate --quick", lambda: check_calibrate(device, profile)),
+        ("elastic launcher", lambda: check_launcher(device, args.train_steps)),
+        *_world1_rows(device, steps),
+        ("checkpoint round trip", lambda: _checkpoint_row(device, steps, False)),
+        ("checkpoint round trip, fused AdamW", lambda: _checkpoint_row(device, steps, True)),
+        *_release_rows(device, steps),
+        (f"{args.size} step vs plain PyTorch", lambda: _throughput_row(SIZES[args.size], device, args.batch, seq,
+                                                                       args.steps)),
+        *_world2_rows(device, steps),
+    ]
+
+
+def run_rows(checks: list) -> list[dict]:
+    out = []
+    for name, check in checks:
+        start = time.perf_counter()
+        try:
+            result = check()
+        except Exception as e:  # noqa: BLE001 - a check that raises is a FAIL row, and the next row still runs
+            result = {"passed": False, "detail": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+        status = "SKIP" if "skipped" in result else "PASS" if result["passed"] else "FAIL"
+        row = {"row": name, "status": status, "seconds": time.perf_counter() - start,
+               **{k: v for k, v in result.items() if k != "passed"}}
+        out.append(row)
+        print(f"{status}  {name:<40} {result.get('detail') or result.get('skipped')}  ({row['seconds']:.1f} s)",
+              flush=True)
+    return out
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (default cuda)")
-    parser.add_argument("--size", default="1b", choices=list(SIZES), help="model of the throughput check (default 1b)")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps of the throughput check (default 10)")
+    parser.add_argument("--size", default="1b", choices=list(SIZES), help="model of the throughput row (default 1b)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps of the throughput row (default 10)")
     parser.add_argument("--check-steps", type=int, default=5, help="steps of each equivalence run (default 5)")
+    parser.add_argument("--train-steps", type=int, default=40,
+                        help="steps of the tiny-moe and launcher training runs (default 40)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per throughput step (default 4)")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    parser.add_argument("--only", metavar="TEXT", default=None, help="run only the rows whose name contains TEXT")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -319,55 +622,28 @@ def main(argv: list[str] | None = None) -> int:
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
                "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
     print(f"gpu_check on {results['device']} (torch {results['torch']}, CUDA {results['cuda']})", flush=True)
-    results["world1"] = check_world1(device, args.check_steps)
-    results["checkpoint"] = check_checkpoint(device, args.check_steps)
-    results["checkpoint_fused"] = check_checkpoint(device, args.check_steps, fused=True)
-    results["release"] = check_release(device, args.check_steps)
-    seq = min(args.seq, SIZES[args.size].max_seq_len)
-    results["throughput"] = check_throughput(SIZES[args.size], device, args.batch, seq, 2, args.steps)
-    if device.type == "cuda" and torch.cuda.device_count() >= 2:
-        results["world2_nccl"] = check_world2(device, args.check_steps)
-    else:
-        results["world2_nccl"] = "skipped: fewer than 2 GPUs"
-    write(results, Path(args.out))
-    failed = [n for part in ("world1", "world2_nccl") if isinstance(results[part], dict)
-              for n, r in results[part]["layouts"].items() if "error" in r or r["rel_diff"] > TOL]
-    failed += [part for part in ("checkpoint", "checkpoint_fused") if not results[part]["bit_equal"]]
-    failed += [f"release: {name}" for name, r in results["release"].items() if not r["freed"]]
-    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
+    checks = [(n, c) for n, c in rows(device, args, stem.with_name(stem.name + "-profile.json"))
+              if args.only is None or args.only in n]
+    start = time.perf_counter()
+    results["rows"] = run_rows(checks)
+    results["total_s"] = time.perf_counter() - start
+    write(results, stem)
+    failed = [r["row"] for r in results["rows"] if r["status"] == "FAIL"]
+    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all rows passed'} ({results['total_s']:.0f} s)")
     return 1 if failed else 0
 
 
-def write(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+def write(results: dict, stem: Path) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     lines = [f"# gpu_check {results['date']} on {results['device']} ({results['gpus']} GPU(s)), "
-             f"torch {results['torch']}, CUDA {results['cuda']}", "", "| layout | rel loss diff vs one process |",
-             "| --- | --- |"]
-    for part in ("world1", "world2_nccl"):
-        if isinstance(results[part], dict):
-            for name, r in results[part]["layouts"].items():
-                lines.append(f"| {part}: {name} | {r.get('error') or format(r['rel_diff'], '.2e')} |")
-    fused = results["checkpoint_fused"]
-    lines += ["", f"checkpoint resume bit-equal: {results['checkpoint']['bit_equal']}; with fused AdamW: "
-              f"{fused['bit_equal']} (its step on {', '.join(fused['step_device'])})",
-              "", "memory left after a bf16 model and its optimizer are dropped (gc.collect()):", "",
-              "| ZeRO | bytes while alive | bytes left |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {r['built_bytes']:,} | {r['left_bytes']:,} |" for name, r in results["release"].items()]
-    lines += [""]
-    t = results["throughput"]
-    lines += [f"throughput, {t['params']:,} parameters, batch {t['batch']} × {t['seq']}:", "",
-              "| | step s min / median / max | tokens/s | MFU | max_memory_allocated |", "| --- | --- | --- | --- | --- |"]
-    for who in ("pytorch_eager", "paratrain"):
-        r = t[who]
-        s = r["step_s"]
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f} GiB"
-        lines.append(f"| {who} | {s['min']:.3f} / {s['median']:.3f} / {s['max']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{mfu} | {mem} |")
+             f"torch {results['torch']}, CUDA {results['cuda']}", "", f"{results['total_s']:.0f} s.", "",
+             "| row | result | detail | s |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['row']} | {r['status']} | {r.get('detail') or r.get('skipped')} | {r['seconds']:.1f} |"
+              for r in results["rows"]]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
     print(f"written: {stem}.json, {stem}.md")
 
 

@@ -17,6 +17,7 @@ torch's ``_foreach_*`` operators are not here: they are ATen operators in torch'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Any, Callable, Iterable
 
@@ -81,7 +82,7 @@ def held_alone(tensor: torch.Tensor) -> bool:
     """Whether nothing but the caller references `tensor` and no other tensor shares its storage: what autograd
     checks before accumulating into a gradient in place (private use counts of the tensor and its storage).
     Meant for a gradient inside a custom Function's backward, whose sole count depends on the torch release."""
-    return tensor._use_count() == _SOLE_GRADIENT_USE_COUNT and storage_alone(tensor)
+    return tensor._use_count() == _sole_gradient_use_count() and storage_alone(tensor)
 
 
 def storage_alone(tensor: torch.Tensor) -> bool:
@@ -91,10 +92,16 @@ def storage_alone(tensor: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
 
 
+@functools.cache
 def _sole_gradient_use_count() -> int:
     """The use count of a gradient that nothing else holds, as a custom Function's backward sees it: 1 on
     torch 2.13, 2 on 2.11, whose engine keeps one more reference while the backward runs. Measured once, on a
-    fresh product's gradient, so that a shared gradient (one more holder) never counts as alone."""
+    fresh product's gradient, so that a shared gradient (one more holder) never counts as alone.
+
+    Measured at the first use, never on import: the first backward of a process starts autograd's device
+    threads, which on a CUDA build counts the GPUs through the driver (cuInit), and a process that did that
+    cannot fork a worker that uses CUDA ("CUDA error: initialization error"). The worker server imports this
+    module and forks every worker."""
     seen = []
 
     class Probe(torch.autograd.Function):
@@ -112,8 +119,6 @@ def _sole_gradient_use_count() -> int:
         (Probe.apply(x * 1.0) * 2.0).sum().backward()
     return seen[0]
 
-
-_SOLE_GRADIENT_USE_COUNT = _sole_gradient_use_count()
 
 
 # -- grouped GEMM ------------------------------------------------------------------------------------

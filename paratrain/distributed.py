@@ -86,6 +86,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# torch.cuda.is_available() and device_count() ask NVML with this set, instead of the CUDA driver: a process
+# that asked the driver (cuInit) and then forks gives its children "CUDA error: initialization error" at their
+# first CUDA call. Set in every process paratrain forks workers from, or that starts their server.
+FORK_SAFE_CUDA_CHECK = ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process could use, asked without initializing CUDA here (see FORK_SAFE_CUDA_CHECK)."""
+    import torch
+
+    os.environ.setdefault(*FORK_SAFE_CUDA_CHECK)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def default_device(env: DistEnv) -> torch.device:
     """One CUDA device per local rank when CUDA is present, else the CPU."""
     import torch

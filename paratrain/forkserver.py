@@ -19,6 +19,8 @@ import multiprocessing.forkserver
 import os
 import sys
 
+from paratrain.distributed import FORK_SAFE_CUDA_CHECK
+
 # The server's environment: this module is preloaded there, so a forked worker inherits this snapshot.
 _SERVER_ENV = dict(os.environ)
 _IMPORTED_IN = os.getpid()
@@ -47,6 +49,9 @@ def context(*extra: str) -> multiprocessing.context.BaseContext:
     """The forkserver context; when its server first starts, it preloads torch, the trainer, this module, `extra`
     and the libraries the caller has loaded that workers would import again (`_loaded_libraries`)."""
     ctx = multiprocessing.get_context("forkserver")
+    # The server forks every worker: nothing in it may initialize the CUDA driver, and torch's own availability
+    # checks (in the preload or in code it runs) do unless they ask NVML. Inherited when the server starts.
+    os.environ.setdefault(*FORK_SAFE_CUDA_CHECK)
     # This module: its import in the server takes the snapshot `adopt` compares against. The last: it freezes
     # what the others made.
     preload = [*PRELOAD, __name__, *extra, *_loaded_libraries(), "paratrain.forkserver_preloaded"]

@@ -79,3 +79,29 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
 def test_bench_gpu_starts_no_row_after_its_budget(tmp_path):
     rows = _bench_gpu(tmp_path, "--budget-s", "0")
     assert rows and all(r["status"].startswith("skipped: budget spent") for r in rows)
+
+
+# What gpu_check.py must check on every GPU machine (paths built and tested without a GPU), by row name.
+GPU_CHECK_ROWS = {
+    "ring kernels fp32", "ring kernels bf16", "ring attention cp2", "experts grouped GEMM", "tiny-moe trains",
+    "compile ZeRO-0", "compile ZeRO-3", "selective recomputation", "plan --calibrate --quick", "elastic launcher",
+    *(f"world 1 {name}" for name in ("ddp", "zero1", "zero2", "zero3", "tp1_plan")),
+    "checkpoint round trip", "checkpoint round trip, fused AdamW",
+    *(f"memory given back zero{z}" for z in range(4)), "tiny step vs plain PyTorch", "world 2 NCCL layouts",
+}
+
+
+def test_gpu_check_dry_run_on_cpu_names_every_row_and_passes(tmp_path):
+    """The one command to run first on a GPU machine, small on the CPU: every row runs (the 2-GPU rows say why
+    they do not) and passes, so what breaks it shows here before a GPU session is spent on it."""
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "tiny", "--steps", "1",
+                             "--check-steps", "2", "--train-steps", "8", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("gpu-check-*[0-9].json")
+    rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == GPU_CHECK_ROWS
+    assert {name for name, r in rows.items() if r["status"] == "SKIP"} == {"ring attention cp2", "world 2 NCCL layouts"}
+    assert all(r["status"] == "PASS" for name, r in rows.items() if r["status"] != "SKIP"), rows
+    assert rows["ring kernels fp32"]["kernel"] == "cpu flash" and rows["compile ZeRO-3"]["graphs"] > 0

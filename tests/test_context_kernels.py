@@ -28,7 +28,9 @@ def test_cpu_flash_equals_explicit_math_forward_lse_and_backward(causal, sq, sk,
 def test_the_kernel_is_chosen_by_device_dtype_and_head_size_in_one_place():
     assert attention_kernel("cpu", torch.float32, 8) is kernels.CPU_FLASH
     assert attention_kernel("cpu", torch.bfloat16, 7) is kernels.CPU_FLASH
-    assert attention_kernel("cuda", torch.bfloat16, 128) is kernels.CUDA_EFFICIENT
+    assert attention_kernel("cuda", torch.bfloat16, 128) is kernels.CUDA_FLASH
+    assert attention_kernel("cuda", torch.float16, 64) is kernels.CUDA_FLASH
+    assert attention_kernel("cuda", torch.bfloat16, 512) is kernels.CUDA_EFFICIENT  # beyond flash's head sizes
     assert attention_kernel("cuda", torch.float32, 64) is kernels.CUDA_EFFICIENT
     assert attention_kernel("cuda", torch.float64, 64) is kernels.EXPLICIT
     assert attention_kernel("cuda", torch.float16, 36) is kernels.EXPLICIT
@@ -36,13 +38,60 @@ def test_the_kernel_is_chosen_by_device_dtype_and_head_size_in_one_place():
     assert attention_kernel("cpu", torch.int8, 64) is kernels.EXPLICIT
 
 
+@pytest.mark.parametrize("kernel", [kernels.CUDA_EFFICIENT, kernels.CUDA_FLASH], ids=lambda k: k.name)
 @pytest.mark.parametrize("sq, sk, causal", [(40, 40, True), (40, 20, False), (20, 40, False)])
-def test_cuda_efficient_calls_match_the_ops_schemas_on_meta_tensors(sq, sk, causal):
-    """No GPU here: the aten ops' meta functions check the arguments and give the shapes. The forward's lse,
-    padded to a multiple of 32 rows by the op, comes back as [B, H, Sq] for the merge."""
+def test_cuda_calls_match_the_ops_schemas_on_meta_tensors(kernel, sq, sk, causal):
+    """No GPU here: the aten ops' meta functions check the arguments and give the shapes. The forward's lse
+    (the efficient op pads it to a multiple of 32 rows) comes back as [B, H, Sq] for the merge."""
     q, dout = (torch.empty(2, 4, sq, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty(2, 4, sk, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
-    out, lse = kernels.CUDA_EFFICIENT.forward(q, k, v, causal, 0.125)
+    out, lse = kernel.forward(q, k, v, causal, 0.125)
     assert out.shape == q.shape and lse.shape == (2, 4, sq) and lse.dtype == torch.float32
-    dq, dk, dv = kernels.CUDA_EFFICIENT.backward(dout, q, k, v, out, lse, causal, 0.125)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out.contiguous(), lse, causal, 0.125)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def _blockwise_attention(kernel, q, k, v, grad, blocks):
+    """One causal attention split into `blocks` query/key blocks as the ring computes it: each query block's
+    forward over the key blocks it sees, merged by lse; each block's backward from the merged out (made
+    contiguous, as the ring's row slices are) and lse. Returns out, dq, dk, dv over the whole sequence."""
+    from paratrain.parallel.context.ring import _merge
+
+    n = q.shape[2] // blocks
+    qs, ks, vs, gs = ([t[:, :, i * n:(i + 1) * n].contiguous() for i in range(blocks)] for t in (q, k, v, grad))
+    scale, outs, lses = q.shape[-1] ** -0.5, [], []
+    for i in range(blocks):
+        out = lse = None
+        for j in range(i + 1):
+            block_out, block_lse = kernel.forward(qs[i], ks[j], vs[j], i == j, scale)
+            out, lse = ((block_out.float(), block_lse.float()) if out is None
+                        else _merge(out, lse, block_out, block_lse))
+        outs.append(out.to(q.dtype).contiguous())
+        lses.append(lse)
+    dq, dk, dv = ([torch.zeros_like(t, dtype=torch.float32) for t in ts] for ts in (qs, ks, vs))
+    for i in range(blocks):
+        for j in range(i + 1):
+            a, b, c = kernel.backward(gs[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale)
+            dq[i] += a.float()
+            dk[j] += b.float()
+            dv[j] += c.float()
+    return [torch.cat(t, 2) for t in (outs, dq, dk, dv)]
+
+
+@pytest.mark.parametrize("kernel", [kernels.CUDA_EFFICIENT, kernels.CUDA_FLASH], ids=lambda k: k.name)
+def test_cuda_kernels_hand_the_ops_the_layouts_their_kernels_read(kernel, monkeypatch):
+    """The CUDA calls run through CPU emulations of the ops (tests/cuda_ops_emulation.py) that read out at the
+    kernel's fixed row stride H·E and lse at its padded layout, as the GPU does: split causal attention equals
+    whole causal SDPA (fp32, exact math) only if every call hands the ops what their kernels assume. A
+    contiguous out handed to the efficient backward, as the ring's row slices are, reads the wrong rows."""
+    import cuda_ops_emulation
+
+    monkeypatch.setattr(kernels, "_op", cuda_ops_emulation.OPS.__getitem__)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, grad = (torch.randn(2, 4, 4 * 40, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True)
+    expected.backward(grad)
+    got = _blockwise_attention(kernel, q, k, v, grad, blocks=4)
+    for mine, ref in zip(got, [expected, *(t.grad for t in full)]):
+        assert torch.allclose(mine.double(), ref, rtol=0, atol=1e-5), (mine.double() - ref).abs().max()

@@ -28,11 +28,16 @@ def test_each_rank_holds_chunk_i_and_its_mirror_and_the_causal_work_is_even():
         shard_sequence(x[:, :23], 3, 0)
 
 
-def _attention_case(rank, world, heads, kv_heads, rendezvous, explicit=False):
-    if explicit:  # the fallback for devices and dtypes without a fused kernel, on the same ring
-        from paratrain.parallel.context import kernels, ring as ring_module
+def _attention_case(rank, world, heads, kv_heads, rendezvous, kernel="cpu flash"):
+    from paratrain.parallel.context import kernels, ring as ring_module
 
-        ring_module.attention_kernel = lambda *_: kernels.EXPLICIT
+    if kernel.startswith("cuda"):  # the CUDA calls, through CPU emulations of the ops' memory layouts
+        import cuda_ops_emulation
+
+        cuda_ops_emulation.install()
+    # "explicit": the fallback for devices and dtypes without a fused kernel, on the same ring
+    chosen = {k.name: k for k in (kernels.CPU_FLASH, kernels.EXPLICIT, kernels.CUDA_EFFICIENT, kernels.CUDA_FLASH)}
+    ring_module.attention_kernel = lambda *_: chosen[kernel]
     mesh = build_mesh(MeshShape(cp=world))
     comm = Comm(mesh, rendezvous=rendezvous)
     g = torch.Generator().manual_seed(7)
@@ -52,14 +57,16 @@ def _attention_case(rank, world, heads, kv_heads, rendezvous, explicit=False):
     return errors, forward_bytes, comm.bytes_by_axis()["cp"] - forward_bytes
 
 
-@pytest.mark.parametrize("world, heads, kv_heads, rendezvous, explicit",
-                         [(2, 4, 2, False, False), (2, 2, 2, True, False), (4, 4, 1, False, False),
-                          (4, 4, 2, False, True)])
-def test_ring_attention_equals_causal_sdpa_forward_and_backward(world, heads, kv_heads, rendezvous, explicit):
-    """fp32 within 1e-5, with the fused CPU kernel and with the explicit fallback; K/V bytes on the cp axis as
-    the ring's formula: forward cp−1 K/V blocks, backward cp−1 K/V blocks and cp fp32 dK/dV sums
-    (rendezvous: each transfer acknowledged, as NCCL's sends wait)."""
-    results = run_on_ranks(_attention_case, world, heads, kv_heads, rendezvous, explicit, timeout=120)
+@pytest.mark.parametrize("world, heads, kv_heads, rendezvous, kernel",
+                         [(2, 4, 2, False, "cpu flash"), (2, 2, 2, True, "cpu flash"), (4, 4, 1, False, "cpu flash"),
+                          (4, 4, 2, False, "explicit"), (2, 4, 2, False, "cuda efficient"),
+                          (2, 4, 2, False, "cuda flash")])
+def test_ring_attention_equals_causal_sdpa_forward_and_backward(world, heads, kv_heads, rendezvous, kernel):
+    """fp32 within 1e-5, with the fused CPU kernel, the explicit fallback and the CUDA calls (emulated with
+    their kernels' memory layouts); K/V bytes on the cp axis as the ring's formula: forward cp−1 K/V blocks,
+    backward cp−1 K/V blocks and cp fp32 dK/dV sums (rendezvous: each transfer acknowledged, as NCCL's sends
+    wait)."""
+    results = run_on_ranks(_attention_case, world, heads, kv_heads, rendezvous, kernel, timeout=120)
     block = 2 * 2 * kv_heads * 8 * 8 * 4  # K and V, B=2, Hk, 2c = 8 local tokens (of 8·cp), E=8, fp32
     for errors, forward_bytes, backward_bytes in results:
         assert max(errors) < 1e-5, errors

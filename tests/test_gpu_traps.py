@@ -374,17 +374,69 @@ def test_under_plain_torchrun_the_flight_records_go_into_the_run_before_the_grou
 
 
 def test_what_the_forkserver_preloads_never_initializes_cuda():
-    """Every module the worker server imports, with CUDA's initialization made to fail: none may call it."""
+    """Every module the worker server imports, with CUDA's initialization made to fail: none may call it. Nor may
+    one run a backward: autograd's first backward starts its device threads, which on a CUDA build count the
+    GPUs through the driver (cuInit), so every worker forked from the server failed its first CUDA call with
+    "CUDA error: initialization error" (seen on an H200: a probe run at import in paratrain.compat)."""
     import subprocess
     import sys
 
     from paratrain import forkserver
 
-    modules = [*forkserver.PRELOAD, "paratrain.forkserver", "paratrain.testing", "paratrain.launch"]
-    code = ("import torch, torch.cuda\n"
+    modules = [*forkserver.PRELOAD, "paratrain.forkserver", "paratrain.testing", "paratrain.launch",
+               "paratrain.plan.calibrate", "paratrain.forkserver_preloaded"]
+    code = ("import torch, torch.cuda, torch.autograd, torch.autograd.graph\n"
             "def trapped(*a, **k): raise SystemExit('CUDA initialized while importing the preload')\n"
+            "def engine(*a, **k): raise SystemExit('autograd backward run while importing the preload')\n"
             "torch.cuda._lazy_init = trapped\n"
+            "torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward = engine\n"
             f"for name in {modules!r}: __import__(name)\n"
             "assert not torch.cuda.is_initialized()\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _trap_cuda(monkeypatch):
+    """This process sees one GPU; initializing CUDA, or asking the driver rather than NVML, raises."""
+    import os
+
+    def initialized(*args, **kwargs):
+        raise AssertionError("CUDA initialized in a process that ranks are forked from")
+
+    def available():
+        if os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") != "1":
+            raise AssertionError("CUDA's availability asked of the driver (cuInit), not NVML")
+        return True
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", initialized)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", initialized)
+    monkeypatch.setattr(torch.cuda, "is_available", available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def test_calibrating_a_gpu_never_initializes_cuda_in_the_calibrating_process(monkeypatch):
+    """`plan --calibrate` on a GPU machine: the GPUs are counted through NVML and the machine described without
+    touching CUDA; a GPU's name and memory come from a rank (`gpu_info`)."""
+    from paratrain.distributed import visible_gpus
+    from paratrain.plan import calibrate
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    _trap_cuda(monkeypatch)
+    assert visible_gpus() == 1
+    assert calibrate.choose_device(None, True, 1) == "cuda"
+    info = calibrate.machine_info()
+    assert "device_name" not in info and info["cores"] >= 1
+
+
+def _cuda_check_of_a_rank(rank, world):
+    import os
+
+    return os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+
+
+def test_the_worker_server_and_its_ranks_ask_nvml_whether_cuda_is_there():
+    """A server that asked the CUDA driver whether a GPU is there (torch.cuda.is_available() without NVML) would
+    give every rank forked from it "CUDA error: initialization error" at its first CUDA call."""
+    from paratrain.testing import run_on_ranks
+
+    assert run_on_ranks(_cuda_check_of_a_rank, 1) == ["1"]

@@ -143,11 +143,10 @@ def _check_modes(args) -> None:
 
 
 def _run_calibrate(args) -> int:
-    import torch
-
+    from paratrain.distributed import visible_gpus
     from paratrain.plan.calibrate import CalibrationPlan, calibrate, choose_device
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     if choose_device(None, gpus > 0, gpus) == "cuda":  # the GPUs, one rank each; NCCL between them
         plan = CalibrationPlan.gpu(args.nproc or gpus, quick=args.quick)
     else:

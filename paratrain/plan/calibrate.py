@@ -132,11 +132,18 @@ class CalibrationPlan:
     def gpu(cls, gpus: int, quick: bool = False) -> CalibrationPlan:
         """Sizes of a GPU's training kernels: linears of a 1-70B model's layers, flash attention in bf16,
         element-wise kernels of 4-256 MB, collectives up to 256 MB, one rank per GPU."""
-        if quick:
-            return dataclasses.replace(cls.quick(2), nproc=gpus, device="cuda", attention_dtype="bf16")
         square = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192))
         layers = ((8192, 2048, 2048), (8192, 5632, 2048), (2048, 4096, 4096), (2048, 11008, 4096),
                   (8192, 4096, 11008), (4096, 28672, 8192))
+        if quick:
+            # Still a GPU's sizes (the CPU's quick shapes fit a GPU's curve to launch overheads: a 1B step was
+            # predicted at 1,670 s on an H200), fewer of them, each timed twice.
+            return cls(nproc=gpus, device="cuda", attention_dtype="bf16",
+                       gemm_shapes={"bf16": square[1:3] + layers[:2], "fp16": square[2:3], "fp32": square[2:3]},
+                       attention_shapes=((1, 16, 2048, 128),), memory_sizes=(2**22, 2**24, 2**26, 2**28),
+                       elementwise_sizes=(2**24, 2**26), working_set=2**30, collective_sizes=(2**22, 2**24, 2**26),
+                       gap=(4096, 4096, 4096), min_seconds=0.005, repeats=2, timeout=300.0, quiet_wait=0.0,
+                       retries=0)
         return cls(nproc=gpus, device="cuda", attention_dtype="bf16",
                    gemm_shapes={"bf16": square + layers, "fp16": square, "fp32": square},
                    attention_shapes=((4, 16, 2048, 128), (1, 32, 2048, 128), (1, 32, 4096, 128)),
@@ -161,18 +168,26 @@ def _slowest_over_ranks(per_rank: list, pick) -> list:
 
 
 def machine_info() -> dict:
-    """Where and when: platform, processor, cores, load averages, torch version, date."""
+    """Where and when: platform, processor, cores, load averages, torch version, date.
+
+    Nothing here touches CUDA: this process forks no rank itself, but a CUDA context made here would sit on
+    GPU 0 beside the ranks' for the whole calibration. A GPU's name and memory come from a rank
+    (`gpu_info`)."""
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = {}
-    if torch.cuda.is_available():
-        properties = torch.cuda.get_device_properties(0)
-        gpu = {"device_name": properties.name, "device_memory": properties.total_memory,
-               "gpus": torch.cuda.device_count()}
-    return {**gpu, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "node": platform.node(),
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "node": platform.node(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "cores": cores, "loadavg": list(os.getloadavg()), "torch": torch.__version__}
+
+
+def gpu_info(rank: int, world: int) -> dict:
+    """On a rank: the GPU's name and memory, and how many GPUs this host has."""
+    import torch
+
+    properties = torch.cuda.get_device_properties(0)
+    return {"device_name": properties.name, "device_memory": properties.total_memory,
+            "gpus": torch.cuda.device_count()}
 
 
 def _shares(machine: dict, plan: CalibrationPlan) -> str:
@@ -299,7 +314,11 @@ def _measure_phase(name: str, plan: CalibrationPlan, baseline: float) -> tuple[l
 
 def calibrate(plan: CalibrationPlan = CalibrationPlan(), progress: bool = True) -> tuple[Hardware, dict]:
     """Measure this machine on `plan.nproc` ranks; return (profile, raw measurements with machine info)."""
+    from paratrain.testing import run_on_ranks
+
     machine = machine_info()
+    if plan.device == "cuda":
+        machine.update(run_on_ranks(gpu_info, 1, timeout=plan.timeout)[0])
     wait_until_quiet(plan.quiet_cpu, plan.quiet_wait)
     baseline = machine_speed(plan.nproc, plan.timeout)
     machine["probe_flops"] = baseline

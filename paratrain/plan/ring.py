@@ -38,7 +38,7 @@ def ring_in_flight_bytes(model: ModelConfig, micro_batch: int, local_tokens: int
 
     Two K/V blocks (the one computed on and the one arriving) and, in backward, two fp32 dK/dV
     sums (the one leaving and the one arriving); and what the block's kernel call needs beyond
-    them (`paratrain.parallel.context.kernels`). A fused kernel (flash: the GPU's memory-efficient
+    them (`paratrain.parallel.context.kernels`). A fused kernel (flash: the GPU's flash or memory-efficient
     kernel, the CPU's flash kernel) keeps no scores; under GQA the block it computes on is
     expanded to the a query heads for the call and its dK/dV come back so before they are summed
     per kv head: 2 such blocks, 2·b·(a/t)·(s/cp)·E·bytes each. The explicit fallback (flash False)

@@ -11,16 +11,29 @@ least fp32.
 
 Which kernel runs is decided here once, by `attention_kernel(device type, dtype, head size)`:
 - CPU, fp32/fp64/bf16/fp16: `aten._scaled_dot_product_flash_attention_for_cpu` and its backward.
-- CUDA, fp32/bf16/fp16, head size a multiple of 8: `aten._scaled_dot_product_efficient_attention`
-  (compute_log_sumexp) and its backward, as torch's own context parallel calls them. No GPU runs
-  here: this path is checked only on meta tensors (the ops' shape functions).
+- CUDA, bf16/fp16, head size a multiple of 8 up to 256: `aten._scaled_dot_product_flash_attention` and its
+  backward (FlashAttention 2: the faster kernel on H100/H200, and torch's own context parallel's default).
+- CUDA, fp32 (and bf16/fp16 heads flash does not take), head size a multiple of 8:
+  `aten._scaled_dot_product_efficient_attention` (compute_log_sumexp) and its backward.
 - anything else: explicit math (scores, mask, logsumexp) in at least fp32.
 These are private aten ops, each behind one small function (STYLE 12); the explicit
 math is their reference in tests.
+
+The CUDA ops' contract, which no CPU run executes (tests/test_context_kernels.py emulates it):
+- Both return out as a [B, H, S, E] view of a [B, S, H, E] buffer, and the memory-efficient
+  backward reads `out` at that layout whatever strides it is handed (its row stride is H·E, fixed
+  in the kernel): a contiguous [B, H, S, E] out makes it read past the end (CUDA's "illegal memory
+  access"). Every backward here hands out in the forward's layout (`_as_forward_out`).
+- The memory-efficient ops pad lse to a multiple of 32 query rows; its backward reads that padded
+  layout. Flash's lse is [B, H, Sq], unpadded.
+- Dropout is 0, so the philox seed and offset the backward takes are never read (the ops only
+  read them when dropout_p > 0); the ring's backward runs from the merged out and lse, not from
+  one block's forward, so there is no block forward whose seed it could hand on.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,9 +56,21 @@ def attention_kernel(device_type: str, dtype: torch.dtype, head_size: int) -> Bl
     """The one place the ring's block kernel is chosen (device, dtype, head size); explicit math where no fused op applies."""
     if device_type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return CPU_FLASH
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_size % 8 == 0 and head_size <= 256:
+        return CUDA_FLASH
     if device_type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16) and head_size % 8 == 0:
         return CUDA_EFFICIENT
     return EXPLICIT
+
+
+def _op(name: str):
+    """The aten op `name` (one lookup, so a test can run the CUDA calls through emulations of the ops)."""
+    return getattr(torch.ops.aten, name)
+
+
+def _as_forward_out(out: torch.Tensor) -> torch.Tensor:
+    """out [B, H, S, E] as the CUDA forwards return it, a view of a [B, S, H, E] buffer (copied only if not)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _cpu_forward(q, k, v, causal, scale):
@@ -57,18 +82,44 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _cuda_forward(q, k, v, causal, scale):
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                            scale=scale)
+def _unread_philox(device) -> torch.Tensor:
+    """The philox seed or offset the backwards take: unread at dropout 0 (see the module's docstring)."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _efficient_forward(q, k, v, causal, scale):
+    out, lse, _, _ = _op("_scaled_dot_product_efficient_attention")(q, k, v, None, True, 0.0, causal, scale=scale)
     return out, lse[..., : q.shape[2]]  # drop the padding rows: the ring merges [B, H, Sq]
 
 
-def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
     padded = F.pad(lse, (0, -q.shape[2] % _LSE_ROWS)).contiguous()  # the layout the forward returned
-    no_dropout = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed and offset, unread at p = 0
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, padded, no_dropout, no_dropout, 0.0, [True, True, True, False], causal,
-        scale=scale)
+    dq, dk, dv, _ = _op("_scaled_dot_product_efficient_attention_backward")(
+        dout, q, k, v, None, _as_forward_out(out), padded, _unread_philox(q.device), _unread_philox(q.device), 0.0,
+        [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+def _flash_forward(q, k, v, causal, scale):
+    out, lse, *_ = _op("_scaled_dot_product_flash_attention")(q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+@functools.cache
+def _flash_rng_layout() -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """(shape, dtype) of the rng tensors the flash forward returns on this torch (an int64 seed and offset in
+    some versions, a uint64 state in others), read once from the op's meta function."""
+    q = torch.empty(1, 1, 8, 8, device="meta", dtype=torch.bfloat16)
+    rng = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False, False)[6:8]
+    return tuple((tuple(t.shape), t.dtype) for t in rng)
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    seed, offset = (torch.zeros(shape, dtype=dtype, device=q.device) for shape, dtype in _flash_rng_layout())
+    # Dense batches: no cumulative sequence lengths; the longest sequences are the blocks' own lengths.
+    dq, dk, dv = _op("_scaled_dot_product_flash_attention_backward")(
+        dout, q, k, v, _as_forward_out(out), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
+        seed, offset, scale=scale)
     return dq, dk, dv
 
 
@@ -104,5 +155,6 @@ def _explicit_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 CPU_FLASH = BlockKernel("cpu flash", _cpu_forward, _cpu_backward)
-CUDA_EFFICIENT = BlockKernel("cuda efficient", _cuda_forward, _cuda_backward)
+CUDA_EFFICIENT = BlockKernel("cuda efficient", _efficient_forward, _efficient_backward)
+CUDA_FLASH = BlockKernel("cuda flash", _flash_forward, _flash_backward)
 EXPLICIT = BlockKernel("explicit", _explicit_forward, _explicit_backward)

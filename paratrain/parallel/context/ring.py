@@ -16,7 +16,7 @@ a mask; a later rank's (j > i) only the second local chunk's c queries against a
 own block comes first and every query sees itself there, so the running lse is finite.
 
 Kernels (`kernels.attention_kernel`, chosen once by device, dtype and head size): fused
-attention that returns the lse (CPU flash, CUDA memory-efficient), explicit math elsewhere.
+attention that returns the lse (CPU flash; CUDA flash in bf16/fp16, memory-efficient in fp32), explicit math elsewhere.
 Merges accumulate out and lse in at least fp32; each block's backward is given the global out
 and lse of its queries (FlashAttention's backward recomputes P from them), so the per-block
 gradients add up to the exact ones.
