@@ -185,20 +185,24 @@ def test_llama2_7b_has_the_published_count_and_stages_partition_it():
 S, B, H, A = 2048, 1, 4096, 32  # s·b·h = 8,388,608 and 5·a·s/h = 80
 
 
-@pytest.mark.parametrize("tp, sp, recompute, expected", [
-    (1, False, Recompute.NONE, 8_388_608 * 114),           # sbh(34 + 80)
-    (8, False, Recompute.NONE, 8_388_608 * 23),            # sbh(10 + 24/8 + 80/8)
-    (8, True, Recompute.NONE, 1_048_576 * 114),            # sbh/8 (34 + 80)
+@pytest.mark.parametrize("tp, sp, recompute, flash, expected", [
+    (1, False, Recompute.NONE, False, 8_388_608 * 114),           # sbh(34 + 80)
+    (8, False, Recompute.NONE, False, 8_388_608 * 23),            # sbh(10 + 24/8 + 80/8)
+    (8, True, Recompute.NONE, False, 1_048_576 * 114),            # sbh/8 (34 + 80)
+    # selective, Megatron's policy (attention's core recomputed): sbh(10 + 24/t), 34·sbh/t with SP
+    (8, False, Recompute.SELECTIVE, False, 8_388_608 * 13),
+    (8, True, Recompute.SELECTIVE, False, 1_048_576 * 34),
     # selective, what paratrain keeps (f = 8h/3 = 10,923): 2 bytes × s·b·(h/t with SP + (2h + 2h + 2f)/t + 2h), and
     # attention's fp32 log-sum-exp 4·b·a·s/t
-    (1, False, Recompute.SELECTIVE, 2 * 2048 * (4096 + 8192 + 8192 + 21_846 + 8192) + 4 * 32 * 2048),
-    (8, False, Recompute.SELECTIVE, 2 * 2048 * (4096 + (8192 + 8192 + 21_846) / 8 + 8192) + 4 * 32 * 2048 / 8),
-    (8, True, Recompute.SELECTIVE, 2 * 2048 * (4096 / 8 + (8192 + 8192 + 21_846) / 8 + 8192) + 4 * 32 * 2048 / 8),
-    (8, False, Recompute.FULL, 2 * 8_388_608),             # 2sbh
-    (8, True, Recompute.FULL, 2 * 1_048_576),              # 2sbh/8
+    (1, False, Recompute.SELECTIVE, True, 2 * 2048 * (4096 + 8192 + 8192 + 21_846 + 8192) + 4 * 32 * 2048),
+    (8, False, Recompute.SELECTIVE, True, 2 * 2048 * (4096 + (8192 + 8192 + 21_846) / 8 + 8192) + 4 * 32 * 2048 / 8),
+    (8, True, Recompute.SELECTIVE, True,
+     2 * 2048 * (4096 / 8 + (8192 + 8192 + 21_846) / 8 + 8192) + 4 * 32 * 2048 / 8),
+    (8, False, Recompute.FULL, False, 2 * 8_388_608),             # 2sbh
+    (8, True, Recompute.FULL, False, 2 * 1_048_576),              # 2sbh/8
 ])
-def test_layer_activation_formulas_hand_computed(tp, sp, recompute, expected):
-    assert layer_activation_bytes(S, B, H, A, tp, sp, recompute) == expected
+def test_layer_activation_formulas_hand_computed(tp, sp, recompute, flash, expected):
+    assert layer_activation_bytes(S, B, H, A, tp, sp, recompute, flash=flash) == expected
 
 
 def test_in_flight_microbatches_per_schedule():

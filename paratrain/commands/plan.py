@@ -37,6 +37,9 @@ from paratrain.plan.moe import DEFAULT_IMBALANCE, is_moe
 from paratrain.plan.search import Estimate, SearchResult, estimate, layout_spec, search
 
 
+ATTENTION_RUNTIMES = ("flash", "materialized")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `plan` subcommand to the main CLI's subparsers; returns its parser."""
     parser = subparsers.add_parser("plan", help="estimate memory, FLOPs and step time; search layouts",
@@ -52,6 +55,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help="a mixture of experts' assumed load imbalance: tokens the busiest expert rank receives "
                             "over the mean (max/mean), scaling its expert compute, activations and all-to-all bytes "
                             f"(default {DEFAULT_IMBALANCE}; 1: uniform routing)")
+    model.add_argument("--attention", choices=ATTENTION_RUNTIMES, default="flash",
+                       help="how attention runs: flash (paratrain's kernels and blocks: no s×s scores kept; the "
+                            "default) or materialized (the runtime of Korthikanti et al. 2022: scores, softmax and "
+                            "1-byte dropout masks kept, a GPT block, Megatron's selective recompute of attention's "
+                            "core)")
     add_shared_options(parser.add_argument_group("batch and precision"), BATCH_OPTIONS)
     layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")

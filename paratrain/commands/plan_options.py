@@ -124,6 +124,7 @@ def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
                   reduce_dtype=opts.get("parallel.reduce_dtype"))
     if model is not None:
         common["moe_imbalance"] = getattr(args, "moe_imbalance", Workload.moe_imbalance)
+        common["flash_attention"] = getattr(args, "attention", "flash") == "flash"
     if model is None:
         return Workload.for_params(parse_count(args.params), **common), name
     return Workload.for_model(model, **common), name

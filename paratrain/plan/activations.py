@@ -31,7 +31,11 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     used for Llama-style blocks too. fp32 activations double every term (an approximation:
     the 1-byte masks do not double).
 
-    Selective recompute is what paratrain's policy keeps (`paratrain.parallel.recompute`), counted
+    With `flash` False this is the paper's runtime (Table 2): the scores materialized, and selective
+    recompute Megatron's policy, which recomputes only attention's core and keeps the rest of
+    the block: sbh·(10 + 24/t), or 34·sbh/t with sequence parallelism.
+
+    With `flash`, selective recompute is what paratrain's policy keeps (`paratrain.parallel.recompute`), counted
     per element of the Llama block (kv = h·kv_heads/a, f = ffn_dim; default a GPT block as the
     planner models one, `gpt_model`: kv_heads = a, f = 8h/3), in the activation dtype:
     the block input s·b·h (÷t with SP); q and the attention output 2·s·b·h/t; k and v 2·s·b·kv/t;
@@ -65,7 +69,11 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     if flash and recompute is Recompute.NONE:
         return block_bytes_as_run(s * b, h, a, f, t, sequence_parallel, precision, compiled)
     scores = 5 * a * s / h  # attention scores, softmax output and its dropout mask
-    if recompute is Recompute.SELECTIVE:
+    if recompute is Recompute.SELECTIVE and not flash:
+        # Megatron's selective policy (Korthikanti §5, Table 2): only attention's core (scores, softmax, dropout,
+        # its product with V) is recomputed, so the scores term goes and the rest of the block stays.
+        scores = 0.0
+    elif recompute is Recompute.SELECTIVE:
         kv = h * (kv_heads or a) / a
         sharded = 2 * h + 2 * kv + 2 * f
         elements = s * b * (h / (t if sequence_parallel else 1) + sharded / t + 2 * h - (flash and compiled) * h)

@@ -104,9 +104,11 @@ class Workload:
         reduce_dtype: dtype of gradients and their reduction; None means the parameter dtype.
         flash_attention: the attention core runs as one kernel that keeps the s×s scores on
             chip and skips the causal half (FlashAttention, PyTorch's scaled_dot_product_attention,
-            and paratrain's ring, whose blocks are such kernels); False: the scores are materialized
-            and softmaxed in memory (Megatron before 2023). Activations drop Korthikanti's scores
-            term under a flash kernel (`layer_activation_bytes`' flash).
+            and paratrain's ring, whose blocks are such kernels), and blocks are counted as
+            paratrain runs them; False: the runtime of Korthikanti et al. 2022 (`plan --attention
+            materialized`), the scores materialized and softmaxed in memory with 1-byte dropout masks,
+            a GPT block, and Megatron's selective recompute of attention's core only
+            (`layer_activation_bytes`).
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
