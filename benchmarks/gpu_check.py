@@ -316,8 +316,7 @@ def check_ring_kernels(device, dtype: torch.dtype) -> dict:
     """The ring's block kernel for `dtype` on `device` against whole causal SDPA, split into 4 blocks as the ring
     computes it: forward per (query, key) block merged by lse, backward from the merged out (contiguous, as the
     ring's row slices are) and lse."""
-    from paratrain.parallel.context.kernels import attention_kernel
-    from paratrain.parallel.context.ring import _merge
+    from paratrain.parallel.context.kernels import attention_kernel, blockwise_causal_attention
 
     b, h, s, e, blocks = (2, 8, 1024, 64, 4) if device.type == "cuda" else (1, 2, 64, 16, 4)
     g = torch.Generator().manual_seed(0)
@@ -326,26 +325,10 @@ def check_ring_kernels(device, dtype: torch.dtype) -> dict:
     ref = F.scaled_dot_product_attention(*full, is_causal=True)
     ref.backward(grad)
     kernel = attention_kernel(device.type, dtype, e)
-    n, scale = s // blocks, e ** -0.5
-    qs, ks, vs, gs = ([t[:, :, i * n:(i + 1) * n].contiguous() for i in range(blocks)] for t in (q, k, v, grad))
-    outs, lses = [], []
-    for i in range(blocks):
-        out = lse = None
-        for j in range(i + 1):
-            bo, bl = kernel.forward(qs[i], ks[j], vs[j], i == j, scale)
-            out, lse = (bo.float(), bl.float()) if out is None else _merge(out, lse, bo, bl)
-        outs.append(out.to(dtype).contiguous())
-        lses.append(lse)
-    dq, dk, dv = ([torch.zeros_like(t, dtype=torch.float32) for t in ts] for ts in (qs, ks, vs))
-    for i in range(blocks):
-        for j in range(i + 1):
-            a, bb, c = kernel.backward(gs[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale)
-            dq[i] += a.float()
-            dk[j] += bb.float()
-            dv[j] += c.float()
+    out, dq, dk, dv = blockwise_causal_attention(kernel, q, k, v, grad, blocks)
     _sync(device)
-    errors = {name: _norm_relative(torch.cat(mine, 2), theirs) for name, mine, theirs in
-              (("out", outs, ref), ("dq", dq, full[0].grad), ("dk", dk, full[1].grad), ("dv", dv, full[2].grad))}
+    errors = {name: _norm_relative(mine, theirs) for name, mine, theirs in
+              (("out", out, ref), ("dq", dq, full[0].grad), ("dk", dk, full[1].grad), ("dv", dv, full[2].grad))}
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     return {"passed": max(errors.values()) <= tol, "kernel": kernel.name, "errors": errors, "tol": tol,
             "detail": f"{kernel.name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f" (tol {tol:g})"}

@@ -51,33 +51,6 @@ def test_cuda_calls_match_the_ops_schemas_on_meta_tensors(kernel, sq, sk, causal
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
-def _blockwise_attention(kernel, q, k, v, grad, blocks):
-    """One causal attention split into `blocks` query/key blocks as the ring computes it: each query block's
-    forward over the key blocks it sees, merged by lse; each block's backward from the merged out (made
-    contiguous, as the ring's row slices are) and lse. Returns out, dq, dk, dv over the whole sequence."""
-    from paratrain.parallel.context.ring import _merge
-
-    n = q.shape[2] // blocks
-    qs, ks, vs, gs = ([t[:, :, i * n:(i + 1) * n].contiguous() for i in range(blocks)] for t in (q, k, v, grad))
-    scale, outs, lses = q.shape[-1] ** -0.5, [], []
-    for i in range(blocks):
-        out = lse = None
-        for j in range(i + 1):
-            block_out, block_lse = kernel.forward(qs[i], ks[j], vs[j], i == j, scale)
-            out, lse = ((block_out.float(), block_lse.float()) if out is None
-                        else _merge(out, lse, block_out, block_lse))
-        outs.append(out.to(q.dtype).contiguous())
-        lses.append(lse)
-    dq, dk, dv = ([torch.zeros_like(t, dtype=torch.float32) for t in ts] for ts in (qs, ks, vs))
-    for i in range(blocks):
-        for j in range(i + 1):
-            a, b, c = kernel.backward(gs[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale)
-            dq[i] += a.float()
-            dk[j] += b.float()
-            dv[j] += c.float()
-    return [torch.cat(t, 2) for t in (outs, dq, dk, dv)]
-
-
 @pytest.mark.parametrize("kernel", [kernels.CUDA_EFFICIENT, kernels.CUDA_FLASH], ids=lambda k: k.name)
 def test_cuda_kernels_hand_the_ops_the_layouts_their_kernels_read(kernel, monkeypatch):
     """The CUDA calls run through CPU emulations of the ops (tests/cuda_ops_emulation.py) that read out at the
@@ -92,6 +65,6 @@ def test_cuda_kernels_hand_the_ops_the_layouts_their_kernels_read(kernel, monkey
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True)
     expected.backward(grad)
-    got = _blockwise_attention(kernel, q, k, v, grad, blocks=4)
+    got = kernels.blockwise_causal_attention(kernel, q, k, v, grad, blocks=4)
     for mine, ref in zip(got, [expected, *(t.grad for t in full)]):
         assert torch.allclose(mine.double(), ref, rtol=0, atol=1e-5), (mine.double() - ref).abs().max()
