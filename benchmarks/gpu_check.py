@@ -316,7 +316,8 @@ def check_ring_kernels(device, dtype: torch.dtype) -> dict:
     """The ring's block kernel for `dtype` on `device` against whole causal SDPA, split into 4 blocks as the ring
     computes it: forward per (query, key) block merged by lse, backward from the merged out (contiguous, as the
     ring's row slices are) and lse."""
-    from paratrain.parallel.context.kernels import attention_kernel, blockwise_causal_attention
+    from paratrain.parallel.context.kernels import attention_kernel
+    from paratrain.parallel.context.ring import blockwise_causal_attention
 
     b, h, s, e, blocks = (2, 8, 1024, 64, 4) if device.type == "cuda" else (1, 2, 64, 16, 4)
     g = torch.Generator().manual_seed(0)

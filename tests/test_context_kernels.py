@@ -5,6 +5,7 @@ import torch
 
 from paratrain.parallel.context import kernels
 from paratrain.parallel.context.kernels import attention_kernel
+from paratrain.parallel.context.ring import blockwise_causal_attention
 
 
 @pytest.mark.parametrize("causal, sq, sk", [(True, 16, 16), (False, 16, 8), (False, 8, 16)])
@@ -65,6 +66,6 @@ def test_cuda_kernels_hand_the_ops_the_layouts_their_kernels_read(kernel, monkey
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True)
     expected.backward(grad)
-    got = kernels.blockwise_causal_attention(kernel, q, k, v, grad, blocks=4)
+    got = blockwise_causal_attention(kernel, q, k, v, grad, blocks=4)
     for mine, ref in zip(got, [expected, *(t.grad for t in full)]):
         assert torch.allclose(mine.double(), ref, rtol=0, atol=1e-5), (mine.double() - ref).abs().max()

@@ -159,30 +159,3 @@ CUDA_EFFICIENT = BlockKernel("cuda efficient", _efficient_forward, _efficient_ba
 CUDA_FLASH = BlockKernel("cuda flash", _flash_forward, _flash_backward)
 EXPLICIT = BlockKernel("explicit", _explicit_forward, _explicit_backward)
 
-
-def blockwise_causal_attention(kernel: BlockKernel, q, k, v, dout, blocks: int) -> list[torch.Tensor]:
-    """One causal attention computed in one process as the ring computes it, to check a block kernel on any
-    device: each of `blocks` query blocks attends the key blocks it sees, merged by lse (the ring's rule), and
-    each block's backward runs from the merged out (made contiguous, as the ring's row slices are) and lse.
-    Returns [out, dq, dk, dv] over the whole sequence, in at least fp32."""
-    from paratrain.parallel.context.ring import _merge
-
-    n, scale = q.shape[2] // blocks, q.shape[-1] ** -0.5
-    qs, ks, vs, gs = ([t[:, :, i * n:(i + 1) * n].contiguous() for i in range(blocks)] for t in (q, k, v, dout))
-    outs, lses = [], []
-    for i in range(blocks):
-        out = lse = None
-        for j in range(i + 1):
-            block_out, block_lse = kernel.forward(qs[i], ks[j], vs[j], i == j, scale)
-            out, lse = ((block_out.float(), block_lse.float()) if out is None
-                        else _merge(out, lse, block_out, block_lse))
-        outs.append(out.to(q.dtype).contiguous())
-        lses.append(lse)
-    dq, dk, dv = ([torch.zeros_like(t, dtype=torch.float32) for t in ts] for ts in (qs, ks, vs))
-    for i in range(blocks):
-        for j in range(i + 1):
-            a, b, c = kernel.backward(gs[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale)
-            dq[i] += a.float()
-            dk[j] += b.float()
-            dv[j] += c.float()
-    return [torch.cat(t, 2) for t in (outs, dq, dk, dv)]

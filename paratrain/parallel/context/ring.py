@@ -43,7 +43,7 @@ from enum import Enum
 import torch
 
 from paratrain.comm import Comm
-from paratrain.parallel.context.kernels import attention_kernel
+from paratrain.parallel.context.kernels import BlockKernel, attention_kernel
 from paratrain.parallel.context.split import positions
 
 
@@ -189,3 +189,29 @@ class _RingAttention(torch.autograd.Function):
             kv = kv_next
         ring.wait(dkv_works)
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+
+
+def blockwise_causal_attention(kernel: BlockKernel, q, k, v, dout, blocks: int) -> list[torch.Tensor]:
+    """One causal attention computed in one process as the ring computes it, to check a block kernel on any
+    device: each of `blocks` query blocks attends the key blocks it sees, merged by lse (the ring's rule), and
+    each block's backward runs from the merged out (made contiguous, as the ring's row slices are) and lse.
+    Returns [out, dq, dk, dv] over the whole sequence, in at least fp32."""
+    n, scale = q.shape[2] // blocks, q.shape[-1] ** -0.5
+    qs, ks, vs, gs = ([t[:, :, i * n:(i + 1) * n].contiguous() for i in range(blocks)] for t in (q, k, v, dout))
+    outs, lses = [], []
+    for i in range(blocks):
+        out = lse = None
+        for j in range(i + 1):
+            block_out, block_lse = kernel.forward(qs[i], ks[j], vs[j], i == j, scale)
+            out, lse = ((block_out.float(), block_lse.float()) if out is None
+                        else _merge(out, lse, block_out, block_lse))
+        outs.append(out.to(q.dtype).contiguous())
+        lses.append(lse)
+    dq, dk, dv = ([torch.zeros_like(t, dtype=torch.float32) for t in ts] for ts in (qs, ks, vs))
+    for i in range(blocks):
+        for j in range(i + 1):
+            a, b, c = kernel.backward(gs[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale)
+            dq[i] += a.float()
+            dk[j] += b.float()
+            dv[j] += c.float()
+    return [torch.cat(t, 2) for t in (outs, dq, dk, dv)]
