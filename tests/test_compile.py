@@ -30,7 +30,7 @@ import torch
 from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
 from paratrain.models import Transformer
 from paratrain.train import train_step
-from parallel_cases import TINY, adamw, batches, launch_once
+from parallel_cases import FP32_ADAMW, TINY, adamw, assert_matches_reference, batches, launch_once
 
 STEPS, ROWS, SEQ, LR = 4, 2, 16, 1e-2  # ROWS: sequences per micro-batch on every rank
 
@@ -54,7 +54,7 @@ class Case:
 
     @property
     def tolerance(self) -> float:
-        return {"fp32": 1e-4, "bf16": 2e-2, "fp16": 5e-3}[self.precision]
+        return {"bf16": 2e-2, "fp16": 5e-3}[self.precision]  # fp32: parallel_cases.FP32_ADAMW
 
 
 CASES = {
@@ -140,10 +140,14 @@ def test_compiled_blocks_match_eager_compile_once_and_never_break(name):
     case = CASES[name]
     for per_rank in launch_once(_RESULTS, case.world, _all_cases, timeout=900):
         eager, compiled = per_rank[name]
-        assert compiled["losses"] == pytest.approx(eager["losses"], rel=case.tolerance)
-        diff = sum(float((compiled["params"][k] - v).double().square().sum()) for k, v in eager["params"].items())
-        norm = sum(float(v.double().square().sum()) for v in eager["params"].values())
-        assert (diff / norm) ** 0.5 <= case.tolerance
+        if case.precision == "fp32":
+            assert_matches_reference(compiled["losses"], compiled["params"], eager["losses"], eager["params"],
+                                     FP32_ADAMW, name)
+        else:  # 16-bit: the compiled graph rounds its fused operations once where eager rounds each
+            assert compiled["losses"] == pytest.approx(eager["losses"], rel=case.tolerance)
+            diff = sum(float((compiled["params"][k] - v).double().square().sum()) for k, v in eager["params"].items())
+            norm = sum(float(v.double().square().sum()) for v in eager["params"].values())
+            assert (diff / norm) ** 0.5 <= case.tolerance
         before, after_first, *later = compiled["graphs"]
         assert after_first > before, "the first step compiles the blocks"
         assert later == [after_first] * len(later), f"recompiled after the first step: {compiled['graphs']}"

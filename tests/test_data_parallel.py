@@ -12,8 +12,8 @@ from torch import nn
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import RankFailure, run_on_ranks
-from parallel_cases import (TINY, OpRecorder, OverlapTrace, adamw, batches, loss_sum, make_model, parallel_run,
-                            reference_run)
+from parallel_cases import (FP32_ADAMW, TINY, OpRecorder, OverlapTrace, adamw, assert_matches_reference, batches,
+                            loss_sum, make_model, parallel_run, reference_run)
 
 
 STEPS = 10  # AdamW steps of every parity case: enough for a misplaced reduction to move the loss by far more than 1e-5
@@ -47,9 +47,7 @@ def test_equivalence_with_one_process(world, zero):
     ref_losses, ref_params = reference()
     results = run_on_ranks(_parity, world, zero, None, "fp32", timeout=120)
     for losses, params in results:
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        for name, value in ref_params.items():
-            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
 @pytest.mark.parametrize("zero", [s for s in STAGES if s != 1])
@@ -57,9 +55,7 @@ def test_gradient_accumulation_equals_one_big_batch(zero):
     """k micro-batches of b rows on N ranks equal one process with batch k·b·N."""
     ref_losses, ref_params = reference()
     losses, params = run_on_ranks(_parity, 2, zero, 1, "fp32", timeout=120)[0]
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
 @pytest.mark.parametrize("zero", STAGES)
@@ -68,9 +64,7 @@ def test_mean_reduction_with_accumulation_equals_one_process(zero):
     it is the first written into a bucket or added to it (each rank's loss is N× its share of the global one)."""
     ref_losses, ref_params = reference()
     losses, params = run_on_ranks(_parity, 2, zero, 1, "fp32", "mean", timeout=120)[0]
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
 @pytest.mark.parametrize("zero", STAGES)
@@ -126,10 +120,8 @@ def _plain_parity(rank, world, zero):
 def test_a_model_that_is_not_paratrains(zero):
     ref_losses, ref_params = reference_run(PlainModel(), batches(steps=STEPS))
     losses, params = run_on_ranks(_plain_parity, 2, zero, timeout=120)[0]
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert torch.equal(params["unused"], ref_params["unused"]), "no gradient anywhere: never updated"
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
 class BranchModel(PlainModel):
@@ -171,9 +163,7 @@ def test_a_parameter_one_rank_reached_is_updated_on_every_rank(zero):
     taken = [r[2] for r in results]
     assert any(a != b for a, b in zip(*taken)), "some step must take the branch on one rank only"
     for losses, params, _ in results:
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        for name, value in ref_params.items():
-            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
 def _hf_model():
@@ -197,9 +187,7 @@ def _hf_parity(rank, world, zero):
 def test_a_hugging_face_model(zero):
     ref_losses, ref_params = reference_run(_hf_model(), batches(steps=5))
     losses, params = run_on_ranks(_hf_parity, 2, zero, timeout=120)[0]
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
 def _one_measured_step(rank, world, zero, precision, reduce_dtype):

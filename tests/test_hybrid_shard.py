@@ -22,7 +22,8 @@ from paratrain.parallel.rules import degree_violations
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, ParallelConfigError, TensorParallel, parallelize
 from paratrain.testing import Collectives
-from parallel_cases import TINY, adamw, batches, launch_once, make_model, parallel_run, reference_run
+from parallel_cases import (FP32_ADAMW, TINY, adamw, assert_matches_reference, batches, launch_once, make_model,
+                            parallel_run, reference_run)
 
 LR = 1e-3  # fp32: see test_parallel_2d
 
@@ -139,10 +140,7 @@ def test_hybrid_sharding_matches_one_process(name):
     case = CASES[name]
     ref_losses, ref_params = _reference()
     for losses, params in _results(case.world, name):
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        for key, value in ref_params.items():
-            assert torch.allclose(params[key], value, rtol=1e-5, atol=1e-5), \
-                f"{key}: max abs difference {(params[key] - value).abs().max().item():.3g}"
+        assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
 @pytest.mark.parametrize("world", [4, 8])
