@@ -17,6 +17,7 @@ status is 1 if any row failed. About 3 minutes on one H100/H200.
 - plan --calibrate --quick: writes a profile (kept beside the results for bench_gpu.py --profile).
 - elastic launcher: `paratrain train` run through torch's elastic agent and the worker server (a worker
   forked from the server initializes CUDA itself).
+- memory snapshot: `--memory-snapshot` writes a snapshot after step 1 and one when a step runs out of memory.
 - world 1, bf16: DDP, ZeRO-1/2/3 and tensor parallelism (the reference plan at tp 1) against one plain
   PyTorch process (autocast bf16, fp32 weights, AdamW): largest relative loss difference.
 - checkpoint: saved mid-run and loaded into a fresh model, the next steps bit-equal, with AdamW and fused
@@ -481,6 +482,37 @@ def check_launcher(device, steps: int) -> dict:
 
 # -- the command ---------------------------------------------------------------------------------------------
 
+def check_memory_snapshot(device) -> dict:
+    """`paratrain train --memory-snapshot`: a snapshot after the first optimizer step, and one when a step runs out
+    of memory (the injected `oom` fault: a MemoryError inside the step) before the run's out-of-memory error. On
+    the CPU: no snapshot, and the run says it needs CUDA."""
+    from paratrain.cli import build_parser
+    from paratrain.commands.options import config_from_args
+    from paratrain.run.guard import OutOfMemory
+    from paratrain.train import train
+
+    def run(out: str):
+        train(config_from_args(build_parser().parse_args(
+            ["train", "--model", "tiny", "--steps", "2", "--out", out, "--memory-snapshot", "--no-progress"])))
+
+    with tempfile.TemporaryDirectory() as work:
+        run(f"{work}/ok")
+        first = sorted(p.name for p in Path(work, "ok", "memory").glob("*.pickle"))
+        os.environ["PARATRAIN_FAULT"] = "oom@rank0:step2"
+        try:
+            run(f"{work}/oom")
+            raised = False
+        except OutOfMemory:
+            raised = True
+        finally:
+            del os.environ["PARATRAIN_FAULT"]
+        oom = sorted(p.name for p in Path(work, "oom", "memory").glob("*.pickle"))
+    if device.type != "cuda":
+        return {"passed": not first and not oom and raised, "detail": "cpu: no snapshot (it needs CUDA)"}
+    expected = (["rank-0-step-1.pickle"], ["rank-0-oom-step-2.pickle", "rank-0-step-1.pickle"])
+    return {"passed": (first, oom) == expected and raised, "detail": f"written: {first}; out of memory: {oom}"}
+
+
 def _world1_rows(device, steps: int) -> list:
     data = batches(CHECK, steps, 8, 64, device)
     reference = functools.cache(lambda: reference_losses(CHECK, data, device))
@@ -554,6 +586,7 @@ def rows(device, args, profile: Path) -> list:
         ("selective recomputation", lambda: check_selective(device, steps)),
         ("plan --calibrate --quick", lambda: check_calibrate(device, profile)),
         ("elastic launcher", lambda: check_launcher(device, args.train_steps)),
+        ("memory snapshot", lambda: check_memory_snapshot(device)),
         *_world1_rows(device, steps),
         ("checkpoint round trip", lambda: _checkpoint_row(device, steps, False)),
         ("checkpoint round trip, fused AdamW", lambda: _checkpoint_row(device, steps, True)),

@@ -160,7 +160,22 @@ class RunSection:
                                       "<out>/samples/rank-R.jsonl (to check the data order)")
     progress: bool = option(True, "show a progress bar on the console")
     tensorboard: bool = option(False, "also write each metrics.jsonl step record as TensorBoard scalars to "
-                                      "<out>/tensorboard (needs `pip install tensorboard`)")
+                                      "<out>/tensorboard (a spelling of --tracker tensorboard)")
+
+
+@dataclass
+class LoggingSection:
+    trackers: str = option("", "also send every metrics.jsonl record to these trackers, comma-separated: tensorboard "
+                               "(<out>/tensorboard), wandb (Weights & Biases; WANDB_MODE=offline writes <out>/wandb to "
+                               "sync later), mlflow (MLFLOW_TRACKING_URI, default a file store in <out>/mlruns); rank 0 "
+                               "sends them from a thread of its own, so a slow or failing service never stalls a step",
+                           flag="--tracker")
+    profile_steps: str = option("", "record torch.profiler traces (CPU and CUDA activity, shapes) of steps A to B, "
+                                    "e.g. 4:5, one Chrome trace per rank: <out>/profile/rank-N-step-A-B.json.gz "
+                                    "(open it in Perfetto)")
+    memory_snapshot: bool = option(False, "CUDA: record the allocator's history from the start and dump a snapshot "
+                                          "after the first optimizer step and when a step runs out of memory, "
+                                          "<out>/memory/rank-N-*.pickle (PyTorch's memory visualizer reads it)")
 
 
 @dataclass
@@ -204,6 +219,7 @@ class Config:
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     reliability: ReliabilitySection = field(default_factory=ReliabilitySection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paratrain.errors import ParatrainError
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float, num_devices: int) -> float:
@@ -91,52 +90,32 @@ def expert_load(per_rank: dict[str, tuple[float, ...]], owners: list[int], data_
             "load_max_mean_worst": max(finite) if finite else None}
 
 
-def summary_writer_class():
-    """torch's TensorBoard SummaryWriter; a one-line ParatrainError when the tensorboard package is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ParatrainError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter
-
-
-def scalars(record: dict, prefix: str = "") -> dict[str, float]:
-    """The record's numbers as TensorBoard tags: nested dicts flattened as `a/b`; lists, None and flags left out."""
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            out.update(scalars(value, f"{prefix}{key}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[prefix + key] = value
-    return out
-
-
 class MetricsLog:
     """Appends one JSON object per line and flushes it, so a crash loses no finished step.
 
-    With `tensorboard` (a directory) each record's numbers also go there as scalars at the record's
-    step (`scalars`); metrics.jsonl stays the source of truth. `purge_step`: a resumed run's first
-    step, from which TensorBoard drops the events an earlier attempt wrote (as metrics.jsonl is cut
-    back to the resumed step).
+    Each record's numbers also go to the run's `trackers` (`paratrain.trackers`: TensorBoard, W&B, MLflow) as
+    scalars at the record's step, each on a thread of its own; metrics.jsonl stays the source of truth.
     """
 
-    def __init__(self, path: Path, tensorboard: Path | None = None, purge_step: int | None = None):
+    def __init__(self, path: Path, trackers: list | None = None):
         self.path = path
-        self._writer = summary_writer_class()(str(tensorboard), purge_step=purge_step) if tensorboard else None
+        self.trackers = list(trackers or [])
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
+        from paratrain.trackers import scalars
+
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
-        if self._writer is not None:
-            for tag, value in scalars({k: v for k, v in record.items() if k != "step"}).items():
-                self._writer.add_scalar(tag, value, global_step=record["step"])
-            self._writer.flush()
+        values = scalars({k: v for k, v in record.items() if k != "step"})
+        for tracker in self.trackers:
+            tracker.log(record["step"], values)
 
     def close(self) -> None:
         self._file.close()
-        if self._writer is not None:
-            self._writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def read_metrics(path: str | Path) -> list[dict]:

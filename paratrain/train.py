@@ -34,6 +34,7 @@ from paratrain.parallel.contract import IGNORE_INDEX, TrainableModel, Verdict
 from paratrain.peak_memory import ProcessPeak
 from paratrain.run.build import Run, build, preflight, shared_run_dir
 from paratrain.run.diagnose import flight_record_prefix
+from paratrain.run.profiling import StepProfiler, profile_steps
 
 __all__ = ["IGNORE_INDEX", "RunResult", "StepOutcome", "train", "train_step"]
 
@@ -99,20 +100,26 @@ def loop(run: Run) -> tuple[float, float, float]:
     last_save_s = 0.0
     layers = moe_layers(model)  # a mixture of experts' layers on this rank, whose load each step's agreement carries
     load = lambda: moe_counts(layers, run.model_cfg.n_layers, run.model_cfg.n_experts)  # noqa: E731
-    with guard.running(), run.checkpoints:  # a failed collective says which rank was where; saves are waited for
+    profiler = StepProfiler(profile_steps(cfg), run.out, run.env.rank, run.device)  # --profile-steps
+    # A failed collective says which rank was where; saves are waited for; a profile cut short still ends.
+    with guard.running(), run.checkpoints, contextlib.closing(profiler):
         for step in range(run.resumed_step + 1, t.steps + 1):
             guard.begin_step(step)
             run.comm.reset()
             timer, start = StepTimer(run.comm), time.perf_counter()
             lr = set_learning_rate(run.optimizer, step, cfg)
-            with timer.phase("data"):
-                maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
-                batches = next_batches(run)
-            step_fn = faulty(train_step, run.comm, run.env.rank, step)  # train_step itself when no fault is due
-            outcome = step_fn(model, run.optimizer, batches, t.grad_clip, timer=timer, stop=guard.stop_requested,
-                              peak=run.memory, more_counts=load if layers or run.model_cfg.n_experts else None)
+            # The profiler's range and the memory snapshots (--memory-snapshot) cover the step proper.
+            with profiler.step(step) as trace, run.snapshots.around_step(step):
+                with timer.phase("data"):
+                    maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
+                    batches = next_batches(run)
+                step_fn = faulty(train_step, run.comm, run.env.rank, step)  # train_step itself when no fault is due
+                outcome = step_fn(model, run.optimizer, batches, t.grad_clip, timer=timer, stop=guard.stop_requested,
+                                  peak=run.memory, more_counts=load if layers or run.model_cfg.n_experts else None)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
+            if trace:  # the last profiled step: where this rank's trace of the range is
+                record["profile_trace"] = trace[0]
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 eval_loss = evaluate(run)
@@ -268,6 +275,7 @@ def eval_batches(eval_set, count: int, dp: int, dp_rank: int, micro_batch: int):
 def finish(run: Run, first_loss: float, loss: float, eval_loss: float) -> RunResult:
     """After the last step: the final weights and a text sample (rank 0 writes them); a preempted run just returns."""
     entropy = unigram_entropy(run.train_set.stream.tokens, run.model_cfg.vocab_size)
+    run.snapshots.close()
     if run.guard.stopping:
         if run.log:
             run.log.close()

@@ -85,6 +85,7 @@ def test_bench_gpu_starts_no_row_after_its_budget(tmp_path):
 GPU_CHECK_ROWS = {
     "ring kernels fp32", "ring kernels bf16", "ring attention cp2", "experts grouped GEMM", "tiny-moe trains",
     "compile ZeRO-0", "compile ZeRO-3", "selective recomputation", "plan --calibrate --quick", "elastic launcher",
+    "memory snapshot",
     *(f"world 1 {name}" for name in ("ddp", "zero1", "zero2", "zero3", "tp1_plan")),
     "checkpoint round trip", "checkpoint round trip, fused AdamW",
     *(f"memory given back zero{z}" for z in range(4)), "tiny step vs plain PyTorch", "world 2 NCCL layouts",

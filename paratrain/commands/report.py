@@ -167,6 +167,19 @@ def run_summary(run: Run) -> dict:
     }
 
 
+def looking_inside(path: Path) -> list[str]:
+    """The run's profiler traces (--profile-steps) and memory snapshots (--memory-snapshot), one line each kind."""
+    from paratrain.run.rundir import MEMORY_DIR, PROFILE_DIR
+
+    lines = []
+    for kind, folder, pattern in (("profiler traces (Perfetto)", PROFILE_DIR, "*.json.gz"),
+                                  ("memory snapshots (pytorch.org/memory_viz)", MEMORY_DIR, "*.pickle")):
+        found = sorted((path / folder).glob(pattern))
+        if found:
+            lines.append(f"  {kind}: {', '.join(str(p) for p in found)}")
+    return lines
+
+
 NO_PROFILE = ("  predicted step time: needs a hardware profile; run `paratrain plan --calibrate` on the machine "
               "that ran it, or give --hardware NAME_OR_FILE")
 
@@ -188,6 +201,7 @@ def format_summary(runs: list[Run], hardware=None) -> str:
                  f"  median {speed} tokens/s{mfu}; peak memory {peak} (largest rank); "
                  f"comm MB/step: {comm or 'none (one process)'}"]
         lines += format_prediction(run, hardware) if hardware is not None else [NO_PROFILE]
+        lines += looking_inside(run.path)
         lines += [f"  note: {note}" for note in run.notes]
         blocks.append("\n".join(lines))
     return "\n".join(blocks)

@@ -31,7 +31,7 @@ from paratrain.faults import current_attempt
 from paratrain.hardware import device_peak_flops
 from paratrain.peak_memory import ProcessPeak
 from paratrain.mesh import Mesh
-from paratrain.metrics import MetricsLog, summary_writer_class, unigram_entropy
+from paratrain.metrics import MetricsLog, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.contract import TrainableModel
 from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
@@ -40,8 +40,10 @@ from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, 
 from paratrain.run.guard import StepGuard
 from paratrain.run.inputs import check_paths
 from paratrain.run.memory_budget import check_free_memory, check_memory_budget
+from paratrain.run.profiling import MemorySnapshots, profile_steps
 from paratrain.run.samples import SampleRecorder
-from paratrain.run.rundir import METRICS_FILE, TENSORBOARD_DIR, apply_claim, claim_run_dir, diagnostics_dir
+from paratrain.run.rundir import METRICS_FILE, apply_claim, claim_run_dir, diagnostics_dir, read_run_id
+from paratrain.trackers import check_clients, open_trackers, tracker_names
 
 
 @dataclass
@@ -72,9 +74,12 @@ class Run:
     # The run's communication layer, which the model communicates through: its byte counts and blocked seconds
     # are the metrics', its listeners the guard's. The run owns it (the model hands out none of its internals).
     comm: Comm = None
+    # --memory-snapshot: CUDA's allocator history from before the model is built (`paratrain.run.profiling`).
+    snapshots: MemorySnapshots = None
 
     def __post_init__(self):
         self.memory = self.memory or ProcessPeak(self.mesh.device)
+        self.snapshots = self.snapshots or MemorySnapshots(False, self.out, self.env.rank, self.mesh.device, False)
 
     @property
     def device(self) -> torch.device:
@@ -100,8 +105,8 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     check_resume_option(cfg)
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
-    if cfg.run.tensorboard:
-        summary_writer_class()  # a missing tensorboard package refuses the run now, not after the build
+    check_clients(tracker_names(cfg))  # a tracker whose client is missing refuses the run now, not after the build
+    profile_steps(cfg)
     return layout
 
 
@@ -114,6 +119,7 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     # The plan against what the GPUs have free now that the context exists, before anything is written.
     check_free_memory(cfg, resolve_model_config(cfg, tokenizer_vocab=0), mesh)
     out = prepare_run_dir(cfg, env)
+    snapshots = MemorySnapshots(cfg.logging.memory_snapshot, out, env.rank, mesh.device, say_once=env.is_main)
     train_set, eval_set, tokenizer = load_data(cfg, env, out)
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
     comm = Comm(mesh)
@@ -127,11 +133,12 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
         sampler = SampleRecorder(sampler, out, env.rank, resumed)
-    log = MetricsLog(out / METRICS_FILE, tensorboard=out / TENSORBOARD_DIR if cfg.run.tensorboard else None,
-                     purge_step=resumed + 1 if resumed else None) if env.is_main else None
+    log = MetricsLog(out / METRICS_FILE, open_trackers(tracker_names(cfg), out, read_run_id(out), cfg.to_dict(),
+                                                       purge_step=resumed + 1 if resumed else None)) \
+        if env.is_main else None
     run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
               checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device),
-              comm=comm)
+              comm=comm, snapshots=snapshots)
     if env.is_main:
         print(describe(run), flush=True)
     return run

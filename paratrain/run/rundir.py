@@ -3,7 +3,12 @@
     <out>/run.json          {"run_id": ...}: written when the run starts afresh
     <out>/config.json       the resolved config of the latest launch
     <out>/metrics.jsonl     one record per step; cut back to the resumed step on resume
-    <out>/tensorboard/      with --tensorboard, the same records as TensorBoard scalars (paratrain.metrics)
+    <out>/tensorboard/      with --tracker tensorboard, the same records as TensorBoard scalars (paratrain.trackers)
+    <out>/wandb/            with --tracker wandb, W&B's files of the run (offline: to sync later)
+    <out>/mlruns/           with --tracker mlflow and no MLFLOW_TRACKING_URI, the MLflow file store
+    <out>/trackers.json     the run ids trackers gave this run (MLflow's), so that a resumed run continues them
+    <out>/profile/          with --profile-steps, a torch.profiler Chrome trace per rank (paratrain.run.profiling)
+    <out>/memory/           with --memory-snapshot, CUDA memory snapshots per rank (paratrain.run.profiling)
     <out>/checkpoints/      sharded checkpoints (paratrain.checkpoint)
     <out>/diagnostics/      per attempt, each rank's collective fingerprints (paratrain.run.diagnose)
     <out>/samples/          with --log-samples, each rank's sample ids per step (paratrain.run.samples)
@@ -32,6 +37,11 @@ from paratrain.config import Config, ConfigError
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+MLFLOW_DIR = "mlruns"
+TRACKERS_FILE = "trackers.json"
+PROFILE_DIR = "profile"
+MEMORY_DIR = "memory"
 CHECKPOINT_DIR = "checkpoints"
 DIAGNOSTICS_DIR = "diagnostics"
 SAMPLES_DIR = "samples"
@@ -70,7 +80,8 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
     if cfg.run.overwrite:
         _refuse_overwriting_the_resume_source(cfg, out)
         return RunClaim(out, fresh=True, wipe=(METRICS_FILE, RUN_FILE, CHECKPOINT_DIR, DIAGNOSTICS_DIR, SAMPLES_DIR,
-                                                  TENSORBOARD_DIR))
+                                                  TENSORBOARD_DIR, WANDB_DIR, MLFLOW_DIR, TRACKERS_FILE, PROFILE_DIR,
+                                                  MEMORY_DIR))
     resume = cfg.checkpoint.resume
     if resume == "none":
         raise ConfigError(f"--out {out} already holds a run; choose another --out, pass --overwrite, or "
