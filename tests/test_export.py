@@ -326,8 +326,10 @@ def test_export_refuses_tensors_that_do_not_match_the_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
-    (lambda d: d.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type 'default'"),
+    (lambda d: d.update(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type 'linear' is not supported"),
+    (lambda d: d.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+     r"rope_type 'yarn' is not supported; only plain rotary embeddings \('default'\) and Llama 3.1's 'llama3'"),
+    (lambda d: d.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling 'llama3' needs low_freq"),
     (lambda d: d.update(attention_bias=True), "attention_bias=true is not supported"),
     (lambda d: d.update(mlp_bias=True), "mlp_bias=true is not supported"),
     (lambda d: d.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),

@@ -25,7 +25,7 @@ config without reading any data, and then reads one tensor at a time, so a
 rank that materializes its slices never holds more than one whole tensor.
 
 Only what `paratrain.models.Transformer` computes is accepted: silu SwiGLU,
-no biases, plain rotary embeddings (no ``rope_scaling``), a head size of
+no biases, plain rotary embeddings or Llama 3.1's ``llama3`` rope scaling, a head size of
 hidden_size / num_attention_heads. Anything else is refused with one line
 naming the field, rather than loaded into a model that would compute
 something else.
@@ -161,7 +161,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tokens: dict
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": hf_rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -174,6 +174,15 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tokens: dict
     }
     doc.update({k: v for k, v in (tokens or {}).items() if v is not None})
     return doc
+
+
+def hf_rope_scaling(cfg: ModelConfig) -> dict | None:
+    """config.json's rope_scaling for `cfg` (None: plain rotary embeddings)."""
+    if cfg.rope_scaling == "none":
+        return None
+    return {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len}
 
 
 def _mixtral_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None) -> dict:
@@ -199,6 +208,7 @@ def _mixtral_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None) -
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
+        "rope_scaling": hf_rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
@@ -216,6 +226,7 @@ def model_config_from_hf(doc: Any, where: str = CONFIG_FILE) -> ModelConfig:
     if not isinstance(doc, dict):
         raise HFError(f"{where}: expected a JSON object, got {type(doc).__name__}")
     _check_supported(doc, where)
+    rope = _rope_fields(doc, where)
     try:
         return ModelConfig(
             vocab_size=_required(doc, "vocab_size", where),
@@ -226,7 +237,7 @@ def model_config_from_hf(doc: Any, where: str = CONFIG_FILE) -> ModelConfig:
             ffn_dim=_required(doc, "intermediate_size", where),
             max_seq_len=_get(doc, "max_position_embeddings"),
             norm_eps=float(_get(doc, "rms_norm_eps")),
-            rope_theta=float(_rope_theta(doc, where)),
+            **rope,
             tie_embeddings=_get(doc, "tie_word_embeddings"),
             **_moe_fields(doc, where),
         )
@@ -262,9 +273,6 @@ def _check_supported(doc: dict, where: str) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if doc.get(key):
             raise HFError(f"{where}: {key}=true is not supported; paratrain's Llama has no biases")
-    if doc.get("rope_scaling"):
-        raise HFError(f"{where}: rope_scaling {doc['rope_scaling']} is not supported; only plain rotary "
-                      f"embeddings (rope_scaling null) import")
     head_dim, hidden, heads = doc.get("head_dim"), doc.get("hidden_size"), doc.get("num_attention_heads")
     if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
             and head_dim * heads != hidden:
@@ -272,18 +280,31 @@ def _check_supported(doc: dict, where: str) -> None:
                       f"{hidden}/{heads}; only head_dim = hidden_size/num_attention_heads is supported")
 
 
-def _rope_theta(doc: dict, where: str) -> float:
-    """rope_theta from the top level (transformers 4) or from rope_parameters (transformers 5)."""
-    params = doc.get("rope_parameters")
-    if not params:
-        return _get(doc, "rope_theta")
-    if not isinstance(params, dict) or params.get("rope_type", params.get("type", "default")) != "default":
-        raise HFError(f"{where}: rope_parameters {params} is not supported; only rope_type 'default' "
-                      f"(no scaling) imports")
+_LLAMA3_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
+
+
+def _rope_fields(doc: dict, where: str) -> dict:
+    """rope_theta and the rope scaling, from the top level and rope_scaling (transformers 4) or from
+    rope_parameters (transformers 5): plain rotary embeddings, or Llama 3.1's "llama3" scaling."""
+    params = doc.get("rope_parameters") or doc.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise HFError(f"{where}: rope_parameters {params!r} is not an object")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise HFError(f"{where}: rope_type {kind!r} is not supported; only plain rotary embeddings ('default') and "
+                      f"Llama 3.1's 'llama3' scaling import")
     theta = params.get("rope_theta", doc.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
-    if "rope_theta" in doc and doc["rope_theta"] != theta:
+    if "rope_theta" in doc and "rope_theta" in params and doc["rope_theta"] != theta:
         raise HFError(f"{where}: rope_theta {doc['rope_theta']} and rope_parameters.rope_theta {theta} disagree")
-    return theta
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    missing = [key for key in _LLAMA3_KEYS if key not in params]
+    if missing:
+        raise HFError(f"{where}: rope scaling 'llama3' needs {missing[0]}")
+    return {"rope_theta": float(theta), "rope_scaling": "llama3",
+            **{ours: (int if ours == "rope_original_max_seq_len" else float)(params[theirs])
+               for theirs, ours in _LLAMA3_KEYS.items()}}
 
 
 def _required(doc: dict, key: str, where: str) -> Any:
@@ -305,6 +326,22 @@ def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
         raise HFError(f"{directory} has no {CONFIG_FILE}; pass a directory written by `paratrain export` or "
                       f"by save_pretrained")
     return model_config_from_hf(_load_json(path), str(path))
+
+
+def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None):
+    """paratrain's reference model (`paratrain.models.Transformer`) with the weights of the Hugging Face Llama or
+    Mixtral directory `directory` (config.json and safetensors; what `paratrain train --init-from` loads), on the
+    CPU in fp32 (or `dtype`), in eval mode. Anything the model would not compute as the directory
+    describes is refused in one line (HFError)."""
+    from paratrain.models import Transformer
+
+    weights = HFWeights(directory)
+    with torch.device("meta"):
+        model = Transformer(weights.config)
+    model.to_empty(device="cpu")
+    model.load_state_dict(weights.state_dict(), strict=True)
+    weights.close()
+    return (model.to(dtype) if dtype is not None else model).eval()
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,11 @@ class ModelConfig:
         max_seq_len: longest sequence the model is meant for; `generate` crops its context to it.
         norm_eps: epsilon added to the mean square in RMSNorm.
         rope_theta: base of the rotary embedding frequencies.
+        rope_scaling: "none", or "llama3": Llama 3.1's frequency scaling for long contexts (Hugging Face's
+            rope_type "llama3"): wavelengths above original_max/low_freq_factor are stretched by `rope_factor`,
+            those below original_max/high_freq_factor kept, the band between interpolated.
+        rope_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_seq_len: its parameters
+            (Llama 3.1's: 8, 1, 4, 8192).
         tie_embeddings: the output projection reuses the embedding table (one parameter).
         n_experts: experts of each block's mixture-of-experts feed-forward (`paratrain.models.moe`); 0: the
             dense SwiGLU feed-forward.
@@ -49,6 +54,11 @@ class ModelConfig:
     max_seq_len: int = 2048
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     tie_embeddings: bool = False
     n_experts: int = 0
     top_k: int = 2
@@ -68,6 +78,7 @@ class ModelConfig:
                 raise ModelConfigError(f"{name}={value!r} is invalid; use a positive number")
         if not isinstance(self.tie_embeddings, bool):
             raise ModelConfigError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
+        self._check_rope_scaling()
         self._check_experts()
         if self.dim % self.n_heads:
             raise ModelConfigError(
@@ -83,6 +94,18 @@ class ModelConfig:
                 f"dim/n_heads={self.head_dim} is odd but rotary embeddings need an even head size; "
                 "change dim or n_heads"
             )
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ModelConfigError(f"rope_scaling={self.rope_scaling!r} is not supported; use one of "
+                                   f"{', '.join(ROPE_SCALINGS)}")
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ModelConfigError(f"{name}={value!r} is invalid; use a positive number")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ModelConfigError(f"rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                                   f"rope_low_freq_factor={self.rope_low_freq_factor}")
 
     def _check_experts(self) -> None:
         for name in ("n_experts", "expert_ffn_dim"):
@@ -153,6 +176,8 @@ class ModelConfig:
         return 3 * self.dim * self.expert_hidden_dim
 
 
+ROPE_SCALINGS = ("none", "llama3")
+
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     # Small enough to train on a CPU in minutes; 8 query and 4 kv heads divide by tp=2 and tp=4.
     "tiny": ModelConfig(
@@ -174,6 +199,24 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
         max_seq_len=8192, rope_theta=500000.0,
+    ),
+    # Llama 3.1 and 3.2 (Hugging Face's meta-llama configs): 128K context by rope scaling, 3.2's small models with
+    # tied embeddings.
+    "llama3.1-8b": ModelConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3",
+    ),
+    "llama3.1-70b": ModelConfig(
+        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+        max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3",
+    ),
+    "llama3.2-1b": ModelConfig(
+        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+        max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0, tie_embeddings=True,
+    ),
+    "llama3.2-3b": ModelConfig(
+        vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
+        max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0, tie_embeddings=True,
     ),
     # Trains on the default corpus on a CPU in minutes; 8 experts split over ep = 1, 2, 4 or 8, heads over tp 2.
     "tiny-moe": ModelConfig(
@@ -237,6 +280,11 @@ RECIPES: dict[str, Recipe] = {
     "llama2-13b": _LLAMA2,
     "llama2-70b": dataclasses.replace(_LLAMA2, lr=1.5e-4, min_lr=1.5e-5),
     "llama3-8b": _LLAMA3_8B,
+    "llama3.1-8b": _LLAMA3_8B,
+    "llama3.1-70b": dataclasses.replace(_LLAMA3_8B, lr=1.5e-4, min_lr=1.5e-6),  # table 3: 70B's peak
+    # The Llama 3.2 small models were pruned and distilled from 3.1 8B: no pretraining schedule of their own.
+    "llama3.2-1b": dataclasses.replace(_LLAMA3_8B, source="none published for Llama 3.2 1B/3B; Llama 3 8B's"),
+    "llama3.2-3b": dataclasses.replace(_LLAMA3_8B, source="none published for Llama 3.2 1B/3B; Llama 3 8B's"),
     "tiny-moe": _QUICK,
     # Mixtral's paper publishes no optimizer settings: Llama 2's, as for the dense models of its size.
     "mixtral-8x7b": dataclasses.replace(_LLAMA2, source="none published for Mixtral (Jiang et al. 2024); Llama 2's"),

@@ -48,19 +48,37 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device, dtype, positions: torch.Tensor | None = None
+    seq_len: int, head_dim: int, theta: float, device, dtype, positions: torch.Tensor | None = None,
+    scaling: ModelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [S, E] for positions 0..seq_len-1 (or `positions` [S]), in the rotate-half layout.
+    """cos and sin tables [S, E] for positions 0..seq_len-1 (or `positions` [S]), in the rotate-half layout;
+    `scaling`: the config whose rope_scaling (Llama 3.1's) rescales the frequencies.
 
     Computed in fp32 with the same operations as Hugging Face's Llama, so exported
     checkpoints give identical logits there.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    if scaling is not None and scaling.rope_scaling == "llama3":
+        inv_freq = llama3_scaled(inv_freq, scaling)
     if positions is None:
         positions = torch.arange(seq_len, device=device)
     freqs = positions.to(device=device, dtype=torch.float)[:, None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def llama3_scaled(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's rope scaling of the frequencies: wavelengths longer than the original context over
+    low_freq_factor are stretched `rope_factor` times, those shorter than it over high_freq_factor kept, and
+    the band between interpolated smoothly (as Hugging Face's rope_type "llama3")."""
+    original, factor = cfg.rope_original_max_seq_len, cfg.rope_factor
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rotary(x_BSHE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
@@ -165,7 +183,7 @@ class Transformer(nn.Module):
         # Recomputed each call (S·E/2 products): a cached buffer would hold garbage after
         # meta construction + to_empty, and wrappers would have one more tensor to broadcast.
         cos_SE, sin_SE = rotary_tables(
-            h_BSD.shape[1], self.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype, positions
+            h_BSD.shape[1], self.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype, positions, self.config
         )
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, cos_SE, sin_SE)
