@@ -60,14 +60,16 @@ class ModelSection:
 class DataSection:
     path: str = option(
         "default",
-        "corpus: 'default' (this Python's standard-library sources), a text file, "
-        "a directory, a glob, or a directory made by `paratrain prepare`",
+        "corpus: 'default' (this Python's standard-library sources), a text, JSON Lines (.jsonl, .jsonl.gz, "
+        ".jsonl.zst) or Parquet file, a directory or glob of them, a saved `datasets` dataset, or a directory "
+        "made by `paratrain prepare`",
         flag="--data",
     )
     tokenizer: str = option(
         "auto",
         "'byte', 'bpe:N' (train an N-token BPE locally), a tokenizer.json path, or 'auto' "
         "(the tokenizer stored with a prepared corpus, else 'byte')")
+    text_key: str = option("text", "the field of a JSON Lines record or Parquet/dataset column holding its text")
     seq_len: int = option(256, "tokens per training sequence")
     eval_fraction: float = option(0.02, "fraction of the token stream held out for evaluation")
 

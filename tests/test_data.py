@@ -264,7 +264,7 @@ def test_resolve_text_files(text_dir):
         resolve_text_files(str(text_dir / "*.nothing"))
     (text_dir / "binaries").mkdir()
     (text_dir / "binaries" / "weights.bin").write_bytes(b"\0" * 8)
-    with pytest.raises(DataError, match="no text files"):
+    with pytest.raises(DataError, match="no text or record files"):
         resolve_text_files(str(text_dir / "binaries"))
 
 

@@ -157,7 +157,7 @@ def test_the_planner_counts_what_selective_recomputation_keeps(layout, tp, sp):
     keeps, element by element. With it, the planner counts one s·b·h partial sum per layer that the measured
     forward does not hold (an over-estimate, as a memory plan may have)."""
     per_layer = layer_activation_bytes(SEQ, ROWS, WIDE.dim, WIDE.n_heads, tp, sp, recompute=Recompute.SELECTIVE,
-                                       precision="fp32", kv_heads=WIDE.n_kv_heads, ffn_dim=WIDE.ffn_dim)
+                                       precision="fp32", kv_heads=WIDE.n_kv_heads, ffn_dim=WIDE.ffn_dim, flash=True)
     for per_rank in _results():
         kept = per_rank[layout]
         measured = kept[3] - kept[2]

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 def add_parser(subparsers):
     parser = subparsers.add_parser("prepare", help="tokenize a corpus into token files", description=(
-        "Tokenize a corpus once into a memory-mapped token file (tokens.bin + meta.json), for "
-        "corpora larger than memory. Train on it with `paratrain train --data DIR`."))
-    parser.add_argument("--data", default="default", help="'default' (stdlib sources), a file, a directory or a glob")
+        "Tokenize a corpus once into a memory-mapped token file (tokens.bin, documents.bin: where each document "
+        "starts, meta.json), streaming, in bounded memory, for corpora larger than memory. Train on it with "
+        "`paratrain train --data DIR`."))
+    parser.add_argument("--data", default="default",
+                        help="'default' (stdlib sources), a text, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet "
+                             "file, a directory or glob of them, or a dataset saved with `datasets`' save_to_disk")
+    parser.add_argument("--text-key", default="text",
+                        help="the field of each JSON Lines record / the column holding its text (default: text)")
     parser.add_argument("--tokenizer", default="byte", help="'byte', 'bpe:N' or a tokenizer.json path")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="tokenizing processes; the output does not depend on how many (default 1)")
     parser.add_argument("--out", required=True, help="output directory")
     return parser
 
@@ -16,6 +23,7 @@ def add_parser(subparsers):
 def run(args) -> int:
     from paratrain.data import prepare_corpus
 
-    out = prepare_corpus(None if args.data == "default" else args.data, args.out, tokenizer_spec=args.tokenizer)
+    out = prepare_corpus(None if args.data == "default" else args.data, args.out, tokenizer_spec=args.tokenizer,
+                         text_key=args.text_key, workers=args.workers)
     print(f"wrote {out}")
     return 0

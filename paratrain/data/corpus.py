@@ -15,6 +15,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from paratrain.data.sources import documents, is_record_file, is_saved_dataset
 from paratrain.errors import DataError
 
 # Directories of the standard library that are not library source (tests,
@@ -85,7 +86,7 @@ def resolve_text_files(path_or_glob: str | Path) -> list[Path]:
             raise DataError(f"data={text!r}: the glob matches no files; check the pattern")
         return sorted(files)
     path = Path(text).expanduser()
-    if path.is_file():
+    if path.is_file() or is_saved_dataset(path):
         return [path]
     if path.is_dir():
         return _text_files_under(path)
@@ -93,22 +94,23 @@ def resolve_text_files(path_or_glob: str | Path) -> list[Path]:
 
 
 def _text_files_under(root: Path) -> list[Path]:
-    """Text-suffixed files below ``root``, skipping hidden files and directories."""
+    """Text-suffixed and record files below ``root`` and the saved datasets in it, skipping hidden files and
+    directories."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        datasets = [d for d in dirnames if is_saved_dataset(Path(dirpath) / d)]
+        files.extend(Path(dirpath) / d for d in datasets)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in datasets]
         files.extend(Path(dirpath) / n for n in filenames
-                     if not n.startswith(".") and Path(n).suffix.lower() in TEXT_SUFFIXES)
+                     if not n.startswith(".") and (Path(n).suffix.lower() in TEXT_SUFFIXES or is_record_file(Path(n))))
     if not files:
-        raise DataError(f"data={str(root)!r} holds no text files (suffixes like .txt .md .py .rst); "
-                        "pass a glob to pick other files")
+        raise DataError(f"data={str(root)!r} holds no text or record files (suffixes like .txt .md .jsonl "
+                        ".jsonl.gz .parquet); pass a glob to pick other files")
     return sorted(files)
 
 
-def iter_texts(files: Iterable[str | Path]) -> Iterator[str]:
-    """Each file's text, decoded as UTF-8 with undecodable bytes replaced."""
+def iter_texts(files: Iterable[str | Path], text_key: str = "text") -> Iterator[str]:
+    """The documents of ``files`` in order: a text file whole (UTF-8, undecodable bytes replaced), a record file
+    or saved dataset one record at a time, its text under ``text_key`` (`paratrain.data.sources`)."""
     for f in files:
-        try:
-            yield Path(f).read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise DataError(f"cannot read data file {str(f)!r} ({exc.strerror or exc}); check its permissions") from exc
+        yield from documents(Path(f), text_key)

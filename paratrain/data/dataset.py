@@ -113,8 +113,8 @@ def split_train_eval(tokens: TokenStream | np.ndarray, eval_fraction: float = 0.
 
 
 def build_dataset(data: str | Path | None, tokenizer_spec: str, seq_len: int, cache_dir: str | Path | None = None,
-                  *, eval_fraction: float = 0.02,
-                  progress: bool = True) -> tuple[SequenceDataset, SequenceDataset, Tokenizer]:
+                  *, eval_fraction: float = 0.02, progress: bool = True,
+                  text_key: str = "text") -> tuple[SequenceDataset, SequenceDataset, Tokenizer]:
     """(train, eval, tokenizer) for the corpus ``data``.
 
     ``data``: None or ``"default"`` (the interpreter's standard library), a
@@ -125,24 +125,24 @@ def build_dataset(data: str | Path | None, tokenizer_spec: str, seq_len: int, ca
     on, keyed by the files (path, size, mtime) and the tokenizer spec.
     """
     _check_seq_len(seq_len)
-    stream, tokenizer = load_token_stream(data, tokenizer_spec, cache_dir, progress=progress)
+    stream, tokenizer = load_token_stream(data, tokenizer_spec, cache_dir, progress=progress, text_key=text_key)
     train, held_out = split_train_eval(stream, eval_fraction, seq_len=seq_len)
     return SequenceDataset(train, seq_len), SequenceDataset(held_out, seq_len), tokenizer
 
 
 def load_token_stream(data: str | Path | None, tokenizer_spec: str, cache_dir: str | Path | None = None, *,
-                      progress: bool = True) -> tuple[TokenStream, Tokenizer]:
+                      progress: bool = True, text_key: str = "text") -> tuple[TokenStream, Tokenizer]:
     """The whole token stream of ``data`` and its tokenizer (see ``build_dataset``)."""
     if str(data) != "default" and is_prepared_dir(data):
         return _open_prepared_stream(Path(data), tokenizer_spec)
     files, source = corpus_files(data)
     if cache_dir is not None:
-        entry = Path(cache_dir) / _cache_key(files, tokenizer_spec)
+        entry = Path(cache_dir) / _cache_key(files, tokenizer_spec, text_key)
         if not is_prepared_dir(entry):
-            write_prepared(files, source, tokenizer_spec, entry, progress=progress)
+            write_prepared(files, source, tokenizer_spec, entry, progress=progress, text_key=text_key)
         return _open_prepared_stream(entry, tokenizer_spec)
-    tokenizer = load_tokenizer(tokenizer_spec, train_texts=training_texts(files, progress=progress))
-    chunks = list(tokenize_files(tokenizer, files, progress=progress))
+    tokenizer = load_tokenizer(tokenizer_spec, train_texts=training_texts(files, progress=progress, text_key=text_key))
+    chunks = list(tokenize_files(tokenizer, files, progress=progress, text_key=text_key))
     tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=token_dtype(tokenizer.vocab_size))
     return TokenStream(tokens), tokenizer
 
@@ -162,12 +162,12 @@ def _same_file(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def _cache_key(files: Sequence[Path], tokenizer_spec: str) -> str:
-    """Directory name of a cache entry: changes when any file or the tokenizer changes."""
+def _cache_key(files: Sequence[Path], tokenizer_spec: str, text_key: str = "text") -> str:
+    """Directory name of a cache entry: changes when any file, the tokenizer or the text key changes."""
     digest = hashlib.sha256()
     spec_path = Path(tokenizer_spec)
     spec_stat = _file_stamp(spec_path) if spec_path.exists() else None
-    digest.update(json.dumps([tokenizer_spec, spec_stat]).encode())
+    digest.update(json.dumps([tokenizer_spec, spec_stat] + ([text_key] if text_key != "text" else [])).encode())
     for f in files:
         digest.update(json.dumps(_file_stamp(f)).encode())
     tag = "file" if spec_stat else re.sub(r"[^A-Za-z0-9]+", "-", tokenizer_spec)[:24]

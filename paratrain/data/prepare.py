@@ -4,14 +4,20 @@ A prepared directory holds
 
 - ``tokens.bin``: the token stream as raw little-endian uint16 (vocabularies
   up to 65,536) or uint32, every document followed by eos;
-- ``meta.json``: dtype, number of tokens, tokenizer, source, eos id;
+- ``documents.bin``: where each document starts in it (little-endian int64),
+  and one more entry, the number of tokens;
+- ``meta.json``: dtype, numbers of tokens and documents, tokenizer, source,
+  text key, eos id;
 - the tokenizer file (``tokenizer.json`` for BPE, ``byte_tokenizer.json``
   for bytes), so the directory alone says how to decode it.
 
-It is written file by file into a temporary directory that is renamed into
-place at the end, so a corpus larger than memory can be prepared (each
-single file must fit), and an interrupted run leaves no half-written
-directory behind. ``build_dataset`` reads it through ``np.memmap``.
+A document is a text file, or one record of a JSON Lines or Parquet file or
+of a saved `datasets` dataset (`paratrain.data.sources`). Documents stream
+through in batches, tokenized by one process or by `workers` (in order: the
+directory does not depend on how many), into a temporary directory that is
+renamed into place at the end, so a corpus larger than memory prepares in
+bounded memory, and an interrupted run leaves no half-written directory
+behind. ``build_dataset`` reads it through ``np.memmap``.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from paratrain.data.tokenizer import BPE_FILE, BYTE_FILE, Tokenizer, load_tokeni
 
 META_FILE = "meta.json"
 TOKENS_FILE = "tokens.bin"
+DOCUMENTS_FILE = "documents.bin"
 FORMAT = "paratrain.tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no documents.bin
 
 # Texts are handed to the tokenizer in batches of about this many characters:
 # large enough for the BPE library's parallel batch encoding, small enough
@@ -47,50 +55,103 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], dtype: np.dtype) -> Iterator[np.ndarray]:
-    """Token arrays of consecutive batches of ``texts``, each text followed by eos."""
+def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], dtype: np.dtype,
+                     workers: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, tokens per document) of consecutive batches of ``texts``, each text followed by eos; with
+    ``workers`` > 1 the batches are encoded by that many processes, and come back in order."""
     if tokenizer.eos_id is None:
         raise DataError(f"tokenizer {tokenizer.spec} has no end-of-text token (looked for </s>, <|endoftext|>, "
                         "<|end_of_text|>, <|eos|>); add one to its tokenizer.json")
     eos = np.array([tokenizer.eos_id], dtype=dtype)
+    if workers <= 1:
+        for batch in _text_batches(texts):
+            yield _encode_batch(tokenizer, batch, eos)
+        return
+    yield from _encode_in_workers(tokenizer, _text_batches(texts), eos, workers)
+
+
+def _text_batches(texts: Iterable[str]) -> Iterator[list[str]]:
+    """``texts`` in batches of about `_CHUNK_CHARS` characters."""
     batch: list[str] = []
     size = 0
     for text in texts:
         batch.append(text)
         size += len(text)
         if size >= _CHUNK_CHARS:
-            yield _encode_batch(tokenizer, batch, eos)
+            yield batch
             batch, size = [], 0
     if batch:
-        yield _encode_batch(tokenizer, batch, eos)
+        yield batch
 
 
-def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str], eos: np.ndarray) -> np.ndarray:
-    parts = []
+def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str], eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    parts, lengths = [], []
     for ids in tokenizer.encode_batch(texts):
         parts.append(ids)
         parts.append(eos)
-    return np.concatenate(parts).astype(eos.dtype, copy=False)
+        lengths.append(len(ids) + 1)
+    return np.concatenate(parts).astype(eos.dtype, copy=False), np.asarray(lengths, dtype=np.int64)
 
 
-def tokenize_files(tokenizer: Tokenizer, files: Sequence[Path], *, progress: bool = True,
-                   desc: str = "tokenizing") -> Iterator[np.ndarray]:
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _worker_start(tokenizer: Tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _worker_encode(batch: list[str], eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return _encode_batch(_WORKER_TOKENIZER, batch, eos)
+
+
+def _encode_in_workers(tokenizer: Tokenizer, batches: Iterator[list[str]], eos: np.ndarray,
+                       workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The batches encoded by `workers` spawned processes (a fork after the tokenizer's own threads ran can
+    deadlock), at most two batches per worker in flight, so memory stays bounded; results in input order, so the
+    stream does not depend on `workers`. A worker that dies ends the run with an error, not a hang."""
+    import collections
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+                               initargs=(tokenizer,))
+    try:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append(pool.submit(_worker_encode, batch, eos))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise DataError("a tokenizing worker process died (out of memory?); try fewer --workers") from None
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def tokenize_files(tokenizer: Tokenizer, files: Sequence[Path], *, progress: bool = True, desc: str = "tokenizing",
+                   text_key: str = "text") -> Iterator[np.ndarray]:
     """Token chunks of ``files`` in order, with a progress bar (stderr) if it takes over a second."""
     bar = tqdm(files, desc=desc, unit="file", file=sys.stderr, delay=1.0, disable=not progress)
-    return encode_documents(tokenizer, iter_texts(bar), token_dtype(tokenizer.vocab_size))
+    for tokens, _ in encode_documents(tokenizer, iter_texts(bar, text_key), token_dtype(tokenizer.vocab_size)):
+        yield tokens
 
 
-def training_texts(files: Sequence[Path], *, progress: bool = True) -> Callable[[], Iterator[str]]:
+def training_texts(files: Sequence[Path], *, progress: bool = True,
+                   text_key: str = "text") -> Callable[[], Iterator[str]]:
     """``train_texts`` for ``load_tokenizer``: the texts of ``files``, with a progress bar."""
     def texts() -> Iterator[str]:
         bar = tqdm(files, desc="training tokenizer", unit="file", file=sys.stderr, delay=1.0, disable=not progress)
-        return iter_texts(bar)
+        return iter_texts(bar, text_key)
     return texts
 
 
 def prepare_corpus(data: str | Path | None, out_dir: str | Path, tokenizer_spec: str = "byte", *,
-                   overwrite: bool = False, progress: bool = True) -> Path:
-    """Tokenize the corpus ``data`` (None/"default", a file, directory or glob) into ``out_dir``.
+                   overwrite: bool = False, progress: bool = True, text_key: str = "text", workers: int = 1) -> Path:
+    """Tokenize the corpus ``data`` (None/"default", a file, directory or glob of text or record files, or a saved
+    dataset) into ``out_dir``, with ``workers`` processes (the result does not depend on how many).
 
     Returns ``out_dir``. With ``"bpe:N"`` the tokenizer is trained on the same
     files first and saved alongside.
@@ -100,26 +161,32 @@ def prepare_corpus(data: str | Path | None, out_dir: str | Path, tokenizer_spec:
         raise DataError(f"out_dir={str(out_dir)!r} is a file; pass a directory path")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DataError(f"out_dir={str(out_dir)!r} already exists and is not empty; remove it or pass overwrite=True")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise DataError(f"workers={workers!r}: use a positive number of processes")
     files, source = corpus_files(data)
-    write_prepared(files, source, tokenizer_spec, out_dir, progress=progress, replace=overwrite)
+    write_prepared(files, source, tokenizer_spec, out_dir, progress=progress, replace=overwrite, text_key=text_key,
+                   workers=workers)
     return out_dir
 
 
 def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_dir: Path, *,
-                   progress: bool = True, replace: bool = False) -> None:
+                   progress: bool = True, replace: bool = False, text_key: str = "text", workers: int = 1) -> None:
     """Write a prepared directory for ``files``; if another process commits it first, keep theirs."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        tokenizer = load_tokenizer(tokenizer_spec, train_texts=training_texts(files, progress=progress))
-        num_tokens = _write_tokens(tmp / TOKENS_FILE, tokenizer, files, progress)
+        tokenizer = load_tokenizer(tokenizer_spec, train_texts=training_texts(files, progress=progress,
+                                                                              text_key=text_key))
+        num_tokens, num_documents = _write_tokens(tmp, tokenizer, files, progress, text_key, workers)
+        if num_documents == 0:
+            raise DataError(f"data {source}: no documents (empty files or no records); check the source")
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "dtype": token_dtype(tokenizer.vocab_size).name, "num_tokens": num_tokens,
-            "num_documents": len(files), "eos_id": tokenizer.eos_id,
+            "num_documents": num_documents, "documents_file": DOCUMENTS_FILE, "eos_id": tokenizer.eos_id,
             "tokenizer_spec": tokenizer_spec, "tokenizer": tokenizer.spec,
-            "tokenizer_file": tokenizer.save(tmp).name, "source": source,
+            "tokenizer_file": tokenizer.save(tmp).name, "source": source, "text_key": text_key,
         }
         # meta.json last: its presence marks a complete directory.
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -129,14 +196,33 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
             shutil.rmtree(tmp)
 
 
-def _write_tokens(path: Path, tokenizer: Tokenizer, files: Sequence[Path], progress: bool) -> int:
-    """Append the token chunks of ``files`` to ``path``; return the number of tokens."""
-    num_tokens = 0
-    with open(path, "wb") as f:
-        for chunk in tokenize_files(tokenizer, files, progress=progress, desc="preparing"):
-            chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).tofile(f)
+def _write_tokens(directory: Path, tokenizer: Tokenizer, files: Sequence[Path], progress: bool, text_key: str,
+                  workers: int) -> tuple[int, int]:
+    """Append the documents of ``files``, tokenized, to tokens.bin and each document's first token's position to
+    documents.bin (int64, one more at the end: the number of tokens); return (tokens, documents)."""
+    num_tokens = num_documents = 0
+    bar = tqdm(desc="preparing", unit="tok", unit_scale=True, file=sys.stderr, delay=1.0, disable=not progress)
+    sources = iter_texts(files, text_key)
+    read = [0]
+
+    def counted() -> Iterator[str]:
+        for text in sources:
+            read[0] += len(text)
+            yield text
+
+    with open(directory / TOKENS_FILE, "wb") as tokens_out, open(directory / DOCUMENTS_FILE, "wb") as docs_out:
+        for chunk, lengths in encode_documents(tokenizer, counted(), token_dtype(tokenizer.vocab_size), workers):
+            chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).tofile(tokens_out)
+            starts = num_tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+            starts.astype("<i8").tofile(docs_out)
             num_tokens += len(chunk)
-    return num_tokens
+            num_documents += len(lengths)
+            bar.update(len(chunk))
+            bar.set_postfix(documents=num_documents, MB_per_s=f"{read[0] / 1e6 / max(bar.format_dict['elapsed'], 1e-9):.1f}",
+                            refresh=False)
+        np.asarray([num_tokens], dtype="<i8").tofile(docs_out)
+    bar.close()
+    return num_tokens, num_documents
 
 
 def _commit(tmp: Path, out_dir: Path, replace: bool) -> None:
@@ -191,7 +277,7 @@ def _read_meta(directory: Path) -> dict:
         raise DataError(f"cannot read {str(path)!r} ({exc}); prepare the corpus again") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DataError(f"{str(path)!r} is not a paratrain token directory; prepare the corpus again")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise DataError(f"{str(path)!r} has format version {meta.get('version')}, this paratrain reads "
                         f"{FORMAT_VERSION}; prepare the corpus again")
     if meta.get("dtype") not in ("uint16", "uint32") or not isinstance(meta.get("num_tokens"), int):

@@ -261,7 +261,8 @@ def load_data(cfg: Config, env: DistEnv, out: Path):
     progress = cfg.run.progress and env.is_main
 
     def load():
-        return build_dataset(d.path, spec, d.seq_len, cache, eval_fraction=d.eval_fraction, progress=progress)
+        return build_dataset(d.path, spec, d.seq_len, cache, eval_fraction=d.eval_fraction, progress=progress,
+                             text_key=d.text_key)
 
     if cache is None:
         return load()

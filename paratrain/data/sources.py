@@ -1,0 +1,146 @@
+"""The documents of a corpus file, whatever it holds: a text file is one document; a record file is one document per
+record, its text under `text_key`.
+
+- JSON Lines: ``.jsonl``, gzipped ``.jsonl.gz``, zstandard ``.jsonl.zst`` (the `zstandard` package), read
+  line by line; extra fields are ignored.
+- Parquet (``.parquet``): the `text_key` column, read a row group at a time with pyarrow.
+- a Hugging Face `datasets` dataset saved with ``save_to_disk`` (a directory with ``dataset_info.json`` and
+  ``state.json``): its `text_key` column, read in batches through `datasets.load_from_disk`.
+
+Everything streams: memory holds one batch of records, never a whole file. A record that is not what the
+corpus promises stops the read with one line naming the file and the line (or row) and the key: a JSON Lines
+line that is not JSON, a record without the text key or whose value is not a string, a Parquet file or
+dataset without the column, a file that cannot be opened.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from pathlib import Path
+from typing import Iterator
+
+from paratrain.errors import DataError
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+PARQUET_SUFFIXES = (".parquet",)
+RECORD_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
+DATASET_MARKERS = ("dataset_info.json", "state.json")  # what `datasets`' save_to_disk writes
+_BATCH_ROWS = 1024
+
+
+def is_record_file(path: Path) -> bool:
+    return path.name.lower().endswith(RECORD_SUFFIXES)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A directory written by `datasets.Dataset.save_to_disk`."""
+    return path.is_dir() and all((path / marker).is_file() for marker in DATASET_MARKERS)
+
+
+def documents(path: Path, text_key: str) -> Iterator[str]:
+    """The documents of one source, in order (see the module's docstring)."""
+    name = path.name.lower()
+    if is_saved_dataset(path):
+        return _dataset_documents(path, text_key)
+    if name.endswith(JSONL_SUFFIXES):
+        return _jsonl_documents(path, text_key)
+    if name.endswith(PARQUET_SUFFIXES):
+        return _parquet_documents(path, text_key)
+    return iter([_read_text(path)])
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise DataError(f"cannot read data file {str(path)!r} ({exc.strerror or exc}); check its permissions") from exc
+
+
+def _open_lines(path: Path):
+    """A text stream of a (possibly compressed) JSON Lines file."""
+    try:
+        if path.name.lower().endswith(".gz"):
+            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
+        if path.name.lower().endswith(".zst"):
+            try:
+                import zstandard
+            except ImportError:
+                raise DataError(f"{str(path)!r} is zstandard-compressed: pip install zstandard "
+                                f"(or pip install 'paratrain[corpora]')") from None
+            raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))
+            return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+        return open(path, encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise DataError(f"cannot read data file {str(path)!r} ({exc.strerror or exc}); check its permissions") from exc
+
+
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    with _open_lines(path) as lines:
+        try:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{number}: not a JSON object ({exc.msg}); every line of a JSON Lines file "
+                                    f"is one record") from None
+                yield _text_of(record, text_key, f"{path}:{number}")
+        except (OSError, EOFError) as exc:  # a truncated or corrupt compressed file
+            raise DataError(f"cannot read data file {str(path)!r} ({exc}); is it complete?") from None
+
+
+def _text_of(record, text_key: str, where: str) -> str:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+    if text_key not in record:
+        keys = ", ".join(list(record)[:8]) or "none"
+        raise DataError(f"{where}: the record has no {text_key!r} (its keys: {keys}); pass --text-key KEY")
+    text = record[text_key]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: {text_key!r} is a {type(text).__name__}, not text")
+    return text
+
+
+def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{str(path)!r} is Parquet: pip install pyarrow (or pip install 'paratrain[corpora]')") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet vary
+        raise DataError(f"cannot read Parquet file {str(path)!r} ({type(exc).__name__}: {exc})") from None
+    columns = table.schema_arrow.names
+    if text_key not in columns:
+        raise DataError(f"{path}: no column {text_key!r} (its columns: {', '.join(columns)}); pass --text-key KEY")
+    row = 0
+    for batch in table.iter_batches(batch_size=_BATCH_ROWS, columns=[text_key]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(text, str):
+                raise DataError(f"{path}: row {row}: {text_key!r} is {text!r}, not text")
+            yield text
+
+
+def _dataset_documents(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{str(path)!r} is a saved `datasets` dataset: pip install datasets "
+                        f"(or pip install 'paratrain[corpora]')") from None
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        raise DataError(f"{path}: a DatasetDict of splits {list(dataset)}; pass one split's directory")
+    if text_key not in dataset.column_names:
+        raise DataError(f"{path}: no column {text_key!r} (its columns: {', '.join(dataset.column_names)}); "
+                        f"pass --text-key KEY")
+    row = 0
+    for batch in dataset.select_columns([text_key]).iter(batch_size=_BATCH_ROWS):
+        for text in batch[text_key]:
+            row += 1
+            if not isinstance(text, str):
+                raise DataError(f"{path}: row {row}: {text_key!r} is {text!r}, not text")
+            yield text

@@ -1,0 +1,149 @@
+"""Real corpora through `paratrain prepare` and `train --data`: JSON Lines (plain, gzipped, zstandard), Parquet,
+a saved `datasets` dataset; one record one document, counted exactly; the same token stream whatever the number
+of workers; bounded memory; one line for each kind of bad input."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paratrain.cli import main
+from paratrain.data import build_dataset, prepare_corpus
+from paratrain.data.prepare import open_prepared
+from paratrain.errors import DataError
+
+TEXTS = [f"record {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) + "é" * (i % 3)
+         for i in range(240)]
+
+
+def _byte_tokens(texts) -> int:
+    return sum(len(t.encode("utf-8")) + 1 for t in texts)  # every document and its eos
+
+
+def _write_jsonl(path: Path, texts, key="text", opener=open):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": i, key: text, "meta": {"source": "test", "n": i}}) + "\n")
+    return path
+
+
+def _check(out: Path, texts, text_key="text"):
+    tokens, meta, tokenizer = open_prepared(out)
+    assert (meta["num_documents"], meta["num_tokens"], meta["text_key"]) == (len(texts), _byte_tokens(texts), text_key)
+    starts = np.fromfile(out / "documents.bin", dtype="<i8")
+    assert len(starts) == len(texts) + 1 and starts[-1] == len(tokens)
+    for i in (0, 7, len(texts) - 1):  # each document decodes back from where the index says it is
+        assert tokenizer.decode(tokens[starts[i]:starts[i + 1] - 1]) == texts[i]
+
+
+def test_gzipped_jsonl_with_extra_fields(tmp_path):
+    source = _write_jsonl(tmp_path / "part-0.jsonl.gz", TEXTS, opener=gzip.open)
+    _check(prepare_corpus(str(source), tmp_path / "out", "byte", progress=False), TEXTS)
+
+
+def test_zstandard_jsonl_and_a_directory_of_record_files_in_name_order(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    _write_jsonl(corpus / "b.jsonl", TEXTS[120:])
+    raw = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:120]).encode()
+    (corpus / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    _check(prepare_corpus(str(corpus), tmp_path / "out", "byte", progress=False), TEXTS)
+
+
+def test_parquet_with_another_key(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"content": TEXTS, "score": list(range(len(TEXTS)))}), path, row_group_size=50)
+    _check(prepare_corpus(str(path), tmp_path / "out", "byte", progress=False, text_key="content"), TEXTS, "content")
+    with pytest.raises(DataError, match=r"data.parquet: no column 'text' \(its columns: content, score\); pass "
+                                        r"--text-key KEY$"):
+        prepare_corpus(str(path), tmp_path / "out2", "byte", progress=False)
+
+
+def test_a_datasets_dataset_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": TEXTS, "label": [0] * len(TEXTS)}).save_to_disk(str(tmp_path / "saved"))
+    _check(prepare_corpus(str(tmp_path / "saved"), tmp_path / "out", "byte", progress=False), TEXTS)
+
+
+def test_the_token_stream_does_not_depend_on_the_number_of_workers(tmp_path):
+    source = _write_jsonl(tmp_path / "c.jsonl", TEXTS * 40)  # several tokenizer batches
+    from paratrain.data.tokenizer import BPETokenizer
+
+    BPETokenizer.train(TEXTS, 400).save(tmp_path)  # a 400-token tokenizer.json
+    streams = []
+    for workers in (1, 2):
+        out = prepare_corpus(str(source), tmp_path / f"w{workers}", str(tmp_path / "tokenizer.json"),
+                             progress=False, workers=workers)
+        tokens, meta, _ = open_prepared(out)
+        streams.append((np.asarray(tokens).copy(), (out / "documents.bin").read_bytes(), meta["num_documents"]))
+    assert np.array_equal(streams[0][0], streams[1][0]) and streams[0][1:] == streams[1][1:]
+    assert streams[0][2] == 40 * len(TEXTS)
+
+
+def test_train_reads_jsonl_directly(tmp_path):
+    source = _write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    train, held_out, tokenizer = build_dataset(str(source), "byte", 32, None, progress=False)
+    assert len(train.stream) + len(held_out.stream) == _byte_tokens(TEXTS)
+
+
+_PEAK = """
+import re, sys
+from paratrain.data import prepare_corpus
+prepare_corpus(sys.argv[1], sys.argv[2], "byte", progress=False)
+# The high-water mark of this process's own memory (ru_maxrss would carry the forking parent's over the exec).
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024)
+"""
+
+
+def test_prepare_streams_in_memory_that_does_not_grow_with_the_corpus(tmp_path):
+    """Peak resident memory of `prepare` for a corpus of 24 MB and one of 96 MB: what the second adds is under a
+    tenth of what its corpus adds (one batch of records and its tokens at a time, never a file or the stream)."""
+    peaks = {}
+    line = json.dumps({"text": "a line of a real corpus, repeated to make it large. " * 20}) + "\n"
+    for megabytes in (24, 96):
+        path = tmp_path / f"c{megabytes}.jsonl"
+        with open(path, "w") as f:
+            f.write(line * (megabytes * 2**20 // len(line)))
+        # Large allocations straight from mmap, as every peak-memory measurement here (glibc's default raises the
+        # threshold as arrays are freed, and then keeps freed heap pages in the resident set).
+        result = subprocess.run([sys.executable, "-c", _PEAK, str(path), str(tmp_path / f"out{megabytes}")],
+                                capture_output=True, text=True, timeout=300, check=True,
+                                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+        peaks[megabytes] = int(result.stdout.split()[-1])
+        path.unlink()
+    assert peaks[96] - peaks[24] < 0.1 * 72 * 2**20, peaks
+
+
+def _one_line(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_bad_corpora_are_refused_in_one_line_naming_the_file_and_line(tmp_path, capsys):
+    def prepare(path, *extra):
+        return _one_line(capsys, ["prepare", "--data", str(path), "--out", str(tmp_path / "out"), *extra])
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    assert f"{bad}:2: not a JSON object" in prepare(bad)
+    keyless = tmp_path / "keyless.jsonl"
+    keyless.write_text(json.dumps({"body": "x", "id": 1}) + "\n")
+    assert f"{keyless}:1: the record has no 'text' (its keys: body, id); pass --text-key KEY" in prepare(keyless)
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text(json.dumps({"text": 3}) + "\n")
+    assert f"{numbers}:1: 'text' is a int, not text" in prepare(numbers)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "no documents" in prepare(empty)
+    assert "does not exist" in prepare(tmp_path / "missing.jsonl")
+    assert not (tmp_path / "out").exists(), "nothing half-written"
