@@ -116,9 +116,15 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
     columns = table.schema_arrow.names
     if text_key not in columns:
         raise DataError(f"{path}: no column {text_key!r} (its columns: {', '.join(columns)}); pass --text-key KEY")
+    batches = table.iter_batches(batch_size=_BATCH_ROWS, columns=[text_key])
+    return _column_texts((batch.column(0).to_pylist() for batch in batches), path, text_key)
+
+
+def _column_texts(batches: Iterator[list], path: Path, text_key: str) -> Iterator[str]:
+    """The texts of a column read in batches, each checked to be text (one line naming the row if not)."""
     row = 0
-    for batch in table.iter_batches(batch_size=_BATCH_ROWS, columns=[text_key]):
-        for text in batch.column(0).to_pylist():
+    for texts in batches:
+        for text in texts:
             row += 1
             if not isinstance(text, str):
                 raise DataError(f"{path}: row {row}: {text_key!r} is {text!r}, not text")
@@ -137,10 +143,5 @@ def _dataset_documents(path: Path, text_key: str) -> Iterator[str]:
     if text_key not in dataset.column_names:
         raise DataError(f"{path}: no column {text_key!r} (its columns: {', '.join(dataset.column_names)}); "
                         f"pass --text-key KEY")
-    row = 0
-    for batch in dataset.select_columns([text_key]).iter(batch_size=_BATCH_ROWS):
-        for text in batch[text_key]:
-            row += 1
-            if not isinstance(text, str):
-                raise DataError(f"{path}: row {row}: {text_key!r} is {text!r}, not text")
-            yield text
+    batches = dataset.select_columns([text_key]).iter(batch_size=_BATCH_ROWS)
+    return _column_texts((batch[text_key] for batch in batches), path, text_key)
