@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 
-
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float, num_devices: int) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
     return flops_per_token * tokens_per_s / (peak_flops * num_devices)
