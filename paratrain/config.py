@@ -61,8 +61,8 @@ class DataSection:
     path: str = option(
         "default",
         "corpus: 'default' (this Python's standard-library sources), a text, JSON Lines (.jsonl, .jsonl.gz, "
-        ".jsonl.zst) or Parquet file, a directory or glob of them, a saved `datasets` dataset, or a directory "
-        "made by `paratrain prepare`",
+        ".jsonl.zst) or Parquet file, a directory or glob of them, a saved `datasets` dataset, a directory made "
+        "by `paratrain prepare`, or Megatron's indexed dataset (PREFIX of PREFIX.bin/.idx, with --tokenizer)",
         flag="--data",
     )
     tokenizer: str = option(

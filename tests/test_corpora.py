@@ -147,3 +147,64 @@ def test_bad_corpora_are_refused_in_one_line_naming_the_file_and_line(tmp_path, 
     assert "no documents" in prepare(empty)
     assert "does not exist" in prepare(tmp_path / "missing.jsonl")
     assert not (tmp_path / "out").exists(), "nothing half-written"
+
+
+# -- Megatron's indexed dataset --------------------------------------------------------------------------------
+
+def _write_megatron(prefix: Path, documents: list[list[int]], dtype=np.uint16, code=8, magic=b"MMIDIDX\x00\x00",
+                    version=1) -> None:
+    """A reference writer of Megatron-Core's indexed dataset ("MMIDIDX", version 1), one sequence per document, as
+    its documentation lays the files out."""
+    import struct
+
+    arrays = [np.asarray(d, dtype=dtype) for d in documents]
+    prefix.with_suffix(".bin").write_bytes(b"".join(a.tobytes() for a in arrays))
+    lengths = np.asarray([len(a) for a in arrays], dtype=np.int32)
+    pointers = np.concatenate(([0], np.cumsum(lengths.astype(np.int64))[:-1])) * np.dtype(dtype).itemsize
+    document_index = np.arange(len(arrays) + 1, dtype=np.int64)
+    header = magic + struct.pack("<QB", version, code) + struct.pack("<QQ", len(arrays), len(document_index))
+    prefix.with_suffix(".idx").write_bytes(header + lengths.tobytes() + pointers.astype(np.int64).tobytes()
+                                           + document_index.tobytes())
+
+
+def test_a_megatron_indexed_dataset_trains_without_tokenizing_again(tmp_path):
+    from paratrain.data.tokenizer import BYTE_FILE, ByteTokenizer
+
+    ByteTokenizer().save(tmp_path)
+    tokenizer = str(tmp_path / BYTE_FILE)
+    texts = TEXTS[:100]
+    documents = [list(t.encode("utf-8")) + [257] for t in texts]  # Megatron's --append-eod: the eos after each
+    _write_megatron(tmp_path / "corpus_text_document", documents)
+    for name in ("corpus_text_document", "corpus_text_document.bin"):
+        train, held_out, tok = build_dataset(str(tmp_path / name), tokenizer, 32, None, progress=False)
+        assert len(train.stream) + len(held_out.stream) == _byte_tokens(texts)
+    stream = np.concatenate([np.asarray(train.stream.tokens), np.asarray(held_out.stream.tokens)])
+    assert np.array_equal(stream, np.concatenate([np.asarray(d, dtype=np.uint16) for d in documents]))
+    _write_megatron(tmp_path / "int32", documents, dtype=np.int32, code=4)  # vocabularies over 65,536
+    assert build_dataset(str(tmp_path / "int32"), tokenizer, 32, None, progress=False)[0].stream.tokens.dtype == "<u4"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"magic": b"NOTANIDX\x00"}, "not a Megatron index"),
+    ({"version": 2}, "version 2; paratrain reads Megatron's indexed dataset version 1"),
+    ({"dtype": np.float32, "code": 7}, "dtype code 7 is not an integer token type"),
+])
+def test_a_bad_megatron_index_is_refused_in_one_line(tmp_path, change, message):
+    from paratrain.data.tokenizer import BYTE_FILE, ByteTokenizer
+
+    ByteTokenizer().save(tmp_path)
+    _write_megatron(tmp_path / "c", [[1, 2, 3, 257]] * 50, **change)
+    with pytest.raises(DataError, match=message) as refused:
+        build_dataset(str(tmp_path / "c"), str(tmp_path / BYTE_FILE), 8, None, progress=False)
+    assert "\n" not in str(refused.value)
+
+
+def test_megatron_ids_beyond_the_tokenizer_are_refused(tmp_path):
+    from paratrain.data.tokenizer import BYTE_FILE, ByteTokenizer
+
+    ByteTokenizer().save(tmp_path)
+    _write_megatron(tmp_path / "c", [[1, 2, 3, 50000]] * 50)
+    with pytest.raises(DataError, match=r"token id 50000 is not below the tokenizer's vocabulary of 259"):
+        build_dataset(str(tmp_path / "c"), str(tmp_path / BYTE_FILE), 8, None, progress=False)
+    with pytest.raises(DataError, match="is a Megatron indexed dataset: pass --tokenizer"):
+        build_dataset(str(tmp_path / "c"), "auto", 8, None, progress=False)

@@ -23,6 +23,7 @@ import torch
 
 from paratrain.errors import DataError
 from paratrain.data.corpus import corpus_files
+from paratrain.data.megatron import megatron_prefix, open_megatron
 from paratrain.data.prepare import (
     is_prepared_dir,
     open_prepared,
@@ -135,6 +136,13 @@ def load_token_stream(data: str | Path | None, tokenizer_spec: str, cache_dir: s
     """The whole token stream of ``data`` and its tokenizer (see ``build_dataset``)."""
     if str(data) != "default" and is_prepared_dir(data):
         return _open_prepared_stream(Path(data), tokenizer_spec)
+    prefix = megatron_prefix(data)
+    if prefix is not None:  # Megatron's indexed dataset: its tokens as they are, with the tokenizer they came from
+        if tokenizer_spec.startswith("bpe:") or tokenizer_spec == "auto":
+            raise DataError(f"data={str(data)!r} is a Megatron indexed dataset: pass --tokenizer the tokenizer.json "
+                            f"it was made with")
+        tokenizer = load_tokenizer(tokenizer_spec)
+        return TokenStream(open_megatron(prefix, tokenizer.vocab_size)), tokenizer
     files, source = corpus_files(data)
     if cache_dir is not None:
         entry = Path(cache_dir) / _cache_key(files, tokenizer_spec, text_key)

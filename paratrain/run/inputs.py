@@ -22,6 +22,7 @@ from pathlib import Path
 
 from paratrain.config import Config, ConfigError
 from paratrain.data.corpus import resolve_text_files
+from paratrain.data.megatron import megatron_prefix
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.data.tokenizer import load_tokenizer
 
@@ -59,7 +60,8 @@ def _probe_writable(directory: Path, out: str) -> None:
 
 def check_corpus(data: str, seq_len: int) -> None:
     """The corpus files of --data exist, can be read, and can hold one training and one evaluation sequence."""
-    if data == "default" or is_prepared_dir(data):  # the standard library; a prepared corpus checked its tokens
+    # the standard library; a prepared corpus or Megatron's indexed dataset: their tokens are checked as they load
+    if data == "default" or is_prepared_dir(data) or megatron_prefix(data):
         return
     files = resolve_text_files(data)
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
