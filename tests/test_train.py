@@ -13,6 +13,7 @@ from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
 from paratrain.train import IGNORE_INDEX, build_model, learning_rate, train, train_step
+from parallel_cases import FP32_ADAMW, assert_matches_reference
 
 
 def small_config(out, **train_overrides) -> Config:
@@ -97,14 +98,15 @@ def _accumulation(rank, world):
 
 
 def test_accumulation_with_uneven_masks_equals_one_batch():
-    """Token-weighted loss: 4 micro-batches of 1 equal one batch of 4, padding included."""
+    """Token-weighted loss: 4 micro-batches of 1 equal one batch of 4, padding included; losses and parameters
+    under the parity tests' error model (parallel_cases.FP32_ADAMW: after AdamW, element by element, one of 512
+    differs by 1.4e-6 on the default CPU kernel path)."""
     steps, whole, split = run_on_ranks(_accumulation, 1, timeout=60)[0]
     for whole_step, split_step in steps:
         assert whole_step.tokens == 16 + 3 + 9 + 1
-        assert split_step.loss == pytest.approx(whole_step.loss, rel=1e-6)
         assert split_step.grad_norm == pytest.approx(whole_step.grad_norm, rel=1e-5)
-    for a, b in zip(whole, split):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_matches_reference([s.loss for _, s in steps], dict(enumerate(split)), [w.loss for w, _ in steps],
+                             dict(enumerate(whole)), FP32_ADAMW)
 
 
 def _train_on_ranks(rank, world_size, out, accumulate, zero):
