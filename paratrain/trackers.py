@@ -60,26 +60,26 @@ def check_clients(names: tuple[str, ...]) -> None:
                                  f"(or pip install {extra})") from None
 
 
-def scalars(record: dict, prefix: str = "") -> dict[str, float]:
-    """The record's numbers as tracker keys: nested dicts flattened as `a/b`; lists, None and flags left out."""
+def _leaves(doc: dict, separator: str, prefix: str = "") -> dict[str, object]:
+    """Every value of nested dicts under its path of keys joined by `separator`."""
     out = {}
-    for key, value in record.items():
+    for key, value in doc.items():
         if isinstance(value, dict):
-            out.update(scalars(value, f"{prefix}{key}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.update(_leaves(value, separator, f"{prefix}{key}{separator}"))
+        else:
             out[prefix + key] = value
     return out
 
 
-def flat_config(config: dict, prefix: str = "") -> dict[str, object]:
+def scalars(record: dict) -> dict[str, float]:
+    """The record's numbers as tracker keys: nested dicts flattened as `a/b`; lists, None and flags left out."""
+    return {k: v for k, v in _leaves(record, "/").items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def flat_config(config: dict) -> dict[str, object]:
     """The resolved config as hyperparameters: `train.lr`, `parallel.zero`, ... (None as an empty string)."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = "" if value is None else value
-    return out
+    return {k: "" if v is None else v for k, v in _leaves(config, ".").items()}
 
 
 class TensorBoardTracker:

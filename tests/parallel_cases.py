@@ -276,7 +276,8 @@ def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / norm if norm else diff
 
 
-def _model_difference(params: dict, ref_params: dict) -> float:
+def model_difference(params: dict, ref_params: dict) -> float:
+    """‖θ − θ_ref‖ / ‖θ_ref‖ over the whole model in fp64, as `paratrain verify` judges a layout."""
     diff = sum(float((params[k].double() - v.double()).square().sum()) for k, v in ref_params.items())
     norm = sum(float(v.double().square().sum()) for v in ref_params.values())
     return (diff / norm) ** 0.5 if norm else diff ** 0.5
@@ -298,7 +299,7 @@ def assert_matches_reference(losses, params: dict, ref_losses, ref_params: dict,
         return
     assert set(params) >= set(ref_params), f"{what} parameters missing: {sorted(set(ref_params) - set(params))}"
     if model.scope == "model":
-        error = _model_difference(params, ref_params)
+        error = model_difference(params, ref_params)
         _record(test, f"{what} model".strip(), error, param_bound)
         assert error <= param_bound, \
             f"{what} the model off by {error:.2e} of its norm (> {param_bound:g}, {model.name}: {model.why})"

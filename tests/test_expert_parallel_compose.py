@@ -24,7 +24,8 @@ from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
 from paratrain.parallel.expert import moe_layers
 from paratrain.testing import Collectives
-from parallel_cases import FP32_ADAMW, adamw, assert_matches_reference, batches, launch_once, make_model, reference_run
+from parallel_cases import (FP32_ADAMW, adamw, assert_matches_reference, batches, launch_once, make_model,
+                            model_difference, reference_run)
 from test_expert_parallel import MOE
 
 STEPS, BATCH, LR = 4, 8, 1e-2
@@ -149,12 +150,6 @@ def test_ep_composes_like_one_process(name):
         assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW, f"{name} rank {rank}")
 
 
-def _model_diff(params: dict, reference: dict) -> float:
-    """‖θ − θ_ref‖ / ‖θ_ref‖ over the whole model, as `paratrain verify` judges a layout."""
-    diff = torch.cat([(params[k] - v).flatten() for k, v in reference.items()]).double().norm()
-    return float(diff / torch.cat([v.flatten() for v in reference.values()]).double().norm())
-
-
 def test_ep2_in_bf16_tracks_one_bf16_process():
     """Not bitwise (measured: the losses within 1.1e-4, the model within 6.5e-3, its worst tensor an expert's at
     3.3e-2). The cause is routing: the experts' bf16 matmuls run over other groupings of tokens, their rounding
@@ -166,7 +161,7 @@ def test_ep2_in_bf16_tracks_one_bf16_process():
     ref_losses, ref_params = launch_once(_CACHE, 1, _one_process_bf16)[0]
     for losses, params in _results(2, "bf16"):
         assert losses == pytest.approx(ref_losses, rel=2e-2)
-        assert _model_diff(params, ref_params) <= 1e-2
+        assert model_difference(params, ref_params) <= 1e-2
 
 
 def test_a_steps_expert_load_counts_every_micro_batch_once():

@@ -113,11 +113,14 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
         table = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet vary
         raise DataError(f"cannot read Parquet file {str(path)!r} ({type(exc).__name__}: {exc})") from None
-    columns = table.schema_arrow.names
-    if text_key not in columns:
-        raise DataError(f"{path}: no column {text_key!r} (its columns: {', '.join(columns)}); pass --text-key KEY")
+    _require_column(path, text_key, table.schema_arrow.names)
     batches = table.iter_batches(batch_size=_BATCH_ROWS, columns=[text_key])
     return _column_texts((batch.column(0).to_pylist() for batch in batches), path, text_key)
+
+
+def _require_column(path: Path, text_key: str, columns: list[str]) -> None:
+    if text_key not in columns:
+        raise DataError(f"{path}: no column {text_key!r} (its columns: {', '.join(columns)}); pass --text-key KEY")
 
 
 def _column_texts(batches: Iterator[list], path: Path, text_key: str) -> Iterator[str]:
@@ -140,8 +143,6 @@ def _dataset_documents(path: Path, text_key: str) -> Iterator[str]:
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
         raise DataError(f"{path}: a DatasetDict of splits {list(dataset)}; pass one split's directory")
-    if text_key not in dataset.column_names:
-        raise DataError(f"{path}: no column {text_key!r} (its columns: {', '.join(dataset.column_names)}); "
-                        f"pass --text-key KEY")
+    _require_column(path, text_key, dataset.column_names)
     batches = dataset.select_columns([text_key]).iter(batch_size=_BATCH_ROWS)
     return _column_texts((batch[text_key] for batch in batches), path, text_key)
