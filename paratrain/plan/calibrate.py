@@ -3,7 +3,12 @@
 On a machine with GPUs (`choose_device`) each GPU is one rank: matmuls and flash attention in
 bf16, element-wise kernels and memory bandwidth at a GPU's sizes, and with two GPUs or more the
 collectives over NCCL (`CalibrationPlan.gpu`); every timing waits for the device before reading
-the clock (`paratrain.plan.measure`). Without a GPU, the CPU, as follows.
+the clock (`paratrain.plan.measure`). Two things differ from the CPU: flash attention is fitted to
+efficiency *and* a per-pass overhead (`fit_flash_attention`: at small sizes launches are most of a
+call), and `op_overhead_s` is the device's time per kernel, from a chain of tiny kernels replayed
+as a CUDA graph: at training sizes the host queues kernels ahead of the device, so what an eager
+step pays per operator is the device's gap between kernels, not the host's launch time. Without a
+GPU, the CPU, as follows.
 
 Every measurement runs on `nproc` gloo ranks at once (`paratrain.testing.run_on_ranks`), one
 thread per rank, as training runs: what is measured is the throughput one process gets while
@@ -48,7 +53,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 
-from paratrain.plan.fit import CalibrationError, fit_attention, fit_gemm_curve, fit_link
+from paratrain.plan.fit import CalibrationError, fit_attention, fit_flash_attention, fit_gemm_curve, fit_link
 from paratrain.plan.hardware import HARDWARE_PRESETS, Hardware
 from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.plan.measure import (
@@ -140,7 +145,7 @@ class CalibrationPlan:
             # predicted at 1,670 s on an H200), fewer of them, each timed twice.
             return cls(nproc=gpus, device="cuda", attention_dtype="bf16",
                        gemm_shapes={"bf16": square[1:3] + layers[:2], "fp16": square[2:3], "fp32": square[2:3]},
-                       attention_shapes=((1, 16, 2048, 128),), memory_sizes=(2**22, 2**24, 2**26, 2**28),
+                       attention_shapes=((1, 16, 2048, 128), (4, 16, 2048, 128)), memory_sizes=(2**22, 2**24, 2**26, 2**28),
                        elementwise_sizes=(2**24, 2**26), working_set=2**30, collective_sizes=(2**22, 2**24, 2**26),
                        gap=(4096, 4096, 4096), min_seconds=0.005, repeats=2, timeout=300.0, quiet_wait=0.0,
                        retries=0)
@@ -266,8 +271,8 @@ def _gpu_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str
         source=(f"paratrain plan --calibrate on {machine['node']} ({machine['device_name']} × {plan.nproc}, "
                 f"torch {machine['torch']}), {machine['date']}; "
                 + ("collectives over NCCL" if link else "one GPU: links of the h100-80gb preset")))
-    return dataclasses.replace(base, attention_efficiency=fit_attention(measured["attention"], base,
-                                                                        plan.attention_dtype))
+    efficiency, overhead = fit_flash_attention(measured["attention"], base, plan.attention_dtype)
+    return dataclasses.replace(base, attention_efficiency=efficiency, attention_overhead_s=overhead)
 
 
 # name: (measurement, ranks as a multiple of plan.nproc)

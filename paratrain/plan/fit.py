@@ -6,12 +6,13 @@ the best measured point where the data cannot determine a constant.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from paratrain.plan.collectives import Collective
 from paratrain.plan.hardware import GemmCurve, Hardware, LinkCost
 from paratrain.plan.memory import PlanError
-from paratrain.plan.ops import FLASH_BACKWARD_MATMULS, Gemm
+from paratrain.plan.ops import FLASH_BACKWARD_MATMULS, Gemm, Shape, attention_seconds
 
 
 class CalibrationError(PlanError):
@@ -80,3 +81,35 @@ def fit_attention(rows: list, hardware: Hardware, dtype: str = "fp32") -> float:
         predicted = 0.5 * forward * (2 + FLASH_BACKWARD_MATMULS) / 2  # causal: half the scores
         ratios.append(predicted / seconds)
     return statistics.median(ratios)
+
+
+def fit_flash_attention(rows: list, hardware: Hardware, dtype: str) -> tuple[float, float]:
+    """(attention_efficiency, attention_overhead_s) of a flash kernel from measured causal forward + backward.
+
+    The planner prices one pass as matmul time / efficiency + its operands' bytes + the overhead
+    (`ops.attention_seconds`), so a call's forward and backward take W/efficiency + M + 2·overhead:
+    a line in W, fitted on relative errors. At small sizes the overhead (launches, the host's
+    autograd) is most of a call, which a ratio alone would read as a slow kernel. One shape, or a
+    fit without a positive slope and intercept, keeps overhead 0 and the median ratio.
+    """
+    unit = dataclasses.replace(hardware, attention_efficiency=1.0, attention_overhead_s=0.0)
+    half = dataclasses.replace(unit, attention_efficiency=2.0)
+    work, rest, measured = [], [], []
+    for b, h, s, d, seconds in rows:
+        x = Shape(tokens=float(b * s), seq_len=s, batch=b, hidden=h * d, q_width=float(h * d),
+                  kv_width=float(h * d), ffn=0.0, local_heads=float(h), head_dim=d, vocab=0.0,
+                  residual=float(h * d), dtype=dtype, flash=True)
+
+        def call(hw: Hardware) -> float:
+            return attention_seconds(hw, x, 2) + attention_seconds(hw, x, FLASH_BACKWARD_MATMULS, backward=True)
+
+        matmuls = 2 * (call(unit) - call(half))  # the only part that scales with 1/efficiency
+        work.append(matmuls)
+        rest.append(call(unit) - matmuls)
+        measured.append(seconds)
+    ys = [m - r for m, r in zip(measured, rest)]
+    if len(set(work)) >= 2:
+        intercept, slope = _weighted_line(work, ys, [1 / m for m in measured])
+        if slope > 0 and intercept >= 0:
+            return 1.0 / slope, intercept / 2
+    return statistics.median(w / max(y, 1e-12) for w, y in zip(work, ys)), 0.0

@@ -15,7 +15,9 @@ for a flash kernel, which recomputes the scores), and the element-wise backward 
 twice the forward's bytes. A flash kernel also reads and writes its operands once per pass
 (forward: q, k, v in, the output out; backward: those and the output's gradient in, three
 gradients out) and pays `Hardware.attention_overhead_s` per pass. Full recomputation runs the
-forward again; selective recomputation the attention core (and its softmax). A causal flash
+forward again; selective recomputation, with a flash kernel, paratrain's policy (the element-wise
+parts; matmul and attention outputs are kept), with materialized scores Megatron's (the attention
+core and its softmax). A causal flash
 kernel skips the masked half of the scores; a kernel that materializes them (Megatron's fused
 softmax) computes all of them.
 
@@ -287,7 +289,12 @@ def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
                 + elementwise.backward)
     if recompute is Recompute.FULL:
         backward += forward
-    elif recompute is Recompute.SELECTIVE:
+    elif recompute is Recompute.SELECTIVE and x.flash:
+        # paratrain's policy (`paratrain.parallel.recompute`): matmul and attention outputs kept, the
+        # element-wise rest (norms, rotary, activations, adds) run again; in eager that is most of a step's
+        # extra time (H200, 1B: +0.033 s of 0.125), compiled it fuses into the backward's kernels
+        backward += elementwise.forward
+    elif recompute is Recompute.SELECTIVE:  # Megatron's, with materialized scores: the attention core again
         backward += attention_seconds(hw, x, 2) + _scores_seconds(hw, x)
     return PassTimes(forward, backward)
 
