@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py                        # H100 / H200: the 1B model, then llama2-7b where it fits
     python benchmarks/bench_gpu.py --budget-s 300         # stop starting rows after 300 s (the rest noted as skipped)
     python benchmarks/bench_gpu.py --device cpu --size tiny --steps 2 --warmup 1 --no-compile   # the dry run
+    python benchmarks/bench_gpu.py --repredict gpu-bench-X.json --profile P.json   # a past run against today's planner
 
 Rows, most important first (a row that is not started within --budget-s is written as skipped):
   1. the 1B model of gpu_check.py (SIZES["1b"], batch 4 x seq 2048, bf16): plain PyTorch compiled (every
@@ -274,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="predict with this hardware profile (paratrain plan --calibrate's) instead of the "
                              "device's preset")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    parser.add_argument("--repredict", metavar="JSON", default=None,
+                        help="run nothing: print a past run's measured rows (its .json) against today's planner "
+                             "on --profile or the device's preset (any machine, no GPU needed)")
     args = parser.parse_args(argv)
     profile = None
     if args.profile:
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         except PlanError as e:
             print(f"bench_gpu: error: {e}", file=sys.stderr)
             return 2
+    if args.repredict:
+        return repredict(Path(args.repredict), profile)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: error: no CUDA device here (use --device cpu --size tiny for the dry run)", file=sys.stderr)
         return 2
@@ -323,6 +329,24 @@ def main(argv: list[str] | None = None) -> int:
     results["total_s"] = time.perf_counter() - begin
     write(results, Path(args.out))
     return 1 if any(r["status"].startswith("error") for r in results["rows"]) else 0
+
+
+def repredict(path: Path, profile) -> int:
+    """A past run's measured rows against the planner as it is now (after a change to the planner)."""
+    past = json.loads(path.read_text())
+    preset = hardware_preset(past["device"])
+    print(f"{path.name} ({past['device']}) against the planner on {profile.name if profile else preset}\n")
+    print("| model | row | step s min / median | predicted | median / predicted |\n| --- | --- | --- | --- | --- |")
+    for r in past["rows"]:
+        if r["status"] != "ok":
+            continue
+        row = Row(r["model"], r["kind"], r["compile"], r["zero"], r["recompute"])
+        cfg = SIZES[r["model_name"]] if r["model"] == "small" else get_model_config(r["model_name"])
+        predicted = predict(cfg, row, r["batch"], r["seq"], preset, profile)["step_s"]
+        s = r["step_s"]
+        print(f"| {r['model_name']} | {row.name} | {s['min']:.3f} / {s['median']:.3f} | {predicted:.3f} | "
+              f"{s['median'] / predicted:.2f} |")
+    return 0
 
 
 def summary(r: dict) -> str:

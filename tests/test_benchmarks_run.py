@@ -81,6 +81,23 @@ def test_bench_gpu_starts_no_row_after_its_budget(tmp_path):
     assert rows and all(r["status"].startswith("skipped: budget spent") for r in rows)
 
 
+def test_bench_gpu_repredicts_a_past_gpu_run_on_its_calibrated_profile():
+    """The H200 run of 2026-11-28 against today's planner on the profile gpu_check calibrated there: the seven
+    1B rows without recomputation within ±10% (the calibration's acceptance); a planner change that breaks
+    that shows here, on any machine."""
+    results = Path(__file__).parent.parent / "benchmarks" / "results"
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_gpu.py"
+    out = subprocess.run([sys.executable, str(script), "--repredict", str(results / "gpu-bench-20261128-040307.json"),
+                          "--profile", str(results / "gpu-check-20261128-035855-profile.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ratios = {line.split(" | ")[1]: float(line.split(" | ")[-1].rstrip(" |"))
+              for line in out.stdout.splitlines() if line.startswith("| 1b |")}
+    plain = {name: ratio for name, ratio in ratios.items() if "recompute" not in name}
+    assert len(ratios) == 15 and len(plain) == 7
+    assert all(0.9 <= ratio <= 1.1 for ratio in plain.values()), plain
+
+
 # What gpu_check.py must check on every GPU machine (paths built and tested without a GPU), by row name.
 GPU_CHECK_ROWS = {
     "ring kernels fp32", "ring kernels bf16", "ring attention cp2", "experts grouped GEMM", "tiny-moe trains",
