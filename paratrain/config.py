@@ -35,9 +35,9 @@ class ConfigError(ParatrainError, ValueError):
     """A configuration value is invalid; the message names the option and the fix."""
 
 
-def option(default: Any, help: str, flag: str | None = None, choices: tuple | None = None):
-    """A config field with its help text (and optionally its CLI flag and allowed values)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+def option(default: Any, help: str, flag: str | None = None, choices: tuple | None = None, repeat: bool = False):
+    """A config field with its help text (and its CLI flag, allowed values, whether repeats join with commas)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "repeat": repeat})
 
 
 @dataclass
@@ -62,7 +62,8 @@ class DataSection:
         "default",
         "corpus: 'default' (this Python's standard-library sources), a text, JSON Lines (.jsonl, .jsonl.gz, "
         ".jsonl.zst) or Parquet file, a directory or glob of them, a saved `datasets` dataset, a directory made "
-        "by `paratrain prepare`, or Megatron's indexed dataset (PREFIX of PREFIX.bin/.idx, with --tokenizer)",
+        "by `paratrain prepare`, or Megatron's indexed dataset (PREFIX of PREFIX.bin/.idx, with --tokenizer); "
+        "or a mixture of them, 'W:SOURCE,W:SOURCE' (e.g. '0.7:web.jsonl.gz,0.3:code/'), W the share of samples",
         flag="--data",
     )
     tokenizer: str = option(
@@ -72,6 +73,8 @@ class DataSection:
     text_key: str = option("text", "the field of a JSON Lines record or Parquet/dataset column holding its text")
     seq_len: int = option(256, "tokens per training sequence")
     eval_fraction: float = option(0.02, "fraction of the token stream held out for evaluation")
+    eval_data: str = option("", "a named held-out set NAME=PATH (any --data source), its loss logged as its own; "
+                                "repeat the option for more", flag="--eval-data", repeat=True)
 
 
 @dataclass
@@ -193,6 +196,8 @@ class CheckpointSection:
                                  "saved under any layout", flag="--resume")
     load_step: int = option(0, "with --resume auto, continue from this step's checkpoint instead of the newest "
                                "(0: the newest); newer checkpoints of the run are set aside", flag="--load-step")
+    reset: str = option("", "with --resume PATH, a new stage from its model and optimizer: 'data' (a new --data), 'lr' "
+                            "(the schedule again over the steps left), 'step' (count from 0), comma-separated")
 
 
 @dataclass
@@ -488,11 +493,3 @@ def resolve_batch(cfg: Config, dp: int) -> None:
         t.global_batch = per_step * max(1, -(-DEFAULT_GLOBAL_BATCH // per_step))
     if t.micro_batch is None:
         t.micro_batch = max(1, t.global_batch // dp)
-
-
-def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:
-    """Return the gradient-accumulation steps, or raise ConfigError saying which divisibility rule fails."""
-    broken = rules.batch_violations(global_batch, micro_batch, dp)
-    if broken:
-        raise ConfigError(broken[0].message)
-    return global_batch // (micro_batch * dp)

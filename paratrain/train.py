@@ -107,23 +107,26 @@ def loop(run: Run) -> tuple[float, float, float]:
             guard.begin_step(step)
             run.comm.reset()
             timer, start = StepTimer(run.comm), time.perf_counter()
-            lr = set_learning_rate(run.optimizer, step, cfg)
+            lr = set_learning_rate(run.optimizer, step, cfg, run.checkpoints.lr_start)
             # The profiler's range and the memory snapshots (--memory-snapshot) cover the step proper.
             with profiler.step(step) as trace, run.snapshots.around_step(step):
                 with timer.phase("data"):
                     maybe_fault("hang_data", run.env.rank, step)  # a rank stuck before its step's first collective
+                    position = run.sampler.samples_consumed  # where this step's global batch starts in the stream
                     batches = next_batches(run)
                 step_fn = faulty(train_step, run.comm, run.env.rank, step)  # train_step itself when no fault is due
                 outcome = step_fn(model, run.optimizer, batches, t.grad_clip, timer=timer, stop=guard.stop_requested,
                                   peak=run.memory, more_counts=load if layers or run.model_cfg.n_experts else None)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
+            record.update(source_record(run, position))
             if trace:  # the last profiled step: where this rank's trace of the range is
                 record["profile_trace"] = trace[0]
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-                eval_loss = evaluate(run)
+                eval_loss, named = evaluate(run)
                 record.update(eval_loss=eval_loss, eval_ppl=perplexity(eval_loss))
+                record.update({"eval_losses": named} if named else {})
             log_step(run, bar, record, write=step % t.log_every == 0 or step == t.steps or "eval_loss" in record)
             if fault_requested("perturb", run.env.rank, step):
                 guard.perturb()
@@ -143,8 +146,9 @@ def log_step(run: Run, bar: tqdm, record: dict, write: bool = True) -> None:
     if run.log and write:
         run.log.write(record)
     if "eval_loss" in record and run.env.is_main:
+        named = "".join(f", {name} {value:.4f}" for name, value in record.get("eval_losses", {}).items())
         bar.write(f"step {record['step']}: train loss {record['loss']:.4f}, eval loss {record['eval_loss']:.4f} "
-                  f"(ppl {record['eval_ppl']:.2f})")
+                  f"(ppl {record['eval_ppl']:.2f}){named}")
     bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", refresh=False)
     bar.update(1)
 
@@ -233,17 +237,35 @@ def moe_record(run: Run, verdict: Verdict) -> dict:
     return {"moe": load} if load is not None else {}
 
 
+def source_record(run: Run, position: int) -> dict:
+    """{"tokens_by_source": {source: tokens}} of the step's global batch for a mixture, {} for one corpus.
+
+    A function of the batch's stream position alone (`paratrain.data.mixture`): the same on every layout.
+    """
+    if not run.data or not run.data.sources:
+        return {}
+    counts = run.sampler.source_counts(position, run.cfg.train.global_batch)
+    return {"tokens_by_source": {name: int(n) * run.cfg.data.seq_len for name, n in zip(run.data.sources, counts)}}
+
+
+def evaluate(run: Run) -> tuple[float, dict[str, float]]:
+    """(the eval loss, {name: loss} of each named held-out set): a mixture's sources' tails (whose loss is their
+    weighted mean) and the --eval-data sets; a single corpus's tail alone gives the eval loss and no names."""
+    losses = {name: eval_loss(run, held) for name, held in run.data.eval_sets.items()}
+    return sum(w * losses[name] for name, w in run.data.weights.items()), {k: v for k, v in losses.items() if k}
+
+
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean token loss over the first eval-batches × global-batch held-out sequences, split across data ranks.
+def eval_loss(run: Run, eval_set) -> float:
+    """Mean token loss over the first eval-batches × global-batch sequences of `eval_set`, split across data ranks.
 
     The sequences do not depend on the layout, so every layout reports the same eval loss.
     """
     model, t, dp, dp_rank = run.model, run.cfg.train, run.mesh.size("dp"), run.mesh.coord("dp")
     model.eval()
-    count = min(len(run.eval_set), t.eval_batches * t.global_batch)
+    count = min(len(eval_set), t.eval_batches * t.global_batch)
     totals = torch.zeros(2, device=run.device)
-    for inputs, labels in eval_batches(run.eval_set, count, dp, dp_rank, t.micro_batch):
+    for inputs, labels in eval_batches(eval_set, count, dp, dp_rank, t.micro_batch):
         totals[0] += model.eval_loss_sum(inputs, labels)
         totals[1] += (labels != IGNORE_INDEX).sum()
     model.train()
@@ -307,17 +329,19 @@ def build_model(model_cfg: ModelConfig, device: torch.device, seed: int):
     return model
 
 
-def learning_rate(step: int, cfg: Config) -> float:
-    """Linear warmup to lr over warmup_steps, then cosine decay to min_lr at the last step."""
+def learning_rate(step: int, cfg: Config, start: int = 0) -> float:
+    """Linear warmup to lr over warmup_steps, then cosine decay to min_lr at the last step; the schedule begins
+    at step `start` (a stage's --reset lr: warmup and decay again over the steps left)."""
     t = cfg.train
+    step, steps = step - start, t.steps - start
     if step <= t.warmup_steps:
         return t.lr * step / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    progress = (step - t.warmup_steps) / max(1, steps - t.warmup_steps)
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, cfg: Config) -> float:
-    lr = learning_rate(step, cfg)
+def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, cfg: Config, start: int = 0) -> float:
+    lr = learning_rate(step, cfg, start)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from paratrain.cli import build_parser, config_from_args
-from paratrain.config import Config, ConfigError, check_batch, iter_options, validate
+from paratrain.config import Config, ConfigError, iter_options, validate
+from paratrain.parallel.rules import batch_violations
 
 
 def parse(*argv):
@@ -124,9 +125,7 @@ def test_validation_messages(argv, message):
 
 
 def test_batch_divisibility_suggests_valid_choices():
-    assert check_batch(32, 4, 2) == 4
-    with pytest.raises(ConfigError) as e:
-        check_batch(30, 4, 2)
-    text = str(e.value)
+    assert batch_violations(32, 4, 2) == []
+    text = batch_violations(30, 4, 2)[0].message
     assert "--global-batch 24 or --global-batch 32" in text
     assert "--micro-batch in [1, 3, 5, 15]" in text

@@ -37,8 +37,18 @@ def add_config_options(parser, keys: Iterable[str] | None = None, *, aliases: Ma
         spellings = (flag, *aliases.get(key, ()))
         if isinstance(f.default, bool):
             target.add_argument(*spellings, action=argparse.BooleanOptionalAction, **kwargs)
+        elif f.metadata.get("repeat"):
+            target.add_argument(*spellings, metavar=f.name.upper(), action=_Joined, **kwargs)
         else:
             target.add_argument(*spellings, metavar=f.name.upper(), **kwargs)
+
+
+class _Joined(argparse.Action):
+    """A repeatable option: each use adds its value to the ones before, comma-separated."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if not isinstance(before, str) or not before else f"{before},{values}")
 
 
 def _help(f, key: str, defaults: Mapping[str, Any], notes: Mapping[str, str]) -> str:

@@ -96,6 +96,9 @@ class DataSampler:
         A different ``global_batch`` is accepted: the next step starts at the
         saved sample position. A different dataset, seed or shuffle is not.
         """
+        if "sizes" in state:
+            raise DataError("the checkpoint's data stream is a mixture, this run's a single corpus; resume with the "
+                            "same --data, or start a new stage on this data with --reset data")
         for key in ("epoch", "position", "seed", "num_samples"):
             if key not in state:
                 raise DataError(f"sampler state lacks {key!r}; pass a dict from DataSampler.state_dict()")
@@ -104,8 +107,9 @@ class DataSampler:
                           ("shuffle", int(self.shuffle))):
             theirs = state.get(key, mine)
             if theirs != mine:
-                raise DataError(f"sampler state has {key}={theirs} but this run has {key}={mine}; "
-                                f"resume with the same {key} (same data and seq_len for num_samples)")
+                raise DataError(f"sampler state has {key}={theirs} but this run has {key}={mine}; resume with the "
+                                f"same {key} (same data and seq_len for num_samples), or start a new stage on "
+                                f"other data with --reset data")
         if state["position"] >= self.num_samples:
             raise DataError(f"sampler state position={state['position']} must be below "
                             f"num_samples={self.num_samples}")

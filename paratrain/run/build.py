@@ -23,7 +23,8 @@ import torch.distributed as dist
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
 from paratrain.config import Config, ConfigError, check_layout, check_values
-from paratrain.data import DataSampler, build_dataset
+from paratrain.data import DataSampler
+from paratrain.data.mixture import MixtureSampler, TrainingData, load_training_data, parse_mixture
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
@@ -76,6 +77,8 @@ class Run:
     comm: Comm = None
     # --memory-snapshot: CUDA's allocator history from before the model is built (`paratrain.run.profiling`).
     snapshots: MemorySnapshots = None
+    # Every held-out set by name and a mixture's sources (`paratrain.data.mixture.TrainingData`).
+    data: TrainingData = None
 
     def __post_init__(self):
         self.memory = self.memory or ProcessPeak(self.mesh.device)
@@ -120,13 +123,18 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     check_free_memory(cfg, resolve_model_config(cfg, tokenizer_vocab=0), mesh)
     out = prepare_run_dir(cfg, env)
     snapshots = MemorySnapshots(cfg.logging.memory_snapshot, out, env.rank, mesh.device, say_once=env.is_main)
-    train_set, eval_set, tokenizer = load_data(cfg, env, out)
+    data = load_data(cfg, env, out)
+    train_set, eval_set, tokenizer = data.train, next(iter(data.held_out.values())), data.tokenizer
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
     comm = Comm(mesh)
     model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
     dp = mesh.size("dp")
     accumulation = layout.accumulation
-    sampler = DataSampler(len(train_set), t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
+    if data.sources:  # a mixture: each position's source a function of the position (`paratrain.data.mixture`)
+        sampler = MixtureSampler([len(d) for d in train_set.datasets], list(data.weights.values()), t.global_batch,
+                                 mesh.coord("dp"), dp, seed=t.seed)
+    else:
+        sampler = DataSampler(len(train_set), t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
     guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
                                       extra_state={"model_config": dataclasses.asdict(model_cfg)})
@@ -138,7 +146,7 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
         if env.is_main else None
     run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
               checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device),
-              comm=comm, snapshots=snapshots)
+              comm=comm, snapshots=snapshots, data=data)
     if env.is_main:
         print(describe(run), flush=True)
     return run
@@ -249,8 +257,8 @@ def barrier() -> None:
 
 # -- data and model config ------------------------------------------------------------------------------
 
-def load_data(cfg: Config, env: DistEnv, out: Path):
-    """Train and held-out datasets and the tokenizer.
+def load_data(cfg: Config, env: DistEnv, out: Path) -> TrainingData:
+    """Train and held-out datasets (of a mixture's every source, and --eval-data's) and the tokenizer.
 
     A tokenizer trained here (bpe:N) is trained once, by rank 0, into the run's
     cache; the other ranks then memory-map what it wrote.
@@ -261,8 +269,8 @@ def load_data(cfg: Config, env: DistEnv, out: Path):
     progress = cfg.run.progress and env.is_main
 
     def load():
-        return build_dataset(d.path, spec, d.seq_len, cache, eval_fraction=d.eval_fraction, progress=progress,
-                             text_key=d.text_key)
+        return load_training_data(d.path, d.eval_data, spec, d.seq_len, cache, eval_fraction=d.eval_fraction,
+                                  progress=progress, text_key=d.text_key)
 
     if cache is None:
         return load()
@@ -314,7 +322,8 @@ def tokenizer_spec(cfg: Config) -> str:
     d, init_from = cfg.data, cfg.model.init_from
     if d.tokenizer != "auto":
         return d.tokenizer
-    if d.path != "default" and is_prepared_dir(d.path):
+    paths = [s.path for s in parse_mixture(d.path) or ()] or [d.path]
+    if d.path != "default" and all(is_prepared_dir(p) for p in paths):
         return "auto"
     if init_from and any((Path(init_from) / name).is_file() for name in ("tokenizer.json", "byte_tokenizer.json")):
         return init_from

@@ -48,6 +48,7 @@ from paratrain.config import Config, ConfigError
 from paratrain.faults import checkpoint_events, current_attempt
 
 _SHARED_KEYS = ("step", "tokens_seen", "sampler", "scaler", "guard", "layout")
+RESETS = ("data", "lr", "step")  # what a new stage (--resume PATH --reset ...) starts afresh
 
 
 class TrainingCheckpoints:
@@ -59,6 +60,7 @@ class TrainingCheckpoints:
         self.extra_state = dict(extra_state or {})  # more shared state (the resolved model config)
         self.model, self.optimizer, self.sampler, self.guard = model, optimizer, sampler, guard
         self.mesh = model.mesh
+        self.lr_start = 0  # the step the learning-rate schedule started at (a stage's --reset lr moves it)
         self.root = self.out / CHECKPOINT_DIR
         self.coordinator = self._coordinator()
         self.run_id = self.coordinator.broadcast_object(read_run_id(self.out) if rank == 0 else None)
@@ -77,7 +79,12 @@ class TrainingCheckpoints:
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> tuple[int, int]:
-        """Load the checkpoint this launch continues from, if any; return (step, tokens seen) to start after."""
+        """Load the checkpoint this launch continues from, if any; return (step, tokens seen) to start after.
+
+        A new stage (--resume PATH --reset ...; not a restart, which continues the stage from the run's own
+        checkpoints) keeps the model and optimizer and starts afresh what --reset names: the data stream
+        ('data'), the learning-rate schedule from this step ('lr'), the step count and the schedule ('step').
+        """
         decision = self.coordinator.broadcast_object(self._decide() if self.rank == 0 else None)
         if "error" in decision:
             raise CheckpointError(decision["error"])
@@ -92,17 +99,25 @@ class TrainingCheckpoints:
             raise CheckpointError(f"{reader.path} was not saved by `paratrain train`: its shared state lacks "
                                   f"{', '.join(missing)}")
         load_model_shards(self.model, self.optimizer, reader)
-        self.sampler.load_state_dict(shared["sampler"])
+        stage = decision.get("reset", [])
+        if "data" not in stage:
+            self.sampler.load_state_dict(shared["sampler"])
         self.model.load_loss_scale_state(shared["scaler"])
         self.guard.load_state_dict(shared["guard"])
         restored = self._restore_rng(reader, shared["layout"])
+        step, tokens_seen, self.lr_start = reader.step, int(shared["tokens_seen"]), int(shared.get("lr_start", 0))
+        if "step" in stage:
+            step, tokens_seen, self.lr_start = 0, 0, 0
+        elif "lr" in stage:
+            self.lr_start = step
         if self.rank == 0:
-            dropped = truncate_metrics(self.out, reader.step)
+            new_stage = f"; a new stage, {' and '.join(stage)} started afresh" if stage else ""
+            dropped = truncate_metrics(self.out, step)
             rng = "" if restored else "; RNG states not restored (the layout changed; training draws no random numbers)"
             self.log(f"paratrain: resumed from {reader.path} at step {reader.step}"
                      f"{f' ({dropped} metrics record(s) after it dropped)' if dropped else ''}"
-                     f"{self._layout_change(shared['layout'])}{rng}")
-        return reader.step, int(shared["tokens_seen"])
+                     f"{self._layout_change(shared['layout'])}{rng}{new_stage}")
+        return step, tokens_seen
 
     def _decide(self) -> dict:
         """Rank 0: {"path": checkpoint to resume}, {} to start afresh, or {"error": message}."""
@@ -118,7 +133,11 @@ class TrainingCheckpoints:
                 self.log(f"paratrain: set aside checkpoint(s) newer than step {step}: {', '.join(aside)}")
         except (CheckpointError, OSError) as exc:  # every rank must hear it, or they wait in vain
             return {"error": str(exc)}
-        return {"path": str(path)} if path is not None else {}
+        if path is None:
+            return {}
+        c = self.cfg.checkpoint  # a new stage starts from the --resume checkpoint; a restart continues the stage
+        stage = c.reset and c.resume not in ("auto", "none") and Path(path).resolve() == Path(c.resume).resolve()
+        return {"path": str(path), "reset": reset_parts(c.reset) if stage else []}
 
     def _pick(self) -> Path | None:
         c = self.cfg.checkpoint
@@ -184,7 +203,8 @@ class TrainingCheckpoints:
         shards = model_shards(self.model, self.optimizer)
         shared = {"step": step, "tokens_seen": tokens_seen, "run_id": self.run_id, "config": self.cfg.to_dict(),
                   "layout": self.layout(), "scaler": self.model.loss_scale_state(),
-                  "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), **self.extra_state}
+                  "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), "lr_start": self.lr_start,
+                  **self.extra_state}
         rank_state = {"rng": rng_state()}
         if self.saver is not None:
             self.saver.save(step, shards, rank_state, shared)
@@ -264,6 +284,19 @@ def check_resume_option(cfg: Config) -> None:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none"):
         verify_checkpoint(resume, checksums=False)
+    if cfg.checkpoint.reset and resume in ("auto", "none"):
+        raise ConfigError(f"--reset {cfg.checkpoint.reset} starts a new stage from a checkpoint: give it as --resume "
+                          f"PATH (a step-* directory of the earlier run)")
+    reset_parts(cfg.checkpoint.reset)
+
+
+def reset_parts(reset: str) -> list[str]:
+    """The parts of --reset, each one of `RESETS` (ConfigError otherwise)."""
+    parts = [part.strip() for part in reset.split(",") if part.strip()]
+    unknown = [part for part in parts if part not in RESETS]
+    if unknown:
+        raise ConfigError(f"--reset {reset}: {unknown[0]!r} is not one of {', '.join(RESETS)}")
+    return parts
 
 
 def explain_layout_error(cfg: Config, error: Exception) -> Exception:

@@ -6,7 +6,8 @@ attempt). Each option is checked for what the run will do with it:
 
 * ``--out``: a directory, or nothing yet, below a directory this process can write in;
 * ``--data``: files that exist and can be read, holding at least the tokens that one training
-  and one evaluation sequence need;
+  and one evaluation sequence need (each source of a mixture, whose weights must be positive);
+* ``--eval-data``: NAME=PATH entries whose files exist and hold one sequence;
 * ``--tokenizer`` (or the tokenizer of ``--init-from``): a tokenizer file that loads.
 
 ``--config``, ``--resume`` and ``--init-from`` are checked where they are read
@@ -23,6 +24,7 @@ from pathlib import Path
 from paratrain.config import Config, ConfigError
 from paratrain.data.corpus import resolve_text_files
 from paratrain.data.megatron import megatron_prefix
+from paratrain.data.mixture import parse_eval_data, parse_mixture
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.data.tokenizer import load_tokenizer
 
@@ -30,7 +32,13 @@ from paratrain.data.tokenizer import load_tokenizer
 def check_paths(cfg: Config, tokenizer_spec: str) -> None:
     """Raise ConfigError (or the data pipeline's DataError) for a path option the run cannot use."""
     check_out_dir(cfg.run.out)
-    check_corpus(cfg.data.path, cfg.data.seq_len)
+    d = cfg.data
+    for source in parse_mixture(d.path) or ():  # the mixture's own syntax and weights first
+        check_corpus(source.path, d.seq_len, flag=f"--data {d.path!r}: source")
+    if parse_mixture(d.path) is None:
+        check_corpus(d.path, d.seq_len)
+    for name, path in parse_eval_data(d.eval_data):
+        check_corpus(path, d.seq_len, flag=f"--eval-data {name}=", held_out=True)
     check_tokenizer(tokenizer_spec)
 
 
@@ -58,23 +66,25 @@ def _probe_writable(directory: Path, out: str) -> None:
     os.unlink(name)
 
 
-def check_corpus(data: str, seq_len: int) -> None:
-    """The corpus files of --data exist, can be read, and can hold one training and one evaluation sequence."""
+def check_corpus(data: str, seq_len: int, flag: str = "--data ", held_out: bool = False) -> None:
+    """The corpus files of --data exist, can be read, and can hold one training and one evaluation sequence (a
+    held-out set: one sequence). `flag` starts each message."""
     # the standard library; a prepared corpus or Megatron's indexed dataset: their tokens are checked as they load
     if data == "default" or is_prepared_dir(data) or megatron_prefix(data):
         return
     files = resolve_text_files(data)
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
-        raise ConfigError(f"--data {data}: cannot read {unreadable[0]} (permission denied)")
+        raise ConfigError(f"{flag}{data}: cannot read {unreadable[0]} (permission denied)")
     size = sum(f.stat().st_size for f in files)
     # At most 3 tokens per byte (an undecodable byte becomes U+FFFD, 3 bytes of UTF-8), plus the
     # end-of-document token after each file: a bound no tokenizer exceeds.
-    most, need = 3 * size + len(files), 2 * (seq_len + 1)
+    most, need = 3 * size + len(files), (1 if held_out else 2) * (seq_len + 1)
     if most < need:
         what = "is empty" if size == 0 else f"holds {size} bytes"
-        raise ConfigError(f"--data {data} {what} ({len(files)} file(s)): one training and one evaluation sequence "
-                          f"of --seq-len {seq_len} need {need} tokens; add text or lower --seq-len")
+        needs = "one sequence" if held_out else "one training and one evaluation sequence"
+        raise ConfigError(f"{flag}{data} {what} ({len(files)} file(s)): {needs} of --seq-len {seq_len} need {need} "
+                          f"tokens; add text or lower --seq-len")
 
 
 def check_tokenizer(spec: str) -> None:

@@ -42,6 +42,10 @@ class SampleRecorder:
         _keep_until(path, resumed_step)
         self._file = open(path, "a", encoding="utf-8")
 
+    def __getattr__(self, name: str):
+        """Everything else (the stream position, a mixture's source counts) is the sampler's."""
+        return getattr(self.sampler, name)
+
     def next_batch(self) -> list[int]:
         """The sampler's next batch for this rank, recorded (flushed: a killed rank loses no line it read)."""
         ids = self.sampler.next_batch()
