@@ -75,6 +75,8 @@ class DataSection:
     eval_fraction: float = option(0.02, "fraction of the token stream held out for evaluation")
     eval_data: str = option("", "a named held-out set NAME=PATH (any --data source), its loss logged as its own; "
                                 "repeat the option for more", flag="--eval-data", repeat=True)
+    document_mask: bool = option(False, "attention stays within each document of a packed sequence and positions "
+                                        "restart per document (at each end-of-text token; not with --pp or --cp)")
 
 
 @dataclass

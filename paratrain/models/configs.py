@@ -43,6 +43,9 @@ class ModelConfig:
         shared_expert: one always-on SwiGLU expert added to the routed output of each block.
         aux_loss_coef: coefficient of the load-balancing loss E·Σ_e f_e·P_e (Switch; 1 when balanced).
         z_loss_coef: coefficient of the router z-loss, the mean of logsumexp(router logits)².
+        document_eos: None, or the token id that ends each document of a packed sequence: attention then
+            stays within documents and positions restart at each (`--document-mask`; not an architecture
+            change: the weights are those of a model without it).
     """
 
     vocab_size: int
@@ -66,6 +69,7 @@ class ModelConfig:
     shared_expert: bool = False
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    document_eos: int | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:

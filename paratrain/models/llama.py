@@ -51,7 +51,8 @@ def rotary_tables(
     seq_len: int, head_dim: int, theta: float, device, dtype, positions: torch.Tensor | None = None,
     scaling: ModelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [S, E] for positions 0..seq_len-1 (or `positions` [S]), in the rotate-half layout;
+    """cos and sin tables [S, E] for positions 0..seq_len-1 (or `positions` [S], or [B, S] giving [B, S, E]), in
+    the rotate-half layout;
     `scaling`: the config whose rope_scaling (Llama 3.1's) rescales the frequencies.
 
     Computed in fp32 with the same operations as Hugging Face's Llama, so exported
@@ -62,7 +63,7 @@ def rotary_tables(
         inv_freq = llama3_scaled(inv_freq, scaling)
     if positions is None:
         positions = torch.arange(seq_len, device=device)
-    freqs = positions.to(device=device, dtype=torch.float)[:, None] * inv_freq
+    freqs = positions.to(device=device, dtype=torch.float)[..., None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -85,7 +86,25 @@ def apply_rotary(x_BSHE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tenso
     """Rotate each (i, i + E/2) pair of every head by its position's angle."""
     x1, x2 = x_BSHE.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return x_BSHE * cos_SE[:, None, :] + rotated * sin_SE[:, None, :]
+    # [S, E] tables, or [B, S, E] per sequence (documents): either way one angle for every head
+    return x_BSHE * cos_SE.unsqueeze(-2) + rotated * sin_SE.unsqueeze(-2)
+
+
+def document_layout(tokens_BS: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [B, S], attention mask [B, 1, S, S]) of packed documents, each ending with token `eos`.
+
+    A document starts at a sequence's first token and after each `eos` (which belongs to the document it
+    ends); positions count from 0 in each, and a query attends to the keys of its own document up to
+    itself: what running each document as its own sequence computes.
+    """
+    b, s = tokens_BS.shape
+    index = torch.arange(s, device=tokens_BS.device)
+    ends = tokens_BS == eos
+    starts = torch.cat((torch.ones_like(ends[:, :1]), ends[:, :-1]), dim=1)
+    positions = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+    document = torch.cumsum(starts, dim=1)
+    same = document[:, :, None] == document[:, None, :]
+    return positions, (same & (index[:, None] >= index[None, :]))[:, None]
 
 
 class Attention(nn.Module):
@@ -100,7 +119,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, config.dim, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` [B, 1, S, S]: which keys each query may attend to (`document_layout`); None: causal."""
         b, s, _ = x_BSD.shape
         q_BSHE = apply_rotary(self.wq(x_BSD).view(b, s, -1, self.head_dim), cos_SE, sin_SE)
         k_BSKE = apply_rotary(self.wk(x_BSD).view(b, s, -1, self.head_dim), cos_SE, sin_SE)
@@ -112,10 +133,11 @@ class Attention(nn.Module):
         if q_BHSE.is_cuda or group == 1:
             # SDPA's enable_gqa reads each kv head for its group of q heads (the grouping of
             # repeat_interleave on dim 1) in its fused kernels, without materializing K and V repeated.
-            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, is_causal=True, enable_gqa=group > 1)
+            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None,
+                                                      enable_gqa=group > 1)
         else:  # the CPU's fused kernel does not take GQA (enable_gqa falls back to the unfused math)
             k_BHSE, v_BHSE = (t.repeat_interleave(group, dim=1) for t in (k_BKSE, v_BKSE))
-            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, is_causal=True)
+            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, attn_mask=mask, is_causal=mask is None)
         return self.wo(out_BHSE.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -150,8 +172,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config) if not config.is_moe else moe_feed_forward(config)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SE, sin_SE)
+    def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SE, sin_SE, mask)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
 
@@ -177,8 +200,14 @@ class Transformer(nn.Module):
 
         A pipeline stage without `tok_embeddings` takes hidden states [B, S, D] instead,
         and one without `output` returns hidden states. `positions` [S]: each token's position
-        in its sequence (None: 0..S-1); context parallelism gives a rank's chunks of a sequence.
+        in its sequence (None: 0..S-1); context parallelism gives a rank's chunks of a sequence. With
+        `config.document_eos` the documents packed in each sequence are kept apart (`document_layout`).
         """
+        mask = None
+        if self.config.document_eos is not None:
+            if self.tok_embeddings is None:  # a later pipeline stage sees hidden states, not the documents
+                raise ValueError("document masking needs the token ids: it runs on the first pipeline stage only")
+            positions, mask = document_layout(tokens, self.config.document_eos)
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Recomputed each call (S·E/2 products): a cached buffer would hold garbage after
         # meta construction + to_empty, and wrappers would have one more tensor to broadcast.
@@ -186,7 +215,7 @@ class Transformer(nn.Module):
             h_BSD.shape[1], self.head_dim, self.config.rope_theta, h_BSD.device, h_BSD.dtype, positions, self.config
         )
         for layer in self.layers.values():
-            h_BSD = layer(h_BSD, cos_SE, sin_SE)
+            h_BSD = layer(h_BSD, cos_SE, sin_SE) if mask is None else layer(h_BSD, cos_SE, sin_SE, mask)
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
 

@@ -106,6 +106,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
+    if cfg.data.document_mask and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
+                          f"the context-parallel ring do not see the documents yet; drop one of them")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
     check_clients(tracker_names(cfg))  # a tracker whose client is missing refuses the run now, not after the build
@@ -126,6 +129,8 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     data = load_data(cfg, env, out)
     train_set, eval_set, tokenizer = data.train, next(iter(data.held_out.values())), data.tokenizer
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
+    if cfg.data.document_mask:  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
+        model_cfg = dataclasses.replace(model_cfg, document_eos=tokenizer.eos_id)
     comm = Comm(mesh)
     model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
     dp = mesh.size("dp")
