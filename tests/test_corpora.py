@@ -41,6 +41,39 @@ def _check(out: Path, texts, text_key="text"):
         assert tokenizer.decode(tokens[starts[i]:starts[i + 1] - 1]) == texts[i]
 
 
+def _word_tokenizer(path: Path, template: tuple[str, str] | None) -> Path:
+    """A word-level tokenizer.json with <s> and </s>, and a post-processor of `template` (single, pair) or none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = sorted({w for t in TEXTS for w in t.split()} | {"document"})
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if template:
+        tokenizer.post_processor = processors.TemplateProcessing(single=template[0], pair=template[1],
+                                                                 special_tokens=[("<s>", 1), ("</s>", 2)])
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("template, before, after", [
+    (("<s> $A", "<s> $A <s> $B"), [1], [2]),  # Llama 3's: begin-of-text before each document; eos added after
+    (("<s> $A </s>", "<s> $A </s> $B </s>"), [1], [2]),  # the template's own eos, not doubled
+    (None, [], [2]),  # no post-processor: eos after each document, as paratrain's own BPE
+])
+def test_documents_are_delimited_as_the_tokenizers_template_says(tmp_path, template, before, after):
+    spec = _word_tokenizer(tmp_path / "tokenizer.json", template)
+    texts = TEXTS[:20]
+    out = prepare_corpus(_write_jsonl(tmp_path / "c.jsonl", texts), tmp_path / "out", str(spec), progress=False)
+    tokens, meta, _ = open_prepared(out)
+    starts = np.fromfile(out / "documents.bin", dtype="<i8")
+    for i, text in enumerate(texts):
+        document = tokens[starts[i]:starts[i + 1]].tolist()
+        assert document[:len(before)] == before and document[len(document) - len(after):] == after
+        assert len(document) == len(before) + len(text.split()) + len(after)
+    assert meta["num_tokens"] == sum(len(t.split()) for t in texts) + len(texts) * (len(before) + len(after))
+
+
 def test_gzipped_jsonl_with_extra_fields(tmp_path):
     source = _write_jsonl(tmp_path / "part-0.jsonl.gz", TEXTS, opener=gzip.open)
     _check(prepare_corpus(str(source), tmp_path / "out", "byte", progress=False), TEXTS)

@@ -3,7 +3,8 @@
 A prepared directory holds
 
 - ``tokens.bin``: the token stream as raw little-endian uint16 (vocabularies
-  up to 65,536) or uint32, every document followed by eos;
+  up to 65,536) or uint32, every document between what the tokenizer's template puts around one
+  (Llama 3's begin-of-text before it) and followed by eos;
 - ``documents.bin``: where each document starts in it (little-endian int64),
   and one more entry, the number of tokens;
 - ``meta.json``: dtype, numbers of tokens and documents, tokenizer, source,
@@ -57,17 +58,28 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], dtype: np.dtype,
                      workers: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(tokens, tokens per document) of consecutive batches of ``texts``, each text followed by eos; with
-    ``workers`` > 1 the batches are encoded by that many processes, and come back in order."""
+    """(tokens, tokens per document) of consecutive batches of ``texts``, each text between what the tokenizer's
+    template puts around a document and followed by eos (`document_affixes`); with ``workers`` > 1 the batches
+    are encoded by that many processes, and come back in order."""
+    affixes = document_affixes(tokenizer, dtype)
+    if workers <= 1:
+        for batch in _text_batches(texts):
+            yield _encode_batch(tokenizer, batch, affixes)
+        return
+    yield from _encode_in_workers(tokenizer, _text_batches(texts), affixes, workers)
+
+
+def document_affixes(tokenizer: Tokenizer, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(before, after) each document: the tokenizer's template (BOS for Llama 3), and eos after the document
+    unless the template already ends with it: every document of a stream ends with eos, where
+    --document-mask and the document index find its end."""
     if tokenizer.eos_id is None:
         raise DataError(f"tokenizer {tokenizer.spec} has no end-of-text token (looked for </s>, <|endoftext|>, "
                         "<|end_of_text|>, <|eos|>); add one to its tokenizer.json")
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
-    if workers <= 1:
-        for batch in _text_batches(texts):
-            yield _encode_batch(tokenizer, batch, eos)
-        return
-    yield from _encode_in_workers(tokenizer, _text_batches(texts), eos, workers)
+    after = tuple(tokenizer.document_suffix)
+    if not after or after[-1] != tokenizer.eos_id:
+        after += (tokenizer.eos_id,)
+    return np.asarray(tokenizer.document_prefix, dtype=dtype), np.asarray(after, dtype=dtype)
 
 
 def _text_batches(texts: Iterable[str]) -> Iterator[list[str]]:
@@ -84,13 +96,14 @@ def _text_batches(texts: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str], eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str],
+                  affixes: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    before, after = affixes
     parts, lengths = [], []
     for ids in tokenizer.encode_batch(texts):
-        parts.append(ids)
-        parts.append(eos)
-        lengths.append(len(ids) + 1)
-    return np.concatenate(parts).astype(eos.dtype, copy=False), np.asarray(lengths, dtype=np.int64)
+        parts += [before, ids, after]
+        lengths.append(len(before) + len(ids) + len(after))
+    return np.concatenate(parts).astype(after.dtype, copy=False), np.asarray(lengths, dtype=np.int64)
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -101,11 +114,11 @@ def _worker_start(tokenizer: Tokenizer) -> None:
     _WORKER_TOKENIZER = tokenizer
 
 
-def _worker_encode(batch: list[str], eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return _encode_batch(_WORKER_TOKENIZER, batch, eos)
+def _worker_encode(batch: list[str], affixes: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode_batch(_WORKER_TOKENIZER, batch, affixes)
 
 
-def _encode_in_workers(tokenizer: Tokenizer, batches: Iterator[list[str]], eos: np.ndarray,
+def _encode_in_workers(tokenizer: Tokenizer, batches: Iterator[list[str]], affixes: tuple[np.ndarray, np.ndarray],
                        workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The batches encoded by `workers` spawned processes (a fork after the tokenizer's own threads ran can
     deadlock), at most two batches per worker in flight, so memory stays bounded; results in input order, so the
@@ -120,7 +133,7 @@ def _encode_in_workers(tokenizer: Tokenizer, batches: Iterator[list[str]], eos: 
     try:
         pending: collections.deque = collections.deque()
         for batch in batches:
-            pending.append(pool.submit(_worker_encode, batch, eos))
+            pending.append(pool.submit(_worker_encode, batch, affixes))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
@@ -185,6 +198,7 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
             "format": FORMAT, "version": FORMAT_VERSION,
             "dtype": token_dtype(tokenizer.vocab_size).name, "num_tokens": num_tokens,
             "num_documents": num_documents, "documents_file": DOCUMENTS_FILE, "eos_id": tokenizer.eos_id,
+            "document_template": [list(tokenizer.document_prefix), list(tokenizer.document_suffix)],
             "tokenizer_spec": tokenizer_spec, "tokenizer": tokenizer.spec,
             "tokenizer_file": tokenizer.save(tmp).name, "source": source, "text_key": text_key,
         }

@@ -41,6 +41,9 @@ class Tokenizer(Protocol):
     bos_id: int | None
     eos_id: int | None
     pad_id: int | None
+    # What the tokenizer puts around one document (its post-processor's template: BOS, sometimes EOS)
+    document_prefix: tuple[int, ...]
+    document_suffix: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -62,6 +65,8 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
     pad_id = 258
+    document_prefix: tuple[int, ...] = ()  # documents are separated by eos alone (`paratrain.data.prepare`)
+    document_suffix: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         """Ids of the UTF-8 bytes of ``text`` (unencodable surrogates become '?')."""
@@ -94,8 +99,9 @@ class ByteTokenizer:
 class BPETokenizer:
     """A Hugging Face ``tokenizers.Tokenizer`` behind the ``Tokenizer`` protocol.
 
-    Special tokens are never added by ``encode`` (the dataset places eos
-    itself), whatever post-processor the wrapped file defines.
+    Special tokens are never added by ``encode``; the dataset places them around each document as
+    the file's post-processor defines (`document_prefix`, `document_suffix`: Llama 3's
+    ``<|begin_of_text|>`` before each document, say), and eos after it.
     """
 
     name = "bpe"
@@ -115,6 +121,7 @@ class BPETokenizer:
         self.bos_id = _find_token(backend, _BOS_NAMES)
         self.eos_id = _find_token(backend, _EOS_NAMES)
         self.pad_id = _find_token(backend, _PAD_NAMES)
+        self.document_prefix, self.document_suffix = _template_affixes(backend)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
@@ -179,6 +186,18 @@ class BPETokenizer:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path))
         return path
+
+
+def _template_affixes(backend: HFTokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids the post-processor adds before and after one sequence (none without a post-processor)."""
+    if backend.post_processor is None:
+        return (), ()
+    bare = backend.encode("document", add_special_tokens=False).ids
+    full = backend.encode("document", add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return tuple(full[:start]), tuple(full[start + len(bare):])
+    return (), ()  # a post-processor that rewrites the text's own ids: leave it out
 
 
 def _find_token(backend: HFTokenizer, names: Sequence[str]) -> int | None:
