@@ -74,6 +74,43 @@ def test_documents_are_delimited_as_the_tokenizers_template_says(tmp_path, templ
     assert meta["num_tokens"] == sum(len(t.split()) for t in texts) + len(texts) * (len(before) + len(after))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_interrupted_prepare_continues_after_its_finished_files(tmp_path, capsys, monkeypatch, workers):
+    """A bad record in the third of four files stops prepare; the files before it stay finished in .out.partial
+    (nothing that looks done), and the rerun after the fix reads only from the third file on, to the same bytes
+    as a prepare that never stopped."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    parts = [TEXTS[i::4] for i in range(4)]
+    for i, part in enumerate(parts):
+        _write_jsonl(corpus / f"part-{i}.jsonl", part)
+    clean = prepare_corpus(corpus, tmp_path / "clean", "byte", progress=False, workers=workers)
+    monkeypatch.setattr("paratrain.data.prepare._CHUNK_CHARS", 256)  # batches of a few records, as a large corpus
+    good = (corpus / "part-2.jsonl").read_text()
+    (corpus / "part-2.jsonl").write_text(good + "{not json\n")
+    with pytest.raises(DataError, match="part-2.jsonl"):
+        prepare_corpus(corpus, tmp_path / "out", "byte", progress=False, workers=workers)
+    partial = tmp_path / ".out.partial"
+    assert not (tmp_path / "out").exists() and not (partial / "meta.json").exists()
+    assert json.loads((partial / "progress.json").read_text())["files_done"] == 2
+    (corpus / "part-2.jsonl").write_text(good)
+    capsys.readouterr()
+    prepare_corpus(corpus, tmp_path / "out", "byte", progress=False, workers=workers)
+    assert "continuing after 2 of 4 finished file(s)" in capsys.readouterr().err
+    for name in ("tokens.bin", "documents.bin"):
+        assert (tmp_path / "out" / name).read_bytes() == (clean / name).read_bytes()
+    assert not partial.exists()
+    (corpus / "part-0.jsonl").write_text(good)  # a finished file changed since: start over, not continue
+    (corpus / "part-3.jsonl").write_text("{not json\n")
+    with pytest.raises(DataError):
+        prepare_corpus(corpus, tmp_path / "again", "byte", progress=False, workers=workers)
+    _write_jsonl(corpus / "part-0.jsonl", parts[2])
+    _write_jsonl(corpus / "part-3.jsonl", parts[3])
+    capsys.readouterr()
+    prepare_corpus(corpus, tmp_path / "again", "byte", progress=False, workers=workers)
+    assert "continuing" not in capsys.readouterr().err
+
+
 def test_gzipped_jsonl_with_extra_fields(tmp_path):
     source = _write_jsonl(tmp_path / "part-0.jsonl.gz", TEXTS, opener=gzip.open)
     _check(prepare_corpus(str(source), tmp_path / "out", "byte", progress=False), TEXTS)

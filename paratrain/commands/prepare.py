@@ -7,7 +7,8 @@ def add_parser(subparsers):
     parser = subparsers.add_parser("prepare", help="tokenize a corpus into token files", description=(
         "Tokenize a corpus once into a memory-mapped token file (tokens.bin, documents.bin: where each document "
         "starts, meta.json), streaming, in bounded memory, for corpora larger than memory. Train on it with "
-        "`paratrain train --data DIR`."))
+        "`paratrain train --data DIR`. Interrupted, it leaves .OUT.partial, from which the same command continues "
+        "after the last finished input file."))
     parser.add_argument("--data", default="default",
                         help="'default' (stdlib sources), a text, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet "
                              "file, a directory or glob of them, or a dataset saved with `datasets`' save_to_disk")

@@ -25,6 +25,7 @@ from paratrain.errors import DataError
 from paratrain.data.corpus import corpus_files
 from paratrain.data.megatron import megatron_prefix, open_megatron
 from paratrain.data.prepare import (
+    file_stamp,
     is_prepared_dir,
     open_prepared,
     token_dtype,
@@ -174,14 +175,9 @@ def _cache_key(files: Sequence[Path], tokenizer_spec: str, text_key: str = "text
     """Directory name of a cache entry: changes when any file, the tokenizer or the text key changes."""
     digest = hashlib.sha256()
     spec_path = Path(tokenizer_spec)
-    spec_stat = _file_stamp(spec_path) if spec_path.exists() else None
+    spec_stat = file_stamp(spec_path) if spec_path.exists() else None
     digest.update(json.dumps([tokenizer_spec, spec_stat] + ([text_key] if text_key != "text" else [])).encode())
     for f in files:
-        digest.update(json.dumps(_file_stamp(f)).encode())
+        digest.update(json.dumps(file_stamp(f)).encode())
     tag = "file" if spec_stat else re.sub(r"[^A-Za-z0-9]+", "-", tokenizer_spec)[:24]
     return f"{tag}-{digest.hexdigest()[:16]}"
-
-
-def _file_stamp(path: Path) -> list:
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]

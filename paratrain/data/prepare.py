@@ -36,11 +36,13 @@ from tqdm import tqdm
 
 from paratrain.errors import DataError
 from paratrain.data.corpus import corpus_files, iter_texts
+from paratrain.data.sources import documents
 from paratrain.data.tokenizer import BPE_FILE, BYTE_FILE, Tokenizer, load_tokenizer, tokenizer_from_file
 
 META_FILE = "meta.json"
 TOKENS_FILE = "tokens.bin"
 DOCUMENTS_FILE = "documents.bin"
+PROGRESS_FILE = "progress.json"  # in a resumable prepare's .partial directory: the input files it finished
 FORMAT = "paratrain.tokens"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: no documents.bin
@@ -178,20 +180,39 @@ def prepare_corpus(data: str | Path | None, out_dir: str | Path, tokenizer_spec:
         raise DataError(f"workers={workers!r}: use a positive number of processes")
     files, source = corpus_files(data)
     write_prepared(files, source, tokenizer_spec, out_dir, progress=progress, replace=overwrite, text_key=text_key,
-                   workers=workers)
+                   workers=workers, resumable=True)
     return out_dir
 
 
 def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_dir: Path, *,
-                   progress: bool = True, replace: bool = False, text_key: str = "text", workers: int = 1) -> None:
-    """Write a prepared directory for ``files``; if another process commits it first, keep theirs."""
+                   progress: bool = True, replace: bool = False, text_key: str = "text", workers: int = 1,
+                   resumable: bool = False) -> None:
+    """Write a prepared directory for ``files``; if another process commits it first, keep theirs.
+
+    ``resumable``: the work goes to ``.OUT.partial`` beside ``out_dir``, which records after each input file
+    the tokens and documents it holds (`PROGRESS_FILE`); a run that stops (killed, a bad record) leaves it,
+    and the next run for the same files, tokenizer and text key continues after the last finished file.
+    """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    if resumable:
+        tmp = out_dir.parent / f".{out_dir.name}.partial"
+        key = {"files": [str(Path(f).resolve()) for f in files], "tokenizer_spec": tokenizer_spec, "text_key": text_key}
+        resume = _resume_point(tmp, key, files)
+    else:
+        tmp, key, resume = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}", None, None
+    tmp.mkdir(exist_ok=resume is not None)
+    done = False
     try:
-        tokenizer = load_tokenizer(tokenizer_spec, train_texts=training_texts(files, progress=progress,
-                                                                              text_key=text_key))
-        num_tokens, num_documents = _write_tokens(tmp, tokenizer, files, progress, text_key, workers)
+        if resume is not None:
+            tokenizer = tokenizer_from_file(tmp / resume["tokenizer_file"])
+            print(f"prepare: continuing after {resume['files_done']} of {len(files)} finished file(s) in {tmp}",
+                  file=sys.stderr, flush=True)
+        else:
+            tokenizer = load_tokenizer(tokenizer_spec, train_texts=training_texts(files, progress=progress,
+                                                                                  text_key=text_key))
+        tokenizer_file = tokenizer.save(tmp).name
+        record = _progress_recorder(tmp, key, tokenizer_file, files) if resumable else None
+        num_tokens, num_documents = _write_tokens(tmp, tokenizer, files, progress, text_key, workers, resume, record)
         if num_documents == 0:
             raise DataError(f"data {source}: no documents (empty files or no records); check the source")
         meta = {
@@ -200,35 +221,89 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
             "num_documents": num_documents, "documents_file": DOCUMENTS_FILE, "eos_id": tokenizer.eos_id,
             "document_template": [list(tokenizer.document_prefix), list(tokenizer.document_suffix)],
             "tokenizer_spec": tokenizer_spec, "tokenizer": tokenizer.spec,
-            "tokenizer_file": tokenizer.save(tmp).name, "source": source, "text_key": text_key,
+            "tokenizer_file": tokenizer_file, "source": source, "text_key": text_key,
         }
+        (tmp / PROGRESS_FILE).unlink(missing_ok=True)
         # meta.json last: its presence marks a complete directory.
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _commit(tmp, out_dir, replace)
+        done = True
     finally:
-        if tmp.exists():
+        if tmp.exists() and (done or not resumable):  # a resumable prepare keeps what it finished
             shutil.rmtree(tmp)
 
 
+def file_stamp(path: Path) -> list:
+    """What identifies an input file's content without reading it: its path, size and modification time."""
+    st = Path(path).stat()
+    return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _resume_point(tmp: Path, key: dict, files: Sequence[Path]) -> dict | None:
+    """The progress a `.partial` directory recorded for the same inputs (`key`) whose finished files are unchanged
+    since, else None (and it is cleared)."""
+    try:
+        progress = json.loads((tmp / PROGRESS_FILE).read_text())
+        finished = [file_stamp(f) for f in files[:progress["files_done"]]]
+        if progress["key"] == key and progress["stamps"] == finished and (tmp / progress["tokenizer_file"]).is_file():
+            return progress
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    return None
+
+
+def _progress_recorder(tmp: Path, key: dict, tokenizer_file: str, files: Sequence[Path]):
+    """A function recording that the first `files_done` inputs are in the token files, durably (data first)."""
+    def record(files_done: int, num_tokens: int, num_documents: int, *outputs) -> None:
+        for f in outputs:
+            f.flush()
+            os.fsync(f.fileno())
+        state = {"key": key, "tokenizer_file": tokenizer_file, "files_done": files_done, "num_tokens": num_tokens,
+                 "num_documents": num_documents, "stamps": [file_stamp(f) for f in files[:files_done]]}
+        part = tmp / f".{PROGRESS_FILE}.tmp"
+        part.write_text(json.dumps(state) + "\n")
+        os.replace(part, tmp / PROGRESS_FILE)
+    return record
+
+
 def _write_tokens(directory: Path, tokenizer: Tokenizer, files: Sequence[Path], progress: bool, text_key: str,
-                  workers: int) -> tuple[int, int]:
+                  workers: int, resume: dict | None = None, record=None) -> tuple[int, int]:
     """Append the documents of ``files``, tokenized, to tokens.bin and each document's first token's position to
-    documents.bin (int64, one more at the end: the number of tokens); return (tokens, documents)."""
-    num_tokens = num_documents = 0
-    bar = tqdm(desc="preparing", unit="tok", unit_scale=True, file=sys.stderr, delay=1.0, disable=not progress)
-    sources = iter_texts(files, text_key)
-    read = [0]
+    documents.bin (int64, one more at the end: the number of tokens); return (tokens, documents).
 
-    def counted() -> Iterator[str]:
-        for text in sources:
-            read[0] += len(text)
-            yield text
+    From `resume` (a `.partial` directory's progress) the files are cut back to the last finished input file
+    and the inputs after it are read; `record` is called as each input file's last document is written.
+    """
+    dtype = token_dtype(tokenizer.vocab_size)
+    done = resume["files_done"] if resume else 0
+    num_tokens, num_documents = (resume["num_tokens"], resume["num_documents"]) if resume else (0, 0)
+    bar = tqdm(desc="preparing", unit="tok", unit_scale=True, file=sys.stderr, delay=1.0, disable=not progress,
+               initial=num_tokens)
+    read, ends = [0], []  # characters read; (files finished, documents up to their end), as the reading passes them
 
-    with open(directory / TOKENS_FILE, "wb") as tokens_out, open(directory / DOCUMENTS_FILE, "wb") as docs_out:
-        for chunk, lengths in encode_documents(tokenizer, counted(), token_dtype(tokenizer.vocab_size), workers):
+    def texts() -> Iterator[str]:
+        count = num_documents
+        for i, path in enumerate(files[done:], start=done + 1):
+            for text in documents(Path(path), text_key):
+                read[0] += len(text)
+                count += 1
+                yield text
+            ends.append((i, count))
+
+    mode = "r+b" if resume else "wb"
+    with open(directory / TOKENS_FILE, mode) as tokens_out, open(directory / DOCUMENTS_FILE, mode) as docs_out:
+        for out, size in ((tokens_out, num_tokens * dtype.itemsize), (docs_out, num_documents * 8)):
+            out.truncate(size)
+            out.seek(size)
+        for chunk, lengths in encode_documents(tokenizer, texts(), dtype, workers):
             chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).tofile(tokens_out)
-            starts = num_tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-            starts.astype("<i8").tofile(docs_out)
+            offsets = np.concatenate(([0], np.cumsum(lengths)))
+            (num_tokens + offsets[:-1]).astype("<i8").tofile(docs_out)
+            while record and ends and ends[0][1] <= num_documents + len(lengths):  # an input file is all written
+                files_done, at = ends.pop(0)
+                record(files_done, int(num_tokens + offsets[at - num_documents]), at, tokens_out, docs_out)
             num_tokens += len(chunk)
             num_documents += len(lengths)
             bar.update(len(chunk))
