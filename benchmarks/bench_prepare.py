@@ -1,4 +1,4 @@
-"""`paratrain prepare` throughput: tokens/s and peak memory, byte and 32k BPE tokenizers, 1 and 2 workers.
+"""`paratrain prepare` throughput: tokens/s and peak memory, byte and 32k BPE tokenizers, workers 0, 1 and 2.
 
     python benchmarks/bench_prepare.py                        # a 64 MB JSON Lines corpus, 2 rounds
     python benchmarks/bench_prepare.py --mb 16 --rounds 1     # quicker
@@ -6,7 +6,8 @@
 The corpus is JSON Lines made from this Python's standard-library sources (one record per file, repeated up to
 --mb megabytes). Each row prepares it in a fresh process (`prepare_corpus`) and reports wall seconds, tokens/s
 and the process's peak resident memory (VmHWM, workers excluded: each holds a batch at a time), median over
---rounds; workers' speed-up is the 1-worker median over the row's. Peak memory at a quarter of the corpus is
+--rounds; workers' speed-up is the 1-worker median over the row's (workers 1: one thread in the preparing
+process; 2: two processes of one thread; 0: the preparing process with the tokenizer library's own threads). Peak memory at a quarter of the corpus is
 measured too: streaming keeps it the same whatever the corpus's size. Writes benchmarks/results/prepare-<time>.md
 and .json with the machine and its load.
 """
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["quarter_bytes"] = make_corpus(work / "quarter.jsonl", args.mb / 4)
         tokenizers = {"byte": "byte", f"bpe {args.bpe_vocab}": bpe_tokenizer(work, args.bpe_vocab)}
         for name, spec in tokenizers.items():
-            for workers in (1, 2):
+            for workers in (0, 1, 2):
                 runs = [run(work / "corpus.jsonl", spec, workers, work) for _ in range(args.rounds)]
                 quarter = run(work / "quarter.jsonl", spec, workers, work)
                 seconds = statistics.median(r["seconds"] for r in runs)

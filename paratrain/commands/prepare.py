@@ -15,8 +15,10 @@ def add_parser(subparsers):
     parser.add_argument("--text-key", default="text",
                         help="the field of each JSON Lines record / the column holding its text (default: text)")
     parser.add_argument("--tokenizer", default="byte", help="'byte', 'bpe:N' or a tokenizer.json path")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="tokenizing processes; the output does not depend on how many (default 1)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="0: this process, with the tokenizer library's threads (one per core; the fastest on "
+                             "few cores); 1: this process on one thread; N > 1: N processes of one thread each; the "
+                             "output does not depend on it (default 0)")
     parser.add_argument("--out", required=True, help="output directory")
     return parser
 

@@ -23,6 +23,7 @@ behind. ``build_dataset`` reads it through ``np.memmap``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from paratrain.data.tokenizer import BPE_FILE, BYTE_FILE, Tokenizer, load_tokeni
 META_FILE = "meta.json"
 TOKENS_FILE = "tokens.bin"
 DOCUMENTS_FILE = "documents.bin"
+_PARALLELISM = "TOKENIZERS_PARALLELISM"  # the BPE library's switch between its own threads and one
 PROGRESS_FILE = "progress.json"  # in a resumable prepare's .partial directory: the input files it finished
 FORMAT = "paratrain.tokens"
 FORMAT_VERSION = 2
@@ -59,16 +61,37 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], dtype: np.dtype,
-                     workers: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                     workers: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(tokens, tokens per document) of consecutive batches of ``texts``, each text between what the tokenizer's
-    template puts around a document and followed by eos (`document_affixes`); with ``workers`` > 1 the batches
-    are encoded by that many processes, and come back in order."""
+    template puts around a document and followed by eos (`document_affixes`).
+
+    ``workers``: 0, this process with the tokenizer library's own threads (as many as cores); 1, this process
+    on one thread; N > 1, N spawned processes of one thread each, whose batches come back in order. The
+    tokens do not depend on it.
+    """
     affixes = document_affixes(tokenizer, dtype)
-    if workers <= 1:
-        for batch in _text_batches(texts):
-            yield _encode_batch(tokenizer, batch, affixes)
+    if workers > 1:
+        yield from _encode_in_workers(tokenizer, _text_batches(texts), affixes, workers)
         return
-    yield from _encode_in_workers(tokenizer, _text_batches(texts), affixes, workers)
+    for batch in _text_batches(texts):
+        with _one_thread(workers == 1):
+            encoded = _encode_batch(tokenizer, batch, affixes)
+        yield encoded
+
+
+@contextlib.contextmanager
+def _one_thread(enabled: bool):
+    """The BPE library encodes a batch on one thread while this is in force (it reads the variable per call)."""
+    before = os.environ.get(_PARALLELISM)
+    if enabled:
+        os.environ[_PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        if enabled and before is None:
+            os.environ.pop(_PARALLELISM, None)
+        elif enabled:
+            os.environ[_PARALLELISM] = before
 
 
 def document_affixes(tokenizer: Tokenizer, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -114,6 +137,7 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 def _worker_start(tokenizer: Tokenizer) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
+    os.environ[_PARALLELISM] = "false"  # one thread per worker: the workers are the parallelism
 
 
 def _worker_encode(batch: list[str], affixes: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -164,9 +188,10 @@ def training_texts(files: Sequence[Path], *, progress: bool = True,
 
 
 def prepare_corpus(data: str | Path | None, out_dir: str | Path, tokenizer_spec: str = "byte", *,
-                   overwrite: bool = False, progress: bool = True, text_key: str = "text", workers: int = 1) -> Path:
+                   overwrite: bool = False, progress: bool = True, text_key: str = "text", workers: int = 0) -> Path:
     """Tokenize the corpus ``data`` (None/"default", a file, directory or glob of text or record files, or a saved
-    dataset) into ``out_dir``, with ``workers`` processes (the result does not depend on how many).
+    dataset) into ``out_dir``, with ``workers`` (`encode_documents`: 0, this process and the tokenizer library's
+    threads, the fastest on 2 cores in `benchmarks/bench_prepare.py`); the result does not depend on how many.
 
     Returns ``out_dir``. With ``"bpe:N"`` the tokenizer is trained on the same
     files first and saved alongside.
@@ -176,8 +201,8 @@ def prepare_corpus(data: str | Path | None, out_dir: str | Path, tokenizer_spec:
         raise DataError(f"out_dir={str(out_dir)!r} is a file; pass a directory path")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DataError(f"out_dir={str(out_dir)!r} already exists and is not empty; remove it or pass overwrite=True")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise DataError(f"workers={workers!r}: use a positive number of processes")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise DataError(f"workers={workers!r}: use 0 (this process, the library's threads) or a number of processes")
     files, source = corpus_files(data)
     write_prepared(files, source, tokenizer_spec, out_dir, progress=progress, replace=overwrite, text_key=text_key,
                    workers=workers, resumable=True)
@@ -185,7 +210,7 @@ def prepare_corpus(data: str | Path | None, out_dir: str | Path, tokenizer_spec:
 
 
 def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_dir: Path, *,
-                   progress: bool = True, replace: bool = False, text_key: str = "text", workers: int = 1,
+                   progress: bool = True, replace: bool = False, text_key: str = "text", workers: int = 0,
                    resumable: bool = False) -> None:
     """Write a prepared directory for ``files``; if another process commits it first, keep theirs.
 
