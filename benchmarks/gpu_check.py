@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import gc
@@ -453,6 +454,32 @@ def check_selective(device, steps: int) -> dict:
     return {"passed": diff <= TOL, "rel_diff": diff, "detail": f"loss rel diff {diff:.1e} (tol {TOL:g})"}
 
 
+def check_document_mask(device) -> dict:
+    """--document-mask on the device's kernels (SDPA with a boolean mask and GQA: the memory-efficient kernel on
+    CUDA): a packed sequence's logits against each document run alone, fp32 and bf16."""
+    eos, details, passed = 1, [], True
+    cfg = dataclasses.replace(CHECK, document_eos=eos)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(2, CHECK.vocab_size, (n,), generator=g) for n in (17, 40, 9, 61)]
+    segments = [torch.cat((d, torch.tensor([eos]))) for d in docs]
+    packed = torch.cat(segments)[None].to(device)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        torch.manual_seed(0)
+        masked = Transformer(cfg).to(device=device, dtype=dtype)
+        alone = Transformer(CHECK).to(device=device, dtype=dtype)
+        alone.load_state_dict(masked.state_dict())
+        with torch.no_grad():
+            logits, start, worst = masked(packed)[0].float(), 0, 0.0
+            for segment in segments:
+                ref = alone(segment[None].to(device))[0].float()
+                got = logits[start:start + len(segment)]
+                worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+                start += len(segment)
+        passed &= worst <= tol
+        details.append(f"{str(dtype).removeprefix('torch.')} {worst:.1e} (tol {tol:g})")
+    return {"passed": passed, "detail": "packed vs each document alone: " + ", ".join(details)}
+
+
 def check_calibrate(device, profile: Path) -> dict:
     args = ["plan", "--calibrate", "--quick", "--out", str(profile)]
     result = _run_cli(args + ([] if device.type == "cuda" else ["--nproc", "2"]), timeout=600)
@@ -584,6 +611,7 @@ def rows(device, args, profile: Path) -> list:
         ("compile ZeRO-0", lambda: check_compile(device, 0, steps)),
         ("compile ZeRO-3", lambda: check_compile(device, 3, steps)),
         ("selective recomputation", lambda: check_selective(device, steps)),
+        ("document mask", lambda: check_document_mask(device)),
         ("plan --calibrate --quick", lambda: check_calibrate(device, profile)),
         ("elastic launcher", lambda: check_launcher(device, args.train_steps)),
         ("memory snapshot", lambda: check_memory_snapshot(device)),
