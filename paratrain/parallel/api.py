@@ -35,8 +35,7 @@ from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
 from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
-from paratrain.parallel.tensor.plan import apply_tensor_parallel
-from paratrain.models.tp_plans import LLAMA_MOE_TP_PLAN, LLAMA_SP_PLAN, LLAMA_TP_PLAN
+from paratrain.parallel.tensor.plan import PlannedModel, apply_tensor_parallel
 from paratrain.parallel.data.units import UnitSpec
 from paratrain.precision import Precision, precision_policy
 
@@ -94,7 +93,8 @@ class TensorParallel:
     """Tensor parallelism over the mesh's tp axis.
 
     plan: module-name pattern → style (`paratrain.parallel.tensor.plan`), applied in place; None takes
-        the reference model's (`LLAMA_TP_PLAN`, or `LLAMA_SP_PLAN` with sequence parallelism).
+        the model's own (`model.tensor_parallel_plan(sequence_parallel)`: the reference model's is
+        `LLAMA_TP_PLAN`, or `LLAMA_SP_PLAN` with sequence parallelism).
         The logits are then split along the vocabulary: use `model.loss_fn`.
     sequence_parallel: split norms and residuals along the sequence (needs tp > 1).
     """
@@ -246,7 +246,7 @@ def _expert(model: nn.Module, mesh: Mesh, comm: Comm, init):
     """Expert parallelism over the mesh's ep axis: (what it did or None, the initializer of the local blocks)."""
     if mesh.size("ep") == 1:
         return None, init
-    from paratrain.parallel.expert import apply_expert_parallel
+    from paratrain.parallel.expert.sharding import apply_expert_parallel
 
     info = apply_expert_parallel(model, comm)
     if not info.names:
@@ -294,7 +294,7 @@ def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: D
     reduction = data.grad_reduction.value
     if data.zero == 3:  # one engine: each expert block sharded over the ranks holding it, the rest over the data axis
         from paratrain.parallel.data.zero3 import FullyShardedEngine
-        from paratrain.parallel.expert import REPLICATE_AXIS
+        from paratrain.parallel.expert.sharding import REPLICATE_AXIS
 
         prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
         return FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
@@ -302,7 +302,7 @@ def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: D
                                   expert_axis=REPLICATE_AXIS)
     if expert_info is not None:
         from paratrain.parallel.data.groups import GroupedEngine
-        from paratrain.parallel.expert import REPLICATE_AXIS
+        from paratrain.parallel.expert.sharding import REPLICATE_AXIS
 
         named = [(n, p) for n, p in model.named_parameters()]
         groups = [[(n, p) for n, p in named if (n in expert_info.names) == expert] for expert in (False, True)]
@@ -406,13 +406,11 @@ def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, seque
     so no rank ever holds more than its tp × dp share of a layer.
     """
     if plan is None:
-        from paratrain.models import Transformer
-
-        if not isinstance(model, Transformer):
+        if not isinstance(model, PlannedModel):
             raise ParallelConfigError(f"tensor parallelism needs a plan for {type(model).__name__}: pass "
                                       "tensor=TensorParallel(plan={module pattern: style}) (see "
                                       "paratrain.parallel.tensor.plan)")
-        plan = LLAMA_SP_PLAN if sequence_parallel else LLAMA_MOE_TP_PLAN if model.config.is_moe else LLAMA_TP_PLAN
+        plan = model.tensor_parallel_plan(sequence_parallel)
     on_meta = any(p.is_meta for p in model.parameters())
     info = apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sequence_parallel,
                                  init=init if on_meta and materialize else None, device=device,

@@ -482,7 +482,7 @@ def _whole_expert(info, whole_tp, name: str, value: torch.Tensor) -> torch.Tenso
 
 def _moe_layers(module: nn.Module) -> list[nn.Module]:
     """The MoE layers of `module` (none: nothing imported)."""
-    from paratrain.parallel.expert import moe_layers
+    from paratrain.parallel.expert.sharding import moe_layers
 
     return moe_layers(module)
 

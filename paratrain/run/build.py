@@ -168,10 +168,12 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     p = cfg.parallel
     with torch.device("meta"):
         model = Transformer(model_cfg)
+    # The trainer knows its model: it names the plan, so that no strategy has to.
+    plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
     return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg),
                        # The trainer's loss is already normalized by the global token count.
                        data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM),
-                       tensor=TensorParallel(sequence_parallel=p.sequence_parallel),
+                       tensor=TensorParallel(plan=plan, sequence_parallel=p.sequence_parallel),
                        pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
                        activation_checkpointing=p.activation_checkpointing, compile=p.compile,

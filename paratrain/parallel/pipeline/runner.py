@@ -339,12 +339,15 @@ class PipelineRunner:
 
     @torch.no_grad()
     def causal_logits(self, tokens: torch.Tensor, full_logits) -> torch.Tensor:
-        """Whole-vocabulary fp32 logits for `tokens` on every rank (the reference model; for generation)."""
-        if self.split.kind != "transformer":
-            raise PipelineError("causal_logits needs paratrain's Transformer (its vocabulary size)")
+        """Whole-vocabulary fp32 logits for `tokens` on every rank (a model whose `config` names its `vocab_size`,
+        as the reference model's does; for generation)."""
+        vocab_size = getattr(getattr(self.split.module, "config", None), "vocab_size", None)
+        if vocab_size is None:
+            raise PipelineError("causal_logits needs a model whose `config.vocab_size` says its vocabulary size "
+                                "(paratrain's Transformer)")
         out = self.forward_only(tokens)
         if out is None:
-            shape = (*tokens.shape, self.split.module.config.vocab_size)
+            shape = (*tokens.shape, vocab_size)
             logits = torch.empty(shape, dtype=torch.float32, device=self.device)
         else:
             logits = full_logits(out).float().contiguous()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -284,6 +284,14 @@ Style = (Colwise | Rowwise | VocabEmbedding | OutputHead | SequenceParallelNorm 
 
 
 # -- what the rest of the system needs to know ---------------------------------------------------
+
+@runtime_checkable
+class PlannedModel(Protocol):
+    """A model that names its own plan (the reference `Transformer` does): `parallelize` applies it when the
+    caller gives none, so that tensor parallelism knows no model but the one in front of it."""
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> Mapping[str, Style]: ...
+
 
 # -- applying a plan ---------------------------------------------------------------------------
 
