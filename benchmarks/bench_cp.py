@@ -38,7 +38,7 @@ from bench_dp import failed_row, fmt_spread, run_meta, write_results
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import parallelize
 from paratrain.peak_memory import kept_by_forward
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from paratrain.mesh import MeshShape, build_mesh
 from paratrain.peak_memory import reset_peak_rss
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, parallelize
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
 
 MB = 2**20
 

@@ -43,7 +43,7 @@ from bench_dp import (
     model_config, proc_status_kb, setup_paratrain, setup_pytorch, warm_process, write_results,
 )
 from paratrain.peak_memory import CATEGORIES, TensorMemory, return_freed_memory
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
 
 LINEAR_WIDTH, LINEAR_LAYERS = 1024, 16
 

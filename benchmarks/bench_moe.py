@@ -44,7 +44,8 @@ from paratrain.models import ModelConfig
 from paratrain.parallel.api import parallelize
 from paratrain.parallel.expert import moe_layers
 from paratrain.peak_memory import TensorMemory, return_freed_memory
-from paratrain.testing import Collectives, RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
+from paratrain.testing import Collectives
 
 STATE = ("parameters", "gradients", "optimizer")
 

@@ -36,7 +36,7 @@ from bench_dp import PAIRS, fmt_load, machine, setup_paratrain, setup_pytorch, w
 from paratrain.mesh import MeshShape, build_mesh  # noqa: E402
 from paratrain.parallel.api import PipelineParallel, TensorParallel, parallelize  # noqa: E402
 from paratrain.parallel.tensor import Colwise, Rowwise  # noqa: E402
-from paratrain.testing import RankError, run_on_ranks  # noqa: E402
+from paratrain.ranks import RankError, run_on_ranks  # noqa: E402
 
 WIDTH = 64
 

@@ -45,7 +45,7 @@ import bench_overhead  # noqa: E402
 import bench_pp  # noqa: E402
 import bench_tp  # noqa: E402
 from bench_dp import doc_parser, fmt_load, machine, write_results  # noqa: E402
-from paratrain.testing import RankError, run_on_ranks  # noqa: E402
+from paratrain.ranks import RankError, run_on_ranks  # noqa: E402
 
 PAIRS = ([f"dp-{p}" for p in ("ddp", "zero1", "zero2", "zero3", "ddp-agreed")]
          + [f"pp-{v}" for v in ("gpipe", "1f1b", "interleaved", "zb-h1")]

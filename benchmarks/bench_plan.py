@@ -46,7 +46,7 @@ from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParalle
 from paratrain.plan import Layout, Workload, get_hardware, save_profile, step_time
 from paratrain.plan.calibrate import CalibrationPlan, calibrate, machine_info
 from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
-from paratrain.testing import run_on_ranks
+from paratrain.ranks import run_on_ranks
 
 
 @dataclass(frozen=True)

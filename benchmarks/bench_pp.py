@@ -46,7 +46,7 @@ from paratrain.parallel.pipeline.runner import PipelineRunner, _input_backward, 
 from paratrain.parallel.pipeline.stages import split_for_pipeline
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulator import simulate
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from paratrain.models import ModelConfig
 from paratrain.parallel.tensor import clip_grad_norm_tp_
 from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
 from paratrain.parallel.tensor import apply_tensor_parallel
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
 
 
 @dataclass(frozen=True)

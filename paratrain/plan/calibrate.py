@@ -5,7 +5,7 @@ bf16, element-wise kernels and memory bandwidth at a GPU's sizes, and with two G
 collectives over NCCL (`CalibrationPlan.gpu`); every timing waits for the device before reading
 the clock (`paratrain.plan.measure`). Without a GPU, the CPU, as follows.
 
-Every measurement runs on `nproc` gloo ranks at once (`paratrain.testing.run_on_ranks`), one
+Every measurement runs on `nproc` gloo ranks at once (`paratrain.ranks.run_on_ranks`), one
 thread per rank, as training runs: what is measured is the throughput one process gets while
 its peers work beside it (on a CPU they share caches and memory bandwidth), and of the ranks the
 slowest is kept, since a step waits for its slowest rank.
@@ -294,7 +294,7 @@ def run_phase(rank: int, world: int, name: str, plan: CalibrationPlan):
 
 def _measure_phase(name: str, plan: CalibrationPlan, baseline: float) -> tuple[list, list]:
     """(per-rank results of the attempt closest to the baseline conditions, every attempt's Conditions)."""
-    from paratrain.testing import RankError, run_on_ranks
+    from paratrain.ranks import RankError, run_on_ranks
 
     attempts = []
     ranks = plan.nproc * _PHASES[name][1]
@@ -314,7 +314,7 @@ def _measure_phase(name: str, plan: CalibrationPlan, baseline: float) -> tuple[l
 
 def calibrate(plan: CalibrationPlan = CalibrationPlan(), progress: bool = True) -> tuple[Hardware, dict]:
     """Measure this machine on `plan.nproc` ranks; return (profile, raw measurements with machine info)."""
-    from paratrain.testing import run_on_ranks
+    from paratrain.ranks import run_on_ranks
 
     machine = machine_info()
     if plan.device == "cuda":
