@@ -13,7 +13,8 @@ import pytest
 from torch import nn
 
 import paratrain
-from paratrain.cli import build_parser, config_from_args, main
+from paratrain.cli import build_parser, main
+from paratrain.commands.options import config_from_args
 from paratrain.comm import Comm
 from paratrain.config import Config, ConfigError, ParallelSection, validate
 from paratrain.errors import Violation

@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.precision import cross_entropy  # noqa: F401  (the whole-vocabulary loss, kept importable here)
+from paratrain.parallel.tensor.collectives import TensorParallelError, _all_gather, check_divisible
 from paratrain.parallel.tensor.primitives import (
-    InitFn, TensorParallelError, check_divisible, _all_gather, reduce_from_tp, gather_from_tp, reduce_scatter_sequence, enter_tp_region,
+    InitFn, reduce_from_tp, gather_from_tp, reduce_scatter_sequence, enter_tp_region,
 )
 
 

@@ -18,8 +18,7 @@ import torch
 from paratrain.comm import Comm
 from paratrain.compat import held_alone, storage_alone
 from paratrain.parallel.tensor import traced
-from paratrain.parallel.tensor.collectives import (  # noqa: F401  (TensorParallelError, check_divisible: re-exported)
-    TensorParallelError, _all_gather, _all_reduce, _reduce_scatter, _split, check_divisible)
+from paratrain.parallel.tensor.collectives import _all_gather, _all_reduce, _reduce_scatter, _split
 
 
 # init(name, full_shape) -> the full fp32 initial value of parameter `name`.
