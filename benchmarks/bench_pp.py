@@ -42,7 +42,8 @@ from bench_dp import (
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
-from paratrain.parallel.pipeline.runner import PipelineRunner, _input_backward, _weight_backward
+from paratrain.parallel.pipeline.runner import PipelineRunner
+from paratrain.parallel.pipeline.split_backward import input_backward, weight_backward
 from paratrain.parallel.pipeline.stages import split_for_pipeline
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulator import simulate
@@ -348,9 +349,9 @@ def torch_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
 
 def paratrain_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, params: list) -> float:
     """paratrain's B and W under zb-h1 (`paratrain.parallel.pipeline.runner`): W starts where B left off."""
-    work = _input_backward(out, grad, x, params)
+    work = input_backward(out, grad, x, params)
     t0 = time.perf_counter()
-    _weight_backward(work)
+    weight_backward(work)
     return time.perf_counter() - t0
 
 

@@ -147,7 +147,7 @@ def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 def setup_paratrain(model, spec: Spec, world: int, args) -> Runner:
     mesh = build_mesh(MeshShape(tp=world))
     comm = Comm(mesh)
-    info = apply_tensor_parallel(model, LLAMA_SP_PLAN if spec.sp else LLAMA_TP_PLAN, mesh, comm,
+    info = apply_tensor_parallel(model, LLAMA_SP_PLAN if spec.sp else LLAMA_TP_PLAN, comm,
                                  sequence_parallel=spec.sp)
     loss_fn = lambda logits, targets: info.loss_fn(logits, targets, reduction="mean")  # noqa: E731
     clip = lambda max_norm: clip_grad_norm_tp_(model, info, max_norm)  # noqa: E731

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.mesh import Axis
 from paratrain.parallel.expert.dispatch import ExpertDispatch
 
-AXIS = "ep"
-REPLICATE_AXIS = "ep_replicate"
+AXIS = Axis.EP  # the ranks that split each layer's experts and send each other their tokens
+REPLICATE_AXIS = Axis.EP_REPLICATE  # the ranks holding the same block: its gradients are reduced over them
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 from paratrain.errors import ParatrainError
+from paratrain.mesh import Axis
 
 LAYERED, SEQUENTIAL = "layered", "sequential"  # the two kinds of model a pipeline splits
 
@@ -148,7 +149,7 @@ def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int
     return StageSplit(kind, ranges, stages, model, owner, {n: p.shape for n, p in names.items()})
 
 
-def sequence_parallel_boundaries(split: StageSplit, comm, axis: str = "tp") -> list:
+def sequence_parallel_boundaries(split: StageSplit, comm, axis: Axis = Axis.TP) -> list:
     """Under sequence parallelism, make every stage boundary carry the whole sequence.
 
     Inside a stage the residual stream is split along the sequence over tp. The last block of a
