@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench_dp import machine, write_results
+from common import fmt_load, machine, write_results
 from paratrain.checkpoint import (
     AsyncCheckpointer, CheckpointReader, DistCoordinator, ShardSpec, save_checkpoint, verify_checkpoint,
 )
@@ -321,9 +321,6 @@ def markdown(s: dict, meta: dict) -> str:
                      f"{mmm(m['added_per_save_s']) if mode != 'none' else '—'} |")
     return "\n".join(lines) + "\n"
 
-
-def fmt_load(values) -> str:
-    return "/".join(f"{v:.1f}" for v in values)
 
 
 def filesystem(path: str) -> str:

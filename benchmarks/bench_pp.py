@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 
-from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
-    global_batch, model_config, optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds,
+from common import (
+    MB, adamw_factory, add_common_args, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
+    global_batch, model_config, optimizer_tensors, proc_status_kb, ratio_cell, rss_start_note, run_meta, run_rounds,
     set_time_ratio, storage_bytes, write_results,
 )
 from paratrain.mesh import MeshShape, build_mesh
@@ -47,6 +47,7 @@ from paratrain.parallel.pipeline.split_backward import input_backward, weight_ba
 from paratrain.parallel.pipeline.stages import split_for_pipeline
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulator import simulate
+from paratrain.peak_memory import reset_peak_rss
 from paratrain.ranks import RankError, run_on_ranks
 
 
