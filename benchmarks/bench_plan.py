@@ -45,7 +45,7 @@ from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
 from paratrain.plan import Layout, Workload, get_hardware, save_profile, step_time
 from paratrain.plan.calibrate import CalibrationPlan, calibrate, machine_info
-from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
+from paratrain.plan.machine_load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.ranks import run_on_ranks
 
 

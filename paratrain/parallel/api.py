@@ -337,13 +337,19 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
     return opt
 
 
-def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                  checked: CheckedLayout | None, activation_checkpointing: int = 0) -> None:
-    """The layout rules (`paratrain.parallel.rules`) on the mesh and the options, unless the caller decided them."""
+def _layout_spec(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
+                 activation_checkpointing: int | str = 0) -> LayoutSpec:
+    """The mesh and the options as the layout rules read them (`paratrain.parallel.rules`)."""
     s = mesh.shape
-    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
-                        sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
-                        virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
+    return LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
+                      sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
+                      virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
+
+
+def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
+                  checked: CheckedLayout | None, activation_checkpointing: int | str = 0) -> None:
+    """The layout rules on the mesh and the options, unless the caller decided them (then on the same layout)."""
+    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing)
     if checked is None:
         rules.check_layout(layout, ParallelConfigError)
     elif not checked.describes(layout):

@@ -35,7 +35,7 @@ when a layout has more ranks than the host has cores.
 On a shared machine each phase first waits for the CPUs to be nearly idle and is measured again
 (up to `retries` times) when other processes took more than `max_foreign` of the CPUs while it
 ran, or when a matmul probe before and after it ran more than `max_drift` away from the machine's
-best probe at the start (`paratrain.plan.load`); the profile's source line and the raw
+best probe at the start (`paratrain.plan.machine_load`); the profile's source line and the raw
 measurements say how much.
 """
 
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from paratrain.plan.fit import CalibrationError, fit_attention, fit_gemm_curve, fit_link
 from paratrain.plan.hardware import HARDWARE_PRESETS, Hardware
-from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
+from paratrain.plan.machine_load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.plan.measure import (
     measure_attention,
     measure_collectives,

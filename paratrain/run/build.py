@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
-from paratrain.config import Config, ConfigError, check_layout, check_values
+from paratrain.config import Config, ConfigError, check_values, layout_spec
 from paratrain.data import DataSampler, build_dataset
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv
@@ -35,6 +35,7 @@ from paratrain.metrics import MetricsLog, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.contract import TrainableModel
 from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel import rules
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.run.guard import StepGuard
@@ -99,7 +100,7 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     try:
         check_values(cfg)
         model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
-        layout = check_layout(cfg, world_size, model_cfg)
+        layout = rules.check_layout(layout_spec(cfg, world_size, model_cfg), ConfigError)
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
