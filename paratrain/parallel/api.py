@@ -177,10 +177,10 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (e.g. "aot_eager": the same graphs, run by eager kernels, no code generated).
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
-    comm: the communication layer (`paratrain.comm.Comm` over `mesh`: each strategy is handed it, the one
-        handle to its process groups) the model runs its collectives
+    comm: the communication layer (`paratrain.comm.Comm` over `mesh`) the model runs its collectives
         through, for a caller that reads its counters or listens to it (the trainer's metrics, step
-        timer and guard); None: the model makes its own, which it does not hand out.
+        timer and guard); None: the model makes its own, which it does not hand out. Every strategy
+        is handed this one object and reads its process groups from `comm.mesh`.
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the

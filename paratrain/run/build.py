@@ -34,7 +34,8 @@ from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.contract import TrainableModel
-from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
