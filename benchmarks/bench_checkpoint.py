@@ -3,7 +3,7 @@
     python benchmarks/bench_checkpoint.py                  # defaults: 87M-param Transformer (348 MB fp32) + AdamW state
     python benchmarks/bench_checkpoint.py --dim 256 --layers 2 --vocab 4096 --reps 1 --rounds 2 --block 2
 
-Everything runs on 2 gloo ranks (CPU) through `paratrain.testing.run_on_ranks`
+Everything runs on 2 gloo ranks (CPU) through `paratrain.ranks.run_on_ranks`
 and calls the storage layer directly (`save_checkpoint`, `AsyncCheckpointer`,
 `CheckpointReader`) with shard dicts built here: every tensor of a training
 checkpoint (fp32 weights `model/<name>` and AdamW's two moments
@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench_dp import machine, write_results
+from common import fmt_load, machine, write_results
 from paratrain.checkpoint import (
     AsyncCheckpointer, CheckpointReader, DistCoordinator, ShardSpec, save_checkpoint, verify_checkpoint,
 )
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.data.shard import row_range
-from paratrain.testing import run_on_ranks
+from paratrain.ranks import run_on_ranks
 
 MB = 1e6  # throughput in decimal megabytes per second, as disks are rated
 RANKS = 2
@@ -321,9 +321,6 @@ def markdown(s: dict, meta: dict) -> str:
                      f"{mmm(m['added_per_save_s']) if mode != 'none' else '—'} |")
     return "\n".join(lines) + "\n"
 
-
-def fmt_load(values) -> str:
-    return "/".join(f"{v:.1f}" for v in values)
 
 
 def filesystem(path: str) -> str:

@@ -33,12 +33,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench_dp import MB, add_common_args, adamw_factory, build_model, doc_parser, fmt, fmt_load, model_config
-from bench_dp import failed_row, fmt_spread, run_meta, write_results
+from common import (
+    MB, adamw_factory, add_common_args, build_model, doc_parser, failed_row, fmt, fmt_load, fmt_spread, model_config,
+    run_meta, write_results,
+)
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import parallelize
 from paratrain.peak_memory import kept_by_forward
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
 
 
 @dataclass(frozen=True)

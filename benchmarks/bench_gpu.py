@@ -46,10 +46,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import paratrain
-from gpu_check import SIZES, adamw, batches, measure, model_on_meta
+from gpu_check import SIZES, adamw, batches, measure, model_on_meta, plain_step
 from paratrain import DataParallel
 from paratrain.hardware import device_peak_flops
 from paratrain.models import ModelConfig, get_model_config
@@ -163,17 +162,7 @@ def build_plain(cfg: ModelConfig, row: Row, x, y, device):
     if row.compile:
         compile_blocks(model)
     optimizer = adamw(model.parameters(), fused=device.type == "cuda")
-    autocast = row.kind == "pytorch"
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x)
-        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    return plain_step(model, optimizer, x, y, device, autocast=row.kind == "pytorch")  # FSDP2 casts itself
 
 
 def build_paratrain(cfg: ModelConfig, row: Row, kwargs: dict, x, y):

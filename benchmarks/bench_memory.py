@@ -38,12 +38,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bench_dp import (
-    MB, PAIRS, add_common_args, build_model, doc_parser, fmt, fmt_load, fmt_spread, failure_notes, machine,
-    model_config, proc_status_kb, setup_paratrain, setup_pytorch, warm_process, write_results,
+from bench_dp import PAIRS, setup_paratrain, setup_pytorch
+from common import (
+    MB, add_common_args, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread, machine, model_config,
+    proc_status_kb, warm_process, write_results,
 )
 from paratrain.peak_memory import CATEGORIES, TensorMemory, return_freed_memory
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
 
 LINEAR_WIDTH, LINEAR_LAYERS = 1024, 16
 

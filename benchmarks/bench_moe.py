@@ -37,14 +37,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench_dp import MB, add_common_args, adamw_factory, build_model, doc_parser, fmt, fmt_load, global_batch
-from bench_dp import failed_row, fmt_spread, machine, run_rounds, write_results
+from common import (
+    MB, adamw_factory, add_common_args, build_model, doc_parser, failed_row, fmt, fmt_load, fmt_spread, global_batch,
+    machine, run_rounds, write_results,
+)
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig
 from paratrain.parallel.api import parallelize
 from paratrain.parallel.expert import moe_layers
 from paratrain.peak_memory import TensorMemory, return_freed_memory
-from paratrain.testing import Collectives, RankError, run_on_ranks
+from paratrain.ranks import RankError, run_on_ranks
+from paratrain.testing import Collectives
 
 STATE = ("parameters", "gradients", "optimizer")
 

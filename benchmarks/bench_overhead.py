@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_dp import PAIRS, fmt_load, machine, setup_paratrain, setup_pytorch, write_results  # noqa: E402
+from bench_dp import PAIRS, setup_paratrain, setup_pytorch  # noqa: E402
+from common import fmt_load, machine, write_results  # noqa: E402
 from paratrain.mesh import MeshShape, build_mesh  # noqa: E402
 from paratrain.parallel.api import PipelineParallel, TensorParallel, parallelize  # noqa: E402
 from paratrain.parallel.tensor import Colwise, Rowwise  # noqa: E402
-from paratrain.testing import RankError, run_on_ranks  # noqa: E402
+from paratrain.ranks import RankError, run_on_ranks  # noqa: E402
 
 WIDTH = 64
 

@@ -44,8 +44,8 @@ import bench_dp  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_pp  # noqa: E402
 import bench_tp  # noqa: E402
-from bench_dp import doc_parser, fmt_load, machine, write_results  # noqa: E402
-from paratrain.testing import RankError, run_on_ranks  # noqa: E402
+from common import build_model, doc_parser, fmt_load, global_batch, machine, model_config, write_results  # noqa: E402
+from paratrain.ranks import RankError, run_on_ranks  # noqa: E402
 
 PAIRS = ([f"dp-{p}" for p in ("ddp", "zero1", "zero2", "zero3", "ddp-agreed")]
          + [f"pp-{v}" for v in ("gpipe", "1f1b", "interleaved", "zb-h1")]
@@ -77,7 +77,7 @@ def dp_sides(pair: str, rank: int, world: int, microbatches: int) -> dict:
     args = bench_dp.parse_args([])
     sides = {}
     for spec in bench_dp.PAIRS[pair.removesuffix("-agreed")]:
-        model = bench_dp.build_model(bench_dp.model_config(args), args.seed)
+        model = build_model(model_config(args), args.seed)
         run = (bench_dp.setup_paratrain if spec.framework == "paratrain" else bench_dp.setup_pytorch)(
             model, spec, world, args)
         run.close()  # PyTorch's side: its communication counters off (they would count paratrain's calls too)
@@ -86,7 +86,7 @@ def dp_sides(pair: str, rank: int, world: int, microbatches: int) -> dict:
 
         def step(i, run=run):
             rows = slice(rank * args.micro_batch, (rank + 1) * args.micro_batch)
-            x, y = (t[rows] for t in bench_dp.global_batch(i, world, args))
+            x, y = (t[rows] for t in global_batch(i, world, args))
             F.cross_entropy(run.model(x).flatten(0, 1).float(), y.flatten()).backward()
             optimizer_step(run, args.clip)
         sides[spec.framework] = step

@@ -39,14 +39,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from bench_dp import doc_parser
+from common import doc_parser, fmt_load
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
 from paratrain.plan import Layout, Workload, get_hardware, save_profile, step_time
 from paratrain.plan.calibrate import CalibrationPlan, calibrate, machine_info
-from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
-from paratrain.testing import run_on_ranks
+from paratrain.plan.machine_load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
+from paratrain.ranks import run_on_ranks
 
 
 @dataclass(frozen=True)
@@ -232,9 +232,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{blocked or '-'} | {b['dp_comm_s']:.3f} / {b['tp_comm_s']:.3f} / {b['pp_comm_s']:.3f} |")
     return "\n".join(lines) + "\n"
 
-
-def fmt_load(load) -> str:
-    return "/".join(f"{x:.2f}" for x in load)
 
 
 def parse_args(argv=None):

@@ -34,19 +34,21 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 
-from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
-    global_batch, model_config, optimizer_tensors, proc_status_kb, ratio_cell, reset_peak_rss, rss_start_note, run_meta, run_rounds,
+from common import (
+    MB, adamw_factory, add_common_args, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
+    global_batch, model_config, optimizer_tensors, proc_status_kb, ratio_cell, rss_start_note, run_meta, run_rounds,
     set_time_ratio, storage_bytes, write_results,
 )
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
-from paratrain.parallel.pipeline.runner import PipelineRunner, _input_backward, _weight_backward
+from paratrain.parallel.pipeline.runner import PipelineRunner
+from paratrain.parallel.pipeline.split_backward import input_backward, weight_backward
 from paratrain.parallel.pipeline.stages import split_for_pipeline
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulator import simulate
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.peak_memory import reset_peak_rss
+from paratrain.ranks import RankError, run_on_ranks
 
 
 @dataclass(frozen=True)
@@ -348,9 +350,9 @@ def torch_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
 
 def paratrain_split_backward(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, params: list) -> float:
     """paratrain's B and W under zb-h1 (`paratrain.parallel.pipeline.runner`): W starts where B left off."""
-    work = _input_backward(out, grad, x, params)
+    work = input_backward(out, grad, x, params)
     t0 = time.perf_counter()
-    _weight_backward(work)
+    weight_backward(work)
     return time.perf_counter() - t0
 
 

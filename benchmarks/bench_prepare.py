@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_dp import doc_parser, fmt_load, machine, write_results
+from common import doc_parser, fmt_load, machine, write_results
 
 _RUN = """
 import json, re, sys, time

@@ -26,7 +26,7 @@ from torch import nn
 
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import rotary_tables
-from paratrain.parallel.pipeline.runner import _input_backward, _weight_backward
+from paratrain.parallel.pipeline.split_backward import input_backward, weight_backward
 
 
 def parse_args(argv=None):
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     def ours():
         inp, out = forward()
         work = []
-        b = timed(lambda: work.append(_input_backward(out, grad, inp, params)))
-        w = timed(lambda: _weight_backward(work[0]))
+        b = timed(lambda: work.append(input_backward(out, grad, inp, params)))
+        w = timed(lambda: weight_backward(work[0]))
         return b, w, inp
 
     def theirs():

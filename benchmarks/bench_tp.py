@@ -38,9 +38,9 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
 )
 
-from bench_dp import (
-    MB, add_common_args, adamw_factory, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
-    global_batch, model_config, optimizer_tensors, proc_status_kb, reset_peak_rss, rss_start_note, run_meta, storage_bytes,
+from common import (
+    MB, adamw_factory, add_common_args, build_model, doc_parser, failure_notes, fmt, fmt_load, fmt_spread,
+    global_batch, model_config, optimizer_tensors, proc_status_kb, rss_start_note, run_meta, storage_bytes,
     write_results,
 )
 from paratrain.comm import Comm
@@ -49,7 +49,8 @@ from paratrain.models import ModelConfig
 from paratrain.parallel.tensor import clip_grad_norm_tp_
 from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
 from paratrain.parallel.tensor import apply_tensor_parallel
-from paratrain.testing import RankError, run_on_ranks
+from paratrain.peak_memory import reset_peak_rss
+from paratrain.ranks import RankError, run_on_ranks
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 def setup_paratrain(model, spec: Spec, world: int, args) -> Runner:
     mesh = build_mesh(MeshShape(tp=world))
     comm = Comm(mesh)
-    info = apply_tensor_parallel(model, LLAMA_SP_PLAN if spec.sp else LLAMA_TP_PLAN, mesh, comm,
+    info = apply_tensor_parallel(model, LLAMA_SP_PLAN if spec.sp else LLAMA_TP_PLAN, comm,
                                  sequence_parallel=spec.sp)
     loss_fn = lambda logits, targets: info.loss_fn(logits, targets, reduction="mean")  # noqa: E731
     clip = lambda max_norm: clip_grad_norm_tp_(model, info, max_norm)  # noqa: E731

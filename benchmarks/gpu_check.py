@@ -270,14 +270,12 @@ def measure(step, device, warmup: int, steps: int) -> dict:
             "max_memory_allocated": peak}
 
 
-def _eager_step(cfg: ModelConfig, x, y, device):
-    """Plain PyTorch's step: fp32 weights, autocast bf16, fused AdamW on CUDA, global-norm clipping."""
-    model = model_on_meta(cfg).to_empty(device=device)
-    model.init_weights(0)
-    optimizer = adamw(model.parameters(), fused=device.type == "cuda")
+def plain_step(model, optimizer, x, y, device, autocast: bool = True):
+    """Plain PyTorch's step (bench_gpu.py's too): the forward under bf16 autocast (when `autocast`), the loss in
+    fp32, global-norm clipping, the optimizer's step."""
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(x)
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -285,6 +283,13 @@ def _eager_step(cfg: ModelConfig, x, y, device):
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def _eager_step(cfg: ModelConfig, x, y, device):
+    """Plain PyTorch's step: fp32 weights, autocast bf16, fused AdamW on CUDA, global-norm clipping."""
+    model = model_on_meta(cfg).to_empty(device=device)
+    model.init_weights(0)
+    return plain_step(model, adamw(model.parameters(), fused=device.type == "cuda"), x, y, device)
 
 
 def check_throughput(cfg: ModelConfig, device, batch: int, seq: int, warmup: int, steps: int) -> dict:

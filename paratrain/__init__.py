@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Mesh": "paratrain.mesh", "MeshShape": "paratrain.mesh", "init_mesh": "paratrain.mesh",
     "ParatrainError": "paratrain.errors", "RunFailure": "paratrain.errors",
-    "ContextParallel": "paratrain.parallel.api", "DataParallel": "paratrain.parallel.api", "GradReduction": "paratrain.parallel.api",
+    "ContextParallel": "paratrain.parallel.api", "DataParallel": "paratrain.parallel.api", "GradReduction": "paratrain.parallel.data.engine",
     "ModelSpec": "paratrain.parallel.api", "PipelineParallel": "paratrain.parallel.api",
     "TensorParallel": "paratrain.parallel.api", "parallelize": "paratrain.parallel.api",
     "ParallelModel": "paratrain.parallel.model", "ScheduleName": "paratrain.parallel.pipeline.schedules",

@@ -18,7 +18,6 @@ import argparse
 import sys
 
 from paratrain.commands import COMMANDS
-from paratrain.commands.options import config_from_args  # noqa: F401  (the train command's config, for scripts)
 from paratrain.errors import ParatrainError, RunFailure
 
 

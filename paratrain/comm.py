@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.compat import all_gather_single as _all_gather, reduce_scatter_single as _reduce_scatter
-from paratrain.mesh import WORLD, Mesh
+from paratrain.mesh import WORLD, Axis, Mesh
 
 SUM = dist.ReduceOp.SUM
 
@@ -57,7 +57,7 @@ class CallRecord:
 
     seq: int
     kind: str
-    axis: str
+    axis: Axis
     shape: tuple[int, ...]
     dtype: str
     launched_at: float
@@ -82,7 +82,7 @@ class Comm:
         self._sending: dict[str, list] = defaultdict(list)  # axis -> works of sends left in flight (exchange)
 
     # -- accounting -------------------------------------------------------
-    def _count(self, kind: str, axis: str, tensor: torch.Tensor, sent: float) -> None:
+    def _count(self, kind: str, axis: Axis, tensor: torch.Tensor, sent: float) -> None:
         self.calls[axis, kind] += 1
         self.bytes[axis, kind] += int(round(sent))
         self._seq += 1
@@ -114,10 +114,10 @@ class Comm:
         return dict(out)
 
     # -- collectives ------------------------------------------------------
-    def _group(self, axis: str) -> tuple[dist.ProcessGroup | None, int]:
+    def _group(self, axis: Axis) -> tuple[dist.ProcessGroup | None, int]:
         return self.mesh.group(axis), self.mesh.size(axis)
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str, op=SUM, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis, op=SUM, async_op: bool = False):
         """In-place all-reduce of `tensor` over `axis`."""
         group, n = self._group(axis)
         if n == 1:
@@ -131,7 +131,7 @@ class Comm:
         return tensor
 
     @torch.no_grad()
-    def all_reduce_coalesced(self, tensors: list[torch.Tensor], axis: str) -> None:
+    def all_reduce_coalesced(self, tensors: list[torch.Tensor], axis: Axis) -> None:
         """Sum several tensors in place over `axis` with one flat all-reduce (one call instead of one each)."""
         tensors = [t for t in tensors if t.numel()]
         if not tensors or self.mesh.size(axis) == 1:
@@ -143,7 +143,7 @@ class Comm:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, op=SUM,
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: Axis, op=SUM,
                        async_op: bool = False):
         """Reduce `input` (N equal chunks along dim 0) over `axis`; chunk i lands in rank i's `output`."""
         group, n = self._group(axis)
@@ -159,7 +159,7 @@ class Comm:
             return self._issue(axis, async_op, dist.all_reduce, input, op=op, group=group)
         return self._issue(axis, async_op, _reduce_scatter, output, input, op=op, group=group)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: Axis, async_op: bool = False):
         """Gather every rank's `input` over `axis` into `output` (N chunks along dim 0, in axis order)."""
         group, n = self._group(axis)
         if n == 1:
@@ -178,7 +178,7 @@ class Comm:
             return self._issue(axis, async_op, _broadcast_chunks, chunks, self.mesh.ranks(axis), group=group)
         return self._issue(axis, async_op, _all_gather, output, input, group=group)
 
-    def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False):
+    def broadcast(self, tensor: torch.Tensor, axis: Axis, src: int = 0, async_op: bool = False):
         """Broadcast from the rank at index `src` of this rank's `axis` group."""
         group, n = self._group(axis)
         if n == 1:
@@ -187,7 +187,7 @@ class Comm:
         return self._issue(axis, async_op, dist.broadcast, tensor, src=self.mesh.ranks(axis)[src], group=group)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
-                   input_splits: list[int], axis: str) -> None:
+                   input_splits: list[int], axis: Axis) -> None:
         """Rows input_splits[i] of `input` (dim 0, in order) to the i-th rank of `axis`; output_splits[i] rows from
         it into `output`. Counted: the rows sent to the other ranks (a rank's own rows stay in memory)."""
         group, n = self._group(axis)
@@ -216,19 +216,19 @@ class Comm:
         communication overlaps compute (`overlaps_compute`), else none."""
         return 1 if self.overlaps_compute() else 0
 
-    def wait(self, works, axis: str) -> None:
+    def wait(self, works, axis: Axis) -> None:
         """Wait on work handles (None: a collective that needed no call); the time held up counts for `axis`."""
         with self._held(axis):
             wait_all(works)
 
-    def _issue(self, axis: str, async_op: bool, collective, *args, **kwargs):
+    def _issue(self, axis: Axis, async_op: bool, collective, *args, **kwargs):
         if async_op:
             return collective(*args, async_op=True, **kwargs)
         with self._held(axis):
             return collective(*args, **kwargs)
 
     @contextlib.contextmanager
-    def _held(self, axis: str):
+    def _held(self, axis: Axis):
         """Time what is inside as this rank held up on `axis`: host seconds, and on CUDA the stream's wait."""
         cuda = self.mesh.device.type == "cuda"
         if cuda:
@@ -263,7 +263,7 @@ class Comm:
         return dict(exposed)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]],
-                 axis: str, defer_sends: bool = False) -> None:
+                 axis: Axis, defer_sends: bool = False) -> None:
         """Send and receive a group of tensors over `axis` together, and wait for them.
 
         `sends` are (tensor, index of the peer in this rank's `axis` group), `receives`
@@ -288,7 +288,7 @@ class Comm:
             self._exchange(ops, sends, receives, ranks, group, axis if defer_sends else None)
 
     def start_exchange(self, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]],
-                       axis: str) -> list:
+                       axis: Axis) -> list:
         """`exchange`, returning as soon as the group is posted: the works to `wait(works, axis)` on later.
 
         For transfers that overlap the caller's compute (ring attention posts the next K/V block, then
@@ -307,13 +307,13 @@ class Comm:
             self._count("send", axis, t, _nbytes(t))
         return dist.batch_isend_irecv(ops)
 
-    def settle_sends(self, axis: str) -> None:
+    def settle_sends(self, axis: Axis) -> None:
         """Wait for the sends an `exchange(defer_sends=True)` left in flight on `axis`."""
         if self._sending[axis]:
             with self._held(axis):
                 wait_all(self._sending.pop(axis))
 
-    def _exchange(self, ops, sends, receives, ranks, group, defer_axis: str | None) -> None:
+    def _exchange(self, ops, sends, receives, ranks, group, defer_axis: Axis | None) -> None:
         works = dist.batch_isend_irecv(ops)
         # One work per op (gloo): wait for the receives only. A coalesced group (NCCL) has one work for
         # all, and waiting on it makes the stream wait, not the host: nothing to defer there.

@@ -345,11 +345,11 @@ def iter_options():
 def validate(cfg: Config, world_size: int = 1, model_cfg=None) -> CheckedLayout:
     """Check every rule that can be checked before any process starts; raise ConfigError.
 
-    The option values first (`check_values`), then the layout (`check_layout`; without the model,
-    the rules on its shape wait).
+    The option values first (`check_values`), then the layout (`layout_spec`, decided by
+    `paratrain.parallel.rules.check_layout`; without the model, the rules on its shape wait).
     """
     check_values(cfg)
-    return check_layout(cfg, world_size, model_cfg)
+    return rules.check_layout(layout_spec(cfg, world_size, model_cfg), ConfigError)
 
 
 def check_values(cfg: Config) -> None:
@@ -457,13 +457,13 @@ def _check_launch(cfg: Config) -> None:
     _check_timeout("--join-timeout", r.join_timeout_s)
 
 
-def check_layout(cfg: Config, world_size: int, model_cfg=None) -> CheckedLayout:
-    """The layout of `cfg` on `world_size` ranks, every layout rule decided once; ConfigError naming the first.
+def layout_spec(cfg: Config, world_size: int, model_cfg=None) -> LayoutSpec:
+    """The layout of `cfg` on `world_size` ranks as the rules read it (`paratrain.parallel.rules.check_layout`
+    decides it: the planner's rules too, so `train` refuses exactly the layouts `plan` calls infeasible,
+    naming the nearest valid ones). ConfigError for a degree that describes no layout at all.
 
     The data-parallel degree is --dp, or what --tp × --pp leave of the world; the batch defaults
-    are resolved for it (`resolve_batch`). The rules are `paratrain.parallel.rules`, the planner's
-    too, so `train` refuses exactly the layouts `plan` calls infeasible, naming the nearest valid
-    ones. Without the model (`model_cfg` None), the rules on its shape wait.
+    are resolved for it (`resolve_batch`). Without the model (`model_cfg` None), the rules on its shape wait.
     """
     from paratrain.mesh import MeshShape
 
@@ -476,11 +476,11 @@ def check_layout(cfg: Config, world_size: int, model_cfg=None) -> CheckedLayout:
     except ParatrainError as e:  # the mesh's: a config error here, naming the options
         raise ConfigError(str(e)) from None
     resolve_batch(cfg, dp)
-    return rules.check_layout(LayoutSpec(
+    return LayoutSpec(
         dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, activation_checkpointing=p.activation_checkpointing,
         dp_shard=p.dp_shard, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
-        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len), ConfigError)
+        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len)
 
 
 def resolve_batch(cfg: Config, dp: int) -> None:

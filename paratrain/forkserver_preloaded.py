@@ -5,7 +5,7 @@ collector never walks it again, in the server or in a worker forked from it. A f
 drops from 0.2 s to under a millisecond, no page of torch's objects is copied by one, and the server's exit
 skips the final walk over them (1.1 s of 1.3 s, during which it still held the launcher's stdout). It is a
 module of its own because it must come last: `paratrain.forkserver` itself is imported early in the preload
-(by paratrain.testing), before pytest and transformers.
+(by paratrain.ranks), before pytest and transformers.
 
 What a worker creates is never frozen: a model it drops is collected as before. Only a cycle through an
 object made by the preload that later became garbage would outlive its use; the preload's objects live to

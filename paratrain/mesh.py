@@ -46,20 +46,42 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 from paratrain.errors import ParatrainError
 
-AXES = ("pp", "dp", "cp", "tp")
-DATA_CP = "dp_cp"  # the ranks that differ only in dp and cp: what gradients are reduced over with cp > 1
-DATA_SUBAXES = ("dp_shard", "dp_replicate")  # the data axis split for hybrid sharding (dp = replicate × shard)
-# The data axis split for expert parallelism (dp = ep_replicate × ep): `ep` neighbouring data ranks hold the
-# experts of each MoE layer between them; the `ep_replicate` ranks at one ep coordinate hold the same block.
-EXPERT_AXES = ("ep", "ep_replicate")
-WORLD = "world"  # every rank of the mesh: not a parallelism axis, the group of mesh-wide agreements
+
+
+class Axis(StrEnum):
+    """A named axis of the mesh: what a strategy is handed to talk in (`Comm`'s collectives take one).
+
+    Equal to its name as a string (and hashed alike), so tables keyed by axis read the same either way
+    and a report prints "dp", not a class name.
+    """
+
+    PP = "pp"
+    DP = "dp"
+    CP = "cp"
+    TP = "tp"
+    DP_CP = "dp_cp"  # the ranks that differ only in dp and cp: what gradients are reduced over with cp > 1
+    DP_SHARD = "dp_shard"  # hybrid sharding (dp = dp_replicate × dp_shard): the ranks of one ZeRO shard group
+    DP_REPLICATE = "dp_replicate"  # ... and the ranks holding the same shard
+    # Expert parallelism (dp = ep_replicate × ep): `ep` neighbouring data ranks hold the experts of each MoE
+    # layer between them; the `ep_replicate` ranks at one ep coordinate hold the same block.
+    EP = "ep"
+    EP_REPLICATE = "ep_replicate"
+    WORLD = "world"  # every rank of the mesh: not a parallelism axis, the group of mesh-wide agreements
+
+
+AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+DATA_CP = Axis.DP_CP
+DATA_SUBAXES = (Axis.DP_SHARD, Axis.DP_REPLICATE)  # the data axis split for hybrid sharding
+EXPERT_AXES = (Axis.EP, Axis.EP_REPLICATE)  # the data axis split for expert parallelism
+WORLD = Axis.WORLD
 # What every rank of one data rank's pipeline and tensor-parallel group holds alike: its batch and its counts.
-PER_DATA_RANK = ("pp", "cp", "tp")
+PER_DATA_RANK = (Axis.PP, Axis.CP, Axis.TP)
 
 
 class MeshError(ParatrainError, ValueError):
@@ -102,11 +124,11 @@ class MeshShape:
     def ep_replicate(self) -> int:
         return self.dp // self.ep
 
-    def size(self, axis: str) -> int:
+    def size(self, axis: Axis) -> int:
         return self.dp * self.cp if axis == DATA_CP else getattr(self, axis)
 
     @property
-    def axes(self) -> tuple[str, ...]:
+    def axes(self) -> tuple[Axis, ...]:
         """The axes `build_mesh` makes groups for: pp, dp, cp, tp, the data axis's two parts when it keeps
         replicas, dp × cp together when cp > 1 (the gradients' group), and the expert axes when ep > 1."""
         return (AXES + (DATA_SUBAXES if self.dp_replicate > 1 else ()) + ((DATA_CP,) if self.cp > 1 else ())
@@ -120,17 +142,17 @@ class MeshShape:
             return 0
         return 1 + sum(self.size(axis) > 1 for axis in self.axes)
 
-    def coords(self, rank: int) -> dict[str, int]:
+    def coords(self, rank: int) -> dict[Axis, int]:
         """This rank's coordinate on each axis (tp varies fastest, then cp), the data axis's parts included."""
         pp, rest = divmod(rank, self.dp * self.cp * self.tp)
         dp, rest = divmod(rest, self.cp * self.tp)
         cp, tp = divmod(rest, self.tp)
         replicate, shard = divmod(dp, self.dp_shard)
         ep_replicate, ep = divmod(dp, self.ep)
-        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_shard": shard, "dp_replicate": replicate,
-                DATA_CP: dp * self.cp + cp, "ep": ep, "ep_replicate": ep_replicate}
+        return {Axis.PP: pp, Axis.DP: dp, Axis.CP: cp, Axis.TP: tp, Axis.DP_SHARD: shard, Axis.DP_REPLICATE: replicate,
+                Axis.DP_CP: dp * self.cp + cp, Axis.EP: ep, Axis.EP_REPLICATE: ep_replicate}
 
-    def owns(self, rank: int, replicated_over: tuple[str, ...]) -> bool:
+    def owns(self, rank: int, replicated_over: tuple[Axis, ...]) -> bool:
         """Whether `rank` is the one that counts or writes a tensor held alike along the axes `replicated_over`:
         the copy at coordinate 0 of each of them (a norm counts each element once, a checkpoint writes it once)."""
         coords = self.coords(rank)
@@ -147,16 +169,16 @@ class MeshShape:
             dp, cp = divmod(dp_cp, self.cp)
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
-    def groups(self, axis: str) -> list[list[int]]:
+    def groups(self, axis: Axis) -> list[list[int]]:
         """Every group of `axis`: the ranks that differ only in their `axis` coordinate."""
-        if axis == "dp_shard":  # runs of dp_shard neighbouring ranks of each data group
-            return [g[i:i + self.dp_shard] for g in self.groups("dp") for i in range(0, self.dp, self.dp_shard)]
-        if axis == "dp_replicate":  # every dp_shard-th rank of each data group: one per shard group
-            return [g[i::self.dp_shard] for g in self.groups("dp") for i in range(self.dp_shard)]
-        if axis == "ep":  # runs of ep neighbouring ranks of each data group
-            return [g[i:i + self.ep] for g in self.groups("dp") for i in range(0, self.dp, self.ep)]
-        if axis == "ep_replicate":  # every ep-th rank of each data group: the holders of one block of experts
-            return [g[i::self.ep] for g in self.groups("dp") for i in range(self.ep)]
+        if axis == Axis.DP_SHARD:  # runs of dp_shard neighbouring ranks of each data group
+            return [g[i:i + self.dp_shard] for g in self.groups(Axis.DP) for i in range(0, self.dp, self.dp_shard)]
+        if axis == Axis.DP_REPLICATE:  # every dp_shard-th rank of each data group: one per shard group
+            return [g[i::self.dp_shard] for g in self.groups(Axis.DP) for i in range(self.dp_shard)]
+        if axis == Axis.EP:  # runs of ep neighbouring ranks of each data group
+            return [g[i:i + self.ep] for g in self.groups(Axis.DP) for i in range(0, self.dp, self.ep)]
+        if axis == Axis.EP_REPLICATE:  # every ep-th rank of each data group: the holders of one block of experts
+            return [g[i::self.ep] for g in self.groups(Axis.DP) for i in range(self.ep)]
         if axis == DATA_CP:  # every (dp, cp) pair of one (pp, tp) position, dp-major
             return [[self.rank_of(pp=p, tp=t, dp_cp=i) for i in range(self.dp * self.cp)]
                     for p in range(self.pp) for t in range(self.tp)]
@@ -199,41 +221,41 @@ class Mesh:
 
     shape: MeshShape
     rank: int
-    groups: dict[str, dist.ProcessGroup | None] = field(repr=False)
+    groups: dict[Axis, dist.ProcessGroup | None] = field(repr=False)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
-    def size(self, axis: str) -> int:
+    def size(self, axis: Axis) -> int:
         return self.shape.world_size if axis == WORLD else self.shape.size(axis)
 
-    def coord(self, axis: str) -> int:
+    def coord(self, axis: Axis) -> int:
         return self.rank if axis == WORLD else self.shape.coords(self.rank)[axis]
 
-    def group(self, axis: str) -> dist.ProcessGroup | None:
+    def group(self, axis: Axis) -> dist.ProcessGroup | None:
         return self.groups.get(axis)  # an axis of one rank may have no entry: there is no group to talk in
 
     @property
-    def data_axis(self) -> str:
+    def data_axis(self) -> Axis:
         """The axis gradients are reduced over: ``"dp"``, or ``"dp_cp"`` with context parallelism (cp ranks
         hold different tokens of the same sequences, so their gradients are partial sums too)."""
-        return "dp" if self.shape.cp == 1 else DATA_CP
+        return Axis.DP if self.shape.cp == 1 else Axis.DP_CP
 
     @property
-    def shard_axis(self) -> str:
+    def shard_axis(self) -> Axis:
         """The axis ZeRO shards over: the data axis (`data_axis`), or ``"dp_shard"`` when it keeps replicas (HSDP)."""
-        return self.data_axis if self.shape.dp_replicate == 1 else "dp_shard"
+        return self.data_axis if self.shape.dp_replicate == 1 else Axis.DP_SHARD
 
     @property
     def replicas(self) -> int:
         """How many replicas of each ZeRO shard the data axis holds (its ``dp_replicate`` degree)."""
         return self.shape.dp_replicate
 
-    def ranks(self, axis: str) -> list[int]:
+    def ranks(self, axis: Axis) -> list[int]:
         """Global ranks of this rank's group on `axis`, in axis order."""
         if axis == WORLD:
             return list(range(self.shape.world_size))
         return next(g for g in self.shape.groups(axis) if self.rank in g)
 
-    def owns(self, replicated_over: tuple[str, ...]) -> bool:
+    def owns(self, replicated_over: tuple[Axis, ...]) -> bool:
         """Whether this rank counts or writes a tensor held alike along `replicated_over` (`MeshShape.owns`)."""
         return self.shape.owns(self.rank, replicated_over)
 
@@ -242,7 +264,7 @@ class Mesh:
         return self.rank == 0
 
 
-def replicated_over(data_sharded: bool, tp_sharded: bool, expert: bool = False) -> tuple[str, ...]:
+def replicated_over(data_sharded: bool, tp_sharded: bool, expert: bool = False) -> tuple[Axis, ...]:
     """The axes along which ranks hold equal copies of one parameter's tensor (a master, its gradient, the
     parameter itself).
 
@@ -255,8 +277,8 @@ def replicated_over(data_sharded: bool, tp_sharded: bool, expert: bool = False) 
     that hold the same block, and sharded over them by ZeRO: copies along `ep_replicate` or none.
     """
     if expert:
-        return (() if data_sharded else ("ep_replicate",)) + (() if tp_sharded else ("tp",))
-    return (("dp_replicate",) if data_sharded else ("dp", "cp")) + (() if tp_sharded else ("tp",))
+        return (() if data_sharded else (Axis.EP_REPLICATE,)) + (() if tp_sharded else (Axis.TP,))
+    return ((Axis.DP_REPLICATE,) if data_sharded else (Axis.DP, Axis.CP)) + (() if tp_sharded else (Axis.TP,))
 
 
 def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch.device | str | None = None) -> Mesh:
@@ -272,12 +294,12 @@ def build_mesh(shape: MeshShape, timeout: timedelta | None = None, device: torch
     rank, world = dist.get_rank(), dist.get_world_size()
     if shape.world_size != world:
         raise MeshError(f"mesh {shape} has {shape.world_size} ranks but the world has {world}")
-    groups: dict[str, dist.ProcessGroup | None] = {WORLD: dist.group.WORLD}
+    groups: dict[Axis, dist.ProcessGroup | None] = {WORLD: dist.group.WORLD}
     for axis in shape.axes:
         for ranks in shape.groups(axis):
             # new_group is collective over the whole world: every rank creates every group. Each group
             # carries its axis's name, which NCCL's flight recorder keeps with every collective.
-            group = dist.new_group(ranks, timeout=timeout, group_desc=axis) if len(ranks) > 1 else None
+            group = dist.new_group(ranks, timeout=timeout, group_desc=str(axis)) if len(ranks) > 1 else None
             if rank in ranks:
                 groups[axis] = group
     # When one axis is the whole world (the others have one rank), the mesh-wide agreement rides its group:

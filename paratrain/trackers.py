@@ -31,6 +31,11 @@ from paratrain.config import Config, ConfigError
 from paratrain.errors import ParatrainError
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
+# What the trackers write into a run directory (`paratrain.run.rundir` keeps them across a relaunch, or wipes them).
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+MLFLOW_DIR = "mlruns"
+TRACKERS_FILE = "trackers.json"  # the run ids trackers gave this run (MLflow's), so that a resumed run continues them
 # tracker: (module that must import, pip extra that installs it)
 CLIENTS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
            "mlflow": ("mlflow", "mlflow")}
@@ -89,8 +94,6 @@ class TensorBoardTracker:
     def __init__(self, out: Path, run_id: str, config: dict, purge_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        from paratrain.run.rundir import TENSORBOARD_DIR
-
         self.writer = SummaryWriter(str(out / TENSORBOARD_DIR), purge_step=purge_step)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -108,8 +111,6 @@ class WandbTracker:
 
     def __init__(self, out: Path, run_id: str, config: dict, purge_step: int | None):
         import wandb
-
-        from paratrain.run.rundir import WANDB_DIR
 
         (out / WANDB_DIR).mkdir(exist_ok=True)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "paratrain"), id=run_id, name=out.name,
@@ -129,8 +130,6 @@ class MlflowTracker:
     into the same run. The params are the resolved config; each record's numbers are metrics at its step."""
 
     def __init__(self, out: Path, run_id: str, config: dict, purge_step: int | None):
-        from paratrain.run.rundir import MLFLOW_DIR
-
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (out / MLFLOW_DIR).resolve().as_uri()
         if uri.startswith("file:"):
             # MLflow 3 keeps its file store in maintenance and refuses it unless asked: a file store is what the
@@ -178,8 +177,6 @@ TRACKER_CLASSES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "ml
 
 
 def _read_state(out: Path) -> dict:
-    from paratrain.run.rundir import TRACKERS_FILE
-
     try:
         return json.loads((out / TRACKERS_FILE).read_text())
     except (OSError, ValueError):
@@ -187,8 +184,6 @@ def _read_state(out: Path) -> dict:
 
 
 def _write_state(out: Path, state: dict) -> None:
-    from paratrain.run.rundir import TRACKERS_FILE
-
     tmp = out / (TRACKERS_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=2) + "\n")
     tmp.replace(out / TRACKERS_FILE)

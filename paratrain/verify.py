@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 from paratrain.config import ParallelSection
 from paratrain.errors import ParatrainError
-from paratrain.parallel import rules
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
 
@@ -128,18 +127,14 @@ def micro_batch(global_batch: int, layout: dict[str, Any], given: int | None = N
     return per_rank // pp if pp > 1 and per_rank % pp == 0 else per_rank
 
 
-def check_layout(text: str, layout: dict[str, Any], global_batch: int, seq_len: int, given_micro_batch=None,
-                 model=None) -> rules.CheckedLayout:
-    """The layout rules (`paratrain.parallel.rules`) on one layout; VerifyError naming the layout and the rule."""
+def layout_spec(layout: dict[str, Any], global_batch: int, seq_len: int, given_micro_batch=None,
+                model=None) -> LayoutSpec:
+    """One parsed layout (`parse_layout`) as the rules read it (`paratrain.parallel.rules.check_layout` decides it)."""
     names = {f.name for f in dataclasses.fields(LayoutSpec)}
     options = {k: v for k, v in layout.items() if k in names and v is not None}
     options["dp"] = options.get("dp") or 1
-    spec = LayoutSpec(**options, world_size=num_processes(layout), model=model, global_batch=global_batch,
+    return LayoutSpec(**options, world_size=num_processes(layout), model=model, global_batch=global_batch,
                       micro_batch=micro_batch(global_batch, layout, given_micro_batch), seq_len=seq_len)
-    try:
-        return rules.check_layout(spec)
-    except rules.LayoutRuleError as e:
-        raise VerifyError(f"layout {text!r}: {e}") from None
 
 
 # -- judging --------------------------------------------------------------------------------------

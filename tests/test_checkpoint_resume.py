@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from paratrain.checkpoint import CheckpointReader, verify_checkpoint
-from paratrain.cli import build_parser, config_from_args, main
+from paratrain.cli import build_parser, main
+from paratrain.commands.options import config_from_args
 from paratrain.run.diagnose import FingerprintRing, describe
 from paratrain.comm import CallRecord
 from paratrain.faults import FAULT_ENV

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.cli import build_parser, config_from_args, main
+from paratrain.cli import build_parser, main
+from paratrain.commands.options import config_from_args
 from paratrain.config import ConfigError, iter_options
 from paratrain.metrics import read_metrics
 from paratrain.models import MODEL_CONFIGS

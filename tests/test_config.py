@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from paratrain.cli import build_parser, config_from_args
+from paratrain.cli import build_parser
+from paratrain.commands.options import config_from_args
 from paratrain.config import Config, ConfigError, iter_options, validate
 from paratrain.parallel.rules import batch_violations
 

@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from paratrain.cli import build_parser, config_from_args, main
+from paratrain.cli import build_parser, main
+from paratrain.commands.options import config_from_args
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import document_layout

@@ -54,8 +54,8 @@ def _batch(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
 def _engine(kind: str, model: nn.Module, mesh) -> Engine:
     comm, policy = Comm(mesh), precision_policy("fp32")
     if kind == "zero3":
-        return FullyShardedEngine(model, mesh, comm, policy, grad_reduction="sum")
-    return DataParallelEngine(model, mesh, comm, policy, stage=ENGINES.index(kind), grad_reduction="sum")
+        return FullyShardedEngine(model, comm, policy, grad_reduction="sum")
+    return DataParallelEngine(model, comm, policy, zero=ENGINES.index(kind), grad_reduction="sum")
 
 
 def _contract(engine: Engine, model: nn.Module, mesh) -> dict:

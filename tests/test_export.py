@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from paratrain.checkpoint import CheckpointReader, LocalCoordinator, ShardSpec, save_checkpoint
-from paratrain.interop.export import SourceKind, export_hf, import_hf, resolve_source
+from paratrain.interop.export import import_hf
+from paratrain.run.export import SourceKind, export_hf, resolve_source
 from paratrain.interop.hf import HFError, HFWeights, model_config_from_hf
 from paratrain.cli import main
 from paratrain.config import Config

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain.testing import RankFailure, RankTimeout, free_port, run_on_ranks
+from paratrain.distributed import free_port
+from paratrain.testing import RankFailure, RankTimeout, run_on_ranks
 
 # Rank bodies: module level so the harness can pickle them by reference.
 

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paratrain.cli import build_parser, config_from_args
+from paratrain.cli import build_parser
+from paratrain.commands.options import config_from_args
 from paratrain.config import ConfigError
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.run.build import preflight, resolve_model_config

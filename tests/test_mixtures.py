@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from paratrain.checkpoint import CheckpointReader
-from paratrain.cli import build_parser, config_from_args, main
+from paratrain.cli import build_parser, main
+from paratrain.commands.options import config_from_args
 from paratrain.config import Config, resolve_recipe
 from paratrain.data import DataError
 from paratrain.data.mixture import PERIOD, MixtureSampler, parse_eval_data, parse_mixture, slot_counts

@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from paratrain.interop.export import export_hf, import_hf
+from paratrain.interop.export import import_hf
+from paratrain.run.export import export_hf
 from paratrain.interop.hf import HFError, HFWeights, from_hf_name, hf_config, hf_names
 from paratrain.models import ModelConfig, Transformer
 

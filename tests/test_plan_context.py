@@ -14,7 +14,9 @@ import pytest
 
 from paratrain.models.configs import get_model_config
 from paratrain.plan import Layout, Recompute, Workload, comm_bytes_per_rank, estimate, get_hardware, search
-from paratrain.plan.memory import DTYPE_BYTES, layer_activation_bytes, stage_activation_bytes
+from paratrain.plan.activations import layer_activation_bytes
+from paratrain.plan.memory import stage_activation_bytes
+from paratrain.plan.model_states import DTYPE_BYTES
 from paratrain.plan.ring import ring_attention_saved_bytes
 from paratrain.plan.search import SearchSpace
 

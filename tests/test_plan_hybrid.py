@@ -14,7 +14,8 @@ import json
 import pytest
 
 from paratrain.cli import main as cli_main
-from paratrain.commands.report import format_summary, load_run, planned_comm, predicted_step
+from paratrain.commands.report import format_summary, load_run
+from paratrain.commands.report_plan import planned_comm, predicted_step
 from paratrain.config import Config
 from paratrain.models import get_model_config
 from paratrain.plan import (

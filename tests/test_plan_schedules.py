@@ -8,7 +8,8 @@ from paratrain.parallel.pipeline.schedules import Action, Kind, ScheduleName, bu
 from paratrain.parallel.pipeline.simulator import simulate, traits_of, validate
 from paratrain.plan import Layout, Workload, estimate_memory, get_hardware, in_flight_microbatches, step_time
 from paratrain.plan.compute import SPLIT_BACKWARD_COST, stage_pass_times
-from paratrain.plan.memory import loss_backward_bytes, stage_memory
+from paratrain.plan.activations import loss_backward_bytes
+from paratrain.plan.memory import stage_memory
 
 LLAMA_7B = get_model_config("llama2-7b")
 H100 = get_hardware("h100-80gb")

@@ -24,12 +24,13 @@ import pytest
 import torch
 
 from paratrain import DataParallel, TensorParallel, init_mesh, parallelize
-from paratrain.cli import build_parser, config_from_args
+from paratrain.cli import build_parser
+from paratrain.commands.options import config_from_args
 from paratrain.config import ConfigError, validate
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.recompute import Checkpointing, Recompute, RecomputeError
+from paratrain.parallel.rules import Checkpointing, Recompute, RecomputeError
 from paratrain.peak_memory import TensorMemory, kept_by_forward
-from paratrain.plan.memory import layer_activation_bytes
+from paratrain.plan.activations import layer_activation_bytes
 from parallel_cases import TINY, adamw, batches, launch_once, loss_sum
 
 MODES = (0, "full", "selective")

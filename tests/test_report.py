@@ -16,9 +16,9 @@ from paratrain.commands.report import (
     load_runs,
     loss_figure,
     memory_figure,
-    planned_comm,
     run_summary,
 )
+from paratrain.commands.report_plan import planned_comm
 from paratrain.train import train
 
 FIGURES = ["loss.png", "throughput.png", "memory.png", "comm.png"]
@@ -186,7 +186,7 @@ def write_timed_run(path, steps=5):
 
 
 def test_summary_puts_the_predicted_step_next_to_the_measured_medians(tmp_path):
-    from paratrain.commands.report import predicted_step
+    from paratrain.commands.report_plan import predicted_step
     from paratrain.plan import get_hardware
 
     run = load_run(write_timed_run(tmp_path / "timed"))

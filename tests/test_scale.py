@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from paratrain.config import Config
 from paratrain.run.build import resolve_model_config
-from paratrain.interop.export import export_hf
+from paratrain.run.export import export_hf
 from paratrain.peak_memory import proc_status_bytes, return_freed_memory
 from paratrain.testing import run_on_ranks
 

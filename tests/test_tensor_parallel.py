@@ -70,7 +70,7 @@ def _parallel_model(cfg, mesh, comm, sp, meta=False, **kwargs):
         kwargs["init"] = lambda name, shape: model.param_init(name, shape, 0)
     else:
         model = _cpu_model(cfg)
-    return model, apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sp, **kwargs)
+    return model, apply_tensor_parallel(model, plan, comm, sequence_parallel=sp, **kwargs)
 
 
 # -- differentiable primitives -------------------------------------------------------------------
@@ -482,7 +482,7 @@ def test_sharded_params_are_slices_of_one_process_init_and_1_over_tp_of_the_byte
         mesh = _fake_mesh(tp, coord)
         from_meta, info = _parallel_model(cfg, mesh, Comm(mesh), sp=False, meta=True)
         from_full = make_model(cfg)  # the other path: slice an existing full model
-        apply_tensor_parallel(from_full, LLAMA_TP_PLAN, mesh, Comm(mesh))
+        apply_tensor_parallel(from_full, LLAMA_TP_PLAN, Comm(mesh))
         for model in (from_meta, from_full):
             for name, param in model.named_parameters():
                 dim = info.sharded.get(name)
@@ -525,7 +525,7 @@ def test_clear_errors(case):
     model = make_model(dataclasses.replace(TINY, n_layers=1, **changes))
     mesh = _fake_mesh(2, 0)
     with pytest.raises(TensorParallelError) as error:
-        apply_tensor_parallel(model, plan, mesh, Comm(mesh), sequence_parallel=sp)
+        apply_tensor_parallel(model, plan, Comm(mesh), sequence_parallel=sp)
     assert isinstance(error.value, ValueError)
     assert message in str(error.value) and "\n" not in str(error.value)
     # every check runs before anything is replaced

@@ -215,7 +215,7 @@ def _gpt2_fused(rank, world):
     from paratrain.comm import Comm
 
     try:
-        apply_tensor_parallel(hf_gpt2(), {"transformer.h.*.attn.c_attn": Colwise()}, mesh, Comm(mesh))
+        apply_tensor_parallel(hf_gpt2(), {"transformer.h.*.attn.c_attn": Colwise()}, Comm(mesh))
     except TensorParallelError as error:
         return str(error)
 

@@ -199,7 +199,7 @@ def _reference(name: str):
 def _shard(model: nn.Module, mesh: Mesh, precision: Precision = FP32, **kwargs):
     comm = Comm(mesh)
     kwargs.setdefault("grad_reduction", "sum")
-    engine = FullyShardedEngine(model, mesh, comm, precision, **kwargs)
+    engine = FullyShardedEngine(model, comm, precision, **kwargs)
     return engine, comm
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from paratrain.interop.export import EXPORT_DTYPES, export_hf
+from paratrain.interop.export import EXPORT_DTYPES
+from paratrain.run.export import export_hf
 
 MB = 2**20
 

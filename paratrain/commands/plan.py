@@ -25,9 +25,9 @@ import dataclasses
 import json
 
 from paratrain.commands.options import given_options
-from paratrain.commands.plan_options import (  # noqa: F401  (parse_bytes: run.memory_budget reads --mem-budget with it)
+from paratrain.commands.plan_options import (
     BATCH_OPTIONS, LAYOUT_OPTIONS, MODEL_OPTIONS, add_shared_options, hardware_from_args, layout_from_args,
-    parse_bytes, parse_count, space_from_args, workload_from_args,
+    space_from_args, workload_from_args,
 )
 from paratrain.parallel import rules
 from paratrain.plan.budget import budget, format_budget
@@ -35,6 +35,7 @@ from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, Hardware,
 from paratrain.plan.memory import GB, LayoutError, MemoryBreakdown, PlanError, Recompute, Workload
 from paratrain.plan.moe import DEFAULT_IMBALANCE, is_moe
 from paratrain.plan.search import Estimate, SearchResult, estimate, layout_spec, search
+from paratrain.plan.sizes import parse_count
 
 
 ATTENTION_RUNTIMES = ("flash", "materialized")

@@ -33,8 +33,7 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from paratrain.commands.report_plan import (format_prediction, measured_breakdown, median_or_none,  # noqa: F401
-                                           planned_comm, planned_inputs, predicted_step)
+from paratrain.commands.report_plan import format_prediction, median_or_none, planned_comm
 from paratrain.errors import ParatrainError
 
 MB = 10**6

@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from paratrain.config import TrainSection
+from paratrain.parallel import rules
 from paratrain.parallel.api import ModelSpec
-from paratrain.verify import Comparison, VerifyError, check_layout, compare, micro_batch, num_processes
+from paratrain.verify import Comparison, VerifyError, compare, layout_spec, micro_batch, num_processes
 
 LR = 1e-2  # the full rate from step 1, so a wrong gradient moves the parameters visibly
 
@@ -133,7 +134,10 @@ def _check_layout(text: str, layout: dict[str, Any], spec: ModelSpec, job: dict)
     if pp > 1 and not isinstance(spec.module, nn.Sequential):
         raise VerifyError(f"layout {text!r} has pp={pp}: pipeline parallelism splits an nn.Sequential, and the "
                           f"factory returned a {type(spec.module).__name__}")
-    check_layout(text, layout, job["global_batch"], job["seq_len"], job["micro_batch"])
+    try:
+        rules.check_layout(layout_spec(layout, job["global_batch"], job["seq_len"], job["micro_batch"]))
+    except rules.LayoutRuleError as e:
+        raise VerifyError(f"layout {text!r}: {e}") from None
 
 
 def _given(layout: dict[str, Any], *names: str) -> dict[str, Any]:

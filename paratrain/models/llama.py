@@ -7,7 +7,8 @@ Parallel strategies act on this model from outside, so it is written to survive 
   by input features without changing this file.
 - Blocks live in a `ModuleDict` keyed "0".."L-1": a pipeline stage deletes the blocks it
   does not own and the remaining parameter names stay those of the full model.
-- `tok_embeddings`, `norm` and `output` may be set to `None` by a pipeline stage.
+- `tok_embeddings`, `norm` and `output` may be set to `None` by a pipeline stage (the model names
+  them in `pipeline_first` and `pipeline_last`: `paratrain.parallel.pipeline.stages.LayeredModel`).
 - Construction on the meta device holds no data; `init_weights` draws each parameter from
   its own generator keyed by (seed, name), so values do not depend on device, dtype, or
   which parameters a rank holds.
@@ -185,6 +186,10 @@ class Transformer(nn.Module):
     `model.to_empty(device=...)` then `model.init_weights(seed)`.
     """
 
+    # What a pipeline's first stage keeps before the layers and its last stage after them.
+    pipeline_first = ("tok_embeddings",)
+    pipeline_last = ("norm", "output")
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -218,6 +223,13 @@ class Transformer(nn.Module):
             h_BSD = layer(h_BSD, cos_SE, sin_SE) if mask is None else layer(h_BSD, cos_SE, sin_SE, mask)
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict:
+        """Megatron's split of this model (`paratrain.models.tp_plans`): what `parallelize` applies under tp > 1
+        when the caller names no plan (`paratrain.parallel.tensor.plan.PlannedModel`)."""
+        from paratrain.models.tp_plans import reference_plan
+
+        return reference_plan(self.config, sequence_parallel)
 
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         """`nn.Module.to_empty`, keeping the output projection tied to the embedding table."""

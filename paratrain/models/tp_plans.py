@@ -1,7 +1,8 @@
 """Tensor-parallel plans for the reference model and for the most used Hugging Face families.
 
 A plan maps module-name patterns to the styles of `paratrain.parallel.tensor.plan`; these are the
-ready ones. `LLAMA_TP_PLAN` is Megatron's split of the reference `Transformer` (attention and
+ready ones. The model chooses its own (`reference_plan`, through `Transformer.tensor_parallel_plan`):
+tensor parallelism is told the plan, it never looks the model up. `LLAMA_TP_PLAN` is Megatron's split of the reference `Transformer` (attention and
 feed-forward column then row, vocabulary-split embedding and head); `LLAMA_SP_PLAN` adds sequence
 parallelism; `HF_LLAMA_PLAN` and `HF_GPT2_PLAN` are the same ideas under Hugging Face's module names.
 """
@@ -39,6 +40,13 @@ LLAMA_SP_PLAN: dict[str, Style] = {
     "layers.*.ffn_norm": SequenceParallelNorm(),
     "norm": SequenceParallelNorm(),
 }
+
+
+
+def reference_plan(config, sequence_parallel: bool = False) -> dict[str, Style]:
+    """The plan of the reference `Transformer` built from `config` (what `Transformer.tensor_parallel_plan` gives)."""
+    return LLAMA_SP_PLAN if sequence_parallel else LLAMA_MOE_TP_PLAN if config.is_moe else LLAMA_TP_PLAN
+
 
 # Hugging Face `LlamaForCausalLM` (and Mistral, Qwen2: the same module names), built from a config or
 # loaded: the reference plan under Hugging Face's names. Its attention and MLP are called with keyword

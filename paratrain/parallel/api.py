@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -27,16 +26,16 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
-from paratrain.mesh import Mesh
+from paratrain.mesh import Axis, Mesh
 from paratrain.parallel import rules
 from paratrain.parallel.data.ddp import DataParallelEngine
+from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
 from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
-from paratrain.parallel.tensor.plan import apply_tensor_parallel
-from paratrain.models.tp_plans import LLAMA_MOE_TP_PLAN, LLAMA_SP_PLAN, LLAMA_TP_PLAN
+from paratrain.parallel.tensor.plan import PlannedModel, apply_tensor_parallel
 from paratrain.parallel.data.units import UnitSpec
 from paratrain.precision import Precision, precision_policy
 
@@ -47,13 +46,6 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, 
 
 class ParallelConfigError(ParatrainError, ValueError):
     """parallelize() was asked for something it cannot do; the message says what instead."""
-
-
-class GradReduction(str, Enum):
-    """How gradients combine over the data ranks."""
-
-    MEAN = "mean"  # averaged (the DDP convention: each rank's loss is a mean over its own batch)
-    SUM = "sum"  # summed (the loss is already normalized over the global batch, as paratrain's trainer does)
 
 
 @dataclass(frozen=True)
@@ -94,7 +86,8 @@ class TensorParallel:
     """Tensor parallelism over the mesh's tp axis.
 
     plan: module-name pattern → style (`paratrain.parallel.tensor.plan`), applied in place; None takes
-        the reference model's (`LLAMA_TP_PLAN`, or `LLAMA_SP_PLAN` with sequence parallelism).
+        the model's own (`model.tensor_parallel_plan(sequence_parallel)`: the reference model's is
+        `LLAMA_TP_PLAN`, or `LLAMA_SP_PLAN` with sequence parallelism).
         The logits are then split along the vocabulary: use `model.loss_fn`.
     sequence_parallel: split norms and residuals along the sequence (needs tp > 1).
     """
@@ -186,7 +179,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         then materializes only its slices); by default the model's own `param_init`.
     comm: the communication layer (`paratrain.comm.Comm` over `mesh`) the model runs its collectives
         through, for a caller that reads its counters or listens to it (the trainer's metrics, step
-        timer and guard); None: the model makes its own, which it does not hand out.
+        timer and guard); None: the model makes its own, which it does not hand out. Every strategy
+        is handed this one object and reads its process groups from `comm.mesh`.
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -201,9 +195,11 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     pipeline = pipeline or PipelineParallel()
     _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing)
     comm = comm or Comm(mesh)
+    if comm.mesh is not mesh:  # each strategy below is handed the comm alone and reads its groups from comm.mesh
+        raise ParallelConfigError("comm= talks over another mesh than the one given; build it as Comm(mesh)")
     # 0. Context parallelism reads the model as the user built it: only its forward's signature (how it
     #    takes positions) matters, which no step below changes; it never touches the parameters.
-    sharding = _context_sharding(model, mesh, comm, context)
+    sharding = _context_sharding(model, comm, context)
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built there),
     #    and everything after works on that smaller module under the same names.
     split = _split(model, mesh, pipeline)
@@ -212,10 +208,10 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         init = _default_init(model)
     # 1b. Expert parallelism before tensor parallelism: tp materializes a meta model, and by then each MoE layer
     #     must hold only this rank's block of experts (the initializer keeps the block of the whole).
-    expert_info, init = _expert(model, mesh, comm, init)
+    expert_info, init = _expert(model, comm, init)
     # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and everything
     #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
-    tp_info, init = _tensor(model, mesh, comm, tensor, data, split, init)
+    tp_info, init = _tensor(model, comm, tensor, data, split, init)
     # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
     _materialize_or_move(model, init, mesh.device, data)
     # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
@@ -224,9 +220,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    saved-tensor hooks).
     _recompute_and_compile(model, comm, checkpointing, compile, sharding)
     # 5. The data-parallel engine: it sees the final parameters it has to reduce.
-    engine = _engine(model, mesh, comm, policy, data, init, expert_info)
+    engine = _engine(model, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
-    runner = _runner(split, mesh, comm, policy, pipeline, tp_info, sharding)
+    runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info)
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     return wrapped, _optimizer(optimizer, wrapped, engine, data)
@@ -234,33 +230,34 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
 
 def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):
     """This rank's pipeline stages of `model` (a `PipelineSplit`), or None without pipeline parallelism."""
-    if mesh.size("pp") == 1:
+    if mesh.size(Axis.PP) == 1:
         return None
     from paratrain.parallel.pipeline.stages import split_for_pipeline
 
-    return split_for_pipeline(model, mesh.size("pp"), mesh.coord("pp"), pipeline.virtual_stages,
+    return split_for_pipeline(model, mesh.size(Axis.PP), mesh.coord(Axis.PP), pipeline.virtual_stages,
                               list(pipeline.boundaries) if pipeline.boundaries is not None else None)
 
 
-def _expert(model: nn.Module, mesh: Mesh, comm: Comm, init):
+def _expert(model: nn.Module, comm: Comm, init):
     """Expert parallelism over the mesh's ep axis: (what it did or None, the initializer of the local blocks)."""
-    if mesh.size("ep") == 1:
+    mesh = comm.mesh
+    if mesh.size(Axis.EP) == 1:
         return None, init
-    from paratrain.parallel.expert import apply_expert_parallel
+    from paratrain.parallel.expert.sharding import apply_expert_parallel
 
     info = apply_expert_parallel(model, comm)
     if not info.names:
-        raise ParallelConfigError(f"the mesh has ep={mesh.size('ep')} but {type(model).__name__} has no MoE layer; "
+        raise ParallelConfigError(f"the mesh has ep={mesh.size(Axis.EP)} but {type(model).__name__} has no MoE layer; "
                                   "use ep=1 for a dense model")
     return info, (functools.partial(info.local_init, init) if init is not None else None)
 
 
-def _tensor(model: nn.Module, mesh: Mesh, comm: Comm, tensor: TensorParallel, data: DataParallel, split, init):
+def _tensor(model: nn.Module, comm: Comm, tensor: TensorParallel, data: DataParallel, split, init):
     """Tensor parallelism applied in place: (what the plan did or None, the initializer of the local slices)."""
-    if mesh.size("tp") == 1 and tensor.plan is None:
+    if comm.mesh.size(Axis.TP) == 1 and tensor.plan is None:
         return None, init
-    tp_info, init = _apply_tensor_parallel(model, mesh, comm, tensor.plan, tensor.sequence_parallel, init,
-                                           materialize=data.zero < 3, device=mesh.device, whole_model=split is None)
+    tp_info, init = _apply_tensor_parallel(model, comm, tensor.plan, tensor.sequence_parallel, init,
+                                           materialize=data.zero < 3, whole_model=split is None)
     if split is not None and tensor.sequence_parallel:
         from paratrain.parallel.pipeline.stages import sequence_parallel_boundaries
 
@@ -287,43 +284,42 @@ def _recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpoi
         checkpoint_blocks(model, checkpointing)
 
 
-def _engine(model: nn.Module, mesh: Mesh, comm: Comm, policy: Precision, data: DataParallel, init, expert_info=None):
+def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel, init, expert_info=None):
     """The data-parallel engine of `data.zero`'s stage over the model's final parameters; under expert parallelism
     one over the dense parameters (the data axis) and one over the experts (the ranks holding the same block), or
     under ZeRO-3 one engine sharding each kind over its own axis."""
-    reduction = data.grad_reduction.value
     if data.zero == 3:  # one engine: each expert block sharded over the ranks holding it, the rest over the data axis
         from paratrain.parallel.data.zero3 import FullyShardedEngine
-        from paratrain.parallel.expert import REPLICATE_AXIS
+        from paratrain.parallel.expert.sharding import REPLICATE_AXIS
 
         prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
-        return FullyShardedEngine(model, mesh, comm, policy, units=data.units, init=init, grad_reduction=reduction,
+        return FullyShardedEngine(model, comm, policy, units=data.units, init=init, grad_reduction=data.grad_reduction,
                                   prefetch=prefetch, expert_names=expert_info.names if expert_info else (),
                                   expert_axis=REPLICATE_AXIS)
     if expert_info is not None:
         from paratrain.parallel.data.groups import GroupedEngine
-        from paratrain.parallel.expert import REPLICATE_AXIS
+        from paratrain.parallel.expert.sharding import REPLICATE_AXIS
 
         named = [(n, p) for n, p in model.named_parameters()]
         groups = [[(n, p) for n, p in named if (n in expert_info.names) == expert] for expert in (False, True)]
-        return GroupedEngine([DataParallelEngine(model, mesh, comm, policy, stage=data.zero, bucket_mb=data.bucket_mb,
-                                                 grad_reduction=reduction, params=params,
+        return GroupedEngine([DataParallelEngine(model, comm, policy, zero=data.zero, bucket_mb=data.bucket_mb,
+                                                 grad_reduction=data.grad_reduction, params=params,
                                                  axis=REPLICATE_AXIS if expert else None)
                               for expert, params in zip((False, True), groups)], [False, True])
-    return DataParallelEngine(model, mesh, comm, policy, stage=data.zero, bucket_mb=data.bucket_mb,
-                              grad_reduction=reduction)
+    return DataParallelEngine(model, comm, policy, zero=data.zero, bucket_mb=data.bucket_mb,
+                              grad_reduction=data.grad_reduction)
 
 
-def _runner(split, mesh: Mesh, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):
+def _runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):
     """The pipeline runner of this rank's stages (each stage's forward on this rank's chunks of the sequences
     under context parallelism: `sharding`), or None without pipeline parallelism."""
     if split is None:
         return None
     from paratrain.parallel.pipeline.runner import PipelineRunner
 
-    runner = PipelineRunner(split, pipeline.schedule, mesh, comm, policy, tp_axis=tp_info.axis if tp_info else None,
+    runner = PipelineRunner(split, pipeline.schedule, comm, policy, tp_axis=tp_info.axis if tp_info else None,
                             context=sharding)
-    runner.schedule(mesh.size("pp"))  # a schedule that cannot run fails now, not at step 1
+    runner.schedule(comm.mesh.size(Axis.PP))  # a schedule that cannot run fails now, not at step 1
     return runner
 
 
@@ -341,13 +337,19 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
     return opt
 
 
-def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                  checked: CheckedLayout | None, activation_checkpointing: int = 0) -> None:
-    """The layout rules (`paratrain.parallel.rules`) on the mesh and the options, unless the caller decided them."""
+def _layout_spec(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
+                 activation_checkpointing: int | str = 0) -> LayoutSpec:
+    """The mesh and the options as the layout rules read them (`paratrain.parallel.rules`)."""
     s = mesh.shape
-    layout = LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
-                        sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
-                        virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
+    return LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
+                      sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
+                      virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
+
+
+def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
+                  checked: CheckedLayout | None, activation_checkpointing: int | str = 0) -> None:
+    """The layout rules on the mesh and the options, unless the caller decided them (then on the same layout)."""
+    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing)
     if checked is None:
         rules.check_layout(layout, ParallelConfigError)
     elif not checked.describes(layout):
@@ -355,7 +357,7 @@ def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeli
                                   "pass the one paratrain.parallel.rules.check_layout gave for this layout")
 
 
-def _context_sharding(model: nn.Module, mesh: Mesh, comm: Comm, context: ContextParallel | None):
+def _context_sharding(model: nn.Module, comm: Comm, context: ContextParallel | None):
     """Context parallelism's forward wrapper, or None when the mesh has one cp rank.
 
     Read from the model as the user built it, before any step above wraps it: only the forward's
@@ -363,7 +365,7 @@ def _context_sharding(model: nn.Module, mesh: Mesh, comm: Comm, context: Context
     alone (inputs split, SDPA answered by the ring), never on the parameters, so the engine reduces
     the gradients over dp × cp (`Mesh.data_axis`) without knowing of it.
     """
-    if mesh.size("cp") == 1:
+    if comm.mesh.size(Axis.CP) == 1:
         return None
     from paratrain.parallel.context.sdpa import ContextSharding
 
@@ -397,8 +399,8 @@ def _materialize(model: nn.Module, init, device: torch.device) -> None:
         param.copy_(init(name, param.shape))
 
 
-def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, sequence_parallel: bool,
-                           init, materialize: bool, device, whole_model: bool):
+def _apply_tensor_parallel(model: nn.Module, comm: Comm, plan, sequence_parallel: bool,
+                           init, materialize: bool, whole_model: bool):
     """Apply the plan; return its info and the initializer the data-parallel engine gets next.
 
     A meta model is materialized here, slice by slice, unless ZeRO-3 follows: then the modules
@@ -406,16 +408,14 @@ def _apply_tensor_parallel(model: nn.Module, mesh: Mesh, comm: Comm, plan, seque
     so no rank ever holds more than its tp × dp share of a layer.
     """
     if plan is None:
-        from paratrain.models import Transformer
-
-        if not isinstance(model, Transformer):
+        if not isinstance(model, PlannedModel):
             raise ParallelConfigError(f"tensor parallelism needs a plan for {type(model).__name__}: pass "
                                       "tensor=TensorParallel(plan={module pattern: style}) (see "
                                       "paratrain.parallel.tensor.plan)")
-        plan = LLAMA_SP_PLAN if sequence_parallel else LLAMA_MOE_TP_PLAN if model.config.is_moe else LLAMA_TP_PLAN
+        plan = model.tensor_parallel_plan(sequence_parallel)
     on_meta = any(p.is_meta for p in model.parameters())
-    info = apply_tensor_parallel(model, plan, mesh, comm, sequence_parallel=sequence_parallel,
-                                 init=init if on_meta and materialize else None, device=device,
+    info = apply_tensor_parallel(model, plan, comm, sequence_parallel=sequence_parallel,
+                                 init=init if on_meta and materialize else None, device=comm.mesh.device,
                                  sp_grad_hooks=False,  # ParallelModel reduces those grads itself
                                  strict=whole_model)  # a pipeline stage lacks the other stages' modules
     if not on_meta or materialize:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.mesh import PER_DATA_RANK, WORLD, replicated_over
+from paratrain.mesh import PER_DATA_RANK, WORLD, Axis, replicated_over
 from paratrain.parallel.context.split import unshard_sequence
 from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict
 from paratrain.parallel.data.engine import Engine
@@ -115,7 +115,7 @@ class ParallelModel(nn.Module):
                            for expert in self._sharded for tp_sharded in (True, False)}  # split over tp or not
         world = range(mesh.size(WORLD))
         self._data_ranks = [r for r in world if mesh.shape.owns(r, PER_DATA_RANK)]  # one rank per data rank
-        self._loss_ranks = [r for r in world if mesh.shape.owns(r, ("tp",))]  # every stage's: the last writes it
+        self._loss_ranks = [r for r in world if mesh.shape.owns(r, (Axis.TP,))]  # every stage's: the last writes it
 
     @property
     def mesh(self):
@@ -198,7 +198,7 @@ class ParallelModel(nn.Module):
 
     def comm_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over the data ranks (for losses and token counts); returns it."""
-        self.comm.all_reduce(tensor, "dp")
+        self.comm.all_reduce(tensor, Axis.DP)
         return tensor
 
     def no_sync(self):
@@ -225,7 +225,7 @@ class ParallelModel(nn.Module):
         """
         loss_fn = loss_fn or self.loss_fn
         self._phase = _Phase.BACKWARD
-        rows = sum(inputs.shape[0] for inputs, _ in micro_batches) * self.mesh.size("dp")
+        rows = sum(inputs.shape[0] for inputs, _ in micro_batches) * self.mesh.size(Axis.DP)
         for layer in self._moe:  # and each layer's expert load counts this step's forwards
             layer.aux_rows = rows
             layer.reset_step_load()
@@ -291,8 +291,8 @@ class ParallelModel(nn.Module):
         world, rank = self.mesh.size(WORLD), self.mesh.rank
         rows = len(_FLAGS) + len(counts)
         # Rows of one column per rank, then one row of per-master flags per pipeline stage.
-        flags_at = rows * world + self.mesh.coord("pp") * self._flag_width
-        flat = torch.zeros(rows * world + self.mesh.size("pp") * self._flag_width, dtype=torch.float64,
+        flags_at = rows * world + self.mesh.coord(Axis.PP) * self._flag_width
+        flat = torch.zeros(rows * world + self.mesh.size(Axis.PP) * self._flag_width, dtype=torch.float64,
                            device=self.device)
         table = flat[:rows * world].view(rows, world)
         if result is not None:
@@ -312,7 +312,7 @@ class ParallelModel(nn.Module):
         table_host = [host[i * world:(i + 1) * world] for i in range(rows)]
         verdict = self._decide(table_host, list(counts))
         if result is not None and self.pipeline is not None:  # the last stage's sum, on every stage (no sync)
-            result.loss_sum.fill_(math.fsum(table_host[3][r] for r in self.mesh.ranks("pp")))
+            result.loss_sum.fill_(math.fsum(table_host[3][r] for r in self.mesh.ranks(Axis.PP)))
         unused = [i for i, count in enumerate(host[flags_at:flags_at + len(used)]) if count == 0]
         self.engine.drop_gradients(list(range(len(used))) if verdict.skip else unused)
         self.verdict, self._phase, self._grad_norm = verdict, _Phase.AGREED, verdict.grad_norm
@@ -482,7 +482,7 @@ def _whole_expert(info, whole_tp, name: str, value: torch.Tensor) -> torch.Tenso
 
 def _moe_layers(module: nn.Module) -> list[nn.Module]:
     """The MoE layers of `module` (none: nothing imported)."""
-    from paratrain.parallel.expert import moe_layers
+    from paratrain.parallel.expert.sharding import moe_layers
 
     return moe_layers(module)
 

@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # The modes and their parsing are torch-free and live with the other layout enumerations (the planner reads them).
-from paratrain.parallel.rules import Checkpointing, Recompute, RecomputeError  # noqa: F401
+from paratrain.parallel.rules import Checkpointing, Recompute
 
 
 def _aten_ops(*names: str) -> frozenset:

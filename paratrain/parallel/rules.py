@@ -10,12 +10,15 @@ options, the trainer's preflight the model and batch too, the planner each candi
 `Violation` (a rule name, for grouping, and a one-line reason naming the fix). `check_layout` raises
 the first in the caller's error type and returns a `CheckedLayout`, which the caller carries down so
 that one run decides its layout once (`paratrain train`: the preflight decides, `parallelize`
-receives the verdict). Everyone asks this module:
+receives the verdict). Everyone asks this module, each caller converting its own kind of layout
+into a `LayoutSpec` once (a `layout_spec` beside that kind) and asking `check_layout` (or
+`layout_violations`) here:
 
-    parallelize()        the rules its mesh and options decide, or the caller's CheckedLayout
-    paratrain train      the preflight (`paratrain.config.check_layout`): world, model, batch, seq len
-    paratrain plan       one layout and every candidate of a search (`paratrain.plan.search`)
-    paratrain verify     each layout, through the trainer's preflight or for the user's own model
+    parallelize()        its mesh and options (`api._layout_spec`), or the caller's CheckedLayout
+    paratrain train      the preflight: a Config (`paratrain.config.layout_spec`): world, model, batch, seq len
+    paratrain plan       a planned Layout and Workload (`paratrain.plan.search.layout_spec`), every candidate
+    paratrain verify     each layout, through the trainer's preflight, or for the user's own model a parsed
+                         layout (`paratrain.verify.layout_spec`)
 
 The rules of a schedule's own arguments stay with the schedules, whose generator checks them too
 (`paratrain.parallel.pipeline.schedules.schedule_violations`); this module asks it.

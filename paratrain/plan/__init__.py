@@ -32,8 +32,8 @@ from paratrain.plan.memory import (
     Workload,
     estimate_memory,
     in_flight_microbatches,
-    layer_activation_bytes,
 )
+from paratrain.plan.activations import layer_activation_bytes
 from paratrain.plan.model_states import ModelStates, gpt_num_params, model_state_bytes, stage_param_count
 from paratrain.parallel.pipeline.schedules import ScheduleName
 from paratrain.plan.search import (

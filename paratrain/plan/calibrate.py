@@ -10,7 +10,7 @@ as a CUDA graph: at training sizes the host queues kernels ahead of the device, 
 step pays per operator is the device's gap between kernels, not the host's launch time. Without a
 GPU, the CPU, as follows.
 
-Every measurement runs on `nproc` gloo ranks at once (`paratrain.testing.run_on_ranks`), one
+Every measurement runs on `nproc` gloo ranks at once (`paratrain.ranks.run_on_ranks`), one
 thread per rank, as training runs: what is measured is the throughput one process gets while
 its peers work beside it (on a CPU they share caches and memory bandwidth), and of the ranks the
 slowest is kept, since a step waits for its slowest rank.
@@ -40,7 +40,7 @@ when a layout has more ranks than the host has cores.
 On a shared machine each phase first waits for the CPUs to be nearly idle and is measured again
 (up to `retries` times) when other processes took more than `max_foreign` of the CPUs while it
 ran, or when a matmul probe before and after it ran more than `max_drift` away from the machine's
-best probe at the start (`paratrain.plan.load`); the profile's source line and the raw
+best probe at the start (`paratrain.plan.machine_load`); the profile's source line and the raw
 measurements say how much.
 """
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from paratrain.plan.fit import CalibrationError, fit_attention, fit_flash_attention, fit_gemm_curve, fit_link
 from paratrain.plan.hardware import HARDWARE_PRESETS, Hardware
-from paratrain.plan.load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
+from paratrain.plan.machine_load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.plan.measure import (
     measure_attention,
     measure_collectives,
@@ -299,7 +299,7 @@ def run_phase(rank: int, world: int, name: str, plan: CalibrationPlan):
 
 def _measure_phase(name: str, plan: CalibrationPlan, baseline: float) -> tuple[list, list]:
     """(per-rank results of the attempt closest to the baseline conditions, every attempt's Conditions)."""
-    from paratrain.testing import RankError, run_on_ranks
+    from paratrain.ranks import RankError, run_on_ranks
 
     attempts = []
     ranks = plan.nproc * _PHASES[name][1]
@@ -319,7 +319,7 @@ def _measure_phase(name: str, plan: CalibrationPlan, baseline: float) -> tuple[l
 
 def calibrate(plan: CalibrationPlan = CalibrationPlan(), progress: bool = True) -> tuple[Hardware, dict]:
     """Measure this machine on `plan.nproc` ranks; return (profile, raw measurements with machine info)."""
-    from paratrain.testing import run_on_ranks
+    from paratrain.ranks import run_on_ranks
 
     machine = machine_info()
     if plan.device == "cuda":

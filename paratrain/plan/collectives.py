@@ -26,10 +26,10 @@ from paratrain.plan.memory import (
     PipelineBoundary,
     Recompute,
     Workload,
-    layers_on_stage,
     stage_dense_params,
     stage_expert_params,
 )
+from paratrain.plan.model_states import layers_on_stage
 from paratrain.plan.ring import ring_kv_block_bytes
 
 # An all-to-all of S bytes (a rank's whole buffer, its own 1/n included) sends S·(n−1)/n in n−1 pairwise steps.

@@ -37,16 +37,13 @@ from paratrain.plan.hardware import (
     get_hardware,
 )
 from paratrain.plan.memory import (
-    ADAM_MOMENT_BYTES,
-    MASTER_BYTES,
     Layout,
     Recompute,
     Workload,
-    block_param_count,
-    layers_on_stage,
     pipeline_traits,
     stage_expert_params,
 )
+from paratrain.plan.model_states import ADAM_MOMENT_BYTES, MASTER_BYTES, block_param_count, layers_on_stage
 from paratrain.plan import moe
 from paratrain.plan.ops import PassTimes, Shape, attention_seconds, block_times, embedding_times, head_times
 

@@ -21,22 +21,16 @@ from paratrain.models.configs import ModelConfig
 from paratrain.parallel.pipeline.schedules import ScheduleName, chunks_per_rank
 from paratrain.parallel.pipeline.simulator import ScheduleTraits, traits_of
 from paratrain.parallel.rules import ZERO_STAGES, spelled
-# Model states moved to their own module; every name stays importable from here.
-from paratrain.plan.model_states import (  # noqa: F401
-    ADAM_MOMENT_BYTES,
+from paratrain.plan.model_states import (
     DTYPE_BYTES,
-    MASTER_BYTES,
     ModelStates,
-    block_param_count,
-    gpt_num_params,
     layers_on_stage,
     model_state_bytes,
     stage_param_count,
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 from paratrain.plan import moe
-from paratrain.plan.activations import (  # noqa: F401
-    LOGIT_BYTES,
+from paratrain.plan.activations import (
     head_bytes_as_run,
     layer_activation_bytes,
     logits_bytes,

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from paratrain.models.configs import ModelConfig
 from paratrain.plan.compute import step_time
 from paratrain.plan.hardware import HARDWARE_PRESETS, Hardware
-from paratrain.plan.memory import Layout, Recompute, Workload, block_param_count
+from paratrain.plan.memory import Layout, Recompute, Workload
+from paratrain.plan.model_states import block_param_count
 from paratrain.parallel.pipeline.schedules import ScheduleName
 
 ONE_BUCKET_MB = 1e9  # every gradient in one collective after the backward: no overlap (Megatron-LM 2021)

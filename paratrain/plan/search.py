@@ -79,6 +79,7 @@ def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: Model
     for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    # The arguments are the rules' own fields: nothing to convert.
     rules.check_layout(LayoutSpec(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, zero=zero,
                                   sequence_parallel=sequence_parallel, schedule=schedule,
                                   virtual_stages=virtual_stages, world_size=world_size, model=model_cfg,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
-from paratrain.config import Config, ConfigError, check_layout, check_values
+from paratrain.config import Config, ConfigError, check_values, layout_spec
 from paratrain.data import DataSampler
 from paratrain.data.mixture import MixtureSampler, TrainingData, load_training_data, parse_mixture
 from paratrain.data.prepare import is_prepared_dir
@@ -35,7 +35,9 @@ from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.contract import TrainableModel
-from paratrain.parallel.api import DataParallel, GradReduction, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.data.engine import GradReduction
+from paratrain.parallel import rules
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.run.guard import StepGuard
@@ -102,7 +104,7 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     try:
         check_values(cfg)
         model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
-        layout = check_layout(cfg, world_size, model_cfg)
+        layout = rules.check_layout(layout_spec(cfg, world_size, model_cfg), ConfigError)
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
@@ -181,10 +183,12 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     p = cfg.parallel
     with torch.device("meta"):
         model = Transformer(model_cfg)
+    # The trainer knows its model: it names the plan, so that no strategy has to.
+    plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
     return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg),
                        # The trainer's loss is already normalized by the global token count.
                        data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM),
-                       tensor=TensorParallel(sequence_parallel=p.sequence_parallel),
+                       tensor=TensorParallel(plan=plan, sequence_parallel=p.sequence_parallel),
                        pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
                        activation_checkpointing=p.activation_checkpointing, compile=p.compile,

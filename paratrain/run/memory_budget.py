@@ -126,7 +126,7 @@ def memory_budget(text: str, local_processes: int, launcher: bool = False,
 
     `shape`: the job's mesh, whose process groups each hold an NCCL communicator on CUDA.
     """
-    from paratrain.commands.plan import parse_bytes
+    from paratrain.plan.sizes import parse_bytes
 
     if text != "auto":
         return parse_bytes(text, "--mem-budget"), "--mem-budget"

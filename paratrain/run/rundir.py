@@ -33,13 +33,10 @@ from pathlib import Path
 from paratrain.checkpoint.format import parse_step_dirname
 from paratrain.checkpoint.store import list_checkpoints, read_index
 from paratrain.config import Config, ConfigError
+from paratrain.trackers import MLFLOW_DIR, TENSORBOARD_DIR, TRACKERS_FILE, WANDB_DIR
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
-WANDB_DIR = "wandb"
-MLFLOW_DIR = "mlruns"
-TRACKERS_FILE = "trackers.json"
 PROFILE_DIR = "profile"
 MEMORY_DIR = "memory"
 CHECKPOINT_DIR = "checkpoints"

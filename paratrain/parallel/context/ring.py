@@ -43,6 +43,7 @@ from enum import Enum
 import torch
 
 from paratrain.comm import Comm
+from paratrain.mesh import Axis
 from paratrain.parallel.context.kernels import BlockKernel, attention_kernel
 from paratrain.parallel.context.split import positions
 
@@ -53,7 +54,7 @@ class Ring:
 
     comm: Comm
     seq_len: int  # tokens of the whole sequence (2·cp chunks)
-    axis: str = "cp"
+    axis: Axis = Axis.CP
 
     @property
     def size(self) -> int:

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
+from paratrain.mesh import Axis
 from paratrain.parallel.context.ring import Ring, ring_attention
 from paratrain.parallel.context.split import positions, shard_sequence
 
@@ -103,7 +104,7 @@ def recompute_context():
 class ContextSharding:
     """What a `ParallelModel` does around its module's forward under context parallelism."""
 
-    def __init__(self, module: nn.Module, comm: Comm, position_keyword: str | None = None, axis: str = "cp"):
+    def __init__(self, module: nn.Module, comm: Comm, position_keyword: str | None = None, axis: Axis = Axis.CP):
         self.comm, self.axis = comm, axis
         self.size, self.rank = comm.mesh.size(axis), comm.mesh.coord(axis)
         if isinstance(module, nn.Sequential):

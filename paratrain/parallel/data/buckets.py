@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.mesh import Axis
 from paratrain.parallel.data.shard import as_rows, chunk_padding, chunk_tiles, padded_chunk_numel, row_range
 
 
@@ -101,7 +102,7 @@ def new_buffer(bucket: Bucket, shards: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def all_gather_parameters(bucket: Bucket, comm: Comm, axis: str, shards: int, rank: int, dtype: torch.dtype,
+def all_gather_parameters(bucket: Bucket, comm: Comm, axis: Axis, shards: int, rank: int, dtype: torch.dtype,
                           buffer_lives: bool) -> None:
     """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N).
 

@@ -64,9 +64,9 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.compat import at_backward_end, backward_pass_id
-from paratrain.mesh import Mesh
+from paratrain.mesh import Axis
 from paratrain.parallel.data.buckets import Bucket, Slot, all_gather_parameters, make_buckets, new_buffer
-from paratrain.parallel.data.engine import used_flags, weak_hook
+from paratrain.parallel.data.engine import GradReduction, used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.data.shard import as_rows, chunk_tiles
@@ -89,20 +89,22 @@ class _InFlight:
 
 
 class DataParallelEngine:
-    """DDP (stage 0) and ZeRO-1/2 over the `dp` axis of a mesh (ZeRO: over its shard groups), for any
+    """DDP (zero=0) and ZeRO-1/2 over the `dp` axis of the comm's mesh (ZeRO: over its shard groups), for any
     nn.Module (an `Engine`, see engine.py)."""
 
     params_sharded = False  # every data rank holds every parameter whole
 
-    def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision, stage: int = 0,
-                 bucket_mb: float = 25.0, grad_reduction: str = "mean",
-                 params: list[tuple[str, nn.Parameter]] | None = None, axis: str | None = None):
+    def __init__(self, model: nn.Module, comm: Comm, precision: Precision, zero: int = 0,
+                 bucket_mb: float = 25.0, grad_reduction: GradReduction = GradReduction.MEAN,
+                 params: list[tuple[str, nn.Parameter]] | None = None, axis: Axis | None = None):
         """`params` (name, parameter): the ones this engine reduces (None: every trainable one of `model`);
         `axis`: the ranks that hold copies of them, over which their gradients are reduced and ZeRO shards them
         (None: the data axis, split for hybrid sharding). A mean divides by the whole data axis whatever the
         axis: a group of parameters held by fewer data ranks (a block of experts) already sums, through its
         forward, the contributions of the tokens of the others."""
-        assert stage in (0, 1, 2) and grad_reduction in ("mean", "sum")
+        assert zero in (0, 1, 2)
+        grad_reduction = GradReduction(grad_reduction)
+        mesh = comm.mesh
         # The data axis: dp, or dp × cp with context parallelism (cp ranks' gradients are partial sums too).
         self.data_axis = axis or mesh.data_axis
         self.dp = mesh.size(self.data_axis)
@@ -111,15 +113,15 @@ class DataParallelEngine:
         # precision each 16-bit gradient is added into its fp32 master's as autograd leaves it (`_add_to_master`).
         # Every ZeRO stage is that one (a single shard is the whole model).
         self.local = self.dp == 1
-        stage = 0 if self.local else stage
-        self.model, self.comm, self.precision, self.stage = model, comm, precision, stage
+        zero = 0 if self.local else zero
+        self.model, self.comm, self.precision, self.zero = model, comm, precision, zero
         # ZeRO shards over the shard group (the data axis, or its dp_shard part under hybrid sharding).
         self.shard_axis = axis or mesh.shard_axis
-        self.shards = mesh.size(self.shard_axis) if stage > 0 else 1
-        self.rank = mesh.coord(self.shard_axis) if stage > 0 else 0
-        self.replicas = (1 if axis else mesh.replicas) if stage > 0 else 1
-        self.pre_divide = mesh.size(mesh.data_axis) if grad_reduction == "mean" else 1
-        self.per_backward = stage == 2  # reduces every backward; buffers exist only while filled or reduced
+        self.shards = mesh.size(self.shard_axis) if zero > 0 else 1
+        self.rank = mesh.coord(self.shard_axis) if zero > 0 else 0
+        self.replicas = (1 if axis else mesh.replicas) if zero > 0 else 1
+        self.pre_divide = mesh.size(mesh.data_axis) if grad_reduction is GradReduction.MEAN else 1
+        self.per_backward = zero == 2  # reduces every backward; buffers exist only while filled or reduced
         named = [(n, p) for n, p in (model.named_parameters() if params is None else params) if p.requires_grad]
         # Every replica starts from dp rank 0's values: nothing moves when they already agree.
         make_replicas([p.data for _, p in named], comm, self.data_axis, int(bucket_mb * 2**20))
@@ -165,11 +167,11 @@ class DataParallelEngine:
                     master = rows.to(self.precision.master_dtype, copy=True)
                     slot.master = master.reshape(hi - lo, *slot.param.shape[1:])
                     slot.param.data = slot.param.data.to(self.precision.param_dtype)
-                elif self.stage == 0:
+                elif self.zero == 0:
                     slot.master = slot.param  # plain DDP: the optimizer updates the parameters themselves
                 else:
                     slot.master = slot.param.detach()[lo:hi] if slot.param.dim() else slot.param.detach().reshape(1)[lo:hi]
-        if not self.per_backward and (self.stage > 0 or self.precision.mixed) and not self.local:
+        if not self.per_backward and (self.zero > 0 or self.precision.mixed) and not self.local:
             for bucket in self.buckets:  # DDP / ZeRO-1: one buffer per bucket for the whole run
                 bucket.buffer = new_buffer(bucket, self.shards, self.precision.reduce_dtype)
 
@@ -298,9 +300,9 @@ class DataParallelEngine:
             if not slot.filled:  # a parameter this rank's backward did not reach contributes zeros
                 for rows, part in chunk_tiles(as_rows(slot.param.detach()), slot.columns(bucket.buffer, self.shards)):
                     part.zero_()
-            slot.filled = self.stage < 2 and slot.filled  # ZeRO-2: the next backward writes a fresh buffer
+            slot.filled = self.zero < 2 and slot.filled  # ZeRO-2: the next backward writes a fresh buffer
         bucket.launched_in_backward, bucket.launched_at = in_backward, time.perf_counter()
-        if self.stage == 0:
+        if self.zero == 0:
             bucket.work = self.comm.all_reduce(bucket.buffer, self.data_axis, async_op=True)
             return
         # ZeRO: at most one reduce-scatter in flight (`Comm.reductions_in_flight`: none on the CPU), landed
@@ -308,7 +310,7 @@ class DataParallelEngine:
         # each input when its collective completes; a backend may copy an input until then.
         while len(self._in_flight) >= max(1, self._in_flight_limit):
             self._land(self._in_flight.popleft())
-        if self.stage == 1:  # in place: this rank's chunk of the persistent buffer
+        if self.zero == 1:  # in place: this rank's chunk of the persistent buffer
             chunk = bucket.buffer.view(self.shards, -1)[self.rank]
             work = self.comm.reduce_scatter(chunk, bucket.buffer, self.shard_axis, async_op=True)
             self._in_flight.append(_InFlight(bucket, work, bucket.buffer, None))
@@ -378,7 +380,7 @@ class DataParallelEngine:
             self._land(self._in_flight.popleft())
         if self.replicas > 1:  # hybrid sharding: the last shard's sum over the replicas
             self._replica_sum.land()
-        self.comm.wait([b.work for b in self.buckets if self.stage == 0], self.data_axis)
+        self.comm.wait([b.work for b in self.buckets if self.zero == 0], self.data_axis)
         self._assign_master_grads()
         self._in_backward = self._accumulating = False
         return self._used_mask
@@ -393,9 +395,9 @@ class DataParallelEngine:
         # live for the run (DDP, ZeRO-1): holding ZeRO-2's shards here would keep them past zero_grad().
         flats: list[torch.Tensor] | None = None if self.per_backward else []
         for bucket in self.buckets:
-            if self.stage == 0:
+            if self.zero == 0:
                 source = bucket.buffer
-            elif self.stage == 1:
+            elif self.zero == 1:
                 source = bucket.buffer.view(self.shards, -1)[self.rank]
             else:
                 source, bucket.shard_grad = bucket.shard_grad, None  # the masters' .grad hold it from now on
@@ -421,7 +423,7 @@ class DataParallelEngine:
         if self.precision.mixed:
             for slot in self.slots:
                 slot.master.grad = None  # fp32 copies made for this step only
-        if self.stage == 0:
+        if self.zero == 0:
             if self.precision.mixed:
                 with torch.no_grad():
                     torch._foreach_copy_([s.param.data for s in self.slots], [s.master.view_as(s.param) for s in self.slots])
@@ -441,7 +443,7 @@ class DataParallelEngine:
 
     @property
     def grads_sharded(self) -> bool:
-        return self.stage > 0
+        return self.zero > 0
 
     def zero_grad(self) -> None:
         for slot in self.slots:

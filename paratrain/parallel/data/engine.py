@@ -26,9 +26,17 @@ order, and so each engine's state is only what the steps above say.
 from __future__ import annotations
 
 import weakref
+from enum import Enum
 from typing import Callable, ContextManager, Iterator, Protocol, runtime_checkable
 
 import torch
+
+
+class GradReduction(str, Enum):
+    """How gradients combine over the data ranks."""
+
+    MEAN = "mean"  # averaged (the DDP convention: each rank's loss is a mean over its own batch)
+    SUM = "sum"  # summed (the loss is already normalized over the global batch, as paratrain's trainer does)
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paratrain.mesh import Mesh
+from paratrain.mesh import Axis, Mesh
 from paratrain.parallel.data.units import ZeroConfigError
 
 
@@ -29,7 +29,7 @@ def axis_units(model: nn.Module, picked: list[tuple[str, nn.Module]], other_axis
     return sorted(picked + extra, key=lambda named: order[id(named[1])])
 
 
-def unit_axis(unit_name: str, axes: list[str], default: str) -> str:
+def unit_axis(unit_name: str, axes: list[Axis], default: Axis) -> Axis:
     """The one axis the parameters of a unit are sharded over (a unit is one collective)."""
     distinct = sorted(set(axes))
     if len(distinct) > 1:
@@ -38,6 +38,6 @@ def unit_axis(unit_name: str, axes: list[str], default: str) -> str:
     return distinct[0] if distinct else default
 
 
-def shard_place(mesh: Mesh, axis: str) -> tuple[int, int]:
+def shard_place(mesh: Mesh, axis: Axis) -> tuple[int, int]:
     """(ranks the axis has, this rank's coordinate on it)."""
     return mesh.size(axis), mesh.coord(axis)

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from paratrain.comm import Comm
+from paratrain.mesh import Axis
 
 _PIECE = 1 << 22  # elements hashed at once: 32 MB of int64 temporaries per piece
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,7 +42,7 @@ def bit_hash(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def make_replicas(params: list[torch.Tensor], comm: Comm, axis: str, bucket_bytes: int) -> bool:
+def make_replicas(params: list[torch.Tensor], comm: Comm, axis: Axis, bucket_bytes: int) -> bool:
     """Make `params` equal to the first rank's of `axis`; returns whether anything was broadcast.
 
     Nothing moves when every rank already holds the same bits (checked by hash: one small
@@ -72,7 +73,7 @@ def make_replicas(params: list[torch.Tensor], comm: Comm, axis: str, bucket_byte
     return True
 
 
-def _broadcast_group(tensors: list[torch.Tensor], comm: Comm, axis: str) -> None:
+def _broadcast_group(tensors: list[torch.Tensor], comm: Comm, axis: Axis) -> None:
     if len(tensors) == 1 and tensors[0].is_contiguous():
         comm.broadcast(tensors[0].data, axis, src=0)
         return
@@ -99,13 +100,13 @@ class ReplicaSum:
 
     def push(self, shard: torch.Tensor, then: Callable[[], None]) -> None:
         self.land()
-        self._pending = (self.comm.all_reduce(shard, "dp_replicate", async_op=True), shard, then)
+        self._pending = (self.comm.all_reduce(shard, Axis.DP_REPLICATE, async_op=True), shard, then)
 
     def land(self) -> None:
         if self._pending is not None:
             work, _, then = self._pending
             self._pending = None
-            self.comm.wait([work], "dp_replicate")
+            self.comm.wait([work], Axis.DP_REPLICATE)
             then()
 
     @property

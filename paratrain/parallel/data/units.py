@@ -35,6 +35,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
+from paratrain.mesh import Axis
 from paratrain.parallel.data.shard import chunk_padding, chunk_tiles, rows_per_rank
 
 class ZeroConfigError(ParatrainError, ValueError):
@@ -153,7 +154,7 @@ class Unit:
     """
 
     def __init__(self, name: str, module: nn.Module, slots: list[tuple[nn.Module, str, int]],
-                 shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int, axis: str = "dp"):
+                 shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int, axis: Axis = Axis.DP):
         """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit; the
         shards are split over the `num_ranks` ranks of the mesh axis `axis`."""
         self.name, self.module, self.num_ranks, self.axis = name, module, num_ranks, axis

@@ -53,8 +53,8 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.compat import in_backward
-from paratrain.mesh import Mesh
-from paratrain.parallel.data.engine import used_flags
+from paratrain.mesh import Axis
+from paratrain.parallel.data.engine import GradReduction, used_flags
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.data.replicas import ReplicaSum
 from paratrain.parallel.data.shard import row_range
@@ -91,7 +91,7 @@ class _GatherUnit(torch.autograd.Function):
 
 
 class FullyShardedEngine:
-    """Shard `model` in place over the dp axis of `mesh` and drive its gathers and reductions.
+    """Shard `model` in place over the dp axis of the comm's mesh and drive its gathers and reductions.
 
     An `Engine` (engine.py). The model keeps its structure and is called as before; each parameter slot
     holds the rank's shard at rest and the full parameter only inside its
@@ -102,8 +102,8 @@ class FullyShardedEngine:
     nothing is broadcast either way.
 
     `units`: None (blocks of ModuleList/ModuleDict), module classes, or a
-    predicate (name, module) -> bool. `grad_reduction`: "mean" divides
-    gradients by N (DDP semantics), "sum" adds them (the caller's loss is
+    predicate (name, module) -> bool. `grad_reduction`: `GradReduction.MEAN` divides
+    gradients by N (DDP semantics), `SUM` adds them (the caller's loss is
     already normalized by the global token count). `expert_names`: parameters that only the
     `expert_axis` ranks hold copies of (expert parallelism's blocks of experts), sharded over those
     (`placement.py`) and reported as a group of their own (`groups`).
@@ -112,18 +112,22 @@ class FullyShardedEngine:
     grads_sharded = True  # each rank holds only its shard of every gradient: global norms need a dp all-reduce
     params_sharded = True
 
-    def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, precision: Precision,
+    def __init__(self, model: nn.Module, comm: Comm, precision: Precision,
                  units: UnitSpec = None, prefetch: bool = True,
-                 init: Callable[[str, torch.Size], torch.Tensor] | None = None, grad_reduction: str = "mean",
-                 expert_names: Collection[str] = (), expert_axis: str = "ep_replicate"):
-        if grad_reduction not in ("mean", "sum"):
-            raise ZeroConfigError(f"grad_reduction={grad_reduction!r} is invalid; use 'mean' or 'sum'")
+                 init: Callable[[str, torch.Size], torch.Tensor] | None = None,
+                 grad_reduction: GradReduction = GradReduction.MEAN,
+                 expert_names: Collection[str] = (), expert_axis: Axis = Axis.EP_REPLICATE):
+        try:
+            grad_reduction = GradReduction(grad_reduction)
+        except ValueError:
+            raise ZeroConfigError(f"grad_reduction={grad_reduction!r} is invalid; use 'mean' or 'sum'") from None
+        mesh = comm.mesh
         self.model, self.comm, self.precision, self.prefetch = model, comm, precision, prefetch
         # Shards split over the shard group: the data axis, or its dp_shard part under hybrid sharding,
         # whose dp_replicate groups each hold a copy of the shards (and sum their gradients).
         self.shard_axis, self.replicas = mesh.shard_axis, mesh.replicas
         self.mesh, self.device = mesh, mesh.device
-        self._divide_by = mesh.size(mesh.data_axis) if grad_reduction == "mean" else 1
+        self._divide_by = mesh.size(mesh.data_axis) if grad_reduction is GradReduction.MEAN else 1
         originals = dict(model.named_parameters())  # name -> parameter, each shared tensor once
         index_of = {id(p): i for i, p in enumerate(originals.values())}
         self._names = list(originals)
@@ -169,7 +173,7 @@ class FullyShardedEngine:
     def _device(self) -> torch.device:
         return self.device
 
-    def _make_shard(self, name: str, param: nn.Parameter, init, axis: str) -> nn.Parameter:
+    def _make_shard(self, name: str, param: nn.Parameter, init, axis: Axis) -> nn.Parameter:
         """This rank's rows over `axis` of one parameter as an fp32 leaf; a meta parameter's full value lives only here."""
         rows = row_shape(param.shape)
         lo, hi = row_range(rows[0], *shard_place(self.mesh, axis))

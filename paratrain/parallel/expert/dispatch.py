@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm import Comm
+from paratrain.mesh import Axis
 
 
 class _AllToAll(torch.autograd.Function):
@@ -36,7 +37,7 @@ class _AllToAll(torch.autograd.Function):
     gradient's rows back by the swapped splits."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str, output_splits: list[int], input_splits: list[int]):
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: Axis, output_splits: list[int], input_splits: list[int]):
         ctx.comm, ctx.axis, ctx.splits = comm, axis, (output_splits, input_splits)
         return _all_to_all(x, comm, axis, output_splits, input_splits)
 
@@ -46,7 +47,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad.contiguous(), ctx.comm, ctx.axis, input_splits, output_splits), None, None, None, None
 
 
-def _all_to_all(x: torch.Tensor, comm: Comm, axis: str, output_splits: list[int], input_splits: list[int]):
+def _all_to_all(x: torch.Tensor, comm: Comm, axis: Axis, output_splits: list[int], input_splits: list[int]):
     out = x.new_empty(sum(output_splits), *x.shape[1:])
     comm.all_to_all(out, x.contiguous(), output_splits, input_splits, axis)
     return out
@@ -55,7 +56,7 @@ def _all_to_all(x: torch.Tensor, comm: Comm, axis: str, output_splits: list[int]
 class ExpertDispatch:
     """`MoE.dispatch` under expert parallelism: this rank holds experts [first, first + local) of E."""
 
-    def __init__(self, experts, comm: Comm, axis: str, num_experts: int):
+    def __init__(self, experts, comm: Comm, axis: Axis, num_experts: int):
         self.experts, self.comm, self.axis = experts, comm, axis
         self.ranks = comm.mesh.size(axis)
         self.local = num_experts // self.ranks

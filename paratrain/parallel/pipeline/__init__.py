@@ -5,6 +5,7 @@
 - `simulator`: runs a schedule's actions without processes: deadlock check, bubble, timeline.
 - `stages`: where a model is cut into stages (balanced by cost) and how each stage is built.
 - `runner`: the one runtime that executes any schedule's actions with point-to-point transfers.
+- `split_backward`: zero-bubble's backward in two halves, the input's gradient (B) and the weights' (W).
 
 The schedules and the simulator are pure Python; the runner and the stages need torch, and are
 imported on first use (PEP 562), so that the planner, which reads schedules only, does not import it.

@@ -39,12 +39,7 @@ communication runs only in the rank's last backward of the step (earlier
 ones accumulate under `no_sync`).
 
 A split backward (ZB-H1) computes in B only the gradient of the stage's input,
-and in W only the weights' gradients, from where B left off: each parameter's
-gradient path leaves the input's path at some operation of the graph (the
-matmul that reads the weight, the product with a norm's gain); B records the
-gradient arriving at those operations, and W runs backward from there to the
-parameters alone. So B + W costs one backward (each matmul's two products are
-split between them), not a backward and a half.
+and in W only the weights' gradients, from where B left off (`split_backward.py`).
 """
 
 from __future__ import annotations
@@ -55,8 +50,11 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
+from paratrain.comm import Comm
+from paratrain.mesh import Axis
 from paratrain.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleName, build_schedule
 from paratrain.parallel.pipeline.simulator import Message, exchanges, validate
+from paratrain.parallel.pipeline.split_backward import input_backward, weight_backward
 from paratrain.parallel.pipeline.stages import PipelineError, StageSplit
 from paratrain.precision import Precision
 
@@ -86,14 +84,15 @@ class PipelineRunner:
     boundary tensor (None: no tensor parallelism): they send a slice each, the receivers gather.
     """
 
-    def __init__(self, split: StageSplit, schedule: str, mesh, comm, precision: Precision, tp_axis: str | None = None,
+    def __init__(self, split: StageSplit, schedule: str, comm: Comm, precision: Precision, tp_axis: Axis | None = None,
                  context=None):
         self.split = split
         self.context = context  # a `ContextSharding` under context parallelism: every stage runs on this rank's chunks
         self.precision = precision
         self.schedule_name = ScheduleName(schedule)
         self.comm = comm
-        self.pp, self.pp_rank = mesh.size("pp"), mesh.coord("pp")
+        mesh = comm.mesh
+        self.pp, self.pp_rank = mesh.size(Axis.PP), mesh.coord(Axis.PP)
         self.device = mesh.device
         self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
         self.shells = {s: split.shell(s) for s in split.stages}
@@ -217,14 +216,14 @@ class PipelineRunner:
             del slots[mb, s]
         elif slot.input is not None:
             params = [p for p in self.shells[s].parameters() if p.requires_grad]
-            slot.weight_work = _input_backward(slot.output, slot.grad, slot.input, params)
+            slot.weight_work = input_backward(slot.output, slot.grad, slot.input, params)
         if slot.input is not None:
             outbox["grad", mb, s] = slot.input.grad
 
     def _weight_backward(self, action: Action, slots) -> None:
         slot = slots.pop((action.microbatch, action.stage))
         if slot.weight_work is not None:
-            _weight_backward(slot.weight_work)
+            weight_backward(slot.weight_work)
             return
         params = [p for p in self.shells[action.stage].parameters() if p.requires_grad]
         torch.autograd.backward(slot.output, slot.grad, inputs=params)  # stage 0: nothing to split
@@ -238,7 +237,7 @@ class PipelineRunner:
             self._check_shape(message, tensor, shapes)
         buffers = [self._buffer(shapes[_boundary_stage(message)]) for _, message in receives]
         self.comm.exchange([(self._slice(t), peer) for t, peer, _ in out],
-                           [(b, peer) for b, (peer, _) in zip(buffers, receives)], "pp", defer_sends)
+                           [(b, peer) for b, (peer, _) in zip(buffers, receives)], Axis.PP, defer_sends)
         return {message: self._gather(buffer, shapes[_boundary_stage(message)])
                 for buffer, (_, message) in zip(buffers, receives)}
 
@@ -267,7 +266,7 @@ class PipelineRunner:
                 x = inputs.to(self.device)
             else:
                 header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-                self.comm.exchange([], [(header, (s - 1) % self.pp)], "pp")
+                self.comm.exchange([], [(header, (s - 1) % self.pp)], Axis.PP)
                 shapes[s - 1] = _decode_header(header)
                 shape, dtype = shapes[s - 1]
                 x = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -275,7 +274,7 @@ class PipelineRunner:
                 with torch.compiler.set_stance("force_eager"):  # compiled blocks: no graph for a no-grad pass run once
                     out = self._run_stage(s, x, inputs.shape[1])
                 shapes[s] = (tuple(out.shape), out.dtype)
-                self.comm.exchange([(_encode_header(*shapes[s], self.device), (s + 1) % self.pp)], [], "pp")
+                self.comm.exchange([(_encode_header(*shapes[s], self.device), (s + 1) % self.pp)], [], Axis.PP)
         self._shapes[key] = shapes
         return shapes
 
@@ -332,23 +331,26 @@ class PipelineRunner:
         out = self.forward_only(inputs)
         loss = torch.zeros((), device=self.device) if out is None else \
             loss_fn(out, self._local_labels(out, labels)).float()
-        self.comm.all_reduce(loss, "pp")
+        self.comm.all_reduce(loss, Axis.PP)
         if self.context is not None:  # each cp rank summed its chunks' tokens
             self.comm.all_reduce(loss, self.context.axis)
         return loss
 
     @torch.no_grad()
     def causal_logits(self, tokens: torch.Tensor, full_logits) -> torch.Tensor:
-        """Whole-vocabulary fp32 logits for `tokens` on every rank (the reference model; for generation)."""
-        if self.split.kind != "transformer":
-            raise PipelineError("causal_logits needs paratrain's Transformer (its vocabulary size)")
+        """Whole-vocabulary fp32 logits for `tokens` on every rank (a model whose `config` names its `vocab_size`,
+        as the reference model's does; for generation)."""
+        vocab_size = getattr(getattr(self.split.module, "config", None), "vocab_size", None)
+        if vocab_size is None:
+            raise PipelineError("causal_logits needs a model whose `config.vocab_size` says its vocabulary size "
+                                "(paratrain's Transformer)")
         out = self.forward_only(tokens)
         if out is None:
-            shape = (*tokens.shape, self.split.module.config.vocab_size)
+            shape = (*tokens.shape, vocab_size)
             logits = torch.empty(shape, dtype=torch.float32, device=self.device)
         else:
             logits = full_logits(out).float().contiguous()
-        self.comm.broadcast(logits, "pp", src=self.pp - 1)
+        self.comm.broadcast(logits, Axis.PP, src=self.pp - 1)
         return logits
 
     @torch.no_grad()
@@ -360,118 +362,8 @@ class PipelineRunner:
             owner = self.split.param_owner[name] % self.pp
             value = whole(name, local[name]).to(dtype).contiguous() if owner == self.pp_rank else \
                 torch.empty(shape, dtype=dtype, device=self.device)
-            self.comm.broadcast(value, "pp", src=owner)
+            self.comm.broadcast(value, Axis.PP, src=owner)
             yield name, value
-
-
-# -- the split backward of zero-bubble schedules ----------------------------------------------------
-
-@dataclass
-class _WeightWork:
-    """Parameters whose gradients leave the input's path at the graph `nodes`; `grads` arrived there
-    during B. Parameters whose path never meets the input's start from the stage `output` instead
-    (with its gradient), and have no nodes."""
-
-    params: list[torch.Tensor]
-    nodes: list
-    grads: list[tuple] | None = None
-    output: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-
-def _grad_node(t: torch.Tensor):
-    """The autograd node a tensor's gradient flows into (a leaf's accumulator, made on demand)."""
-    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
-
-
-def _input_backward(output: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor,
-                    params: list[torch.Tensor]) -> list[_WeightWork]:
-    """B of a split backward: the stage input's gradient (into `.grad`), and what W needs to finish.
-
-    The nodes on the input's path are those from which the input's accumulator can be reached; a
-    parameter's path joins them at the first such node walking up from the parameter. Pre-hooks on
-    those joining nodes keep the gradient each receives while the input's backward runs (which
-    computes there only the input's side).
-    """
-    parents: dict = {}
-    todo, seen = [output.grad_fn], {output.grad_fn}
-    while todo:  # every node of the stage's graph, and who feeds gradient into it
-        node = todo.pop()
-        for child, _ in node.next_functions:
-            if child is not None:
-                parents.setdefault(child, []).append(node)
-                if child not in seen:
-                    seen.add(child)
-                    todo.append(child)
-    on_input_path = _above(_grad_node(stage_input), parents, stop=set())
-    work: dict = {}  # joining node -> the _WeightWork holding it
-    apart = _WeightWork([], [], output=(output, grad))  # paths that never meet the input's
-    for param in params:
-        joins = _above(_grad_node(param), parents, stop=on_input_path) & on_input_path
-        if not joins:
-            apart.params.append(param)
-            continue
-        groups = {id(work[n]): work[n] for n in joins if n in work}
-        merged = _WeightWork([param], sorted(joins, key=id))
-        for group in groups.values():  # a node shared with other parameters: one W call for all of them
-            merged.params += group.params
-            merged.nodes = sorted(set(merged.nodes) | set(group.nodes), key=id)
-        for node in merged.nodes:
-            work[node] = merged
-    groups = list({id(g): g for g in work.values()}.values())
-    captured: dict = {}
-    handles = [node.register_prehook(lambda grads, node=node: captured.__setitem__(node, grads))
-               for node in work]
-    try:
-        torch.autograd.backward(output, grad, inputs=[stage_input], retain_graph=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    for group in groups:
-        group.grads = [captured.get(node) for node in group.nodes]
-    if apart.params:
-        groups.append(apart)
-    return groups
-
-
-def _above(start, parents: dict, stop: set) -> set:
-    """Nodes reachable from `start` against the direction of backward, not going past `stop` (included)."""
-    found, todo = {start}, [start]
-    while todo:
-        for parent in parents.get(todo.pop(), ()):
-            if parent not in found:
-                found.add(parent)
-                if parent not in stop:
-                    todo.append(parent)
-    return found
-
-
-def _weight_backward(groups: list[_WeightWork]) -> None:
-    """W of a split backward: from each joining node, with the gradient it got in B, to its parameters.
-
-    Gradients accumulate into `.grad` (so accumulation hooks fire: DDP / ZeRO buckets). A group
-    with several joining nodes, one below another, pins each node's incoming gradient to what it
-    got in B, so that none is counted twice."""
-    from torch.autograd.graph import GradientEdge
-
-    for group in groups:
-        if group.output is not None:
-            torch.autograd.backward(*group.output, inputs=group.params)
-            continue
-        edges, grads = [], []
-        for node, received in zip(group.nodes, group.grads):
-            for i, g in enumerate(received or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        if not edges:
-            continue
-        pins = [node.register_prehook(lambda _, saved=received: saved)
-                for node, received in zip(group.nodes, group.grads) if len(group.nodes) > 1 and received]
-        try:
-            torch.autograd.backward(edges, grads, inputs=group.params)
-        finally:
-            for pin in pins:
-                pin.remove()
 
 
 def _boundary_stage(message: Message) -> int:

@@ -8,6 +8,10 @@ and on the first and last stage the embedding and the head, that it owns. Parame
 those of the whole model (`layers.5.attention.wq.weight` on the stage that holds block 5), so a
 tensor-parallel plan, the data-parallel engine and checkpoints see ordinary names. Each stage
 runs through a "shell": a light module sharing the rank's blocks that computes only that stage.
+
+Two kinds of model split: an `nn.Sequential` (by its children), and a `LayeredModel`, one that keeps
+its blocks in a `layers` ModuleDict and names the modules before and after them (the reference
+`Transformer` is one). Nothing here knows a model class: the split reads only that structure.
 """
 
 from __future__ import annotations
@@ -15,14 +19,30 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from paratrain.errors import ParatrainError
+from paratrain.mesh import Axis
+
+LAYERED, SEQUENTIAL = "layered", "sequential"  # the two kinds of model a pipeline splits
 
 
 class PipelineError(ParatrainError, ValueError):
     """A model or layout the pipeline cannot split; the message names the rule and the fix."""
+
+
+@runtime_checkable
+class LayeredModel(Protocol):
+    """A model split by its own layers: `layers`, a ModuleDict of the blocks "0".."n-1" run in order between the
+    modules named by `pipeline_first` (the first stage keeps them: the embedding) and `pipeline_last` (the last
+    stage keeps them: final norm, head). A stage without them holds None there, so its forward must take or
+    return hidden states where they are missing (the reference `Transformer.forward` does)."""
+
+    layers: nn.ModuleDict
+    pipeline_first: tuple[str, ...]
+    pipeline_last: tuple[str, ...]
 
 
 def balanced_boundaries(costs: list[float], num_stages: int, first_extra: float = 0.0,
@@ -69,7 +89,7 @@ class StageSplit:
     shell is a lightweight module sharing `module`'s submodules that computes one stage.
     """
 
-    kind: str  # "transformer" or "sequential"
+    kind: str  # LAYERED or SEQUENTIAL
     ranges: list[tuple[int, int]]
     stages: tuple[int, ...]  # this rank's global stages, in chunk order
     module: nn.Module
@@ -84,16 +104,19 @@ class StageSplit:
         """A module computing global stage `stage` (build after any module replacement, e.g. a TP plan)."""
         first, last = stage == 0, stage == self.num_stages - 1
         keys = [str(i) for i in range(*self.ranges[stage])]
-        if self.kind == "sequential":
+        if self.kind == SEQUENTIAL:
             return nn.Sequential(OrderedDict((k, self.module._modules[k]) for k in keys))
         model = self.module
         shell = type(model).__new__(type(model))
         nn.Module.__init__(shell)
-        shell.config, shell.head_dim = model.config, model.head_dim  # what Transformer.forward reads besides modules
-        shell.tok_embeddings = model.tok_embeddings if first else None
+        for key, value in vars(model).items():  # what its forward reads besides modules (the reference model's config)
+            if not key.startswith("_") and key != "training":
+                setattr(shell, key, value)
+        for name in model.pipeline_first:
+            setattr(shell, name, getattr(model, name) if first else None)
         shell.layers = nn.ModuleDict({k: model.layers[k] for k in keys})
-        shell.norm = model.norm if last else None
-        shell.output = model.output if last else None
+        for name in model.pipeline_last:
+            setattr(shell, name, getattr(model, name) if last else None)
         return shell
 
 
@@ -105,28 +128,28 @@ def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int
     or explicit `boundaries` (the first layer of each stage after the first) are given.
     """
     kind = _model_kind(model)
-    layers = list(model.layers.values()) if kind == "transformer" else list(model)
+    layers = list(model.layers.values()) if kind == LAYERED else list(model)
     num_stages = pp * virtual_stages
     ranges = _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs)
     names = dict(model.named_parameters())
-    owner = {name: _owning_stage(name, kind, ranges) for name in names}
+    owner = {name: _owning_stage(name, model, kind, ranges) for name in names}
     _check_no_shared_across_stages(model, kind, ranges)
     stages = tuple(s for s in range(num_stages) if s % pp == rank)
     keep = {str(i) for s in stages for i in range(*ranges[s])}
-    if kind == "transformer":
+    if kind == LAYERED:
         for key in [k for k in model.layers if k not in keep]:
             del model.layers[key]
-        if 0 not in stages:
-            model.tok_embeddings = None
-        if num_stages - 1 not in stages:
-            model.norm, model.output = None, None
+        for name in model.pipeline_first if 0 not in stages else ():
+            setattr(model, name, None)
+        for name in model.pipeline_last if num_stages - 1 not in stages else ():
+            setattr(model, name, None)
     else:
         for key in [k for k in model._modules if k not in keep]:
             del model._modules[key]
     return StageSplit(kind, ranges, stages, model, owner, {n: p.shape for n, p in names.items()})
 
 
-def sequence_parallel_boundaries(split: StageSplit, comm, axis: str = "tp") -> list:
+def sequence_parallel_boundaries(split: StageSplit, comm, axis: Axis = Axis.TP) -> list:
     """Under sequence parallelism, make every stage boundary carry the whole sequence.
 
     Inside a stage the residual stream is split along the sequence over tp. The last block of a
@@ -138,8 +161,9 @@ def sequence_parallel_boundaries(split: StageSplit, comm, axis: str = "tp") -> l
     """
     from paratrain.parallel.tensor.primitives import gather_from_tp, scatter_to_tp
 
-    if split.kind != "transformer":
-        raise PipelineError("sequence parallelism with pipeline stages needs paratrain's Transformer")
+    if split.kind != LAYERED:
+        raise PipelineError("sequence parallelism with pipeline stages needs a model with a `layers` ModuleDict "
+                            "(paratrain.parallel.pipeline.stages.LayeredModel: paratrain's Transformer is one)")
     handles = []
     for stage in split.stages:
         first, last = split.ranges[stage][0], split.ranges[stage][1] - 1
@@ -161,16 +185,14 @@ def _output_to_whole(comm, axis, gather, module, args, output):
 
 
 def _model_kind(model: nn.Module) -> str:
-    from paratrain.models import Transformer
-
-    if isinstance(model, Transformer):
-        return "transformer"
+    if isinstance(model, LayeredModel):
+        return LAYERED
     if isinstance(model, nn.Sequential):
         if [str(i) for i in range(len(model))] != list(model._modules):
             raise PipelineError("pipeline parallelism needs an nn.Sequential with its default child names 0..n-1")
-        return "sequential"
-    raise PipelineError(f"pipeline parallelism splits paratrain's Transformer or an nn.Sequential, not "
-                        f"{type(model).__name__}; express the model as an nn.Sequential of its layers")
+        return SEQUENTIAL
+    raise PipelineError(f"pipeline parallelism splits paratrain's Transformer (a LayeredModel) or an nn.Sequential, "
+                        f"not {type(model).__name__}; express the model as an nn.Sequential of its layers")
 
 
 def _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs) -> list[tuple[int, int]]:
@@ -185,16 +207,19 @@ def _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs) -> l
         raise PipelineError(f"{len(layer_costs)} layer costs given for {n} layers")
     costs = layer_costs or [_numel(layer) for layer in layers]
     first = last = 0.0
-    if kind == "transformer" and layer_costs is None:
-        first, last = _numel(model.tok_embeddings), _numel(model.norm) + _numel(model.output)
+    if kind == LAYERED and layer_costs is None:
+        first = sum(_numel(getattr(model, name)) for name in model.pipeline_first)
+        last = sum(_numel(getattr(model, name)) for name in model.pipeline_last)
     return balanced_boundaries(costs, num_stages, first, last)
 
 
-def _owning_stage(name: str, kind: str, ranges: list[tuple[int, int]]) -> int:
+def _owning_stage(name: str, model: nn.Module, kind: str, ranges: list[tuple[int, int]]) -> int:
+    """The stage holding parameter `name`: its layer's; outside the layers of a LayeredModel, the first stage
+    for its `pipeline_first` modules and the last for the others."""
     parts = name.split(".")
-    if kind == "transformer":
+    if kind == LAYERED:
         if parts[0] != "layers":
-            return 0 if parts[0] == "tok_embeddings" else len(ranges) - 1
+            return 0 if parts[0] in model.pipeline_first else len(ranges) - 1
         index = int(parts[1])
     else:
         index = int(parts[0])
@@ -205,7 +230,7 @@ def _check_no_shared_across_stages(model: nn.Module, kind: str, ranges: list[tup
     """A parameter used by two stages would need its gradients summed across them: refuse it."""
     seen: dict[int, tuple[str, int]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        stage = _owning_stage(name, kind, ranges)
+        stage = _owning_stage(name, model, kind, ranges)
         other, other_stage = seen.setdefault(id(param), (name, stage))
         if other_stage != stage:
             raise PipelineError(f"{name} is the same parameter as {other} but they fall on pipeline stages "

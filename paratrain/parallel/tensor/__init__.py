@@ -1,6 +1,7 @@
 """Tensor parallelism (Megatron-style) with sequence parallelism.
 
-- `primitives`: collectives along any dim and autograd functions named by both passes
+- `collectives`: the flat collectives along any dim, and `TensorParallelError`.
+- `primitives`: autograd functions named by both passes
   (`copy_to_tp`, `reduce_from_tp`, `gather_sequence`, ...).
 - `layers`: column, row and vocabulary-parallel layers, each with its partition math and
   communication per pass, and the vocab-parallel cross-entropy.
@@ -12,12 +13,13 @@ Ready plans for the reference model and Hugging Face families live beside the mo
 `paratrain.models.tp_plans`.
 """
 
+from paratrain.parallel.tensor.collectives import TensorParallelError, check_divisible  # noqa: F401
 from paratrain.parallel.tensor.primitives import (  # noqa: F401
-    InitFn, TensorParallelError, check_divisible, copy_to_tp, enter_tp_region, gather_from_tp, gather_sequence,
-    reduce_from_tp, reduce_scatter_sequence, scatter_to_tp,
+    InitFn, copy_to_tp, enter_tp_region, gather_from_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence,
+    scatter_to_tp,
 )
 from paratrain.parallel.tensor.layers import (  # noqa: F401
-    ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding, cross_entropy, gather_full,
+    ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding, gather_full,
     linear_features, tp_rng, vocab_parallel_cross_entropy,
 )
 from paratrain.parallel.tensor.info import (  # noqa: F401

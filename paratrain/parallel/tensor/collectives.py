@@ -11,6 +11,7 @@ import torch
 
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
+from paratrain.mesh import Axis
 
 
 class TensorParallelError(ParatrainError, ValueError):
@@ -26,13 +27,13 @@ def check_divisible(where: str, what: str, size: int, tp: int) -> None:
 
 # -- tensor helpers (flat dim-0 collectives along any dim) -----------------------------------
 
-def _split(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, comm: Comm, axis: Axis) -> torch.Tensor:
     n, r = comm.mesh.size(axis), comm.mesh.coord(axis)
     check_divisible("split", f"size of dim {dim}", x.shape[dim], n)
     return x.chunk(n, dim)[r].contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, comm: Comm, axis: Axis) -> torch.Tensor:
     """The ranks' `x` concatenated along `dim`. Gathered as they are, stacked on a new leading dim (rank r's
     block is its `x`, in place), then that dim moved beside `dim`: one copy, none when `dim` is 0."""
     n, dim = comm.mesh.size(axis), dim % x.dim()
@@ -44,7 +45,7 @@ def _all_gather(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tenso
     return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, axis: Axis) -> torch.Tensor:
     """Sum over the ranks of `x`, this rank's 1/n of it along `dim`. `dim` split in n blocks moved to the
     front (one copy, none when `dim` is 0), so each rank's block is a chunk of dim 0; its block arrives in the
     layout of `x`, so nothing is copied after."""
@@ -58,7 +59,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, axis: str) -> torch.T
     return out
 
 
-def _all_reduce(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, comm: Comm, axis: Axis) -> torch.Tensor:
     # A fresh contiguous buffer: autograd may hold `x`, and a gradient can be a stride-0 expand.
     out = x.clone(memory_format=torch.contiguous_format)
     comm.all_reduce(out, axis)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.mesh import Axis
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.tensor.layers import gather_full, vocab_parallel_cross_entropy
 from paratrain.precision import cross_entropy
@@ -35,7 +36,7 @@ class TensorParallelInfo:
     """
 
     comm: Comm
-    axis: str
+    axis: Axis
     sequence_parallel: bool
     sharded: dict[str, int]
     sequence_partial: list[str]

@@ -41,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.precision import cross_entropy  # noqa: F401  (the whole-vocabulary loss, kept importable here)
+from paratrain.mesh import Axis
+from paratrain.parallel.tensor.collectives import TensorParallelError, _all_gather, check_divisible
 from paratrain.parallel.tensor.primitives import (
-    InitFn, TensorParallelError, check_divisible, _all_gather, reduce_from_tp, gather_from_tp, reduce_scatter_sequence, enter_tp_region,
+    InitFn, reduce_from_tp, gather_from_tp, reduce_scatter_sequence, enter_tp_region,
 )
 
 
@@ -58,7 +59,7 @@ class TensorParallelLayer(nn.Module):
 
     shard_dims: dict[str, int]  # parameter name → the dim split over tp (absent: replicated)
 
-    def _bind(self, comm: Comm, axis: str, sequence_parallel: bool) -> None:
+    def _bind(self, comm: Comm, axis: Axis, sequence_parallel: bool) -> None:
         self.comm, self.axis, self.sequence_parallel = comm, axis, sequence_parallel
         self.tp, self.tp_rank = comm.mesh.size(axis), comm.mesh.coord(axis)
 
@@ -110,7 +111,7 @@ class _ParallelLinear(TensorParallelLayer):
     transposed: bool = False
 
     @classmethod
-    def from_full(cls, linear: nn.Module, comm: Comm, axis: str = "tp", **options):
+    def from_full(cls, linear: nn.Module, comm: Comm, axis: Axis = Axis.TP, **options):
         """This rank's shard of an existing `nn.Linear` or Conv1D (its weight rows or columns, see the class)."""
         features = linear_features(linear)
         if features is None:
@@ -143,7 +144,7 @@ class ColumnParallelLinear(_ParallelLinear):
     several layers reading the same X, as wq/wk/wv do): the layer communicates nothing on X.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm, axis: str = "tp", *,
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm, axis: Axis = Axis.TP, *,
                  gather_output: bool = False, sequence_parallel: bool = False, input_entered: bool = False,
                  transposed: bool = False, device=None, dtype=None):
         super().__init__()
@@ -180,7 +181,7 @@ class RowParallelLinear(_ParallelLinear):
     over tp with the norms' grads; see `sequence_partial_params`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm, axis: str = "tp", *,
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm, axis: Axis = Axis.TP, *,
                  sequence_parallel: bool = False, transposed: bool = False, device=None, dtype=None):
         super().__init__()
         self._bind(comm, axis, sequence_parallel)
@@ -219,7 +220,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
     touches only its rows, complete and local.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, axis: str = "tp", *,
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, axis: Axis = Axis.TP, *,
                  sequence_parallel: bool = False, defer_reduce: bool = False, device=None, dtype=None):
         super().__init__()
         self._bind(comm, axis, sequence_parallel)
@@ -231,7 +232,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
         self.weight = nn.Parameter(torch.zeros(self.rows, embedding_dim, device=device, dtype=dtype))
 
     @classmethod
-    def from_full(cls, embedding: nn.Embedding, comm: Comm, axis: str = "tp", **options) -> VocabParallelEmbedding:
+    def from_full(cls, embedding: nn.Embedding, comm: Comm, axis: Axis = Axis.TP, **options) -> VocabParallelEmbedding:
         """The shard of an existing `nn.Embedding` (its rows for this rank)."""
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
             raise TensorParallelError("VocabParallelEmbedding: padding_idx, max_norm and sparse are not "
@@ -300,7 +301,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm, axis: str = "tp",
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm, axis: Axis = Axis.TP,
                                  ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
     """`F.cross_entropy` of logits [.., V/t] sharded by vocabulary over `axis`, never gathering them.
 
@@ -322,12 +323,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, co
 # -- whole-model helpers: norms, gathering, RNG ----------------------------------------------
 
 @torch.no_grad()
-def gather_full(value: torch.Tensor, dim: int | None, comm: Comm, axis: str) -> torch.Tensor:
+def gather_full(value: torch.Tensor, dim: int | None, comm: Comm, axis: Axis) -> torch.Tensor:
     """The whole tensor from this rank's slice split along `dim` over `axis` (a copy; None: not split)."""
     return value.detach().clone() if dim is None else _all_gather(value.detach(), dim, comm, axis)
 
 
-def tp_rng(mesh, seed: int, name: str, *, sharded: bool, axis: str = "tp", device="cpu") -> torch.Generator:
+def tp_rng(mesh, seed: int, name: str, *, sharded: bool, axis: Axis = Axis.TP, device="cpu") -> torch.Generator:
     """A named random stream for dropout in a tensor-parallel model.
 
     Replicated activations (the residual stream without SP, a row layer's reduced output) must

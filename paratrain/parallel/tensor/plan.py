@@ -1,6 +1,6 @@
 """Tensor-parallel plans: module-name patterns → parallel styles, applied in place to a plain model.
 
-    info = apply_tensor_parallel(model, LLAMA_SP_PLAN, mesh, comm, sequence_parallel=True,
+    info = apply_tensor_parallel(model, LLAMA_SP_PLAN, comm, sequence_parallel=True,
                                  init=lambda name, shape: model.param_init(name, shape, seed))
     loss = info.loss_fn(model(tokens), targets)      # vocab-parallel cross-entropy
     loss.backward(); clip_grad_norm_tp_(model, info, 1.0); optimizer.step()
@@ -42,13 +42,13 @@ from __future__ import annotations
 import fnmatch
 import functools
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from paratrain.comm import Comm
-from paratrain.mesh import Mesh
+from paratrain.mesh import Axis
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.layers import (
     ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, TensorParallelLayer, VocabParallelEmbedding,
@@ -59,7 +59,7 @@ from paratrain.parallel.tensor.layers import (
 @dataclass
 class _Context:
     comm: Comm
-    axis: str
+    axis: Axis
     sequence_parallel: bool
     regions: list[str] = field(default_factory=list)  # modules whose input enters the tp region once
     sequence_partial: list[str] = field(default_factory=list)
@@ -285,10 +285,18 @@ Style = (Colwise | Rowwise | VocabEmbedding | OutputHead | SequenceParallelNorm 
 
 # -- what the rest of the system needs to know ---------------------------------------------------
 
+@runtime_checkable
+class PlannedModel(Protocol):
+    """A model that names its own plan (the reference `Transformer` does): `parallelize` applies it when the
+    caller gives none, so that tensor parallelism knows no model but the one in front of it."""
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> Mapping[str, Style]: ...
+
+
 # -- applying a plan ---------------------------------------------------------------------------
 
-def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], mesh: Mesh, comm: Comm,
-                          sequence_parallel: bool = False, init: InitFn | None = None, *, axis: str = "tp",
+def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], comm: Comm,
+                          sequence_parallel: bool = False, init: InitFn | None = None, *, axis: Axis = Axis.TP,
                           device=None, sp_grad_hooks: bool = True, strict: bool = True) -> TensorParallelInfo:
     """Replace the modules `plan` names by their tensor-parallel twins, in place; describe the result.
 
@@ -300,6 +308,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], mesh: Mes
     TensorParallelError. Tied parameters split the same way become one shared shard. With
     `strict=False` a pattern may match nothing (a pipeline stage holds only part of the model).
     """
+    mesh = comm.mesh
     tp = mesh.size(axis)
     matches = _match(model, plan, strict)
     for name, module, style in matches:
@@ -327,7 +336,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], mesh: Mes
     return info
 
 
-def _all_reduced(comm: Comm, axis: str, grad: torch.Tensor) -> torch.Tensor:
+def _all_reduced(comm: Comm, axis: Axis, grad: torch.Tensor) -> torch.Tensor:
     # A tensor hook on the leaf runs before accumulation: each backward's contribution is
     # reduced once, so gradient accumulation stays correct.
     out = grad.clone(memory_format=torch.contiguous_format)

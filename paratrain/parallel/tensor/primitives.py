@@ -17,16 +17,16 @@ import torch
 
 from paratrain.comm import Comm
 from paratrain.compat import held_alone, storage_alone
+from paratrain.mesh import Axis
 from paratrain.parallel.tensor import traced
-from paratrain.parallel.tensor.collectives import (  # noqa: F401  (TensorParallelError, check_divisible: re-exported)
-    TensorParallelError, _all_gather, _all_reduce, _reduce_scatter, _split, check_divisible)
+from paratrain.parallel.tensor.collectives import _all_gather, _all_reduce, _reduce_scatter, _split
 
 
 # init(name, full_shape) -> the full fp32 initial value of parameter `name`.
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 
-def _all_reduce_grad(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+def _all_reduce_grad(grad: torch.Tensor, comm: Comm, axis: Axis) -> torch.Tensor:
     """A gradient summed over `axis`: in place when this backward holds it alone, else in a copy.
 
     Autograd can hand one gradient tensor to several branches (an add passes its gradient to both
@@ -60,7 +60,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x.detach()  # same storage; not a view, so the output does not keep the input alive
 
 
-def copy_to_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, comm: Comm, axis: Axis) -> torch.Tensor:
     """Forward identity, backward all-reduce over `axis`: a replicated input enters a tp region."""
     if torch.compiler.is_compiling():
         return traced.pair(x, "identity", "all_reduce", comm, axis)
@@ -85,7 +85,7 @@ class _ReduceInPlace(torch.autograd.Function):
         return grad, None, None
 
 
-def reduce_from_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, comm: Comm, axis: Axis) -> torch.Tensor:
     """Forward all-reduce over `axis`, backward identity: partial outputs leave a tp region summed.
 
     `x` is summed in place (no copy): it must be a partial output made for this sum, as a parallel
@@ -97,7 +97,7 @@ def reduce_from_tp(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return _ReduceInPlace.apply(x, comm, axis)
 
 
-def gather_from_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, comm: Comm, axis: Axis, dim: int = -1) -> torch.Tensor:
     """Forward all-gather along `dim`, backward split (keep this rank's chunk): assemble a sharded output."""
     dim %= x.dim()
     if torch.compiler.is_compiling():
@@ -106,7 +106,7 @@ def gather_from_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> tor
                             partial(_split, dim=dim, comm=comm, axis=axis))
 
 
-def scatter_to_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, comm: Comm, axis: Axis, dim: int = -1) -> torch.Tensor:
     """Forward split along `dim` (keep this rank's chunk), backward all-gather."""
     dim %= x.dim()
     if torch.compiler.is_compiling():
@@ -115,7 +115,7 @@ def scatter_to_tp(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torc
                             partial(_all_gather, dim=dim, comm=comm, axis=axis))
 
 
-def gather_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, comm: Comm, axis: Axis, dim: int = 1) -> torch.Tensor:
     """Forward all-gather of sequence shards, backward reduce-scatter (each rank's grad is partial)."""
     dim %= x.dim()
     if torch.compiler.is_compiling():
@@ -124,7 +124,7 @@ def gather_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> tor
                             partial(_reduce_scatter, dim=dim, comm=comm, axis=axis))
 
 
-def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, axis: Axis, dim: int = 1) -> torch.Tensor:
     """Forward reduce-scatter of partial outputs along the sequence, backward all-gather of the grad."""
     dim %= x.dim()
     if torch.compiler.is_compiling():
@@ -133,7 +133,7 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1
                             partial(_all_gather, dim=dim, comm=comm, axis=axis))
 
 
-def enter_tp_region(x: torch.Tensor, comm: Comm, axis: str, sequence_parallel: bool) -> torch.Tensor:
+def enter_tp_region(x: torch.Tensor, comm: Comm, axis: Axis, sequence_parallel: bool) -> torch.Tensor:
     """Bring an activation into a tp region: `copy_to_tp`, or under SP `gather_sequence` (dim 1)."""
     if sequence_parallel:
         return gather_sequence(x, comm, axis, dim=1)

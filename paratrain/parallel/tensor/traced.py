@@ -123,5 +123,6 @@ def pair(x: torch.Tensor, forward_kind: str, backward_kind: str, comm: Comm, axi
     handle = getattr(comm, _HANDLE, None)
     if handle is None:
         raise collectives.TensorParallelError("a tensor-parallel model compiles through parallelize(..., compile=True)")
+    # The operators' schemas take the axis as a plain string: the graph holds its name, not a `mesh.Axis`.
     return _TracedPair.apply(x, forward_kind, backward_kind, dim % x.dim(), comm.mesh.size(axis),
-                             comm.mesh.coord(axis), handle, axis)
+                             comm.mesh.coord(axis), handle, str(axis))

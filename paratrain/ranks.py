@@ -1,4 +1,4 @@
-"""Run a function on several gloo ranks on CPU: the harness for multi-rank tests.
+"""Run a function on several local gloo ranks on CPU: calibration measures on them, tests and benchmarks run on them.
 
 `run_on_ranks(fn, world_size, *args)` starts `world_size` processes, joins them
 in one gloo process group, calls `fn(rank, world_size, *args)` on each and
@@ -12,8 +12,7 @@ then costs about 0.1 s instead of the ~3 s of a fresh interpreter per rank,
 and, unlike a plain fork of the caller, children never inherit the caller's
 intra-op thread pool.
 
-`HostSyncs` and `Collectives`, the counters multi-rank tests run a step under,
-live in `paratrain.dispatch_counters` and are importable from here too.
+Tests reach it as `paratrain.testing.run_on_ranks`, beside the counters they run a step under.
 """
 
 from __future__ import annotations
@@ -37,10 +36,9 @@ import torch
 import torch.distributed as dist
 
 from paratrain import forkserver
-from paratrain.dispatch_counters import Collectives, HostSyncs
 from paratrain.distributed import free_port
 
-__all__ = ["Collectives", "HostSyncs", "RankError", "RankFailure", "RankTimeout", "free_port", "run_on_ranks"]
+__all__ = ["RankError", "RankFailure", "RankTimeout", "run_on_ranks"]
 
 # Seconds a rank gets to exit after SIGTERM before it is sent SIGKILL.
 _TERM_GRACE = 1.0

@@ -7,7 +7,7 @@ Two dispatch modes that watch whatever runs under them, paratrain or PyTorch's o
 - `Collectives`: the bytes every c10d collective sends, per process group or mesh axis,
   independently of what paratrain's `Comm` counts.
 
-Tests and benchmarks use them (also importable from `paratrain.testing`).
+Tests and benchmarks use them (`paratrain.testing` holds them for both).
 """
 
 from __future__ import annotations

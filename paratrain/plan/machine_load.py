@@ -108,7 +108,7 @@ def probe_rank(rank: int, world: int, samples: int = 5) -> float:
 
 def machine_speed(nproc: int, timeout: float = 120.0) -> float:
     """The probe's total FLOP/s over `nproc` ranks at once, the best of a few samples (a baseline)."""
-    from paratrain.testing import run_on_ranks
+    from paratrain.ranks import run_on_ranks
 
     return sum(run_on_ranks(probe_rank, nproc, timeout=timeout))
 

@@ -1,0 +1,251 @@
+"""A run's weights as a Hugging Face Llama (or Mixtral) directory: which weights, which model, which tokenizer.
+
+    result = export_hf("runs/tiny-1", "hf/tiny")   # newest committed checkpoint of the run, else its final/
+
+Where the weights come from (`resolve_source`):
+
+* a committed checkpoint ``step-XXXXXXXX/``: the fp32 master weights, stored
+  as ``model/<parameter name>``; the model config is the shared state's
+  ``model_config`` (the fields of `ModelConfig`), else its ``config`` (the
+  run's resolved configuration, which `paratrain train` stores), else the
+  run's ``final/model_config.json``, else the run's ``config.json``;
+* a ``final/`` directory: ``model.safetensors`` and ``model_config.json``;
+* a run directory: its newest committed checkpoint under ``checkpoints/``
+  that verifies, else its ``final/``.
+
+The tokenizer is the run's (final/'s file, else what the run's config names). Writing the
+directory is the format's business: `paratrain.interop.export.write_hf_directory`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from paratrain.checkpoint.format import MANIFEST_FILE, parse_step_dirname
+from paratrain.checkpoint.reader import CheckpointReader
+from paratrain.checkpoint.store import find_latest, list_checkpoints
+from paratrain.interop.export import check_export_options, write_hf_directory
+from paratrain.interop.hf import HFError, expected_shapes
+from paratrain.models import ModelConfig, ModelConfigError
+
+MODEL_PREFIX = "model/"
+MODEL_CONFIG_KEY = "model_config"
+FINAL_WEIGHTS = "model.safetensors"
+FINAL_CONFIG = "model_config.json"
+
+
+class SourceKind(enum.Enum):
+    CHECKPOINT = "checkpoint"
+    FINAL = "final"
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """Where exported weights come from; `run_dir` is the run holding it, if any; `verified`: checksums checked."""
+
+    kind: SourceKind
+    path: Path
+    run_dir: Path | None
+    verified: bool = False
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What `export_hf` wrote: the directory, its source, the model, the weight files and the tokenizer file."""
+
+    out_dir: Path
+    source: ExportSource
+    model_config: ModelConfig
+    step: int | None
+    weight_files: tuple[str, ...]
+    tokenizer_file: str | None
+
+
+def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+              max_shard_bytes: int | None = None, overwrite: bool = False) -> ExportResult:
+    """Write the weights of `source` (a run, a checkpoint or a final/ directory) as a Hugging Face directory.
+
+    `dtype` is the stored dtype (float32, bfloat16 or float16); `max_shard_bytes`
+    splits the weights into files of at most that size (a larger tensor gets a
+    file of its own; None: one file). `out_dir` must not exist or be empty,
+    unless `overwrite`. Raises HFError (or CheckpointError for a damaged
+    checkpoint) with one line naming the problem.
+    """
+    out = check_export_options(Path(out_dir), overwrite, dtype, max_shard_bytes)
+    src = resolve_source(source)
+    if out.exists() and (out.resolve() == src.path.resolve() or out.resolve() in src.path.resolve().parents):
+        raise HFError(f"{out} holds the source {src.path}; export into another directory")
+    model_cfg, step, shapes, read = _open_weights(src)
+    files, tokenizer_file = write_hf_directory(out, model_cfg, shapes, read, dtype=dtype,
+                                               max_shard_bytes=max_shard_bytes, tokenizer=find_tokenizer(src))
+    return ExportResult(out, src, model_cfg, step, tuple(files), tokenizer_file)
+
+
+def resolve_source(source: str | os.PathLike) -> ExportSource:
+    """The checkpoint or final/ directory `source` names (see the module docstring for the order)."""
+    path = Path(source)
+    if not path.is_dir():
+        raise HFError(f"{path} is not a directory; pass a run directory, a checkpoint (step-*) or a final/ directory")
+    if (path / MANIFEST_FILE).is_file() or parse_step_dirname(path.name) is not None:
+        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        return ExportSource(SourceKind.CHECKPOINT, path, run)
+    if _is_final(path):
+        return ExportSource(SourceKind.FINAL, path, path.parent if path.name == "final" else None)
+    for root, run in ((path / "checkpoints", path), (path, path.parent if path.name == "checkpoints" else None)):
+        if list_checkpoints(root):
+            latest = find_latest(root)
+            if latest is not None:
+                return ExportSource(SourceKind.CHECKPOINT, latest, run, verified=True)
+            if not _is_final(path / "final"):
+                raise HFError(f"no checkpoint under {root} verifies, and {path} has no final/ directory")
+    if _is_final(path / "final"):
+        return ExportSource(SourceKind.FINAL, path / "final", path)
+    raise HFError(f"{path} is neither a run directory (with checkpoints/ or final/), a checkpoint (step-*) "
+                  f"nor a final/ directory")
+
+
+def _is_final(path: Path) -> bool:
+    return (path / FINAL_WEIGHTS).is_file() and (path / FINAL_CONFIG).is_file()
+
+
+# ---- reading the source ----
+
+
+def _open_weights(src: ExportSource) -> tuple[ModelConfig, int | None, dict[str, tuple[int, ...]], Callable]:
+    """(model config, step, parameter name → shape, read(name)) of a source, tensors checked against the config."""
+    if src.kind is SourceKind.FINAL:
+        model_cfg = _config_from_json(src.path / FINAL_CONFIG)
+        handle = safe_open(str(src.path / FINAL_WEIGHTS), framework="pt", device="cpu")
+        stored = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+        step, read = None, handle.get_tensor
+    else:
+        reader = CheckpointReader(src.path, checksums=not src.verified)
+        model_cfg = _checkpoint_model_config(reader, src)
+        stored = {n.removeprefix(MODEL_PREFIX): reader.global_shape(n) for n in reader.names()
+                  if n.startswith(MODEL_PREFIX)}
+        if not stored:
+            raise HFError(f"{src.path} holds no {MODEL_PREFIX}* tensors (model weights); it cannot be exported")
+        step = reader.step
+        read = lambda name: reader.read(MODEL_PREFIX + name)  # noqa: E731
+    return model_cfg, step, _check_stored(src, model_cfg, stored), read
+
+
+def _check_stored(src: ExportSource, model_cfg: ModelConfig, stored: dict[str, tuple[int, ...]]) -> dict:
+    """The parameters to export (name → shape), after checking names and shapes against `Transformer(model_cfg)`."""
+    prefix = MODEL_PREFIX if src.kind is SourceKind.CHECKPOINT else ""
+    expected = expected_shapes(model_cfg)
+    allowed = set(expected) | ({"output.weight"} if model_cfg.tie_embeddings else set())
+    for name, shape in stored.items():
+        if name not in allowed:
+            raise HFError(f"{src.path}: tensor {prefix + name!r} is not a parameter of the model its config describes")
+        want = expected.get(name, expected["tok_embeddings.weight"])
+        if tuple(shape) != want:
+            raise HFError(f"{src.path}: tensor {prefix + name!r} has shape {list(shape)} but the model config "
+                          f"implies {list(want)}")
+    missing = [name for name in expected if name not in stored]
+    if missing:
+        raise HFError(f"{src.path}: tensor {prefix + missing[0]!r} is missing"
+                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return expected
+
+
+def _checkpoint_model_config(reader: CheckpointReader, src: ExportSource) -> ModelConfig:
+    """The model config of a checkpoint, from the first of these that exists.
+
+    The shared state's ``model_config`` (the fields of `ModelConfig`); its ``config`` (the run's
+    resolved `Config`, as `paratrain train` saves it); the run's final/model_config.json; the run's
+    config.json. The two `Config` forms are resolved as the trainer resolves them.
+    """
+    shared = reader.shared_state()
+    stored = shared.get(MODEL_CONFIG_KEY)
+    if isinstance(stored, dict):
+        try:
+            return ModelConfig(**stored)
+        except (TypeError, ModelConfigError) as exc:
+            raise HFError(f"{src.path}: the stored {MODEL_CONFIG_KEY} is invalid ({exc})") from None
+    if isinstance(shared.get("config"), dict):
+        return _resolve(shared["config"], f"{src.path}: the stored config")
+    run = src.run_dir
+    if run is not None and (run / "final" / FINAL_CONFIG).is_file():
+        return _config_from_json(run / "final" / FINAL_CONFIG)
+    if run is not None and (run / "config.json").is_file():
+        return _resolve(_run_config_doc(run), str(run / "config.json"))
+    raise HFError(f"{src.path} stores no {MODEL_CONFIG_KEY} or config in its shared state and is not inside a run "
+                  f"directory (<run>/checkpoints/step-*) with final/{FINAL_CONFIG} or config.json")
+
+
+def _resolve(doc: dict, where: str) -> ModelConfig:
+    """The model config a run's resolved `Config` (as a dict) trained."""
+    from paratrain.config import Config, ConfigError
+    from paratrain.run.build import resolve_model_config
+
+    try:
+        return resolve_model_config(Config.from_dict(doc), tokenizer_vocab=0)
+    except (ConfigError, ModelConfigError, TypeError) as exc:
+        raise HFError(f"{where} does not give the model ({exc})") from None
+
+
+def _config_from_json(path: Path) -> ModelConfig:
+    try:
+        return ModelConfig(**json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError, TypeError, ModelConfigError) as exc:
+        raise HFError(f"{path}: not a valid model config ({exc})") from None
+
+
+def _run_config_doc(run: Path) -> dict:
+    try:
+        doc = json.loads((run / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HFError(f"{run / 'config.json'}: not a valid run config ({exc})") from None
+    if not isinstance(doc, dict):
+        raise HFError(f"{run / 'config.json'}: not a valid run config (expected a JSON object)")
+    return doc
+
+
+def _run_config(run: Path):
+    from paratrain.config import Config, ConfigError
+
+    try:
+        return Config.from_dict(_run_config_doc(run))
+    except (ConfigError, TypeError) as exc:
+        raise HFError(f"{run / 'config.json'}: not a valid run config ({exc})") from None
+
+
+# ---- the tokenizer ----
+
+
+def find_tokenizer(src: ExportSource):
+    """The tokenizer of the run `src` belongs to, or None: final/'s file, else what the run's config names."""
+    from paratrain.data import DataError
+    from paratrain.data.tokenizer import BPE_FILE, BYTE_FILE, ByteTokenizer, tokenizer_from_file
+
+    finals = [src.path] if src.kind is SourceKind.FINAL else []
+    finals += [src.run_dir / "final"] if src.run_dir is not None else []
+    for directory in finals:
+        if (directory / BPE_FILE).is_file() or (directory / BYTE_FILE).is_file():
+            return tokenizer_from_file(directory)
+    if src.run_dir is None or not (src.run_dir / "config.json").is_file():
+        return None
+    from paratrain.run.build import tokenizer_spec
+
+    cfg = _run_config(src.run_dir)
+    spec = tokenizer_spec(cfg)
+    try:
+        if spec == "byte":
+            return ByteTokenizer()
+        if spec == "auto":  # a prepared corpus, which stores its tokenizer
+            return tokenizer_from_file(cfg.data.path)
+        if spec.startswith("bpe:"):  # trained by the run into its data cache
+            cached = sorted((src.run_dir / "data-cache").glob(f"*/{BPE_FILE}"), key=lambda p: p.stat().st_mtime)
+            return tokenizer_from_file(cached[-1]) if cached else None
+        return tokenizer_from_file(spec)
+    except DataError:
+        return None
