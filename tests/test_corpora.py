@@ -111,6 +111,28 @@ def test_an_interrupted_prepare_continues_after_its_finished_files(tmp_path, cap
     assert "continuing" not in capsys.readouterr().err
 
 
+def test_a_dataset_by_its_hub_name_streams_and_an_unreachable_one_is_refused_in_one_line(tmp_path):
+    """`hf:NAME[:CONFIG][:SPLIT]` streams through `datasets.load_dataset(..., streaming=True)`; a local directory
+    laid out as a hub repository stands in for the hub here (no network). Offline, a hub name ends in one line."""
+    repo = tmp_path / "corpus-repo"
+    repo.mkdir()
+    _write_jsonl(repo / "train.jsonl", TEXTS[:30], key="content")
+    _write_jsonl(repo / "validation.jsonl", TEXTS[30:45], key="content")
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    for spec, texts in ((f"hf:{repo}", TEXTS[:30]), (f"hf:{repo}:validation", TEXTS[30:45])):
+        out = tmp_path / spec.rsplit(":", 1)[-1].replace("/", "_")
+        result = subprocess.run([sys.executable, "-m", "paratrain", "prepare", "--data", spec, "--text-key", "content",
+                                 "--out", str(out)], capture_output=True, text=True, env=offline, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        _check(out, texts, "content")
+    result = subprocess.run([sys.executable, "-m", "paratrain", "prepare", "--data", "hf:someone/no-such-corpus",
+                             "--out", str(tmp_path / "x")], capture_output=True, text=True, env=offline, timeout=120)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "hf:someone/no-such-corpus:train: cannot stream it" in result.stderr and "save_to_disk" in result.stderr
+    with pytest.raises(DataError, match="write hf:NAME"):
+        prepare_corpus("hf:a:b:c:d", tmp_path / "y", progress=False)
+
+
 def test_gzipped_jsonl_with_extra_fields(tmp_path):
     source = _write_jsonl(tmp_path / "part-0.jsonl.gz", TEXTS, opener=gzip.open)
     _check(prepare_corpus(str(source), tmp_path / "out", "byte", progress=False), TEXTS)

@@ -11,7 +11,8 @@ def add_parser(subparsers):
         "after the last finished input file."))
     parser.add_argument("--data", default="default",
                         help="'default' (stdlib sources), a text, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet "
-                             "file, a directory or glob of them, or a dataset saved with `datasets`' save_to_disk")
+                             "file, a directory or glob of them, a dataset saved with `datasets`' save_to_disk, or "
+                             "hf:NAME[:CONFIG][:SPLIT], a dataset streamed from the Hugging Face hub")
     parser.add_argument("--text-key", default="text",
                         help="the field of each JSON Lines record / the column holding its text (default: text)")
     parser.add_argument("--tokenizer", default="byte", help="'byte', 'bpe:N' or a tokenizer.json path")

@@ -15,7 +15,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from paratrain.data.sources import documents, is_record_file, is_saved_dataset
+from paratrain.data.sources import HubDataset, documents, is_record_file, is_saved_dataset, parse_hub
 from paratrain.errors import DataError
 
 # Directories of the standard library that are not library source (tests,
@@ -70,6 +70,9 @@ def corpus_files(data: str | Path | None) -> tuple[list[Path], str]:
     """Files of the corpus named by ``data`` (None or ``"default"``: the built-in one) and a description."""
     if data is None or str(data) == "default":
         return default_corpus_files(), default_corpus_description()
+    hub = parse_hub(str(data))
+    if hub is not None:
+        return [hub], f"{hub} (streamed)"
     files = resolve_text_files(data)
     return files, f"{data} ({len(files)} files)"
 
@@ -113,4 +116,4 @@ def iter_texts(files: Iterable[str | Path], text_key: str = "text") -> Iterator[
     """The documents of ``files`` in order: a text file whole (UTF-8, undecodable bytes replaced), a record file
     or saved dataset one record at a time, its text under ``text_key`` (`paratrain.data.sources`)."""
     for f in files:
-        yield from documents(Path(f), text_key)
+        yield from documents(f if isinstance(f, HubDataset) else Path(f), text_key)

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from paratrain.errors import DataError
 from paratrain.data.corpus import corpus_files, iter_texts
-from paratrain.data.sources import documents
+from paratrain.data.sources import HubDataset, documents
 from paratrain.data.tokenizer import BPE_FILE, BYTE_FILE, Tokenizer, load_tokenizer, tokenizer_from_file
 
 META_FILE = "meta.json"
@@ -221,7 +221,7 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if resumable:
         tmp = out_dir.parent / f".{out_dir.name}.partial"
-        key = {"files": [str(Path(f).resolve()) for f in files], "tokenizer_spec": tokenizer_spec, "text_key": text_key}
+        key = {"files": [file_stamp(f)[0] for f in files], "tokenizer_spec": tokenizer_spec, "text_key": text_key}
         resume = _resume_point(tmp, key, files)
     else:
         tmp, key, resume = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}", None, None
@@ -258,8 +258,11 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
             shutil.rmtree(tmp)
 
 
-def file_stamp(path: Path) -> list:
-    """What identifies an input file's content without reading it: its path, size and modification time."""
+def file_stamp(path: Path | HubDataset) -> list:
+    """What identifies an input file's content without reading it: its path, size and modification time (a hub
+    dataset: its name, config and split)."""
+    if isinstance(path, HubDataset):
+        return [str(path)]
     st = Path(path).stat()
     return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
 
@@ -311,7 +314,7 @@ def _write_tokens(directory: Path, tokenizer: Tokenizer, files: Sequence[Path], 
     def texts() -> Iterator[str]:
         count = num_documents
         for i, path in enumerate(files[done:], start=done + 1):
-            for text in documents(Path(path), text_key):
+            for text in documents(path, text_key):
                 read[0] += len(text)
                 count += 1
                 yield text

@@ -6,6 +6,9 @@ record, its text under `text_key`.
 - Parquet (``.parquet``): the `text_key` column, read a row group at a time with pyarrow.
 - a Hugging Face `datasets` dataset saved with ``save_to_disk`` (a directory with ``dataset_info.json`` and
   ``state.json``): its `text_key` column, read in batches through `datasets.load_from_disk`.
+- a dataset by its hub name, ``hf:NAME``, ``hf:NAME:SPLIT`` or ``hf:NAME:CONFIG:SPLIT`` (split ``train`` by
+  default; NAME may also be a local directory laid out as a hub dataset repository): streamed record by
+  record through ``datasets.load_dataset(..., streaming=True)``, nothing downloaded whole.
 
 Everything streams: memory holds one batch of records, never a whole file. A record that is not what the
 corpus promises stops the read with one line naming the file and the line (or row) and the key: a JSON Lines
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +35,32 @@ DATASET_MARKERS = ("dataset_info.json", "state.json")  # what `datasets`' save_t
 _BATCH_ROWS = 1024
 
 
+@dataclass(frozen=True)
+class HubDataset:
+    """A dataset named as on the Hugging Face hub (`parse_hub`): its records stream from the hub (or its cache)."""
+
+    name: str
+    config: str | None
+    split: str
+
+    def __str__(self) -> str:
+        return f"hf:{self.name}" + (f":{self.config}" if self.config else "") + f":{self.split}"
+
+
+HUB_PREFIX = "hf:"
+
+
+def parse_hub(spec: str) -> HubDataset | None:
+    """The hub dataset of ``hf:NAME[:CONFIG][:SPLIT]``, None for anything else."""
+    if not spec.startswith(HUB_PREFIX):
+        return None
+    parts = spec[len(HUB_PREFIX):].split(":")
+    if not parts[0] or len(parts) > 3 or not all(parts):
+        raise DataError(f"data={spec!r}: write hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT")
+    name, config, split = parts[0], parts[1] if len(parts) == 3 else None, parts[-1] if len(parts) > 1 else "train"
+    return HubDataset(name, config, split)
+
+
 def is_record_file(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 
@@ -39,8 +70,11 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and all((path / marker).is_file() for marker in DATASET_MARKERS)
 
 
-def documents(path: Path, text_key: str) -> Iterator[str]:
+def documents(path: Path | HubDataset, text_key: str) -> Iterator[str]:
     """The documents of one source, in order (see the module's docstring)."""
+    if isinstance(path, HubDataset):
+        return _hub_documents(path, text_key)
+    path = Path(path)
     name = path.name.lower()
     if is_saved_dataset(path):
         return _dataset_documents(path, text_key)
@@ -146,3 +180,26 @@ def _dataset_documents(path: Path, text_key: str) -> Iterator[str]:
     _require_column(path, text_key, dataset.column_names)
     batches = dataset.select_columns([text_key]).iter(batch_size=_BATCH_ROWS)
     return _column_texts((batch[text_key] for batch in batches), path, text_key)
+
+
+def _hub_documents(source: HubDataset, text_key: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{source} is a hub dataset: pip install datasets (or pip install 'paratrain[corpora]')") from None
+    try:
+        stream = datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
+        records = iter(stream)
+        first = next(records, None)
+    except Exception as exc:  # noqa: BLE001 - offline, unknown name, gated, bad split: the library's errors vary
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise DataError(f"{source}: cannot stream it ({type(exc).__name__}: {reason}); on a machine that reaches the "
+                        f"hub, `datasets.load_dataset(...).save_to_disk(DIR)` and pass DIR") from None
+    return _hub_texts(first, records, source, text_key)
+
+
+def _hub_texts(first, records, source: HubDataset, text_key: str) -> Iterator[str]:
+    if first is None:
+        return
+    for number, record in enumerate(itertools.chain([first], records), 1):
+        yield _text_of(record, text_key, f"{source} record {number}")

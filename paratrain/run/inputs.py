@@ -24,6 +24,7 @@ from pathlib import Path
 from paratrain.config import Config, ConfigError
 from paratrain.data.corpus import resolve_text_files
 from paratrain.data.megatron import megatron_prefix
+from paratrain.data.sources import parse_hub
 from paratrain.data.mixture import parse_eval_data, parse_mixture
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.data.tokenizer import load_tokenizer
@@ -70,8 +71,8 @@ def check_corpus(data: str, seq_len: int, flag: str = "--data ", held_out: bool 
     """The corpus files of --data exist, can be read, and can hold one training and one evaluation sequence (a
     held-out set: one sequence). `flag` starts each message."""
     # the standard library; a prepared corpus or Megatron's indexed dataset: their tokens are checked as they load
-    if data == "default" or is_prepared_dir(data) or megatron_prefix(data):
-        return
+    if data == "default" or is_prepared_dir(data) or megatron_prefix(data) or parse_hub(data):
+        return  # (a hub dataset: whether it streams is known when it is read)
     files = resolve_text_files(data)
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
