@@ -9,8 +9,10 @@ Rows, most important first (a row that is not started within --budget-s is writt
   1. the 1B model of gpu_check.py (SIZES["1b"], batch 4 x seq 2048, bf16): plain PyTorch compiled (every
      block torch.compile'd) and paratrain ZeRO-0 compiled; plain PyTorch eager, paratrain ZeRO-0 eager,
      FSDP2 (fully_shard per block + root, MixedPrecisionPolicy bf16 params / fp32 reduce), paratrain ZeRO-3;
-     then paratrain ZeRO-0 and ZeRO-3 x eager/compiled x selective/full recomputation.
-  2. llama2-7b (bf16, seq 2048, micro-batch 1): a few paratrain ZeRO-3 rows with recomputation, each only
+     paratrain ZeRO-0 compiled with FP8 linears (tensorwise, rowwise); then paratrain ZeRO-0 and ZeRO-3 x
+     eager/compiled x selective/full recomputation.
+  2. llama2-7b (bf16, seq 2048, micro-batch 1): a few paratrain ZeRO-3 rows with recomputation (one with FP8
+     tensorwise linears), each only
      where torch.cuda.mem_get_info shows room for the planner's estimate (fp32 masters + Adam: ~16 bytes per
      parameter, 112 GB, so an H200's 141 GB, not an H100's 80).
 paratrain rows that ask for what this build's parallelize() does not take (compile=True, a recomputation
@@ -65,21 +67,26 @@ class Row:
     compile: bool
     zero: int | None = None  # paratrain's ZeRO stage
     recompute: str = "none"  # "none", "selective" or "full"
+    fp8: str | None = None  # paratrain's FP8 recipe for the blocks' linears
 
     @property
     def name(self) -> str:
         what = {"pytorch": "plain PyTorch", "fsdp2": "FSDP2"}.get(self.kind, f"paratrain ZeRO-{self.zero}")
         return f"{what} {'compiled' if self.compile else 'eager'}" + \
-            (f" +{self.recompute} recompute" if self.recompute != "none" else "")
+            (f" +{self.recompute} recompute" if self.recompute != "none" else "") + \
+            (f" +fp8 {self.fp8}" if self.fp8 else "")
 
 
 def rows(large: bool) -> list[Row]:
     out = [Row("small", "pytorch", True), Row("small", "paratrain", True, 0),
            Row("small", "pytorch", False), Row("small", "paratrain", False, 0),
-           Row("small", "fsdp2", False), Row("small", "paratrain", False, 3), Row("small", "paratrain", True, 3)]
+           Row("small", "fsdp2", False), Row("small", "paratrain", False, 3), Row("small", "paratrain", True, 3),
+           Row("small", "paratrain", True, 0, fp8="tensorwise"), Row("small", "paratrain", True, 0, fp8="rowwise")]
     out += [Row("small", "paratrain", c, z, r) for z in (0, 3) for c in (False, True) for r in ("selective", "full")]
     if large:
-        out += [Row("large", "paratrain", True, 3, "selective"), Row("large", "paratrain", False, 3, "full")]
+        out += [Row("large", "paratrain", True, 3, "selective"), Row("large", "paratrain", True, 3, "selective",
+                                                                     fp8="tensorwise"),
+                Row("large", "paratrain", False, 3, "full")]
     return out
 
 
@@ -89,6 +96,10 @@ def parallelize_kwargs(row: Row) -> tuple[dict | None, str | None]:
     """The keyword arguments for `row`'s compile and recomputation, or (None, why this build cannot)."""
     params = inspect.signature(paratrain.parallelize).parameters
     kwargs = {}
+    if row.fp8:
+        if "fp8" not in params:
+            return None, f"{NOT_AVAILABLE}: parallelize() has no fp8 argument"
+        kwargs["fp8"] = row.fp8
     if row.compile:
         if "compile" not in params:
             return None, f"{NOT_AVAILABLE}: parallelize() has no compile argument"
@@ -131,6 +142,8 @@ def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None
         notes.append("the planner has no compile flag: predicted as eager")
     if row.kind != "paratrain":
         notes.append(f"predicted as paratrain's ZeRO-{zero} layout")
+    if row.fp8:
+        notes.append("the planner has no FP8 rates yet: predicted as bf16")
     # Memory does not depend on the hardware: any preset gives it; the time needs the device's own.
     hardware = profile or HARDWARE_PRESETS[preset or "h100-80gb"]
     est = estimate(workload, Layout(**layout_args), hardware)
@@ -329,7 +342,7 @@ def repredict(path: Path, profile) -> int:
     for r in past["rows"]:
         if r["status"] != "ok":
             continue
-        row = Row(r["model"], r["kind"], r["compile"], r["zero"], r["recompute"])
+        row = Row(r["model"], r["kind"], r["compile"], r["zero"], r["recompute"], r.get("fp8"))
         cfg = SIZES[r["model_name"]] if r["model"] == "small" else get_model_config(r["model_name"])
         predicted = predict(cfg, row, r["batch"], r["seq"], preset, profile)["step_s"]
         s = r["step_s"]

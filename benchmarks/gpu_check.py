@@ -485,6 +485,59 @@ def check_document_mask(device) -> dict:
     return {"passed": passed, "detail": "packed vs each document alone: " + ", ".join(details)}
 
 
+def check_fp8(device, steps: int) -> dict:
+    """FP8 linears on the device's kernels (torch._scaled_mm; rowwise where the GPU has it, SM90+): each matmul
+    against fp32 matmuls of its dequantized operands, then a few bf16 steps of the check model with every block
+    linear in FP8 against the same steps in bf16 (the losses must agree to FP8's few percent)."""
+    from paratrain.parallel.fp8 import E4M3, E5M2, convert_to_fp8, fp8_linear, scale_of, to_fp8
+
+    def dequantized(t, dtype, dim=None, pow2=False):
+        scale = scale_of(t, dtype, dim, pow2)
+        return to_fp8(t, scale, dtype).float() / scale
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    recipes = ["tensorwise"] + (["rowwise"] if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+                                else [])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 512, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(1024, 512, generator=g) * 0.05).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(256, 1024, generator=g).to(device, torch.bfloat16)
+    details, passed = [], True
+    for recipe in recipes:
+        x.grad = w.grad = None
+        fp8_linear(x, w, None, recipe).backward(dy)
+        y = fp8_linear(x.detach(), w.detach(), None, recipe)
+        if recipe == "tensorwise":
+            xq, wq, gq = dequantized(x, E4M3), dequantized(w, E4M3), dequantized(dy, E5M2)
+            want = (xq @ wq.t(), gq @ wq, gq.t() @ xq)
+        else:
+            want = (dequantized(x, E4M3, 1, True) @ dequantized(w.t(), E4M3, 0, True),
+                    dequantized(dy, E4M3, 1, True) @ dequantized(w, E4M3, 0, True),
+                    dequantized(dy.t(), E4M3, 1, True) @ dequantized(x, E4M3, 0, True))
+        worst = max(rel(got, ref) for got, ref in zip((y, x.grad, w.grad), want))
+        data = batches(CHECK, steps, 8, 64, device)
+        losses = {}
+        for name in ("bf16", recipe):
+            torch.manual_seed(0)
+            model = Transformer(CHECK).to(device=device, dtype=torch.bfloat16)
+            converted = convert_to_fp8(model, recipe) if name != "bf16" else []
+            optimizer = adamw(model.parameters())
+            losses[name] = []
+            for inputs, labels in data:
+                loss = F.cross_entropy(model(inputs).float().flatten(0, 1), labels.flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses[name].append(loss.item())
+        diff = relative_difference(losses[recipe], losses["bf16"])
+        passed &= worst <= 1e-2 and diff <= 0.05 and len(converted) == CHECK.n_layers * 7
+        details.append(f"{recipe}: matmuls vs emulation {worst:.1e} (tol 1e-2), {len(converted)} linears, "
+                       f"loss vs bf16 {diff:.1e} (tol 0.05)")
+    return {"passed": passed, "detail": "; ".join(details)}
+
+
 def check_calibrate(device, profile: Path) -> dict:
     args = ["plan", "--calibrate", "--quick", "--out", str(profile)]
     result = _run_cli(args + ([] if device.type == "cuda" else ["--nproc", "2"]), timeout=600)
@@ -617,6 +670,7 @@ def rows(device, args, profile: Path) -> list:
         ("compile ZeRO-3", lambda: check_compile(device, 3, steps)),
         ("selective recomputation", lambda: check_selective(device, steps)),
         ("document mask", lambda: check_document_mask(device)),
+        ("fp8 linears", lambda: check_fp8(device, steps)),
         ("plan --calibrate --quick", lambda: check_calibrate(device, profile)),
         ("elastic launcher", lambda: check_launcher(device, args.train_steps)),
         ("memory snapshot", lambda: check_memory_snapshot(device)),

@@ -61,8 +61,8 @@ class DataSection:
     path: str = option(
         "default",
         "corpus: 'default' (this Python's standard-library sources), a text, JSON Lines (.jsonl, .jsonl.gz, "
-        ".jsonl.zst) or Parquet file, a directory or glob of them, a saved `datasets` dataset, a directory made "
-        "by `paratrain prepare`, or Megatron's indexed dataset (PREFIX of PREFIX.bin/.idx, with --tokenizer); "
+        ".jsonl.zst) or Parquet file, a directory or glob of them, a saved `datasets` dataset, hf:NAME[:SPLIT] (from "
+        "the hub, streamed), a directory made by `paratrain prepare`, or Megatron's PREFIX.bin/.idx as PREFIX; "
         "or a mixture of them, 'W:SOURCE,W:SOURCE' (e.g. '0.7:web.jsonl.gz,0.3:code/'), W the share of samples",
         flag="--data",
     )
@@ -132,6 +132,8 @@ class ParallelSection:
     precision: str = option("fp32", "compute dtype; master weights and optimizer state stay fp32",
                             choices=("fp32", "bf16", "fp16"))
     reduce_dtype: str = option("fp32", "dtype of gradient communication", choices=("fp32", "bf16", "fp16"))
+    fp8: str = option("", "FP8 matmuls in the blocks' linears: 'tensorwise' or 'rowwise' (with --precision bf16; "
+                          "embeddings and the output head stay bf16)", choices=("", "tensorwise", "rowwise"))
     activation_checkpointing: int | str = option(
         0, "recompute activations in backward: 'full' (every block, from its input), 'selective' (every block "
            "keeps its matmuls' and attention's outputs, recomputes norms and element-wise ops), k (every k-th "

@@ -157,7 +157,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 pipeline: PipelineParallel | None = None, context: ContextParallel | None = None,
                 precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
-                comm: Comm | None = None, checked: CheckedLayout | None = None):
+                comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -181,6 +181,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         through, for a caller that reads its counters or listens to it (the trainer's metrics, step
         timer and guard); None: the model makes its own, which it does not hand out. Every strategy
         is handed this one object and reads its process groups from `comm.mesh`.
+    fp8: None, or "tensorwise" / "rowwise": the linears of the model's blocks compute their matmuls in FP8
+        (`paratrain.parallel.fp8`; with precision "bf16"); the converted names are `model.fp8_linears`.
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -212,6 +214,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and everything
     #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
     tp_info, init = _tensor(model, comm, tensor, data, split, init)
+    # 2b. FP8 swaps the class of the blocks' plain linears (their parameters stay what they are).
+    fp8_linears = _fp8(model, comm, policy, fp8)
     # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
     _materialize_or_move(model, init, mesh.device, data)
     # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
@@ -224,8 +228,22 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info)
+    wrapped.fp8_linears = fp8_linears
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     return wrapped, _optimizer(optimizer, wrapped, engine, data)
+
+
+def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None) -> list[str]:
+    """The names of the linears converted to FP8 (none without a recipe)."""
+    if recipe is None:
+        return []
+    from paratrain.parallel.fp8 import CUDA_MIN_FEATURES, Fp8Error, check_fp8, convert_to_fp8
+
+    check_fp8(recipe, policy.param_dtype, comm.mesh.device)
+    if comm.mesh.size(Axis.TP) > 1:
+        raise Fp8Error(f"fp8={recipe!r} with tensor parallelism (tp={comm.mesh.size(Axis.TP)}) is not built yet: its "
+                       f"scales must agree over the tp group; use tp=1")
+    return convert_to_fp8(model, recipe, CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0)
 
 
 def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):

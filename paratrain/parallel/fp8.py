@@ -1,0 +1,170 @@
+"""FP8 matmuls for the linears of a model's blocks, with dynamic scaling (`parallelize(..., fp8="tensorwise")`).
+
+    parallelize(model, mesh, precision="bf16", fp8="tensorwise")   # or "rowwise"; `paratrain train --fp8 RECIPE`
+
+Each converted linear computes its three matmuls with `torch._scaled_mm` on 8-bit operands:
+
+    output          Y  = X · Wᵀ      forward
+    input gradient  dX = dY · W      backward
+    weight gradient dW = dYᵀ · X     backward
+
+Every operand is cast just before its matmul, scaled so that its largest magnitude (amax, in fp32) lands
+on the format's largest finite value, and saturated there (a value past it is clamped, never inf):
+
+- ``tensorwise``: one scale per tensor; X and W in e4m3 (more mantissa), dY in e5m2 (more range, as
+  gradients need); the forward matmul accumulates fast (`use_fast_accum`), the backward ones do not.
+- ``rowwise``: e4m3 throughout, one scale per row of each operand along the matmul's reduction, a
+  power of two (so a scale changes no mantissa bit); each matmul casts its operands along its own
+  reduction axis, so the backward casts X and W again from the saved high-precision tensors.
+
+The casts are pure functions of the tensors: a recomputed block (`activation_checkpointing`) casts exactly
+as its forward did, and the function compiles without graph breaks. What converts: every `nn.Linear`
+inside the model's blocks (`paratrain.parallel.data.units.unit_modules(model, "blocks")`: the reference
+model's layers, a transformers model's decoder layers, the layers of an `nn.Sequential`) whose in and out
+features are multiples of 16 (the FP8 kernels' tiles); embeddings and the output head, outside the
+blocks, stay in the compute dtype. On CUDA a matmul too small to gain from FP8 (the casts cost more than
+the faster matmul saves) stays too: `min_features`. A layer converts by its class (its parameters, their
+names and checkpoints are those of the `nn.Linear` it was). A matmul whose token count is not a multiple
+of 16 runs in the compute dtype (the kernels' tiles again).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.errors import ParatrainError
+
+RECIPES = ("tensorwise", "rowwise")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_TILE = 16  # the FP8 kernels' dimensions are multiples of this
+_EPS = 1e-12  # an all-zero tensor scales by fmax / eps: its cast is zeros, as it should be
+# On CUDA, linears with fewer input or output features than this stay in the compute dtype: the three casts
+# per matmul cost memory traffic that a small matmul's faster FP8 throughput does not repay.
+CUDA_MIN_FEATURES = 1024
+
+
+class Fp8Error(ParatrainError, ValueError):
+    """FP8 asked for where it cannot run (a recipe, precision or device); the message names the fix."""
+
+
+def check_fp8(recipe: str, compute_dtype: torch.dtype, device: torch.device) -> None:
+    """Fp8Error (one line) for a recipe, compute dtype or device that FP8 training cannot use."""
+    if recipe not in RECIPES:
+        raise Fp8Error(f"fp8={recipe!r} is not a recipe; use one of {', '.join(RECIPES)}")
+    if compute_dtype != torch.bfloat16:
+        name = str(compute_dtype).removeprefix("torch.")
+        raise Fp8Error(f"fp8={recipe!r} with {name} compute: FP8 training keeps bf16 for what it does not cast; "
+                       f"use precision='bf16'")
+    if not hasattr(torch, "_scaled_mm"):
+        raise Fp8Error(f"this torch ({torch.__version__}) has no torch._scaled_mm; FP8 needs torch 2.4 or newer")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise Fp8Error(f"fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                           f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+        if recipe == "rowwise" and major < 9:
+            raise Fp8Error(f"fp8='rowwise' needs compute capability 9.0 or newer (Hopper); "
+                           f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use 'tensorwise'")
+
+
+def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_of_two: bool = False) -> torch.Tensor:
+    """The fp32 scale that maps `x`'s amax (over `dim`, kept; None: the whole tensor) onto `dtype`'s largest value."""
+    amax = x.detach().abs().amax() if dim is None else x.detach().abs().amax(dim=dim, keepdim=True)
+    scale = torch.finfo(dtype).max / amax.float().clamp(min=_EPS)
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` · `scale` in `dtype`, saturated at its largest finite value."""
+    limit = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column by column: the layout `_scaled_mm` wants for its second operand."""
+    return x.t().contiguous().t()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+        fast: bool = False) -> torch.Tensor:
+    """a · b from FP8 operands (a row-major, b column-major) and their scales; the result in `out_dtype`."""
+    return torch._scaled_mm(a.contiguous(), _column_major(b), scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(),
+                            out_dtype=out_dtype, use_fast_accum=fast)
+
+
+def _rowwise(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [m, k] · b [k, n], each cast to e4m3 along k: a per row, b per column, power-of-two scales."""
+    sa, sb = scale_of(a, E4M3, 1, True), scale_of(b, E4M3, 0, True)
+    return _mm(to_fp8(a, sa, E4M3), to_fp8(b, sb, E4M3), sa, sb, out_dtype)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """x [M, K] · wᵀ (w [N, K]) with FP8 operands in forward and backward (the module docstring's recipes)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+        ctx.recipe, ctx.dtype = recipe, x.dtype
+        if recipe == "rowwise":
+            ctx.save_for_backward(x, weight)
+            return _rowwise(x, weight.t(), x.dtype)
+        sx, sw = scale_of(x, E4M3), scale_of(weight, E4M3)
+        xq, wq = to_fp8(x, sx, E4M3), to_fp8(weight, sw, E4M3)
+        ctx.save_for_backward(xq, wq, sx, sw)  # 1 byte per element kept for the backward, not 2
+        return _mm(xq, wq.t(), sx, sw, x.dtype, fast=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if ctx.recipe == "rowwise":
+            x, weight = ctx.saved_tensors
+            return _rowwise(grad, weight, ctx.dtype), _rowwise(grad.t(), x, ctx.dtype), None
+        xq, wq, sx, sw = ctx.saved_tensors
+        sg = scale_of(grad, E5M2)
+        gq = to_fp8(grad, sg, E5M2)
+        grad_x = _mm(gq, wq, sg, sw, ctx.dtype)  # [M, N] · [N, K]
+        grad_w = _mm(gq.t().contiguous(), xq, sg, sx, ctx.dtype)  # [N, M] · [M, K]
+        return grad_x, grad_w, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its matmuls in FP8 (`recipe`); in the compute dtype where the token count is
+    not a multiple of 16."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] % _TILE:
+        return F.linear(x, weight, bias)
+    y = _Fp8Matmul.apply(flat, weight, recipe).reshape(*x.shape[:-1], weight.shape[0])
+    return y + bias if bias is not None else y
+
+
+class Float8Linear(nn.Linear):
+    """An `nn.Linear` computing in FP8 (`fp8_recipe`); made from one by `convert_to_fp8`, same parameters."""
+
+    fp8_recipe: str = "tensorwise"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe}"
+
+
+def convertible(module: nn.Module, min_features: int) -> bool:
+    """An `nn.Linear` (exactly: not a subclass with its own forward) whose features suit the FP8 kernels."""
+    return (type(module) is nn.Linear and module.in_features % _TILE == 0 and module.out_features % _TILE == 0
+            and min(module.in_features, module.out_features) >= min_features)
+
+
+def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0) -> list[str]:
+    """Make every convertible linear inside the blocks of `model` compute in FP8; the converted names."""
+    from paratrain.parallel.data.units import unit_modules
+
+    converted = []
+    for block_name, block in unit_modules(model, "blocks"):
+        for name, module in block.named_modules():
+            if convertible(module, min_features):
+                module.__class__ = Float8Linear
+                module.fp8_recipe = recipe
+                converted.append(f"{block_name}.{name}" if name else block_name)
+    return converted
