@@ -13,7 +13,10 @@ from paratrain.cli import build_parser, main
 from paratrain.commands.options import config_from_args
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.fp8 import E4M3, E5M2, Fp8Error, check_fp8, convert_to_fp8, fp8_linear, scale_of, to_fp8
+from paratrain.parallel import fp8
+from paratrain.parallel.fp8 import (
+    E4M3, E5M2, Fp8Casts, Fp8Error, check_fp8, convert_to_fp8, fp8_linear, scale_of, to_fp8,
+)
 from paratrain.testing import run_on_ranks
 
 
@@ -71,6 +74,32 @@ def test_casts_saturate_and_zeros_stay_zeros():
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
 
 
+def test_a_weight_is_cast_once_per_optimizer_step_and_reused_by_its_micro_batches():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 64, dtype=torch.bfloat16)
+    casts = Fp8Casts()
+    convert_to_fp8(nn.Sequential(layer), "tensorwise", casts=casts)
+    made = []
+    real = fp8.weight_cast
+    fp8.weight_cast = lambda *args: made.append(1) or real(*args)
+    try:
+        x = torch.randn(4, 16, 32, dtype=torch.bfloat16)
+        first = [layer(x) for _ in range(3)]  # three micro-batches: one cast
+        assert len(made) == 1 and all(torch.equal(first[0], y) for y in first[1:])
+        with torch.no_grad():
+            layer.weight.mul_(2)  # changed in place (a load): cast again, even within the step
+        layer(x)
+        casts.new_step()  # the optimizer stepped
+        layer(x)
+        assert len(made) == 3
+    finally:
+        fp8.weight_cast = real
+    uncached = nn.Linear(32, 64, dtype=torch.bfloat16)
+    uncached.load_state_dict(layer.state_dict())
+    convert_to_fp8(nn.Sequential(uncached), "tensorwise")
+    assert torch.equal(uncached(x), layer(x))  # the same cast either way
+
+
 def test_the_linears_of_the_blocks_convert_and_the_head_and_embeddings_stay():
     model = Transformer(CFG)
     names = convert_to_fp8(model, "tensorwise")
@@ -99,7 +128,7 @@ def test_refusals_are_one_line(capsys, tmp_path):
     with pytest.raises(Fp8Error, match="use precision='bf16'"):
         check_fp8("tensorwise", torch.float32, torch.device("cpu"))
     for args, message in ((["--precision", "fp32"], "needs --precision bf16 (not fp32)"),
-                          (["--precision", "bf16", "--tp", "2", "--nproc", "2"], "with --tp > 1 is not built yet")):
+                          (["--precision", "fp16"], "needs --precision bf16 (not fp16)")):
         assert main(["train", "--fp8", "tensorwise", *args, "--steps", "1", "--out", str(tmp_path / "r")]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
@@ -128,6 +157,20 @@ def test_two_ranks_equal_one_fp8_process_under_every_zero_stage(tmp_path, zero):
     assert a[-1]["loss"] < a[0]["loss"]
 
 
+@pytest.mark.parametrize("recipe, extra, tol", [("tensorwise", [], 5e-3), ("tensorwise", ["--sequence-parallel"], 5e-3),
+                                                ("rowwise", [], 2e-2)])
+def test_tensor_parallel_fp8_equals_one_process(tmp_path, recipe, extra, tol):
+    """Under tp2 each shard's matmul is in FP8; tensorwise scales are agreed over the tp group (a max-reduction
+    of the amaxes), so every shard casts as the whole tensor would: the losses of one process. Rowwise scales
+    its rows along a sharded reduction by the shard's own amax (no communication): close, not equal."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    argv = [*TINY[:-1], recipe]
+    assert main(["train", *argv, "--out", str(one)]) == 0
+    run_on_ranks(_train, 2, ["train", *argv, "--tp", "2", *extra, "--out", str(two)], timeout=120)
+    a, b = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=tol)
+
+
 def test_fp8_compiles_without_graph_breaks():
     import torch._dynamo
 
@@ -140,3 +183,11 @@ def test_fp8_compiles_without_graph_breaks():
     cos, sin = rotary_tables(16, CFG.head_dim, CFG.rope_theta, x.device, x.dtype)
     explanation = torch._dynamo.explain(block)(x, cos, sin)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_verify_runs_every_layout_against_one_fp8_process_on_its_micro_batches(capsys):
+    assert main(["verify", "--model", "tiny", "--layouts", "dp2;dp2,zero3;pp2", "--precision", "bf16", "--fp8",
+                 "tensorwise", "--steps", "2", "--tol", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert "reference: 1 process, bf16 tensorwise micro-batch 4" in out and out.count("PASS") == 3
+    assert "28 linears compute in FP8 (tensorwise)" in out

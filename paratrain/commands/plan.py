@@ -293,9 +293,11 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
     curve = hardware.gemm(workload.precision)
     intra, inter = hardware.intra_node_bytes_per_s / 1e9, hardware.inter_node_bytes_per_s / 1e9
     stack = "compiled blocks" if args is not None and given_options(args).get("parallel.compile") else "eager"
-    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}, {stack}; "
+    fp8 = f" with FP8 {workload.fp8} linears" if workload.fp8 else ""
+    fp8_peak = f" ({hardware.peak_fp8 / 1e12:g} in FP8; MFU against the bf16 peak)" if workload.fp8 else ""
+    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}{fp8}, {stack}; "
             f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
-            f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s, matmuls at {curve.peak_efficiency:g}·x/(x + "
+            f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s{fp8_peak}, matmuls at {curve.peak_efficiency:g}·x/(x + "
             f"{curve.half_size:.0f}) of it, {hardware.gpus_per_node} per node; links {intra:g} GB/s in a node, "
             f"{inter:g} GB/s between nodes)")
 

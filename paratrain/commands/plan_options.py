@@ -40,6 +40,8 @@ BATCH_OPTIONS = {
     "train.micro_batch": ((), f"1; --gpus searches {', '.join(map(str, SearchSpace.micro_batch))}"),
     "parallel.precision": ((), "bf16: mixed precision, K = 12 bytes of optimizer state per parameter; fp32: K = 8"),
     "parallel.reduce_dtype": ((), "the --precision dtype"),
+    "parallel.fp8": ((), "none: the blocks' linears in --precision; tensorwise or rowwise: at the hardware's FP8 "
+                         "rate (h100-80gb, h200: twice bf16's peak) plus their casts"),
 }
 LAYOUT_OPTIONS = {
     "parallel.dp": ((), "1, or what --gpus leaves"),
@@ -97,7 +99,7 @@ def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
     if batch is None and (args.tokens is not None or args.gpus is not None):
         batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
     common = dict(seq_len=seq, global_batch=batch, precision=opts["parallel.precision"],
-                  reduce_dtype=opts.get("parallel.reduce_dtype"))
+                  reduce_dtype=opts.get("parallel.reduce_dtype"), fp8=opts.get("parallel.fp8") or None)
     if model is not None:
         common["moe_imbalance"] = getattr(args, "moe_imbalance", Workload.moe_imbalance)
         common["flash_attention"] = getattr(args, "attention", "flash") == "flash"

@@ -30,6 +30,9 @@ over tokens divided by the global token count; each layout runs the trainer's
 step (`paratrain.train.train_step`) through `parallelize`, the reference the
 same on one process.
 
+`--fp8 RECIPE` (with `--precision bf16`) runs every layout and the reference with FP8 linears; each
+matmul's scales come from its own operands, so the reference then runs the layout's micro-batches.
+
 To test this command itself, inject a fault into every layout's processes with
 PARATRAIN_FAULT (`paratrain.faults`): `negate_grads@rank1:step*` makes rank 1
 negate its gradients before each optimizer step (an engine that reduces
@@ -54,7 +57,7 @@ SHARED = ("model.name", "train.steps", "train.global_batch", "train.micro_batch"
           "train.seed")
 LAYOUT_OPTIONS = ("parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.zero",
                   "parallel.sequence_parallel", "parallel.precision", "parallel.reduce_dtype", "parallel.schedule",
-                  "parallel.virtual_stages", "parallel.activation_checkpointing", "parallel.bucket_mb")
+                  "parallel.virtual_stages", "parallel.activation_checkpointing", "parallel.bucket_mb", "parallel.fp8")
 DEFAULTS = {"train.steps": 3, "train.global_batch": 8, "data.seq_len": 64}
 
 
@@ -113,13 +116,14 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
 
         return verify_factory(args.model_factory, given, layouts, work, log)
     configs = [base_config(given, work / f"layout{i}", layout) for i, (_, layout) in enumerate(layouts)]
-    # The reference computes in the layout's precision: one single-process run per precision used.
-    references = {cfg.parallel.precision: base_config(given, work / f"reference-{cfg.parallel.precision}",
-                                                      {"precision": cfg.parallel.precision}) for cfg in configs}
+    # The reference computes in the layout's precision: one single-process run per precision used. Under FP8
+    # each matmul's scales come from its own operands, so the reference also runs the layout's micro-batches.
+    references = {_reference_key(cfg): _reference(given, work, cfg) for cfg in configs}
     for cfg in [*references.values(), *configs]:
         preflight(cfg, cfg.run.nproc)  # the layout rules (paratrain.parallel.rules), before anything runs
-    for precision, cfg in references.items():
-        log(f"reference: 1 process, {precision}, global batch {cfg.train.global_batch}, {cfg.train.steps} steps")
+    for key, cfg in references.items():
+        log(f"reference: 1 process, {' '.join(str(k) for k in key if k)}, global batch {cfg.train.global_batch}, "
+            f"{cfg.train.steps} steps")
         run_layout(cfg)
     results = []
     for (text, _), cfg in zip(layouts, configs):
@@ -130,9 +134,23 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
         except LaunchFailed as e:
             comparison.error = str(e)
         else:
-            compare(Path(references[cfg.parallel.precision].run.out), Path(cfg.run.out), comparison)
+            compare(Path(references[_reference_key(cfg)].run.out), Path(cfg.run.out), comparison)
         results.append(comparison)
     return results
+
+
+def _reference_key(cfg: Config) -> tuple:
+    """What a layout's reference shares with it: the precision; under FP8 the recipe and the micro-batch."""
+    p = cfg.parallel
+    return (p.precision, p.fp8, f"micro-batch {cfg.train.micro_batch}") if p.fp8 else (p.precision,)
+
+
+def _reference(given: dict[str, Any], work: Path, cfg: Config) -> Config:
+    key = _reference_key(cfg)
+    layout = {"precision": cfg.parallel.precision, **({"fp8": cfg.parallel.fp8} if cfg.parallel.fp8 else {})}
+    if cfg.parallel.fp8:
+        given = {**given, "train.micro_batch": cfg.train.micro_batch}
+    return base_config(given, work / ("reference-" + "-".join(str(k).replace(" ", "") for k in key)), layout)
 
 
 def format_table(results: list[Comparison], tol: float) -> str:

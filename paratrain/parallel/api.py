@@ -215,7 +215,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
     tp_info, init = _tensor(model, comm, tensor, data, split, init)
     # 2b. FP8 swaps the class of the blocks' plain linears (their parameters stay what they are).
-    fp8_linears = _fp8(model, comm, policy, fp8)
+    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data)
     # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
     _materialize_or_move(model, init, mesh.device, data)
     # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
@@ -230,20 +230,22 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info)
     wrapped.fp8_linears = fp8_linears
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
-    return wrapped, _optimizer(optimizer, wrapped, engine, data)
+    opt = _optimizer(optimizer, wrapped, engine, data)
+    if opt is not None and fp8_casts is not None:  # the weights changed: the next micro-batch casts them again
+        opt.register_step_post_hook(fp8_casts.new_step)
+    return wrapped, opt
 
 
-def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None) -> list[str]:
-    """The names of the linears converted to FP8 (none without a recipe)."""
+def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel):
+    """(the names of the linears converted to FP8, where their weight casts are kept for a step): none without a
+    recipe; casts kept under ZeRO-0..2, whose weights stay whole between optimizer steps."""
     if recipe is None:
-        return []
-    from paratrain.parallel.fp8 import CUDA_MIN_FEATURES, Fp8Error, check_fp8, convert_to_fp8
+        return [], None
+    from paratrain.parallel.fp8 import CUDA_MIN_FEATURES, Fp8Casts, check_fp8, convert_to_fp8
 
     check_fp8(recipe, policy.param_dtype, comm.mesh.device)
-    if comm.mesh.size(Axis.TP) > 1:
-        raise Fp8Error(f"fp8={recipe!r} with tensor parallelism (tp={comm.mesh.size(Axis.TP)}) is not built yet: its "
-                       f"scales must agree over the tp group; use tp=1")
-    return convert_to_fp8(model, recipe, CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0)
+    casts = Fp8Casts() if data.zero < 3 else None
+    return convert_to_fp8(model, recipe, CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0, casts), casts
 
 
 def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):

@@ -69,9 +69,16 @@ def check_fp8(recipe: str, compute_dtype: torch.dtype, device: torch.device) -> 
                            f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use 'tensorwise'")
 
 
-def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_of_two: bool = False) -> torch.Tensor:
-    """The fp32 scale that maps `x`'s amax (over `dim`, kept; None: the whole tensor) onto `dtype`'s largest value."""
+def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_of_two: bool = False,
+             agree=None) -> torch.Tensor:
+    """The fp32 scale that maps `x`'s amax (over `dim`, kept; None: the whole tensor) onto `dtype`'s largest value.
+
+    `agree(amax)`: makes the amax that of the whole tensor `x` is a shard of (a max-reduction over the tensor-
+    parallel group), so that every shard casts with the scale one process would use.
+    """
     amax = x.detach().abs().amax() if dim is None else x.detach().abs().amax(dim=dim, keepdim=True)
+    if agree is not None:
+        amax = agree(amax.float())
     scale = torch.finfo(dtype).max / amax.float().clamp(min=_EPS)
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
 
@@ -104,13 +111,14 @@ class _Fp8Matmul(torch.autograd.Function):
     """x [M, K] · wᵀ (w [N, K]) with FP8 operands in forward and backward (the module docstring's recipes)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-        ctx.recipe, ctx.dtype = recipe, x.dtype
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str, agree, cast) -> torch.Tensor:
+        ctx.recipe, ctx.dtype, ctx.agree = recipe, x.dtype, agree
         if recipe == "rowwise":
             ctx.save_for_backward(x, weight)
             return _rowwise(x, weight.t(), x.dtype)
-        sx, sw = scale_of(x, E4M3), scale_of(weight, E4M3)
-        xq, wq = to_fp8(x, sx, E4M3), to_fp8(weight, sw, E4M3)
+        sx = scale_of(x, E4M3, agree=agree)
+        wq, sw = cast if cast is not None else weight_cast(weight, agree)
+        xq = to_fp8(x, sx, E4M3)
         ctx.save_for_backward(xq, wq, sx, sw)  # 1 byte per element kept for the backward, not 2
         return _mm(xq, wq.t(), sx, sw, x.dtype, fast=True)
 
@@ -119,22 +127,57 @@ class _Fp8Matmul(torch.autograd.Function):
         grad = grad.contiguous()
         if ctx.recipe == "rowwise":
             x, weight = ctx.saved_tensors
-            return _rowwise(grad, weight, ctx.dtype), _rowwise(grad.t(), x, ctx.dtype), None
+            return _rowwise(grad, weight, ctx.dtype), _rowwise(grad.t(), x, ctx.dtype), None, None, None
         xq, wq, sx, sw = ctx.saved_tensors
-        sg = scale_of(grad, E5M2)
+        sg = scale_of(grad, E5M2, agree=ctx.agree)
         gq = to_fp8(grad, sg, E5M2)
         grad_x = _mm(gq, wq, sg, sw, ctx.dtype)  # [M, N] · [N, K]
         grad_w = _mm(gq.t().contiguous(), xq, sg, sx, ctx.dtype)  # [N, M] · [M, K]
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> torch.Tensor:
+def weight_cast(weight: torch.Tensor, agree=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, its scale): a tensorwise weight's cast."""
+    with torch.no_grad():
+        scale = scale_of(weight, E4M3, agree=agree)
+        return to_fp8(weight, scale, E4M3), scale
+
+
+class Fp8Casts:
+    """The tensorwise casts of the converted weights, each made once per optimizer step and reused by every
+    micro-batch of the step (and by a recompute), as long as the weight is the same tensor, unchanged.
+
+    `parallelize` makes one for ZeRO-0..2 (whose weights stay whole between steps; ZeRO-3 would hold every
+    layer's whole FP8 weight at once) and starts a new step after each optimizer step. Inside a compiled
+    region the weight is cast in the graph instead.
+    """
+
+    def __init__(self):
+        self._casts: dict = {}
+
+    def new_step(self, *args) -> None:
+        self._casts.clear()
+
+    def weight(self, module: nn.Module, weight: torch.Tensor, agree=None):
+        if torch.compiler.is_compiling():
+            return None
+        key = (id(module), weight.data_ptr(), weight._version)  # an in-place write (a load) bumps the version
+        cast = self._casts.get(key)
+        if cast is None:
+            cast = self._casts[key] = weight_cast(weight, agree)
+        return cast
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
+               agree=None, cast=None) -> torch.Tensor:
     """F.linear(x, weight, bias) with its matmuls in FP8 (`recipe`); in the compute dtype where the token count is
-    not a multiple of 16."""
+    not a multiple of 16. `agree`: the tensor-parallel amax agreement of `scale_of` (tensorwise only: a row's
+    scale along a sharded reduction is the shard's own, whose partial product the reduction then sums).
+    `cast`: the weight's tensorwise cast made already (`Fp8Casts`)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] % _TILE:
         return F.linear(x, weight, bias)
-    y = _Fp8Matmul.apply(flat, weight, recipe).reshape(*x.shape[:-1], weight.shape[0])
+    y = _Fp8Matmul.apply(flat, weight, recipe, agree, cast).reshape(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
 
 
@@ -142,29 +185,53 @@ class Float8Linear(nn.Linear):
     """An `nn.Linear` computing in FP8 (`fp8_recipe`); made from one by `convert_to_fp8`, same parameters."""
 
     fp8_recipe: str = "tensorwise"
+    fp8_casts: Fp8Casts | None = None  # the step's weight casts, when the caller starts a new step after each update
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe)
+        cast = self.fp8_casts.weight(self, self.weight) if self.fp8_casts and self.fp8_recipe == "tensorwise" else None
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, cast=cast)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe}"
 
 
 def convertible(module: nn.Module, min_features: int) -> bool:
-    """An `nn.Linear` (exactly: not a subclass with its own forward) whose features suit the FP8 kernels."""
-    return (type(module) is nn.Linear and module.in_features % _TILE == 0 and module.out_features % _TILE == 0
+    """An `nn.Linear` (exactly: not a subclass with its own forward), or a tensor-parallel linear, whose whole
+    layer's features suit the FP8 kernels: the same layers convert under every layout."""
+    # a tensor-parallel linear says it can (`_ParallelLinear.fp8_recipe`); other subclasses have forwards of their own
+    if type(module) is not nn.Linear and not hasattr(type(module), "fp8_recipe"):
+        return False
+    return (module.in_features % _TILE == 0 and module.out_features % _TILE == 0
             and min(module.in_features, module.out_features) >= min_features)
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0) -> list[str]:
-    """Make every convertible linear inside the blocks of `model` compute in FP8; the converted names."""
+def _check_shard(name: str, module: nn.Module) -> None:
+    """A converted layer's tensor-parallel shard must suit the kernels too, or its layout would compute otherwise
+    than one process does."""
+    rows, cols = module.weight.shape
+    if rows % _TILE or cols % _TILE:
+        raise Fp8Error(f"fp8 under tensor parallelism: {name}'s shard is {rows} x {cols}, not multiples of {_TILE} "
+                       f"(the FP8 kernels' tiles) as the whole layer is; use a tp that keeps every shard a multiple "
+                       f"of {_TILE}")
+
+
+def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0, casts: Fp8Casts | None = None) -> list[str]:
+    """Make every convertible linear inside the blocks of `model` compute in FP8; the converted names.
+
+    A plain linear becomes a `Float8Linear`; a tensor-parallel one computes its local matmul in FP8
+    (`_ParallelLinear.fp8_recipe`), its tensorwise scales agreed over the tp group. `casts`: where their
+    weights' casts are kept for the step (`Fp8Casts`; None: cast at every forward).
+    """
     from paratrain.parallel.data.units import unit_modules
 
     converted = []
     for block_name, block in unit_modules(model, "blocks"):
         for name, module in block.named_modules():
             if convertible(module, min_features):
-                module.__class__ = Float8Linear
-                module.fp8_recipe = recipe
+                if type(module) is nn.Linear:
+                    module.__class__ = Float8Linear
+                else:
+                    _check_shard(f"{block_name}.{name}", module)
+                module.fp8_recipe, module.fp8_casts = recipe, casts
                 converted.append(f"{block_name}.{name}" if name else block_name)
     return converted

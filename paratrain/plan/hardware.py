@@ -125,6 +125,8 @@ class Hardware:
         memory_bytes: device memory (GB = 10⁹ bytes).
         peak_bf16, peak_fp16, peak_fp32: dense peak FLOP/s (fp32 means TF32 tensor cores on GPUs;
             a calibrated CPU profile stores its fitted plateau here, with e_max = 1).
+        peak_fp8: dense FP8 peak FLOP/s (e4m3/e5m2 tensor cores, `torch._scaled_mm`; its matmuls follow
+            the bf16 curve); 0: no FP8 matmuls (an A100, a CPU, a profile that did not measure them).
         hbm_bytes_per_s: datasheet memory bandwidth.
         intra_node_bytes_per_s: per-GPU, one-direction link bandwidth inside a node (NVLink).
         inter_node_bytes_per_s: per-GPU, one-direction bandwidth between nodes (InfiniBand).
@@ -165,6 +167,7 @@ class Hardware:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     gpus_per_node: int = 8
+    peak_fp8: float = 0.0
     intra_node_latency_s: float = 5e-6
     inter_node_latency_s: float = 10e-6
     gemm_bf16: GemmCurve = GemmCurve(0.8, 300.0)
@@ -215,10 +218,10 @@ class Hardware:
                            {Elementwise(kind): _curve(points) for kind, points in self.elementwise.items()})
 
     def peak(self, precision: str) -> float:
-        return {"bf16": self.peak_bf16, "fp16": self.peak_fp16, "fp32": self.peak_fp32}[precision]
+        return {"bf16": self.peak_bf16, "fp16": self.peak_fp16, "fp32": self.peak_fp32, "fp8": self.peak_fp8}[precision]
 
     def gemm(self, precision: str) -> GemmCurve:
-        return {"bf16": self.gemm_bf16, "fp16": self.gemm_fp16, "fp32": self.gemm_fp32}[precision]
+        return {"bf16": self.gemm_bf16, "fp16": self.gemm_fp16, "fp32": self.gemm_fp32, "fp8": self.gemm_bf16}[precision]
 
     def gemm_seconds(self, m: float, n: float, k: float, precision: str, count: float = 1.0) -> float:
         """Time of `count` matmuls of shape (m, n, k): 2mnk FLOPs each at the curve's efficiency."""
@@ -312,18 +315,20 @@ _HOPPER = dict(memory_efficiency=0.52, attention_efficiency=1.22, attention_over
 
 
 def _gpu(name: str, memory: float, peak16: float, hbm: float, nvlink: float, ib: float, gemm: GemmCurve,
-         source: str, kind: dict) -> Hardware:
+         source: str, kind: dict, fp8: bool = False) -> Hardware:
+    """A datasheet GPU; `fp8`: its FP8 tensor cores run twice the 16-bit dense peak (Hopper)."""
     return Hardware(name, memory, peak16, peak16, peak16 / 2, hbm, nvlink, ib, gemm_bf16=gemm, gemm_fp16=gemm,
-                    gemm_fp32=gemm, source=source, **_COMMON, **kind)
+                    gemm_fp32=gemm, peak_fp8=2 * peak16 if fp8 else 0.0, source=source, **_COMMON, **kind)
 
 
 HARDWARE_PRESETS: dict[str, Hardware] = {
     "a100-40gb": _gpu("a100-40gb", 40e9, 312e12, 1.555e12, 300e9, 25e9, _A100_GEMM, "NVIDIA A100 datasheet", _A100),
     "a100-80gb": _gpu("a100-80gb", 80e9, 312e12, 2.039e12, 300e9, 25e9, _A100_GEMM, "NVIDIA A100 datasheet", _A100),
     "h100-80gb": _gpu("h100-80gb", 80e9, 989e12, 3.35e12, 450e9, 50e9, _HOPPER_GEMM,
-                      "NVIDIA H100 SXM datasheet; efficiencies fitted on an H200", _HOPPER),
+                      "NVIDIA H100 SXM datasheet; efficiencies fitted on an H200", _HOPPER, fp8=True),
     "h200": _gpu("h200", 141e9, 989e12, 4.8e12, 450e9, 50e9, _HOPPER_GEMM,
-                 "NVIDIA H200 SXM datasheet; efficiencies fitted on an H200 (shared/gpu/H200-2026-11-26.md)", _HOPPER),
+                 "NVIDIA H200 SXM datasheet; efficiencies fitted on an H200 (shared/gpu/H200-2026-11-26.md)", _HOPPER,
+                 fp8=True),
 }
 
 

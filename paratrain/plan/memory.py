@@ -103,6 +103,8 @@ class Workload:
             materialized`), the scores materialized and softmaxed in memory with 1-byte dropout masks,
             a GPT block, and Megatron's selective recompute of attention's core only
             (`layer_activation_bytes`).
+        fp8: None, or the FP8 recipe ("tensorwise", "rowwise") of the blocks' linears: their matmuls at the
+            hardware's FP8 rate, plus their casts (`paratrain.plan.ops.fp8_times`); memory as bf16.
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -116,6 +118,7 @@ class Workload:
     reduce_dtype: str | None = None
     flash_attention: bool = True
     moe_imbalance: float = moe.DEFAULT_IMBALANCE
+    fp8: str | None = None
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")

@@ -50,6 +50,9 @@ from paratrain.plan.memory import Recompute
 from paratrain.plan.model_states import DTYPE_BYTES
 
 BACKWARD_MEMORY_FACTOR = 2.0  # element-wise backward reads the saved input and the gradient, writes one
+# Rowwise FP8 matmuls' rate relative to tensorwise: 1,350-1,376 against 1,438-1,501 TFLOP/s on an H200 at
+# llama2-7b's shapes (shared/gpu/H200-2026-11-27.md §4).
+ROWWISE_FP8_RATE = 0.93
 FLASH_BACKWARD_MATMULS = 5  # dQ, dK, dV, dP and the recomputed scores (Dao 2023, FlashAttention-2 §3.1.2)
 DENSE_BACKWARD_MATMULS = 4  # dQ, dK, dV, dP
 # A flash kernel's operands per token, in units of (q + kv) widths: forward reads q, k, v and writes
@@ -124,11 +127,12 @@ class Shape:
     routed: float = 0.0  # k·c·T: (token, expert) copies this rank's experts process (c: the assumed imbalance)
     shared_ffn: int = 0  # f of the shared expert, 0 without one
     ring_steps: int = 1  # cp: the attention core runs as this many kernel calls (paratrain's ring)
+    fp8: str | None = None  # the FP8 recipe of the block's linears (`paratrain.parallel.fp8`), None: the dtype's
 
     @classmethod
     def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
            precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER, cp: int = 1, ep: int = 1,
-           imbalance: float = moe.DEFAULT_IMBALANCE) -> Shape:
+           imbalance: float = moe.DEFAULT_IMBALANCE, fp8: str | None = None) -> Shape:
         """Under context parallelism (cp > 1) the rank holds s/cp tokens of each sequence and its queries
         meet all s keys, block by block in paratrain's ring (`paratrain.parallel.context.ring`): one fused
         kernel call per block on its unmasked part, so a flash kernel's causal half, in cp calls.
@@ -146,7 +150,7 @@ class Shape:
                              q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
                              local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
                              residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision,
-                             flash=flash, kernels=KernelStack(kernels), ring_steps=cp), **routing})
+                             flash=flash, kernels=KernelStack(kernels), ring_steps=cp, fp8=fp8), **routing})
 
     @property
     def itemsize(self) -> int:
@@ -280,12 +284,39 @@ def _ring_merge_seconds(hw: Hardware, x: Shape, backward: bool) -> float:
     return hw.memory_seconds(3 * rows * x.q_width * 4)
 
 
-def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
-    """One block's forward and backward (with recomputation) on one rank."""
+def fp8_gemms(x: Shape) -> list[Gemm]:
+    """The block's matmuls that run in FP8 under `x.fp8`: the attention projections and the dense (or shared
+    expert's) MLP, the linears `paratrain.parallel.fp8` converts; a MoE's router and grouped experts stay."""
+    if not x.fp8:
+        return []
     gemms = block_gemms(x)
-    elementwise = block_elementwise_times(hw, x)
-    forward = _gemm_seconds(hw, gemms, x.dtype) + attention_seconds(hw, x, 2) + elementwise.forward
-    backward = (_gemm_seconds(hw, [b for g in gemms for b in backward_gemms(g)], x.dtype)
+    return gemms if not x.experts else gemms[:3] + gemms[6:]  # without the router and the two expert matmuls
+
+
+def fp8_times(hw: Hardware, x: Shape, gemms: list[Gemm]) -> tuple[PassTimes, PassTimes]:
+    """(the FP8 linears' matmuls at the FP8 rate, their casts): each cast reads its 16-bit operand twice (amax,
+    then the cast) and writes 1 byte per element. Forward casts x and W; backward the output gradient (rowwise:
+    along both of its axes, and x and W again along the other axis)."""
+    rate = 1.0 if x.fp8 == "tensorwise" else ROWWISE_FP8_RATE
+    per_element = 2 * x.itemsize + 1
+    forward_casts = sum(g.count * (g.m * g.k + g.n * g.k) for g in gemms)
+    grads = sum(g.count * g.m * g.n for g in gemms)
+    backward_casts = grads if x.fp8 == "tensorwise" else 2 * grads + forward_casts
+    return (PassTimes(_gemm_seconds(hw, gemms, "fp8") / rate,
+                      _gemm_seconds(hw, [b for g in gemms for b in backward_gemms(g)], "fp8") / rate),
+            PassTimes(hw.memory_seconds(forward_casts * per_element), hw.memory_seconds(backward_casts * per_element)))
+
+
+def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
+    """One block's forward and backward (with recomputation) on one rank; under FP8 its linears at the FP8 rate."""
+    low = fp8_gemms(x)
+    gemms = [g for g in block_gemms(x) if g not in low]
+    fp8_matmuls, casts = fp8_times(hw, x, low)
+    # the casts are element-wise work: selective recomputation runs them again, as it runs the rest of it
+    elementwise = block_elementwise_times(hw, x) + casts
+    forward = (_gemm_seconds(hw, gemms, x.dtype) + fp8_matmuls.forward + attention_seconds(hw, x, 2)
+               + elementwise.forward)
+    backward = (_gemm_seconds(hw, [b for g in gemms for b in backward_gemms(g)], x.dtype) + fp8_matmuls.backward
                 + attention_seconds(hw, x, FLASH_BACKWARD_MATMULS if x.flash else DENSE_BACKWARD_MATMULS, backward=True)
                 + elementwise.backward)
     if recompute is Recompute.FULL:

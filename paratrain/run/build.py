@@ -108,11 +108,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
-    if cfg.parallel.fp8 and (cfg.parallel.precision != "bf16" or cfg.parallel.tp > 1):
-        raise ConfigError(f"--fp8 {cfg.parallel.fp8} " + ("with --tp > 1 is not built yet (its scales must agree over "
-                          "the tp group)" if cfg.parallel.precision == "bf16" else
-                          f"needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps bf16 for what it does not "
-                          f"cast"))
+    if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
+        raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
+                          f"bf16 for what it does not cast")
     if cfg.data.document_mask and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
                           f"the context-parallel ring do not see the documents yet; drop one of them")

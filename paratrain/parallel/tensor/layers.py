@@ -42,6 +42,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Axis
+from paratrain.parallel.fp8 import fp8_linear
 from paratrain.parallel.tensor.collectives import TensorParallelError, _all_gather, check_divisible
 from paratrain.parallel.tensor.primitives import (
     InitFn, reduce_from_tp, gather_from_tp, reduce_scatter_sequence, enter_tp_region,
@@ -109,6 +110,8 @@ class _ParallelLinear(TensorParallelLayer):
     and checkpoints are those of the model without tensor parallelism."""
 
     transposed: bool = False
+    fp8_recipe: str | None = None  # the local matmul in FP8 (`paratrain.parallel.fp8.convert_to_fp8`)
+    fp8_casts = None  # and the step's weight casts (`paratrain.parallel.fp8.Fp8Casts`)
 
     @classmethod
     def from_full(cls, linear: nn.Module, comm: Comm, axis: Axis = Axis.TP, **options):
@@ -128,7 +131,17 @@ class _ParallelLinear(TensorParallelLayer):
         return nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
+        weight = self.weight.t() if self.transposed else self.weight
+        if self.fp8_recipe is not None:
+            cast = (self.fp8_casts.weight(self, weight, self._agree_amax)
+                    if self.fp8_casts and self.fp8_recipe == "tensorwise" else None)
+            return fp8_linear(x, weight, bias, self.fp8_recipe, agree=self._agree_amax, cast=cast)
+        return F.linear(x, weight, bias)
+
+    def _agree_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The largest of the tp ranks' amaxes: every shard casts with the whole tensor's scale."""
+        self.comm.all_reduce(amax, self.axis, op=dist.ReduceOp.MAX)
+        return amax
 
 
 class ColumnParallelLinear(_ParallelLinear):

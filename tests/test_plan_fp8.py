@@ -1,0 +1,70 @@
+"""The planner's FP8 (`plan --fp8`): the blocks' linears at the hardware's FP8 rate plus the bytes of their casts;
+a MoE's router and experts, the attention core and the head stay in the compute dtype; refused where the hardware
+has no FP8 matmuls."""
+
+import dataclasses
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.models import get_model_config
+from paratrain.plan import HARDWARE_PRESETS, Layout, PlanError, Workload, estimate
+from paratrain.plan.hardware import KernelStack
+from paratrain.plan.memory import Recompute
+from paratrain.plan.ops import (
+    ROWWISE_FP8_RATE, Shape, _gemm_seconds, backward_gemms, block_gemms, block_times, fp8_gemms, fp8_times,
+)
+
+H200 = HARDWARE_PRESETS["h200"]
+
+
+def _shape(model: str, fp8: str | None) -> Shape:
+    return Shape.of(get_model_config(model), 2, 2048, 1, False, "bf16", True, KernelStack.FUSED, fp8=fp8)
+
+
+def test_the_linears_run_at_twice_the_rate_plus_their_casts():
+    x = _shape("llama2-7b", "tensorwise")
+    gemms = block_gemms(x)
+    assert fp8_gemms(x) == gemms  # a dense block: every matmul is a linear's
+    matmuls, casts = fp8_times(H200, x, gemms)
+    assert matmuls.forward == pytest.approx(_gemm_seconds(H200, gemms, "bf16") / 2)
+    assert matmuls.backward == pytest.approx(_gemm_seconds(H200, [b for g in gemms for b in backward_gemms(g)],
+                                                           "bf16") / 2)
+    # x and W read twice in bf16 and written once in e4m3: 5 bytes per element forward; the gradient backward
+    forward_elements = sum(g.count * (g.m * g.k + g.n * g.k) for g in gemms)
+    assert casts.forward == pytest.approx(H200.memory_seconds(5 * forward_elements))
+    assert casts.backward == pytest.approx(H200.memory_seconds(5 * sum(g.count * g.m * g.n for g in gemms)))
+    rowwise, _ = fp8_times(H200, _shape("llama2-7b", "rowwise"), gemms)
+    assert rowwise.forward == pytest.approx(matmuls.forward / ROWWISE_FP8_RATE)
+    plain = block_times(H200, _shape("llama2-7b", None), Recompute.NONE)
+    fast = block_times(H200, x, Recompute.NONE)
+    saved = _gemm_seconds(H200, gemms, "bf16") / 2
+    assert plain.forward - fast.forward == pytest.approx(saved - casts.forward)
+
+
+def test_a_mixture_of_experts_keeps_its_router_and_experts_in_bf16():
+    moe = get_model_config("tiny-moe")
+    x = Shape.of(moe, 2, 256, 1, False, "bf16", True, KernelStack.FUSED, fp8="tensorwise")
+    gemms, low = block_gemms(x), fp8_gemms(x)
+    assert low == gemms[:3] + gemms[6:] and len(gemms) - len(low) == 3  # router, w1/w3 and w2 of the experts
+
+
+def test_llama2_7b_on_an_h200_gains_what_fp8_training_reports():
+    """Published FP8 speed-ups for 7-8B Llamas on H100s: 1.25x (torchao tensorwise) to 1.28x (torchtitan)."""
+    workload = Workload.for_model(get_model_config("llama2-7b"), seq_len=4096, global_batch=64, precision="bf16")
+    layout = Layout(dp=8, zero=1, micro_batch=2)
+    bf16 = estimate(workload, layout, H200).time.total
+    fp8 = estimate(dataclasses.replace(workload, fp8="tensorwise"), layout, H200).time.total
+    rowwise = estimate(dataclasses.replace(workload, fp8="rowwise"), layout, H200).time.total
+    assert 1.15 < bf16 / fp8 < 1.5 and fp8 < rowwise < bf16
+
+
+def test_hardware_without_fp8_is_refused_in_one_line(capsys):
+    workload = Workload.for_model(get_model_config("llama2-7b"), precision="bf16", global_batch=8, fp8="tensorwise")
+    with pytest.raises(PlanError, match="has no FP8 matmuls"):
+        estimate(workload, Layout(micro_batch=1), HARDWARE_PRESETS["a100-80gb"])
+    assert main(["plan", "--model", "llama2-7b", "--hardware", "a100-80gb", "--fp8", "tensorwise"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no FP8 matmuls" in err and "\n" not in err
+    assert main(["plan", "--model", "llama2-7b", "--hardware", "h200", "--fp8", "tensorwise"]) == 0
+    assert "bf16 with FP8 tensorwise linears" in capsys.readouterr().out
