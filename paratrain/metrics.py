@@ -118,9 +118,14 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """Read a metrics.jsonl file back into a list of records."""
+    """Read a metrics.jsonl file back into a list of records.
+
+    Text after the last newline is a record still being written (a live run's file, read while its rank 0
+    writes) or cut by a kill: it is left out, not read as a broken record.
+    """
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        complete = f.read().split("\n")[:-1]
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 class StepTimer:

@@ -191,3 +191,32 @@ def test_verify_runs_every_layout_against_one_fp8_process_on_its_micro_batches(c
     out = capsys.readouterr().out
     assert "reference: 1 process, bf16 tensorwise micro-batch 4" in out and out.count("PASS") == 3
     assert "28 linears compute in FP8 (tensorwise)" in out
+
+
+def _fp8_losses(cfg: ModelConfig, **options) -> list[float]:
+    """Four bf16 steps of `cfg` with FP8 tensorwise linears through `parallelize` on this one process."""
+    import functools
+
+    import paratrain
+    from paratrain.train import train_step
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model, optimizer = paratrain.parallelize(
+        model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), precision="bf16",
+        fp8="tensorwise", init=functools.partial(Transformer(cfg).param_init, seed=0), **options)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(4):
+        tokens = torch.randint(0, cfg.vocab_size, (4, 33), generator=g)
+        losses.append(train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], 1.0).loss)
+    return losses
+
+
+def test_recomputed_and_compiled_blocks_cast_as_their_forward_did():
+    """The casts are pure functions of their tensors: full and selective recomputation give the losses of no
+    recomputation exactly, and compiled blocks (aot_eager: the same graphs, eager kernels) within bf16 rounding."""
+    plain = _fp8_losses(CFG)
+    assert _fp8_losses(CFG, activation_checkpointing="full") == plain
+    assert _fp8_losses(CFG, activation_checkpointing="selective") == plain
+    assert _fp8_losses(CFG, compile="aot_eager") == pytest.approx(plain, rel=1e-2)

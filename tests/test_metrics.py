@@ -150,3 +150,13 @@ def test_a_moe_run_logs_expert_load_and_aux_loss_alike_on_one_process_and_on_ep2
         assert b["moe"]["tokens_per_expert"] == load["tokens_per_expert"]
         assert b["moe"]["aux_loss"] == pytest.approx(load["aux_loss"], rel=1e-5)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["comm_bytes"]["ep"] > 0
+
+
+def test_a_record_still_being_written_is_left_out_when_the_file_is_read(tmp_path):
+    """A reader of a live run's metrics.jsonl (a test waiting for steps, `report` on a running job) may meet the
+    record rank 0 is writing, cut short: it is not a record yet."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"comm_bytes": {"dp": 5583')
+    assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2]
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+    assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2]
