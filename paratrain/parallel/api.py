@@ -354,6 +354,10 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
             f"use zero=0 or one of {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}")
     opt.register_step_pre_hook(wrapped._before_optimizer_step)
     opt.register_step_post_hook(wrapped._after_optimizer_step)
+    # torch's fused Adam and AdamW divide each gradient by `grad_scale` as they read it (GradScaler's unscale):
+    # clipping through it saves a read and a write of every gradient (`ParallelModel.clip_grad_norm_`)
+    wrapped.clip_in_step = (isinstance(opt, torch.optim.Adam) and getattr(opt, "_step_supports_amp_scaling", False)
+                            and all(group.get("fused") for group in opt.param_groups))
     return opt
 
 

@@ -13,21 +13,19 @@ What each step does:
 1. `train_step`: each micro-batch's loss is its token-loss sum divided by the step's global token
    count; every backward but the last runs under `no_sync()`. With pipeline parallelism the
    schedule interleaves the micro-batches' passes instead (`pipeline.PipelineRunner`).
-2. `finish_gradients`: the engine waits for its reductions and sets the master gradients;
-   under sequence parallelism the partial gradients of replicated parameters are summed over
-   tp; fp16 gradients are unscaled.
-3. `agree`: this rank's squared gradient norm is taken on the device (it is inf or nan
-   exactly when a gradient is), then one all-reduce over every rank of the mesh
-   carries each rank's flags (its own loss non-finite, its gradients non-finite, a stop
-   request), the loss (a pipeline's from its last stage, so every stage learns it here), its
-   share of the global squared norm, the caller's counts and the
-   engine's per-master "used" flags (summed there: how many ranks reached each master), then one
-   read to the host: the step's single host sync.
+2. `finish_gradients`: the engine waits for its reductions and sets the master gradients; under sequence
+   parallelism the partial gradients of replicated parameters are summed over tp; fp16 ones unscaled.
+3. `agree`: this rank's squared gradient norm is taken on the device (it is inf or nan exactly when a
+   gradient is), then one all-reduce over every rank of the mesh carries each rank's flags (its own
+   loss non-finite, its gradients non-finite, a stop request), the loss (a pipeline's from its last
+   stage, so every stage learns it here), its share of the global squared norm, the caller's counts
+   and the engine's per-master "used" flags (summed there: how many ranks reached each master), then
+   one read to the host: the step's single host sync.
    Every rank takes the same decision from the same numbers: skip (fp16 overflow, or a
    non-finite loss or gradient anywhere) or not, stop after this step or not; and every rank
    knows the global gradient norm.
-4. `clip_grad_norm_`: scales the gradients by the agreed norm: no collective, no host read
-   (and no kernel at all when the norm is within the bound).
+4. `clip_grad_norm_`: scales the gradients by the agreed norm: no collective, no host read (no kernel
+   at all when the norm is within the bound, or when a fused AdamW's step applies the scale).
 5. the optimizer steps the masters; `after_step` brings the parameters up to date and lets the
    fp16 loss scaler adapt.
 
@@ -106,6 +104,7 @@ class ParallelModel(nn.Module):
         self._flag_width = len(engine.masters()) if pipeline is None else \
             max(len(engine.masters()), len(pipeline.split.param_shapes))
         self._grad_norm = math.nan  # the agreed norm of the gradients as they are now (clipping scales it)
+        self.clip_in_step, self._clip = False, None  # clipping by a fused AdamW's grad_scale (`clip_grad_norm_`)
         # Which copies this rank counts (`paratrain.mesh`: rank ownership), decided once: the mesh is fixed.
         mesh = comm.mesh
         # Per group of parameters (the experts, under expert parallelism, are reduced by an engine of their own).
@@ -373,14 +372,17 @@ class ParallelModel(nn.Module):
         The norm is the agreement's (`agree`: every rank's share of the squared norm travels in
         its one all-reduce), so clipping issues no collective and reads nothing back: one scale
         of every gradient by max_norm / (norm + 1e-6), as `torch.nn.utils.clip_grad_norm_`
-        does, and none when that is at least 1.
+        does, and none when that is at least 1; with a fused Adam/AdamW (`clip_in_step`) the step's
+        own `grad_scale`, which divides each gradient as the step reads it: no pass of its own.
         """
         self.prepare_step()
         norm = self._grad_norm
         grads = self._grads()
         coef = max_norm / (norm + 1e-6)
         if grads and coef < 1.0:
-            torch._foreach_mul_(grads, coef)
+            self._clip = coef * (self._clip or 1.0)
+            if not self.clip_in_step:
+                torch._foreach_mul_(grads, coef)
             self._grad_norm = norm * coef  # a second call sees the clipped gradients' norm
         return torch.full((), norm, dtype=torch.float64, device=self.device)
 
@@ -398,10 +400,14 @@ class ParallelModel(nn.Module):
         self.engine.after_step()
         self.verdict, self._result, self._phase = None, None, _Phase.BACKWARD
 
-    def _before_optimizer_step(self, *_) -> None:
+    def _before_optimizer_step(self, optimizer, *_) -> None:
         self.prepare_step()  # a user's own loop: finish and agree here (the trainer did it already)
+        if self.clip_in_step and self._clip is not None:
+            optimizer.grad_scale = torch.full((), 1.0 / self._clip, device=self.device)
 
-    def _after_optimizer_step(self, *_) -> None:
+    def _after_optimizer_step(self, optimizer, *_) -> None:
+        optimizer.__dict__.pop("grad_scale", None)
+        self._clip = None
         self.after_step()
 
     # -- the state a checkpoint holds, and who owns which copy of it --------------------------------

@@ -6,6 +6,8 @@ Two dispatch modes that watch whatever runs under them, paratrain or PyTorch's o
   found on the CPU).
 - `Collectives`: the bytes every c10d collective sends, per process group or mesh axis,
   independently of what paratrain's `Comm` counts.
+- `MemoryTraffic`: the bytes every operator reads and writes in memory, per operator: what a
+  memory-bound stretch of a step (the optimizer, the casts, the gradient norm) costs a GPU.
 
 Tests and benchmarks use them (`paratrain.testing` holds them for both).
 """
@@ -18,7 +20,7 @@ import torch
 
 from paratrain.compat import TorchDispatchMode
 
-__all__ = ["Collectives", "HostSyncs"]
+__all__ = ["Collectives", "HostSyncs", "MemoryTraffic"]
 
 
 class HostSyncs(TorchDispatchMode):
@@ -133,3 +135,53 @@ class Collectives(TorchDispatchMode):
         for name, sent in self.bytes.items():
             out[names.get(name, name)] = out.get(names.get(name, name), 0.0) + sent
         return out
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _size(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class MemoryTraffic(TorchDispatchMode):
+    """Bytes each operator reads and writes, as its schema declares them (the device runs what the host asks).
+
+    An operator reads every tensor it is given and writes what its schema marks as written (an in-place
+    operand, an `out=`) and every fresh output; a view or an allocation moves nothing; a copy or fill does not
+    read what it overwrites. Communication is not counted here (`Collectives` is). `by_op` maps operator name to bytes.
+    """
+
+    _OVERWRITES = frozenset({"copy_", "_foreach_copy_", "fill_", "_foreach_fill_", "zero_", "_foreach_zero_"})
+    _ALLOCATES = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})  # no write
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace != "c10d" and not func.is_view and func._overloadpacket.__name__ not in self._ALLOCATES:
+            self._count(func, args, kwargs, out)
+        return out
+
+    def _count(self, func, args, kwargs, out) -> None:
+        name = func._overloadpacket.__name__
+        schema = func._schema.arguments
+        given = [(a, args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema)]
+        written = [v for a, v in given if a.alias_info is not None and a.alias_info.is_write]
+        read = [v for a, v in given if not (name in self._OVERWRITES and v is given[0][1])]
+        inputs = {id(t) for t in _tensors([v for _, v in given])}
+        fresh = [t for t in _tensors(out) if id(t) not in inputs]
+        total = _size(_tensors(read)) + _size(_tensors(written)) + _size(fresh)
+        self.by_op[name] = self.by_op.get(name, 0) + total
