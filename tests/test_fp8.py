@@ -20,6 +20,14 @@ from paratrain.parallel.fp8 import (
 from paratrain.testing import run_on_ranks
 
 
+@pytest.fixture(autouse=True)
+def _process_group_left_behind():
+    """`paratrain.init_mesh()` in this process starts a process group of one; later tests must not find it."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

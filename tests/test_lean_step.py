@@ -21,6 +21,14 @@ from paratrain.models import ModelConfig, Transformer
 from paratrain.run.build import make_optimizer
 from paratrain.testing import MemoryTraffic, run_on_ranks
 
+@pytest.fixture(autouse=True)
+def _process_group_left_behind():
+    """`paratrain.init_mesh()` in this process starts a process group of one; later tests must not find it."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 CFG = ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64)
 COMPUTE_COPY = {"bf16": 6, "fp32": 0}  # bytes per parameter: read the fp32 master, write the 16-bit copy
 
