@@ -245,7 +245,15 @@ def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, da
 
     check_fp8(recipe, policy.param_dtype, comm.mesh.device)
     casts = Fp8Casts() if data.zero < 3 else None
-    return convert_to_fp8(model, recipe, CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0, casts), casts
+    # a sequence's tokens are split over cp: one scale for the whole micro-batch, as one process casts it
+    agree = functools.partial(_max_over, comm, Axis.CP) if comm.mesh.size(Axis.CP) > 1 else None
+    minimum = CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0
+    return convert_to_fp8(model, recipe, minimum, casts, agree), casts
+
+
+def _max_over(comm: Comm, axis: Axis, amax: torch.Tensor) -> torch.Tensor:
+    comm.all_reduce(amax, axis, op=torch.distributed.ReduceOp.MAX)
+    return amax
 
 
 def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):

@@ -186,10 +186,12 @@ class Float8Linear(nn.Linear):
 
     fp8_recipe: str = "tensorwise"
     fp8_casts: Fp8Casts | None = None  # the step's weight casts, when the caller starts a new step after each update
+    fp8_agree = None  # the amax agreement over the ranks that hold parts of one micro-batch's tokens (cp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        agree = self.fp8_agree
         cast = self.fp8_casts.weight(self, self.weight) if self.fp8_casts and self.fp8_recipe == "tensorwise" else None
-        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, cast=cast)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, agree=agree, cast=cast)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe}"
@@ -215,12 +217,15 @@ def _check_shard(name: str, module: nn.Module) -> None:
                        f"of {_TILE}")
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0, casts: Fp8Casts | None = None) -> list[str]:
+def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0, casts: Fp8Casts | None = None,
+                   agree=None) -> list[str]:
     """Make every convertible linear inside the blocks of `model` compute in FP8; the converted names.
 
     A plain linear becomes a `Float8Linear`; a tensor-parallel one computes its local matmul in FP8
     (`_ParallelLinear.fp8_recipe`), its tensorwise scales agreed over the tp group. `casts`: where their
-    weights' casts are kept for the step (`Fp8Casts`; None: cast at every forward).
+    weights' casts are kept for the step (`Fp8Casts`; None: cast at every forward). `agree(amax)`: the
+    max-reduction over the ranks that split each sequence (context parallelism), so that a tensorwise cast
+    of a rank's tokens uses the scale of the whole micro-batch, as one process does.
     """
     from paratrain.parallel.data.units import unit_modules
 
@@ -232,6 +237,6 @@ def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0, casts: 
                     module.__class__ = Float8Linear
                 else:
                     _check_shard(f"{block_name}.{name}", module)
-                module.fp8_recipe, module.fp8_casts = recipe, casts
+                module.fp8_recipe, module.fp8_casts, module.fp8_agree = recipe, casts, agree
                 converted.append(f"{block_name}.{name}" if name else block_name)
     return converted

@@ -112,6 +112,7 @@ class _ParallelLinear(TensorParallelLayer):
     transposed: bool = False
     fp8_recipe: str | None = None  # the local matmul in FP8 (`paratrain.parallel.fp8.convert_to_fp8`)
     fp8_casts = None  # and the step's weight casts (`paratrain.parallel.fp8.Fp8Casts`)
+    fp8_agree = None  # and the amax agreement over cp (`paratrain.parallel.fp8.convert_to_fp8`)
 
     @classmethod
     def from_full(cls, linear: nn.Module, comm: Comm, axis: Axis = Axis.TP, **options):
@@ -139,9 +140,9 @@ class _ParallelLinear(TensorParallelLayer):
         return F.linear(x, weight, bias)
 
     def _agree_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        """The largest of the tp ranks' amaxes: every shard casts with the whole tensor's scale."""
+        """The largest of the tp ranks' amaxes (and cp's): every shard casts with the whole tensor's scale."""
         self.comm.all_reduce(amax, self.axis, op=dist.ReduceOp.MAX)
-        return amax
+        return self.fp8_agree(amax) if self.fp8_agree is not None else amax
 
 
 class ColumnParallelLinear(_ParallelLinear):
