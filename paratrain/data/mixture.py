@@ -243,11 +243,17 @@ class TrainingData:
         """Every held-out set by the name its loss is logged under."""
         return {**self.held_out, **self.extra}
 
+    def sampler(self, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        """This data rank's sampler of `train`: a mixture's positions dealt to its sources, or one corpus's."""
+        if self.sources:
+            return MixtureSampler([len(d) for d in self.train.datasets], [self.weights[n] for n in self.sources],
+                                  global_batch, dp_rank, dp_size, seed=seed)
+        return DataSampler(len(self.train), global_batch, dp_rank, dp_size, seed=seed)
+
 
 def load_training_data(data: str, eval_data: str, tokenizer_spec: str, seq_len: int, cache_dir=None, *,
                        eval_fraction: float = 0.02, progress: bool = True, text_key: str = "text") -> TrainingData:
     """The corpus (or mixture) of --data split into train and held-out tails, and the --eval-data sets."""
-
     mixture = parse_mixture(data)
     if mixture is not None and tokenizer_spec.startswith("bpe:"):
         raise DataError(f"--tokenizer {tokenizer_spec} with a mixture: train one tokenizer for every source first "

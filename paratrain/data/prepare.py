@@ -82,15 +82,17 @@ def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], dtype: np.dtype
 @contextlib.contextmanager
 def _one_thread(enabled: bool):
     """The BPE library encodes a batch on one thread while this is in force (it reads the variable per call)."""
+    if not enabled:
+        yield
+        return
     before = os.environ.get(_PARALLELISM)
-    if enabled:
-        os.environ[_PARALLELISM] = "false"
+    os.environ[_PARALLELISM] = "false"
     try:
         yield
     finally:
-        if enabled and before is None:
+        if before is None:
             os.environ.pop(_PARALLELISM, None)
-        elif enabled:
+        else:
             os.environ[_PARALLELISM] = before
 
 
@@ -236,7 +238,7 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
             tokenizer = load_tokenizer(tokenizer_spec, train_texts=training_texts(files, progress=progress,
                                                                                   text_key=text_key))
         tokenizer_file = tokenizer.save(tmp).name
-        record = _progress_recorder(tmp, key, tokenizer_file, files) if resumable else None
+        record = _progress_recorder(tmp, key, tokenizer_file, files, resume) if resumable else None
         num_tokens, num_documents = _write_tokens(tmp, tokenizer, files, progress, text_key, workers, resume, record)
         if num_documents == 0:
             raise DataError(f"data {source}: no documents (empty files or no records); check the source")
@@ -282,14 +284,20 @@ def _resume_point(tmp: Path, key: dict, files: Sequence[Path]) -> dict | None:
     return None
 
 
-def _progress_recorder(tmp: Path, key: dict, tokenizer_file: str, files: Sequence[Path]):
-    """A function recording that the first `files_done` inputs are in the token files, durably (data first)."""
+def _progress_recorder(tmp: Path, key: dict, tokenizer_file: str, files: Sequence[Path], resume: dict | None):
+    """A function recording that the first `files_done` inputs are in the token files, durably (data first).
+
+    Each finished file is stamped once, as it finishes (a corpus of many shards is not stat'ed over and over).
+    """
+    stamps = list(resume["stamps"]) if resume else []
+
     def record(files_done: int, num_tokens: int, num_documents: int, *outputs) -> None:
         for f in outputs:
             f.flush()
             os.fsync(f.fileno())
+        stamps.extend(file_stamp(f) for f in files[len(stamps):files_done])
         state = {"key": key, "tokenizer_file": tokenizer_file, "files_done": files_done, "num_tokens": num_tokens,
-                 "num_documents": num_documents, "stamps": [file_stamp(f) for f in files[:files_done]]}
+                 "num_documents": num_documents, "stamps": stamps}
         part = tmp / f".{PROGRESS_FILE}.tmp"
         part.write_text(json.dumps(state) + "\n")
         os.replace(part, tmp / PROGRESS_FILE)

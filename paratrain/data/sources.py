@@ -19,6 +19,7 @@ dataset without the column, a file that cannot be opened.
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 import itertools
 import json
@@ -98,11 +99,7 @@ def _open_lines(path: Path):
         if path.name.lower().endswith(".gz"):
             return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
         if path.name.lower().endswith(".zst"):
-            try:
-                import zstandard
-            except ImportError:
-                raise DataError(f"{str(path)!r} is zstandard-compressed: pip install zstandard "
-                                f"(or pip install 'paratrain[corpora]')") from None
+            zstandard = _optional("zstandard", "zstandard", f"{str(path)!r} is zstandard-compressed")
             raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))
             return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
         return open(path, encoding="utf-8", errors="replace")
@@ -126,6 +123,14 @@ def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
             raise DataError(f"cannot read data file {str(path)!r} ({exc}); is it complete?") from None
 
 
+def _optional(module: str, package: str, what: str):
+    """The optional `module` a source needs, or one line saying which package to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"{what}: pip install {package} (or pip install 'paratrain[corpora]')") from None
+
+
 def _text_of(record, text_key: str, where: str) -> str:
     if not isinstance(record, dict):
         raise DataError(f"{where}: a record is a JSON object, got {type(record).__name__}")
@@ -139,10 +144,7 @@ def _text_of(record, text_key: str, where: str) -> str:
 
 
 def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{str(path)!r} is Parquet: pip install pyarrow (or pip install 'paratrain[corpora]')") from None
+    pq = _optional("pyarrow.parquet", "pyarrow", f"{str(path)!r} is Parquet")
     try:
         table = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet vary
@@ -169,11 +171,7 @@ def _column_texts(batches: Iterator[list], path: Path, text_key: str) -> Iterato
 
 
 def _dataset_documents(path: Path, text_key: str) -> Iterator[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"{str(path)!r} is a saved `datasets` dataset: pip install datasets "
-                        f"(or pip install 'paratrain[corpora]')") from None
+    datasets = _optional("datasets", "datasets", f"{str(path)!r} is a saved `datasets` dataset")
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
         raise DataError(f"{path}: a DatasetDict of splits {list(dataset)}; pass one split's directory")
@@ -183,10 +181,7 @@ def _dataset_documents(path: Path, text_key: str) -> Iterator[str]:
 
 
 def _hub_documents(source: HubDataset, text_key: str) -> Iterator[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"{source} is a hub dataset: pip install datasets (or pip install 'paratrain[corpora]')") from None
+    datasets = _optional("datasets", "datasets", f"{source} is a hub dataset")
     try:
         stream = datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
         records = iter(stream)

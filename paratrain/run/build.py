@@ -24,7 +24,7 @@ from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
 from paratrain.config import Config, ConfigError, check_values, layout_spec
 from paratrain.data import DataSampler
-from paratrain.data.mixture import MixtureSampler, TrainingData, load_training_data, parse_mixture
+from paratrain.data.mixture import TrainingData, load_training_data, parse_mixture
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
@@ -140,11 +140,7 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
     dp = mesh.size("dp")
     accumulation = layout.accumulation
-    if data.sources:  # a mixture: each position's source a function of the position (`paratrain.data.mixture`)
-        sampler = MixtureSampler([len(d) for d in train_set.datasets], list(data.weights.values()), t.global_batch,
-                                 mesh.coord("dp"), dp, seed=t.seed)
-    else:
-        sampler = DataSampler(len(train_set), t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
+    sampler = data.sampler(t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
     guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
                                       extra_state={"model_config": dataclasses.asdict(model_cfg)})
