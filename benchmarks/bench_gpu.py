@@ -81,11 +81,12 @@ def rows(large: bool) -> list[Row]:
     out = [Row("small", "pytorch", True), Row("small", "paratrain", True, 0),
            Row("small", "pytorch", False), Row("small", "paratrain", False, 0),
            Row("small", "fsdp2", False), Row("small", "paratrain", False, 3), Row("small", "paratrain", True, 3),
-           Row("small", "paratrain", True, 0, fp8="tensorwise"), Row("small", "paratrain", True, 0, fp8="rowwise")]
+           Row("small", "paratrain", True, 0, fp8="tensorwise"), Row("small", "paratrain", True, 0, fp8="rowwise"),
+           Row("small", "paratrain", True, 3, fp8="tensorwise")]  # ZeRO-3 gathers the FP8 casts
     out += [Row("small", "paratrain", c, z, r) for z in (0, 3) for c in (False, True) for r in ("selective", "full")]
     if large:
-        out += [Row("large", "paratrain", True, 3, "selective"), Row("large", "paratrain", True, 3, "selective",
-                                                                     fp8="tensorwise"),
+        out += [Row("large", "paratrain", True, 3, "selective"),
+                *(Row("large", "paratrain", True, 3, "selective", fp8=recipe) for recipe in ("tensorwise", "rowwise")),
                 Row("large", "paratrain", False, 3, "full")]
     return out
 

@@ -239,3 +239,47 @@ def test_recomputed_and_compiled_blocks_cast_as_their_forward_did():
     assert _fp8_losses(CFG, activation_checkpointing="full") == plain
     assert _fp8_losses(CFG, activation_checkpointing="selective") == plain
     assert _fp8_losses(CFG, compile="aot_eager") == pytest.approx(plain, rel=1e-2)
+
+
+def test_zero3_gathers_the_weights_fp8_cast_and_computes_as_one_process():
+    """ZeRO-3 gathers a converted linear's weight as its e4m3 cast, the scale agreed from the shards' amaxes after
+    each step: the values one process casts from its whole bf16 weight, so the same losses, with recomputation
+    (which gathers the cast again) too."""
+    import paratrain
+
+    plain = _fp8_losses(CFG)
+    assert _fp8_losses(CFG, data=paratrain.DataParallel(zero=3)) == pytest.approx(plain, rel=1e-6)
+    for recompute in ("full", "selective"):  # the recompute reads the cast the checkpoint kept a reference to
+        assert _fp8_losses(CFG, data=paratrain.DataParallel(zero=3), activation_checkpointing=recompute) == \
+            pytest.approx(plain, rel=1e-6)
+    assert _fp8_losses(CFG, data=paratrain.DataParallel(zero=3), compile="aot_eager") == pytest.approx(plain, rel=1e-2)
+
+
+def _gathered_bytes(rank, world, recipe):
+    """(bytes all-gathered in one step of four FP8-convertible linears under ZeRO-3 on `world` ranks, loss)."""
+    import functools
+
+    import paratrain
+    from paratrain.testing import Collectives
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    model, optimizer = paratrain.parallelize(model, paratrain.init_mesh(), optimizer=functools.partial(
+        torch.optim.AdamW, lr=1e-2), precision="bf16", fp8=recipe, data=paratrain.DataParallel(zero=3))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
+    counted = Collectives()
+    with counted:
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+    optimizer.step()
+    after = model(x).float().pow(2).mean().item()  # the next forward gathers the updated weights' casts
+    # (on gloo paratrain's all-gather is a broadcast from each rank: the only broadcasts of the step)
+    gathered = counted.op_bytes.get("_allgather_base_", 0.0) + counted.op_bytes.get("broadcast_", 0.0)
+    return gathered, after
+
+
+def test_zero3_fp8_gathers_send_half_the_bytes_of_bf16_gathers():
+    fp8_runs = run_on_ranks(_gathered_bytes, 2, "tensorwise", timeout=120)
+    bf16_runs = run_on_ranks(_gathered_bytes, 2, None, timeout=120)
+    assert fp8_runs[0][0] > 0 and fp8_runs[0][0] == bf16_runs[0][0] / 2
+    assert fp8_runs[0][1] == pytest.approx(bf16_runs[0][1], rel=0.1)  # FP8's numbers, near bf16's

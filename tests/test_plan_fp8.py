@@ -68,3 +68,22 @@ def test_hardware_without_fp8_is_refused_in_one_line(capsys):
     assert "has no FP8 matmuls" in err and "\n" not in err
     assert main(["plan", "--model", "llama2-7b", "--hardware", "h200", "--fp8", "tensorwise"]) == 0
     assert "bf16 with FP8 tensorwise linears" in capsys.readouterr().out
+
+
+def test_zero3_gathers_the_tensorwise_linears_weights_in_one_byte():
+    """ZeRO-3 with tensorwise FP8 gathers the blocks' linears' weights as their e4m3 casts (the engine:
+    `tests/test_fp8.py`, counted): the gather bytes drop by one byte per such weight; rowwise and tp gather bf16."""
+    from paratrain.plan.collectives import dp_collectives
+
+    model = get_model_config("llama2-7b")
+    workload = Workload.for_model(model, seq_len=2048, global_batch=16, precision="bf16")
+
+    def gathered(fp8, tp=1):
+        layout = Layout(dp=8 // tp, tp=tp, zero=3, micro_batch=2)
+        collectives = dp_collectives(dataclasses.replace(workload, fp8=fp8), layout, 0)[layout.data_axes[0]]
+        return sum(c.size * c.count for c in collectives.overlapped if c.kind == "all_gather")
+
+    linears = model.n_layers * (4 * model.dim * model.dim + 3 * model.dim * model.ffn_dim)  # MHA: q, k, v, o
+    m = 2 * 16 // (8 * 2)  # gathers per unit and step: forward and backward, each micro-batch
+    assert gathered(None) - gathered("tensorwise") == pytest.approx(linears * m, rel=1e-9)
+    assert gathered("rowwise") == gathered(None) and gathered("tensorwise", tp=2) == gathered(None, tp=2)

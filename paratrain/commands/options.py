@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Iterable, Mapping
 
-from paratrain.config import Config, coerce, iter_options, load_toml
+from paratrain.config import Config, iter_options, load_toml
+from paratrain.option_values import coerce
 
 
 def add_config_options(parser, keys: Iterable[str] | None = None, *, aliases: Mapping[str, tuple[str, ...]] = {},

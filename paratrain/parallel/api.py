@@ -36,7 +36,7 @@ from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
 from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.plan import PlannedModel, apply_tensor_parallel
-from paratrain.parallel.data.units import UnitSpec
+from paratrain.parallel.blocks import UnitSpec
 from paratrain.precision import Precision, precision_policy
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -157,7 +157,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 pipeline: PipelineParallel | None = None, context: ContextParallel | None = None,
                 precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
-                comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None):
+                comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None,
+                fp8_min_features: int | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -183,6 +184,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         is handed this one object and reads its process groups from `comm.mesh`.
     fp8: None, or "tensorwise" / "rowwise": the linears of the model's blocks compute their matmuls in FP8
         (`paratrain.parallel.fp8`; with precision "bf16"); the converted names are `model.fp8_linears`.
+    fp8_min_features: linears with fewer input or output features stay in the compute dtype (None: 1024 on
+        CUDA, `fp8.CUDA_MIN_FEATURES`; 0 elsewhere).
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -215,7 +218,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
     tp_info, init = _tensor(model, comm, tensor, data, split, init)
     # 2b. FP8 swaps the class of the blocks' plain linears (their parameters stay what they are).
-    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data)
+    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data, fp8_min_features)
     # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
     _materialize_or_move(model, init, mesh.device, data)
     # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
@@ -236,7 +239,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     return wrapped, opt
 
 
-def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel):
+def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,
+         minimum: int | None):
     """(the names of the linears converted to FP8, where their weight casts are kept for a step): none without a
     recipe; casts kept under ZeRO-0..2, whose weights stay whole between optimizer steps."""
     if recipe is None:
@@ -247,7 +251,8 @@ def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, da
     casts = Fp8Casts() if data.zero < 3 else None
     # a sequence's tokens are split over cp: one scale for the whole micro-batch, as one process casts it
     agree = functools.partial(_max_over, comm, Axis.CP) if comm.mesh.size(Axis.CP) > 1 else None
-    minimum = CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0
+    if minimum is None:
+        minimum = CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0
     return convert_to_fp8(model, recipe, minimum, casts, agree), casts
 
 

@@ -19,7 +19,7 @@ on the format's largest finite value, and saturated there (a value past it is cl
 
 The casts are pure functions of the tensors: a recomputed block (`activation_checkpointing`) casts exactly
 as its forward did, and the function compiles without graph breaks. What converts: every `nn.Linear`
-inside the model's blocks (`paratrain.parallel.data.units.unit_modules(model, "blocks")`: the reference
+inside the model's blocks (`paratrain.parallel.blocks.unit_modules(model, "blocks")`: the reference
 model's layers, a transformers model's decoder layers, the layers of an `nn.Sequential`) whose in and out
 features are multiples of 16 (the FP8 kernels' tiles); embeddings and the output head, outside the
 blocks, stay in the compute dtype. On CUDA a matmul too small to gain from FP8 (the casts cost more than
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import ParatrainError
+from paratrain.parallel.blocks import unit_modules
 
 RECIPES = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -79,8 +80,13 @@ def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_
     amax = x.detach().abs().amax() if dim is None else x.detach().abs().amax(dim=dim, keepdim=True)
     if agree is not None:
         amax = agree(amax.float())
-    scale = torch.finfo(dtype).max / amax.float().clamp(min=_EPS)
+    scale = scale_from_amax(amax, dtype)
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 scale(s) that map `amax` onto `dtype`'s largest value (an all-zero tensor: fmax / eps)."""
+    return torch.finfo(dtype).max / amax.float().clamp(min=_EPS)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -108,31 +114,40 @@ def _rowwise(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.
 
 
 class _Fp8Matmul(torch.autograd.Function):
-    """x [M, K] · wᵀ (w [N, K]) with FP8 operands in forward and backward (the module docstring's recipes)."""
+    """x [M, K] · wᵀ (w [N, K]) with FP8 operands in forward and backward (the module docstring's recipes).
+
+    The weight (or its cast) is kept for the backward only when the input needs a gradient, and the input
+    only when the weight does: a model's first linear, whose input is data, keeps no weight (under ZeRO-3:
+    its unit is not gathered again for the backward)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str, agree, cast) -> torch.Tensor:
         ctx.recipe, ctx.dtype, ctx.agree = recipe, x.dtype, agree
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if recipe == "rowwise":
-            ctx.save_for_backward(x, weight)
+            ctx.save_for_backward(x if need_w else None, weight if need_x else None)
             return _rowwise(x, weight.t(), x.dtype)
         sx = scale_of(x, E4M3, agree=agree)
         wq, sw = cast if cast is not None else weight_cast(weight, agree)
         xq = to_fp8(x, sx, E4M3)
-        ctx.save_for_backward(xq, wq, sx, sw)  # 1 byte per element kept for the backward, not 2
+        # 1 byte per element kept for the backward, not 2
+        ctx.save_for_backward(xq if need_w else None, wq if need_x else None, sx, sw)
         return _mm(xq, wq.t(), sx, sw, x.dtype, fast=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.recipe == "rowwise":
             x, weight = ctx.saved_tensors
-            return _rowwise(grad, weight, ctx.dtype), _rowwise(grad.t(), x, ctx.dtype), None, None, None
+            grad_x = _rowwise(grad, weight, ctx.dtype) if need_x else None
+            grad_w = _rowwise(grad.t(), x, ctx.dtype) if need_w else None
+            return grad_x, grad_w, None, None, None
         xq, wq, sx, sw = ctx.saved_tensors
         sg = scale_of(grad, E5M2, agree=ctx.agree)
         gq = to_fp8(grad, sg, E5M2)
-        grad_x = _mm(gq, wq, sg, sw, ctx.dtype)  # [M, N] · [N, K]
-        grad_w = _mm(gq.t().contiguous(), xq, sg, sx, ctx.dtype)  # [N, M] · [M, K]
+        grad_x = _mm(gq, wq, sg, sw, ctx.dtype) if need_x else None  # [M, N] · [N, K]
+        grad_w = _mm(gq.t().contiguous(), xq, sg, sx, ctx.dtype) if need_w else None  # [N, M] · [M, K]
         return grad_x, grad_w, None, None, None
 
 
@@ -147,9 +162,9 @@ class Fp8Casts:
     """The tensorwise casts of the converted weights, each made once per optimizer step and reused by every
     micro-batch of the step (and by a recompute), as long as the weight is the same tensor, unchanged.
 
-    `parallelize` makes one for ZeRO-0..2 (whose weights stay whole between steps; ZeRO-3 would hold every
-    layer's whole FP8 weight at once) and starts a new step after each optimizer step. Inside a compiled
-    region the weight is cast in the graph instead.
+    `parallelize` makes one for ZeRO-0..2 (whose weights stay whole between steps; ZeRO-3 gathers the casts
+    themselves, `gathers_fp8`) and starts a new step after each optimizer step. Inside a compiled region the
+    weight is cast in the graph instead.
     """
 
     def __init__(self):
@@ -169,16 +184,31 @@ class Fp8Casts:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
-               agree=None, cast=None) -> torch.Tensor:
+               agree=None, cast=None, cast_only: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) with its matmuls in FP8 (`recipe`); in the compute dtype where the token count is
     not a multiple of 16. `agree`: the tensor-parallel amax agreement of `scale_of` (tensorwise only: a row's
     scale along a sharded reduction is the shard's own, whose partial product the reduction then sums).
-    `cast`: the weight's tensorwise cast made already (`Fp8Casts`)."""
+    `cast`: the weight's tensorwise cast made already (`Fp8Casts`); `cast_only`: and `weight` is a stand-in of
+    the weight's shape and dtype that only receives its gradient (ZeRO-3 gathered the cast, not the weight)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] % _TILE:
+        if cast_only:  # the weight exists only as its cast: computed with the cast's values, its gradient passed on
+            weight = _Standing.apply(weight, (cast[0].float() / cast[1]).to(x.dtype))
         return F.linear(x, weight, bias)
     y = _Fp8Matmul.apply(flat, weight, recipe, agree, cast).reshape(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
+
+
+class _Standing(torch.autograd.Function):
+    """`value` in place of `stand_in` (same shape and dtype): its gradient goes to `stand_in`."""
+
+    @staticmethod
+    def forward(ctx, stand_in: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class Float8Linear(nn.Linear):
@@ -187,14 +217,27 @@ class Float8Linear(nn.Linear):
     fp8_recipe: str = "tensorwise"
     fp8_casts: Fp8Casts | None = None  # the step's weight casts, when the caller starts a new step after each update
     fp8_agree = None  # the amax agreement over the ranks that hold parts of one micro-batch's tokens (cp)
+    # ZeRO-3 with tensorwise: (e4m3 weight, its scale) as the engine gathered them for this unit's forward and
+    # its recompute (`gathers_fp8`); `weight` is then a stand-in that only receives the weight's gradient.
+    fp8_gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        agree = self.fp8_agree
+        agree, gathered = self.fp8_agree, self.fp8_gathered
+        if gathered is not None:
+            return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, agree=agree, cast=gathered, cast_only=True)
         cast = self.fp8_casts.weight(self, self.weight) if self.fp8_casts and self.fp8_recipe == "tensorwise" else None
         return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, agree=agree, cast=cast)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe}"
+
+
+def gathers_fp8(module: nn.Module, attr: str) -> bool:
+    """Whether ZeRO-3 gathers parameter `attr` of `module` as its tensorwise e4m3 cast (1 byte per element instead
+    of 2), with a scale agreed over the shards after each optimizer step: a plain converted linear's weight, which
+    its forward reads only through that cast. (Rowwise casts along each matmul's own reduction, and a
+    tensor-parallel linear agrees its scales over tp: both gather the compute dtype and cast after.)"""
+    return type(module) is Float8Linear and module.fp8_recipe == "tensorwise" and attr == "weight"
 
 
 def convertible(module: nn.Module, min_features: int) -> bool:
@@ -227,8 +270,6 @@ def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0, casts: 
     max-reduction over the ranks that split each sequence (context parallelism), so that a tensorwise cast
     of a rank's tokens uses the scale of the whole micro-batch, as one process does.
     """
-    from paratrain.parallel.data.units import unit_modules
-
     converted = []
     for block_name, block in unit_modules(model, "blocks"):
         for name, module in block.named_modules():

@@ -2,7 +2,7 @@
 
     parallelize(model, mesh, activation_checkpointing="selective")   # or "full", k (every k-th block), "none"
 
-The blocks are those of `paratrain.parallel.data.units.unit_modules(model, "blocks")` (the children of the
+The blocks are those of `paratrain.parallel.blocks.unit_modules(model, "blocks")` (the children of the
 model's ModuleLists, ModuleDicts and Sequentials: the reference model's ``layers``, a Hugging Face model's
 decoder layers, the layers of a plain Sequential), the same blocks ZeRO-3 shards and `compile.py` compiles.
 
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from paratrain.parallel.blocks import unit_modules
 # The modes and their parsing are torch-free and live with the other layout enumerations (the planner reads them).
 from paratrain.parallel.rules import Checkpointing, Recompute
 
@@ -111,8 +112,6 @@ def chosen_blocks(setting: Checkpointing, blocks: list[nn.Module]) -> list[nn.Mo
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a model, as ZeRO-3 finds its units (`unit_modules(model, "blocks")`)."""
-    from paratrain.parallel.data.units import unit_modules
-
     return [module for _, module in unit_modules(model, "blocks")]
 
 
@@ -140,26 +139,35 @@ def checkpointed_forward(forward, slots: list[tuple[nn.Module, str]], context_fn
     """`forward(*args, **kwargs)` under a non-reentrant checkpoint that takes the block's parameters as inputs.
 
     Runs at the place of the block's forward, after its forward pre-hooks: the parameter `slots` hold
-    what those installed (ZeRO-3: full parameters gathered for this forward). Passed to checkpoint,
-    they are saved as its inputs; the recompute puts what it unpacks back in the slots while it runs.
+    what those installed (ZeRO-3: full parameters gathered for this forward), and a linear that ZeRO-3
+    gathered as its FP8 cast holds that cast (`Float8Linear.fp8_gathered`). Passed to checkpoint, they are
+    saved as its inputs; the recompute puts what it unpacks back where they were while it runs.
     """
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     params = [module._parameters[name] for module, name in slots]
+    cast_modules = [m for m in dict.fromkeys(m for m, _ in slots) if getattr(m, "fp8_gathered", None) is not None]
+    casts = [t for m in cast_modules for t in m.fp8_gathered]
     options = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(_with_parameters, forward, slots, len(params), *params, *args, use_reentrant=False,
-                      **options, **kwargs)
+    return checkpoint(_with_parameters, forward, slots, cast_modules, len(params), *params, *casts, *args,
+                      use_reentrant=False, **options, **kwargs)
 
 
-def _with_parameters(forward, slots, count: int, *params_and_args, **kwargs):
-    params, args = params_and_args[:count], params_and_args[count:]
+def _with_parameters(forward, slots, cast_modules, count: int, *tensors_and_args, **kwargs):
+    params, args = tensors_and_args[:count], tensors_and_args[count + 2 * len(cast_modules):]
+    casts = tensors_and_args[count:count + 2 * len(cast_modules)]
     current = [module._parameters[name] for module, name in slots]
     if all(p is q for p, q in zip(params, current)):  # the forward itself: the slots hold them already
         return forward(*args, **kwargs)
+    current_casts = [m.fp8_gathered for m in cast_modules]
     try:
         for (module, name), p in zip(slots, params):
             module._parameters[name] = p
+        for i, module in enumerate(cast_modules):
+            module.fp8_gathered = (casts[2 * i], casts[2 * i + 1])
         return forward(*args, **kwargs)
     finally:
         for (module, name), p in zip(slots, current):
             module._parameters[name] = p
+        for module, cast in zip(cast_modules, current_casts):
+            module.fp8_gathered = cast

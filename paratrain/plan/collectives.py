@@ -132,6 +132,17 @@ def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
     return stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
 
 
+def _fp8_gathered_params(workload: Workload, layout: Layout, stage: int) -> float:
+    """Parameters ZeRO-3 gathers as their 1-byte FP8 casts on a rank of `stage`: tensorwise FP8 linears' weights
+    outside tensor parallelism (`paratrain.parallel.fp8.gathers_fp8`)."""
+    if workload.fp8 != "tensorwise" or layout.tp > 1 or workload.model is None:
+        return 0.0
+    from paratrain.plan.ops import Shape, fp8_weight_params
+
+    x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, 1, False, workload.precision, True, fp8="tensorwise")
+    return layers_on_stage(workload.model.n_layers, layout.pp, stage) * fp8_weight_params(x)
+
+
 def _zero3_units(workload: Workload, layout: Layout, stage: int) -> int:
     """ZeRO-3 gathers one unit per block plus the root's rest (embedding, head, final norm)."""
     if workload.model is None:
@@ -201,6 +212,7 @@ def _sharded_collectives(workload: Workload, layout: Layout, stage: int, psi: fl
     m = layout.num_microbatches(workload.global_batch)
     if layout.zero == 3:
         units = _zero3_units(workload, layout, stage)
+        params -= _fp8_gathered_params(workload, layout, stage) * (workload.param_bytes - 1)
         reduce = Collective("reduce_scatter", grads / units, n, m * units)
         return AxisCollectives(overlapped=(Collective("all_gather", params / units, n, 2 * m * units), reduce)), reduce
     buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))

@@ -293,6 +293,11 @@ def fp8_gemms(x: Shape) -> list[Gemm]:
     return gemms if not x.experts else gemms[:3] + gemms[6:]  # without the router and the two expert matmuls
 
 
+def fp8_weight_params(x: Shape) -> float:
+    """Parameters of one block on one rank held by its FP8 linears (the weights of `fp8_gemms`)."""
+    return sum(g.n * g.k * g.count for g in fp8_gemms(x))
+
+
 def fp8_times(hw: Hardware, x: Shape, gemms: list[Gemm]) -> tuple[PassTimes, PassTimes]:
     """(the FP8 linears' matmuls at the FP8 rate, their casts): each cast reads its 16-bit operand twice (amax,
     then the cast) and writes 1 byte per element. Forward casts x and W; backward the output gradient (rowwise:

@@ -96,6 +96,7 @@ class Collectives(TorchDispatchMode):
         super().__init__()
         self.bytes: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.op_bytes: dict[str, float] = {}  # the same bytes by operator (all groups): "allreduce_", "_allgather_base_"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -122,6 +123,7 @@ class Collectives(TorchDispatchMode):
         else:
             sent = 0.0  # point-to-point and barriers: not what this count is for
         name = group.group_name
+        self.op_bytes[op] = self.op_bytes.get(op, 0.0) + sent
         self.bytes[name] = self.bytes.get(name, 0.0) + sent
         self.calls[name] = self.calls.get(name, 0) + 1
 

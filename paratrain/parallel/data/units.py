@@ -22,13 +22,20 @@ not contiguous (they are interleaved with the other parameters' rows), so the
 full parameters live in a second, contiguous buffer of Σ_p d0_p·rest_p
 elements, filled by one copy right after the gather; each full parameter is a
 view of it and the [N, C] gather output is dropped at once.
+
+The gather's buffers are bytes: each parameter travels in its own gather dtype
+(the compute dtype; a converted FP8 linear's weight as its tensorwise e4m3
+cast, one byte per element: `paratrain.parallel.fp8.gathers_fp8`), its place
+in a chunk and in the full buffer aligned to its dtype (to 16 bytes in a unit
+with FP8 casts, as the FP8 kernels want their operands), so that every full
+parameter is an aligned view of its dtype. The reduce-scatter's layout is the
+elements' above, in the reduce dtype.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -37,70 +44,18 @@ from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Axis
 from paratrain.parallel.data.shard import chunk_padding, chunk_tiles, rows_per_rank
+from paratrain.parallel.fp8 import E4M3, gathers_fp8, scale_from_amax, to_fp8
+
+_FP8_ALIGN = 16  # bytes: where each parameter of a unit with FP8 casts starts (FP8 kernels want aligned operands)
+
 
 class ZeroConfigError(ParatrainError, ValueError):
     """A ZeRO-3 setting or model that the engine cannot shard."""
 
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-UnitSpec = Callable[[str, nn.Module], bool] | tuple[type, ...] | str | None
-
-
 def row_shape(shape: torch.Size) -> torch.Size:
     """The shape a parameter is sharded in: itself, or one row for a 0-d parameter."""
     return shape if len(shape) else torch.Size([1])
-
-
-def unit_modules(model: nn.Module, spec: UnitSpec) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every non-root unit, in registration order.
-
-    `spec` is None (the default policy below), ``"blocks"`` (its blocks only: the root unit holds
-    everything else, gathered for the whole forward), a tuple of module classes, or a predicate
-    (qualified name, module) -> bool.
-
-    The default: every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` that
-    holds parameters is a block (a list or dict of modules there is only a holder: its entries
-    are), one unit with everything below it (the reference model's ``layers`` entries, a Hugging
-    Face model's decoder layers, the layers of a plain Sequential);
-    and outside the blocks, every module that holds parameters of its own (an embedding, a final
-    norm, an output head) is a unit too, so that it is gathered only while its own forward runs,
-    not for the whole model's. A model that reads such a module's parameters outside that
-    module's forward needs ``"blocks"`` or a `units=` that groups them with the module that
-    reads them (the engine checks this in the first forward, and says so).
-    """
-    if spec not in (None, "blocks") and isinstance(spec, str):
-        raise ValueError(f"units={spec!r}: use None, 'blocks', module classes or a predicate")
-    if spec is None or spec == "blocks":
-        loose = spec is None
-        picked: list[tuple[str, nn.Module]] = []
-        seen: set[int] = set()
-
-        def visit(prefix: str, module: nn.Module) -> None:
-            in_container = isinstance(module, _CONTAINERS)
-            for name, child in module._modules.items():
-                if child is None or id(child) in seen:
-                    continue
-                seen.add(id(child))
-                # A block: one unit, nothing below it split. A list or dict of modules inside is only a
-                # holder (it has no forward): its entries are the blocks. A Sequential has a forward: a block.
-                if in_container and not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and _has_params(child):
-                    picked.append((prefix + name, child))
-                    continue
-                if loose and any(p is not None for p in child._parameters.values()):
-                    picked.append((prefix + name, child))
-                visit(prefix + name + ".", child)
-
-        visit("", model)
-        return picked
-    if isinstance(spec, tuple):
-        pick = lambda name, m: isinstance(m, spec)  # noqa: E731
-    else:
-        pick = spec
-    return [(name, m) for name, m in model.named_modules() if m is not model and pick(name, m)]
-
-
-def _has_params(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
 
 
 def parameter_slots(model: nn.Module, unit_ids: set[int]) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -129,8 +84,14 @@ class FlatParam:
 
     index: int          # the engine's parameter index (its master)
     shape: torch.Size   # full shape
-    chunk_offset: int   # element offset inside one rank's chunk
-    full_offset: int    # element offset inside the full-parameter buffer
+    chunk_offset: int   # element offset inside one rank's chunk of the reduce-scatter
+    gather_dtype: torch.dtype  # what it is gathered as: the compute dtype, or e4m3 (`fp8`)
+    chunk_byte: int     # byte offset inside one rank's chunk of the all-gather
+    full_byte: int      # byte offset inside the full-parameter buffer
+
+    @property
+    def fp8(self) -> bool:
+        return self.gather_dtype == E4M3
 
     @property
     def rows(self) -> int:
@@ -154,22 +115,31 @@ class Unit:
     """
 
     def __init__(self, name: str, module: nn.Module, slots: list[tuple[nn.Module, str, int]],
-                 shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int, axis: Axis = Axis.DP):
+                 shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int, axis: Axis = Axis.DP,
+                 gather_dtype: torch.dtype = torch.float32, fp8: frozenset[int] = frozenset()):
         """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit; the
-        shards are split over the `num_ranks` ranks of the mesh axis `axis`."""
+        shards are split over the `num_ranks` ranks of the mesh axis `axis` and gathered in `gather_dtype`, but
+        the parameters (engine indices) in `fp8` as their e4m3 casts."""
         self.name, self.module, self.num_ranks, self.axis = name, module, num_ranks, axis
         order = list(dict.fromkeys(index for _, _, index in slots))  # each parameter once, in first-use order
         self.slots = [(mod, attr, order.index(index)) for mod, attr, index in slots]
         self.shards = [shards[i] for i in order]
         self.params: list[FlatParam] = []
-        chunk_offset = full_offset = 0
+        chunk_offset = chunk_byte = full_byte = 0
+        align = _FP8_ALIGN if fp8.intersection(order) else gather_dtype.itemsize
         for i in order:
-            self.params.append(FlatParam(i, full_shapes[i], chunk_offset, full_offset))
-            chunk_offset += self.params[-1].chunk_numel(num_ranks)
-            full_offset += math.prod(full_shapes[i])
-        self.chunk_numel, self.full_numel = chunk_offset, full_offset
-        self.full: torch.Tensor | None = None
+            dtype = E4M3 if i in fp8 else gather_dtype
+            fp = FlatParam(i, full_shapes[i], chunk_offset, dtype, chunk_byte, full_byte)
+            self.params.append(fp)
+            chunk_offset += fp.chunk_numel(num_ranks)
+            chunk_byte += -(-fp.chunk_numel(num_ranks) * dtype.itemsize // align) * align
+            full_byte += -(-math.prod(fp.shape) * dtype.itemsize // align) * align
+        self.chunk_numel, self.chunk_bytes, self.full_bytes = chunk_offset, chunk_byte, full_byte
+        self.gather_dtype = gather_dtype
+        self.full: torch.Tensor | None = None  # bytes
+        self.scales: dict[int, torch.Tensor] = {}  # the FP8 parameters' scales `full` was cast with
         self._pending = None
+        self._stand_in: torch.Tensor | None = None  # what autograd sees of an FP8-gathered parameter (`views`)
         # What the unit's forward saved for backward through the engine's saved-tensor hooks (in the last
         # forward): anything, and views of its gathered parameters.
         self.saved_any = self.saved_own = False
@@ -187,15 +157,22 @@ class Unit:
         return self.saved_own or not self.saved_any
 
     # -- gather -----------------------------------------------------------
-    def launch_gather(self, comm: Comm, dtype: torch.dtype) -> None:
-        """Copy the local rows (cast to `dtype`, zero-padded) into one chunk and start the all-gather."""
+    def launch_gather(self, comm: Comm, scales: dict[int, torch.Tensor]) -> None:
+        """Copy the local rows (cast to their gather dtype, zero-padded) into one chunk and start the all-gather.
+        `scales`: per FP8 parameter (engine index), the tensorwise scale agreed over its shards."""
         device = self.shards[0].device
-        chunk = torch.empty(self.chunk_numel, dtype=dtype, device=device)
+        chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=device)
+        self.scales = {fp.index: scales[fp.index] for fp in self.params if fp.fp8}
         for fp, shard in zip(self.params, self.shards):
             n = shard.numel()
-            chunk[fp.chunk_offset:fp.chunk_offset + n].copy_(shard.detach().reshape(-1))
-            chunk[fp.chunk_offset + n:fp.chunk_offset + fp.chunk_numel(self.num_ranks)].zero_()  # padding
-        gathered = torch.empty(self.num_ranks * self.chunk_numel, dtype=dtype, device=device)
+            values = chunk[fp.chunk_byte:fp.chunk_byte + fp.chunk_numel(self.num_ranks) * fp.gather_dtype.itemsize]
+            values = values.view(fp.gather_dtype)
+            rows = shard.detach().reshape(-1)
+            if fp.fp8:  # the compute dtype's values cast, as a whole weight in the compute dtype would be
+                rows = to_fp8(rows.to(self.gather_dtype), self.scales[fp.index], E4M3)
+            values[:n].copy_(rows)
+            values[n:].view(torch.uint8).zero_()  # padding
+        gathered = torch.empty(self.num_ranks * self.chunk_bytes, dtype=torch.uint8, device=device)
         work = comm.all_gather(gathered, chunk, axis=self.axis, async_op=True)
         self._pending = (work, gathered, chunk, comm)  # chunk must outlive the collective
 
@@ -204,11 +181,12 @@ class Unit:
         work, gathered, _, comm = self._pending
         self._pending = None
         comm.wait([work], self.axis)
-        chunks = gathered.view(self.num_ranks, self.chunk_numel)
-        full = torch.empty(self.full_numel, dtype=gathered.dtype, device=gathered.device)
+        chunks = gathered.view(self.num_ranks, self.chunk_bytes)
+        full = torch.empty(self.full_bytes, dtype=torch.uint8, device=gathered.device)
         for fp in self.params:
-            rows2d = full[fp.full_offset:fp.full_offset + math.prod(fp.shape)].view(fp.rows, fp.rest)
-            part = chunks[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
+            size = fp.gather_dtype.itemsize
+            rows2d = full[fp.full_byte:fp.full_byte + math.prod(fp.shape) * size].view(fp.rows, fp.rest * size)
+            part = chunks[:, fp.chunk_byte:fp.chunk_byte + fp.chunk_numel(self.num_ranks) * size]
             for dst, src in chunk_tiles(rows2d, part):
                 dst.copy_(src)
         self.full = full
@@ -225,9 +203,18 @@ class Unit:
             self._pending = None
         self.full = None
 
+    def full_view(self, fp: FlatParam) -> torch.Tensor:
+        """One full parameter, in its gather dtype, as a view of the gathered buffer."""
+        size = fp.gather_dtype.itemsize
+        return self.full[fp.full_byte:fp.full_byte + math.prod(fp.shape) * size].view(fp.gather_dtype).view(fp.shape)
+
     def views(self) -> list[torch.Tensor]:
-        """Each full parameter as a view of the gathered buffer, in unit parameter order."""
-        return [self.full[fp.full_offset:fp.full_offset + math.prod(fp.shape)].view(fp.shape) for fp in self.params]
+        """What the unit's module computes with, in unit parameter order: each full parameter as a view of the
+        gathered buffer; an FP8-gathered one as a stand-in of its shape in the compute dtype (no memory), which
+        receives its gradient while its forward reads the cast (`install`)."""
+        if self._stand_in is None:
+            self._stand_in = torch.zeros((), dtype=self.gather_dtype, device=self.full.device)
+        return [self._stand_in.expand(fp.shape) if fp.fp8 else self.full_view(fp) for fp in self.params]
 
     def gathered_bytes(self) -> int:
         """Bytes of the gather buffers alive now."""
@@ -236,13 +223,20 @@ class Unit:
 
     # -- module slots ------------------------------------------------------
     def install(self, tensors) -> None:
-        """Put `tensors` (one per unit parameter) in the unit's module slots."""
+        """Put `tensors` (one per unit parameter, `views`) in the unit's module slots, and each FP8-gathered
+        weight's cast and scale where its linear reads them (`Float8Linear.fp8_gathered`)."""
         for mod, attr, k in self.slots:
             mod._parameters[attr] = tensors[k]
+            fp = self.params[k]
+            if fp.fp8:
+                mod.fp8_gathered = (self.full_view(fp), self.scales[fp.index])
 
     def restore(self) -> None:
         """Put the shards back in the module slots (the at-rest state)."""
-        self.install(self.shards)
+        for mod, attr, k in self.slots:
+            mod._parameters[attr] = self.shards[k]
+            if self.params[k].fp8:
+                mod.fp8_gathered = None
 
     # -- reduce-scatter ----------------------------------------------------
     def flatten_grads(self, grads, dtype: torch.dtype, divide_by: int) -> torch.Tensor:
@@ -269,10 +263,37 @@ class Unit:
                 for fp, shard in zip(self.params, self.shards)]
 
 
+def fp8_gathered(slots: list[tuple[nn.Module, str, int]]) -> frozenset[int]:
+    """The parameters (engine indices) of all (module, attribute, index) `slots` that travel as their FP8 casts:
+    those every slot holding them reads only so (a converted linear's weight, tied to nothing else)."""
+    return frozenset({i for _, _, i in slots} - {i for mod, attr, i in slots if not gathers_fp8(mod, attr)})
+
+
+@torch.no_grad()
+def agree_fp8_scales(shards: list[torch.Tensor], fp8: frozenset[int], axes: list[Axis], comm: Comm,
+                     dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Per FP8-gathered weight (engine index in `fp8`), the tensorwise e4m3 scale of the whole weight whose rows its
+    shard over its axis holds: each rank's shard amax, of its values in `dtype` (which the cast reads), then one
+    max-reduction per axis."""
+    scales = {}
+    for axis in dict.fromkeys(axes[i] for i in sorted(fp8)):
+        indices = [i for i in sorted(fp8) if axes[i] == axis]
+        amax = torch.stack([shards[i].detach().abs().amax() if shards[i].numel() else shards[i].new_zeros(())
+                            for i in indices]).to(dtype).float()
+        comm.all_reduce(amax, axis, op=torch.distributed.ReduceOp.MAX)
+        scales.update(zip(indices, scale_from_amax(amax, E4M3).unbind()))
+    return scales
+
+
 class SavedView:
     """A tensor saved for backward that is a view of a unit's gathered buffer, kept as a recipe."""
 
-    __slots__ = ("unit", "offset", "size", "stride")
+    __slots__ = ("unit", "dtype", "offset", "size", "stride")
 
     def __init__(self, unit: Unit, tensor: torch.Tensor):
-        self.unit, self.offset, self.size, self.stride = unit, tensor.storage_offset(), tensor.size(), tensor.stride()
+        self.unit, self.dtype = unit, tensor.dtype
+        self.offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
+
+    def view(self) -> torch.Tensor:
+        """The saved view, of the unit's buffer as gathered now."""
+        return self.unit.full.view(self.dtype).as_strided(self.size, self.stride, self.offset)

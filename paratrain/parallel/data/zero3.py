@@ -37,7 +37,10 @@ Mixed precision casts the fp32 shards to ``param_dtype`` as they enter the
 all-gather (as FSDP2 does): the full parameters compute in ``param_dtype``, and
 no separate low-precision shard is kept, because the stock optimizer cannot step
 an fp32 master with a bf16 gradient and an fp32 gradient plus a bf16 shard would
-cost 18Ψ/N instead of 16Ψ/N.
+cost 18Ψ/N instead of 16Ψ/N. A tensorwise FP8 linear's weight enters the gather
+as its e4m3 cast instead (`paratrain.parallel.fp8.gathers_fp8`: 1 byte per
+element), with the scale of the whole weight: after each optimizer step each
+rank's shard amax, then one max-reduction over the shards (`units.agree_fp8_scales`).
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ from paratrain.parallel.data.shard import row_range
 from paratrain.parallel.data.groups import MasterGroup
 from paratrain.parallel.data.outside_use import OutsideUse
 from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
-from paratrain.parallel.data.units import (SavedView, Unit, UnitSpec, ZeroConfigError, parameter_slots, row_shape,
-                                          unit_modules)
+from paratrain.parallel.blocks import UnitSpec, unit_modules
+from paratrain.parallel.data.units import (SavedView, Unit, ZeroConfigError, agree_fp8_scales, fp8_gathered,
+                                          parameter_slots, row_shape)
 from paratrain.precision import Precision
 
 
@@ -139,6 +143,8 @@ class FullyShardedEngine:
         init = init or _default_init(model, originals)
         self._shards = [self._make_shard(name, p, init, axis) for (name, p), axis in zip(originals.items(), self._axes)]
         self.units = self._build_units(model, units, index_of, set(expert_names))
+        self._fp8_scales: dict[int, torch.Tensor] = {}  # per FP8-gathered weight, its scale for this step
+        self.after_step()
         self.root = self.units[0]
         for unit in self.units:
             unit.restore()
@@ -192,10 +198,13 @@ class FullyShardedEngine:
         named = [("", model)] + axis_units(model, unit_modules(model, spec), experts)
         slots = parameter_slots(model, {id(m) for _, m in named[1:]})
         units = []
+        indexed = {name: [(mod, attr, index_of[id(mod._parameters[attr])]) for mod, attr in slots.get(id(module), [])]
+                   for name, module in named}
+        self._fp8 = fp8_gathered([slot for slot_list in indexed.values() for slot in slot_list])
         for name, module in named:
-            indexed = [(mod, attr, index_of[id(mod._parameters[attr])]) for mod, attr in slots.get(id(module), [])]
-            axis = unit_axis(name, [self._axes[i] for _, _, i in indexed], self.shard_axis)
-            units.append(Unit(name, module, indexed, self._shards, self._shapes, self.mesh.size(axis), axis))
+            axis = unit_axis(name, [self._axes[i] for _, _, i in indexed[name]], self.shard_axis)
+            units.append(Unit(name, module, indexed[name], self._shards, self._shapes, self.mesh.size(axis), axis,
+                              self.precision.param_dtype, self._fp8))
         return units
 
     def _register_hooks(self, unit: Unit) -> None:
@@ -273,13 +282,13 @@ class FullyShardedEngine:
     def _prefetch(self, unit: Unit | None) -> None:
         """Start the async all-gather of `unit` unless it is gathered or on its way."""
         if unit is not None and unit.params and self.prefetch and unit.full is None and not unit.pending:
-            unit.launch_gather(self.comm, self.precision.param_dtype)
+            unit.launch_gather(self.comm, self._fp8_scales)
 
     def _gather(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer, all-gathering it now if no prefetch did."""
         if unit.full is None:
             if not unit.pending:
-                unit.launch_gather(self.comm, self.precision.param_dtype)
+                unit.launch_gather(self.comm, self._fp8_scales)
             unit.finish_gather()
             self._live[unit.full.untyped_storage().data_ptr()] = unit
         return unit.full
@@ -301,7 +310,7 @@ class FullyShardedEngine:
         if tensor.layout != torch.strided:
             return tensor
         unit = self._live.get(tensor.untyped_storage().data_ptr())
-        if unit is None or tensor.dtype != unit.full.dtype:
+        if unit is None:
             return tensor
         unit.saved_own = True
         return SavedView(unit, tensor)
@@ -314,7 +323,7 @@ class FullyShardedEngine:
             self._kept = None
             self._gather(unit)
             self._prefetch(self._backward_next(unit))
-        return unit.full.as_strided(saved.size, saved.stride, saved.offset)
+        return saved.view()
 
     def _backward_next(self, unit: Unit) -> Unit | None:
         """The unit to gather after `unit` in backward: the nearest previous call in the last forward whose
@@ -415,7 +424,9 @@ class FullyShardedEngine:
                 for name, shape, axis in zip(self._names, self._shapes, self._axes)]
 
     def after_step(self) -> None:
-        """Nothing to copy: the masters are the shards, cast to param_dtype at each gather."""
+        """Nothing to copy: the masters are the shards, cast to param_dtype at each gather; but the FP8-gathered
+        weights' scales follow the updated shards."""
+        self._fp8_scales = agree_fp8_scales(self._shards, self._fp8, self._axes, self.comm, self.precision.param_dtype)
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Σ grad² over this rank's real rows (each parameter's rows live on exactly one rank)."""
