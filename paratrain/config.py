@@ -132,6 +132,9 @@ class ParallelSection:
     compile: bool = option(False, "torch.compile each block (paratrain's hooks and communication stay outside the "
                                   "compiled regions; the first step compiles)")
     bucket_mb: float = option(25.0, "gradient bucket size in MB (DDP, ZeRO-1/2)")
+    offload: str = option("", "'optimizer': this rank's fp32 master weights and optimizer state in host memory, "
+                              "stepped by the CPU (the device keeps the bf16 weights and gradients); every ZeRO stage",
+                          choices=("", "optimizer"))
 
 
 @dataclass

@@ -57,7 +57,8 @@ SHARED = ("model.name", "train.steps", "train.global_batch", "train.micro_batch"
           "train.seed")
 LAYOUT_OPTIONS = ("parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.zero",
                   "parallel.sequence_parallel", "parallel.precision", "parallel.reduce_dtype", "parallel.schedule",
-                  "parallel.virtual_stages", "parallel.activation_checkpointing", "parallel.bucket_mb", "parallel.fp8")
+                  "parallel.virtual_stages", "parallel.activation_checkpointing", "parallel.bucket_mb", "parallel.fp8",
+                  "parallel.offload")
 DEFAULTS = {"train.steps": 3, "train.global_batch": 8, "data.seq_len": 64}
 
 

@@ -18,6 +18,7 @@ caller did not, and a post-step hook that brings the parameters up to date.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -28,15 +29,16 @@ from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Axis, Mesh
 from paratrain.parallel import rules
+from paratrain.parallel.blocks import UnitSpec
 from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.data.engine import GradReduction
+from paratrain.parallel.data.offload import check_offload
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
 from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.plan import PlannedModel, apply_tensor_parallel
-from paratrain.parallel.blocks import UnitSpec
 from paratrain.precision import Precision, precision_policy
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -65,6 +67,8 @@ class DataParallel:
     prefetch: ZeRO-3 gathers the next unit while the current one computes (one more unit held).
         None: where communication overlaps compute (`paratrain.comm.Comm.overlaps_compute`: on CUDA,
         not on the CPU).
+    offload: None, or "optimizer": this rank's fp32 masters and optimizer state in host memory, stepped there
+        (`paratrain.parallel.data.offload`).
     """
 
     zero: int = 0
@@ -72,6 +76,7 @@ class DataParallel:
     grad_reduction: GradReduction = GradReduction.MEAN
     units: UnitSpec = None
     prefetch: bool | None = None
+    offload: str | None = None
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -79,6 +84,8 @@ class DataParallel:
         if not self.bucket_mb > 0:
             raise ParallelConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         object.__setattr__(self, "grad_reduction", _enum(GradReduction, self.grad_reduction, "grad_reduction"))
+        object.__setattr__(self, "offload", self.offload or None)
+        check_offload(self.offload, self.zero)
 
 
 @dataclass(frozen=True)
@@ -230,7 +237,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     engine = _engine(model, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
-    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info)
+    offload = _offload(engine, mesh, data)
+    wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
+                            offload=offload)
     wrapped.fp8_linears = fp8_linears
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     opt = _optimizer(optimizer, wrapped, engine, data)
@@ -343,6 +352,18 @@ def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel,
                               grad_reduction=data.grad_reduction)
 
 
+def _offload(engine, mesh: Mesh, data: DataParallel):
+    """The host masters of `data.offload`, or None (`paratrain.parallel.data.offload`)."""
+    if data.offload is None:
+        return None
+    from paratrain.parallel.data.offload import HostMasters
+
+    if mesh.device.type == "cpu" and mesh.rank == 0:
+        warnings.warn("offload on the CPU: the masters and optimizer state move to separate host buffers, which "
+                      "saves no memory here (on a GPU they leave the device)", stacklevel=3)
+    return HostMasters(engine, mesh.device)
+
+
 def _runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):
     """The pipeline runner of this rank's stages (each stage's forward on this rank's chunks of the sequences
     under context parallelism: `sharding`), or None without pipeline parallelism."""
@@ -360,7 +381,7 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
     """The caller's optimizer over the engine's masters, or None without a factory."""
     if factory is None:
         return None
-    opt = factory(engine.masters())
+    opt = factory(wrapped.masters())
     if data.zero > 0 and not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
         raise ParallelConfigError(
             f"ZeRO shards optimizer state element by element, which {type(opt).__name__} does not allow; "

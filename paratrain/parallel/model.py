@@ -51,6 +51,7 @@ from paratrain.mesh import PER_DATA_RANK, WORLD, Axis, replicated_over
 from paratrain.parallel.context.split import unshard_sequence
 from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict
 from paratrain.parallel.data.engine import Engine
+from paratrain.parallel.expert.sharding import moe_layers
 from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
 from paratrain.parallel.tensor.layers import gather_full
 from paratrain.precision import LossScaler, Precision, cross_entropy
@@ -80,11 +81,13 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
-                 tp_info: TensorParallelInfo | None = None, pipeline=None, context=None, expert_info=None):
+                 tp_info: TensorParallelInfo | None = None, pipeline=None, context=None, expert_info=None,
+                 offload=None):
         super().__init__()
+        self.offload = offload  # `paratrain.parallel.data.offload.HostMasters`: the optimizer steps host masters
         # A `paratrain.parallel.expert.ExpertInfo` under expert parallelism: which parameters are blocks of experts.
         self.expert_info = expert_info
-        self._moe = _moe_layers(module)
+        self._moe = moe_layers(module)
         # A `paratrain.parallel.context.sdpa.ContextSharding` under context parallelism: the forward sees this
         # rank's chunks of each sequence, and labels given whole are split alike.
         self.context = context
@@ -393,27 +396,31 @@ class ParallelModel(nn.Module):
         self.parameters_from_masters()
 
     def parameters_from_masters(self) -> None:
-        """The parameters brought up to date with the masters (after a step, or after a checkpoint was loaded
-        into them), through the engine's post-step path (ZeRO-1/2: an all-gather of every rank's rows,
-        collective; mixed-precision DDP: the cast copy); the next step begins afresh. The loss scale
-        moves only in `after_step`: a loaded checkpoint took no step."""
+        """The parameters brought up to date with the masters (after a step, or a checkpoint loaded into them) by the
+        engine's post-step path (ZeRO-1/2: an all-gather, collective; mixed-precision DDP: the cast copy); the
+        next step begins afresh. The loss scale moves only in `after_step`: a loaded checkpoint took no step."""
         self.engine.after_step()
         self.verdict, self._result, self._phase = None, None, _Phase.BACKWARD
 
     def _before_optimizer_step(self, optimizer, *_) -> None:
         self.prepare_step()  # a user's own loop: finish and agree here (the trainer did it already)
-        if self.clip_in_step and self._clip is not None:
-            optimizer.grad_scale = torch.full((), 1.0 / self._clip, device=self.device)
+        if self.clip_in_step and self._clip is not None:  # (on the masters' device: the host's under offload)
+            optimizer.grad_scale = torch.full((), 1.0 / self._clip, device=self.masters()[0].device)
+        if self.offload is not None:  # the final gradients to the host masters, which the optimizer steps there
+            self.offload.gradients_to_host()
+            self.offload.begin_step()
 
     def _after_optimizer_step(self, optimizer, *_) -> None:
         optimizer.__dict__.pop("grad_scale", None)
         self._clip = None
+        if self.offload is not None:
+            self.offload.end_step()
         self.after_step()
 
     # -- the state a checkpoint holds, and who owns which copy of it --------------------------------
     def masters(self) -> list[torch.Tensor]:
-        """The tensors the optimizer steps (fp32; under ZeRO this rank's rows), in a fixed order."""
-        return self.engine.masters()
+        """The tensors the optimizer steps (fp32; under ZeRO this rank's rows; offloaded: on the host), in a fixed order."""
+        return self.offload.values if self.offload is not None else self.engine.masters()
 
     def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
         """Per master, in `masters()` order: parameter name, the rows [lo, hi) of it the master holds (all of
@@ -484,13 +491,6 @@ class ParallelModel(nn.Module):
 def _whole_expert(info, whole_tp, name: str, value: torch.Tensor) -> torch.Tensor:
     """An expert tensor gathered over ep, any other as tensor parallelism makes it whole."""
     return info.gather(name, value) if name in info.names else whole_tp(name, value)
-
-
-def _moe_layers(module: nn.Module) -> list[nn.Module]:
-    """The MoE layers of `module` (none: nothing imported)."""
-    from paratrain.parallel.expert.sharding import moe_layers
-
-    return moe_layers(module)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

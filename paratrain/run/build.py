@@ -187,7 +187,8 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
     return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg),
                        # The trainer's loss is already normalized by the global token count.
-                       data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM),
+                       data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM,
+                                         offload=p.offload or None),
                        tensor=TensorParallel(plan=plan, sequence_parallel=p.sequence_parallel),
                        pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
                        precision=p.precision, reduce_dtype=p.reduce_dtype,

@@ -38,10 +38,15 @@ class Slot:
     chunk_numel: int  # padded rows × row size
     rows: tuple[int, int]  # owned rows [lo, hi)
     master: torch.Tensor | None = None
+    value: torch.Tensor | None = None  # where the master's value is when not in it (offload: its host copy)
     filled: bool = False  # a gradient was written into the bucket since it was last reduced
     # Views of a bucket buffer that lives for the run (DDP, ZeRO-1): made once, not per gradient or step.
     span: torch.Tensor | None = None  # DDP: the parameter's gradient in its bucket
     reduced: torch.Tensor | None = None  # this rank's reduced rows, shaped as the master
+
+    def source(self) -> torch.Tensor:
+        """The tensor holding the master's value: the master, or its host copy (offload)."""
+        return self.master if self.value is None else self.value
 
     def columns(self, buffer: torch.Tensor, shards: int) -> torch.Tensor:
         """This parameter's [N, c·rest] columns of a bucket buffer of N chunks."""
@@ -119,7 +124,7 @@ def all_gather_parameters(bucket: Bucket, comm: Comm, axis: Axis, shards: int, r
     if bucket.gather is not None:
         for slot in bucket.slots:
             slot.master.grad = None  # its rows of the buffer are about to hold parameters
-    torch._foreach_copy_(gather.mine, gather.masters)
+    torch._foreach_copy_(gather.mine, gather.masters, non_blocking=True)  # (from pinned host values: asynchronous)
     if gather.padding:
         torch._foreach_zero_(gather.padding)
     mine = gather.buffer.view(shards, bucket.chunk_numel)[rank]
@@ -136,10 +141,20 @@ def _gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank:
     for slot in bucket.slots:
         numel = slot.master.numel()
         gather.mine.append(mine[slot.offset:slot.offset + numel])
-        gather.masters.append(slot.master.view(-1))
+        gather.masters.append(slot.source().view(-1))
         if numel < slot.chunk_numel:
             gather.padding.append(mine[slot.offset + numel:slot.offset + slot.chunk_numel])
         for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(buffer, shards)):
             gather.rows.append(rows)
             gather.parts.append(part)
     return gather
+
+
+def storage_bytes(tensors) -> int:
+    """Total bytes of the distinct storages behind `tensors` (None entries ignored)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -65,7 +65,8 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.compat import at_backward_end, backward_pass_id
 from paratrain.mesh import Axis
-from paratrain.parallel.data.buckets import Bucket, Slot, all_gather_parameters, make_buckets, new_buffer
+from paratrain.parallel.data.buckets import (Bucket, Slot, all_gather_parameters, make_buckets, new_buffer,
+                                            storage_bytes)
 from paratrain.parallel.data.engine import GradReduction, used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
@@ -418,15 +419,27 @@ class DataParallelEngine:
         self._reduced = (flats, [s.master.grad for s in self.slots]) if flats is not None else None
 
     # -- after the optimizer step ------------------------------------------------
+    def keep_master_values(self, values: list[torch.Tensor]) -> None:
+        """Offload: the masters' values are `values` (host copies, in `masters()` order) from now on, which the optimizer
+        steps and `after_step` reads; a separate mixed-precision master keeps its gradient only (no storage)."""
+        for slot, value in zip(self.slots, values):
+            slot.value = value
+            if self.precision.mixed:
+                slot.master.data = torch.empty((), dtype=slot.master.dtype, device=slot.master.device).expand(
+                    slot.master.shape)
+        for bucket in self.buckets:
+            bucket.gather = None  # made again, from the values
+
     def after_step(self) -> None:
         """Bring the model's parameters up to date with the masters."""
         if self.precision.mixed:
             for slot in self.slots:
                 slot.master.grad = None  # fp32 copies made for this step only
         if self.zero == 0:
-            if self.precision.mixed:
+            if self.precision.mixed or any(s.value is not None for s in self.slots):  # (offload: from the host)
                 with torch.no_grad():
-                    torch._foreach_copy_([s.param.data for s in self.slots], [s.master.view_as(s.param) for s in self.slots])
+                    torch._foreach_copy_([s.param.data for s in self.slots], [s.source().view_as(s.param) for s in self.slots],
+                                         non_blocking=True)
             return
         for bucket in self.buckets:
             all_gather_parameters(bucket, self.comm, self.shard_axis, self.shards, self.rank, self.precision.param_dtype,
@@ -460,13 +473,13 @@ class DataParallelEngine:
 
         Counted by storage, so a gradient that is a view of a bucket (DDP) is counted once.
         """
-        params = _storage_bytes(s.param for s in self.slots)
+        params = storage_bytes(s.param for s in self.slots)
         # A bucket holds the full gradients while they accumulate; ZeRO-2 frees it once reduced.
-        grads = _storage_bytes([b.buffer for b in self.buckets] + [b.shard_grad for b in self.buckets]
+        grads = storage_bytes([b.buffer for b in self.buckets] + [b.shard_grad for b in self.buckets]
                                + [t for f in self._in_flight for t in (f.buffer, f.out)]
                                + [self._replica_sum.in_flight] + [grad for _, _, grad, _ in self._pending]
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
-        master = _storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
+        master = storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}
 
 
@@ -477,16 +490,6 @@ def _add_to_master(master: torch.Tensor, param: nn.Parameter) -> None:
     grad, param.grad = param.grad, None
     grad = grad.to(master.dtype).view_as(master)
     master.grad = grad if master.grad is None else master.grad.add_(grad)
-
-
-def _storage_bytes(tensors) -> int:
-    """Total bytes of the distinct storages behind `tensors` (None entries ignored)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _row_numel(t: torch.Tensor) -> int:

@@ -75,6 +75,10 @@ class Engine(Protocol):
     def after_step(self) -> None:
         """Make the model's parameters equal to the (updated) masters."""
 
+    def keep_master_values(self, values: list[torch.Tensor]) -> None:
+        """Offload (`offload.py`): the masters' values live in `values` (host copies, in `masters()` order) from now
+        on; `after_step` reads them there, and the masters keep their gradients (a separate master: nothing else)."""
+
     def zero_grad(self) -> None:
         """Drop every gradient: masters' and parameters'."""
 

@@ -65,6 +65,12 @@ class GroupedEngine:
         for engine in self.engines:
             engine.after_step()
 
+    def keep_master_values(self, values: list[torch.Tensor]) -> None:
+        start = 0
+        for engine, size in zip(self.engines, self._sizes):
+            engine.keep_master_values(values[start:start + size])
+            start += size
+
     def zero_grad(self) -> None:
         for engine in self.engines:
             engine.zero_grad()

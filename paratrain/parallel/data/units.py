@@ -285,6 +285,19 @@ def agree_fp8_scales(shards: list[torch.Tensor], fp8: frozenset[int], axes: list
     return scales
 
 
+@torch.no_grad()
+def gather_whole(shard: torch.Tensor, shape: torch.Size, comm: Comm, axis: Axis, ranks: int) -> torch.Tensor:
+    """One parameter of `shape` whole, in its shards' dtype, from this rank's `shard` of it over `axis` (collective)."""
+    rows = row_shape(shape)
+    c = math.ceil(rows[0] / ranks)
+    chunk = torch.empty((c, *rows[1:]), dtype=shard.dtype, device=shard.device)
+    chunk[:shard.shape[0]] = shard
+    chunk[shard.shape[0]:].zero_()  # padding
+    out = torch.empty((ranks * c, *rows[1:]), dtype=shard.dtype, device=shard.device)
+    comm.all_gather(out.view(-1), chunk.view(-1), axis=axis)
+    return out[:rows[0]].reshape(shape).clone()
+
+
 class SavedView:
     """A tensor saved for backward that is a view of a unit's gathered buffer, kept as a recipe."""
 

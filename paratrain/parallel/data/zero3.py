@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections import deque
 from typing import Callable, Collection, ContextManager, Iterator
 
@@ -66,7 +65,7 @@ from paratrain.parallel.data.outside_use import OutsideUse
 from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
 from paratrain.parallel.blocks import UnitSpec, unit_modules
 from paratrain.parallel.data.units import (SavedView, Unit, ZeroConfigError, agree_fp8_scales, fp8_gathered,
-                                          parameter_slots, row_shape)
+                                          gather_whole, parameter_slots, row_shape)
 from paratrain.precision import Precision
 
 
@@ -144,6 +143,7 @@ class FullyShardedEngine:
         self._shards = [self._make_shard(name, p, init, axis) for (name, p), axis in zip(originals.items(), self._axes)]
         self.units = self._build_units(model, units, index_of, set(expert_names))
         self._fp8_scales: dict[int, torch.Tensor] = {}  # per FP8-gathered weight, its scale for this step
+        self._values: list[torch.Tensor] | None = None  # offload: the masters' values (`keep_master_values`)
         self.after_step()
         self.root = self.units[0]
         for unit in self.units:
@@ -424,9 +424,16 @@ class FullyShardedEngine:
                 for name, shape, axis in zip(self._names, self._shapes, self._axes)]
 
     def after_step(self) -> None:
-        """Nothing to copy: the masters are the shards, cast to param_dtype at each gather; but the FP8-gathered
-        weights' scales follow the updated shards."""
+        """Nothing to copy (the masters are the shards, cast to param_dtype at each gather) but the offloaded masters'
+        values into the shards; and the FP8-gathered weights' scales follow the updated shards."""
+        if self._values is not None:
+            torch._foreach_copy_([s.data for s in self._shards], self._values, non_blocking=True)
         self._fp8_scales = agree_fp8_scales(self._shards, self._fp8, self._axes, self.comm, self.precision.param_dtype)
+
+    def keep_master_values(self, values: list[torch.Tensor]) -> None:
+        """Offload: the masters' values are `values` (host copies, which the optimizer steps); `after_step` copies
+        them into the shards, which the gathers read."""
+        self._values = values
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Σ grad² over this rank's real rows (each parameter's rows live on exactly one rank)."""
@@ -463,17 +470,8 @@ class FullyShardedEngine:
                 for name, value in self.model.state_dict(keep_vars=True).items()}
 
     def _gather_parameter(self, index: int) -> torch.Tensor:
-        shard, shape = self._shards[index], self._shapes[index]
-        rows = row_shape(shape)
         axis = self._axes[index]
-        ranks = self.mesh.size(axis)
-        c = math.ceil(rows[0] / ranks)
-        chunk = torch.empty((c, *rows[1:]), dtype=shard.dtype, device=shard.device)
-        chunk[:shard.shape[0]] = shard
-        chunk[shard.shape[0]:].zero_()  # padding
-        out = torch.empty((ranks * c, *rows[1:]), dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(out.view(-1), chunk.view(-1), axis=axis)
-        return out[:rows[0]].reshape(shape).clone()
+        return gather_whole(self._shards[index], self._shapes[index], self.comm, axis, self.mesh.size(axis))
 
 
 def _nbytes(t: torch.Tensor) -> int:

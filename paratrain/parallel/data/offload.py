@@ -1,0 +1,170 @@
+"""ZeRO-Offload: the optimizer's fp32 masters and its state in host memory, stepped there.
+
+    parallelize(model, mesh, optimizer=..., data=DataParallel(zero=2, offload="optimizer"))
+
+With Ψ parameters on N data ranks, AdamW's state is 12Ψ/N bytes per rank (fp32 master,
+two moments) against the 2Ψ of bf16 weights: most of what a rank holds. Offloading
+moves it to the host: the caller's optimizer is built over host copies of this rank's
+masters (its ZeRO shard), so its state is allocated there too, and steps them with
+torch's CPU kernel (fused AdamW where the factory asks for it). What stays on the
+device is what the engine computes with: the parameters in the compute dtype and the
+gradients (a mixed-precision engine's separate fp32 masters keep their gradients only,
+no storage: `Engine.keep_master_values`).
+
+One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
+
+1. forward, backward and the gradients' reduction on the device, as without offload;
+2. the agreement (skip, stop, the global norm) from the device gradients: clipping and
+   the fp16 skip decision are exactly the device step's, taken before any host update;
+3. `gradients_to_host`: each master's gradient into its host gradient buffer (pinned on
+   CUDA: asynchronous copies on a copy stream, waited for by one event);
+4. the optimizer steps the host masters (clipping as its `grad_scale`, with fused AdamW),
+   with `threads` intra-op threads (a launcher sets one per process; the host step is a
+   pass over 28 bytes per parameter and wants the node's cores, shared by its ranks);
+5. the engine's post-step path reads the masters' values from the host copies
+   (`keep_master_values`): DDP copies them into the parameters, ZeRO-1/2 into its
+   all-gather, ZeRO-3 into its shards.
+
+Checkpoints see the host masters and the host optimizer state (`ParallelModel.masters()`), so
+they save and load them layout-free as without offload.
+
+Host memory is allocated in chunks (`CHUNK_BYTES`) rather than one buffer per master: the
+pinned allocator rounds each request up to a power of two, so a buffer per master would
+waste up to half of it, and one buffer for all may not be granted. Where pinning fails
+(`ulimit -l`, no CUDA), pageable memory is used, with one warning. On a CPU-only machine the
+same mechanism runs (separate host buffers, the copies, the host step) and saves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+
+import torch
+
+from paratrain.errors import ParatrainError
+
+OFFLOADS = ("optimizer", "params")
+CHUNK_BYTES = 256 * 2**20  # one host allocation holds this much of the masters (or one master, if larger)
+
+
+class OffloadError(ParatrainError, ValueError):
+    """Offload asked for where it cannot run; the message names the fix."""
+
+
+def check_offload(offload: str | None, zero: int) -> None:
+    """OffloadError (one line) for an offload mode the ZeRO stage cannot use."""
+    if offload is None:
+        return
+    if offload not in OFFLOADS:
+        raise OffloadError(f"offload={offload!r} is not a mode; use one of {', '.join(OFFLOADS)}")
+    if offload == "params" and zero != 3:
+        raise OffloadError(f"offload='params' needs ZeRO-3 (zero=3), whose parameters are sharded; got zero={zero}: "
+                           f"use offload='optimizer' below ZeRO-3")
+
+
+def host_state_bytes(masters: int) -> int:
+    """Host bytes of `masters` offloaded fp32 elements: the masters, AdamW's two moments and the gradient buffers."""
+    return 16 * masters
+
+
+def host_threads() -> int:
+    """Intra-op threads of a rank's host step: the cores this process may use, shared by the node's ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, cores // max(1, ranks))
+
+
+def host_tensors(shapes: list[torch.Size], dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    """Host tensors of `shapes`, views of flat chunks of about `CHUNK_BYTES` each, pinned if `pin`."""
+    out, group, size = [], [], 0
+    limit = max(1, CHUNK_BYTES // dtype.itemsize)
+    for shape in shapes:
+        group.append(shape)
+        size += math.prod(shape)
+        if size >= limit:
+            out += _chunk(group, size, dtype, pin)
+            group, size = [], 0
+    if group:
+        out += _chunk(group, size, dtype, pin)
+    return out
+
+
+def _chunk(shapes: list[torch.Size], size: int, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    flat = torch.empty(size, dtype=dtype, pin_memory=pin)
+    views, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return views
+
+
+def _can_pin(device: torch.device) -> bool:
+    """Whether host memory can be pinned for `device`'s copies (one warning when it cannot)."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError as e:  # e.g. the locked-memory limit (ulimit -l)
+        warnings.warn(f"offload: pinned host memory refused ({str(e).splitlines()[0]}); using pageable memory "
+                      f"(slower copies): raise the locked-memory limit (ulimit -l) to pin it", stacklevel=3)
+        return False
+
+
+class HostMasters:
+    """This rank's masters and their gradients in host memory, for an optimizer built over `values`."""
+
+    def __init__(self, engine, device: torch.device, threads: int | None = None):
+        masters = engine.masters()
+        self.engine, self.device = engine, device
+        self.pinned = _can_pin(device)
+        shapes = [m.shape for m in masters]
+        self.values = host_tensors(shapes, torch.float32, self.pinned)
+        self._grads = host_tensors(shapes, torch.float32, self.pinned)
+        with torch.no_grad():
+            for value, master in zip(self.values, masters):
+                value.copy_(master)
+        engine.keep_master_values(self.values)
+        self.threads = threads or host_threads()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._threads_before: int | None = None
+
+    @torch.no_grad()
+    def gradients_to_host(self) -> None:
+        """Each device master's gradient (final, clipped, unscaled) into its host buffer, as its host copy's `.grad`
+        (None where the master has none: the optimizer leaves it alone, as it would on the device)."""
+        stream = self._stream
+        if stream is not None:  # after the device's last write to the gradients
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for master, value, buffer in zip(self.engine.masters(), self.values, self._grads):
+                if master.grad is None:
+                    value.grad = None
+                    continue
+                buffer.copy_(master.grad.view(buffer.shape), non_blocking=self.pinned)
+                value.grad = buffer
+        if stream is not None:  # the host step reads them next
+            stream.synchronize()
+
+    def begin_step(self) -> None:
+        """The host step's threads on (restored by `end_step`)."""
+        self._threads_before = torch.get_num_threads()
+        if self.threads != self._threads_before:
+            torch.set_num_threads(self.threads)
+
+    def end_step(self) -> None:
+        if self._threads_before is not None and self._threads_before != torch.get_num_threads():
+            torch.set_num_threads(self._threads_before)
+        self._threads_before = None
+        for value in self.values:
+            value.grad = None  # the buffers stay, for the next step
+        self.engine.zero_grad()  # the device's gradients, which the optimizer (and its zero_grad) does not see
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory the masters and gradient buffers hold (the optimizer's state comes on top)."""
+        return sum(t.numel() * t.element_size() for t in self.values + self._grads)
+
