@@ -4,6 +4,7 @@ the state really lives apart from the device's tensors; bad input is one line.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -142,3 +143,45 @@ def test_a_killed_offloaded_run_resumes_bit_exact(tmp_path):
     assert names == sorted(final[1].names()) and any(n.endswith("/exp_avg_sq") for n in names)
     for key in names:
         assert torch.equal(final[0].read(key), final[1].read(key)), key
+
+
+# -- the planner ----------------------------------------------------------------------------------------------------
+
+def test_llama2_7b_fits_one_80gb_gpu_only_with_its_optimizer_offloaded(capsys):
+    argv = ["plan", "--model", "llama2-7b", "--gpus", "1", "--gpu-memory", "80GB"]
+    assert main(argv) == 0
+    assert "no layout fits" in capsys.readouterr().out
+    assert main([*argv, "--offload", "optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "best: dp=1 tp=1 pp=1" in out and "offload=optimizer" in out and "host (offloaded)" in out
+
+
+def test_the_planner_moves_masters_and_moments_to_the_host_and_prices_the_host_step():
+    from paratrain.models import get_model_config
+    from paratrain.plan import HARDWARE_PRESETS, Layout, Workload, estimate
+    from paratrain.plan.compute import offload_seconds
+
+    model, h100 = get_model_config("llama2-7b"), HARDWARE_PRESETS["h100-80gb"]
+    workload = Workload.for_model(model, seq_len=2048, global_batch=16, precision="bf16")
+    layout = Layout(dp=8, zero=1, micro_batch=2, recompute="selective")
+    plain = estimate(workload, layout, h100)
+    offloaded = estimate(workload, dataclasses.replace(layout, offload="optimizer"), h100)
+    psi = model.num_params()
+    assert offloaded.memory.optimizer_state == 0 and plain.memory.optimizer_state == pytest.approx(12 * psi / 8)
+    assert offloaded.memory.host == pytest.approx(16 * psi / 8)  # master, two moments, gradient buffer
+    assert plain.memory.total - offloaded.memory.total == pytest.approx(12 * psi / 8)
+    # the fp32 gradient out and the value back over PCIe (50 GB/s), 28 bytes per element through the host's
+    # memory (100 GB/s a node, shared by its eight ranks)
+    seconds = offload_seconds(h100, psi / 8, 8)
+    assert seconds == pytest.approx(2 * 4 * psi / 8 / 50e9 + 28 * psi / 8 / (100e9 / 8))
+    assert offloaded.time.optimizer > plain.time.optimizer + 0.9 * seconds
+
+
+def test_a_host_too_small_for_the_offloaded_state_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from paratrain.run import memory_budget
+
+    monkeypatch.setattr(memory_budget, "machine_memory", lambda: 1000.0)
+    assert main(["train", *TINY, "--offload", "optimizer", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--offload optimizer: the host state" in err and "exceeds this machine's 1 kB" in err and "\n" not in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()

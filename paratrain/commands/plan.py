@@ -322,6 +322,9 @@ def format_memory(memory: MemoryBreakdown, limit: float | None = None) -> str:
         lines[-1] += f"   {verdict} {limit / GB:g} GB"
     if not memory.gradients_meet_activations:
         lines.append("  (a peak, not the sum: the gradients are born as backward frees the activations)")
+    if memory.host:
+        lines.append(f"  host (offloaded)   {_gb(memory.host):>12}   = fp32 master, Adam moments and gradient "
+                     f"buffer per rank, in host memory")
     return "\n".join(lines)
 
 

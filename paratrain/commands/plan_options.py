@@ -58,6 +58,8 @@ LAYOUT_OPTIONS = {
     "parallel.schedule": ((), f"{DEFAULT_SCHEDULE.value}; gpipe holds m micro-batches, 1f1b and zb-h1 "
                               "min(p, m), interleaved p + (p-1)/v"),
     "parallel.ep": ((), "1; --gpus searches the divisors of dp that divide the experts"),
+    "parallel.offload": ((), "none: the optimizer on the device; optimizer: its masters and state in host memory "
+                             "(host bytes per rank shown), its step priced at the host's memory and PCIe rates"),
 }
 PLAN_DEFAULTS = {"parallel.precision": "bf16"}
 SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
@@ -151,7 +153,7 @@ def layout_from_args(args, opts: dict) -> Layout:
                   virtual_stages=_virtual_stages(opts), sequence_parallel=given("sequence_parallel", False),
                   recompute=recompute_from_args(args, opts) or Recompute.NONE,
                   schedule=given("schedule", DEFAULT_SCHEDULE), compile=given("compile", False),
-                  ep=given("ep", 1))
+                  ep=given("ep", 1), offload=given("offload", None) or None)
 
 
 def space_from_args(args, opts: dict) -> SearchSpace:
@@ -165,4 +167,5 @@ def space_from_args(args, opts: dict) -> SearchSpace:
         recompute=one(recompute_from_args(args, opts), tuple(Recompute)),
         sequence_parallel=one(opts.get("parallel.sequence_parallel"), (False, True)),
         schedule=ScheduleName(opts.get("parallel.schedule", DEFAULT_SCHEDULE)), virtual_stages=_virtual_stages(opts),
-        compile=bool(opts.get("parallel.compile", False)), ep=opts.get("parallel.ep"))
+        compile=bool(opts.get("parallel.compile", False)), ep=opts.get("parallel.ep"),
+        offload=opts.get("parallel.offload") or None)

@@ -221,18 +221,32 @@ def per_microbatch_bytes_per_param(workload: Workload, layout: Layout, m: int) -
 
 
 def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int) -> float:
-    """The step's memory-bound passes over the parameters: the optimizer on this rank's shard, and the
-    micro-batches' gradient accumulation and ZeRO-3 copies over the stage's parameters."""
+    """The step's memory-bound passes over the parameters: the optimizer on this rank's shard (offloaded: its
+    copies and the host's step, `offload_seconds`), and the micro-batches' gradient accumulation and ZeRO-3
+    copies over the stage's parameters."""
     shards = layout.shard_ranks if layout.zero >= 1 else 1  # each rank steps its own shard
     expert_shards = moe.expert_shard_ranks(layout.shard_ranks, layout.ep) if layout.zero >= 1 else 1
     psi = stage_psi(workload, layout, stage)
     tensor = 4.0 * (block_param_count(workload.model) / 7 if workload.model is not None else psi)
     tensor /= layout.tp * shards
     experts = stage_expert_params(workload, layout, stage)
-    step = ((psi - experts) / shards + experts / expert_shards) * optimizer_bytes_per_param(workload)
+    elements = (psi - experts) / shards + experts / expert_shards
     local = psi * per_microbatch_bytes_per_param(workload, layout, m)
-    seconds = hardware.memory_seconds(step, 3 * tensor) + hardware.memory_seconds(local, 3 * tensor)
+    seconds = hardware.memory_seconds(local, 3 * tensor)
+    if layout.offload:  # on the device: the norm's read and the zeroing of the gradients
+        seconds += hardware.memory_seconds(elements * 2 * workload.grad_bytes, 3 * tensor)
+        seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node))
+    else:
+        seconds += hardware.memory_seconds(elements * optimizer_bytes_per_param(workload), 3 * tensor)
     return seconds / hardware.compute_share(layout.world_size)
+
+
+def offload_seconds(hardware: Hardware, elements: float, ranks_per_node: int) -> float:
+    """The offloaded step of `elements` master elements on one rank (`paratrain.parallel.data.offload`): the fp32
+    gradients to the host, the host's fused AdamW (28 bytes each: the gradient read, the master and the two
+    moments read and written), the fp32 values back; one after the other (the runtime overlaps none of them)."""
+    host = MASTER_BYTES + 2 * (ADAM_MOMENT_BYTES + MASTER_BYTES)
+    return 2 * hardware.copy_seconds(MASTER_BYTES * elements) + hardware.host_seconds(host * elements, ranks_per_node)
 
 
 def _dp_exposed(workload: Workload, layout: Layout, hardware: Hardware, stage: int,

@@ -155,6 +155,10 @@ class Hardware:
             GPUs, where collectives run beside the compute; less on a CPU, whose cores do both).
         host_cores: set for a CPU profile: every rank of a job runs on this one host, one
             thread each, so with more ranks than cores each rank gets cores/ranks of one.
+        host_bytes_per_s: what one node's host memory moves in the offloaded optimizer step (CPU AdamW on all
+            its cores, shared by the node's ranks); 0: the device's memory bandwidth (a CPU profile).
+        pcie_bytes_per_s: one device's host link, one direction, from pinned memory; 0: the device's memory
+            bandwidth (a CPU profile: the copies stay in the same memory).
         source: where the numbers come from.
     """
 
@@ -184,6 +188,8 @@ class Hardware:
     collectives_shared: Mapping[str, LinkCost] = field(default_factory=dict)
     comm_overlap: float = 1.0
     host_cores: int | None = None
+    host_bytes_per_s: float = 0.0
+    pcie_bytes_per_s: float = 0.0
     source: str = ""
 
     def __post_init__(self):
@@ -251,6 +257,15 @@ class Hardware:
             return 0.0
         return nbytes / self.memory_bytes_per_s(kernel_bytes or nbytes)
 
+    def host_seconds(self, nbytes: float, ranks_per_node: int) -> float:
+        """Time of the host step moving `nbytes` on one rank while the node's other ranks step theirs."""
+        rate = self.host_bytes_per_s / max(1, ranks_per_node) if self.host_bytes_per_s else None
+        return nbytes / rate if rate else self.memory_seconds(nbytes)
+
+    def copy_seconds(self, nbytes: float) -> float:
+        """Time of one host link copy of `nbytes` between device and pinned host memory."""
+        return nbytes / self.pcie_bytes_per_s if self.pcie_bytes_per_s else self.memory_seconds(nbytes)
+
     def compute_share(self, world_size: int) -> float:
         """Fraction of one core (CPU profile) or device each rank gets: cores/ranks when oversubscribed."""
         if self.host_cores is None or world_size <= self.host_cores:
@@ -307,11 +322,16 @@ def _interpolate(curve: tuple[tuple[float, float], ...], size: float) -> float:
 # - Memory-bound kernels elsewhere reach ~80 % of the datasheet bandwidth (STREAM-like copies on
 #   A100); ring collectives ~77 % of NVLink (NCCL all-reduce bus bandwidth ~230 GB/s of
 #   300 on DGX A100, nccl-tests) and of InfiniBand.
+# - Offload (not yet measured here; `benchmarks/bench_offload.py` measures both on a card): the host
+#   link at ~80 % of PCIe's one-direction peak from pinned memory (Gen4 x16 32 GB/s: 25; Gen5: 50),
+#   and a node's CPU AdamW at 100 GB/s of memory traffic (two sockets of 8-channel DDR5 peak at
+#   ~600 GB/s; a fused CPU AdamW, 28 bytes per parameter, reaches a fraction of it).
 _A100_GEMM = GemmCurve(0.80, 220.0)
 _HOPPER_GEMM = GemmCurve(0.975, 300.0, 25_000.0)
-_COMMON = dict(link_efficiency=0.77)
-_A100 = dict(memory_efficiency=0.8)
-_HOPPER = dict(memory_efficiency=0.52, attention_efficiency=1.22, attention_overhead_s=85e-6, op_overhead_s=1e-6)
+_COMMON = dict(link_efficiency=0.77, host_bytes_per_s=100e9)
+_A100 = dict(memory_efficiency=0.8, pcie_bytes_per_s=25e9)
+_HOPPER = dict(memory_efficiency=0.52, attention_efficiency=1.22, attention_overhead_s=85e-6, op_overhead_s=1e-6,
+               pcie_bytes_per_s=50e9)
 
 
 def _gpu(name: str, memory: float, peak16: float, hbm: float, nvlink: float, ib: float, gemm: GemmCurve,

@@ -183,6 +183,8 @@ class Layout:
             operators fused (`KernelStack.FUSED`), else one kernel each (EAGER). Time only.
         ep: expert-parallel degree: a MoE model's experts split over groups of ep neighbouring data
             ranks (`paratrain.plan.moe`); it divides dp. 1: every data rank holds every expert.
+        offload: None, or "optimizer": each rank's masters and optimizer state in host memory, stepped by
+            the host (`paratrain.parallel.data.offload`).
     """
 
     dp: int = 1
@@ -200,6 +202,7 @@ class Layout:
     compile: bool = False
     cp: int = 1
     ep: int = 1
+    offload: str | None = None
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "cp", "micro_batch", "virtual_stages", "ep"):
@@ -213,6 +216,8 @@ class Layout:
             raise PlanError(f"--zero {self.zero!r} is not a ZeRO stage; use {spelled(ZERO_STAGES)}")
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "--recompute"))
         object.__setattr__(self, "schedule", _enum(ScheduleName, self.schedule, "--schedule"))
+        if self.offload not in (None, "optimizer"):
+            raise PlanError(f"--offload {self.offload!r}: the planner models 'optimizer'")
 
     @property
     def world_size(self) -> int:
@@ -272,6 +277,8 @@ class Layout:
             text += " sp"
         if self.compile:
             text += " compiled"
+        if self.offload:
+            text += f" offload={self.offload}"
         if self.pp > 1:
             text += f" {self.schedule.value}" + (f" v={self.chunks}" if self.chunks > 1 else "")
         return text
@@ -320,6 +327,7 @@ class MemoryBreakdown:
     gradients_meet_activations: bool = True  # see `gradients_meet_activations`
     backward_tail: float = 0.0  # activations still alive when the last gradient is made (a recomputed layer)
     gathered_params: float = 0.0  # the part of comm_buffers alive as backward begins (ZeRO-3's gathered units)
+    host: float = 0.0  # host memory of the offloaded optimizer (`Layout.offload`), not in `total`
 
     @property
     def optimizer_state(self) -> float:
@@ -340,7 +348,7 @@ class MemoryBreakdown:
     def as_dict(self) -> dict[str, int | bool]:
         """Integer bytes per kind (JSON-ready); `optimizer_state` includes `master_weights`."""
         keys = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "total",
-                "master_weights", "adam_moments")
+                "master_weights", "adam_moments", "host")
         out: dict[str, int | bool] = {key: int(round(getattr(self, key))) for key in keys}
         out["stage"] = self.stage
         out["model_states_only"] = self.model_states_only
@@ -436,7 +444,7 @@ def stage_dense_params(workload: Workload, layout: Layout, stage: int) -> float:
 
 def _add(a: ModelStates, b: ModelStates) -> ModelStates:
     return ModelStates(a.params + b.params, a.grads + b.grads, a.master_weights + b.master_weights,
-                       a.adam_moments + b.adam_moments)
+                       a.adam_moments + b.adam_moments, a.host + b.host)
 
 
 def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelStates:
@@ -444,12 +452,12 @@ def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelS
     routed experts (E/ep per layer) over their replica group (`paratrain.plan.moe.expert_shard_ranks`)."""
     w, lay = workload, layout
     dense = model_state_bytes(stage_dense_params(w, lay, stage), lay.shard_ranks, lay.zero, w.precision,
-                              w.reduce_dtype)
+                              w.reduce_dtype, lay.offload)
     experts = stage_expert_params(w, lay, stage)
     if not experts:
         return dense
     shards = moe.expert_shard_ranks(lay.shard_ranks, lay.ep)
-    return _add(dense, model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype))
+    return _add(dense, model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype, lay.offload))
 
 
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
@@ -463,7 +471,7 @@ def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakd
         comm_buffers=gathered + gradient_buffers, model_states_only=workload.model is None,
         gathered_params=gathered,
         gradients_meet_activations=workload.model is None or gradients_meet_activations(workload, layout),
-        backward_tail=recompute_working_bytes(workload, layout),
+        backward_tail=recompute_working_bytes(workload, layout), host=states.host,
     )
 
 

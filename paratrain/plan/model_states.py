@@ -55,6 +55,7 @@ class ModelStates:
     grads: float
     master_weights: float
     adam_moments: float
+    host: float = 0.0  # offloaded to host memory (`offload`): not on the device
 
     @property
     def optimizer_state(self) -> float:
@@ -62,7 +63,7 @@ class ModelStates:
 
 
 def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
-                      reduce_dtype: str | None = None) -> ModelStates:
+                      reduce_dtype: str | None = None, offload: str | None = None) -> ModelStates:
     """Model states of a rank holding `num_params` (Ψ) parameters, ZeRO-sharded over `dp` (N).
 
     N is the ranks that split the shards: the data-parallel degree, or the shard group
@@ -76,6 +77,10 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     copies of the masters' gradients beside DDP / ZeRO-1's buckets (4Ψ/N; 4Ψ for DDP), and ZeRO-2's
     reduced shard summed in fp32 (4Ψ/N, not 2Ψ/N). The trainer reduces in fp32 by default, where
     the two agree.
+
+    `offload="optimizer"` (`paratrain.parallel.data.offload`) moves the optimizer to the host: the device keeps
+    no master and no moments; the host holds an fp32 master copy (in fp32 too: the parameter stays on the
+    device), the moments and a buffer for the fp32 gradient, 16 bytes per element of this rank's shard.
     """
     param_bytes = DTYPE_BYTES[precision]
     grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
@@ -84,12 +89,11 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
         # The fp32 shard is both the parameter and the master; its gradient is fp32 too.
         param_bytes, grad_bytes, master = MASTER_BYTES, MASTER_BYTES, 0
     psi, n = float(num_params), dp
-    return ModelStates(
-        params=param_bytes * psi / (n if zero >= 3 else 1),
-        grads=grad_bytes * psi / (n if zero >= 2 else 1),
-        master_weights=master * psi / (n if zero >= 1 else 1),
-        adam_moments=ADAM_MOMENT_BYTES * psi / (n if zero >= 1 else 1),
-    )
+    shard = psi / (n if zero >= 1 else 1)  # what this rank's optimizer steps
+    params, grads = param_bytes * psi / (n if zero >= 3 else 1), grad_bytes * psi / (n if zero >= 2 else 1)
+    if offload:
+        return ModelStates(params, grads, 0.0, 0.0, host=(MASTER_BYTES + ADAM_MOMENT_BYTES + MASTER_BYTES) * shard)
+    return ModelStates(params, grads, master * shard, ADAM_MOMENT_BYTES * shard)
 
 
 def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:

@@ -226,6 +226,7 @@ class SearchSpace:
     dp_shard: int | None = None
     compile: bool = False  # the run's own setting, not searched: every candidate runs compiled or eager
     ep: int | None = None
+    offload: str | None = None  # the same: every candidate offloads its optimizer or none does
 
 
 def _shard_groups(dp: int, zero: int, space: SearchSpace) -> list[int]:
@@ -282,7 +283,7 @@ def _options(space: SearchSpace, dp: int, tp: int, pp: int, cp: int, experts: in
         for shard, ep in itertools.product(_shard_groups(dp, zero, space), _expert_degrees(dp, experts, space)):
             yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, micro_batch=mb,
                          sequence_parallel=sp, recompute=recompute, schedule=space.schedule,
-                         virtual_stages=v, compile=space.compile, ep=ep)
+                         virtual_stages=v, compile=space.compile, ep=ep, offload=space.offload)
 
 
 def search(workload: Workload, world_size: int, hardware: Hardware, space: SearchSpace = SearchSpace(),

@@ -52,12 +52,30 @@ def check_memory_budget(cfg: Config, model_cfg: ModelConfig, dp: int) -> None:
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=dp, tp=p.tp, dp_shard=p.dp_shard, cp=p.cp, ep=p.ep)
     budget = memory_budget(cfg.run.mem_budget, local_processes, launcher, shape)  # a bad --mem-budget is refused anyway
-    if not cfg.run.mem_check or budget is None:
+    if not cfg.run.mem_check:
+        return
+    memory = planned_memory(cfg, model_cfg, dp)
+    check_host_memory(memory, local_processes, cfg.parallel.offload)
+    if budget is None:
         return
     size, source = budget
-    memory = planned_memory(cfg, model_cfg, dp)
-    if memory.total > size:
+    import torch
+
+    # without a GPU the offloaded state is in the same memory as the rest
+    total = memory.total + (0.0 if torch.cuda.is_available() else memory.host)
+    if total > size:
         raise over_budget(memory, f"its budget of {format_bytes(size)} ({source})")
+
+
+def check_host_memory(memory: MemoryBreakdown, local_processes: int, offload: str) -> None:
+    """ConfigError (one line) when the offloaded state of this machine's processes exceeds its memory."""
+    need = memory.host * local_processes
+    have = machine_memory()
+    if memory.host and need > have:
+        each = f" ({local_processes} local processes × {format_bytes(memory.host)})" if local_processes > 1 else ""
+        raise ConfigError(f"--offload {offload}: the host state of the masters, Adam moments and gradient buffers, "
+                          f"{format_bytes(need)}{each}, exceeds this machine's {format_bytes(have)} of memory; shard "
+                          f"it over more ranks (--zero 1 or more, more machines), or pass --no-mem-check")
 
 
 def check_free_memory(cfg: Config, model_cfg: ModelConfig, mesh: Mesh) -> None:
@@ -116,7 +134,7 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,
                     schedule=p.schedule, dp_shard=p.dp_shard, compile=p.compile,
-                    ep=p.ep)
+                    ep=p.ep, offload=p.offload or None)
     return estimate_memory(workload, layout)
 
 
