@@ -119,7 +119,7 @@ def paratrain_losses(cfg: ModelConfig, data, layout: dict) -> list[float]:
     schedule = layout.get("schedule", "1f1b")
     model, optimizer = paratrain.parallelize(
         model_on_meta(cfg), mesh, optimizer=adamw, precision="bf16",
-        data=DataParallel(zero=layout.get("zero", 0), grad_reduction="sum"),
+        data=DataParallel(zero=layout.get("zero", 0), grad_reduction="sum", offload=layout.get("offload")),
         # At tp = 1 the reference plan is applied anyway (degenerate layers): its code runs on the GPU too.
         tensor=TensorParallel(plan=LLAMA_TP_PLAN if layout.get("tp") == 1 else None,
                               sequence_parallel=layout.get("sp", False)),
@@ -550,6 +550,27 @@ def check_fp8_zero3(device, steps: int) -> dict:
     return {"passed": diff <= 2e-2, "rel_diff": diff, "detail": f"loss rel diff {diff:.1e} (tol 2e-2)"}
 
 
+def check_offload(device, steps: int) -> dict:
+    """The optimizer offloaded (pinned host masters, gradients out on a copy stream, the host's fused AdamW, the
+    values back into the parameters) against the device's own step, ZeRO-0 and ZeRO-3: the same losses but for
+    the two AdamW kernels' roundings; and the masters really on the host, pinned on CUDA."""
+    data = batches(CHECK, steps, 8, 64, device)
+    details, worst = [], 0.0
+    for zero in (0, 3):
+        on_device = paratrain_losses(CHECK, data, {"zero": zero})
+        offloaded = paratrain_losses(CHECK, data, {"zero": zero, "offload": "optimizer"})
+        diff = relative_difference(offloaded, on_device)
+        worst = max(worst, diff)
+        details.append(f"ZeRO-{zero} loss rel diff {diff:.1e}")
+    model, _ = paratrain.parallelize(torch.nn.Linear(16, 16), paratrain.init_mesh(), optimizer=adamw, precision="bf16",
+                                     data=DataParallel(offload="optimizer"))
+    host = model.offload
+    placed = all(v.device.type == "cpu" and v.is_pinned() == host.pinned for v in host.values)
+    placed &= host.pinned == (device.type == "cuda") and model.module.weight.device.type == device.type
+    return {"passed": worst <= 1e-3 and placed, "rel_diff": worst,
+            "detail": "; ".join(details) + f" (tol 1e-3); masters on the host, pinned: {host.pinned}"}
+
+
 def check_calibrate(device, profile: Path) -> dict:
     args = ["plan", "--calibrate", "--quick", "--out", str(profile)]
     result = _run_cli(args + ([] if device.type == "cuda" else ["--nproc", "2"]), timeout=600)
@@ -684,6 +705,7 @@ def rows(device, args, profile: Path) -> list:
         ("document mask", lambda: check_document_mask(device)),
         ("fp8 linears", lambda: check_fp8(device, steps)),
         ("fp8 ZeRO-3 gathers", lambda: check_fp8_zero3(device, steps)),
+        ("offload optimizer", lambda: check_offload(device, steps)),
         ("plan --calibrate --quick", lambda: check_calibrate(device, profile)),
         ("elastic launcher", lambda: check_launcher(device, args.train_steps)),
         ("memory snapshot", lambda: check_memory_snapshot(device)),

@@ -101,7 +101,7 @@ def test_bench_gpu_repredicts_a_past_gpu_run_on_its_calibrated_profile():
 # What gpu_check.py must check on every GPU machine (paths built and tested without a GPU), by row name.
 GPU_CHECK_ROWS = {
     "ring kernels fp32", "ring kernels bf16", "ring attention cp2", "experts grouped GEMM", "tiny-moe trains",
-    "compile ZeRO-0", "compile ZeRO-3", "selective recomputation", "document mask", "fp8 linears", "fp8 ZeRO-3 gathers",
+    "compile ZeRO-0", "compile ZeRO-3", "selective recomputation", "document mask", "fp8 linears", "fp8 ZeRO-3 gathers", "offload optimizer",
     "plan --calibrate --quick",
     "elastic launcher",
     "memory snapshot",
