@@ -104,6 +104,17 @@ def bench_copies(device: torch.device, megabytes: float, rounds: int) -> list[di
     return rows
 
 
+def _reset_peak(device: torch.device) -> None:
+    """The peak from now on: CUDA's allocator statistics; on the CPU VmHWM set to the current RSS (Linux)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def _peak(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -122,8 +133,7 @@ def bench_step(model_name: str, device: torch.device, offload: str | None, steps
     with torch.device("meta"):
         model = Transformer(cfg)
     mesh = paratrain.init_mesh()  # its device: this process's GPU under CUDA, else the CPU
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    _reset_peak(device)
     model, optimizer = paratrain.parallelize(
         model, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4, fused=True), precision="bf16",
         data=paratrain.DataParallel(offload=offload), activation_checkpointing="selective" if device.type == "cuda" else 0,
