@@ -136,7 +136,7 @@ class Comm:
         tensors = [t for t in tensors if t.numel()]
         if not tensors or self.mesh.size(axis) == 1:
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.mesh.device)  # (offloaded ones: from the host)
         self.all_reduce(flat, axis)
         offset = 0
         for t in tensors:

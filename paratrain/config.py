@@ -133,8 +133,8 @@ class ParallelSection:
                                   "compiled regions; the first step compiles)")
     bucket_mb: float = option(25.0, "gradient bucket size in MB (DDP, ZeRO-1/2)")
     offload: str = option("", "'optimizer': this rank's fp32 master weights and optimizer state in host memory, "
-                              "stepped by the CPU (the device keeps the bf16 weights and gradients); every ZeRO stage",
-                          choices=("", "optimizer"))
+                              "stepped by the CPU (the device keeps the bf16 weights and gradients), every ZeRO "
+                              "stage; 'params' (--zero 3): the parameter shards too", choices=("", "optimizer", "params"))
 
 
 @dataclass

@@ -67,6 +67,7 @@ class Layout:
     sp: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    offload: str | None = None
 
     @property
     def world(self) -> int:
@@ -82,6 +83,8 @@ MATRIX = {
     "dp2_tp2_zero1": Layout(dp=2, tp=2, zero=1),
     "dp2_tp2_sp_zero3": Layout(dp=2, tp=2, zero=3, sp=True),
     "pp2_dp2_tp2_zero1": Layout(pp=2, dp=2, tp=2, zero=1),
+    "dp2_zero2_offload": Layout(dp=2, zero=2, offload="optimizer"),
+    "dp2_tp2_sp_zero3_offload_params": Layout(dp=2, tp=2, zero=3, sp=True, offload="params"),
 }
 
 
@@ -95,7 +98,8 @@ def _model(layout: Layout, mesh, comm: Comm | None = None):
     with torch.device("meta"):
         model = Transformer(MODEL)
         return parallelize(
-            model, mesh, optimizer=trap_adamw, data=DataParallel(zero=layout.zero, grad_reduction="sum"),
+            model, mesh, optimizer=trap_adamw,
+            data=DataParallel(zero=layout.zero, grad_reduction="sum", offload=layout.offload),
             tensor=TensorParallel(sequence_parallel=layout.sp), comm=comm,
             pipeline=PipelineParallel(schedule=layout.schedule, virtual_stages=layout.virtual_stages))
 

@@ -56,6 +56,18 @@ def _steps(precision: str, zero: int, offload: str | None):
     return losses, model, optimizer
 
 
+def test_params_offload_steps_the_shards_where_they_live():
+    """offload="params": ZeRO-3's shards are the host masters the optimizer steps (no copies), gathered to the
+    device for each unit; the same numbers as without offload."""
+    plain, _, _ = _steps("bf16", 3, None)
+    losses, model, optimizer = _steps("bf16", 3, "params")
+    assert losses == plain
+    shards = model.engine.masters()
+    assert model.masters() == shards and [p for g in optimizer.param_groups for p in g["params"]] == shards
+    assert all(s.device.type == "cpu" for s in shards) and model.offload.host_bytes() == 4 * sum(
+        s.numel() for s in shards)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("zero", [0, 3])
 def test_the_host_step_is_the_device_step(precision, zero):
@@ -95,23 +107,28 @@ def test_bad_offload_input_is_one_line(capsys):
         check_offload("params", 2)
     with pytest.raises(OffloadError, match="needs ZeRO-3"):
         paratrain.DataParallel(zero=1, offload="params")
-    assert main(["train", *TINY, "--offload", "disk", "--out", "unused"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "offload" in err and "\n" not in err
+    for bad, message in ((["--offload", "disk"], "is not one of"), (["--offload", "params", "--zero", "2"],
+                                                                    "--offload params needs --zero 3")):
+        assert main(["train", *TINY, *bad, "--out", "unused"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
 
 
-def _train_pair(rank, world, argv, out):
+def _train_pair(rank, world, argv, out, mode):
     """The same run without and with offload, one after the other, on these ranks."""
     from paratrain.train import train
 
-    for name, extra in (("plain", []), ("offload", ["--offload", "optimizer"])):
+    for name, extra in (("plain", []), ("offload", ["--offload", mode])):
         train(config_from_args(build_parser().parse_args([*argv, *extra, "--out", f"{out}/{name}"])))
 
 
-@pytest.mark.parametrize("layout", [["--zero", "1"], ["--zero", "2"], ["--zero", "3"], ["--tp", "2"],
-                                    ["--zero", "2", "--precision", "bf16"]])
-def test_two_ranks_with_offload_equal_two_ranks_without(tmp_path, layout):
-    run_on_ranks(_train_pair, 2, ["train", *TINY, *layout], str(tmp_path), timeout=180)
+@pytest.mark.parametrize("layout, mode", [(["--zero", "1"], "optimizer"), (["--zero", "2"], "optimizer"),
+                                          (["--zero", "3"], "optimizer"), (["--tp", "2"], "optimizer"),
+                                          (["--zero", "2", "--precision", "bf16"], "optimizer"),
+                                          (["--zero", "3"], "params"),
+                                          (["--zero", "3", "--tp", "2", "--sequence-parallel"], "params")])
+def test_two_ranks_with_offload_equal_two_ranks_without(tmp_path, layout, mode):
+    run_on_ranks(_train_pair, 2, ["train", *TINY, *layout], str(tmp_path), mode, timeout=180)
     plain, offload = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("plain", "offload"))
     assert [r["loss"] for r in offload] == pytest.approx([r["loss"] for r in plain], rel=1e-6, abs=0)
     assert [r["grad_norm"] for r in offload] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-6)
@@ -185,3 +202,21 @@ def test_a_host_too_small_for_the_offloaded_state_is_refused_in_one_line(tmp_pat
     err = capsys.readouterr().err.strip()
     assert "--offload optimizer: the host state" in err and "exceeds this machine's 1 kB" in err and "\n" not in err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_refused_pinning_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
+    from paratrain.parallel.data.offload import can_pin
+
+    real = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (locked pages)\nmore")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.warns(UserWarning, match=r"pinned host memory refused \(CUDA error: out of memory \(locked pages\)\); "
+                                         r"using pageable memory.*ulimit -l") as caught:
+        assert can_pin(torch.device("cuda")) is False
+    assert len(caught) == 1
+    assert can_pin(torch.device("cpu")) is False  # nothing to pin for: no warning

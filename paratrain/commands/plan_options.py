@@ -59,7 +59,8 @@ LAYOUT_OPTIONS = {
                               "min(p, m), interleaved p + (p-1)/v"),
     "parallel.ep": ((), "1; --gpus searches the divisors of dp that divide the experts"),
     "parallel.offload": ((), "none: the optimizer on the device; optimizer: its masters and state in host memory "
-                             "(host bytes per rank shown), its step priced at the host's memory and PCIe rates"),
+                             "(host bytes per rank shown), its step priced at the host's memory and PCIe rates; "
+                             "params (--zero 3): the parameter shards too, copied to the device for each gather"),
 }
 PLAN_DEFAULTS = {"parallel.precision": "bf16"}
 SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
@@ -162,7 +163,9 @@ def space_from_args(args, opts: dict) -> SearchSpace:
 
     return SearchSpace(
         dp=opts.get("parallel.dp"), tp=opts.get("parallel.tp"), pp=opts.get("parallel.pp"), cp=opts.get("parallel.cp"),
-        zero=one(opts.get("parallel.zero"), ZERO_STAGES), dp_shard=opts.get("parallel.dp_shard"),
+        # offloaded parameters are ZeRO-3's shards
+        zero=one(opts.get("parallel.zero"), (3,) if opts.get("parallel.offload") == "params" else ZERO_STAGES),
+        dp_shard=opts.get("parallel.dp_shard"),
         micro_batch=one(opts.get("train.micro_batch"), SearchSpace.micro_batch),
         recompute=one(recompute_from_args(args, opts), tuple(Recompute)),
         sequence_parallel=one(opts.get("parallel.sequence_parallel"), (False, True)),

@@ -67,8 +67,9 @@ class DataParallel:
     prefetch: ZeRO-3 gathers the next unit while the current one computes (one more unit held).
         None: where communication overlaps compute (`paratrain.comm.Comm.overlaps_compute`: on CUDA,
         not on the CPU).
-    offload: None, or "optimizer": this rank's fp32 masters and optimizer state in host memory, stepped there
-        (`paratrain.parallel.data.offload`).
+    offload: None, "optimizer": this rank's fp32 masters and optimizer state in host memory, stepped there
+        (`paratrain.parallel.data.offload`), or "params" (ZeRO-3): the parameter shards too, copied to the
+        device for each gather.
     """
 
     zero: int = 0
@@ -337,7 +338,7 @@ def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel,
         prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
         return FullyShardedEngine(model, comm, policy, units=data.units, init=init, grad_reduction=data.grad_reduction,
                                   prefetch=prefetch, expert_names=expert_info.names if expert_info else (),
-                                  expert_axis=REPLICATE_AXIS)
+                                  expert_axis=REPLICATE_AXIS, offload_params=data.offload == "params")
     if expert_info is not None:
         from paratrain.parallel.data.groups import GroupedEngine
         from paratrain.parallel.expert.sharding import REPLICATE_AXIS
@@ -361,7 +362,7 @@ def _offload(engine, mesh: Mesh, data: DataParallel):
     if mesh.device.type == "cpu" and mesh.rank == 0:
         warnings.warn("offload on the CPU: the masters and optimizer state move to separate host buffers, which "
                       "saves no memory here (on a GPU they leave the device)", stacklevel=3)
-    return HostMasters(engine, mesh.device)
+    return HostMasters(engine, mesh.device, copies=data.offload == "optimizer")
 
 
 def _runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):

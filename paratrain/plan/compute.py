@@ -236,6 +236,8 @@ def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, s
     if layout.offload:  # on the device: the norm's read and the zeroing of the gradients
         seconds += hardware.memory_seconds(elements * 2 * workload.grad_bytes, 3 * tensor)
         seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node))
+    if layout.offload == "params":  # each gather, forward and backward, copies the fp32 shard from the host
+        seconds += hardware.copy_seconds(2 * m * MASTER_BYTES * elements)
     else:
         seconds += hardware.memory_seconds(elements * optimizer_bytes_per_param(workload), 3 * tensor)
     return seconds / hardware.compute_share(layout.world_size)

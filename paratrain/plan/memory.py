@@ -183,8 +183,8 @@ class Layout:
             operators fused (`KernelStack.FUSED`), else one kernel each (EAGER). Time only.
         ep: expert-parallel degree: a MoE model's experts split over groups of ep neighbouring data
             ranks (`paratrain.plan.moe`); it divides dp. 1: every data rank holds every expert.
-        offload: None, or "optimizer": each rank's masters and optimizer state in host memory, stepped by
-            the host (`paratrain.parallel.data.offload`).
+        offload: None, "optimizer": each rank's masters and optimizer state in host memory, stepped by
+            the host (`paratrain.parallel.data.offload`); "params" (ZeRO-3): the parameter shards too.
     """
 
     dp: int = 1
@@ -216,8 +216,8 @@ class Layout:
             raise PlanError(f"--zero {self.zero!r} is not a ZeRO stage; use {spelled(ZERO_STAGES)}")
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "--recompute"))
         object.__setattr__(self, "schedule", _enum(ScheduleName, self.schedule, "--schedule"))
-        if self.offload not in (None, "optimizer"):
-            raise PlanError(f"--offload {self.offload!r}: the planner models 'optimizer'")
+        if self.offload not in (None, "optimizer", "params") or (self.offload == "params" and self.zero != 3):
+            raise PlanError(f"--offload {self.offload!r}: the planner models 'optimizer', and 'params' with --zero 3")
 
     @property
     def world_size(self) -> int:

@@ -81,6 +81,8 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     `offload="optimizer"` (`paratrain.parallel.data.offload`) moves the optimizer to the host: the device keeps
     no master and no moments; the host holds an fp32 master copy (in fp32 too: the parameter stays on the
     device), the moments and a buffer for the fp32 gradient, 16 bytes per element of this rank's shard.
+    `offload="params"` (ZeRO-3) keeps the fp32 shards themselves there instead of a copy: the device holds no
+    parameter between gathers, the host the same 16 bytes per element.
     """
     param_bytes = DTYPE_BYTES[precision]
     grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
@@ -92,7 +94,8 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     shard = psi / (n if zero >= 1 else 1)  # what this rank's optimizer steps
     params, grads = param_bytes * psi / (n if zero >= 3 else 1), grad_bytes * psi / (n if zero >= 2 else 1)
     if offload:
-        return ModelStates(params, grads, 0.0, 0.0, host=(MASTER_BYTES + ADAM_MOMENT_BYTES + MASTER_BYTES) * shard)
+        return ModelStates(0.0 if offload == "params" else params, grads, 0.0, 0.0,
+                           host=(MASTER_BYTES + ADAM_MOMENT_BYTES + MASTER_BYTES) * shard)
     return ModelStates(params, grads, master * shard, ADAM_MOMENT_BYTES * shard)
 
 

@@ -111,6 +111,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
         raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
                           f"bf16 for what it does not cast")
+    if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
+        raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
+                          f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")
     if cfg.data.document_mask and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
                           f"the context-parallel ring do not see the documents yet; drop one of them")

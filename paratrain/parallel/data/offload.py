@@ -93,7 +93,7 @@ def host_tensors(shapes: list[torch.Size], dtype: torch.dtype, pin: bool) -> lis
 
 
 def _chunk(shapes: list[torch.Size], size: int, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    flat = torch.empty(size, dtype=dtype, pin_memory=pin)
+    flat = torch.empty(size, dtype=dtype, device="cpu", pin_memory=pin)
     views, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
@@ -102,12 +102,12 @@ def _chunk(shapes: list[torch.Size], size: int, dtype: torch.dtype, pin: bool) -
     return views
 
 
-def _can_pin(device: torch.device) -> bool:
+def can_pin(device: torch.device) -> bool:
     """Whether host memory can be pinned for `device`'s copies (one warning when it cannot)."""
     if device.type != "cuda":
         return False
     try:
-        torch.empty(1, pin_memory=True)
+        torch.empty(1, device="cpu", pin_memory=True)
         return True
     except RuntimeError as e:  # e.g. the locked-memory limit (ulimit -l)
         warnings.warn(f"offload: pinned host memory refused ({str(e).splitlines()[0]}); using pageable memory "
@@ -115,20 +115,43 @@ def _can_pin(device: torch.device) -> bool:
         return False
 
 
-class HostMasters:
-    """This rank's masters and their gradients in host memory, for an optimizer built over `values`."""
+@torch.no_grad()
+def to_host(tensors: list[torch.Tensor], pinned: bool) -> list[torch.Tensor]:
+    """Host copies of device `tensors` (pinned: asynchronous copies into pinned memory, one wait for all of them)."""
+    out = []
+    for t in tensors:
+        if t.device.type == "cpu":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+        host.copy_(t, non_blocking=pinned)
+        out.append(host)
+    if pinned and any(t.device.type == "cuda" for t in tensors):
+        torch.cuda.current_stream().synchronize()
+    return out
 
-    def __init__(self, engine, device: torch.device, threads: int | None = None):
+
+class HostMasters:
+    """This rank's masters and their gradients in host memory, for an optimizer built over `values`.
+
+    `copies`: the masters are the device's, copied here (offload="optimizer"); False: the engine's masters live
+    on the host already and their gradients come there by themselves (ZeRO-3's offload="params")."""
+
+    def __init__(self, engine, device: torch.device, threads: int | None = None, copies: bool = True):
         masters = engine.masters()
         self.engine, self.device = engine, device
-        self.pinned = _can_pin(device)
-        shapes = [m.shape for m in masters]
-        self.values = host_tensors(shapes, torch.float32, self.pinned)
-        self._grads = host_tensors(shapes, torch.float32, self.pinned)
-        with torch.no_grad():
-            for value, master in zip(self.values, masters):
-                value.copy_(master)
-        engine.keep_master_values(self.values)
+        if copies:
+            self.pinned = can_pin(device)
+            shapes = [m.shape for m in masters]
+            self.values = host_tensors(shapes, torch.float32, self.pinned)
+            self._grads: list[torch.Tensor] | None = host_tensors(shapes, torch.float32, self.pinned)
+            with torch.no_grad():
+                for value, master in zip(self.values, masters):
+                    value.copy_(master)
+            engine.keep_master_values(self.values)
+        else:
+            self.values, self._grads = masters, None
+            self.pinned = bool(masters) and masters[0].is_pinned()
         self.threads = threads or host_threads()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._threads_before: int | None = None
@@ -137,6 +160,8 @@ class HostMasters:
     def gradients_to_host(self) -> None:
         """Each device master's gradient (final, clipped, unscaled) into its host buffer, as its host copy's `.grad`
         (None where the master has none: the optimizer leaves it alone, as it would on the device)."""
+        if self._grads is None:  # they are there already
+            return
         stream = self._stream
         if stream is not None:  # after the device's last write to the gradients
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -166,5 +191,5 @@ class HostMasters:
 
     def host_bytes(self) -> int:
         """Bytes of host memory the masters and gradient buffers hold (the optimizer's state comes on top)."""
-        return sum(t.numel() * t.element_size() for t in self.values + self._grads)
+        return sum(t.numel() * t.element_size() for t in self.values + (self._grads or []))
 

@@ -34,6 +34,7 @@ elements' above, in the reduce dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,11 +117,14 @@ class Unit:
 
     def __init__(self, name: str, module: nn.Module, slots: list[tuple[nn.Module, str, int]],
                  shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int, axis: Axis = Axis.DP,
-                 gather_dtype: torch.dtype = torch.float32, fp8: frozenset[int] = frozenset()):
+                 gather_dtype: torch.dtype = torch.float32, fp8: frozenset[int] = frozenset(),
+                 device: torch.device | None = None):
         """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit; the
-        shards are split over the `num_ranks` ranks of the mesh axis `axis` and gathered in `gather_dtype`, but
-        the parameters (engine indices) in `fp8` as their e4m3 casts."""
+        shards are split over the `num_ranks` ranks of the mesh axis `axis` and gathered in `gather_dtype` onto
+        `device` (None: the shards'; offloaded shards live on the host), but the parameters (engine indices) in
+        `fp8` as their e4m3 casts."""
         self.name, self.module, self.num_ranks, self.axis = name, module, num_ranks, axis
+        self.device = device or (shards[slots[0][2]].device if slots else torch.device("cpu"))
         order = list(dict.fromkeys(index for _, _, index in slots))  # each parameter once, in first-use order
         self.slots = [(mod, attr, order.index(index)) for mod, attr, index in slots]
         self.shards = [shards[i] for i in order]
@@ -160,14 +164,14 @@ class Unit:
     def launch_gather(self, comm: Comm, scales: dict[int, torch.Tensor]) -> None:
         """Copy the local rows (cast to their gather dtype, zero-padded) into one chunk and start the all-gather.
         `scales`: per FP8 parameter (engine index), the tensorwise scale agreed over its shards."""
-        device = self.shards[0].device
+        device = self.device
         chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=device)
         self.scales = {fp.index: scales[fp.index] for fp in self.params if fp.fp8}
         for fp, shard in zip(self.params, self.shards):
             n = shard.numel()
             values = chunk[fp.chunk_byte:fp.chunk_byte + fp.chunk_numel(self.num_ranks) * fp.gather_dtype.itemsize]
             values = values.view(fp.gather_dtype)
-            rows = shard.detach().reshape(-1)
+            rows = shard.detach().reshape(-1).to(device, non_blocking=True)  # (offloaded: from the host)
             if fp.fp8:  # the compute dtype's values cast, as a whole weight in the compute dtype would be
                 rows = to_fp8(rows.to(self.gather_dtype), self.scales[fp.index], E4M3)
             values[:n].copy_(rows)
@@ -245,7 +249,7 @@ class Unit:
         Every element is written once: rows by a (scaled) copy, padding and missing gradients by
         zeros; nothing is zero-filled first.
         """
-        flat = torch.empty(self.num_ranks, self.chunk_numel, dtype=dtype, device=self.shards[0].device)
+        flat = torch.empty(self.num_ranks, self.chunk_numel, dtype=dtype, device=self.device)
         for fp, grad in zip(self.params, grads):
             part = flat[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
             if grad is None:
@@ -279,7 +283,7 @@ def agree_fp8_scales(shards: list[torch.Tensor], fp8: frozenset[int], axes: list
     for axis in dict.fromkeys(axes[i] for i in sorted(fp8)):
         indices = [i for i in sorted(fp8) if axes[i] == axis]
         amax = torch.stack([shards[i].detach().abs().amax() if shards[i].numel() else shards[i].new_zeros(())
-                            for i in indices]).to(dtype).float()
+                            for i in indices]).to(comm.mesh.device).to(dtype).float()  # (offloaded: from the host)
         comm.all_reduce(amax, axis, op=torch.distributed.ReduceOp.MAX)
         scales.update(zip(indices, scale_from_amax(amax, E4M3).unbind()))
     return scales
@@ -287,13 +291,15 @@ def agree_fp8_scales(shards: list[torch.Tensor], fp8: frozenset[int], axes: list
 
 @torch.no_grad()
 def gather_whole(shard: torch.Tensor, shape: torch.Size, comm: Comm, axis: Axis, ranks: int) -> torch.Tensor:
-    """One parameter of `shape` whole, in its shards' dtype, from this rank's `shard` of it over `axis` (collective)."""
+    """One parameter of `shape` whole, in its shards' dtype, from this rank's `shard` of it over `axis` (collective;
+    on the mesh's device, wherever the shard lives)."""
     rows = row_shape(shape)
     c = math.ceil(rows[0] / ranks)
-    chunk = torch.empty((c, *rows[1:]), dtype=shard.dtype, device=shard.device)
+    device = comm.mesh.device
+    chunk = torch.empty((c, *rows[1:]), dtype=shard.dtype, device=device)
     chunk[:shard.shape[0]] = shard
     chunk[shard.shape[0]:].zero_()  # padding
-    out = torch.empty((ranks * c, *rows[1:]), dtype=shard.dtype, device=shard.device)
+    out = torch.empty((ranks * c, *rows[1:]), dtype=shard.dtype, device=device)
     comm.all_gather(out.view(-1), chunk.view(-1), axis=axis)
     return out[:rows[0]].reshape(shape).clone()
 
@@ -310,3 +316,20 @@ class SavedView:
     def view(self) -> torch.Tensor:
         """The saved view, of the unit's buffer as gathered now."""
         return self.unit.full.view(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+def default_init(model: nn.Module, originals: dict[str, nn.Parameter]):
+    """ZeRO-3's initializer of a meta model's parameters: its own `param_init` (None: the parameters are real)."""
+    if not any(p.is_meta for p in originals.values()):
+        return None
+    if not hasattr(model, "param_init"):
+        raise ZeroConfigError(f"{type(model).__name__} is on the meta device and has no param_init; "
+                              "pass init=(name, full_shape) -> full fp32 tensor")
+    return functools.partial(model.param_init, seed=0)
+
+
+def check_buffers(model: nn.Module) -> None:
+    """ZeroConfigError for a buffer still on the meta device (ZeRO-3 shards parameters, not buffers)."""
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            raise ZeroConfigError(f"buffer {name!r} is on the meta device; materialize buffers before sharding")

@@ -57,6 +57,7 @@ from paratrain.comm import Comm
 from paratrain.compat import in_backward
 from paratrain.mesh import Axis
 from paratrain.parallel.data.engine import GradReduction, used_flags
+from paratrain.parallel.data.offload import can_pin, host_tensors, to_host
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.data.replicas import ReplicaSum
 from paratrain.parallel.data.shard import row_range
@@ -64,8 +65,8 @@ from paratrain.parallel.data.groups import MasterGroup
 from paratrain.parallel.data.outside_use import OutsideUse
 from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
 from paratrain.parallel.blocks import UnitSpec, unit_modules
-from paratrain.parallel.data.units import (SavedView, Unit, ZeroConfigError, agree_fp8_scales, fp8_gathered,
-                                          gather_whole, parameter_slots, row_shape)
+from paratrain.parallel.data.units import (SavedView, Unit, ZeroConfigError, agree_fp8_scales, check_buffers,
+                                          default_init, fp8_gathered, gather_whole, parameter_slots, row_shape)
 from paratrain.precision import Precision
 
 
@@ -119,7 +120,8 @@ class FullyShardedEngine:
                  units: UnitSpec = None, prefetch: bool = True,
                  init: Callable[[str, torch.Size], torch.Tensor] | None = None,
                  grad_reduction: GradReduction = GradReduction.MEAN,
-                 expert_names: Collection[str] = (), expert_axis: Axis = Axis.EP_REPLICATE):
+                 expert_names: Collection[str] = (), expert_axis: Axis = Axis.EP_REPLICATE,
+                 offload_params: bool = False):
         try:
             grad_reduction = GradReduction(grad_reduction)
         except ValueError:
@@ -138,9 +140,14 @@ class FullyShardedEngine:
         self._axes = [expert_axis if name in expert_names else self.shard_axis for name in self._names]
         # state_dict names (a tied parameter has several) -> parameter index
         self._state_names = {name: index_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
-        _check_buffers(model)
-        init = init or _default_init(model, originals)
-        self._shards = [self._make_shard(name, p, init, axis) for (name, p), axis in zip(originals.items(), self._axes)]
+        check_buffers(model)
+        init = init or default_init(model, originals)
+        # offload="params": the shards (and so the optimizer's state) in host memory, gathered onto the device
+        self._pinned = offload_params and can_pin(self.device)
+        host = host_tensors([self._shard_shape(p.shape, axis) for p, axis in zip(originals.values(), self._axes)],
+                            precision.master_dtype, self._pinned) if offload_params else [None] * len(originals)
+        self._shards = [self._make_shard(name, p, init, axis, out)
+                        for (name, p), axis, out in zip(originals.items(), self._axes, host)]
         self.units = self._build_units(model, units, index_of, set(expert_names))
         self._fp8_scales: dict[int, torch.Tensor] = {}  # per FP8-gathered weight, its scale for this step
         self._values: list[torch.Tensor] | None = None  # offload: the masters' values (`keep_master_values`)
@@ -179,15 +186,21 @@ class FullyShardedEngine:
     def _device(self) -> torch.device:
         return self.device
 
-    def _make_shard(self, name: str, param: nn.Parameter, init, axis: Axis) -> nn.Parameter:
-        """This rank's rows over `axis` of one parameter as an fp32 leaf; a meta parameter's full value lives only here."""
+    def _shard_shape(self, shape: torch.Size, axis: Axis) -> tuple[int, ...]:
+        rows = row_shape(shape)
+        lo, hi = row_range(rows[0], *shard_place(self.mesh, axis))
+        return (hi - lo, *rows[1:])
+
+    def _make_shard(self, name: str, param: nn.Parameter, init, axis: Axis, out: torch.Tensor | None) -> nn.Parameter:
+        """This rank's rows over `axis` of one parameter as an fp32 leaf (in `out`: host memory, or on the mesh's
+        device, whatever device a materialized model was built on); a meta parameter's full value lives only here."""
         rows = row_shape(param.shape)
         lo, hi = row_range(rows[0], *shard_place(self.mesh, axis))
-        device = self.device  # the mesh's, whatever device a materialized model was built on
         # The shard is allocated before the full value, so that the freed full value is the most
         # recent allocation and the next one reuses its memory (measured: peak RSS of a sharded
         # 200 MB model = shard + 8 MB, against shard + 58 MB the other way round).
-        shard = torch.empty((hi - lo, *rows[1:]), dtype=self.precision.master_dtype, device=device)
+        shard = out if out is not None else torch.empty((hi - lo, *rows[1:]), dtype=self.precision.master_dtype,
+                                                        device=self.device)
         full = init(name, param.shape) if param.is_meta else param.detach()
         if full.shape != param.shape:
             raise ZeroConfigError(f"init({name!r}) returned shape {tuple(full.shape)}, expected {tuple(param.shape)}")
@@ -204,7 +217,7 @@ class FullyShardedEngine:
         for name, module in named:
             axis = unit_axis(name, [self._axes[i] for _, _, i in indexed[name]], self.shard_axis)
             units.append(Unit(name, module, indexed[name], self._shards, self._shapes, self.mesh.size(axis), axis,
-                              self.precision.param_dtype, self._fp8))
+                              self.precision.param_dtype, self._fp8, self.device))
         return units
 
     def _register_hooks(self, unit: Unit) -> None:
@@ -392,6 +405,8 @@ class FullyShardedEngine:
         if self.replicas > 1:  # hybrid sharding: the last shard's sum over the replicas
             self._replica_sum.land()
         self._used_mask = used_flags(self._used, self._device())
+        if self._shards and self._shards[0].device != self.device:  # offloaded shards: their gradients to the host
+            self._new_grads = dict(zip(self._new_grads, to_host(list(self._new_grads.values()), self._pinned)))
         for index, grad in self._new_grads.items():
             master = self._shards[index]
             master.grad = grad if master.grad is None else master.grad.add_(grad)
@@ -449,8 +464,9 @@ class FullyShardedEngine:
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes alive now: shards + gathered buffers, master grads (+ in flight), separate masters (none)."""
-        params = sum(_nbytes(s) for s in self._shards) + sum(u.gathered_bytes() for u in self.units)
-        grads = sum(_nbytes(s.grad) for s in self._shards if s.grad is not None)
+        on = [s for s in self._shards if s.device == self.device]  # offloaded shards are not on this device
+        params = sum(_nbytes(s) for s in on) + sum(u.gathered_bytes() for u in self.units)
+        grads = sum(_nbytes(s.grad) for s in on if s.grad is not None)
         grads += sum(_nbytes(g) for g in self._new_grads.values())
         grads += sum(_nbytes(out) + _nbytes(flat) for _, _, out, flat in self._in_flight)
         grads += _nbytes(self._replica_sum.in_flight) if self._replica_sum.in_flight is not None else 0
@@ -476,18 +492,3 @@ class FullyShardedEngine:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _default_init(model: nn.Module, originals: dict[str, nn.Parameter]):
-    if not any(p.is_meta for p in originals.values()):
-        return None
-    if not hasattr(model, "param_init"):
-        raise ZeroConfigError(f"{type(model).__name__} is on the meta device and has no param_init; "
-                              "pass init=(name, full_shape) -> full fp32 tensor")
-    return functools.partial(model.param_init, seed=0)
-
-
-def _check_buffers(model: nn.Module) -> None:
-    for name, buf in model.named_buffers():
-        if buf.is_meta:
-            raise ZeroConfigError(f"buffer {name!r} is on the meta device; materialize buffers before sharding")
