@@ -142,9 +142,10 @@ def test_verify_passes_every_layout_with_offload(capsys):
 
 def test_a_killed_offloaded_run_resumes_bit_exact(tmp_path):
     """Two ranks under the launcher with the optimizer on the host, rank 1 SIGKILLed in step 6: the restart loads
-    the host masters and state from step 4's checkpoint and ends where a run straight through ends, bit for bit."""
+    the host masters and state from step 4's checkpoint and ends where a run straight through ends, bit for bit.
+    The checkpoints are written in the background: the save copies the host state before the next step moves it."""
     argv = ["train", *TINY, "--steps", "8", "--zero", "2", "--offload", "optimizer", "--checkpoint-every", "4",
-            "--nproc", "2", "--max-restarts", "1"]
+            "--checkpoint-async", "--nproc", "2", "--max-restarts", "1"]
     runs, output = {}, {}
     for name, fault in (("whole", None), ("killed", "sigkill@rank1:step6")):
         env = {**os.environ, **({FAULT_ENV: fault} if fault else {})}

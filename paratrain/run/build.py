@@ -170,7 +170,10 @@ def describe(run: Run) -> str:
             f"tp={p.tp}{', sp' if p.sequence_parallel else ''}{f', cp={p.cp}' if p.cp > 1 else ''}{f', ep={p.ep}' if p.ep > 1 else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
             f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
             f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats"
-            + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else ""))
+            + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else "")
+            + (f"; {'parameters and ' if p.offload == 'params' else ''}optimizer offloaded to host memory "
+               f"({run.model.offload.host_bytes() / 1e9:.3g} GB per process before the optimizer's state)"
+               if p.offload else ""))
 
 
 def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout: CheckedLayout | None = None,
