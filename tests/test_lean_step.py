@@ -94,13 +94,13 @@ def _two_ranks(rank, world, zero):
     return _ratio(traffic, model, "bf16"), traffic.by_op
 
 
-@pytest.mark.parametrize("zero, bound", [(1, 1.35), (2, 1.35), (3, 1.2)])
-def test_a_zero_shard_moves_little_over_its_floor(zero, bound):
-    """Two ranks, each stepping its shard. ZeRO-3 is within a fifth of its floor. ZeRO-1/2 are not yet: after the
-    all-gather of the updated bf16 rows, every parameter is copied out of the gather buffer (2 bytes read, 2
-    written per parameter: 8 per parameter of a rank's shard, 1.32x), because a bucket interleaves the ranks'
-    rows of every parameter; gathering straight into the parameters needs buckets laid out by parameter."""
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_a_zero_shard_moves_little_over_its_floor(zero):
+    """Two ranks, each stepping its shard, within a fifth of its floor. ZeRO-1/2 gather each parameter whose rows
+    split evenly in place, into the parameter itself: the step's only copy is the masters' into the compute dtype
+    (6 bytes per element of the shard against fused AdamW's 32); through a bucket's buffer, every parameter was
+    copied out of it after the gather too (8 bytes more per element of the shard: 1.32x the floor)."""
     for ratio, by_op in run_on_ranks(_two_ranks, 2, zero, timeout=120):
-        assert ratio <= bound, by_op
+        assert ratio <= 1.2, by_op
         if zero < 3:
-            assert by_op["_foreach_copy_"] == pytest.approx(by_op["_fused_adamw_"] * 14 / 32, rel=0.01)
+            assert by_op["_foreach_copy_"] == pytest.approx(by_op["_fused_adamw_"] * 6 / 32, rel=0.01)

@@ -68,14 +68,20 @@ class Bucket:
 
 @dataclass
 class Gather:
-    """The copies around one bucket's all-gather of updated parameters, as lists for foreach kernels."""
+    """The copies around one bucket's all-gather of updated parameters, as lists for foreach kernels.
 
-    buffer: torch.Tensor  # N chunks of param dtype
-    mine: list[torch.Tensor]  # this rank's chunk: where each master's rows go (flat)
+    A parameter whose rows split evenly over the ranks is its own gather buffer: flat, its storage is the N
+    chunks of its rows in rank order, so this rank's rows are written into the parameter itself and gathered
+    there in place (`whole`), with nothing to copy out. The others (a first dimension that does not divide,
+    whose chunks are padded) go through the bucket's buffer of N chunks and are copied out of it."""
+
+    buffer: torch.Tensor | None  # N chunks of param dtype, for the parameters not gathered in place (None: none)
+    mine: list[torch.Tensor]  # where each master's rows go (flat): this rank's chunk, or its rows of the parameter
     masters: list[torch.Tensor]  # each master, flat
     padding: list[torch.Tensor]  # this rank's chunk: what holds no row (zeroed before the gather)
     rows: list[torch.Tensor]  # each parameter's rows, in tiles
     parts: list[torch.Tensor]  # the gathered buffer's matching tiles
+    whole: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (parameter flat, its rows here)
 
 
 def make_buckets(named, bucket_mb: float, dtype: torch.dtype, shards: int, rank: int) -> list[Bucket]:
@@ -111,43 +117,59 @@ def all_gather_parameters(bucket: Bucket, comm: Comm, axis: Axis, shards: int, r
                           buffer_lives: bool) -> None:
     """Every rank sends its updated rows; everyone receives the whole bucket (Ψ_b (N−1)/N).
 
-    ZeRO-1 gathers through the bucket's own buffer when it has the parameters' dtype: its
-    gradients are spent once the optimizer has stepped (the masters' `.grad`, views of it, are
-    released first), and the copies around the gather are made once for the run. ZeRO-2, whose
-    buckets exist only while reduced (not `buffer_lives`), gathers through a buffer of its own each step.
+    Each parameter whose rows split evenly is gathered in place (`Gather`): one collective each, nothing
+    copied out. The rest go through one buffer: ZeRO-1's own bucket buffer when it has the parameters'
+    dtype (its gradients are spent once the optimizer has stepped; the masters' `.grad`, views of it, are
+    released first); ZeRO-2, whose buckets exist only while reduced (not `buffer_lives`), a buffer of its
+    own each step. The plan is made once for the run where nothing in it is made per step.
     """
     gather = bucket.gather
     if gather is None:
         reuse = buffer_lives and bucket.buffer.dtype == dtype
         gather = _gather_plan(bucket, bucket.buffer if reuse else None, shards, rank, dtype)
-        bucket.gather = gather if reuse else None
-    if bucket.gather is not None:
+        bucket.gather = gather if reuse or gather.buffer is None else None
+    if gather.buffer is not None and gather.buffer is bucket.buffer:
         for slot in bucket.slots:
             slot.master.grad = None  # its rows of the buffer are about to hold parameters
     torch._foreach_copy_(gather.mine, gather.masters, non_blocking=True)  # (from pinned host values: asynchronous)
     if gather.padding:
         torch._foreach_zero_(gather.padding)
-    mine = gather.buffer.view(shards, bucket.chunk_numel)[rank]
-    comm.all_gather(gather.buffer, mine, axis)
-    torch._foreach_copy_(gather.rows, gather.parts)
+    works = [comm.all_gather(flat, own, axis, async_op=True) for flat, own in gather.whole]
+    if gather.buffer is not None:
+        comm.all_gather(gather.buffer, gather.buffer.view(shards, bucket.chunk_numel)[rank], axis)
+        torch._foreach_copy_(gather.rows, gather.parts)
+    comm.wait(works, axis)
 
 
 def _gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank: int, dtype: torch.dtype) -> Gather:
-    """The views around `bucket`'s all-gather of updated parameters through `buffer` (None: a new one of `dtype`)."""
-    if buffer is None:
+    """The views around `bucket`'s all-gather of updated parameters: in place for a parameter whose rows split
+    evenly, through `buffer` (None: a new one of `dtype`, made only if some parameter needs it) for the rest."""
+    in_place = [_in_place(slot.param.data, shards, dtype) for slot in bucket.slots]
+    if buffer is None and not all(in_place):
         buffer = torch.empty(bucket.chunk_numel * shards, dtype=dtype, device=bucket.slots[0].param.device)
-    mine = buffer.view(shards, bucket.chunk_numel)[rank]
-    gather = Gather(buffer, [], [], [], [], [])
-    for slot in bucket.slots:
+    mine = buffer.view(shards, bucket.chunk_numel)[rank] if buffer is not None else None
+    gather = Gather(buffer if not all(in_place) else None, [], [], [], [], [])
+    for slot, whole in zip(bucket.slots, in_place):
         numel = slot.master.numel()
-        gather.mine.append(mine[slot.offset:slot.offset + numel])
         gather.masters.append(slot.source().view(-1))
+        if whole:
+            flat = slot.param.data.view(-1)
+            gather.mine.append(flat[rank * numel:(rank + 1) * numel])
+            gather.whole.append((flat, gather.mine[-1]))
+            continue
+        gather.mine.append(mine[slot.offset:slot.offset + numel])
         if numel < slot.chunk_numel:
             gather.padding.append(mine[slot.offset + numel:slot.offset + slot.chunk_numel])
         for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(buffer, shards)):
             gather.rows.append(rows)
             gather.parts.append(part)
     return gather
+
+
+def _in_place(param: torch.Tensor, shards: int, dtype: torch.dtype) -> bool:
+    """Whether `param`'s own storage can be its all-gather's output: contiguous, in the gather's dtype, and its
+    rows split evenly (no padded chunk)."""
+    return param.is_contiguous() and param.dtype == dtype and as_rows(param).shape[0] % shards == 0
 
 
 def storage_bytes(tensors) -> int:
