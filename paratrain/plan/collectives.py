@@ -173,7 +173,8 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
     N is the ranks ZeRO shards over (`Layout.shard_ranks`: dp × cp, or the shard group).
     DDP: one all-reduce of the gradients (2Ψ(N−1)/N in the gradient dtype), bucket by bucket.
     ZeRO-1/2: a reduce-scatter of the gradients during backward and an all-gather of the updated
-    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data.ddp does, per bucket. DDP
+    parameters after the step (Ψ(N−1)/N each), as paratrain.parallel.data.ddp does, counted per bucket (the
+    runtime gathers a parameter whose rows split evenly by a collective of its own: the same bytes). DDP
     and ZeRO-1 accumulate gradients locally over micro-batches and communicate once per step;
     ZeRO-2 keeps no full gradient, so it reduce-scatters after every micro-batch. ZeRO-3: for
     every micro-batch an all-gather of each unit's parameters before forward and again before
