@@ -3,15 +3,16 @@
 `ddp.py`'s engine moves gradients into these buckets while backward runs and reduces them;
 this module lays the buckets out, once: which parameters share a bucket (`make_buckets`),
 where each parameter's rows sit in it (`Slot`), a buffer whose padding is zero
-(`new_buffer`); and, after ZeRO's optimizer step, all-gathers the updated parameters through
-the same layout (`all_gather_parameters`).
+(`new_buffer`); and, after ZeRO's optimizer step, all-gathers the updated parameters
+(`all_gather_parameters`): in place where a parameter's rows split evenly over the ranks (its
+own storage is then its N chunks), through the same layout for the others.
 
 The shard layout is paratrain.parallel.data.shard's: rank r owns rows
 [r·c, (r+1)·c) of every parameter. A bucket's buffer holds N equal chunks;
 chunk r packs rank r's (padded) rows of each parameter of the bucket, so a
 reduce-scatter leaves in chunk r exactly the gradient rank r's optimizer
-needs, and the all-gather of updated parameters is the same layout in the
-other direction. A gradient's first write into a bucket is a copy and later
+needs, and the all-gather of updated parameters through a buffer is the same
+layout in the other direction. A gradient's first write into a bucket is a copy and later
 ones add, so no bucket is zeroed per step (only the padding, once per buffer,
 and the parameters a backward did not reach, when their bucket is launched).
 """
