@@ -86,9 +86,10 @@ def test_a_gpu_is_calibrated_where_there_is_one_and_the_cpu_elsewhere():
 def test_a_gpu_plan_measures_its_kernels_and_nccl_collectives_only_between_gpus():
     one, eight = CalibrationPlan.gpu(1), CalibrationPlan.gpu(8)
     assert one.device == eight.device == "cuda" and one.attention_dtype == "bf16"
-    assert one.phases == ("gemm", "attention", "memory", "elementwise")  # one GPU: no peer to measure links with
+    # one GPU: no peer to measure links with; the host's step and copies for offload
+    assert one.phases == ("gemm", "attention", "memory", "elementwise", "host")
     assert eight.phases == one.phases + ("collectives",) and eight.nproc == 8
-    assert CalibrationPlan().phases[-3:] == ("collectives", "collectives_shared", "overlap")  # the CPU's, as before
+    assert CalibrationPlan().phases[-4:] == ("collectives", "collectives_shared", "overlap", "host")  # the CPU's
     assert CalibrationPlan.gpu(2, quick=True).device == "cuda"
     with pytest.raises(CalibrationError, match="at least 1 on cuda"):
         CalibrationPlan.gpu(0)
@@ -148,6 +149,8 @@ def test_calibration_writes_a_complete_cpu_profile(calibrated, capsys):
         assert hw.peak(dtype) > 0 and 0 < hw.gemm(dtype).peak_efficiency <= 1
     assert 0 <= hw.comm_overlap <= 1 and hw.attention_efficiency > 0
     assert "paratrain plan --calibrate" in hw.source and "2 ranks" in hw.source
+    # the offloaded step's host traffic, measured (a CPU's copies stay in its memory: no host link)
+    assert hw.host_bytes_per_s > 1e8 and hw.pcie_bytes_per_s == 0
 
 
 def test_plan_uses_the_calibrated_profile(calibrated, capsys):
@@ -163,3 +166,21 @@ def test_plan_uses_the_calibrated_profile(calibrated, capsys):
     assert json.loads(capsys.readouterr().out)["layouts"][0]["step_time_s"] != pytest.approx(expected.total)
     assert cli_main(["plan", "--model", "tiny", "--hardware", str(calibrated)]) == 0
     assert f"× {hw.name} (" in capsys.readouterr().out
+
+
+def test_the_host_measurement_is_the_fused_adamw_traffic_of_every_rank_at_once():
+    """`measure_host` times torch's fused CPU AdamW (28 bytes per parameter); the profile's node rate is the
+    slowest rank's times the ranks, and the planner's host step follows it."""
+    from paratrain.plan.calibrate import _host_rate, _reduce
+    from paratrain.plan.hardware import HARDWARE_PRESETS
+    from paratrain.plan.measure import measure_host
+
+    plan = CalibrationPlan.quick()
+    rate = measure_host(0, 2, plan)["adamw"]
+    assert 1e8 < rate < 1e13
+    reduced = _reduce("host", [{"adamw": 3e9}, {"adamw": 2e9}])
+    assert reduced == {"adamw": 2e9} and _host_rate({"host": reduced}, plan) == 4e9
+    import dataclasses
+
+    hw = dataclasses.replace(HARDWARE_PRESETS["h100-80gb"], host_bytes_per_s=4e9)
+    assert hw.host_seconds(28e9, 2) == pytest.approx(14.0)  # two ranks of a node share its 4 GB/s

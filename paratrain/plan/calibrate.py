@@ -32,7 +32,10 @@ slowest is kept, since a step waits for its slowest rank.
   relative errors; once more with twice as many ranks as `nproc`, in pairs, time-sharing the
   cores → `collectives_shared`;
 - the process's CPU time during collectives against their duration → `comm_overlap`, the
-  fraction of a collective during which its rank's core is free for compute.
+  fraction of a collective during which its rank's core is free for compute;
+- torch's fused CPU AdamW on every rank at once, each with its share of the host's cores (the
+  offloaded optimizer step, `paratrain.parallel.data.offload`) → `host_bytes_per_s`, the node's
+  traffic in that step; on a GPU also pinned copies each way → `pcie_bytes_per_s`.
 
 The host's cores are recorded (`host_cores`): the planner gives each rank cores/ranks of a core
 when a layout has more ranks than the host has cores.
@@ -61,6 +64,7 @@ from paratrain.plan.measure import (
     measure_collectives,
     measure_elementwise,
     measure_gemms,
+    measure_host,
     measure_memory,
     measure_overlap,
 )
@@ -109,6 +113,8 @@ class CalibrationPlan:
     working_set: int = 48 * 2**20
     collective_sizes: tuple[int, ...] = (2**14, 2**18, 2**20, 2**22, 2**24)
     gap: tuple[int, int, int] = (512, 384, 512)
+    host_params: int = 2**24
+    copy_bytes: int = 2**26
     min_seconds: float = 0.02
     repeats: int = 5
     timeout: float = 900.0
@@ -131,7 +137,7 @@ class CalibrationPlan:
         """The measurements this plan takes: a GPU's collectives only between GPUs, its cores never time-shared."""
         if self.device == "cpu":
             return tuple(_PHASES)
-        return ("gemm", "attention", "memory", "elementwise") + (("collectives",) if self.nproc >= 2 else ())
+        return ("gemm", "attention", "memory", "elementwise", "host") + (("collectives",) if self.nproc >= 2 else ())
 
     @classmethod
     def gpu(cls, gpus: int, quick: bool = False) -> CalibrationPlan:
@@ -147,14 +153,14 @@ class CalibrationPlan:
                        gemm_shapes={"bf16": square[1:3] + layers[:2], "fp16": square[2:3], "fp32": square[2:3]},
                        attention_shapes=((1, 16, 2048, 128), (4, 16, 2048, 128)), memory_sizes=(2**22, 2**24, 2**26, 2**28),
                        elementwise_sizes=(2**24, 2**26), working_set=2**30, collective_sizes=(2**22, 2**24, 2**26),
-                       gap=(4096, 4096, 4096), min_seconds=0.005, repeats=2, timeout=300.0, quiet_wait=0.0,
-                       retries=0)
+                       gap=(4096, 4096, 4096), host_params=2**24, copy_bytes=2**26, min_seconds=0.005, repeats=2,
+                       timeout=300.0, quiet_wait=0.0, retries=0)
         return cls(nproc=gpus, device="cuda", attention_dtype="bf16",
                    gemm_shapes={"bf16": square + layers, "fp16": square, "fp32": square},
                    attention_shapes=((4, 16, 2048, 128), (1, 32, 2048, 128), (1, 32, 4096, 128)),
                    memory_sizes=(2**20, 2**22, 2**24, 2**26, 2**28), elementwise_sizes=(2**22, 2**24, 2**26),
                    working_set=2**30, collective_sizes=(2**20, 2**22, 2**24, 2**26, 2**28), gap=(4096, 4096, 4096),
-                   quiet_wait=0.0, retries=0)
+                   host_params=2**26, copy_bytes=2**28, quiet_wait=0.0, retries=0)
 
     @classmethod
     def quick(cls, nproc: int = 2) -> CalibrationPlan:
@@ -163,7 +169,8 @@ class CalibrationPlan:
                                              "bf16": ((64, 64, 64), (256, 256, 256)), "fp16": ((32, 32, 32),)},
                    attention_shapes=((1, 2, 64, 32),), memory_sizes=(2**12, 2**16, 2**18),
                    elementwise_sizes=(2**12, 2**16), working_set=2**20, collective_sizes=(2**12, 2**16, 2**18),
-                   gap=(64, 64, 64), min_seconds=0.002, repeats=2, timeout=120.0, quiet_wait=0.0, retries=0)
+                   gap=(64, 64, 64), host_params=2**18, min_seconds=0.002, repeats=2, timeout=120.0, quiet_wait=0.0,
+                   retries=0)
 
 
 def _slowest_over_ranks(per_rank: list, pick) -> list:
@@ -237,7 +244,7 @@ def build_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: st
         gemm_fp32=curves["fp32"], memory_efficiency=1.0, memory_curve=memory_curve, elementwise=elementwise,
         op_overhead_s=measured["elementwise"]["op_overhead"], link_efficiency=1.0, collectives=links,
         collectives_shared=shared, comm_overlap=min(1.0, max(0.0, 1.0 - cpu / wall)),
-        host_cores=cores,
+        host_cores=cores, host_bytes_per_s=_host_rate(measured, plan),
         source=(f"paratrain plan --calibrate on {machine['node']} ({machine['processor']}, {cores} cores, "
                 f"torch {machine['torch']}), {plan.nproc} ranks, {machine['date']}, load average "
                 f"{machine['loadavg'][0]:.2f}; per phase other processes' CPU share / speed against the best probe "
@@ -268,6 +275,8 @@ def _gpu_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str
         gemm_bf16=curves["bf16"], gemm_fp16=curves["fp16"], gemm_fp32=curves["fp32"], memory_efficiency=1.0,
         memory_curve=memory_curve, elementwise=elementwise, op_overhead_s=measured["elementwise"]["op_overhead"],
         link_efficiency=1.0 if link else preset.link_efficiency, collectives=links, comm_overlap=1.0,
+        host_bytes_per_s=_host_rate(measured, plan),
+        pcie_bytes_per_s=min(measured["host"]["d2h"], measured["host"]["h2d"]) if "host" in measured else 0.0,
         source=(f"paratrain plan --calibrate on {machine['node']} ({machine['device_name']} × {plan.nproc}, "
                 f"torch {machine['torch']}), {machine['date']}; "
                 + ("collectives over NCCL" if link else "one GPU: links of the h100-80gb preset")))
@@ -275,10 +284,16 @@ def _gpu_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str
     return dataclasses.replace(base, attention_efficiency=efficiency, attention_overhead_s=overhead)
 
 
+def _host_rate(measured: dict, plan: CalibrationPlan) -> float:
+    """The node's host-step traffic: each rank's (the slowest one's) while all of them stepped at once, times
+    the ranks (0 when not measured: an older plan)."""
+    return measured["host"]["adamw"] * plan.nproc if "host" in measured else 0.0
+
+
 # name: (measurement, ranks as a multiple of plan.nproc)
 _PHASES = {"gemm": (measure_gemms, 1), "attention": (measure_attention, 1), "memory": (measure_memory, 1),
            "elementwise": (measure_elementwise, 1), "collectives": (measure_collectives, 1),
-           "collectives_shared": (measure_collectives, 2), "overlap": (measure_overlap, 1)}
+           "collectives_shared": (measure_collectives, 2), "overlap": (measure_overlap, 1), "host": (measure_host, 1)}
 
 
 def run_phase(rank: int, world: int, name: str, plan: CalibrationPlan):
@@ -349,6 +364,8 @@ def _reduce(name: str, per_rank: list):
         rows = {kind: _slowest_over_ranks(per_rank, lambda r, k=kind: r[k])
                 for kind in per_rank[0] if kind != "op_overhead"}
         return {**rows, "op_overhead": max(r["op_overhead"] for r in per_rank)}
+    if name == "host":  # rates: the slowest rank's, each of them
+        return {key: min(r[key] for r in per_rank) for key in per_rank[0]}
     if name in ("gemm", "collectives", "collectives_shared"):
         return {key: _slowest_over_ranks(per_rank, lambda r, k=key: r[k]) for key in per_rank[0]}
     return _slowest_over_ranks(per_rank, lambda r: r)

@@ -297,3 +297,35 @@ def measure_overlap(rank: int, world: int, plan) -> tuple[float, float]:
             wall += time.perf_counter() - start
             cpu += time.process_time() - used
     return wall, cpu
+
+
+HOST_STEP_BYTES = 28  # fused AdamW per parameter: the gradient read, the master and the two moments read and written
+
+
+def measure_host(rank: int, world: int, plan) -> dict:
+    """The offloaded step's pieces on this rank (`paratrain.parallel.data.offload`): torch's fused CPU AdamW over
+    `plan.host_params` fp32 parameters with this rank's share of the host's cores, every rank stepping at once
+    ("adamw": bytes/s of its memory traffic); on a GPU also its pinned copies of `plan.copy_bytes` each way
+    ("d2h", "h2d": bytes/s)."""
+    import torch
+
+    device = _device(plan)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    params = [torch.nn.Parameter(torch.randn(plan.host_params // 8)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, cores // world))
+    try:
+        seconds = _sample(optimizer.step, plan.min_seconds, plan.repeats)
+    finally:
+        torch.set_num_threads(before)
+    out = {"adamw": HOST_STEP_BYTES * sum(p.numel() for p in params) / seconds}
+    if device.type == "cuda":
+        n = plan.copy_bytes // 4
+        on_device, host = torch.empty(n, device=device), torch.empty(n, device="cpu", pin_memory=True)
+        sync = device_sync("cuda")
+        out["d2h"] = 4 * n / _sample(lambda: host.copy_(on_device, non_blocking=True), plan.min_seconds, plan.repeats, sync)
+        out["h2d"] = 4 * n / _sample(lambda: on_device.copy_(host, non_blocking=True), plan.min_seconds, plan.repeats, sync)
+    return out
