@@ -577,9 +577,12 @@ def check_calibrate(device, profile: Path) -> dict:
     if result.returncode or not profile.exists():
         return {"passed": False, "detail": (result.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
     data = json.loads(profile.read_text())
-    return {"passed": True, "profile": str(profile),
+    links = data.get("pcie_bytes_per_s", 0) > 0 or device.type != "cuda"  # the host link, measured on a GPU
+    return {"passed": links and data.get("host_bytes_per_s", 0) > 0, "profile": str(profile),
             "detail": f"{profile.name}: bf16 peak {data.get('peak_bf16', 0) / 1e12:.1f} TFLOP/s, "
-                      f"memory {data.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s"}
+                      f"memory {data.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s, host AdamW "
+                      f"{data.get('host_bytes_per_s', 0) / 1e9:.0f} GB/s, host link "
+                      f"{data.get('pcie_bytes_per_s', 0) / 1e9:.1f} GB/s"}
 
 
 def check_launcher(device, steps: int) -> dict:
