@@ -1,7 +1,7 @@
 """ZeRO-Offload's pieces and its step: the host's AdamW, the host link, and a step with and without offload.
 
     python benchmarks/bench_offload.py                        # the CPU: tiny model, 2 rounds
-    python benchmarks/bench_offload.py --device cuda --model 1b --model llama2-7b
+    python benchmarks/bench_offload.py --device cuda --model llama3.2-1b --model llama2-7b
 
 Rows, each the median over --rounds (the spread shown):
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--model", action="append", help="a preset model to step (repeatable; default: tiny on the "
-                                                        "CPU, 1b on CUDA)")
+                                                        "CPU, llama3.2-1b on CUDA)")
     parser.add_argument("--params", type=int, default=2**26, help="parameters of the host AdamW rows")
     parser.add_argument("--copy-mb", type=float, default=256, help="size of each host link copy")
     parser.add_argument("--steps", type=int, default=4, help="measured steps of each step row")
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = parser.parse_args(argv)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    models = args.model or (["1b"] if device.type == "cuda" else ["tiny"])
+    models = args.model or (["llama3.2-1b"] if device.type == "cuda" else ["tiny"])
     hardware = args.hardware or ("h100-80gb" if device.type == "cuda" else None)
     now = datetime.datetime.now()
     meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": os.getloadavg(),

@@ -125,3 +125,17 @@ def test_gpu_check_dry_run_on_cpu_names_every_row_and_passes(tmp_path):
     assert {name for name, r in rows.items() if r["status"] == "SKIP"} == {"ring attention cp2", "world 2 NCCL layouts"}
     assert all(r["status"] == "PASS" for name, r in rows.items() if r["status"] != "SKIP"), rows
     assert rows["ring kernels fp32"]["kernel"] == "cpu flash" and rows["compile ZeRO-3"]["graphs"] > 0
+
+
+def test_bench_offload_dry_run_on_cpu_writes_every_row(tmp_path):
+    """The offload benchmark, small on the CPU: every row is measured and written, so a GPU session only runs it."""
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_offload.py"
+    result = subprocess.run([sys.executable, str(script), "--params", "65536", "--copy-mb", "1", "--steps", "1",
+                             "--seq", "32", "--batch", "1", "--rounds", "1", "--hardware", "h100-80gb",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("offload-*.json")
+    data = json.loads(path.read_text())
+    assert [r["threads"] for r in data["adamw"]][0] == 1 and all(r["gb_per_s"] > 0 for r in data["adamw"])
+    assert [r["offload"] for r in data["steps"]] == ["none", "optimizer"]
+    assert all(r["predicted_s"] > 0 and r["median_s"] > 0 for r in data["steps"])
