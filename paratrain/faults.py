@@ -214,8 +214,9 @@ class _FaultyModel:
             self._comm.all_reduce(torch.zeros(64, mesh.size(WORLD), dtype=torch.float64, device=mesh.device), WORLD)
 
     def _gradient_faults(self) -> None:
-        """The `infgrad` and `negate_grads` faults, on this rank's reduced gradients."""
-        grads = [m.grad for m in self._model.masters() if m.grad is not None]
+        """The `infgrad` and `negate_grads` faults, on this rank's reduced gradients (`grads`: the device's, which the
+        agreement reads; with the optimizer offloaded, its host masters get theirs only in the optimizer step)."""
+        grads = self._model.grads()
         if grads and self._due("infgrad"):
             grads[0].view(-1)[:1] = float("inf")  # this rank's copy only
         if self._due("negate_grads"):

@@ -327,3 +327,26 @@ def test_fp8_keeps_the_signal_to_noise_of_fp8_training(recipe):
     reference = F.linear(x, w)
     reference.backward(g)
     assert _sqnr(reference, y) >= 18 and _sqnr(w.grad, fp8_w) >= 17 and _sqnr(x.grad, fp8_x) >= 17
+
+
+def test_a_weight_gathered_as_its_cast_computes_odd_token_counts_from_the_cast():
+    """Under ZeRO-3 a converted weight exists only as its e4m3 cast: a matmul whose tokens do not fill the kernels'
+    tiles runs in bf16 on the cast's values, keeps the cast (not a dequantized copy) for backward, and hands the
+    weight's gradient to the stand-in autograd sees."""
+    from paratrain.parallel.fp8 import weight_cast
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16, requires_grad=True)  # 15 tokens
+    w = torch.randn(48, 32, dtype=torch.bfloat16)
+    wq, scale = weight_cast(w)
+    stand_in = torch.zeros((), dtype=torch.bfloat16).expand(48, 32).requires_grad_()
+    bias = torch.randn(48, dtype=torch.bfloat16, requires_grad=True)
+    y = fp8_linear(x, stand_in, bias, "tensorwise", cast=(wq, scale), cast_only=True)
+    g = torch.randn_like(y)
+    y.backward(g)
+    values = (wq.float() / scale).to(torch.bfloat16).requires_grad_()
+    x2 = x.detach().requires_grad_()
+    reference = F.linear(x2, values) + bias.detach()  # (the bias added after the matmul, as the FP8 path adds it)
+    reference.backward(g)
+    assert torch.equal(y, reference) and torch.equal(x.grad, x2.grad)
+    assert torch.equal(stand_in.grad, values.grad) and torch.equal(bias.grad, g.sum((0, 1)))

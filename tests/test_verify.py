@@ -86,10 +86,12 @@ def test_context_parallel_layouts_match_one_process(capsys):
     assert all(line.split()[5] == "PASS" for line in table[1:]), table
 
 
-def test_a_broken_engine_fails(capsys, monkeypatch):
-    """Rank 1 negates its gradients before every optimizer step: verify must say FAIL and exit 1."""
+@pytest.mark.parametrize("offload", [[], ["--offload", "optimizer"]])
+def test_a_broken_engine_fails(capsys, monkeypatch, offload):
+    """Rank 1 negates its gradients before every optimizer step: verify must say FAIL and exit 1 (with the optimizer
+    offloaded too: the fault acts on the gradients the step reduces, not on the host copies it steps)."""
     monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero2"]) == 1
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero2", *offload]) == 1
     out = capsys.readouterr().out
     assert f"fault injection is on ({FAULT_ENV}=negate_grads@rank1:step*)" in out
     row = out.splitlines()[-1].split()

@@ -89,6 +89,9 @@ class TrainableModel(Protocol):
     def finish_gradients(self) -> None:
         """Gradient communication done; the masters hold the final gradients."""
 
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's final gradients, as the agreement and clipping read them (on the device, offload or not)."""
+
     def agree(self, result: StepResult | None = None, *, stop: bool = False,
               counts: dict[str, float] | None = None) -> Verdict:
         """The step's one mesh-wide all-reduce and host read: skip, stop, loss, norm, counts."""

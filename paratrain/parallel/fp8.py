@@ -192,23 +192,36 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     the weight's shape and dtype that only receives its gradient (ZeRO-3 gathered the cast, not the weight)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] % _TILE:
-        if cast_only:  # the weight exists only as its cast: computed with the cast's values, its gradient passed on
-            weight = _Standing.apply(weight, (cast[0].float() / cast[1]).to(x.dtype))
-        return F.linear(x, weight, bias)
+        if not cast_only:
+            return F.linear(x, weight, bias)
+        # the weight exists only as its cast: the compute dtype's matmuls with its values, its gradient passed on
+        y = _FromCast.apply(flat, weight, *cast).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
     y = _Fp8Matmul.apply(flat, weight, recipe, agree, cast).reshape(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
 
 
-class _Standing(torch.autograd.Function):
-    """`value` in place of `stand_in` (same shape and dtype): its gradient goes to `stand_in`."""
+class _FromCast(torch.autograd.Function):
+    """x [M, K] · wᵀ in x's dtype, w [N, K] the values of its tensorwise cast `wq` / `scale`; the weight's gradient
+    goes to `stand_in` (its shape and dtype, no storage). The cast is kept for backward, not a dequantized copy:
+    under ZeRO-3 it is a view of the unit's gathered buffer, which the saved-tensor hooks gather again."""
 
     @staticmethod
-    def forward(ctx, stand_in: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return value.view_as(value)
+    def forward(ctx, x: torch.Tensor, stand_in: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(x if need_w else None, wq if need_x else None, scale)
+        return x @ _dequantized(wq, scale, x.dtype).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        x, wq, scale = ctx.saved_tensors
+        grad_x = grad @ _dequantized(wq, scale, grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def _dequantized(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (wq.float() / scale).to(dtype)
 
 
 class Float8Linear(nn.Linear):

@@ -253,12 +253,12 @@ class ParallelModel(nn.Module):
             return
         self._used = self.engine.finish_gradients()
         self._reduce_sequence_partial_grads()
-        grads = self._grads()
+        grads = self.grads()
         if grads and self.scaler.enabled:  # × 1/scale is exact: the scale is a power of two
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         self._phase = _Phase.FINISHED
 
-    def _grads(self) -> list[torch.Tensor]:
+    def grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self.engine.masters() if m.grad is not None]
 
     @torch.no_grad()
@@ -380,7 +380,7 @@ class ParallelModel(nn.Module):
         """
         self.prepare_step()
         norm = self._grad_norm
-        grads = self._grads()
+        grads = self.grads()
         coef = max_norm / (norm + 1e-6)
         if grads and coef < 1.0:
             self._clip = coef * (self._clip or 1.0)

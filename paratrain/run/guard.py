@@ -215,8 +215,8 @@ class StepGuard:
             n = self.mesh.size(axis)
             if n == 1 or not tensors:
                 continue
-            mine = bit_hash(tensors).reshape(1)
-            every = torch.empty(n, dtype=torch.int64, device=mine.device)
+            mine = bit_hash(tensors).reshape(1).to(self.mesh.device)  # (offloaded parameters hash on the host)
+            every = torch.empty(n, dtype=torch.int64, device=self.mesh.device)
             self.comm.all_gather(every, mine, axis)
             differs = max(differs, float(bool((mine != every[0]).item())))
         flags = torch.zeros(self.world, device=self.mesh.device)

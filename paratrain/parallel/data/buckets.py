@@ -74,7 +74,8 @@ class Gather:
     A parameter whose rows split evenly over the ranks is its own gather buffer: flat, its storage is the N
     chunks of its rows in rank order, so this rank's rows are written into the parameter itself and gathered
     there in place (`whole`), with nothing to copy out. The others (a first dimension that does not divide,
-    whose chunks are padded) go through the bucket's buffer of N chunks and are copied out of it."""
+    whose chunks are padded; the small ones, `IN_PLACE_MIN_ELEMENTS`) go through the bucket's buffer of N
+    chunks and are copied out of it."""
 
     buffer: torch.Tensor | None  # N chunks of param dtype, for the parameters not gathered in place (None: none)
     mine: list[torch.Tensor]  # where each master's rows go (flat): this rank's chunk, or its rows of the parameter
@@ -167,10 +168,16 @@ def _gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank:
     return gather
 
 
+# Parameters smaller than this share one gather through the bucket's buffer: a collective of their own would cost more
+# in its launch and latency (~10-50 µs on NCCL) than copying them out of the buffer does (norm gains, biases).
+IN_PLACE_MIN_ELEMENTS = 2**12
+
+
 def _in_place(param: torch.Tensor, shards: int, dtype: torch.dtype) -> bool:
-    """Whether `param`'s own storage can be its all-gather's output: contiguous, in the gather's dtype, and its
-    rows split evenly (no padded chunk)."""
-    return param.is_contiguous() and param.dtype == dtype and as_rows(param).shape[0] % shards == 0
+    """Whether `param`'s own storage is its all-gather's output: contiguous, in the gather's dtype, its rows split
+    evenly (no padded chunk), and large enough to be worth a collective of its own."""
+    return (param.is_contiguous() and param.dtype == dtype and as_rows(param).shape[0] % shards == 0
+            and param.numel() >= IN_PLACE_MIN_ELEMENTS)
 
 
 def storage_bytes(tensors) -> int:

@@ -17,27 +17,28 @@ One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
 2. the agreement (skip, stop, the global norm) from the device gradients: clipping and
    the fp16 skip decision are exactly the device step's, taken before any host update;
 3. `gradients_to_host`: each master's gradient into its host gradient buffer (pinned on
-   CUDA: asynchronous copies on a copy stream, waited for by one event);
+   CUDA: asynchronous copies, waited for once);
 4. the optimizer steps the host masters (clipping as its `grad_scale`, with fused AdamW),
    with `threads` intra-op threads (a launcher sets one per process; the host step is a
    pass over 28 bytes per parameter and wants the node's cores, shared by its ranks);
 5. the engine's post-step path reads the masters' values from the host copies
    (`keep_master_values`): DDP copies them into the parameters, ZeRO-1/2 into its
-   all-gather, ZeRO-3 into its shards.
+   all-gather, ZeRO-3 into its shards; asynchronously from pinned memory, and the host
+   writes them again only in the next step's host step, after the agreement's read of the
+   device has waited for everything queued before it (the copies among it).
 
 Checkpoints see the host masters and the host optimizer state (`ParallelModel.masters()`), so
 they save and load them layout-free as without offload.
 
-Host memory is allocated in chunks (`CHUNK_BYTES`) rather than one buffer per master: the
-pinned allocator rounds each request up to a power of two, so a buffer per master would
-waste up to half of it, and one buffer for all may not be granted. Where pinning fails
+Host memory is allocated in chunks of at most `CHUNK_BYTES` (1 GiB, a power of two) rather than
+one buffer per master: torch's pinned allocator rounds each request up to a power of two, so a
+buffer per master would waste up to half of it, and one buffer for all may not be granted. Where pinning fails
 (`ulimit -l`, no CUDA), pageable memory is used, with one warning. On a CPU-only machine the
 same mechanism runs (separate host buffers, the copies, the host step) and saves nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import warnings
@@ -47,7 +48,9 @@ import torch
 from paratrain.errors import ParatrainError
 
 OFFLOADS = ("optimizer", "params")
-CHUNK_BYTES = 256 * 2**20  # one host allocation holds this much of the masters (or one master, if larger)
+# One host allocation holds at most this much of the masters (one master larger than it: its own). A power of two:
+# torch's pinned allocator rounds each request up to one, so a chunk wastes nothing but the last chunk's tail.
+CHUNK_BYTES = 2**30
 
 
 class OffloadError(ParatrainError, ValueError):
@@ -78,15 +81,17 @@ def host_threads() -> int:
 
 
 def host_tensors(shapes: list[torch.Size], dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    """Host tensors of `shapes`, views of flat chunks of about `CHUNK_BYTES` each, pinned if `pin`."""
+    """Host tensors of `shapes`, in order, views of flat chunks that each hold at most `CHUNK_BYTES` (a tensor
+    larger than that: a chunk of its own), pinned if `pin`."""
     out, group, size = [], [], 0
     limit = max(1, CHUNK_BYTES // dtype.itemsize)
     for shape in shapes:
-        group.append(shape)
-        size += math.prod(shape)
-        if size >= limit:
+        n = math.prod(shape)
+        if group and size + n > limit:  # it would not fit: the chunk so far is full
             out += _chunk(group, size, dtype, pin)
             group, size = [], 0
+        group.append(shape)
+        size += n
     if group:
         out += _chunk(group, size, dtype, pin)
     return out
@@ -126,8 +131,8 @@ def to_host(tensors: list[torch.Tensor], pinned: bool) -> list[torch.Tensor]:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
         host.copy_(t, non_blocking=pinned)
         out.append(host)
-    if pinned and any(t.device.type == "cuda" for t in tensors):
-        torch.cuda.current_stream().synchronize()
+    for device in {t.device for t in tensors if t.device.type == "cuda"} if pinned else ():
+        torch.cuda.current_stream(device).synchronize()  # the copies are done before the host reads them
     return out
 
 
@@ -153,27 +158,24 @@ class HostMasters:
             self.values, self._grads = masters, None
             self.pinned = bool(masters) and masters[0].is_pinned()
         self.threads = threads or host_threads()
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._threads_before: int | None = None
 
     @torch.no_grad()
     def gradients_to_host(self) -> None:
         """Each device master's gradient (final, clipped, unscaled) into its host buffer, as its host copy's `.grad`
-        (None where the master has none: the optimizer leaves it alone, as it would on the device)."""
+        (None where the master has none: the optimizer leaves it alone, as it would on the device). On CUDA the
+        copies into pinned memory are queued behind the device's last write to the gradients, and waited for
+        once, before the host step reads them."""
         if self._grads is None:  # they are there already
             return
-        stream = self._stream
-        if stream is not None:  # after the device's last write to the gradients
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for master, value, buffer in zip(self.engine.masters(), self.values, self._grads):
-                if master.grad is None:
-                    value.grad = None
-                    continue
-                buffer.copy_(master.grad.view(buffer.shape), non_blocking=self.pinned)
-                value.grad = buffer
-        if stream is not None:  # the host step reads them next
-            stream.synchronize()
+        for master, value, buffer in zip(self.engine.masters(), self.values, self._grads):
+            if master.grad is None:
+                value.grad = None
+                continue
+            buffer.copy_(master.grad.view(buffer.shape), non_blocking=self.pinned)
+            value.grad = buffer
+        if self.pinned:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def begin_step(self) -> None:
         """The host step's threads on (restored by `end_step`)."""
