@@ -74,8 +74,8 @@ class Gather:
     A parameter whose rows split evenly over the ranks is its own gather buffer: flat, its storage is the N
     chunks of its rows in rank order, so this rank's rows are written into the parameter itself and gathered
     there in place (`whole`), with nothing to copy out. The others (a first dimension that does not divide,
-    whose chunks are padded; the small ones, `IN_PLACE_MIN_ELEMENTS`) go through the bucket's buffer of N
-    chunks and are copied out of it."""
+    whose chunks are padded; the small ones, `IN_PLACE_MIN_ELEMENTS`) go through a buffer of N chunks that hold
+    only them (laid out as the bucket's, without the parameters gathered in place) and are copied out of it."""
 
     buffer: torch.Tensor | None  # N chunks of param dtype, for the parameters not gathered in place (None: none)
     mine: list[torch.Tensor]  # where each master's rows go (flat): this rank's chunk, or its rows of the parameter
@@ -84,6 +84,7 @@ class Gather:
     rows: list[torch.Tensor]  # each parameter's rows, in tiles
     parts: list[torch.Tensor]  # the gathered buffer's matching tiles
     whole: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (parameter flat, its rows here)
+    reuses: bool = False  # `buffer` is the bucket's gradient buffer: its gradients are spent before it gathers
 
 
 def make_buckets(named, bucket_mb: float, dtype: torch.dtype, shards: int, rank: int) -> list[Bucket]:
@@ -129,28 +130,31 @@ def all_gather_parameters(bucket: Bucket, comm: Comm, axis: Axis, shards: int, r
     if gather is None:
         reuse = buffer_lives and bucket.buffer.dtype == dtype
         gather = _gather_plan(bucket, bucket.buffer if reuse else None, shards, rank, dtype)
-        bucket.gather = gather if reuse or gather.buffer is None else None
-    if gather.buffer is not None and gather.buffer is bucket.buffer:
+        bucket.gather = gather if reuse or gather.buffer is None else None  # nothing in it made per step
+    if gather.reuses:
         for slot in bucket.slots:
-            slot.master.grad = None  # its rows of the buffer are about to hold parameters
+            slot.master.grad = None  # the buffer's gradients are about to be parameters
     torch._foreach_copy_(gather.mine, gather.masters, non_blocking=True)  # (from pinned host values: asynchronous)
     if gather.padding:
         torch._foreach_zero_(gather.padding)
     works = [comm.all_gather(flat, own, axis, async_op=True) for flat, own in gather.whole]
     if gather.buffer is not None:
-        comm.all_gather(gather.buffer, gather.buffer.view(shards, bucket.chunk_numel)[rank], axis)
+        comm.all_gather(gather.buffer, gather.buffer.view(shards, -1)[rank], axis)
         torch._foreach_copy_(gather.rows, gather.parts)
     comm.wait(works, axis)
 
 
 def _gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank: int, dtype: torch.dtype) -> Gather:
     """The views around `bucket`'s all-gather of updated parameters: in place for a parameter whose rows split
-    evenly, through `buffer` (None: a new one of `dtype`, made only if some parameter needs it) for the rest."""
+    evenly, the rest through N chunks that hold only them, in `buffer`'s storage (the bucket's own; None: a new one
+    of `dtype`, made only if some parameter needs it)."""
     in_place = [_in_place(slot.param.data, shards, dtype) for slot in bucket.slots]
-    if buffer is None and not all(in_place):
-        buffer = torch.empty(bucket.chunk_numel * shards, dtype=dtype, device=bucket.slots[0].param.device)
-    mine = buffer.view(shards, bucket.chunk_numel)[rank] if buffer is not None else None
-    gather = Gather(buffer if not all(in_place) else None, [], [], [], [], [])
+    chunk = sum(slot.chunk_numel for slot, whole in zip(bucket.slots, in_place) if not whole)
+    gather = Gather(None, [], [], [], [], [], reuses=buffer is not None and chunk > 0)
+    if chunk:
+        gather.buffer = (buffer[:chunk * shards] if buffer is not None else
+                         torch.empty(chunk * shards, dtype=dtype, device=bucket.slots[0].param.device))
+    offset = 0
     for slot, whole in zip(bucket.slots, in_place):
         numel = slot.master.numel()
         gather.masters.append(slot.source().view(-1))
@@ -159,12 +163,14 @@ def _gather_plan(bucket: Bucket, buffer: torch.Tensor | None, shards: int, rank:
             gather.mine.append(flat[rank * numel:(rank + 1) * numel])
             gather.whole.append((flat, gather.mine[-1]))
             continue
-        gather.mine.append(mine[slot.offset:slot.offset + numel])
+        columns = gather.buffer.view(shards, chunk)[:, offset:offset + slot.chunk_numel]
+        gather.mine.append(columns[rank, :numel])
         if numel < slot.chunk_numel:
-            gather.padding.append(mine[slot.offset + numel:slot.offset + slot.chunk_numel])
-        for rows, part in chunk_tiles(as_rows(slot.param.data), slot.columns(buffer, shards)):
+            gather.padding.append(columns[rank, numel:])
+        for rows, part in chunk_tiles(as_rows(slot.param.data), columns):
             gather.rows.append(rows)
             gather.parts.append(part)
+        offset += slot.chunk_numel
     return gather
 
 
