@@ -27,12 +27,17 @@ One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
    writes them again only in the next step's host step, after the agreement's read of the
    device has waited for everything queued before it (the copies among it).
 
+`offload="params"` (ZeRO-3) keeps the parameter shards themselves in host memory as the masters
+(`HostMasters(copies=False)`): each gather copies them to the device, and their gradients come
+to the host at the end of backward (`zero3.py`).
+
 Checkpoints see the host masters and the host optimizer state (`ParallelModel.masters()`), so
 they save and load them layout-free as without offload.
 
 Host memory is allocated in chunks of at most `CHUNK_BYTES` (1 GiB, a power of two) rather than
 one buffer per master: torch's pinned allocator rounds each request up to a power of two, so a
-buffer per master would waste up to half of it, and one buffer for all may not be granted. Where pinning fails
+buffer per master would waste up to half of it, and one buffer for all may not be granted.
+Where pinning fails
 (`ulimit -l`, no CUDA), pageable memory is used, with one warning. On a CPU-only machine the
 same mechanism runs (separate host buffers, the copies, the host step) and saves nothing.
 """
@@ -49,7 +54,8 @@ from paratrain.errors import ParatrainError
 
 OFFLOADS = ("optimizer", "params")
 # One host allocation holds at most this much of the masters (one master larger than it: its own). A power of two:
-# torch's pinned allocator rounds each request up to one, so a chunk wastes nothing but the last chunk's tail.
+# torch's pinned allocator rounds each request up to one, so a chunk wastes at most the room the next tensor did not
+# fit in.
 CHUNK_BYTES = 2**30
 
 
