@@ -15,13 +15,10 @@ and its exit code (2 for bad input, 1 for a run that failed), never a traceback.
 from __future__ import annotations
 
 import argparse
-import functools
-import os
 import sys
-import warnings
 
 from paratrain.commands import COMMANDS
-from paratrain.errors import ParatrainError, RunFailure
+from paratrain.errors import ParatrainError, RunFailure, one_line_warnings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     try:
-        with warnings.catch_warnings():
-            warnings.showwarning = functools.partial(_one_line, args.command, warnings.showwarning)
+        with one_line_warnings(args.command):
             return COMMANDS[args.command].run(args)
     except ParatrainError as e:
         # A run that failed says where itself; bad input is an "error:" the user can fix.
@@ -54,14 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"paratrain {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-def _one_line(command: str, default, message, category, filename, lineno, file=None, line=None) -> None:
-    """paratrain's own warnings as one line on the command line, as its errors are; anything else as Python shows it."""
-    if f"{os.sep}paratrain{os.sep}" in filename:
-        print(f"paratrain {command}: warning: {message}", file=file or sys.stderr)
-    else:
-        default(message, category, filename, lineno, file, line)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,33 @@ Two kinds, told apart by their exit code (what `paratrain` exits with):
   out, too many non-finite steps. The message is one line saying which rank and why.
 
 The command line catches `ParatrainError` alone and prints the message; anything else is a bug
-and keeps its traceback.
+and keeps its traceback. paratrain's own warnings are one line there too (`one_line_warnings`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sys
+import warnings
 from dataclasses import dataclass
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str):
+    """Inside, paratrain's own warnings print as one line, `paratrain COMMAND: warning: ...`, as its errors do (the
+    command line, and each process it launches); anything else as Python shows it."""
+    with warnings.catch_warnings():
+        warnings.showwarning = functools.partial(_one_line, command, warnings.showwarning)
+        yield
+
+
+def _one_line(command: str, default, message, category, filename, lineno, file=None, line=None) -> None:
+    if f"{os.sep}paratrain{os.sep}" in filename:
+        print(f"paratrain {command}: warning: {message}", file=file or sys.stderr)
+    else:
+        default(message, category, filename, lineno, file, line)
 
 
 class ParatrainError(Exception):

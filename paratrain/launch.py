@@ -29,7 +29,7 @@ from paratrain import forkserver
 from paratrain.compat import elastic_launch_config
 from paratrain.config import Config
 from paratrain.distributed import free_port
-from paratrain.errors import RunFailure
+from paratrain.errors import RunFailure, one_line_warnings
 from paratrain.run.watchdog import StepTimerServer, use_launcher_queue
 
 
@@ -57,7 +57,9 @@ def _worker(config: dict, timer_requests=None) -> None:
 
     if timer_requests is not None:
         use_launcher_queue(timer_requests)
-    if train(Config.from_dict(config)).preempted:
+    with one_line_warnings("train"):
+        preempted = train(Config.from_dict(config)).preempted
+    if preempted:
         sys.exit(PREEMPTED_EXIT)
 
 

@@ -303,3 +303,13 @@ def test_killing_one_worker_fails_the_run_with_a_clear_message(tmp_path):
     assert proc.returncode == 1
     ours = [line for line in stderr.splitlines() if line.startswith("paratrain train: ")]
     assert ours == ["paratrain train: rank 1 was killed by SIGKILL"], stderr[-3000:]
+
+
+def test_paratrains_own_warnings_are_one_line_on_the_command_line(tmp_path, capsys):
+    argv = ["train", "--n-layers", "1", "--dim", "32", "--n-heads", "4", "--ffn-dim", "64", "--seq-len", "32",
+            "--global-batch", "2", "--micro-batch", "2", "--steps", "1", "--sample-tokens", "0", "--eval-every", "0",
+            "--no-progress", "--offload", "optimizer", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "offload" in line]
+    assert lines == ["paratrain train: warning: offload on the CPU: the masters and optimizer state move to separate "
+                     "host buffers, which saves no memory here (on a GPU they leave the device)"]
