@@ -282,8 +282,11 @@ def agree_fp8_scales(shards: list[torch.Tensor], fp8: frozenset[int], axes: list
     scales = {}
     for axis in dict.fromkeys(axes[i] for i in sorted(fp8)):
         indices = [i for i in sorted(fp8) if axes[i] == axis]
-        amax = torch.stack([shards[i].detach().abs().amax() if shards[i].numel() else shards[i].new_zeros(())
-                            for i in indices]).to(comm.mesh.device).to(dtype).float()  # (offloaded: from the host)
+        amax = torch.zeros(len(indices), dtype=torch.float32, device=shards[indices[0]].device)
+        held = [k for k, i in enumerate(indices) if shards[i].numel()]  # a rank past a short weight's rows: 0
+        if held:  # one batch of kernels for every shard's max |x|
+            amax[held] = torch.stack(torch._foreach_norm([shards[indices[k]].detach() for k in held], ord=float("inf")))
+        amax = amax.to(comm.mesh.device).to(dtype).float()  # (offloaded shards: from the host)
         comm.all_reduce(amax, axis, op=torch.distributed.ReduceOp.MAX)
         scales.update(zip(indices, scale_from_amax(amax, E4M3).unbind()))
     return scales
