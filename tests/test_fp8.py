@@ -285,25 +285,6 @@ def test_zero3_fp8_gathers_send_half_the_bytes_of_bf16_gathers():
     assert fp8_runs[0][1] == pytest.approx(bf16_runs[0][1], rel=0.1)  # FP8's numbers, near bf16's
 
 
-def test_a_hundred_fp8_steps_of_tiny_end_where_bf16_ends(tmp_path):
-    """The bar FP8 training is held to: its loss curve tracks bf16's. A hundred steps of the tiny model with every
-    block linear in FP8, each recipe: the mean of the last ten losses within 0.05 nats of bf16's. (Measured, seeds
-    0 and 1: tensorwise +0.002 and -0.014, rowwise -0.046 and +0.010. With a quarter of these tokens per step
-    the runs' own spread is as large as the bar: 8 x 64 tokens gave -0.075 and +0.07 between bf16 runs' and
-    FP8's, either sign.)"""
-    import statistics
-
-    argv = ["train", "--model", "tiny", "--precision", "bf16", "--steps", "100", "--global-batch", "16",
-            "--micro-batch", "16", "--seq-len", "128", "--sample-tokens", "0", "--eval-every", "0", "--no-progress"]
-    last = {}
-    for recipe in ("", "tensorwise", "rowwise"):
-        out = tmp_path / (recipe or "bf16")
-        assert main([*argv, *(["--fp8", recipe] if recipe else []), "--out", str(out)]) == 0
-        last[recipe or "bf16"] = statistics.mean(r["loss"] for r in read_metrics(out / "metrics.jsonl")[-10:])
-    assert last["bf16"] < 3.0  # it learned: from 6.4
-    assert abs(last["tensorwise"] - last["bf16"]) <= 0.05 and abs(last["rowwise"] - last["bf16"]) <= 0.05, last
-
-
 def _sqnr(reference: torch.Tensor, other: torch.Tensor) -> float:
     """Signal to quantization noise of `other` against `reference`, in dB."""
     reference, other = reference.float(), other.float()
