@@ -91,6 +91,84 @@ def test_the_host_step_is_the_device_step(precision, zero):
     assert all(p.grad is None for p in model.module.parameters()) and all(m.grad is None for m in device_masters)
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_host_step_runs_unit_by_unit_in_a_worker_while_the_next_forward_waits_for_its_own_unit(monkeypatch, zero):
+    """`optimizer.step()` returns while the host still steps; a worker thread steps the masters unit by unit in
+    the forward's order (embedding, blocks, norm, head), and the next forward computes each unit once that
+    unit's masters are stepped, not after all of them: its first unit runs while later ones are still stepped."""
+    import threading
+    import time
+
+    from paratrain.parallel.blocks import unit_modules
+    from paratrain.parallel.data import host_step
+
+    log, lock = [], threading.Lock()
+
+    def note(event):
+        with lock:
+            log.append(event)
+
+    adam = host_step.adam
+
+    def slow_adam(params, *args, **kwargs):
+        note(("stepped", threading.current_thread().name, len(params)))
+        time.sleep(0.05)  # a host step slower than the forward of a unit
+        return adam(params, *args, **kwargs)
+
+    monkeypatch.setattr(host_step, "adam", slow_adam)
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    model, optimizer = paratrain.parallelize(
+        model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
+        data=paratrain.DataParallel(zero=zero, offload="optimizer"),
+        init=functools.partial(Transformer(CFG).param_init, seed=0))
+    units = [m for _, m in unit_modules(model.module, None)]  # the embedding, the blocks, the norm, the head
+    for i, unit in enumerate(units):
+        unit.register_forward_pre_hook(lambda *_, i=i: note(("forward", i)))
+    t = torch.randint(0, CFG.vocab_size, (2, 33))
+    for _ in range(2):
+        model.loss_fn(model(t[:, :-1]), t[:, 1:]).backward()
+        log.clear()
+        optimizer.step()
+        note(("returned",))
+        optimizer.zero_grad()
+    model(t[:, :-1])
+    stepped = [i for i, e in enumerate(log) if e[0] == "stepped"]
+    forwards = [i for i, e in enumerate(log) if e[0] == "forward"]
+    assert len(stepped) == len(units) and {log[i][1] for i in stepped} == {"paratrain-host-step"}
+    assert log.index(("returned",)) < stepped[-1]  # the host still stepping when step() returned
+    assert forwards[0] < stepped[-1]  # the first unit computed before the last one was stepped
+    assert all(stepped[k] < forwards[k] for k in range(len(units)))  # but only after its own was
+
+
+def test_a_scheduler_and_zero_grad_after_the_step_act_as_without_offload():
+    """The learning rate and the gradients the host step uses are the step's own: a scheduler stepped and the
+    gradients zeroed right after `optimizer.step()` returns change nothing the worker is still stepping."""
+    def run(offload):
+        with torch.device("meta"):
+            model = Transformer(CFG)
+        model, optimizer = paratrain.parallelize(
+            model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, fused=True),
+            precision="bf16", data=paratrain.DataParallel(offload=offload),
+            init=functools.partial(Transformer(CFG).param_init, seed=0))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 10 * step))
+        g, losses = torch.Generator().manual_seed(0), []
+        for _ in range(4):
+            t = torch.randint(0, CFG.vocab_size, (2, 33), generator=g)
+            loss = model.loss_fn(model(t[:, :-1]), t[:, 1:]) / t[:, 1:].numel()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        torch.distributed.destroy_process_group()
+        return losses, optimizer.state_dict()["state"]
+
+    (plain, plain_state), (losses, state) = run(None), run("optimizer")
+    assert losses == plain
+    assert all(torch.equal(plain_state[k]["exp_avg"], state[k]["exp_avg"]) for k in plain_state)
+
+
 def test_host_memory_comes_in_chunks_not_one_allocation_per_master(monkeypatch):
     monkeypatch.setattr(offload, "CHUNK_BYTES", 1024)
     shapes = [torch.Size([128])] * 7 + [torch.Size([3, 5])]  # 512 bytes each: two per chunk

@@ -238,7 +238,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     engine = _engine(model, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
-    offload = _offload(engine, mesh, data)
+    offload = _offload(engine, mesh, data, model if runner is None else None)
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
                             offload=offload)
     wrapped.fp8_linears = fp8_linears
@@ -353,8 +353,9 @@ def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel,
                               grad_reduction=data.grad_reduction)
 
 
-def _offload(engine, mesh: Mesh, data: DataParallel):
-    """The host masters of `data.offload`, or None (`paratrain.parallel.data.offload`)."""
+def _offload(engine, mesh: Mesh, data: DataParallel, module: nn.Module | None):
+    """The host masters of `data.offload`, or None (`paratrain.parallel.data.offload`); stepped by groups of
+    `module`'s units, each waited for by its unit's forward (None: a pipeline stage's runner, which waits for all)."""
     if data.offload is None:
         return None
     from paratrain.parallel.data.offload import HostMasters
@@ -362,7 +363,7 @@ def _offload(engine, mesh: Mesh, data: DataParallel):
     if mesh.device.type == "cpu" and mesh.rank == 0:
         warnings.warn("offload on the CPU: the masters and optimizer state move to separate host buffers, which "
                       "saves no memory here (on a GPU they leave the device)", stacklevel=3)
-    return HostMasters(engine, mesh.device, copies=data.offload == "optimizer")
+    return HostMasters(engine, mesh.device, copies=data.offload == "optimizer", module=module)
 
 
 def _runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):
@@ -389,6 +390,9 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
             f"use zero=0 or one of {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}")
     opt.register_step_pre_hook(wrapped._before_optimizer_step)
     opt.register_step_post_hook(wrapped._after_optimizer_step)
+    if wrapped.offload is not None:  # the host step may be under way: its state is read when it is done
+        opt.register_state_dict_pre_hook(lambda _: wrapped.offload.settle())
+        opt.register_load_state_dict_pre_hook(lambda *_: wrapped.offload.settle())
     # torch's fused Adam and AdamW divide each gradient by `grad_scale` as they read it (GradScaler's unscale):
     # clipping through it saves a read and a write of every gradient (`ParallelModel.clip_grad_norm_`)
     wrapped.clip_in_step = (isinstance(opt, torch.optim.Adam) and getattr(opt, "_step_supports_amp_scaling", False)

@@ -138,3 +138,9 @@ class TrainableModel(Protocol):
     @property
     def skipped_steps(self) -> int:
         """Steps the fp16 loss scaler skipped (overflow)."""
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state tensors (Adam's moments), not counting scalar step counters."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if torch.is_tensor(v) and v.dim() > 0)

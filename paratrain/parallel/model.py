@@ -49,9 +49,9 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.mesh import PER_DATA_RANK, WORLD, Axis, replicated_over
 from paratrain.parallel.context.split import unshard_sequence
-from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict
+from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict, optimizer_state_bytes
 from paratrain.parallel.data.engine import Engine
-from paratrain.parallel.expert.sharding import moe_layers
+from paratrain.parallel.expert.sharding import moe_layers, whole_expert
 from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
 from paratrain.parallel.tensor.layers import gather_full
 from paratrain.precision import LossScaler, Precision, cross_entropy
@@ -134,9 +134,11 @@ class ParallelModel(nn.Module):
             raise self.pipeline.error("a pipeline-parallel model runs whole steps: call train_step(micro_batches, "
                                       "normalizer), eval_loss_sum(inputs, labels) or causal_logits(tokens)")
         args, kwargs = self.precision.cast_inputs((args, kwargs))
-        if self.context is not None:
-            return self.context.forward(self.module, args, kwargs)
-        return self.module(*args, **kwargs)
+        output = self.context.forward(self.module, args, kwargs) if self.context is not None else \
+            self.module(*args, **kwargs)
+        if self.offload is not None:  # each unit waited for its own masters; the backward's buckets need all
+            self.offload.settle()
+        return output
 
     def _local_labels(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Labels for `output`: this rank's chunks of them when they are whole sequences under context parallelism."""
@@ -390,16 +392,17 @@ class ParallelModel(nn.Module):
         return torch.full((), norm, dtype=torch.float64, device=self.device)
 
     # -- 5. after the optimizer step ----------------------------------------------------------------
-    def after_step(self) -> None:
-        """Parameters up to date with the masters; the fp16 loss scaler adapts; the next step may begin."""
+    def after_step(self, ready=None) -> None:
+        """Parameters up to date with the masters (offload's overlapped step: as the next forward reaches each
+        unit, `ready`); the fp16 loss scaler adapts; the next step may begin."""
         self.scaler.update(self.verdict.overflow if self.verdict is not None else False)
-        self.parameters_from_masters()
+        self.parameters_from_masters(ready)
 
-    def parameters_from_masters(self) -> None:
+    def parameters_from_masters(self, ready=None) -> None:
         """The parameters brought up to date with the masters (after a step, or a checkpoint loaded into them) by the
         engine's post-step path (ZeRO-1/2: an all-gather, collective; mixed-precision DDP: the cast copy); the
         next step begins afresh. The loss scale moves only in `after_step`: a loaded checkpoint took no step."""
-        self.engine.after_step()
+        self.engine.after_step(ready)
         self.verdict, self._result, self._phase = None, None, _Phase.BACKWARD
 
     def _before_optimizer_step(self, optimizer, *_) -> None:
@@ -407,20 +410,24 @@ class ParallelModel(nn.Module):
         if self.clip_in_step and self._clip is not None:  # (on the masters' device: the host's under offload)
             optimizer.grad_scale = torch.full((), 1.0 / self._clip, device=self.masters()[0].device)
         if self.offload is not None:  # the final gradients to the host masters, which the optimizer steps there
-            self.offload.gradients_to_host()
-            self.offload.begin_step()
+            self.offload.launch(optimizer)
 
     def _after_optimizer_step(self, optimizer, *_) -> None:
         optimizer.__dict__.pop("grad_scale", None)
         self._clip = None
-        if self.offload is not None:
-            self.offload.end_step()
-        self.after_step()
+        ready = self.offload.finish() if self.offload is not None else None  # (None: the host step is done)
+        self.after_step(ready)
+        if ready is not None and self.pipeline is not None:  # a stage's forward is the runner's: waits for all
+            self.offload.settle()
 
     # -- the state a checkpoint holds, and who owns which copy of it --------------------------------
     def masters(self) -> list[torch.Tensor]:
-        """The tensors the optimizer steps (fp32; under ZeRO this rank's rows; offloaded: on the host), in a fixed order."""
-        return self.offload.values if self.offload is not None else self.engine.masters()
+        """The tensors the optimizer steps (fp32; under ZeRO this rank's rows; offloaded: on the host, stepped), in a
+        fixed order."""
+        if self.offload is None:
+            return self.engine.masters()
+        self.offload.settle()
+        return self.offload.values
 
     def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
         """Per master, in `masters()` order: parameter name, the rows [lo, hi) of it the master holds (all of
@@ -467,9 +474,10 @@ class ParallelModel(nn.Module):
         dp, tensor parallelism over tp, its pipeline stage broadcasts it over pp): write each out and drop
         it, and the whole model is never on one rank.
         """
+        self.masters()  # (offload: the host step done)
         whole = (lambda name, value: value) if self.tp_info is None else self.tp_info.gather
         if self.expert_info is not None:  # expert tensors are whole over tp: gathered over ep only
-            whole = functools.partial(_whole_expert, self.expert_info, whole)
+            whole = functools.partial(whole_expert, self.expert_info, whole)
         if self.pipeline is None:
             for name, value in self.engine.full_parameters():
                 yield name, whole(name, value)
@@ -486,15 +494,3 @@ class ParallelModel(nn.Module):
         result["optimizer"] = optimizer_state_bytes(optimizer) if optimizer is not None else 0
         result["total"] = sum(result.values())
         return result
-
-
-def _whole_expert(info, whole_tp, name: str, value: torch.Tensor) -> torch.Tensor:
-    """An expert tensor gathered over ep, any other as tensor parallelism makes it whole."""
-    return info.gather(name, value) if name in info.names else whole_tp(name, value)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state tensors (Adam's moments), not counting scalar step counters."""
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
-               for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-

@@ -87,6 +87,16 @@ class Gather:
     reuses: bool = False  # `buffer` is the bucket's gradient buffer: its gradients are spent before it gathers
 
 
+@dataclass
+class InFlight:
+    """A ZeRO reduce-scatter on its way: its input must live until it completes."""
+
+    bucket: Bucket
+    work: object
+    buffer: torch.Tensor | None  # None once reduced (hybrid sharding: while the shard is summed over replicas)
+    out: torch.Tensor | None  # ZeRO-2's separate output; None for ZeRO-1 (in place)
+
+
 def make_buckets(named, bucket_mb: float, dtype: torch.dtype, shards: int, rank: int) -> list[Bucket]:
     """Group parameters, in reverse registration order, into buckets of about bucket_mb of `dtype`."""
     limit = max(1, int(bucket_mb * 2**20 / dtype.itemsize))

@@ -56,7 +56,6 @@ import contextlib
 import functools
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -65,7 +64,7 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.compat import at_backward_end, backward_pass_id
 from paratrain.mesh import Axis
-from paratrain.parallel.data.buckets import (Bucket, Slot, all_gather_parameters, make_buckets, new_buffer,
+from paratrain.parallel.data.buckets import (Bucket, InFlight, Slot, all_gather_parameters, make_buckets, new_buffer,
                                             storage_bytes)
 from paratrain.parallel.data.engine import GradReduction, used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
@@ -77,16 +76,6 @@ from paratrain.precision import Precision
 # foreach kernels per batch of small parameters instead of one kernel launched from Python for each.
 # A bucket's waiting gradients are written before it is launched, and every one when its backward ends.
 PENDING_BYTES = 2**18
-
-
-@dataclass
-class _InFlight:
-    """A ZeRO reduce-scatter on its way: its input must live until it completes."""
-
-    bucket: Bucket
-    work: object
-    buffer: torch.Tensor | None  # None once reduced (hybrid sharding: while the shard is summed over replicas)
-    out: torch.Tensor | None  # ZeRO-2's separate output; None for ZeRO-1 (in place)
 
 
 class DataParallelEngine:
@@ -142,7 +131,7 @@ class DataParallelEngine:
         self._accumulating = False
         self._in_backward = False  # DDP / ZeRO-1: the synced backward has begun; ZeRO-2: a backward's round is open
         self._next_launch = 0
-        self._in_flight: deque[_InFlight] = deque()
+        self._in_flight: deque[InFlight] = deque()
         self._in_flight_limit = comm.reductions_in_flight()
         self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
         self._used_mask = torch.zeros(len(self.slots), device=self.slots[0].param.device if self.slots else None)
@@ -314,16 +303,16 @@ class DataParallelEngine:
         if self.zero == 1:  # in place: this rank's chunk of the persistent buffer
             chunk = bucket.buffer.view(self.shards, -1)[self.rank]
             work = self.comm.reduce_scatter(chunk, bucket.buffer, self.shard_axis, async_op=True)
-            self._in_flight.append(_InFlight(bucket, work, bucket.buffer, None))
+            self._in_flight.append(InFlight(bucket, work, bucket.buffer, None))
         else:  # into a separate chunk, so that the full buffer goes when the collective completes
             out = torch.empty(bucket.chunk_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
             work = self.comm.reduce_scatter(out, bucket.buffer, self.shard_axis, async_op=True)
-            self._in_flight.append(_InFlight(bucket, work, bucket.buffer, out))
+            self._in_flight.append(InFlight(bucket, work, bucket.buffer, out))
             bucket.buffer = None
         while len(self._in_flight) > self._in_flight_limit:
             self._land(self._in_flight.popleft())
 
-    def _land(self, flight: _InFlight) -> None:
+    def _land(self, flight: InFlight) -> None:
         """Wait for one reduce-scatter; ZeRO-2: add its rows into the bucket's shard (its full buffer goes).
         Under hybrid sharding the shard is first summed over the replicas (`ReplicaSum`: asynchronously,
         landed at the next reduction or when the round or step ends)."""
@@ -335,7 +324,7 @@ class DataParallelEngine:
             flight.buffer = None  # ZeRO-2: the full bucket is not needed any more (ZeRO-1's stays the bucket's)
             self._replica_sum.push(shard, functools.partial(self._add_shard, flight))
 
-    def _add_shard(self, flight: _InFlight) -> None:
+    def _add_shard(self, flight: InFlight) -> None:
         if flight.out is None:  # ZeRO-1: reduced in place
             return
         bucket = flight.bucket
@@ -430,20 +419,31 @@ class DataParallelEngine:
         for bucket in self.buckets:
             bucket.gather = None  # made again, from the values
 
-    def after_step(self) -> None:
-        """Bring the model's parameters up to date with the masters."""
+    def after_step(self, ready=None) -> None:
+        """Bring the model's parameters up to date with the masters. `ready` (offload's overlapped host step,
+        `host_step.py`): the host values of the masters at given indices are stepped once it returns; DDP's were
+        copied by `values_to_device` as each group was stepped, ZeRO-1/2's all-gathers wait for all."""
         if self.precision.mixed:
             for slot in self.slots:
                 slot.master.grad = None  # fp32 copies made for this step only
         if self.zero == 0:
-            if self.precision.mixed or any(s.value is not None for s in self.slots):  # (offload: from the host)
-                with torch.no_grad():
-                    torch._foreach_copy_([s.param.data for s in self.slots], [s.source().view_as(s.param) for s in self.slots],
-                                         non_blocking=True)
+            if ready is None and (self.precision.mixed or any(s.value is not None for s in self.slots)):
+                self.values_to_device(range(len(self.slots)))
             return
+        if ready is not None:
+            ready(range(len(self.slots)))
         for bucket in self.buckets:
             all_gather_parameters(bucket, self.comm, self.shard_axis, self.shards, self.rank, self.precision.param_dtype,
                                   buffer_lives=not self.per_backward)
+
+    @torch.no_grad()
+    def values_to_device(self, indices) -> None:
+        """DDP: the masters' values at `indices` (offload: from the host) into the parameters the model computes
+        with (ZeRO-1/2's all-gather reads them itself)."""
+        slots = [self.slots[i] for i in indices] if self.zero == 0 else []
+        if slots:
+            torch._foreach_copy_([s.param.data for s in slots], [s.source().view_as(s.param) for s in slots],
+                                 non_blocking=True)
 
     # -- accounting ----------------------------------------------------------------
     def local_grad_sq_sum(self) -> torch.Tensor:

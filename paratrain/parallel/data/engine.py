@@ -72,8 +72,14 @@ class Engine(Protocol):
     def drop_gradients(self, indices: list[int]) -> None:
         """Remove the gradients of the masters at `indices` (no data rank reached them, or the step is skipped)."""
 
-    def after_step(self) -> None:
-        """Make the model's parameters equal to the (updated) masters."""
+    def after_step(self, ready: Callable | None = None) -> None:
+        """Make the model's parameters equal to the (updated) masters. `ready(indices)` (offload's overlapped host
+        step): returns once the host values of the masters at `indices` are stepped; what the engine does with
+        them waits for it first (the model's forward waits for each unit's own: `host_step.py`)."""
+
+    def values_to_device(self, indices) -> None:
+        """Offload: the host values of the masters at `indices` into what the engine computes or gathers from,
+        with no collective (called by the host step's thread, on its copy stream)."""
 
     def keep_master_values(self, values: list[torch.Tensor]) -> None:
         """Offload (`offload.py`): the masters' values live in `values` (host copies, in `masters()` order) from now

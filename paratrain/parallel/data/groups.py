@@ -61,9 +61,17 @@ class GroupedEngine:
             engine.drop_gradients([i - start for i in indices if start <= i < start + size])
             start += size
 
-    def after_step(self) -> None:
-        for engine in self.engines:
-            engine.after_step()
+    def after_step(self, ready=None) -> None:
+        for engine, start in zip(self.engines, self._starts()):
+            engine.after_step(ready and (lambda indices, start=start: ready([start + i for i in indices])))
+
+    def values_to_device(self, indices) -> None:
+        for engine, start, size in zip(self.engines, self._starts(), self._sizes):
+            engine.values_to_device([i - start for i in indices if start <= i < start + size])
+
+    def _starts(self) -> list[int]:
+        """Where each engine's masters begin in `masters()`."""
+        return [sum(self._sizes[:k]) for k in range(len(self._sizes))]
 
     def keep_master_values(self, values: list[torch.Tensor]) -> None:
         start = 0

@@ -16,16 +16,20 @@ One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
 1. forward, backward and the gradients' reduction on the device, as without offload;
 2. the agreement (skip, stop, the global norm) from the device gradients: clipping and
    the fp16 skip decision are exactly the device step's, taken before any host update;
-3. `gradients_to_host`: each master's gradient into its host gradient buffer (pinned on
-   CUDA: asynchronous copies, waited for once);
-4. the optimizer steps the host masters (clipping as its `grad_scale`, with fused AdamW),
-   with `threads` intra-op threads (a launcher sets one per process; the host step is a
-   pass over 28 bytes per parameter and wants the node's cores, shared by its ranks);
-5. the engine's post-step path reads the masters' values from the host copies
-   (`keep_master_values`): DDP copies them into the parameters, ZeRO-1/2 into its
-   all-gather, ZeRO-3 into its shards; asynchronously from pinned memory, and the host
-   writes them again only in the next step's host step, after the agreement's read of the
-   device has waited for everything queued before it (the copies among it).
+3. with torch's Adam or AdamW (the trainer's), `HostStep` (`host_step.py`) takes over: each
+   group of masters (a unit of the model: a block, an embedding, a head) has its gradients
+   copied to the host on a copy stream and is stepped in a worker thread, in the order the
+   next forward reads the groups, and its values go back to the device as soon as it is
+   stepped; `optimizer.step()` returns at once, and the next forward waits for each unit's
+   group where the unit begins (ZeRO-1/2 over several ranks: for all of them, before their
+   all-gather, a collective). The host step uses `threads` intra-op threads (a launcher sets
+   one per process; the host step is a pass over 28 bytes per parameter and wants the node's
+   cores, shared by its ranks);
+4. any other optimizer: `gradients_to_host` (each master's gradient into its host buffer,
+   asynchronously into pinned memory, waited for once), the optimizer steps every host master
+   in the caller's thread, and the engine's post-step path reads the values from the host
+   copies (`keep_master_values`): DDP copies them into the parameters, ZeRO-1/2 into its
+   all-gather, ZeRO-3 into its shards.
 
 `offload="params"` (ZeRO-3) keeps the parameter shards themselves in host memory as the masters
 (`HostMasters(copies=False)`): each gather copies them to the device, and their gradients come
@@ -49,8 +53,10 @@ import os
 import warnings
 
 import torch
+from torch import nn
 
 from paratrain.errors import ParatrainError
+from paratrain.parallel.data.host_step import HostStep, overlappable, step_groups
 
 OFFLOADS = ("optimizer", "params")
 # One host allocation holds at most this much of the masters (one master larger than it: its own). A power of two:
@@ -148,7 +154,8 @@ class HostMasters:
     `copies`: the masters are the device's, copied here (offload="optimizer"); False: the engine's masters live
     on the host already and their gradients come there by themselves (ZeRO-3's offload="params")."""
 
-    def __init__(self, engine, device: torch.device, threads: int | None = None, copies: bool = True):
+    def __init__(self, engine, device: torch.device, threads: int | None = None, copies: bool = True,
+                 module: nn.Module | None = None):
         masters = engine.masters()
         self.engine, self.device = engine, device
         if copies:
@@ -165,6 +172,33 @@ class HostMasters:
             self.pinned = bool(masters) and masters[0].is_pinned()
         self.threads = threads or host_threads()
         self._threads_before: int | None = None
+        # The overlapped step (`host_step.py`): groups of masters by the units of `module` (None: one group).
+        groups, units = step_groups(module, engine.master_names()) if module is not None else \
+            ([list(range(len(masters)))], [])
+        self.step = HostStep(engine, self.values, groups, device, self.threads)
+        self.step.hook_units(units)
+        self._overlapped = False
+
+    def launch(self, optimizer) -> None:
+        """The step's start (the optimizer's pre-step hook, after the agreement): torch's Adam / AdamW step each
+        group of masters in the worker thread (`HostStep`), which the optimizer's own step body then leaves
+        alone; any other optimizer steps the host masters in this thread, all at once."""
+        self._overlapped = overlappable(optimizer)
+        if self._overlapped:
+            self.step.launch(optimizer, [m.grad for m in self.engine.masters()], self._grads, self.pinned)
+        else:
+            self.gradients_to_host()
+            self.begin_step()
+
+    def finish(self):
+        """The step's end (the optimizer's post-step hook): the device's gradients go; returns what the engine's
+        post-step path waits on per group of masters (`HostStep.wait`), or None when the step is done already."""
+        self.end_step()
+        return self.step.wait if self._overlapped else None
+
+    def settle(self) -> None:
+        """The step under way, if any, done: before anything reads the host masters or the optimizer's state."""
+        self.step.settle()
 
     @torch.no_grad()
     def gradients_to_host(self) -> None:

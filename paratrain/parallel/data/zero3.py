@@ -65,33 +65,10 @@ from paratrain.parallel.data.groups import MasterGroup
 from paratrain.parallel.data.outside_use import OutsideUse
 from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
 from paratrain.parallel.blocks import UnitSpec, unit_modules
-from paratrain.parallel.data.units import (SavedView, Unit, ZeroConfigError, agree_fp8_scales, check_buffers,
-                                          default_init, fp8_gathered, gather_whole, parameter_slots, row_shape)
+from paratrain.parallel.data.units import (GatherUnit, SavedView, Unit, ZeroConfigError, agree_fp8_scales,
+                                          check_buffers, default_init, fp8_gathered, gather_whole, parameter_slots,
+                                          row_shape)
 from paratrain.precision import Precision
-
-
-class _GatherUnit(torch.autograd.Function):
-    """Forward: a unit's shards -> its full parameters (views of one gathered buffer).
-
-    Backward: reduce-scatter the full gradients (async) and free the buffer. No
-    gradient is returned to the shards: the engine sets master grads when the
-    reduce-scatter lands, so autograd never holds a shard-sized gradient twice.
-    """
-
-    @staticmethod
-    def forward(ctx, engine: FullyShardedEngine, unit: Unit, *shards: torch.Tensor):
-        ctx.engine, ctx.unit = engine, unit
-        ctx.set_materialize_grads(False)  # None marks a parameter that got no gradient
-        engine._gather(unit)
-        views = unit.views()
-        # a frozen parameter's full view must not require grad just because its unit-mates do
-        ctx.mark_non_differentiable(*(v for v, shard in zip(views, shards) if not shard.requires_grad))
-        return tuple(views)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._reduce_scatter(ctx.unit, grads)
-        return (None, None) + (None,) * len(grads)
 
 
 class FullyShardedEngine:
@@ -238,7 +215,7 @@ class FullyShardedEngine:
             self._prefetch(unit)
             self._prefetch(self._backward_next(unit))
             if unit.params:
-                unit.install(_GatherUnit.apply(self, unit, *unit.shards))
+                unit.install(GatherUnit.apply(self, unit, *unit.shards))
             return
         if unit is self.root:
             self._begin_forward()
@@ -251,7 +228,7 @@ class FullyShardedEngine:
         self._prefetch(unit)
         self._prefetch(upcoming)  # launched before waiting on this unit's gather, to overlap with its forward
         if unit.params:
-            unit.install(_GatherUnit.apply(self, unit, *unit.shards))
+            unit.install(GatherUnit.apply(self, unit, *unit.shards))
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
         unit.restore()
@@ -298,13 +275,18 @@ class FullyShardedEngine:
     def _prefetch(self, unit: Unit | None) -> None:
         """Start the async all-gather of `unit` unless it is gathered or on its way."""
         if unit is not None and unit.params and self.prefetch and unit.full is None and not unit.pending:
-            unit.launch_gather(self.comm, self._fp8_scales)
+            self._launch_gather(unit)
+
+    def _launch_gather(self, unit: Unit) -> None:
+        if self._await is not None:  # offload: the host step of the unit's masters done
+            self._await([fp.index for fp in unit.params])
+        unit.launch_gather(self.comm, self._fp8_scales)
 
     def _gather(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer, all-gathering it now if no prefetch did."""
         if unit.full is None:
             if not unit.pending:
-                unit.launch_gather(self.comm, self._fp8_scales)
+                self._launch_gather(unit)
             unit.finish_gather()
             self._live[unit.full.untyped_storage().data_ptr()] = unit
         return unit.full
@@ -441,12 +423,24 @@ class FullyShardedEngine:
         return [(name, self._rows(shape, axis), shape)
                 for name, shape, axis in zip(self._names, self._shapes, self._axes)]
 
-    def after_step(self) -> None:
+    def after_step(self, ready=None) -> None:
         """Nothing to copy (the masters are the shards, cast to param_dtype at each gather) but the offloaded masters'
-        values into the shards; and the FP8-gathered weights' scales follow the updated shards."""
-        if self._values is not None:
-            torch._foreach_copy_([s.data for s in self._shards], self._values, non_blocking=True)
+        values into the shards; and the FP8-gathered weights' scales follow the updated shards. `ready` (offload's
+        overlapped host step): each gather first waits for its unit's masters (`_launch_gather`); the scales of
+        FP8-gathered weights need them all."""
+        self._await = ready
+        if ready is None:
+            self.values_to_device(range(len(self._shards)))
+        elif self._fp8:
+            ready(range(len(self._shards)))
         self._fp8_scales = agree_fp8_scales(self._shards, self._fp8, self._axes, self.comm, self.precision.param_dtype)
+
+    @torch.no_grad()
+    def values_to_device(self, indices) -> None:
+        """Offload="optimizer": the host values of the masters at `indices` into their shards, which the gathers read."""
+        if self._values is not None:
+            torch._foreach_copy_([self._shards[i].data for i in indices], [self._values[i] for i in indices],
+                                 non_blocking=True)
 
     def keep_master_values(self, values: list[torch.Tensor]) -> None:
         """Offload: the masters' values are `values` (host copies, which the optimizer steps); `after_step` copies

@@ -92,3 +92,8 @@ def apply_expert_parallel(model: nn.Module, comm: Comm) -> ExpertInfo:
             info.names.add(f"{prefix[id(moe)]}.experts.{tensor}")
         moe.dispatch = ExpertDispatch(moe.experts, comm, AXIS, moe.num_experts)
     return info
+
+
+def whole_expert(info, whole_tp, name: str, value: torch.Tensor) -> torch.Tensor:
+    """An expert tensor gathered over ep, any other as tensor parallelism makes it whole."""
+    return info.gather(name, value) if name in info.names else whole_tp(name, value)
