@@ -219,22 +219,23 @@ def test_verify_passes_every_layout_with_offload(capsys):
 
 
 def test_a_killed_offloaded_run_resumes_bit_exact(tmp_path):
-    """Two ranks under the launcher with the optimizer on the host, rank 1 SIGKILLed in step 6: the restart loads
-    the host masters and state from step 4's checkpoint and ends where a run straight through ends, bit for bit.
-    The checkpoints are written in the background: the save copies the host state before the next step moves it."""
-    argv = ["train", *TINY, "--steps", "8", "--zero", "2", "--offload", "optimizer", "--checkpoint-every", "4",
+    """Two ranks under the launcher with the optimizer on the host, rank 1 SIGKILLed in step 10: the restart loads
+    the host masters and state from the last committed checkpoint (step 8's, or step 4's while step 8's is still
+    being written in the background) and ends where a run straight through ends, bit for bit. The save copies the
+    host state before the next step moves it, and waits for a host step under way first."""
+    argv = ["train", *TINY, "--steps", "12", "--zero", "2", "--offload", "optimizer", "--checkpoint-every", "4",
             "--checkpoint-async", "--nproc", "2", "--max-restarts", "1"]
     runs, output = {}, {}
-    for name, fault in (("whole", None), ("killed", "sigkill@rank1:step6")):
+    for name, fault in (("whole", None), ("killed", "sigkill@rank1:step10")):
         env = {**os.environ, **({FAULT_ENV: fault} if fault else {})}
         result = subprocess.run([sys.executable, "-m", "paratrain", *argv, "--out", str(tmp_path / name)],
                                 capture_output=True, text=True, env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name], output[name] = read_metrics(tmp_path / name / "metrics.jsonl"), result.stdout + result.stderr
     assert "resumed from" in output["killed"] and "resumed from" not in output["whole"]
-    assert [r["step"] for r in runs["killed"]] == list(range(1, 9))
+    assert [r["step"] for r in runs["killed"]] == list(range(1, 13))
     assert [r["loss"] for r in runs["killed"]] == [r["loss"] for r in runs["whole"]]
-    final = [CheckpointReader(tmp_path / name / "checkpoints" / "step-00000008") for name in ("whole", "killed")]
+    final = [CheckpointReader(tmp_path / name / "checkpoints" / "step-00000012") for name in ("whole", "killed")]
     names = sorted(final[0].names())
     assert names == sorted(final[1].names()) and any(n.endswith("/exp_avg_sq") for n in names)
     for key in names:

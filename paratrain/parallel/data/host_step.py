@@ -22,6 +22,17 @@ any host update, so they are exactly the device step's):
    (a prefetch included). What reads the masters otherwise (a checkpoint, an export, the optimizer's state
    dict, the next backward) first waits for the whole step (`settle`).
 
+So between `optimizer.step()` and the next forward a parameter read directly (`model.module.weight`) may still
+be the last step's: `ParallelModel.masters()`, `full_parameters()` and the optimizer's state dict wait for the
+step; `model.offload.settle()` does so by itself.
+
+The gradients leave the device after the agreement, not while backward runs: the host step of a group takes
+longer than its copy (28 bytes per parameter through host memory against 4 over the host link: about 3x at
+100 GB/s of host AdamW traffic and 50 GB/s of PCIe), so each group's copy already hides behind the step of the
+group before it, and copying during backward could hide the first group's copy only (an embedding: ~10 ms for a
+7B model) while copying again every gradient that changes after its reduction (fp16 unscaling, the sum of
+sequence-parallel gradients over tp, ZeRO-2's accumulation over micro-batches).
+
 Only torch's own Adam and AdamW are stepped this way (their per-parameter kernels step any subset of the
 parameters alike); any other optimizer steps all host masters in the caller's thread (`HostMasters.launch`).
 On a CPU-only machine the same threads and waits run, with synchronous copies: tested here, saving nothing.
@@ -123,7 +134,7 @@ class HostStep:
         for event in self._ready:
             event.clear()
         self._thread = threading.Thread(target=self._run, args=(work, arrived, getattr(optimizer, "grad_scale", None)),
-                                        name="paratrain-host-step", daemon=True)
+                                        name="paratrain-host-step")  # (not a daemon: an exit waits for it)
         self._thread.start()
 
     def _run(self, work, arrived, grad_scale) -> None:

@@ -177,14 +177,14 @@ class HostMasters:
             ([list(range(len(masters)))], [])
         self.step = HostStep(engine, self.values, groups, device, self.threads)
         self.step.hook_units(units)
-        self._overlapped = False
+        self.overlapped = False
 
     def launch(self, optimizer) -> None:
         """The step's start (the optimizer's pre-step hook, after the agreement): torch's Adam / AdamW step each
         group of masters in the worker thread (`HostStep`), which the optimizer's own step body then leaves
         alone; any other optimizer steps the host masters in this thread, all at once."""
-        self._overlapped = overlappable(optimizer)
-        if self._overlapped:
+        self.overlapped = overlappable(optimizer)
+        if self.overlapped:
             self.step.launch(optimizer, [m.grad for m in self.engine.masters()], self._grads, self.pinned)
         else:
             self.gradients_to_host()
@@ -194,7 +194,7 @@ class HostMasters:
         """The step's end (the optimizer's post-step hook): the device's gradients go; returns what the engine's
         post-step path waits on per group of masters (`HostStep.wait`), or None when the step is done already."""
         self.end_step()
-        return self.step.wait if self._overlapped else None
+        return self.step.wait if self.overlapped else None
 
     def settle(self) -> None:
         """The step under way, if any, done: before anything reads the host masters or the optimizer's state."""
