@@ -169,6 +169,29 @@ def test_a_scheduler_and_zero_grad_after_the_step_act_as_without_offload():
     assert all(torch.equal(plain_state[k]["exp_avg"], state[k]["exp_avg"]) for k in plain_state)
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_overlapped_host_step_adds_no_host_sync_to_the_training_thread(zero):
+    """The host step's waits are the worker's (its events) and the device stream's (events): the thread that
+    trains still reads the device once per step, the agreement's read, as without offload (`HostSyncs`)."""
+    from paratrain.testing import HostSyncs
+    from paratrain.train import train_step
+
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    model, optimizer = paratrain.parallelize(
+        model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
+        precision="bf16", data=paratrain.DataParallel(zero=zero, offload="optimizer"),
+        init=functools.partial(Transformer(CFG).param_init, seed=0))
+    g, counts = torch.Generator().manual_seed(0), []
+    for _ in range(4):
+        t = torch.randint(0, CFG.vocab_size, (4, 33), generator=g)
+        micro = [(t[:2, :-1], t[:2, 1:]), (t[2:, :-1], t[2:, 1:])]
+        with HostSyncs(host=tuple(x for pair in micro for x in pair)) as syncs:
+            train_step(model, optimizer, micro, 0.5)
+        counts.append(syncs.calls)
+    assert model.offload.overlapped and counts[2:] == [["tolist"], ["tolist"]], counts
+
+
 def test_host_memory_comes_in_chunks_not_one_allocation_per_master(monkeypatch):
     monkeypatch.setattr(offload, "CHUNK_BYTES", 1024)
     shapes = [torch.Size([128])] * 7 + [torch.Size([3, 5])]  # 512 bytes each: two per chunk
