@@ -151,7 +151,8 @@ class HostStep:
                     for hyper, lists in work[g]:
                         adam(*lists, grad_scale=grad_scale, found_inf=None, **hyper)
                     with self._stream():
-                        self.engine.values_to_device(held)
+                        if work[g]:  # (a group with nothing stepped, e.g. a skipped step, is on the device as is)
+                            self.engine.values_to_device(held)
                         self._copied[g] = self._copies.record_event() if self._copies is not None else None
                     self._ready[g].set()
         except BaseException as e:  # raised again where the main thread waits
