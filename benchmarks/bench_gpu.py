@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_gpu: error: {e}", file=sys.stderr)
             return 2
     if args.repredict:
-        return repredict(Path(args.repredict), profile)
+        return repredict(Path(args.repredict), profile, args.profile)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: error: no CUDA device here (use --device cpu --size tiny for the dry run)", file=sys.stderr)
         return 2
@@ -334,10 +334,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["status"].startswith("error") for r in results["rows"]) else 0
 
 
-def repredict(path: Path, profile) -> int:
-    """A past run's measured rows against the planner as it is now (after a change to the planner)."""
+HOST_FIELDS = ("host_op_s", "host_full_op_s", "host_selective_op_s", "host_unit_s")
+
+
+def repredict(path: Path, profile, profile_path: str | None = None) -> int:
+    """A past run's measured rows against the planner as it is now (after a change to the planner). A profile
+    calibrated before the calibration measured the host's costs takes them from the device's preset (said)."""
+    from paratrain.plan import HARDWARE_PRESETS
+
     past = json.loads(path.read_text())
     preset = hardware_preset(past["device"])
+    missing = [name for name in HOST_FIELDS if profile_path and name not in json.loads(Path(profile_path).read_text())]
+    if profile is not None and missing and preset:
+        profile = dataclasses.replace(profile, **{name: getattr(HARDWARE_PRESETS[preset], name) for name in missing})
+        print(f"{Path(profile_path).name} predates the host's costs: {', '.join(missing)} of the {preset} preset "
+              f"(an estimate, paratrain/plan/hardware.py)")
     print(f"{path.name} ({past['device']}) against the planner on {profile.name if profile else preset}\n")
     print("| model | row | step s min / median | predicted | median / predicted |\n| --- | --- | --- | --- | --- |")
     for r in past["rows"]:

@@ -7,7 +7,8 @@ the clock (`paratrain.plan.measure`). Two things differ from the CPU: flash atte
 efficiency *and* a per-pass overhead (`fit_flash_attention`: at small sizes launches are most of a
 call), and `op_overhead_s` is the device's time per kernel, from a chain of tiny kernels replayed
 as a CUDA graph: at training sizes the host queues kernels ahead of the device, so what an eager
-step pays per operator is the device's gap between kernels, not the host's launch time. Without a
+step pays per operator is the device's gap between kernels, not the host's launch time. The host's
+own time per operation is measured apart (below) and bounds a pass where it is the longer. Without a
 GPU, the CPU, as follows.
 
 Every measurement runs on `nproc` gloo ranks at once (`paratrain.ranks.run_on_ranks`), one
@@ -25,6 +26,10 @@ slowest is kept, since a step waits for its slowest rank.
   than the caches hold (a training step's activations do not stay in cache) → `elementwise`,
   and an out-of-place add from caches to memory size → `memory_curve`; a chain of tiny products
   run forward and backward → `op_overhead_s`, the host time per operator or autograd node;
+- paratrain's reference model, tiny (its kernels shorter than their launches), forward and backward in
+  eager bf16 on one rank, timed on the host without waiting for the device: as it is, with full and with
+  selective recomputation, and under ZeRO-3 → `host_op_s`, `host_full_op_s`, `host_selective_op_s` and
+  `host_unit_s` (`fit_host`, the planner's host rule inverted);
 - all-reduce, all-gather, reduce-scatter and send/recv at several sizes, each issued between
   matmuls of about a layer's duration as training issues them (the cost is the time a loop of
   matmul + collective takes beyond the matmuls alone: waits for the slower peer and wake-ups
@@ -56,7 +61,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 
-from paratrain.plan.fit import CalibrationError, fit_attention, fit_flash_attention, fit_gemm_curve, fit_link
+from paratrain.plan.fit import CalibrationError, fit_attention, fit_flash_attention, fit_gemm_curve, fit_host, fit_link
 from paratrain.plan.hardware import HARDWARE_PRESETS, Hardware
 from paratrain.plan.machine_load import Conditions, CpuWindow, machine_speed, matmul_probe, wait_until_quiet
 from paratrain.plan.measure import (
@@ -65,6 +70,7 @@ from paratrain.plan.measure import (
     measure_elementwise,
     measure_gemms,
     measure_host,
+    measure_host_ops,
     measure_memory,
     measure_overlap,
 )
@@ -137,7 +143,8 @@ class CalibrationPlan:
         """The measurements this plan takes: a GPU's collectives only between GPUs, its cores never time-shared."""
         if self.device == "cpu":
             return tuple(_PHASES)
-        return ("gemm", "attention", "memory", "elementwise", "host") + (("collectives",) if self.nproc >= 2 else ())
+        return ("gemm", "attention", "memory", "elementwise", "host_ops", "host") + (("collectives",) if self.nproc >= 2
+                                                                                  else ())
 
     @classmethod
     def gpu(cls, gpus: int, quick: bool = False) -> CalibrationPlan:
@@ -249,7 +256,8 @@ def build_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: st
                 f"torch {machine['torch']}), {plan.nproc} ranks, {machine['date']}, load average "
                 f"{machine['loadavg'][0]:.2f}; per phase other processes' CPU share / speed against the best probe "
                 f"(attempts): {_shares(machine, plan)}"))
-    return dataclasses.replace(base, attention_efficiency=fit_attention(measured["attention"], base))
+    return dataclasses.replace(base, attention_efficiency=fit_attention(measured["attention"], base),
+                               **_host_costs(measured, base))
 
 
 def _gpu_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str) -> Hardware:
@@ -281,7 +289,13 @@ def _gpu_profile(measured: dict, plan: CalibrationPlan, machine: dict, name: str
                 f"torch {machine['torch']}), {machine['date']}; "
                 + ("collectives over NCCL" if link else "one GPU: links of the h100-80gb preset")))
     efficiency, overhead = fit_flash_attention(measured["attention"], base, plan.attention_dtype)
-    return dataclasses.replace(base, attention_efficiency=efficiency, attention_overhead_s=overhead)
+    return dataclasses.replace(base, attention_efficiency=efficiency, attention_overhead_s=overhead,
+                               **_host_costs(measured, base))
+
+
+def _host_costs(measured: dict, base: Hardware) -> dict[str, float]:
+    """The host's costs per eager operation, recomputed operator and ZeRO-3 unit (none: an older plan)."""
+    return fit_host(measured["host_ops"], base) if "host_ops" in measured else {}
 
 
 def _host_rate(measured: dict, plan: CalibrationPlan) -> float:
@@ -292,8 +306,9 @@ def _host_rate(measured: dict, plan: CalibrationPlan) -> float:
 
 # name: (measurement, ranks as a multiple of plan.nproc)
 _PHASES = {"gemm": (measure_gemms, 1), "attention": (measure_attention, 1), "memory": (measure_memory, 1),
-           "elementwise": (measure_elementwise, 1), "collectives": (measure_collectives, 1),
-           "collectives_shared": (measure_collectives, 2), "overlap": (measure_overlap, 1), "host": (measure_host, 1)}
+           "elementwise": (measure_elementwise, 1), "host_ops": (measure_host_ops, 1),
+           "collectives": (measure_collectives, 1), "collectives_shared": (measure_collectives, 2),
+           "overlap": (measure_overlap, 1), "host": (measure_host, 1)}
 
 
 def run_phase(rank: int, world: int, name: str, plan: CalibrationPlan):
@@ -366,6 +381,9 @@ def _reduce(name: str, per_rank: list):
         return {**rows, "op_overhead": max(r["op_overhead"] for r in per_rank)}
     if name == "host":  # rates: the slowest rank's, each of them
         return {key: min(r[key] for r in per_rank) for key in per_rank[0]}
+    if name == "host_ops":  # each pass of each variant: the slowest rank's seconds
+        return {key: value if key == "layers" else tuple(max(r[key][i] for r in per_rank) for i in range(2))
+                for key, value in per_rank[0].items()}
     if name in ("gemm", "collectives", "collectives_shared"):
         return {key: _slowest_over_ranks(per_rank, lambda r, k=key: r[k]) for key in per_rank[0]}
     return _slowest_over_ranks(per_rank, lambda r: r)

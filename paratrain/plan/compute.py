@@ -9,7 +9,8 @@ Communication (which collectives, their bytes and α-β time) is `paratrain.plan
 here, how they meet the compute: what overlaps, what is exposed.
 
 Compute is the sum of each operation's time (`paratrain.plan.ops`): matmuls at the size-
-dependent efficiency of `Hardware.gemm`, the rest memory-bound.
+dependent efficiency of `Hardware.gemm`, the rest memory-bound; an eager pass takes at least
+the host's time to issue it (`paratrain.plan.host`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from paratrain.plan.memory import (
 )
 from paratrain.plan.model_states import ADAM_MOMENT_BYTES, MASTER_BYTES, block_param_count, layers_on_stage
 from paratrain.plan import moe
+from paratrain.plan.host import bound_by_host, host_times
 from paratrain.plan.ops import PassTimes, Shape, attention_seconds, block_times, embedding_times, head_times
 
 __all__ = ["HARDWARE_PRESETS", "GemmCurve", "Hardware", "LinkCost", "StepFlops", "StepTime", "get_hardware",
@@ -162,7 +164,8 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
                      block: tuple[Shape, PassTimes] | None = None) -> PassTimes:
     """Forward and backward (with recomputation) of one micro-batch on one rank of `stage`.
 
-    With only a parameter count, 6·N·T/(tp·pp) FLOPs at the plateau of the matmul curve. A CPU
+    Each pass of an eager step takes at least its host's time (`paratrain.plan.host`). With only a
+    parameter count, 6·N·T/(tp·pp) FLOPs at the plateau of the matmul curve. A CPU
     profile with more ranks than cores gives each rank cores/ranks of a core. `block`: `_block`'s
     answer, from a caller that times every stage (the search times thousands of layouts).
     """
@@ -174,11 +177,14 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
         times = PassTimes(flops / 3 / rate, 2 * flops / 3 / rate)
     else:
         x, one_block = block or _block(workload, lay, hardware)
-        times = one_block.scaled(layers_on_stage(model.n_layers, lay.pp, stage))
-        if stage == 0:
+        layers, first, last = layers_on_stage(model.n_layers, lay.pp, stage), stage == 0, stage == lay.pp - 1
+        times = one_block.scaled(layers)
+        if first:
             times += embedding_times(hardware, x)
-        if stage == lay.pp - 1:
+        if last:
             times += head_times(hardware, x, vocab_parallel=lay.tp > 1)
+        host = host_times(hardware, x, layers, lay.recompute, lay.zero == 3, first, last)
+        times = bound_by_host(times, host, hardware, x.kernels)
     m = lay.num_microbatches(workload.global_batch)
     if pipeline_traits(lay.schedule, lay.pp, m, lay.chunks).split_backward:
         # B and W split one backward's products between them; walking the graph twice costs a little more

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from paratrain.models.configs import ModelConfig
 from paratrain.plan.collectives import Collective
 from paratrain.plan.hardware import GemmCurve, Hardware, LinkCost
-from paratrain.plan.memory import PlanError
+from paratrain.plan.host import host_times
+from paratrain.plan.measure import HOST_MODEL, HOST_VARIANTS
+from paratrain.plan.memory import PlanError, Recompute
 from paratrain.plan.ops import FLASH_BACKWARD_MATMULS, Gemm, Shape, attention_seconds
 
 
@@ -113,3 +116,33 @@ def fit_flash_attention(rows: list, hardware: Hardware, dtype: str) -> tuple[flo
         if slope > 0 and intercept >= 0:
             return 1.0 / slope, intercept / 2
     return statistics.median(w / max(y, 1e-12) for w, y in zip(work, ys)), 0.0
+
+
+# The profile field each variant of `measure.HOST_VARIANTS` measures beyond the one without recomputation or ZeRO-3.
+_HOST_FIELDS = {"full": "host_full_op_s", "selective": "host_selective_op_s", "zero3": "host_unit_s"}
+
+
+def fit_host(measured: dict, hardware: Hardware) -> dict[str, float]:
+    """The profile's host costs from `measure.measure_host_ops`'s timings, by the planner's own rule
+    (`paratrain.plan.host.host_times`, a step of one stage: the embedding, the blocks, the head) inverted.
+
+    Each variant's host seconds (forward + backward) are linear in the costs: `host_op_s` from the variant
+    without recomputation or ZeRO-3, then each other cost from its variant's excess over the prediction with
+    that cost 0 (a negative excess, noise, gives 0).
+    """
+    layers = measured["layers"]
+    model = ModelConfig(**{**HOST_MODEL, "n_layers": layers})
+    x = Shape.of(model, 1, model.max_seq_len, 1, False, "bf16", flash=True)
+
+    def predicted(costs: dict, recompute: Recompute, zero3: bool) -> float:
+        times = host_times(dataclasses.replace(hardware, **costs), x, layers, recompute, zero3, True, True).total
+        return times.forward + times.backward
+
+    zero = {"host_op_s": 0.0, **{field: 0.0 for field in _HOST_FIELDS.values()}}
+    costs = {**zero, "host_op_s": sum(measured["none"]) / predicted({**zero, "host_op_s": 1.0}, Recompute.NONE, False)}
+    for variant, field in _HOST_FIELDS.items():
+        stage, recompute = HOST_VARIANTS[variant]
+        args = (Recompute(recompute), stage == 3)
+        unit = predicted({**costs, field: 1.0}, *args) - predicted(costs, *args)
+        costs[field] = max(0.0, (sum(measured[variant]) - predicted(costs, *args)) / unit)
+    return costs

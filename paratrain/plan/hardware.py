@@ -147,6 +147,12 @@ class Hardware:
         op_overhead_s: time per kernel an eager stack launches beyond its bytes (per operator
             and per autograd node): on a CPU the dispatch, paid in line; on a GPU the gap between
             back-to-back kernels (launch, ramp-up and drain of each), the host running ahead.
+        host_op_s: the host's time per operation of an eager step (`paratrain.plan.host`: Python, the
+            dispatcher, autograd and the launch of each operator or autograd node), which on a GPU bounds
+            a pass that the device would run faster; 0: not measured, the host never bounds a pass.
+        host_full_op_s, host_selective_op_s: what full and selective recomputation add to it per forward
+            operator, in the forward and in the recompute (checkpoint's hooks; selective's dispatch mode).
+        host_unit_s: the host's time of ZeRO-3's hooks per unit and pass.
         link_efficiency: achieved fraction of a link's bandwidth in ring collectives.
         collectives: measured intra-node cost per collective kind (calibration); empty: the links.
         collectives_shared: the same, measured with twice as many ranks as cores (a CPU profile):
@@ -183,6 +189,11 @@ class Hardware:
     memory_curve: tuple[tuple[float, float], ...] = ()
     elementwise: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     op_overhead_s: float = 0.0
+    # Not measured (an older profile, a preset without a host measurement): no host bound, device time only.
+    host_op_s: float = 0.0
+    host_full_op_s: float = 0.0
+    host_selective_op_s: float = 0.0
+    host_unit_s: float = 0.0
     link_efficiency: float = 0.8
     collectives: Mapping[str, LinkCost] = field(default_factory=dict)
     collectives_shared: Mapping[str, LinkCost] = field(default_factory=dict)
@@ -216,7 +227,8 @@ class Hardware:
         if unknown:
             raise PlanError(f"hardware elementwise: unknown kind {sorted(unknown)[0]!r}; "
                             f"use {', '.join(ELEMENTWISE_ACCESSES)}")
-        for name in ("op_overhead_s", "attention_overhead_s"):
+        for name in ("op_overhead_s", "attention_overhead_s", "host_op_s", "host_full_op_s", "host_selective_op_s",
+                     "host_unit_s"):
             if not getattr(self, name) >= 0:
                 raise PlanError(f"hardware {name}={getattr(self, name)!r} must be non-negative")
         object.__setattr__(self, "memory_curve", _curve(self.memory_curve))
@@ -326,9 +338,23 @@ def _interpolate(curve: tuple[tuple[float, float], ...], size: float) -> float:
 #   link at ~80 % of PCIe's one-direction peak from pinned memory (Gen4 x16 32 GB/s: 25; Gen5: 50),
 #   and a node's CPU AdamW at 100 GB/s of memory traffic (two sockets of 8-channel DDR5 peak at
 #   ~600 GB/s; a fused CPU AdamW, 28 bytes per parameter, reaches a fraction of it).
+# - The host's costs of an eager step (`paratrain.plan.host`; a property of the server's CPU and software, not of
+#   the GPU, so one set for every preset): an estimate for the host beside the H200 of 2026-11-28, until a GPU
+#   calibration measures them (`plan --calibrate` does, `benchmarks/gpu_check.py`'s calibration row records them).
+#   `measure_host_ops` on a 2-core AMD EPYC (Zen 5) VM, per-pass minima over 10 runs: 11.0 µs per operation, 8.6
+#   per forward operator under full recomputation, 26.6 under selective, 231 per ZeRO-3 unit and pass. The H200's
+#   host ran the same chain of tiny products at 14.5 µs per operator (`op_overhead_s` of
+#   `benchmarks/results/gpu-bench-20261128-014347-quick-profile.json`, host-timed then), this VM at 2.70, of which
+#   a CUDA kernel's launch is L = 8.2 µs (cudaLaunchKernel's CPU time per call in
+#   `benchmarks/results/gpu-zero3-compiled-profile-20261128-0403.log`): the H200's host runs the rest
+#   s = (14.5 - 8.2) / 2.70 = 2.34 times slower. So L + 11.0·s = 34 µs per operation (each launches a
+#   kernel), 8.6·s = 20 and 26.6·s = 62 µs per recomputed operator, 231·s + 9·L = 615 µs per unit (a block's 9
+#   parameters copied in or out). The same profile shows ZeRO-3's gather at 690-880 µs of host time per unit
+#   and pass (`_GatherUnit`, its backward; under the profiler).
 _A100_GEMM = GemmCurve(0.80, 220.0)
 _HOPPER_GEMM = GemmCurve(0.975, 300.0, 25_000.0)
-_COMMON = dict(link_efficiency=0.77, host_bytes_per_s=100e9)
+_COMMON = dict(link_efficiency=0.77, host_bytes_per_s=100e9, host_op_s=34e-6, host_full_op_s=20e-6,
+               host_selective_op_s=62e-6, host_unit_s=615e-6)
 _A100 = dict(memory_efficiency=0.8, pcie_bytes_per_s=25e9)
 _HOPPER = dict(memory_efficiency=0.52, attention_efficiency=1.22, attention_overhead_s=85e-6, op_overhead_s=1e-6,
                pcie_bytes_per_s=50e9)

@@ -204,6 +204,63 @@ def _kernel_gap(x, chain: int, plan) -> float:
     return _sample(graph.replay, plan.min_seconds, plan.repeats, device_sync("cuda")) / chain
 
 
+# A reference model small enough that its kernels take less than their launches (the device keeps up with the
+# host), with the blocks of a Llama: what the host does per operator is what it does for a large one.
+HOST_MODEL = dict(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+# name: (ZeRO stage, recomputation): the planner's host costs are fitted from the differences (`fit.fit_host`)
+HOST_VARIANTS = {"none": (0, "none"), "full": (0, "full"), "selective": (0, "selective"), "zero3": (3, "none")}
+
+
+def measure_host_ops(rank: int, world: int, plan) -> dict:
+    """{variant: (forward seconds, backward seconds)} of the host's work for paratrain's reference model
+    (`HOST_MODEL`, bf16) in eager mode, each variant of `HOST_VARIANTS` through `parallelize` on a mesh of this
+    rank alone (no collective: ZeRO-3's hooks gather by copies); "layers": its blocks.
+
+    The clock is read without waiting for the device (`_host_step`): on a GPU the kernels of this model take
+    less than their launches, so the time is the host's issuing them; on a CPU host and kernels are one. The
+    variants take turns, sample by sample, so that a busy moment of the machine falls on all of them alike
+    (the costs are fitted from their differences); each keeps its median.
+    """
+    import torch
+
+    from paratrain.mesh import Mesh, MeshShape
+    from paratrain.models.configs import ModelConfig
+    from paratrain.models.llama import Transformer
+    from paratrain.parallel.api import DataParallel, parallelize
+
+    device, cfg = _device(plan), ModelConfig(**HOST_MODEL)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len + 1), device=device)
+    models = {}
+    for name, (zero, recompute) in HOST_VARIANTS.items():
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        models[name], _ = parallelize(model, Mesh(shape=MeshShape(), rank=0, groups={}, device=device),
+                                      data=DataParallel(zero=zero), activation_checkpointing=recompute,
+                                      precision="bf16")
+    sync, samples = device_sync(plan.device), {name: [] for name in models}
+    for turn in range(2 + max(5, 3 * plan.repeats)):  # two warm-ups: the allocator, the first policy calls
+        for name, model in models.items():
+            seconds = _host_step(model, tokens[:, :-1], tokens[:, 1:], sync)
+            if turn >= 2:
+                samples[name].append(seconds)
+    medians = {name: (statistics.median(f for f, _ in rows), statistics.median(b for _, b in rows))
+               for name, rows in samples.items()}
+    return {"layers": cfg.n_layers, **medians}
+
+
+def _host_step(model, x, y, sync) -> tuple[float, float]:
+    """Host seconds of `model`'s forward with the loss, and of its backward: the device is waited for before
+    the step, never inside it (a CUDA backward returns once its kernels are queued)."""
+    import torch.nn.functional as F
+
+    sync()
+    start = time.perf_counter()
+    loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+    middle = time.perf_counter()
+    loss.backward()
+    return middle - start, time.perf_counter() - middle
+
+
 def _collective(kind: str, size: int, rank: int, group, group_size: int, device: str = "cpu"):
     """A callable issuing one collective of a `size`-byte full tensor (fp32) over `group`, as paratrain.comm does."""
     import torch
