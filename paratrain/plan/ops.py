@@ -325,7 +325,11 @@ def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
                 + attention_seconds(hw, x, FLASH_BACKWARD_MATMULS if x.flash else DENSE_BACKWARD_MATMULS, backward=True)
                 + elementwise.backward)
     if recompute is Recompute.FULL:
-        backward += forward
+        # paratrain's recompute is torch's non-reentrant checkpoint (eager) or the compiler's min-cut (compiled):
+        # both stop once the backward's saved tensors are back, so the block's last linear (the MLP's w2, whose
+        # input is what its backward keeps) and the residual add after it are not run again. Megatron's
+        # reentrant recompute (the paper's runtime: materialized attention) runs the whole forward again.
+        backward += forward - (_last_linear_seconds(hw, x, low) if x.flash and not x.experts else 0.0)
     elif recompute is Recompute.SELECTIVE and x.flash:
         # paratrain's policy (`paratrain.parallel.recompute`): matmul and attention outputs kept, the
         # element-wise rest (norms, rotary, activations, adds) run again; in eager that is most of a step's
@@ -334,6 +338,14 @@ def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
     elif recompute is Recompute.SELECTIVE:  # Megatron's, with materialized scores: the attention core again
         backward += attention_seconds(hw, x, 2) + _scores_seconds(hw, x)
     return PassTimes(forward, backward)
+
+
+def _last_linear_seconds(hw: Hardware, x: Shape, fp8: list[Gemm]) -> float:
+    """Forward seconds of a dense block's last matmul (`block_gemms`' last: the MLP's down projection), which a
+    recompute that stops early skips: torch's matmul saves its inputs before it computes, and the recompute stops
+    at the last save. An FP8 linear (an autograd function) saves after its matmul: nothing skipped there."""
+    last = block_gemms(x)[-1]
+    return 0.0 if last in fp8 else _gemm_seconds(hw, [last], x.dtype)
 
 
 def _cross_entropy_seconds(hw: Hardware, x: Shape, vocab_parallel: bool) -> PassTimes:
