@@ -297,6 +297,37 @@ def test_the_planner_moves_masters_and_moments_to_the_host_and_prices_the_host_s
     assert offloaded.time.optimizer > plain.time.optimizer + 0.9 * seconds
 
 
+def test_the_planner_prices_the_host_step_as_the_runtime_overlaps_it():
+    """Pipelined over the model's units (the copies out and back beside the steps of the other units), and
+    overlapped with the next forward where it waits unit by unit: what shows is the host step beyond the
+    forward of all units but the first, and at least one unit's pass through the pipeline."""
+    from paratrain.models import get_model_config
+    from paratrain.plan import HARDWARE_PRESETS, Layout, Workload, estimate
+    from paratrain.plan import compute
+    from paratrain.plan.compute import offload_seconds
+
+    h100 = HARDWARE_PRESETS["h100-80gb"]
+    psi = 6.74e9
+    copy, host = 4 * psi / 50e9, 28 * psi / 100e9  # over PCIe at 50 GB/s; through the host's memory at 100 GB/s
+    assert offload_seconds(h100, psi, 1) == pytest.approx(2 * copy + host)  # one group: one after the other
+    assert offload_seconds(h100, psi, 1, groups=35) == pytest.approx(host + 2 * copy / 35)
+    assert offload_seconds(h100, psi, 1, groups=35, forward=0.35) == pytest.approx(host + 2 * copy / 35
+                                                                                   - 0.35 * 34 / 35)
+    assert offload_seconds(h100, psi, 1, groups=35, forward=100.0) == pytest.approx((host + 2 * copy) / 35)
+    assert offload_seconds(h100, psi, 1, groups=35, copies=0) == pytest.approx(host)  # offload="params"
+    # Through the step's estimate: one GPU (DDP) waits unit by unit, ZeRO-1 over eight ranks after all of it.
+    model = get_model_config("llama2-7b")
+    workload = Workload.for_model(model, seq_len=2048, global_batch=64, precision="bf16")
+    for layout, overlaps in ((Layout(micro_batch=2, offload="optimizer"), True),
+                             (Layout(dp=8, zero=1, micro_batch=2, offload="optimizer"), False)):
+        m = layout.num_microbatches(workload.global_batch)
+        waits, forward = (compute._optimizer_seconds(workload, layout, h100, 0, m, f) for f in (0.0, 0.35))
+        assert waits - forward == (pytest.approx(0.35 * (model.n_layers + 2) / (model.n_layers + 3)) if overlaps
+                                   else 0.0)
+    assert estimate(workload, Layout(micro_batch=2, offload="optimizer"), h100).time.optimizer < \
+        compute._optimizer_seconds(workload, Layout(micro_batch=2, offload="optimizer"), h100, 0, 32)
+
+
 def test_a_host_too_small_for_the_offloaded_state_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     from paratrain.run import memory_budget
 

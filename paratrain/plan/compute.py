@@ -226,7 +226,8 @@ def per_microbatch_bytes_per_param(workload: Workload, layout: Layout, m: int) -
     return accumulate + gathers
 
 
-def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int) -> float:
+def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m: int,
+                       forward: float = 0.0) -> float:
     """The step's memory-bound passes over the parameters: the optimizer on this rank's shard (offloaded: its
     copies and the host's step, `offload_seconds`), and the micro-batches' gradient accumulation and ZeRO-3
     copies over the stage's parameters."""
@@ -241,20 +242,40 @@ def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, s
     seconds = hardware.memory_seconds(local, 3 * tensor)
     if layout.offload:  # on the device: the norm's read and the zeroing of the gradients
         seconds += hardware.memory_seconds(elements * 2 * workload.grad_bytes, 3 * tensor)
-        seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node))
-    if layout.offload == "params":  # each gather, forward and backward, copies the fp32 shard from the host
-        seconds += hardware.copy_seconds(2 * m * MASTER_BYTES * elements)
+        # Groups: the stage's blocks and the units beside them (embedding; final norm and head). The next forward
+        # waits unit by unit under DDP and ZeRO-3 on one pipeline stage; ZeRO-1/2 over several ranks gathers the
+        # updated rows after the whole host step, a pipeline stage waits for all of it (`host_step.py`).
+        layers = layers_on_stage(workload.model.n_layers, layout.pp, stage) if workload.model is not None else 1
+        overlaps = layout.pp == 1 and (layout.zero in (0, 3) or layout.shard_ranks == 1)
+        seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node), layers + 3,
+                                   forward if overlaps else 0.0, 0 if layout.offload == "params" else 2)
+    if layout.offload == "params":  # each gather, forward and backward, copies the fp32 shard from the host; the
+        seconds += hardware.copy_seconds((2 * m + 1) * MASTER_BYTES * elements)  # gradients go at backward's end
     else:
         seconds += hardware.memory_seconds(elements * optimizer_bytes_per_param(workload), 3 * tensor)
     return seconds / hardware.compute_share(layout.world_size)
 
 
-def offload_seconds(hardware: Hardware, elements: float, ranks_per_node: int) -> float:
-    """The offloaded step of `elements` master elements on one rank (`paratrain.parallel.data.offload`): the fp32
-    gradients to the host, the host's fused AdamW (28 bytes each: the gradient read, the master and the two
-    moments read and written), the fp32 values back; one after the other (the runtime overlaps none of them)."""
+def offload_seconds(hardware: Hardware, elements: float, ranks_per_node: int, groups: int = 1,
+                    forward: float = 0.0, copies: int = 2) -> float:
+    """Exposed seconds of the offloaded step of `elements` master elements on one rank
+    (`paratrain.parallel.data.host_step`): `copies` fp32 copies over the host link (the gradients out and the
+    values back; none where the masters live on the host, offload="params") and the host's fused AdamW (28 bytes each: the gradient read, the master
+    and the two moments read and written).
+
+    The three run as a pipeline over `groups` groups of the masters (the model's units): each group's copy out,
+    its step, its copy back, the next group's beside them, so the slowest stage's whole time plus the other
+    stages' share of one group. The next forward waits for each unit's group where the unit begins: of the
+    `forward` seconds of its first micro-batch, all but the first unit's run beside the host step, which then
+    shows only where it outlasts them, and at least one group's pass through the pipeline (`forward` 0: no
+    overlap, a layout whose forward waits for the whole step)."""
     host = MASTER_BYTES + 2 * (ADAM_MOMENT_BYTES + MASTER_BYTES)
-    return 2 * hardware.copy_seconds(MASTER_BYTES * elements) + hardware.host_seconds(host * elements, ranks_per_node)
+    copy = hardware.copy_seconds(MASTER_BYTES * elements)
+    stages = [hardware.host_seconds(host * elements, ranks_per_node)] + [copy] * copies
+    pipelined = max(stages) + (sum(stages) - max(stages)) / groups
+    if not forward:
+        return pipelined
+    return max(pipelined - forward * (groups - 1) / groups, sum(stages) / groups)
 
 
 def _dp_exposed(workload: Workload, layout: Layout, hardware: Hardware, stage: int,
@@ -346,7 +367,7 @@ def _stage(workload: Workload, layout: Layout, hardware: Hardware, stage: int, m
     ep = collective_seconds(hardware, layout, "ep", ep_collectives(workload, layout, stage))
     dp_exposed, dp_total = _dp_exposed(workload, layout, hardware, stage, passes.backward, m * compute)
     return _Stage(compute + tp + pp + cp + ep, compute, tp, pp, dp_exposed, dp_total,
-                  _optimizer_seconds(workload, layout, hardware, stage, m), cp, ep)
+                  _optimizer_seconds(workload, layout, hardware, stage, m, passes.forward), cp, ep)
 
 
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:
