@@ -246,7 +246,8 @@ def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, s
         # waits unit by unit under DDP and ZeRO-3 on one pipeline stage; ZeRO-1/2 over several ranks gathers the
         # updated rows after the whole host step, a pipeline stage waits for all of it (`host_step.py`).
         layers = layers_on_stage(workload.model.n_layers, layout.pp, stage) if workload.model is not None else 1
-        overlaps = layout.pp == 1 and (layout.zero in (0, 3) or layout.shard_ranks == 1)
+        # (On a CPU profile the host step and the forward share the cores: nothing overlaps.)
+        overlaps = layout.pp == 1 and (layout.zero in (0, 3) or layout.shard_ranks == 1) and hardware.host_cores is None
         seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node), layers + 3,
                                    forward if overlaps else 0.0, 0 if layout.offload == "params" else 2)
     if layout.offload == "params":  # each gather, forward and backward, copies the fp32 shard from the host; the
