@@ -91,11 +91,9 @@ def test_the_host_step_is_the_device_step(precision, zero):
     assert all(p.grad is None for p in model.module.parameters()) and all(m.grad is None for m in device_masters)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_the_host_step_runs_unit_by_unit_in_a_worker_while_the_next_forward_waits_for_its_own_unit(monkeypatch, zero):
-    """`optimizer.step()` returns while the host still steps; a worker thread steps the masters unit by unit in
-    the forward's order (embedding, blocks, norm, head), and the next forward computes each unit once that
-    unit's masters are stepped, not after all of them: its first unit runs while later ones are still stepped."""
+def _host_step_order(rank, world, zero: int) -> list:
+    """The order of the host step's unit steps (in its thread) and the next forward's units (in this one), two
+    steps of the reference model with a host step slower than a unit's forward; the mesh is `world` data ranks."""
     import threading
     import time
 
@@ -111,34 +109,47 @@ def test_the_host_step_runs_unit_by_unit_in_a_worker_while_the_next_forward_wait
     adam = host_step.adam
 
     def slow_adam(params, *args, **kwargs):
-        note(("stepped", threading.current_thread().name, len(params)))
+        note(("stepped", threading.current_thread().name))
         time.sleep(0.05)  # a host step slower than the forward of a unit
         return adam(params, *args, **kwargs)
 
-    monkeypatch.setattr(host_step, "adam", slow_adam)
-    with torch.device("meta"):
-        model = Transformer(CFG)
-    model, optimizer = paratrain.parallelize(
-        model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
-        data=paratrain.DataParallel(zero=zero, offload="optimizer"),
-        init=functools.partial(Transformer(CFG).param_init, seed=0))
-    units = [m for _, m in unit_modules(model.module, None)]  # the embedding, the blocks, the norm, the head
-    for i, unit in enumerate(units):
-        unit.register_forward_pre_hook(lambda *_, i=i: note(("forward", i)))
-    t = torch.randint(0, CFG.vocab_size, (2, 33))
-    for _ in range(2):
-        model.loss_fn(model(t[:, :-1]), t[:, 1:]).backward()
-        log.clear()
-        optimizer.step()
-        note(("returned",))
-        optimizer.zero_grad()
-    model(t[:, :-1])
-    stepped = [i for i, e in enumerate(log) if e[0] == "stepped"]
-    forwards = [i for i, e in enumerate(log) if e[0] == "forward"]
-    assert len(stepped) == len(units) and {log[i][1] for i in stepped} == {"paratrain-host-step"}
-    assert log.index(("returned",)) < stepped[-1]  # the host still stepping when step() returned
-    assert forwards[0] < stepped[-1]  # the first unit computed before the last one was stepped
-    assert all(stepped[k] < forwards[k] for k in range(len(units)))  # but only after its own was
+    host_step.adam = slow_adam
+    try:
+        with torch.device("meta"):
+            model = Transformer(CFG)
+        model, optimizer = paratrain.parallelize(
+            model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
+            data=paratrain.DataParallel(zero=zero, offload="optimizer", bucket_mb=0.01),  # (ZeRO-1/2: a bucket
+            init=functools.partial(Transformer(CFG).param_init, seed=0))  # of a few parameters, not the model)
+        units = [m for _, m in unit_modules(model.module, None)]  # the embedding, the blocks, the norm, the head
+        for i, unit in enumerate(units):
+            unit.register_forward_pre_hook(lambda *_, i=i: note(("forward", i)))
+        t = torch.randint(0, CFG.vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            model.loss_fn(model(t[:, :-1]), t[:, 1:]).backward()
+            log.clear()
+            optimizer.step()
+            note(("returned",))
+            optimizer.zero_grad()
+        model(t[:, :-1])
+    finally:
+        host_step.adam = adam
+    return [log, len(units)]
+
+
+@pytest.mark.parametrize("zero, world", [(0, 1), (3, 1), (1, 2), (2, 2)])
+def test_the_host_step_runs_unit_by_unit_in_a_worker_while_the_next_forward_waits_for_its_own_unit(zero, world):
+    """`optimizer.step()` returns while the host still steps; a worker thread steps the masters unit by unit in
+    the forward's order (embedding, blocks, norm, head), and the next forward computes each unit once that
+    unit's masters are stepped, not after all of them: its first unit runs while later ones are still stepped.
+    ZeRO-1/2 over two ranks too: each bucket's all-gather waits for the forward's first unit that reads it."""
+    for log, units in run_on_ranks(_host_step_order, world, zero, timeout=180):
+        stepped = [i for i, e in enumerate(log) if e[0] == "stepped"]
+        forwards = [i for i, e in enumerate(log) if e[0] == "forward"]
+        assert len(stepped) == units and {log[i][1] for i in stepped} == {"paratrain-host-step"}
+        assert log.index(("returned",)) < stepped[-1]  # the host still stepping when step() returned
+        assert forwards[0] < stepped[-1]  # the first unit computed before the last one was stepped
+        assert all(stepped[k] < forwards[k] for k in range(units))  # but only after its own was
 
 
 def test_a_scheduler_and_zero_grad_after_the_step_act_as_without_offload():
@@ -294,7 +305,8 @@ def test_the_planner_moves_masters_and_moments_to_the_host_and_prices_the_host_s
     # memory (100 GB/s a node, shared by its eight ranks)
     seconds = offload_seconds(h100, psi / 8, 8)
     assert seconds == pytest.approx(2 * 4 * psi / 8 / 50e9 + 28 * psi / 8 / (100e9 / 8))
-    assert offloaded.time.optimizer > plain.time.optimizer + 0.9 * seconds
+    # what shows of it beside the next forward (`test_the_planner_prices_the_host_step_as_the_runtime_overlaps_it`)
+    assert offloaded.time.optimizer > plain.time.optimizer + 0.5 * seconds
 
 
 def test_the_planner_prices_the_host_step_as_the_runtime_overlaps_it():
@@ -315,11 +327,13 @@ def test_the_planner_prices_the_host_step_as_the_runtime_overlaps_it():
                                                                                    - 0.35 * 34 / 35)
     assert offload_seconds(h100, psi, 1, groups=35, forward=100.0) == pytest.approx((host + 2 * copy) / 35)
     assert offload_seconds(h100, psi, 1, groups=35, copies=0) == pytest.approx(host)  # offload="params"
-    # Through the step's estimate: one GPU (DDP) waits unit by unit, ZeRO-1 over eight ranks after all of it.
+    # Through the step's estimate: one GPU (DDP) and ZeRO-1 over eight ranks wait unit by unit, a pipeline stage
+    # for all of it.
     model = get_model_config("llama2-7b")
     workload = Workload.for_model(model, seq_len=2048, global_batch=64, precision="bf16")
     for layout, overlaps in ((Layout(micro_batch=2, offload="optimizer"), True),
-                             (Layout(dp=8, zero=1, micro_batch=2, offload="optimizer"), False)):
+                             (Layout(dp=8, zero=1, micro_batch=2, offload="optimizer"), True),
+                             (Layout(pp=2, micro_batch=2, offload="optimizer"), False)):
         m = layout.num_microbatches(workload.global_batch)
         waits, forward = (compute._optimizer_seconds(workload, layout, h100, 0, m, f) for f in (0.0, 0.35))
         assert waits - forward == (pytest.approx(0.35 * (model.n_layers + 2) / (model.n_layers + 3)) if overlaps

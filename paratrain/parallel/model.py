@@ -137,7 +137,7 @@ class ParallelModel(nn.Module):
         output = self.context.forward(self.module, args, kwargs) if self.context is not None else \
             self.module(*args, **kwargs)
         if self.offload is not None:  # each unit waited for its own masters; the backward's buckets need all
-            self.offload.settle()
+            self.offload.settle(bring=True)
         return output
 
     def _local_labels(self, output, labels: torch.Tensor) -> torch.Tensor:
@@ -402,7 +402,7 @@ class ParallelModel(nn.Module):
         """The parameters brought up to date with the masters (after a step, or a checkpoint loaded into them) by the
         engine's post-step path (ZeRO-1/2: an all-gather, collective; mixed-precision DDP: the cast copy); the
         next step begins afresh. The loss scale moves only in `after_step`: a loaded checkpoint took no step."""
-        self.engine.after_step(ready)
+        self.engine.after_step(ready, defer=self.pipeline is None)  # (a stage's forward is the runner's: at once)
         self.verdict, self._result, self._phase = None, None, _Phase.BACKWARD
 
     def _before_optimizer_step(self, optimizer, *_) -> None:
@@ -418,7 +418,7 @@ class ParallelModel(nn.Module):
         ready = self.offload.finish() if self.offload is not None else None  # (None: the host step is done)
         self.after_step(ready)
         if ready is not None and self.pipeline is not None:  # a stage's forward is the runner's: waits for all
-            self.offload.settle()
+            self.offload.settle(bring=True)
 
     # -- the state a checkpoint holds, and who owns which copy of it --------------------------------
     def masters(self) -> list[torch.Tensor]:
@@ -474,7 +474,8 @@ class ParallelModel(nn.Module):
         dp, tensor parallelism over tp, its pipeline stage broadcasts it over pp): write each out and drop
         it, and the whole model is never on one rank.
         """
-        self.masters()  # (offload: the host step done)
+        if self.offload is not None:  # (the host step done, the parameters up to date)
+            self.offload.settle(bring=True)
         whole = (lambda name, value: value) if self.tp_info is None else self.tp_info.gather
         if self.expert_info is not None:  # expert tensors are whole over tp: gathered over ep only
             whole = functools.partial(whole_expert, self.expert_info, whole)

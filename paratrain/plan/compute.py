@@ -243,11 +243,10 @@ def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, s
     if layout.offload:  # on the device: the norm's read and the zeroing of the gradients
         seconds += hardware.memory_seconds(elements * 2 * workload.grad_bytes, 3 * tensor)
         # Groups: the stage's blocks and the units beside them (embedding; final norm and head). The next forward
-        # waits unit by unit under DDP and ZeRO-3 on one pipeline stage; ZeRO-1/2 over several ranks gathers the
-        # updated rows after the whole host step, a pipeline stage waits for all of it (`host_step.py`).
+        # waits unit by unit without pipeline parallelism; a pipeline stage waits for all of it (`host_step.py`);
+        # on a CPU profile the host step and the forward share the cores: nothing overlaps.
         layers = layers_on_stage(workload.model.n_layers, layout.pp, stage) if workload.model is not None else 1
-        # (On a CPU profile the host step and the forward share the cores: nothing overlaps.)
-        overlaps = layout.pp == 1 and (layout.zero in (0, 3) or layout.shard_ranks == 1) and hardware.host_cores is None
+        overlaps = layout.pp == 1 and hardware.host_cores is None
         seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node), layers + 3,
                                    forward if overlaps else 0.0, 0 if layout.offload == "params" else 2)
     if layout.offload == "params":  # each gather, forward and backward, copies the fp32 shard from the host; the

@@ -66,7 +66,7 @@ from paratrain.compat import at_backward_end, backward_pass_id
 from paratrain.mesh import Axis
 from paratrain.parallel.data.buckets import (Bucket, InFlight, Slot, all_gather_parameters, make_buckets, new_buffer,
                                             storage_bytes)
-from paratrain.parallel.data.engine import GradReduction, used_flags, weak_hook
+from paratrain.parallel.data.engine import GradReduction, add_to_master, used_flags, weak_hook
 from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
 from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.data.shard import as_rows, chunk_tiles
@@ -100,7 +100,7 @@ class DataParallelEngine:
         self.dp = mesh.size(self.data_axis)
         # One data rank has nothing to reduce or shard: its gradients accumulate where autograd leaves
         # them (no bucket held between steps). In fp32 the optimizer steps the parameters themselves; in mixed
-        # precision each 16-bit gradient is added into its fp32 master's as autograd leaves it (`_add_to_master`).
+        # precision each 16-bit gradient is added into its fp32 master's as autograd leaves it (`add_to_master`).
         # Every ZeRO stage is that one (a single shard is the whole model).
         self.local = self.dp == 1
         zero = 0 if self.local else zero
@@ -123,7 +123,7 @@ class DataParallelEngine:
             if not self.local:
                 slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
             elif precision.mixed:  # the hook holds the master alone, not the engine (see `weak_hook`)
-                slot.param.register_post_accumulate_grad_hook(functools.partial(_add_to_master, slot.master))
+                slot.param.register_post_accumulate_grad_hook(functools.partial(add_to_master, slot.master))
         index = {id(s.param): i for i, s in enumerate(self.slots)}
         self._where = {s.param: (b, s, index[id(s.param)]) for b in self.buckets for s in b.slots}
         self._sync = True
@@ -144,6 +144,7 @@ class DataParallelEngine:
         # backward that raises never runs its end callback, and the next one must queue its own.
         self._end_queued_for: int | None = None
         self._reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _assign_master_grads
+        self._ungathered, self._ready = [], None  # ZeRO-1/2: buckets whose updated rows wait for `bring`
 
     # -- construction ---------------------------------------------------------
     def _make_masters(self) -> None:
@@ -400,7 +401,7 @@ class DataParallelEngine:
                 grad = slot.reduced
                 if grad is None:
                     lo, hi = slot.rows
-                    rows = source[slot.offset:slot.offset + (hi - lo) * _row_numel(slot.param)]
+                    rows = source[slot.offset:slot.offset + (hi - lo) * as_rows(slot.param).shape[1]]
                     grad = rows.view(slot.master.shape)
                     if not self.per_backward:  # DDP / ZeRO-1: the same rows of the same buffer every step
                         slot.reduced = grad
@@ -419,10 +420,11 @@ class DataParallelEngine:
         for bucket in self.buckets:
             bucket.gather = None  # made again, from the values
 
-    def after_step(self, ready=None) -> None:
+    def after_step(self, ready=None, defer: bool = False) -> None:
         """Bring the model's parameters up to date with the masters. `ready` (offload's overlapped host step,
         `host_step.py`): the host values of the masters at given indices are stepped once it returns; DDP's were
-        copied by `values_to_device` as each group was stepped, ZeRO-1/2's all-gathers wait for all."""
+        copied by `values_to_device` as each group was stepped; ZeRO-1/2 all-gathers a bucket once its masters
+        are, and with `defer` only when the next forward first reads it (`bring`)."""
         if self.precision.mixed:
             for slot in self.slots:
                 slot.master.grad = None  # fp32 copies made for this step only
@@ -430,9 +432,19 @@ class DataParallelEngine:
             if ready is None and (self.precision.mixed or any(s.value is not None for s in self.slots)):
                 self.values_to_device(range(len(self.slots)))
             return
-        if ready is not None:
-            ready(range(len(self.slots)))
-        for bucket in self.buckets:
+        self._ungathered, self._ready = list(self.buckets), ready
+        if ready is None or not defer:
+            self.bring(range(len(self.slots)))
+
+    def bring(self, indices) -> None:
+        """ZeRO-1/2: all-gather the updated rows of each bucket that holds a master at `indices` and is not gathered
+        since the step (first waiting for its masters' host step, under offload). Collective: every rank calls it
+        in the same order (the forward's units, then the rest)."""
+        wanted = set(indices)
+        for bucket in [b for b in self._ungathered if any(self._where[s.param][2] in wanted for s in b.slots)]:
+            self._ungathered.remove(bucket)
+            if self._ready is not None:
+                self._ready([self._where[s.param][2] for s in bucket.slots])
             all_gather_parameters(bucket, self.comm, self.shard_axis, self.shards, self.rank, self.precision.param_dtype,
                                   buffer_lives=not self.per_backward)
 
@@ -481,18 +493,3 @@ class DataParallelEngine:
                                + [s.param.grad for s in self.slots] + [s.master.grad for s in self.slots])
         master = storage_bytes(s.master for s in self.slots) if self.precision.mixed else 0
         return {"params": params, "grads": grads, "master": master}
-
-
-@torch.no_grad()
-def _add_to_master(master: torch.Tensor, param: nn.Parameter) -> None:
-    """One data rank in mixed precision: the 16-bit gradient autograd just left is added into its fp32 master's
-    (micro-batches accumulate in fp32) and dropped (a gradient exists once)."""
-    grad, param.grad = param.grad, None
-    grad = grad.to(master.dtype).view_as(master)
-    master.grad = grad if master.grad is None else master.grad.add_(grad)
-
-
-def _row_numel(t: torch.Tensor) -> int:
-    return as_rows(t).shape[1]
-
-

@@ -72,10 +72,15 @@ class Engine(Protocol):
     def drop_gradients(self, indices: list[int]) -> None:
         """Remove the gradients of the masters at `indices` (no data rank reached them, or the step is skipped)."""
 
-    def after_step(self, ready: Callable | None = None) -> None:
+    def after_step(self, ready: Callable | None = None, defer: bool = False) -> None:
         """Make the model's parameters equal to the (updated) masters. `ready(indices)` (offload's overlapped host
         step): returns once the host values of the masters at `indices` are stepped; what the engine does with
-        them waits for it first (the model's forward waits for each unit's own: `host_step.py`)."""
+        them waits for it first (the model's forward waits for each unit's own: `host_step.py`); `defer`: what
+        needs a collective waits for `bring`."""
+
+    def bring(self, indices) -> None:
+        """After a deferred `after_step`: the parameters of the masters at `indices` up to date (collective where
+        the engine gathers: every rank calls it at the same point of its forward)."""
 
     def values_to_device(self, indices) -> None:
         """Offload: the host values of the masters at `indices` into what the engine computes or gathers from,
@@ -122,3 +127,12 @@ def weak_hook(method: Callable) -> Callable:
             bound(*args)
 
     return hook
+
+
+@torch.no_grad()
+def add_to_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """One data rank in mixed precision: the 16-bit gradient autograd just left is added into its fp32 master's
+    (micro-batches accumulate in fp32) and dropped (a gradient exists once)."""
+    grad, param.grad = param.grad, None
+    grad = grad.to(master.dtype).view_as(master)
+    master.grad = grad if master.grad is None else master.grad.add_(grad)

@@ -61,13 +61,22 @@ class GroupedEngine:
             engine.drop_gradients([i - start for i in indices if start <= i < start + size])
             start += size
 
-    def after_step(self, ready=None) -> None:
+    def after_step(self, ready=None, defer: bool = False) -> None:
         for engine, start in zip(self.engines, self._starts()):
-            engine.after_step(ready and (lambda indices, start=start: ready([start + i for i in indices])))
+            engine.after_step(ready and (lambda indices, start=start: ready([start + i for i in indices])), defer)
 
     def values_to_device(self, indices) -> None:
-        for engine, start, size in zip(self.engines, self._starts(), self._sizes):
-            engine.values_to_device([i - start for i in indices if start <= i < start + size])
+        for engine, part in zip(self.engines, self._split(indices)):
+            engine.values_to_device(part)
+
+    def bring(self, indices) -> None:
+        for engine, part in zip(self.engines, self._split(indices)):
+            engine.bring(part)
+
+    def _split(self, indices) -> list[list[int]]:
+        """`indices` of `masters()` as each engine's own."""
+        return [[i - start for i in indices if start <= i < start + size]
+                for start, size in zip(self._starts(), self._sizes)]
 
     def _starts(self) -> list[int]:
         """Where each engine's masters begin in `masters()`."""

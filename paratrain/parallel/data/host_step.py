@@ -196,3 +196,4 @@ class HostStep:
 
 def _wait_for(step: HostStep, held: list[int], module, args) -> None:
     step.wait(held)
+    step.engine.bring(held)  # (ZeRO-1/2: the all-gather of the unit's buckets, in the forward's order on every rank)

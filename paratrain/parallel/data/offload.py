@@ -21,8 +21,8 @@ One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
    copied to the host on a copy stream and is stepped in a worker thread, in the order the
    next forward reads the groups, and its values go back to the device as soon as it is
    stepped; `optimizer.step()` returns at once, and the next forward waits for each unit's
-   group where the unit begins (ZeRO-1/2 over several ranks: for all of them, before their
-   all-gather, a collective). The host step uses `threads` intra-op threads (a launcher sets
+   group where the unit begins (ZeRO-1/2 over several ranks: for the groups of the buckets
+   it reads, then their all-gather, `Engine.bring`). The host step uses `threads` intra-op threads (a launcher sets
    one per process; the host step is a pass over 28 bytes per parameter and wants the node's
    cores, shared by its ranks);
 4. any other optimizer: `gradients_to_host` (each master's gradient into its host buffer,
@@ -196,9 +196,12 @@ class HostMasters:
         self.end_step()
         return self.step.wait if self.overlapped else None
 
-    def settle(self) -> None:
-        """The step under way, if any, done: before anything reads the host masters or the optimizer's state."""
+    def settle(self, bring: bool = False) -> None:
+        """The step under way, if any, done: before anything reads the host masters or the optimizer's state;
+        `bring` (collective: at the same point on every rank): the parameters too (`Engine.bring`)."""
         self.step.settle()
+        if bring:
+            self.engine.bring(range(len(self.values)))
 
     @torch.no_grad()
     def gradients_to_host(self) -> None:

@@ -423,17 +423,20 @@ class FullyShardedEngine:
         return [(name, self._rows(shape, axis), shape)
                 for name, shape, axis in zip(self._names, self._shapes, self._axes)]
 
-    def after_step(self, ready=None) -> None:
+    def after_step(self, ready=None, defer: bool = True) -> None:
         """Nothing to copy (the masters are the shards, cast to param_dtype at each gather) but the offloaded masters'
         values into the shards; and the FP8-gathered weights' scales follow the updated shards. `ready` (offload's
-        overlapped host step): each gather first waits for its unit's masters (`_launch_gather`); the scales of
-        FP8-gathered weights need them all."""
+        overlapped host step): each gather first waits for its unit's masters (`_launch_gather`, `defer` or not);
+        the scales of FP8-gathered weights need them all."""
         self._await = ready
         if ready is None:
             self.values_to_device(range(len(self._shards)))
         elif self._fp8:
             ready(range(len(self._shards)))
         self._fp8_scales = agree_fp8_scales(self._shards, self._fp8, self._axes, self.comm, self.precision.param_dtype)
+
+    def bring(self, indices) -> None:
+        """Nothing: each gather waits for its own masters."""
 
     @torch.no_grad()
     def values_to_device(self, indices) -> None:
