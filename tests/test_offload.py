@@ -203,6 +203,37 @@ def test_the_overlapped_host_step_adds_no_host_sync_to_the_training_thread(zero)
     assert model.offload.overlapped and counts[2:] == [["tolist"], ["tolist"]], counts
 
 
+def test_param_groups_and_amsgrad_step_on_the_host_as_on_the_device():
+    """Each of the optimizer's groups keeps its own hyperparameters in the host step, and AMSGrad its fourth
+    state: the same losses and state as without offload."""
+    def factory(params):
+        return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                                  {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": 3e-3}],
+                                 lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)
+
+    def run(offload):
+        with torch.device("meta"):
+            model = Transformer(CFG)
+        model, optimizer = paratrain.parallelize(model, paratrain.init_mesh(), optimizer=factory,
+                                                 data=paratrain.DataParallel(offload=offload),
+                                                 init=functools.partial(Transformer(CFG).param_init, seed=0))
+        g, losses = torch.Generator().manual_seed(0), []
+        for _ in range(3):
+            t = torch.randint(0, CFG.vocab_size, (2, 33), generator=g)
+            loss = model.loss_fn(model(t[:, :-1]), t[:, 1:]) / t[:, 1:].numel()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        state = optimizer.state_dict()["state"]
+        torch.distributed.destroy_process_group()
+        return losses, state, model.offload
+
+    (plain, plain_state, _), (losses, state, host) = run(None), run("optimizer")
+    assert host.overlapped and losses == plain
+    assert all(torch.equal(plain_state[k]["max_exp_avg_sq"], state[k]["max_exp_avg_sq"]) for k in plain_state)
+
+
 def test_host_memory_comes_in_chunks_not_one_allocation_per_master(monkeypatch):
     monkeypatch.setattr(offload, "CHUNK_BYTES", 1024)
     shapes = [torch.Size([128])] * 7 + [torch.Size([3, 5])]  # 512 bytes each: two per chunk

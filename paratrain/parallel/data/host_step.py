@@ -57,7 +57,7 @@ _HYPER = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "captur
 def overlappable(optimizer) -> bool:
     """Whether `optimizer` is torch's Adam or AdamW with the functional kernel `HostStep` calls (AdamW as Adam with
     decoupled weight decay)."""
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and hasattr(optimizer, "_init_group")
             and all("decoupled_weight_decay" in group for group in optimizer.param_groups))
 
 
@@ -112,13 +112,13 @@ class HostStep:
         for i, value in enumerate(self.values):
             value.grad = grads[i] if buffers is None or grads[i] is None else buffers[i]
         work = [[] for _ in self.groups]  # per group: (hyperparameters, the kernel's lists) per optimizer group
+        position = {id(v): i for i, v in enumerate(self.values)}
         for group in optimizer.param_groups:
             lists = ([], [], [], [], [], [])
             has_complex = optimizer._init_group(group, *lists)
             hyper = {k: group[k].clone() if torch.is_tensor(group[k]) else group[k] for k in _HYPER}
             hyper.update(beta1=group["betas"][0], beta2=group["betas"][1], has_complex=has_complex)
             by_group = [([], [], [], [], [], []) for _ in self.groups]
-            position = {id(v): i for i, v in enumerate(self.values)}
             amsgrad = group["amsgrad"]
             for k, param in enumerate(lists[0]):
                 row = by_group[self._group_of[position[id(param)]]]
