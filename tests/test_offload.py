@@ -152,55 +152,39 @@ def test_the_host_step_runs_unit_by_unit_in_a_worker_while_the_next_forward_wait
         assert all(stepped[k] < forwards[k] for k in range(units))  # but only after its own was
 
 
+def _user_loop(offload, factory, steps: int, precision: str = "fp32", scheduler=None):
+    """(losses, optimizer state, host masters) of a user's own loop (backward, step, a scheduler's step, zero_grad)
+    on one process, with or without offload."""
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    model, optimizer = paratrain.parallelize(model, paratrain.init_mesh(), optimizer=factory, precision=precision,
+                                             data=paratrain.DataParallel(offload=offload),
+                                             init=functools.partial(Transformer(CFG).param_init, seed=0))
+    scheduler = scheduler(optimizer) if scheduler else None
+    g, losses = torch.Generator().manual_seed(0), []
+    for _ in range(steps):
+        t = torch.randint(0, CFG.vocab_size, (2, 33), generator=g)
+        loss = model.loss_fn(model(t[:, :-1]), t[:, 1:]) / t[:, 1:].numel()
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = optimizer.state_dict()["state"]
+    torch.distributed.destroy_process_group()
+    return losses, state, model.offload
+
+
 def test_a_scheduler_and_zero_grad_after_the_step_act_as_without_offload():
     """The learning rate and the gradients the host step uses are the step's own: a scheduler stepped and the
     gradients zeroed right after `optimizer.step()` returns change nothing the worker is still stepping."""
-    def run(offload):
-        with torch.device("meta"):
-            model = Transformer(CFG)
-        model, optimizer = paratrain.parallelize(
-            model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, fused=True),
-            precision="bf16", data=paratrain.DataParallel(offload=offload),
-            init=functools.partial(Transformer(CFG).param_init, seed=0))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 10 * step))
-        g, losses = torch.Generator().manual_seed(0), []
-        for _ in range(4):
-            t = torch.randint(0, CFG.vocab_size, (2, 33), generator=g)
-            loss = model.loss_fn(model(t[:, :-1]), t[:, 1:]) / t[:, 1:].numel()
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        torch.distributed.destroy_process_group()
-        return losses, optimizer.state_dict()["state"]
-
-    (plain, plain_state), (losses, state) = run(None), run("optimizer")
-    assert losses == plain
+    run = functools.partial(_user_loop, factory=functools.partial(torch.optim.AdamW, lr=1e-2, fused=True), steps=4,
+                            precision="bf16",
+                            scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + 10 * step)))
+    (plain, plain_state, _), (losses, state, host) = run(None), run("optimizer")
+    assert host.overlapped and losses == plain
     assert all(torch.equal(plain_state[k]["exp_avg"], state[k]["exp_avg"]) for k in plain_state)
-
-
-@pytest.mark.parametrize("zero", [0, 3])
-def test_the_overlapped_host_step_adds_no_host_sync_to_the_training_thread(zero):
-    """The host step's waits are the worker's (its events) and the device stream's (events): the thread that
-    trains still reads the device once per step, the agreement's read, as without offload (`HostSyncs`)."""
-    from paratrain.testing import HostSyncs
-    from paratrain.train import train_step
-
-    with torch.device("meta"):
-        model = Transformer(CFG)
-    model, optimizer = paratrain.parallelize(
-        model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
-        precision="bf16", data=paratrain.DataParallel(zero=zero, offload="optimizer"),
-        init=functools.partial(Transformer(CFG).param_init, seed=0))
-    g, counts = torch.Generator().manual_seed(0), []
-    for _ in range(4):
-        t = torch.randint(0, CFG.vocab_size, (4, 33), generator=g)
-        micro = [(t[:2, :-1], t[:2, 1:]), (t[2:, :-1], t[2:, 1:])]
-        with HostSyncs(host=tuple(x for pair in micro for x in pair)) as syncs:
-            train_step(model, optimizer, micro, 0.5)
-        counts.append(syncs.calls)
-    assert model.offload.overlapped and counts[2:] == [["tolist"], ["tolist"]], counts
 
 
 def test_param_groups_and_amsgrad_step_on_the_host_as_on_the_device():
@@ -211,25 +195,7 @@ def test_param_groups_and_amsgrad_step_on_the_host_as_on_the_device():
                                   {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": 3e-3}],
                                  lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)
 
-    def run(offload):
-        with torch.device("meta"):
-            model = Transformer(CFG)
-        model, optimizer = paratrain.parallelize(model, paratrain.init_mesh(), optimizer=factory,
-                                                 data=paratrain.DataParallel(offload=offload),
-                                                 init=functools.partial(Transformer(CFG).param_init, seed=0))
-        g, losses = torch.Generator().manual_seed(0), []
-        for _ in range(3):
-            t = torch.randint(0, CFG.vocab_size, (2, 33), generator=g)
-            loss = model.loss_fn(model(t[:, :-1]), t[:, 1:]) / t[:, 1:].numel()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        state = optimizer.state_dict()["state"]
-        torch.distributed.destroy_process_group()
-        return losses, state, model.offload
-
-    (plain, plain_state, _), (losses, state, host) = run(None), run("optimizer")
+    (plain, plain_state, _), (losses, state, host) = (_user_loop(offload, factory, 3) for offload in (None, "optimizer"))
     assert host.overlapped and losses == plain
     assert all(torch.equal(plain_state[k]["max_exp_avg_sq"], state[k]["max_exp_avg_sq"]) for k in plain_state)
 
