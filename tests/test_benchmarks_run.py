@@ -140,3 +140,26 @@ def test_bench_offload_dry_run_on_cpu_writes_every_row(tmp_path):
     assert [r["threads"] for r in data["adamw"]][0] == 1 and all(r["gb_per_s"] > 0 for r in data["adamw"])
     assert [r["offload"] for r in data["steps"]] == ["none", "optimizer"]
     assert all(r["predicted_s"] > 0 and r["median_s"] > 0 for r in data["steps"])
+
+
+def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_path):
+    """The FP8 convergence benchmark, small on the CPU: every recipe runs for every seed, its difference from bf16
+    of the same seed is summarized with its spread and a verdict, and both files are written."""
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_fp8_convergence.py"
+    result = subprocess.run([sys.executable, str(script), "--seeds", "2", "--steps", "3", "--batch", "2", "--seq", "32",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("fp8-convergence-*.json")
+    text = path.with_suffix(".md").read_text()
+    data = json.loads(path.read_text())
+    recipes = data["result"]["recipes"]
+    assert list(recipes) == ["tensorwise", "rowwise", "bf16-accum2"]
+    assert sorted((r["recipe"], r["seed"]) for r in data["runs"]) == sorted(
+        (name, seed) for name in ("bf16", *recipes) for seed in (0, 1))
+    assert all(len(r["losses"]) == 3 for r in data["runs"])
+    for name, s in recipes.items():
+        assert s["n"] == 2 and s["min"] <= s["mean"] <= s["max"] and s["se"] == pytest.approx(s["std"] / 2**0.5)
+        assert f"| {name} | 2 |" in text
+    verdicts = [line.split(" | ")[8] for line in text.splitlines() if line.startswith(("| tensorwise |", "| rowwise |"))]
+    assert verdicts == ["PASS", "PASS"]  # three steps from the same start: differences of a few thousandths
+    assert data["meta"]["cpu_capability"] and "seed-to-seed std" in text
