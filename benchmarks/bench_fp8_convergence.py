@@ -3,6 +3,8 @@
     python benchmarks/bench_fp8_convergence.py              # 8 seeds x 100 steps of tiny, ~35 min on 2 quiet cores
     ATEN_CPU_CAPABILITY=default python benchmarks/bench_fp8_convergence.py   # on torch's plain CPU kernels
     python benchmarks/bench_fp8_convergence.py --seeds 2 --steps 3 --batch 2 --seq 32   # a dry run
+    python benchmarks/bench_fp8_convergence.py --first-seed 8 --recipes tensorwise --include results/fp8-....json
+                                                            # 8 more seeds of one recipe, reported with the earlier
 
 The bar FP8 training is held to: a hundred steps of the tiny model with every block linear in FP8 end within 0.05
 nats of bf16 alone, the metric being the mean of the last ten step losses. One run cannot show it: a run's last-ten mean moves
@@ -16,8 +18,9 @@ The control recipe `bf16-accum2` is bf16 again with each step's batch in two mic
 same loss, only the summation order of the gradients changes. Its differences are the trajectory noise a change of
 rounding alone produces, the scale against which FP8's differences are read; bf16's own seed-to-seed spread is
 reported too. Every run is `paratrain.cli.main` in this process, one rank, its output kept out of the way (one line
-per run instead). Writes benchmarks/results/fp8-convergence-<time>.md and .json (every run's step losses kept) with
-the machine, its load, the torch version and the CPU kernel path (ATEN_CPU_CAPABILITY when set).
+per run instead). Writes benchmarks/results/fp8-convergence-<time>.md and .json (every run's step losses kept, the
+included runs too) with the machine, its load, the torch version and the CPU kernel path (ATEN_CPU_CAPABILITY when
+set).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import json
 import math
 import os
 import shutil
@@ -92,7 +96,7 @@ def verdict(recipe: str, s: dict) -> str:
 
 
 def analyse(runs: list[dict], recipes: list[str], bar: float) -> dict:
-    """Per seed, each recipe's difference from bf16 of the same seed; over seeds, their summary."""
+    """Per seed, each recipe's difference from bf16 of the same seed; over the seeds a recipe ran, their summary."""
     by = {(r["recipe"], r["seed"]): r for r in runs}
     seeds = sorted({r["seed"] for r in runs})
     reference = [by[REFERENCE, s]["last_mean"] for s in seeds]
@@ -100,13 +104,14 @@ def analyse(runs: list[dict], recipes: list[str], bar: float) -> dict:
         "mean": statistics.mean(reference), "seed_std": statistics.stdev(reference) if len(seeds) > 1 else math.nan,
         "min": min(reference), "max": max(reference)}, "recipes": {}}
     for recipe in recipes:
-        diffs = [by[recipe, s]["last_mean"] - by[REFERENCE, s]["last_mean"] for s in seeds]
+        ran = [s for s in seeds if (recipe, s) in by]
+        diffs = [by[recipe, s]["last_mean"] - by[REFERENCE, s]["last_mean"] for s in ran]
         summary = summarize(diffs, bar)
-        summary["diffs"] = diffs
-        evals = [(by[recipe, s]["eval_loss"], by[REFERENCE, s]["eval_loss"]) for s in seeds]
+        summary["seeds"], summary["diffs"] = ran, diffs
+        evals = [(by[recipe, s]["eval_loss"], by[REFERENCE, s]["eval_loss"]) for s in ran]
         if all(a is not None and b is not None for a, b in evals):
             summary["eval_diff_mean"] = statistics.mean(a - b for a, b in evals)
-        summary["seconds_mean"] = statistics.mean(by[recipe, s]["seconds"] for s in seeds)
+        summary["seconds_mean"] = statistics.mean(by[recipe, s]["seconds"] for s in ran)
         result["recipes"][recipe] = summary
     result["reference"]["seconds_mean"] = statistics.mean(by[REFERENCE, s]["seconds"] for s in seeds)
     return result
@@ -123,6 +128,10 @@ def report(meta: dict, args, runs: list[dict], result: dict) -> str:
              f"Model {args.model}, {args.steps} steps of {args.batch} x {args.seq} tokens, --precision bf16, seeds "
              f"{', '.join(map(str, result['seeds']))}. Metric: the mean of the last {last} step losses; "
              f"difference = recipe - bf16 of the same seed. Bar: |mean difference| <= {args.bar} nats.", "",
+             *[f"With the runs of {inc['file']} (seeds {', '.join(map(str, inc['seeds']))}; {inc['date']}, "
+               f"{inc['wall_s'] / 60:.1f} min; CPU kernel path {inc['cpu_capability']}, ATEN_CPU_CAPABILITY "
+               f"{inc['aten_cpu_capability'] or 'not set'}): every difference is between runs of one seed, made on "
+               f"one path." for inc in meta["included"]], *([""] if meta["included"] else []),
              "| recipe | n seeds | mean diff | std | SE | 95% interval (mean +- 2 SE) | min | max | verdict | "
              "interval inside the bar | mean eval-loss diff | s per run |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -139,8 +148,10 @@ def report(meta: dict, args, runs: list[dict], result: dict) -> str:
               f"## Per seed (last-{last} mean; differences from bf16)", "",
               "| seed | bf16 | " + " | ".join(recipes) + " |", "| --- " * (len(recipes) + 2) + "|"]
     by = {(r["recipe"], r["seed"]): r for r in runs}
-    for i, seed in enumerate(result["seeds"]):
-        cells = [f"{by[recipe, seed]['last_mean']:.4f} ({recipes[recipe]['diffs'][i]:+.4f})" for recipe in recipes]
+    for seed in result["seeds"]:
+        ref_mean = by[REFERENCE, seed]["last_mean"]
+        cells = [f"{by[recipe, seed]['last_mean']:.4f} ({by[recipe, seed]['last_mean'] - ref_mean:+.4f})"
+                 if (recipe, seed) in by else "-" for recipe in recipes]
         lines.append(f"| {seed} | {by[REFERENCE, seed]['last_mean']:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -157,13 +168,51 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--model", default="tiny", help="named model config")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES,
                         help="run beside bf16 for every seed")
+    parser.add_argument("--include", nargs="+", default=[], metavar="JSON",
+                        help="earlier results of this benchmark (same model, steps, batch, seq and CPU kernel path) "
+                             "whose runs join this one's: more seeds without running the first ones again; with "
+                             "--seeds 0 only their joint report is written")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = parser.parse_args(argv)
-    if args.seeds < 2:
-        parser.error("--seeds: at least 2, for a spread")
+    if args.seeds < (0 if args.include else 2):
+        parser.error("--seeds: at least 2, for a spread (0 with --include: only the joint report)")
     if CONTROL in args.recipes and (args.batch < 2 or args.batch % 2):
         parser.error(f"--batch: an even number of at least 2 for {CONTROL} (or leave it out of --recipes)")
     return args
+
+
+SAME = ("model", "steps", "batch", "seq")  # the settings runs must share to be compared
+
+
+def included_runs(paths: list[str], args, meta: dict) -> tuple[list[dict], list[dict]]:
+    """The runs of earlier results that join this invocation's (their metric recomputed with --last), and a line of
+    facts on each file; a file of other settings or torch, or a run twice: one-line exit. The CPU kernel path may
+    differ: a seed's runs are all made by one invocation, so every difference is taken between runs on one path
+    (a path moves single runs, not the expected difference), and the report names each file's path."""
+    runs, facts = [], []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            earlier, their_runs = data["meta"], data["runs"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"--include {path}: not a result of this benchmark ({exc})") from None
+        for key in SAME:
+            if earlier["args"][key] != getattr(args, key):
+                raise SystemExit(f"--include {path}: its --{key} is {earlier['args'][key]}, this run's "
+                                 f"{getattr(args, key)}; runs of other settings do not compare")
+        if earlier["machine"]["torch"] != meta["machine"]["torch"]:
+            raise SystemExit(f"--include {path}: torch {earlier['machine']['torch']}, this run's "
+                             f"{meta['machine']['torch']}")
+        for run in their_runs:
+            if any((r["recipe"], r["seed"]) == (run["recipe"], run["seed"]) for r in runs):
+                raise SystemExit(f"--include {path}: {run['recipe']} seed {run['seed']} is in an earlier --include "
+                                 f"too (a result holds the runs it included: include the newest alone)")
+            run["last_mean"] = statistics.mean(run["losses"][-args.last:])
+        runs += their_runs
+        facts.append({"file": Path(path).name, "date": earlier["date"], "wall_s": earlier["wall_s"],
+                      "seeds": sorted({r["seed"] for r in their_runs}), "cpu_capability": earlier["cpu_capability"],
+                      "aten_cpu_capability": earlier["aten_cpu_capability"]})
+    return runs, facts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "args": vars(args)}
+    runs, meta["included"] = included_runs(args.include, args, meta)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    runs, start = [], time.perf_counter()
+    twice = {(r["recipe"], r["seed"]) for r in runs} & {(name, s) for s in seeds for name in (REFERENCE, *args.recipes)}
+    if twice:
+        raise SystemExit(f"seed {min(twice)[1]} ran already in --include; start at a new --first-seed")
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for recipe in (REFERENCE, *args.recipes):
@@ -186,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"({run['seconds']:.0f} s; {(time.perf_counter() - start) / 60:.1f} min so far)", flush=True)
     meta["wall_s"] = time.perf_counter() - start
     meta["load_avg_end"] = os.getloadavg()
-    result = analyse(runs, args.recipes, args.bar)
+    if not any(r["recipe"] == REFERENCE for r in runs):
+        raise SystemExit("no bf16 runs to compare with")
+    result = analyse(runs, [name for name in RECIPES if any(r["recipe"] == name for r in runs)], args.bar)
     text = report(meta, args, runs, result)
     print(text)
     write_results(args.out, "fp8-convergence", now, text, {"meta": meta, "result": result, "runs": runs})

@@ -163,3 +163,19 @@ def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_p
     verdicts = [line.split(" | ")[8] for line in text.splitlines() if line.startswith(("| tensorwise |", "| rowwise |"))]
     assert verdicts == ["PASS", "PASS"]  # three steps from the same start: differences of a few thousandths
     assert data["meta"]["cpu_capability"] and "seed-to-seed std" in text
+
+    # more seeds of one recipe later, reported with the earlier ones; a seed run twice or other settings refused
+    dry = [sys.executable, str(script), "--steps", "3", "--batch", "2", "--out", str(tmp_path / "more")]
+    more = subprocess.run([*dry, "--seq", "32", "--first-seed", "2", "--seeds", "1", "--recipes", "tensorwise",
+                           "--include", str(path)], capture_output=True, text=True, timeout=300)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-2000:]
+    (joint,) = (tmp_path / "more").glob("fp8-convergence-*.json")
+    recipes = json.loads(joint.read_text())["result"]["recipes"]
+    assert [(name, s["n"], s["seeds"]) for name, s in recipes.items()] == [
+        ("tensorwise", 3, [0, 1, 2]), ("rowwise", 2, [0, 1]), ("bf16-accum2", 2, [0, 1])]
+    assert recipes["tensorwise"]["diffs"][:2] == data["result"]["recipes"]["tensorwise"]["diffs"]
+    assert "| 2 |" in joint.with_suffix(".md").read_text() and f"With the runs of {path.name}" in more.stdout
+    for extra, message in [(["--seq", "32", "--seeds", "1"], "seed 0 ran already in --include"),
+                           (["--seq", "16", "--seeds", "0"], "its --seq is 32, this run's 16")]:
+        refused = subprocess.run([*dry, *extra, "--include", str(path)], capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 1 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
