@@ -74,3 +74,22 @@ def test_a_shipped_recipe_is_valid_and_is_the_planners_choice(recipe, world, zer
     assert (best.dp, best.tp, best.pp, best.zero, best.micro_batch) == (dp, p.tp, p.pp, p.zero, t.micro_batch)
     assert best.recompute is Recompute.FULL and p.activation_checkpointing == 1
     assert estimate_memory(work, best).total <= hardware.memory_bytes
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_bf16_run_on_a_cpu_without_bf16_instructions_says_so_in_its_first_line(slow, monkeypatch, tmp_path, capsys):
+    """On an x86 CPU without AVX512-BF16 or AMX torch's bf16 matmuls take a reference kernel ~20x slower than fp32's:
+    the run's first line says so (and how to train faster); an fp32 run, or a CPU with the instructions, does not."""
+    from paratrain.cli import main
+    from paratrain.hardware import slow_bf16_matmuls
+    import paratrain.run.build as build
+
+    assert not slow_bf16_matmuls(torch.device("meta"))  # a claim about CPUs only
+    monkeypatch.setattr(build, "slow_bf16_matmuls", lambda device: slow and device.type == "cpu")
+    run = ["train", "--model", "tiny", "--steps", "1", "--seq-len", "32", "--global-batch", "1", "--eval-every", "0",
+           "--sample-tokens", "0", "--no-progress"]
+    for precision in ("bf16", "fp32"):
+        assert main([*run, "--precision", precision, "--out", str(tmp_path / precision)]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        said = "this CPU has no bf16 matrix instructions" in first and "--precision fp32 trains faster" in first
+        assert said == (slow and precision == "bf16"), first

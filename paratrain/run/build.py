@@ -29,7 +29,7 @@ from paratrain.data.prepare import is_prepared_dir
 from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
 from paratrain.faults import current_attempt
-from paratrain.hardware import device_peak_flops
+from paratrain.hardware import device_peak_flops, slow_bf16_matmuls
 from paratrain.peak_memory import ProcessPeak
 from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, unigram_entropy
@@ -171,6 +171,9 @@ def describe(run: Run) -> str:
             f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
             f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats"
             + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else "")
+            + ("; this CPU has no bf16 matrix instructions (AVX512-BF16, AMX): its bf16 matmuls run about 20x slower "
+               "than fp32's (--precision fp32 trains faster here)"
+               if p.precision == "bf16" and slow_bf16_matmuls(run.device) else "")
             + (f"; {'parameters and ' if p.offload == 'params' else ''}optimizer offloaded to host memory "
                f"({run.model.offload.host_bytes() / 1e9:.3g} GB per process before the optimizer's state)"
                if p.offload else ""))
