@@ -518,6 +518,7 @@ def check_fp8(device, steps: int) -> dict:
                     dequantized(dy, E4M3, 1, True) @ dequantized(w, E4M3, 0, True),
                     dequantized(dy.t(), E4M3, 1, True) @ dequantized(x, E4M3, 0, True))
         worst = max(rel(got, ref) for got, ref in zip((y, x.grad, w.grad), want))
+        same, reference = torchao_matches(recipe, x, w, dy, (y, x.grad, w.grad))
         data = batches(CHECK, steps, 8, 64, device)
         losses = {}
         for name in ("bf16", recipe):
@@ -533,10 +534,31 @@ def check_fp8(device, steps: int) -> dict:
                 optimizer.zero_grad()
                 losses[name].append(loss.item())
         diff = relative_difference(losses[recipe], losses["bf16"])
-        passed &= worst <= 1e-2 and diff <= 0.05 and len(converted) == CHECK.n_layers * 7
-        details.append(f"{recipe}: matmuls vs emulation {worst:.1e} (tol 1e-2), {len(converted)} linears, "
-                       f"loss vs bf16 {diff:.1e} (tol 0.05)")
+        passed &= worst <= 1e-2 and diff <= 0.05 and len(converted) == CHECK.n_layers * 7 and same is not False
+        details.append(f"{recipe}: matmuls vs emulation {worst:.1e} (tol 1e-2), {reference}, {len(converted)} "
+                       f"linears, loss vs bf16 {diff:.1e} (tol 0.05)")
     return {"passed": passed, "detail": "; ".join(details)}
+
+
+def torchao_matches(recipe: str, x, w, dy, ours) -> tuple[bool | None, str]:
+    """Whether torchao's Float8Linear (the reference implementation, where this image has it) computes the output
+    and both gradients of `x` · `w`ᵀ exactly as paratrain's FP8 linear did (`ours`), on this device's kernels;
+    None where torchao is not installed (the CPU suite holds the same equality on torch's emulated kernels)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None, "torchao not installed: not compared with it"
+    layer = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype))
+    with torch.no_grad():
+        layer[0].weight.copy_(w)
+    convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(recipe))
+    xx = x.detach().clone().requires_grad_()
+    y = layer(xx)
+    y.backward(dy)
+    theirs = (y, xx.grad, layer[0].weight.grad)
+    same = all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs))
+    return same, f"torchao's Float8Linear {'equal to the bit' if same else f'differs (max {worst:.1e})'}"
 
 
 def check_fp8_zero3(device, steps: int) -> dict:

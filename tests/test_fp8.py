@@ -240,8 +240,10 @@ def test_verify_runs_every_layout_against_one_fp8_process_on_its_micro_batches(c
     assert "28 linears compute in FP8 (tensorwise)" in out
 
 
-def _fp8_losses(cfg: ModelConfig, **options) -> list[float]:
-    """Four bf16 steps of `cfg` with FP8 tensorwise linears through `parallelize` on this one process."""
+def _fp8_losses(cfg: ModelConfig, recipe: str | None = "tensorwise", steps: int = 4, convert=None,
+                **options) -> list[float]:
+    """`steps` bf16 steps of `cfg` with FP8 linears (`recipe`) through `parallelize` on this one process; `convert`:
+    applied to the model (on the meta device) before."""
     import functools
 
     import paratrain
@@ -249,15 +251,33 @@ def _fp8_losses(cfg: ModelConfig, **options) -> list[float]:
 
     with torch.device("meta"):
         model = Transformer(cfg)
+    if convert is not None:
+        convert(model)
     model, optimizer = paratrain.parallelize(
         model, paratrain.init_mesh(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), precision="bf16",
-        fp8="tensorwise", init=functools.partial(Transformer(cfg).param_init, seed=0), **options)
+        fp8=recipe, init=functools.partial(Transformer(cfg).param_init, seed=0), **options)
     g = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(4):
+    for _ in range(steps):
         tokens = torch.randint(0, cfg.vocab_size, (4, 33), generator=g)
         losses.append(train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], 1.0).loss)
     return losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_training_with_fp8_equals_training_with_torchaos_float8_linears_loss_for_loss(recipe):
+    """The reference model's blocks converted by torchao and trained in bf16 through `parallelize` without `fp8`, and
+    `parallelize(fp8=recipe)`: the same losses, to the bit, over six AdamW steps (so the same gradients, the same
+    casts of updated weights, the same scales: each divided as torchao divides it)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from paratrain.parallel.blocks import unit_modules
+
+    def theirs(model):
+        for _, block in unit_modules(model, "blocks"):
+            convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name(recipe))
+
+    assert _fp8_losses(CFG, recipe=recipe, steps=6) == _fp8_losses(CFG, recipe=None, steps=6, convert=theirs)
 
 
 def test_recomputed_and_compiled_blocks_cast_as_their_forward_did():

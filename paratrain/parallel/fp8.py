@@ -85,8 +85,12 @@ def scale_of(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 scale(s) that map `amax` onto `dtype`'s largest value (an all-zero tensor: fmax / eps)."""
-    return torch.finfo(dtype).max / amax.float().clamp(min=_EPS)
+    """The fp32 scale(s) that map `amax` onto `dtype`'s largest value (an all-zero tensor: fmax / eps).
+
+    Divided in float64 and rounded once to fp32, as torchao does: torch computes `number / fp32 tensor` as a
+    reciprocal and a product, two roundings, which lands an ulp off the quotient for some amaxes (448 / 3.703125:
+    120.978897 instead of 120.978905), and a compiled graph may divide otherwise than eager does."""
+    return (torch.finfo(dtype).max / amax.double().clamp(min=_EPS)).float()
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
