@@ -316,6 +316,8 @@ def format_memory(memory: MemoryBreakdown, limit: float | None = None) -> str:
              f"{_gb(memory.master_weights)} + Adam moments {_gb(memory.adam_moments)}",
              f"  activations        {_gb(memory.activations):>12}",
              f"  comm_buffers       {_gb(memory.comm_buffers):>12}",
+             *([f"  fp8 weight casts   {_gb(memory.fp8_casts):>12}   = 1 byte per FP8 weight, cast once per step"]
+               if memory.fp8_casts else []),
              f"  total              {_gb(memory.total):>12}"]
     if limit is not None:
         verdict = "fits in" if memory.total <= limit else "does NOT fit in"

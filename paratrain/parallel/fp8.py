@@ -96,7 +96,9 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` · `scale` in `dtype`, saturated at its largest finite value."""
     limit = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+    # one fp32 copy, scaled and saturated in place: 4 bytes per element at the cast's peak instead of 8 in eager
+    # (a compiled graph fuses the three into one pass either way)
+    return x.to(torch.float32, copy=True).mul_(scale).clamp_(-limit, limit).to(dtype)
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:

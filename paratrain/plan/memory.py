@@ -328,6 +328,7 @@ class MemoryBreakdown:
     backward_tail: float = 0.0  # activations still alive when the last gradient is made (a recomputed layer)
     gathered_params: float = 0.0  # the part of comm_buffers alive as backward begins (ZeRO-3's gathered units)
     host: float = 0.0  # host memory of the offloaded optimizer (`Layout.offload`), not in `total`
+    fp8_casts: float = 0.0  # the step's tensorwise FP8 weight casts (`fp8_cast_bytes`), alive through the step
 
     @property
     def optimizer_state(self) -> float:
@@ -339,7 +340,7 @@ class MemoryBreakdown:
         """The peak: everything at once, or, where the gradients are born as backward frees the activations,
         the larger of the two moments: backward beginning (activations, no gradient) and ending (every
         gradient, the activations of `backward_tail`)."""
-        resident = self.params + self.optimizer_state
+        resident = self.params + self.optimizer_state + self.fp8_casts
         if self.gradients_meet_activations:
             return resident + self.comm_buffers + self.grads + self.activations
         return resident + max(self.activations + self.gathered_params,
@@ -348,7 +349,7 @@ class MemoryBreakdown:
     def as_dict(self) -> dict[str, int | bool]:
         """Integer bytes per kind (JSON-ready); `optimizer_state` includes `master_weights`."""
         keys = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "total",
-                "master_weights", "adam_moments", "host")
+                "master_weights", "adam_moments", "host", "fp8_casts")
         out: dict[str, int | bool] = {key: int(round(getattr(self, key))) for key in keys}
         out["stage"] = self.stage
         out["model_states_only"] = self.model_states_only
@@ -460,6 +461,21 @@ def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelS
     return _add(dense, model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype, lay.offload))
 
 
+def fp8_cast_bytes(workload: Workload, layout: Layout, stage: int) -> float:
+    """The tensorwise FP8 casts of the weights one rank of `stage` holds through a step under ZeRO-0..2: 1 byte per
+    converted weight element, cast at the step's first forward and kept until the optimizer step
+    (`paratrain.parallel.fp8.Fp8Casts`; each is saved for the backward in any case). ZeRO-3 gathers the casts
+    unit by unit instead (its gathers count them); rowwise casts each operand along its matmul's reduction and
+    keeps none (measured: its step peaks are bf16's)."""
+    if workload.fp8 != "tensorwise" or layout.zero >= 3 or workload.model is None:
+        return 0.0
+    from paratrain.plan.ops import Shape, fp8_weight_params
+
+    x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
+                 workload.precision, True, fp8="tensorwise")
+    return layers_on_stage(workload.model.n_layers, layout.pp, stage) * fp8_weight_params(x)
+
+
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     """Memory of one rank of pipeline stage `stage`."""
     psi = stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
@@ -472,6 +488,7 @@ def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakd
         gathered_params=gathered,
         gradients_meet_activations=workload.model is None or gradients_meet_activations(workload, layout),
         backward_tail=recompute_working_bytes(workload, layout), host=states.host,
+        fp8_casts=fp8_cast_bytes(workload, layout, stage),
     )
 
 
