@@ -27,7 +27,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Mapping
 
-from paratrain.plan.memory import PlanError
+from paratrain.plan.errors import PlanError
 
 PROFILE_FORMAT = 1  # version of the JSON layout of a hardware profile
 # Where `paratrain plan --calibrate` writes its profile unless --out says otherwise, and where

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from paratrain.errors import ParatrainError
 from paratrain.models.configs import ModelConfig
 from paratrain.parallel.pipeline.schedules import ScheduleName, chunks_per_rank
 from paratrain.parallel.pipeline.simulator import ScheduleTraits, traits_of
@@ -37,14 +36,11 @@ from paratrain.plan.activations import (
     loss_backward_bytes,
 )
 from paratrain.plan.buffers import comm_buffer_parts
+from paratrain.plan.errors import PlanError  # (raised here, and named by the planner's callers from here)
 from paratrain.plan.ring import ring_in_flight_bytes
 
 GB = 10**9
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb, and paratrain's bucket_mb
-
-
-class PlanError(ParatrainError, ValueError):
-    """Bad input to the planner; the message names the field and the fix."""
 
 
 class LayoutError(PlanError):

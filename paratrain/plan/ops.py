@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from paratrain.models.configs import ModelConfig
 from paratrain.plan.hardware import Elementwise, Hardware, KernelStack
 from paratrain.plan import moe
-from paratrain.plan.memory import Recompute
+from paratrain.parallel.rules import Recompute
 from paratrain.plan.model_states import DTYPE_BYTES
 
 BACKWARD_MEMORY_FACTOR = 2.0  # element-wise backward reads the saved input and the gradient, writes one
