@@ -87,3 +87,42 @@ def test_zero3_gathers_the_tensorwise_linears_weights_in_one_byte():
     m = 2 * 16 // (8 * 2)  # gathers per unit and step: forward and backward, each micro-batch
     assert gathered(None) - gathered("tensorwise") == pytest.approx(linears * m, rel=1e-9)
     assert gathered("rowwise") == gathered(None) and gathered("tensorwise", tp=2) == gathered(None, tp=2)
+
+
+def test_the_planner_keeps_in_bf16_the_linears_the_cuda_size_filter_keeps():
+    """On CUDA `parallelize` converts only linears with at least 1,024 in and out features (the whole layer's,
+    under any tp): the planner prices the same ones in FP8. The 1B's K and V projections (2048 -> 512) stay bf16,
+    under tp too; with the filter off (a CPU run, or fp8_min_features=0) they convert."""
+    from paratrain.parallel.fp8 import CUDA_MIN_FEATURES
+
+    one_b = get_model_config("llama3.2-1b")
+    assert one_b.n_kv_heads * one_b.head_dim < CUDA_MIN_FEATURES <= one_b.dim
+    for tp in (1, 2):
+        x = Shape.of(one_b, 2, 2048, tp, False, "bf16", True, KernelStack.FUSED, fp8="tensorwise",
+                     fp8_min_features=CUDA_MIN_FEATURES)
+        q, kv, o, up, down = block_gemms(x)
+        assert fp8_gemms(x) == [q, o, up, down]
+        unfiltered = Shape.of(one_b, 2, 2048, tp, False, "bf16", True, KernelStack.FUSED, fp8="tensorwise")
+        assert fp8_gemms(unfiltered) == [q, kv, o, up, down]
+    assert Workload(model=one_b, num_params=one_b.num_params()).fp8_min_features == CUDA_MIN_FEATURES
+    workload = Workload.for_model(one_b, seq_len=2048, global_batch=8, precision="bf16", fp8="tensorwise")
+    layout = Layout(dp=1, zero=0, micro_batch=2)
+    filtered = estimate(workload, layout, H200)
+    everything = estimate(dataclasses.replace(workload, fp8_min_features=0), layout, H200)
+    assert everything.memory.fp8_casts - filtered.memory.fp8_casts == pytest.approx(
+        one_b.n_layers * 2 * one_b.dim * one_b.n_kv_heads * one_b.head_dim)  # K and V's 1-byte casts
+    assert everything.time.total != filtered.time.total
+
+
+def test_plan_prices_the_size_filter_it_is_told(capsys):
+    from paratrain.cli import main
+
+    casts = []
+    for extra in ([], ["--fp8-min-features", "0"]):
+        assert main(["plan", "--model", "llama3.2-1b", "--dp", "1", "--micro-batch", "2", "--global-batch", "2",
+                     "--seq-len", "2048", "--fp8", "tensorwise", "--hardware", "h200", *extra]) == 0
+        line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("fp8 weight casts"))
+        casts.append(float(line.split()[3]))
+    one_b = get_model_config("llama3.2-1b")
+    kv = one_b.n_layers * 2 * one_b.dim * one_b.n_kv_heads * one_b.head_dim  # K and V's weights: FP8 only at 0
+    assert casts[0] > 0 and casts[1] - casts[0] == pytest.approx(kv / 1e9, abs=0.006)  # (the table's 2 decimals)

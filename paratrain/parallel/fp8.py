@@ -36,14 +36,13 @@ from torch import nn
 
 from paratrain.errors import ParatrainError
 from paratrain.parallel.blocks import unit_modules
+from paratrain.parallel.rules import FP8_CUDA_MIN_FEATURES
 
 RECIPES = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _TILE = 16  # the FP8 kernels' dimensions are multiples of this
 _EPS = 1e-12  # an all-zero tensor scales by fmax / eps: its cast is zeros, as it should be
-# On CUDA, linears with fewer input or output features than this stay in the compute dtype: the three casts
-# per matmul cost memory traffic that a small matmul's faster FP8 throughput does not repay.
-CUDA_MIN_FEATURES = 1024
+CUDA_MIN_FEATURES = FP8_CUDA_MIN_FEATURES  # on CUDA smaller linears stay in the compute dtype (rules.py says why)
 
 
 class Fp8Error(ParatrainError, ValueError):

@@ -36,6 +36,10 @@ from paratrain.errors import ParatrainError, Violation
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName, schedule_violations
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0: DDP; 1: + optimizer state sharded; 2: + gradients; 3: + parameters
+# With fp8 on CUDA, block linears with fewer input or output features than this stay in the compute dtype: the
+# three casts per matmul cost memory traffic that a small matmul's faster FP8 throughput does not repay
+# (`paratrain.parallel.fp8.convertible` applies it, the planner prices it; here so the planner needs no torch).
+FP8_CUDA_MIN_FEATURES = 1024
 
 
 class Recompute(str, Enum):

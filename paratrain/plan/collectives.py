@@ -139,7 +139,8 @@ def _fp8_gathered_params(workload: Workload, layout: Layout, stage: int) -> floa
         return 0.0
     from paratrain.plan.ops import Shape, fp8_weight_params
 
-    x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, 1, False, workload.precision, True, fp8="tensorwise")
+    x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, 1, False, workload.precision, True,
+                 fp8="tensorwise", fp8_min_features=workload.fp8_min_features)
     return layers_on_stage(workload.model.n_layers, layout.pp, stage) * fp8_weight_params(x)
 
 

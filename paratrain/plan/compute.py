@@ -153,7 +153,7 @@ def _block(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[Shap
         return None
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
                  workload.precision, workload.flash_attention, kernel_stack(layout), layout.cp, layout.ep,
-                 workload.moe_imbalance, workload.fp8)
+                 workload.moe_imbalance, workload.fp8, workload.fp8_min_features)
     if workload.fp8 and not hardware.peak_fp8:
         raise PlanError(f"--fp8 {workload.fp8}: hardware {hardware.name!r} has no FP8 matmuls (peak_fp8 0: an A100, a "
                         f"CPU, a profile that did not measure them); plan it on h100-80gb or h200")

@@ -19,7 +19,7 @@ from enum import Enum
 from paratrain.models.configs import ModelConfig
 from paratrain.parallel.pipeline.schedules import ScheduleName, chunks_per_rank
 from paratrain.parallel.pipeline.simulator import ScheduleTraits, traits_of
-from paratrain.parallel.rules import ZERO_STAGES, spelled
+from paratrain.parallel.rules import FP8_CUDA_MIN_FEATURES, ZERO_STAGES, spelled
 from paratrain.plan.model_states import (
     DTYPE_BYTES,
     ModelStates,
@@ -100,7 +100,10 @@ class Workload:
             a GPT block, and Megatron's selective recompute of attention's core only
             (`layer_activation_bytes`).
         fp8: None, or the FP8 recipe ("tensorwise", "rowwise") of the blocks' linears: their matmuls at the
-            hardware's FP8 rate, plus their casts (`paratrain.plan.ops.fp8_times`); memory as bf16.
+            hardware's FP8 rate, plus their casts (`paratrain.plan.ops.fp8_times`); memory as bf16 plus the
+            step's tensorwise weight casts (`fp8_cast_bytes`).
+        fp8_min_features: linears with fewer whole-layer in or out features stay in the compute dtype, as
+            `parallelize(fp8_min_features=...)` keeps them (the default: its CUDA default, 1,024; a CPU run: 0).
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -115,6 +118,7 @@ class Workload:
     flash_attention: bool = True
     moe_imbalance: float = moe.DEFAULT_IMBALANCE
     fp8: str | None = None
+    fp8_min_features: int = FP8_CUDA_MIN_FEATURES
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")
@@ -468,7 +472,7 @@ def fp8_cast_bytes(workload: Workload, layout: Layout, stage: int) -> float:
     from paratrain.plan.ops import Shape, fp8_weight_params
 
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
-                 workload.precision, True, fp8="tensorwise")
+                 workload.precision, True, fp8="tensorwise", fp8_min_features=workload.fp8_min_features)
     return layers_on_stage(workload.model.n_layers, layout.pp, stage) * fp8_weight_params(x)
 
 

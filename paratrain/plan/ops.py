@@ -128,11 +128,13 @@ class Shape:
     shared_ffn: int = 0  # f of the shared expert, 0 without one
     ring_steps: int = 1  # cp: the attention core runs as this many kernel calls (paratrain's ring)
     fp8: str | None = None  # the FP8 recipe of the block's linears (`paratrain.parallel.fp8`), None: the dtype's
+    fp8_min_features: int = 0  # linears with fewer whole-layer in or out features stay in the dtype (`fp8_gemms`)
+    tp: int = 1  # the tensor-parallel degree the widths above are divided by
 
     @classmethod
     def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
            precision: str, flash: bool, kernels: KernelStack = KernelStack.EAGER, cp: int = 1, ep: int = 1,
-           imbalance: float = moe.DEFAULT_IMBALANCE, fp8: str | None = None) -> Shape:
+           imbalance: float = moe.DEFAULT_IMBALANCE, fp8: str | None = None, fp8_min_features: int = 0) -> Shape:
         """Under context parallelism (cp > 1) the rank holds s/cp tokens of each sequence and its queries
         meet all s keys, block by block in paratrain's ring (`paratrain.parallel.context.ring`): one fused
         kernel call per block on its unmasked part, so a flash kernel's causal half, in cp calls.
@@ -150,7 +152,8 @@ class Shape:
                              q_width=model.n_heads * e / tp, kv_width=model.n_kv_heads * e / tp, ffn=model.ffn_dim / tp,
                              local_heads=model.n_heads / tp, head_dim=e, vocab=model.vocab_size / tp,
                              residual=model.dim / tp if sequence_parallel else float(model.dim), dtype=precision,
-                             flash=flash, kernels=KernelStack(kernels), ring_steps=cp, fp8=fp8), **routing})
+                             flash=flash, kernels=KernelStack(kernels), ring_steps=cp, fp8=fp8,
+                             fp8_min_features=fp8_min_features, tp=tp), **routing})
 
     @property
     def itemsize(self) -> int:
@@ -286,11 +289,21 @@ def _ring_merge_seconds(hw: Hardware, x: Shape, backward: bool) -> float:
 
 def fp8_gemms(x: Shape) -> list[Gemm]:
     """The block's matmuls that run in FP8 under `x.fp8`: the attention projections and the dense (or shared
-    expert's) MLP, the linears `paratrain.parallel.fp8` converts; a MoE's router and grouped experts stay."""
+    expert's) MLP, the linears `paratrain.parallel.fp8` converts; a MoE's router and grouped experts stay, and so
+    does a linear whose whole layer has fewer than `x.fp8_min_features` in or out features (the runtime's size
+    filter, `paratrain.parallel.fp8.convertible`: on CUDA 1,024 by default)."""
     if not x.fp8:
         return []
     gemms = block_gemms(x)
-    return gemms if not x.experts else gemms[:3] + gemms[6:]  # without the router and the two expert matmuls
+    linears = gemms if not x.experts else gemms[:3] + gemms[6:]  # without the router and the two expert matmuls
+    return [g for g in linears if _whole_features(x, g) >= x.fp8_min_features]
+
+
+def _whole_features(x: Shape, gemm: Gemm) -> float:
+    """The smaller of a block linear's whole in and out features: one of its matmul's n and k is the hidden width,
+    never split; the other is the rank's 1/tp of the layer's (column- or row-parallel)."""
+    other = gemm.k if gemm.n == x.hidden else gemm.n
+    return min(x.hidden, other * x.tp)
 
 
 def fp8_weight_params(x: Shape) -> float:
