@@ -169,7 +169,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES,
                         help="run beside bf16 for every seed")
     parser.add_argument("--include", nargs="+", default=[], metavar="JSON",
-                        help="earlier results of this benchmark (same model, steps, batch, seq and CPU kernel path) "
+                        help="earlier results of this benchmark (same model, steps, batch, seq and torch) "
                              "whose runs join this one's: more seeds without running the first ones again; with "
                              "--seeds 0 only their joint report is written")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")

@@ -28,6 +28,7 @@ from paratrain.plan.memory import (
     Workload,
     stage_dense_params,
     stage_expert_params,
+    stage_fp8_weights,
 )
 from paratrain.plan.model_states import layers_on_stage
 from paratrain.plan.ring import ring_kv_block_bytes
@@ -135,13 +136,7 @@ def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
 def _fp8_gathered_params(workload: Workload, layout: Layout, stage: int) -> float:
     """Parameters ZeRO-3 gathers as their 1-byte FP8 casts on a rank of `stage`: tensorwise FP8 linears' weights
     outside tensor parallelism (`paratrain.parallel.fp8.gathers_fp8`)."""
-    if workload.fp8 != "tensorwise" or layout.tp > 1 or workload.model is None:
-        return 0.0
-    from paratrain.plan.ops import Shape, fp8_weight_params
-
-    x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, 1, False, workload.precision, True,
-                 fp8="tensorwise", fp8_min_features=workload.fp8_min_features)
-    return layers_on_stage(workload.model.n_layers, layout.pp, stage) * fp8_weight_params(x)
+    return stage_fp8_weights(workload, layout, stage) if layout.tp == 1 else 0.0
 
 
 def _zero3_units(workload: Workload, layout: Layout, stage: int) -> int:

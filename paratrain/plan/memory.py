@@ -36,6 +36,7 @@ from paratrain.plan.activations import (
     loss_backward_bytes,
 )
 from paratrain.plan.buffers import comm_buffer_parts
+from paratrain.plan.ops import Shape, fp8_weight_params
 from paratrain.plan.errors import PlanError  # (raised here, and named by the planner's callers from here)
 from paratrain.plan.ring import ring_in_flight_bytes
 
@@ -461,19 +462,20 @@ def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelS
     return _add(dense, model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype, lay.offload))
 
 
-def fp8_cast_bytes(workload: Workload, layout: Layout, stage: int) -> float:
-    """The tensorwise FP8 casts of the weights one rank of `stage` holds through a step under ZeRO-0..2: 1 byte per
-    converted weight element, cast at the step's first forward and kept until the optimizer step
-    (`paratrain.parallel.fp8.Fp8Casts`; each is saved for the backward in any case). ZeRO-3 gathers the casts
-    unit by unit instead (its gathers count them); rowwise casts each operand along its matmul's reduction and
-    keeps none (measured: its step peaks are bf16's)."""
-    if workload.fp8 != "tensorwise" or layout.zero >= 3 or workload.model is None:
+def stage_fp8_weights(workload: Workload, layout: Layout, stage: int) -> float:
+    """Weight elements one rank of `stage` holds in tensorwise FP8 linears (the ones the run converts); else 0."""
+    if workload.fp8 != "tensorwise" or workload.model is None:
         return 0.0
-    from paratrain.plan.ops import Shape, fp8_weight_params
-
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
                  workload.precision, True, fp8="tensorwise", fp8_min_features=workload.fp8_min_features)
     return layers_on_stage(workload.model.n_layers, layout.pp, stage) * fp8_weight_params(x)
+
+
+def fp8_cast_bytes(workload: Workload, layout: Layout, stage: int) -> float:
+    """Tensorwise FP8 weight casts one rank of `stage` holds through a step under ZeRO-0..2: 1 byte per converted
+    weight, cast at the step's first forward, kept to the optimizer step (`paratrain.parallel.fp8.Fp8Casts`; saved
+    for the backward anyway). ZeRO-3 gathers the casts unit by unit (its gathers count them); rowwise keeps none."""
+    return stage_fp8_weights(workload, layout, stage) if layout.zero < 3 else 0.0
 
 
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
