@@ -220,6 +220,55 @@ def fused_optimizer_devices() -> Iterable[str]:
     return _foreach_utils._get_fused_kernels_supported_devices()
 
 
+def has_init_group(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` has torch's private `_init_group`: the lazy state initialization of Adam and AdamW
+    (moments, step counts) that also gathers the lists their functional kernel takes. The offloaded host step
+    calls it so the state it creates is the state `optimizer.step()` would have created."""
+    return hasattr(optimizer, "_init_group")
+
+
+def init_group(optimizer: torch.optim.Optimizer, group: dict, *lists: list) -> bool:
+    """`optimizer._init_group(group, *lists)`: fills `lists` (parameters, gradients, moments, ..., step counts)
+    for one parameter group, creating missing state as torch's own step does; returns whether any is complex."""
+    return optimizer._init_group(group, *lists)
+
+
+def steps_with_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` reads torch's private `grad_scale` and `found_inf` (the flag fused Adam and
+    AdamW set, `_step_supports_amp_scaling`): they then divide each gradient by the scale as they read it."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+# -- FP8 matmuls ----------------------------------------------------------------------------------------
+
+def has_scaled_mm() -> bool:
+    """Whether this torch has `torch._scaled_mm` (private: the FP8 GEMM torchao's Float8Linear calls too)."""
+    return hasattr(torch, "_scaled_mm")
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """`torch._scaled_mm`: a · b of FP8 operands (a row-major, b column-major), each multiplied back by its
+    dequantizing scale (per tensor, or per row of a / column of b), the result in `out_dtype`."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+# -- CUDA memory history -------------------------------------------------------------------------------
+
+def record_memory_history(max_entries: int | None) -> None:
+    """Start (a number of entries) or stop (None) recording CUDA allocations with their stacks: torch's private
+    `torch.cuda.memory._record_memory_history`, the recorder behind PyTorch's memory visualizer."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the recorded allocations as the visualizer's snapshot file (`torch.cuda.memory._dump_snapshot`)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
 # -- the flight recorder ------------------------------------------------------------------------------
 
 def flight_record_json() -> bytes:

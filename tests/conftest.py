@@ -4,6 +4,9 @@ import getpass
 import os
 import tempfile
 
+# The `multirank` mark, derived from each test's code and checked as it runs (tests/process_marks.py).
+pytest_plugins = ["process_marks"]
+
 # Inductor's on-disk caches (generated C++, its compile flags, precompiled headers) are keyed without the CPU kernel
 # path ATEN_CPU_CAPABILITY picks: a suite run under `default` after one under avx512 reuses vectorized code and
 # compiles it without the vector flags ("'at::vec' has not been declared"). One cache per path keeps the reuse

@@ -166,14 +166,32 @@ def test_no_module_re_exports_another_modules_names():
     assert len(files) > 100 and shims == []
 
 
-LINE_LIMIT = 500  # a module is read top to bottom in one sitting (DESIGN.md)
+# A module is organised by what belongs together, read top to bottom in one sitting: about 600 lines is the guide
+# (docs/architecture.md), and a cohesive module may pass it; a split made only to fit a number is worse than a long
+# file. The ceiling catches a module that has become two.
+LINE_CEILING = 900
 
 
 def test_no_module_is_longer_than_one_sitting():
     lengths = {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
                for path in PACKAGE.rglob("*.py")}
-    over = {path: lines for path, lines in sorted(lengths.items()) if lines > LINE_LIMIT}
-    assert len(lengths) > 50 and over == {}, f"over {LINE_LIMIT} lines, split each along a seam: {over}"
+    over = {path: lines for path, lines in sorted(lengths.items()) if lines > LINE_CEILING}
+    assert len(lengths) > 50 and over == {}, f"over {LINE_CEILING} lines, split each along a seam: {over}"
+
+
+# Places outside a clone of the repository: the design notes and measurements it was built from. A clone does not
+# have them, so the facts the code and docs need are copied in (docs/reference-numbers.md, benchmarks/results/).
+OUTSIDE = re.compile("|".join(re.escape(name) for name in ("../" + "shared", "shared/" + "gpu", "DESIGN" + ".md",
+                                                           "STYLE" + ".md", "RELIABILITY" + ".md")))
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    root = PACKAGE.parent
+    files = [path for folder in ("paratrain", "tests", "benchmarks", "docs", "configs") for path in (root / folder).rglob("*")
+             if path.suffix in {".py", ".md", ".toml", ".sh", ".json"}] + [root / "README.md", root / "pyproject.toml"]
+    pointers = [f"{path.relative_to(root)}:{number}" for path in files
+                for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
+    assert len(files) > 100 and pointers == []
 
 
 def test_every_package_says_what_it_holds():

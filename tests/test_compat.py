@@ -232,3 +232,49 @@ def test_grouped_mm_is_a_matmul_per_group_or_none():
     assert out is not None  # CPU fp32 on torch 2.13
     torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[2]]))
     assert compat.grouped_mm(torch.randn(5, 6), torch.randn(3, 6, 4), offsets) is None
+
+
+# -- the private optimizer and FP8 APIs --------------------------------------------------------------
+
+def test_adams_lazy_state_initialization_is_the_state_its_step_creates():
+    stepped, initialized = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    for p in (stepped, initialized):
+        p.grad = torch.full((3,), 0.5)
+    by_step, by_init = torch.optim.AdamW([stepped]), torch.optim.AdamW([initialized])
+    by_step.step()
+    assert compat.has_init_group(by_init)
+    lists = ([], [], [], [], [], [])
+    assert compat.init_group(by_init, by_init.param_groups[0], *lists) is False
+    assert lists[0] == [initialized] and lists[1][0] is initialized.grad
+    assert set(by_init.state[initialized]) == set(by_step.state[stepped]), "the moments and step a step creates"
+
+
+def test_only_fused_adam_reads_the_grad_scale_as_it_steps():
+    param = torch.nn.Parameter(torch.ones(2))
+    assert compat.steps_with_amp_scaling(torch.optim.AdamW([param], fused=True))
+    assert not compat.steps_with_amp_scaling(torch.optim.AdamW([param])) and not compat.steps_with_amp_scaling(
+        torch.optim.SGD([param]))
+
+
+def test_scaled_mm_multiplies_fp8_operands_back_by_their_scales():
+    assert compat.has_scaled_mm()
+    a, b = torch.randn(16, 32), torch.randn(32, 16)
+    scale_a, scale_b = torch.tensor(2.0), torch.tensor(4.0)
+    a8, b8 = (a * 2).to(torch.float8_e4m3fn), (b * 4).to(torch.float8_e4m3fn)
+    out = compat.scaled_mm(a8, b8.t().contiguous().t(), scale_a.reciprocal(), scale_b.reciprocal(), torch.float32)
+    exact = (a8.float() / 2) @ (b8.float() / 4)
+    torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_memory_recorder_is_where_compat_calls_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(path))
+    compat.record_memory_history(7)
+    compat.dump_memory_snapshot("snapshot.pickle")
+    compat.record_memory_history(None)
+    assert calls == [{"max_entries": 7}, "snapshot.pickle", {"enabled": None}]
+
+
+def test_the_installed_torch_has_the_cuda_memory_recorder():
+    assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)

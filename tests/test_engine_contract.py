@@ -1,4 +1,4 @@
-"""Every data-parallel engine keeps one contract (`paratrain.parallel.engine.Engine`): one test, every engine.
+"""Every data-parallel engine keeps one contract (`paratrain.parallel.data.engine.Engine`): one test, every engine.
 
 Each engine shards a plain module over 2 gloo ranks and goes through a step by the contract's
 calls: backward, finish_gradients, drop_gradients, the optimizer, after_step, zero_grad. What

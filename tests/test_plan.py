@@ -43,7 +43,7 @@ def run_plan(capsys, *argv):
     return code, out, err
 
 
-# -- DESIGN.md seed arithmetic -------------------------------------------------------------
+# -- docs/reference-numbers.md: seed arithmetic -------------------------------------------------------------
 
 
 def test_seed_arithmetic_7b_fp16_weights_plus_adam_moments_is_70_gb():

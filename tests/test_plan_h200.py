@@ -1,6 +1,6 @@
 """The h200 preset against the step times and peak memory measured on one H200, eager and compiled.
 
-The table (`tests/data/h200_steps.md`) copies the measured steps of `shared/gpu/H200-2026-11-26.md`
+The table (`tests/data/h200_steps.md`) copies the measured steps of `benchmarks/results/H200-2026-11-26.md`
 and of `benchmarks/results/gpu-bench-20261126-074256.md`. The preset's constants are one set for
 the chip (`paratrain.plan.hardware`: matmul curve and attention fitted to the kernel rates, the
 memory-bound bandwidth and per-kernel time to the steps), never one per row.
@@ -86,7 +86,7 @@ def test_the_gpu_overheads_are_what_moves_the_eager_prediction():
 
 
 def test_matmul_curve_matches_the_measured_kernel_rates():
-    """shared/gpu/H200-2026-11-26.md §4: bf16 linears, 2·m·k·n FLOPs per call, within 5 %."""
+    """benchmarks/results/H200-2026-11-26.md §4: bf16 linears, 2·m·k·n FLOPs per call, within 5 %."""
     rates = [((8192, 2048, 2048), 755), ((8192, 2048, 5632), 786), ((8192, 5632, 2048), 805),
              ((8192, 2048, 32000), 794), ((2048, 4096, 4096), 768), ((2048, 4096, 11008), 757),
              ((2048, 11008, 4096), 807), ((8192, 4096, 4096), 733), ((8192, 4096, 11008), 721),
@@ -122,7 +122,7 @@ def test_the_search_takes_the_runs_compile_setting():
 
 
 def test_flash_attention_matches_the_measured_sdpa_rates():
-    """shared/gpu/H200-2026-11-26.md §4: causal SDPA forward + backward, 3.5 × the forward's 2·b·h·s²·d, within 3 %."""
+    """benchmarks/results/H200-2026-11-26.md §4: causal SDPA forward + backward, 3.5 × the forward's 2·b·h·s²·d, within 3 %."""
     from paratrain.plan import ops
 
     hw = HARDWARE_PRESETS["h200"]

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from paratrain import compat
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Axis, Mesh
@@ -395,7 +396,7 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
         opt.register_load_state_dict_pre_hook(lambda *_: wrapped.offload.settle())
     # torch's fused Adam and AdamW divide each gradient by `grad_scale` as they read it (GradScaler's unscale):
     # clipping through it saves a read and a write of every gradient (`ParallelModel.clip_grad_norm_`)
-    wrapped.clip_in_step = (isinstance(opt, torch.optim.Adam) and getattr(opt, "_step_supports_amp_scaling", False)
+    wrapped.clip_in_step = (isinstance(opt, torch.optim.Adam) and compat.steps_with_amp_scaling(opt)
                             and all(group.get("fused") for group in opt.param_groups))
     return opt
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain import compat
 from paratrain.errors import ParatrainError
 from paratrain.parallel.blocks import unit_modules
 from paratrain.parallel.rules import FP8_CUDA_MIN_FEATURES
@@ -57,7 +58,7 @@ def check_fp8(recipe: str, compute_dtype: torch.dtype, device: torch.device) -> 
         name = str(compute_dtype).removeprefix("torch.")
         raise Fp8Error(f"fp8={recipe!r} with {name} compute: FP8 training keeps bf16 for what it does not cast; "
                        f"use precision='bf16'")
-    if not hasattr(torch, "_scaled_mm"):
+    if not compat.has_scaled_mm():
         raise Fp8Error(f"this torch ({torch.__version__}) has no torch._scaled_mm; FP8 needs torch 2.4 or newer")
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -108,8 +109,8 @@ def _column_major(x: torch.Tensor) -> torch.Tensor:
 def _mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
         fast: bool = False) -> torch.Tensor:
     """a · b from FP8 operands (a row-major, b column-major) and their scales; the result in `out_dtype`."""
-    return torch._scaled_mm(a.contiguous(), _column_major(b), scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(),
-                            out_dtype=out_dtype, use_fast_accum=fast)
+    return compat.scaled_mm(a.contiguous(), _column_major(b), scale_a.reciprocal(), scale_b.reciprocal(), out_dtype,
+                            use_fast_accum=fast)
 
 
 def _rowwise(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

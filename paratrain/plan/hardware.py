@@ -320,7 +320,7 @@ def _interpolate(curve: tuple[tuple[float, float], ...], size: float) -> float:
 #   (80-87 % of peak) for large sizes and falling off below ~1-2K in the smallest dimension;
 #   e_max and x_half place the curve there and were then checked against every A100 run of
 #   `paratrain.plan.published` (no run has constants of its own).
-# - H100/H200 (one chip, one set): fitted to one H200's measurements (`shared/gpu/H200-2026-11-26.md`
+# - H100/H200 (one chip, one set): fitted to one H200's measurements (`benchmarks/results/H200-2026-11-26.md`
 #   §4: eleven bf16 linears of 686-807 TFLOP/s, causal SDPA forward + backward at 267-433) and then to
 #   its training steps (§2 and `benchmarks/results/gpu-bench-20261126-074256.md`, the test
 #   `tests/test_plan_h200.py`):
@@ -373,7 +373,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     "h100-80gb": _gpu("h100-80gb", 80e9, 989e12, 3.35e12, 450e9, 50e9, _HOPPER_GEMM,
                       "NVIDIA H100 SXM datasheet; efficiencies fitted on an H200", _HOPPER, fp8=True),
     "h200": _gpu("h200", 141e9, 989e12, 4.8e12, 450e9, 50e9, _HOPPER_GEMM,
-                 "NVIDIA H200 SXM datasheet; efficiencies fitted on an H200 (shared/gpu/H200-2026-11-26.md)", _HOPPER,
+                 "NVIDIA H200 SXM datasheet; efficiencies fitted on an H200 (benchmarks/results/H200-2026-11-26.md)", _HOPPER,
                  fp8=True),
 }
 

@@ -27,7 +27,7 @@ gradient is kept in fp32 on that shard. Mixed precision at ZeRO-3 is then
 parameters 4Ψ/N + gradients 4Ψ/N + moments 8Ψ/N, whatever the reduce dtype:
 the paper's (2 + 2 + 12)Ψ/N in total, with the master counted as the parameters.
 
-The seed arithmetic of DESIGN.md ("7B → 14 GB of fp16 weights; 56 GB of fp32
+The seed arithmetic of docs/reference-numbers.md ("7B → 14 GB of fp16 weights; 56 GB of fp32
 Adam moments; 70 GB in all") counts the 16-bit weights (2Ψ) and the two fp32
 moments (8Ψ = 56 GB) only: 8 bytes per parameter is m and v, not master + m + v
 (that would be 12Ψ = 84 GB). It is a lower bound that leaves out the 16-bit

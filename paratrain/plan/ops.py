@@ -51,7 +51,7 @@ from paratrain.plan.model_states import DTYPE_BYTES
 
 BACKWARD_MEMORY_FACTOR = 2.0  # element-wise backward reads the saved input and the gradient, writes one
 # Rowwise FP8 matmuls' rate relative to tensorwise: 1,350-1,376 against 1,438-1,501 TFLOP/s on an H200 at
-# llama2-7b's shapes (shared/gpu/H200-2026-11-27.md §4).
+# llama2-7b's shapes (benchmarks/results/H200-2026-11-27.md §4).
 ROWWISE_FP8_RATE = 0.93
 FLASH_BACKWARD_MATMULS = 5  # dQ, dK, dV, dP and the recomputed scores (Dao 2023, FlashAttention-2 §3.1.2)
 DENSE_BACKWARD_MATMULS = 4  # dQ, dK, dV, dP

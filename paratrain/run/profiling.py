@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain import compat
 from paratrain.config import Config, ConfigError
 from paratrain.run.rundir import MEMORY_DIR, PROFILE_DIR
 
@@ -101,12 +102,12 @@ class MemorySnapshots:
             print(f"paratrain: --memory-snapshot needs CUDA (this run is on the {device.type}): no snapshot is "
                   f"recorded", file=sys.stderr, flush=True)
         if self.enabled:
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            compat.record_memory_history(HISTORY_ENTRIES)
 
     def dump(self, name: str) -> Path:
         path = self.out / MEMORY_DIR / f"rank-{self.rank}-{name}.pickle"
         path.parent.mkdir(exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        compat.dump_memory_snapshot(str(path))
         return path
 
     @contextlib.contextmanager
@@ -129,4 +130,4 @@ class MemorySnapshots:
 
     def close(self) -> None:
         if self.enabled:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            compat.record_memory_history(None)

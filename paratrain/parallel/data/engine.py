@@ -1,4 +1,4 @@
-"""The contract between a parallel model and its data-parallel engine: DDP and ZeRO-1/2 (`data.py`), ZeRO-3 (`zero3.py`).
+"""The contract between a parallel model and its data-parallel engine: DDP and ZeRO-1/2 (`ddp.py`), ZeRO-3 (`zero3.py`).
 
 An engine owns the master weights (the tensors the optimizer steps: fp32, and under ZeRO this
 rank's shard) and the gradient communication over the data-parallel axis. One optimizer step,

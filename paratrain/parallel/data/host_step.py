@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.optim.adam import adam
 
+from paratrain import compat
 from paratrain.parallel.blocks import unit_modules
 
 _HYPER = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused",
@@ -57,7 +58,7 @@ _HYPER = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "captur
 def overlappable(optimizer) -> bool:
     """Whether `optimizer` is torch's Adam or AdamW with the functional kernel `HostStep` calls (AdamW as Adam with
     decoupled weight decay)."""
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and hasattr(optimizer, "_init_group")
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and compat.has_init_group(optimizer)
             and all("decoupled_weight_decay" in group for group in optimizer.param_groups))
 
 
@@ -115,7 +116,7 @@ class HostStep:
         position = {id(v): i for i, v in enumerate(self.values)}
         for group in optimizer.param_groups:
             lists = ([], [], [], [], [], [])
-            has_complex = optimizer._init_group(group, *lists)
+            has_complex = compat.init_group(optimizer, group, *lists)
             hyper = {k: group[k].clone() if torch.is_tensor(group[k]) else group[k] for k in _HYPER}
             hyper.update(beta1=group["betas"][0], beta2=group["betas"][1], has_complex=has_complex)
             by_group = [([], [], [], [], [], []) for _ in self.groups]

@@ -10,7 +10,7 @@ Hybrid sharding (a mesh with dp_replicate > 1): N is the shard group
 (`Mesh.shard_axis`, dp_shard ranks); every gather stays within it, and each
 reduce-scatter's 1/N shard is then all-reduced over dp_replicate.
 
-Communication per step, per unit (``zero3_units.py``: a block, or the root's
+Communication per step, per unit (``units.py``: a block, or the root's
 remaining parameters), on the dp axis (its shard group):
 
 - forward: one all-gather of the unit's parameters (in the compute dtype),
