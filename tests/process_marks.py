@@ -6,9 +6,12 @@ derived here, once, for every test module:
 
 - at collection, a test is marked when its function, a fixture it names or a module-level function it reaches
   (in its own module or imported from another test module) refers to a process starter (`STARTERS`);
-- while it runs, every process start (`multiprocessing`'s `Process.start`, `subprocess.Popen`) is counted, and an
-  unmarked test that started one fails, naming the mark, so a starter the collection cannot see (a library call
-  that launches ranks) is caught by the suite itself and added to `STARTERS`.
+- while it runs, every process it starts that runs Python (`multiprocessing`'s `Process.start`, a `subprocess` of
+  the interpreter or of paratrain's command) is counted, and an unmarked test that started one fails, naming the
+  mark, so a starter the collection cannot see (a library call that launches ranks) is caught by the suite itself
+  and added to `STARTERS`. Tools that libraries run on the side (a font cache's `fc-list`, `git`) are not ranks;
+  neither is the pool of compile workers Inductor keeps for the whole session (the first test to compile would
+  otherwise be charged for it).
 """
 
 from __future__ import annotations
@@ -16,27 +19,39 @@ from __future__ import annotations
 import ast
 import functools
 import multiprocessing.process
+import os
+import re
 import subprocess
+import traceback
 from pathlib import Path
 
 import pytest
 
 MARK = "multirank"
-# Names whose use starts processes: the rank harness, the launcher, the CLI's launching commands, subprocesses.
+# Names and strings whose use starts processes: the rank harness, the launcher, subprocesses, and the commands that
+# launch ranks or workers when a test calls the command line in-process (`main(["verify", ...])`).
 STARTERS = frozenset({
     "run_on_ranks", "launch_once", "launch_processes", "launch_local", "launch_config", "subprocess", "Popen",
-    "check_call", "check_output", "run_verify", "calibrate",
+    "check_call", "check_output", "verify", "--calibrate", "--workers", "workers", "wandb",
 })
+_PYTHON = re.compile(r"^(python[\d.]*|paratrain|torchrun)$")
 
 _started = 0
 _STARTED_BEFORE = pytest.StashKey[int]()
 
 
-def _count_starts(start):
+def _runs_python(popen, args, *rest, **kwargs) -> bool:
+    command = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    program = str(command[0]).split()[0] if command else ""
+    return bool(_PYTHON.match(os.path.basename(program)))
+
+
+def _count_starts(start, counts=lambda *args, **kwargs: True):
     @functools.wraps(start)
     def counted(*args, **kwargs):
         global _started
-        _started += 1
+        if counts(*args, **kwargs) and not any("torch/_inductor" in frame.filename for frame in traceback.extract_stack()):
+            _started += 1
         return start(*args, **kwargs)
     return counted
 
@@ -44,29 +59,39 @@ def _count_starts(start):
 def pytest_configure(config):
     """Count every process start from now on."""
     multiprocessing.process.BaseProcess.start = _count_starts(multiprocessing.process.BaseProcess.start)
-    subprocess.Popen.__init__ = _count_starts(subprocess.Popen.__init__)
+    subprocess.Popen.__init__ = _count_starts(subprocess.Popen.__init__, _runs_python)
 
 
 def _names(node: ast.AST) -> set[str]:
-    """Every name a function's body refers to, and the fixtures its parameters name."""
+    """Every name and string a function's body refers to, and the fixtures its parameters name."""
     names = set()
     for child in ast.walk(node):
-        if isinstance(child, ast.Name):
+        if isinstance(child, ast.Constant) and isinstance(child.value, str):
+            names.add(child.value)
+        elif isinstance(child, ast.Name):
             names.add(child.id)
         elif isinstance(child, ast.Attribute):
             names.add(child.attr)
         elif isinstance(child, ast.arg):
+            names.add(child.arg)
+        elif isinstance(child, ast.keyword) and child.arg:
             names.add(child.arg)
     return names
 
 
 @functools.cache
 def _module_functions(path: Path) -> tuple[dict[str, set[str]], dict[str, Path]]:
-    """A module's functions (module level and in its classes) with the names each refers to, and the functions it
-    imports from other test modules (name -> that module's path)."""
+    """A module's functions (module level and in its classes) and module-level constants with the names each refers
+    to, and the names it imports from other test modules (name -> that module's path)."""
     tree = ast.parse(path.read_text(), str(path))
     functions: dict[str, set[str]] = {}
     imported: dict[str, Path] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):  # e.g. VERIFY = ["verify", ...], used by several tests
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    functions.setdefault(target.id, set()).update(_names(node.value or target))
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             functions.setdefault(node.name, set()).update(_names(node))

@@ -4,7 +4,7 @@
 micro-batches. `PipelineRunner.run` (a `ParallelModel`'s `train_step` under
 pipeline parallelism) walks this rank's action list from
 `paratrain.parallel.pipeline.schedules` (F, B and for zero-bubble W); the point-to-point
-traffic is the simulator's, group by group (`simulator.exchanges`):
+traffic is the groups `exchanges.exchanges` lists (the ones the simulator checks):
 
 =========  ============================================  ===================================
 action     receives (posted before it)                   sends (posted after it)
@@ -53,7 +53,8 @@ import torch
 from paratrain.comm import Comm
 from paratrain.mesh import Axis
 from paratrain.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleName, build_schedule
-from paratrain.parallel.pipeline.simulator import Message, exchanges, validate
+from paratrain.parallel.pipeline.exchanges import Message, exchanges
+from paratrain.parallel.pipeline.simulator import validate
 from paratrain.parallel.pipeline.split_backward import input_backward, weight_backward
 from paratrain.parallel.pipeline.stages import PipelineError, StageSplit
 from paratrain.precision import Precision

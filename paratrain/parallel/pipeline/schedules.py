@@ -95,7 +95,7 @@ class Schedule:
 
     `segments[rank]` cuts that order into runs whose point-to-point transfers travel together: the
     receives of a run's actions are posted with the sends of the run before it, as one group
-    (`paratrain.parallel.simulator.exchanges`). One action per run, except in interleaved 1F1B's
+    (`paratrain.parallel.pipeline.exchanges.exchanges`). One action per run, except in interleaved 1F1B's
     steady state, where a forward and the backward after it form one run (Megatron's
     send-forward-backward-receive-forward-backward): one action at a time deadlocks there when
     every send waits for its receive.
