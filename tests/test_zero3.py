@@ -429,6 +429,14 @@ def test_meta_materialization_keeps_only_the_shard():
 
 # -- single-process tests (a one-rank mesh needs no process group) ------------------------------
 
+
+def _gathering(engine: FullyShardedEngine) -> FullyShardedEngine:
+    """One rank holds every unit whole and computes on its fp32 shards (`Unit.on_shards`): nothing to gather.
+    The tests of the gathers' order and lifetime make each unit gather as it does over several ranks."""
+    for unit in engine.units:
+        unit.on_shards = False
+    return engine
+
 def _solo_mesh() -> Mesh:
     return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None})
 
@@ -469,6 +477,7 @@ def test_units_from_classes_or_a_predicate():
 def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
     reference, sharded = _plain_net(), _plain_net()
     engine, _ = _shard(sharded, _solo_mesh(), prefetch=prefetch, units="blocks")
+    _gathering(engine)
     shard_bytes = _nbytes(engine.masters())
     # the root unit (everything outside the blocks) ends the forward: it stays gathered for its backward
     root_bytes = _nbytes(p for name, p in reference.named_parameters() if not name.startswith("blocks."))
@@ -490,7 +499,7 @@ def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
 
 def test_prefetch_gathers_the_next_unit_ahead_in_both_passes():
     model = _meta_transformer(UNTIED)
-    engine, _ = _shard(model, _solo_mesh())
+    engine, _ = _gathering(_shard(model, _solo_mesh())[0]), None
     states = {}
 
     def record(when):
@@ -542,7 +551,7 @@ def test_backward_gathers_the_next_unit_before_this_units_backward_ends(recomput
     from paratrain.parallel.api import checkpoint_blocks
 
     model = _meta_transformer(UNTIED)
-    engine, _ = _shard(model, _solo_mesh())
+    engine, _ = _gathering(_shard(model, _solo_mesh())[0]), None
     if recompute:
         checkpoint_blocks(model)
     events = []
