@@ -497,6 +497,28 @@ def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
             torch.testing.assert_close(master.grad.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
 
 
+def test_one_rank_computes_on_its_shards():
+    """One rank holds every unit whole: in fp32 its modules compute on the shards themselves, nothing gathered at
+    any point, with plain training's gradients (a weight tied across units, a unit called twice, a parameter
+    never used, a 0-d one)."""
+    reference, sharded = _plain_net(), _plain_net()
+    engine, _ = _shard(sharded, _solo_mesh(), units="blocks")
+    assert all(unit.on_shards for unit in engine.units)
+    shard_bytes = _nbytes(engine.masters())
+    for step in range(3):
+        loss = _plain_loss(sharded, step, slice(None))
+        assert engine.resident_bytes()["params"] == shard_bytes
+        loss.backward()
+        _plain_loss(reference, step, slice(None)).backward()
+    finish(engine)
+    for name, master in zip(engine.master_names(), engine.masters()):
+        expected = reference.get_parameter(name).grad
+        if expected is None:
+            assert master.grad is None, name
+        else:
+            torch.testing.assert_close(master.grad.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
+
+
 def test_prefetch_gathers_the_next_unit_ahead_in_both_passes():
     model = _meta_transformer(UNTIED)
     engine, _ = _gathering(_shard(model, _solo_mesh())[0]), None

@@ -23,6 +23,11 @@ full parameters live in a second, contiguous buffer of Σ_p d0_p·rest_p
 elements, filled by one copy right after the gather; each full parameter is a
 view of it and the [N, C] gather output is dropped at once.
 
+A unit one rank holds whole (its axis has one rank) has chunks of its real rows only, laid out as the full
+buffer: its chunk is that buffer, with nothing to gather or copy out, and its gradients need no flat layout
+(the engine keeps them as its masters'); where the chunk would be a copy of the shards (their dtype, their
+device, no FP8 cast) the module computes on the shards themselves (`Unit.on_shards`).
+
 The gather's buffers are bytes: each parameter travels in its own gather dtype
 (the compute dtype; a converted FP8 linear's weight as its tensorwise e4m3
 cast, one byte per element: `paratrain.parallel.fp8.gathers_fp8`), its place

@@ -27,6 +27,10 @@ remaining parameters), on the dp axis (its shard group):
 - nothing more: which parameters some rank's backward reached (so that a parameter no
   rank used keeps grad None) travels in the model's one agreement per step.
 
+A unit this rank holds whole (N = 1 over its axis, no replicas summing its gradients) takes none of these
+steps: its gather is the cast of its shards into the compute dtype (none in fp32, where the module computes
+on the shards, `Unit.on_shards`), its gradients go to the masters cast, without a flat buffer.
+
 With ring collectives this is 3·Ψ·(N−1)/N elements per rank per step, less the
 units not gathered in backward (the embedding and the head), against
 2·Ψ·(N−1)/N for DDP. Gradient accumulation cannot defer the reduce-scatter
