@@ -430,6 +430,17 @@ def test_meta_materialization_keeps_only_the_shard():
 # -- single-process tests (a one-rank mesh needs no process group) ------------------------------
 
 
+def _assert_grads_match(engine: FullyShardedEngine, reference: nn.Module) -> None:
+    """The engine's step ends; each master's gradient is the reference's (None where it has none)."""
+    finish(engine)
+    for name, master in zip(engine.master_names(), engine.masters()):
+        expected = reference.get_parameter(name).grad
+        if expected is None:
+            assert master.grad is None, name
+        else:
+            torch.testing.assert_close(master.grad.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
+
+
 def _gathering(engine: FullyShardedEngine) -> FullyShardedEngine:
     """One rank holds every unit whole and computes on its fp32 shards (`Unit.on_shards`): nothing to gather.
     The tests of the gathers' order and lifetime make each unit gather as it does over several ranks."""
@@ -488,13 +499,7 @@ def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
         loss.backward()
         assert engine.resident_bytes()["params"] == shard_bytes
         _plain_loss(reference, step, slice(None)).backward()
-    finish(engine)
-    for name, master in zip(engine.master_names(), engine.masters()):
-        expected = reference.get_parameter(name).grad
-        if expected is None:
-            assert master.grad is None, name
-        else:
-            torch.testing.assert_close(master.grad.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
+    _assert_grads_match(engine, reference)
 
 
 def test_one_rank_computes_on_its_shards():
@@ -510,13 +515,7 @@ def test_one_rank_computes_on_its_shards():
         assert engine.resident_bytes()["params"] == shard_bytes
         loss.backward()
         _plain_loss(reference, step, slice(None)).backward()
-    finish(engine)
-    for name, master in zip(engine.master_names(), engine.masters()):
-        expected = reference.get_parameter(name).grad
-        if expected is None:
-            assert master.grad is None, name
-        else:
-            torch.testing.assert_close(master.grad.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
+    _assert_grads_match(engine, reference)
 
 
 def test_prefetch_gathers_the_next_unit_ahead_in_both_passes():
