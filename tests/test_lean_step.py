@@ -96,11 +96,52 @@ def _two_ranks(rank, world, zero):
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_a_zero_shard_moves_little_over_its_floor(zero):
-    """Two ranks, each stepping its shard, within a fifth of its floor. ZeRO-1/2 gather each parameter whose rows
-    split evenly in place, into the parameter itself: the step's only copy is the masters' into the compute dtype
+    """Two ranks, each stepping its shard: ZeRO-1/2 within 1.15x of its floor, as ZeRO-0 on one rank; ZeRO-3,
+    whose gathers come in the next forward, within a fifth. ZeRO-1/2 gather each parameter whose rows split
+    evenly in place, into the parameter itself: the step's only copy is the masters' into the compute dtype
     (6 bytes per element of the shard against fused AdamW's 32); through a bucket's buffer, every parameter was
     copied out of it after the gather too (8 bytes more per element of the shard: 1.32x the floor)."""
     for ratio, by_op in run_on_ranks(_two_ranks, 2, zero, timeout=120):
-        assert ratio <= 1.2, by_op
+        assert ratio <= (1.15 if zero < 3 else 1.2), by_op
         if zero < 3:
             assert by_op["_foreach_copy_"] == pytest.approx(by_op["_fused_adamw_"] * 6 / 32, rel=0.01)
+
+
+COPIES = ("copy_", "_foreach_copy_", "_to_copy", "clone")
+
+
+def _forward_backward_copies(zero: int, precision: str) -> tuple[int, int, list[float]]:
+    """(bytes the copies of the last of three steps' forward and backward move, parameters, the losses)."""
+    model, optimizer = _model(zero, precision)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(3):
+        tokens = torch.randint(0, CFG.vocab_size, (2, 33), generator=g)
+        count = torch.tensor(64.0)
+        traffic = MemoryTraffic()
+        with traffic:
+            result = model.train_step([(tokens[:, :-1], tokens[:, 1:])], model.comm_sum(count.clone()), model.loss_fn)
+            model.finish_gradients()
+        verdict = model.agree(result, counts={"tokens": count.double()})
+        losses.append(verdict.loss_sum / verdict.sums["tokens"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return sum(traffic.by_op.get(op, 0) for op in COPIES), sum(m.numel() for m in model.masters()), losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_on_one_rank_copies_no_parameter_into_or_out_of_a_unit(precision):
+    """One rank holds every unit whole: in fp32 its modules compute on the shards themselves (the copies of
+    forward and backward are ZeRO-0's, byte for byte); in mixed precision a unit's gather is the cast of its
+    shards into the compute dtype and nothing else (6 bytes per element, in the forward and again for a
+    backward that reads the parameters), its gradients cast into the masters' as ZeRO-0's are. Gathered through a
+    chunk, an all-gather and a copy out, and reduced through a flat buffer, it moved 32x the parameters' count
+    in bf16 more than ZeRO-0 (58x in fp32). The training is ZeRO-0's, to the bit: the same values computed on,
+    the same gradients."""
+    plain, params, plain_losses = _forward_backward_copies(0, precision)
+    sharded, _, losses = _forward_backward_copies(3, precision)
+    assert losses == plain_losses and losses[-1] != losses[0]
+    if precision == "fp32":
+        assert sharded == plain
+    else:
+        assert 6 * params <= sharded - plain <= 2 * 6 * params

@@ -429,6 +429,25 @@ def test_meta_materialization_keeps_only_the_shard():
 
 # -- single-process tests (a one-rank mesh needs no process group) ------------------------------
 
+
+def _assert_grads_match(engine: FullyShardedEngine, reference: nn.Module) -> None:
+    """The engine's step ends; each master's gradient is the reference's (None where it has none)."""
+    finish(engine)
+    for name, master in zip(engine.master_names(), engine.masters()):
+        expected = reference.get_parameter(name).grad
+        if expected is None:
+            assert master.grad is None, name
+        else:
+            torch.testing.assert_close(master.grad.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
+
+
+def _gathering(engine: FullyShardedEngine) -> FullyShardedEngine:
+    """One rank holds every unit whole and computes on its fp32 shards (`Unit.on_shards`): nothing to gather.
+    The tests of the gathers' order and lifetime make each unit gather as it does over several ranks."""
+    for unit in engine.units:
+        unit.on_shards = False
+    return engine
+
 def _solo_mesh() -> Mesh:
     return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None})
 
@@ -469,6 +488,7 @@ def test_units_from_classes_or_a_predicate():
 def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
     reference, sharded = _plain_net(), _plain_net()
     engine, _ = _shard(sharded, _solo_mesh(), prefetch=prefetch, units="blocks")
+    _gathering(engine)
     shard_bytes = _nbytes(engine.masters())
     # the root unit (everything outside the blocks) ends the forward: it stays gathered for its backward
     root_bytes = _nbytes(p for name, p in reference.named_parameters() if not name.startswith("blocks."))
@@ -479,18 +499,28 @@ def test_one_rank_matches_plain_training_and_frees_gathered_buffers(prefetch):
         loss.backward()
         assert engine.resident_bytes()["params"] == shard_bytes
         _plain_loss(reference, step, slice(None)).backward()
-    finish(engine)
-    for name, master in zip(engine.master_names(), engine.masters()):
-        expected = reference.get_parameter(name).grad
-        if expected is None:
-            assert master.grad is None, name
-        else:
-            torch.testing.assert_close(master.grad.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7)
+    _assert_grads_match(engine, reference)
+
+
+def test_one_rank_computes_on_its_shards():
+    """One rank holds every unit whole: in fp32 its modules compute on the shards themselves, nothing gathered at
+    any point, with plain training's gradients (a weight tied across units, a unit called twice, a parameter
+    never used, a 0-d one)."""
+    reference, sharded = _plain_net(), _plain_net()
+    engine, _ = _shard(sharded, _solo_mesh(), units="blocks")
+    assert all(unit.on_shards for unit in engine.units)
+    shard_bytes = _nbytes(engine.masters())
+    for step in range(3):
+        loss = _plain_loss(sharded, step, slice(None))
+        assert engine.resident_bytes()["params"] == shard_bytes
+        loss.backward()
+        _plain_loss(reference, step, slice(None)).backward()
+    _assert_grads_match(engine, reference)
 
 
 def test_prefetch_gathers_the_next_unit_ahead_in_both_passes():
     model = _meta_transformer(UNTIED)
-    engine, _ = _shard(model, _solo_mesh())
+    engine, _ = _gathering(_shard(model, _solo_mesh())[0]), None
     states = {}
 
     def record(when):
@@ -542,7 +572,7 @@ def test_backward_gathers_the_next_unit_before_this_units_backward_ends(recomput
     from paratrain.parallel.api import checkpoint_blocks
 
     model = _meta_transformer(UNTIED)
-    engine, _ = _shard(model, _solo_mesh())
+    engine, _ = _gathering(_shard(model, _solo_mesh())[0]), None
     if recompute:
         checkpoint_blocks(model)
     events = []

@@ -23,12 +23,18 @@ class OutsideUse(ObservingMode):  # compiled blocks compile and run under it
         self.names = {id(shard): name for shard, name in zip(engine._shards, engine._names)}
         self.owners = {name: unit.name or "the root" for unit in engine.units
                        for name in (engine._names[fp.index] for fp in unit.params)}
+        # A unit that computes on its shards (`Unit.on_shards`) reads them inside its forward, rightly.
+        self.readers: dict[int, list] = {}
+        for unit in engine.units:
+            for fp in unit.params if unit.on_shards else ():
+                self.readers.setdefault(id(engine._shards[fp.index]), []).append(unit)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.engine._in_engine:
             for leaf in tree_leaves((args, kwargs)):
                 name = self.names.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-                if name is not None and any(leaf is s for s in self.engine._shards):
+                if (name is not None and any(leaf is s for s in self.engine._shards)
+                        and not any(unit in self.engine._entered for unit in self.readers.get(id(leaf), ()))):
                     raise ZeroConfigError(
                         f"ZeRO-3: parameter {name!r} is read outside the forward of its unit "
                         f"({self.owners.get(name, 'the root')!r}), where it is this rank's shard; use "

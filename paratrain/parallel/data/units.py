@@ -23,6 +23,11 @@ full parameters live in a second, contiguous buffer of Σ_p d0_p·rest_p
 elements, filled by one copy right after the gather; each full parameter is a
 view of it and the [N, C] gather output is dropped at once.
 
+A unit one rank holds whole (its axis has one rank) has chunks of its real rows only, laid out as the full
+buffer: its chunk is that buffer, with nothing to gather or copy out, and its gradients need no flat layout
+(the engine keeps them as its masters'); where the chunk would be a copy of the shards (their dtype, their
+device, no FP8 cast) the module computes on the shards themselves (`Unit.on_shards`).
+
 The gather's buffers are bytes: each parameter travels in its own gather dtype
 (the compute dtype; a converted FP8 linear's weight as its tensorwise e4m3
 cast, one byte per element: `paratrain.parallel.fp8.gathers_fp8`), its place
@@ -140,6 +145,14 @@ class Unit:
             full_byte += -(-math.prod(fp.shape) * dtype.itemsize // align) * align
         self.chunk_numel, self.chunk_bytes, self.full_bytes = chunk_offset, chunk_byte, full_byte
         self.gather_dtype = gather_dtype
+        # Every row of every parameter is here (one rank on the unit's axis): the local chunk is the whole unit,
+        # laid out as the full buffer (one rank's padded rows are the rows), so it is the full buffer.
+        self.whole = num_ranks == 1
+        assert not self.whole or self.chunk_bytes == self.full_bytes
+        # The module computes on the shards themselves, the parameters at rest (nothing gathered; autograd
+        # accumulates into the masters' gradients): set by the engine where a whole unit's shards already are
+        # what it would gather (`computes_on_shards`) and its gradients are summed over no other rank.
+        self.on_shards = False
         self.full: torch.Tensor | None = None  # bytes
         self.scales: dict[int, torch.Tensor] = {}  # the FP8 parameters' scales `full` was cast with
         self._pending = None
@@ -147,6 +160,13 @@ class Unit:
         # What the unit's forward saved for backward through the engine's saved-tensor hooks (in the last
         # forward): anything, and views of its gathered parameters.
         self.saved_any = self.saved_own = False
+
+    @property
+    def computes_on_shards(self) -> bool:
+        """Whether gathering this unit would copy its shards unchanged: whole, each parameter gathered in its
+        shard's dtype, on the device its shard lives on."""
+        return self.whole and all(fp.gather_dtype == shard.dtype and shard.device.type == self.device.type
+                                  for fp, shard in zip(self.params, self.shards))
 
     @property
     def needs_params_in_backward(self) -> bool:
@@ -162,28 +182,42 @@ class Unit:
 
     # -- gather -----------------------------------------------------------
     def launch_gather(self, comm: Comm, scales: dict[int, torch.Tensor]) -> None:
-        """Copy the local rows (cast to their gather dtype, zero-padded) into one chunk and start the all-gather.
+        """Copy the local rows (cast to their gather dtype, zero-padded) into one chunk and start the all-gather;
+        a whole unit's chunk is its full buffer, with nothing to gather.
         `scales`: per FP8 parameter (engine index), the tensorwise scale agreed over its shards."""
         device = self.device
         chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=device)
         self.scales = {fp.index: scales[fp.index] for fp in self.params if fp.fp8}
+        dsts, srcs = [], []  # one foreach copy (a cast, in mixed precision) for the parameters not in FP8
         for fp, shard in zip(self.params, self.shards):
             n = shard.numel()
             values = chunk[fp.chunk_byte:fp.chunk_byte + fp.chunk_numel(self.num_ranks) * fp.gather_dtype.itemsize]
             values = values.view(fp.gather_dtype)
             rows = shard.detach().reshape(-1).to(device, non_blocking=True)  # (offloaded: from the host)
             if fp.fp8:  # the compute dtype's values cast, as a whole weight in the compute dtype would be
-                rows = to_fp8(rows.to(self.gather_dtype), self.scales[fp.index], E4M3)
-            values[:n].copy_(rows)
-            values[n:].view(torch.uint8).zero_()  # padding
+                values[:n].copy_(to_fp8(rows.to(self.gather_dtype), self.scales[fp.index], E4M3))
+            else:
+                dsts.append(values[:n])
+                srcs.append(rows)
+            if n < values.numel():
+                values[n:].view(torch.uint8).zero_()  # padding
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if self.whole:
+            self._pending = (None, chunk, None, comm)
+            return
         gathered = torch.empty(self.num_ranks * self.chunk_bytes, dtype=torch.uint8, device=device)
         work = comm.all_gather(gathered, chunk, axis=self.axis, async_op=True)
         self._pending = (work, gathered, chunk, comm)  # chunk must outlive the collective
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather and copy it out into the contiguous full-parameter buffer."""
+        """Wait for the all-gather and copy it out into the contiguous full-parameter buffer (a whole unit's
+        chunk is that buffer already)."""
         work, gathered, _, comm = self._pending
         self._pending = None
+        if self.whole:
+            self.full = gathered
+            return
         comm.wait([work], self.axis)
         chunks = gathered.view(self.num_ranks, self.chunk_bytes)
         full = torch.empty(self.full_bytes, dtype=torch.uint8, device=gathered.device)
@@ -203,7 +237,8 @@ class Unit:
         """Drop the full parameters (waiting first for a gather still in flight: gloo writes into its buffer)."""
         if self._pending is not None:
             work, _, _, comm = self._pending
-            comm.wait([work], self.axis)
+            if work is not None:
+                comm.wait([work], self.axis)
             self._pending = None
         self.full = None
 

@@ -27,6 +27,10 @@ remaining parameters), on the dp axis (its shard group):
 - nothing more: which parameters some rank's backward reached (so that a parameter no
   rank used keeps grad None) travels in the model's one agreement per step.
 
+A unit this rank holds whole (N = 1 over its axis, no replicas summing its gradients) takes none of these
+steps: its gather is the cast of its shards into the compute dtype (none in fp32, where the module computes
+on the shards, `Unit.on_shards`), its gradients go to the masters cast, without a flat buffer.
+
 With ring collectives this is 3·Ψ·(N−1)/N elements per rank per step, less the
 units not gathered in backward (the embedding and the head), against
 2·Ψ·(N−1)/N for DDP. Gradient accumulation cannot defer the reduce-scatter
@@ -56,7 +60,7 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.compat import in_backward
 from paratrain.mesh import Axis
-from paratrain.parallel.data.engine import GradReduction, used_flags
+from paratrain.parallel.data.engine import GradReduction, used_flags, weak_hook
 from paratrain.parallel.data.offload import can_pin, host_tensors, to_host
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.data.replicas import ReplicaSum
@@ -198,7 +202,28 @@ class FullyShardedEngine:
             axis = unit_axis(name, [self._axes[i] for _, _, i in indexed[name]], self.shard_axis)
             units.append(Unit(name, module, indexed[name], self._shards, self._shapes, self.mesh.size(axis), axis,
                               self.precision.param_dtype, self._fp8, self.device))
+        for unit in units:
+            unit.on_shards = self._reduced_here(unit) and unit.computes_on_shards
+        self._watch_shards_computed_on(units)
         return units
+
+    def _reduced_here(self, unit: Unit) -> bool:
+        """Whether this rank alone makes the unit's gradients: it holds the unit whole and no replica of its shards
+        adds to them (hybrid sharding's replicas do, over dp_replicate; expert blocks have none)."""
+        return unit.whole and (self.replicas == 1 or unit.axis != self.shard_axis)
+
+    def _watch_shards_computed_on(self, units: list[Unit]) -> None:
+        """The shards the modules compute on (`Unit.on_shards`): autograd accumulates their gradients into them,
+        each contribution divided as it arrives (a mean), and says which arrived."""
+        indices = {fp.index for unit in units if unit.on_shards for fp in unit.params}
+        self._shard_index = {id(self._shards[i]): i for i in indices}
+        for index in sorted(indices):
+            shard = self._shards[index]
+            if not shard.requires_grad:
+                continue
+            if self._divide_by != 1:
+                shard.register_hook(functools.partial(torch.div, other=self._divide_by))
+            shard.register_post_accumulate_grad_hook(weak_hook(self._shard_grad_arrived))
 
     def _register_hooks(self, unit: Unit) -> None:
         unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
@@ -214,7 +239,7 @@ class FullyShardedEngine:
             # The forward order was recorded already; what comes next is the unit backward reaches next.
             self._prefetch(unit)
             self._prefetch(self._backward_next(unit))
-            if unit.params:
+            if unit.params and not unit.on_shards:
                 unit.install(GatherUnit.apply(self, unit, *unit.shards))
             return
         if unit is self.root:
@@ -227,7 +252,7 @@ class FullyShardedEngine:
             upcoming = self._plan[position] if position < len(self._plan) else None
         self._prefetch(unit)
         self._prefetch(upcoming)  # launched before waiting on this unit's gather, to overlap with its forward
-        if unit.params:
+        if unit.params and not unit.on_shards:
             unit.install(GatherUnit.apply(self, unit, *unit.shards))
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
@@ -274,7 +299,8 @@ class FullyShardedEngine:
     # -- gather / free -----------------------------------------------------
     def _prefetch(self, unit: Unit | None) -> None:
         """Start the async all-gather of `unit` unless it is gathered or on its way."""
-        if unit is not None and unit.params and self.prefetch and unit.full is None and not unit.pending:
+        if (unit is not None and unit.params and not unit.on_shards and self.prefetch and unit.full is None
+                and not unit.pending):
             self._launch_gather(unit)
 
     def _launch_gather(self, unit: Unit) -> None:
@@ -334,15 +360,26 @@ class FullyShardedEngine:
         earlier = reversed(self._plan[:self._backward_cursor])
         return next((u for u in earlier if u.needs_params_in_backward), None)
 
-    def _reduce_scatter(self, unit: Unit, grads) -> None:
-        """Launch the reduce-scatter of a unit's full gradients, free its buffer, land older ones."""
+    def _grad_arrived(self, indices: list[int], *_) -> None:
+        """Gradients of the masters at `indices` came from this rank's backward."""
         if not self._accumulating:  # the first gradients of a step
             self._accumulating = True
             self._used = [False] * len(self._shards)
-        for fp, grad in zip(unit.params, grads):
-            if grad is not None:
-                self._used[fp.index] = True
+        for index in indices:
+            self._used[index] = True
+
+    def _shard_grad_arrived(self, shard: nn.Parameter) -> None:
+        if shard.grad is not None:  # (autograd runs this hook for an input that got no gradient too)
+            self._grad_arrived([self._shard_index[id(shard)]])
+
+    def _reduce_scatter(self, unit: Unit, grads) -> None:
+        """Launch the reduce-scatter of a unit's full gradients, free its buffer, land older ones; a unit whose
+        gradients no other rank adds to keeps them (`_keep_whole`)."""
+        self._grad_arrived([fp.index for fp, grad in zip(unit.params, grads) if grad is not None])
         self._free(unit)
+        if self._reduced_here(unit):
+            self._keep_whole(unit, grads)
+            return
         # The previous unit's reduce-scatter lands before this one's input is made: its input (and a
         # backend's copy of it: gloo copies the whole input) is freed first.
         # At most one in flight (`Comm.reductions_in_flight`: overlapping this unit's backward on CUDA,
@@ -355,6 +392,28 @@ class FullyShardedEngine:
         self._in_flight.append((unit, work, out, flat))
         while len(self._in_flight) > self._in_flight_limit:
             self._land(*self._in_flight.popleft())
+
+    @torch.no_grad()
+    def _keep_whole(self, unit: Unit, grads) -> None:
+        """A whole unit's full gradients are its masters' (no layout to flatten into, nothing to reduce): each
+        cast to the master dtype and divided for a mean as it is added to this backward's new gradients."""
+        for fp, shard, grad in zip(unit.params, unit.shards, grads):
+            if grad is None:  # as a reduction would count it: zeros (dropped later if no rank used it)
+                if shard.requires_grad and fp.index not in self._new_grads:
+                    self._new_grads[fp.index] = torch.zeros(shard.shape, dtype=self.precision.master_dtype,
+                                                            device=self.device)
+                continue
+            piece, dtype = grad.reshape(shard.shape), self.precision.master_dtype
+            if piece.dtype != dtype:
+                piece = piece.to(dtype)
+                if self._divide_by != 1:
+                    piece.div_(self._divide_by)
+            else:  # a new tensor either way: autograd's may be another's too, and later adds must not reach it
+                piece = piece / self._divide_by if self._divide_by != 1 else piece.clone()
+            if fp.index in self._new_grads:
+                self._new_grads[fp.index] += piece
+            else:
+                self._new_grads[fp.index] = piece
 
     def _land(self, unit: Unit, work, out: torch.Tensor, flat: torch.Tensor) -> None:
         """Wait for one reduce-scatter and add its shard gradients to this backward's new gradients; under
