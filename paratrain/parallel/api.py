@@ -33,10 +33,11 @@ from paratrain.parallel.blocks import UnitSpec
 from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel.data.offload import check_offload
+from paratrain.parallel.loss import FusedHead, head_name
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
-from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
+from paratrain.parallel.rules import DEFAULT_LOSS_CHUNK, ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.plan import PlannedModel, apply_tensor_parallel
 from paratrain.precision import Precision, precision_policy
@@ -166,7 +167,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
                 comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None,
-                fp8_min_features: int | None = None):
+                fp8_min_features: int | None = None, loss_chunk: int | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -194,6 +195,11 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (`paratrain.parallel.fp8`; with precision "bf16"); the converted names are `model.fp8_linears`.
     fp8_min_features: linears with fewer input or output features stay in the compute dtype (None: 1024 on
         CUDA, `fp8.CUDA_MIN_FEATURES`; 0 elsewhere).
+    loss_chunk: the default loss (`model.loss_fn`, in `train_step` and `eval_loss_sum`) taken inside the model's
+        output head in chunks of this many tokens, never holding the whole logits (`paratrain.parallel.loss`; the
+        head is what `get_output_embeddings()` returns, or an nn.Sequential's last layer, an nn.Linear; FP8 leaves it
+        in the compute dtype); 0: the loss reads whole logits; None: `DEFAULT_LOSS_CHUNK` tokens where the model's
+        head can be fused, whole logits where not (a number given for a model whose head cannot be is refused).
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -213,6 +219,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 0. Context parallelism reads the model as the user built it: only its forward's signature (how it
     #    takes positions) matters, which no step below changes; it never touches the parameters.
     sharding = _context_sharding(model, comm, context)
+    # 0b. The output head the loss fuses into, named on the whole model: the split keeps names, and only the
+    #     rank holding the last stage holds it.
+    head, loss_chunk = _loss_head_name(model, loss_chunk)
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built there),
     #    and everything after works on that smaller module under the same names.
     split = _split(model, mesh, pipeline)
@@ -226,7 +235,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
     tp_info, init = _tensor(model, comm, tensor, data, split, init)
     # 2b. FP8 swaps the class of the blocks' plain linears (their parameters stay what they are).
-    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data, fp8_min_features)
+    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data, fp8_min_features, keep=head)
     # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
     _materialize_or_move(model, init, mesh.device, data)
     # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
@@ -234,13 +243,16 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    them, outside the compiled regions; a recompute finds whole parameters through the engine's
     #    saved-tensor hooks).
     _recompute_and_compile(model, comm, checkpointing, compile, sharding)
+    # 4b. The fused loss over the head as the steps above left it (its tensor-parallel twin; compiled or not, its
+    #     forward when unarmed), before the engine hooks onto it (ZeRO-3 gathers it around the fused forward too).
+    loss_head = _fuse_head(model, head, loss_chunk)
     # 5. The data-parallel engine: it sees the final parameters it has to reduce.
     engine = _engine(model, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
     offload = _offload(engine, mesh, data, model if runner is None else None)
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
-                            offload=offload)
+                            offload=offload, loss_head=loss_head)
     wrapped.fp8_linears = fp8_linears
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     opt = _optimizer(optimizer, wrapped, engine, data)
@@ -249,8 +261,28 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     return wrapped, opt
 
 
+def _loss_head_name(model: nn.Module, loss_chunk: int | None) -> tuple[str | None, int]:
+    """(the name of the head the loss fuses into or None, the chunk in tokens); a chunk asked for a model whose head
+    cannot be fused is refused in one line."""
+    if loss_chunk is not None and loss_chunk < 0:
+        raise ParallelConfigError(f"--loss-chunk must be 0 (off) or a number of tokens, got {loss_chunk}")
+    if loss_chunk == 0:
+        return None, 0
+    name, why = head_name(model)
+    if name is None and loss_chunk is not None:
+        raise ParallelConfigError(f"--loss-chunk {loss_chunk}: {why}; use --loss-chunk 0 (loss_chunk=0)")
+    return name, loss_chunk or DEFAULT_LOSS_CHUNK
+
+
+def _fuse_head(model: nn.Module, name: str | None, chunk: int) -> FusedHead | None:
+    """The fused loss over this rank's module `name` (None where the rank holds no such module: a pipeline stage
+    before the last)."""
+    module = dict(model.named_modules()).get(name) if name is not None else None
+    return FusedHead(module, chunk) if module is not None else None
+
+
 def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,
-         minimum: int | None):
+         minimum: int | None, keep: str | None = None):
     """(the names of the linears converted to FP8, where their weight casts are kept for a step): none without a
     recipe; casts kept under ZeRO-0..2, whose weights stay whole between optimizer steps."""
     if recipe is None:
@@ -263,7 +295,7 @@ def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, da
     agree = functools.partial(_max_over, comm, Axis.CP) if comm.mesh.size(Axis.CP) > 1 else None
     if minimum is None:
         minimum = CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0
-    return convert_to_fp8(model, recipe, minimum, casts, agree), casts
+    return convert_to_fp8(model, recipe, minimum, casts, agree, keep=(keep,) if keep else ()), casts
 
 
 def _max_over(comm: Comm, axis: Axis, amax: torch.Tensor) -> torch.Tensor:

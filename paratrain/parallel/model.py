@@ -52,6 +52,7 @@ from paratrain.parallel.context.split import unshard_sequence
 from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict, optimizer_state_bytes
 from paratrain.parallel.data.engine import Engine
 from paratrain.parallel.expert.sharding import moe_layers, whole_expert
+from paratrain.parallel.loss import FusedHead
 from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
 from paratrain.parallel.tensor.layers import gather_full
 from paratrain.precision import LossScaler, Precision, cross_entropy
@@ -82,8 +83,11 @@ class ParallelModel(nn.Module):
 
     def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
                  tp_info: TensorParallelInfo | None = None, pipeline=None, context=None, expert_info=None,
-                 offload=None):
+                 offload=None, loss_head: FusedHead | None = None):
         super().__init__()
+        # The output head with the loss fused in (`paratrain.parallel.loss`): the default loss is taken inside the
+        # head's forward, chunk by chunk, never from whole logits. None: the loss reads the model's logits.
+        self.loss_head = loss_head
         self.offload = offload  # `paratrain.parallel.data.offload.HostMasters`: the optimizer steps host masters
         # A `paratrain.parallel.expert.ExpertInfo` under expert parallelism: which parameters are blocks of experts.
         self.expert_info = expert_info
@@ -146,12 +150,25 @@ class ParallelModel(nn.Module):
             return labels
         return self.context.labels(labels, getattr(output, "logits", output).shape[1])
 
+    def _input_labels(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the model's output for `inputs` (whole sequences), known before the forward runs."""
+        return labels if self.context is None else self.context.labels(labels, inputs.shape[1] // self.context.size)
+
+    def _loss_targets(self, loss_fn: LossFn | None, labels: torch.Tensor):
+        """Around a forward whose output `loss_fn` takes: the fused head armed with `labels` when `loss_fn` is the
+        default loss (which knows the head's result), else nothing."""
+        if self.loss_head is None or loss_fn not in (None, self.loss_fn):
+            return contextlib.nullcontext()
+        return self.loss_head.targets(labels)
+
     def loss_fn(self, output, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                 reduction: str = "sum") -> torch.Tensor:
         """Cross-entropy of this model's logits (fp32): vocab-parallel when tensor parallelism shards them.
 
         `output` may be the logits or an object with `.logits` (Hugging Face models).
         """
+        if self.loss_head is not None and (loss := self.loss_head.take(output)) is not None:
+            return loss  # the armed head took the loss already (`_loss_targets`): the token-loss sum
         logits = getattr(output, "logits", output)
         targets = self._local_labels(logits, targets)
         if self.tp_info is not None:
@@ -193,9 +210,12 @@ class ParallelModel(nn.Module):
         loss_fn = loss_fn or self.loss_fn
         labels = labels.to(self.device)
         if self.pipeline is not None:
-            return self.pipeline.eval_loss_sum(inputs.to(self.device), labels, loss_fn)
-        output = self(inputs.to(self.device))
-        loss = loss_fn(output, self._local_labels(output, labels)).float()
+            return self.pipeline.eval_loss_sum(inputs.to(self.device), labels, loss_fn,
+                                               functools.partial(self._loss_targets, loss_fn))
+        labels = self._input_labels(inputs, labels)
+        with self._loss_targets(loss_fn, labels):
+            output = self(inputs.to(self.device))
+        loss = loss_fn(output, labels).float()
         if self.context is not None:  # each cp rank summed its chunks' tokens: the sequences' sum is theirs together
             self.comm.all_reduce(loss, self.context.axis)
         return loss
@@ -234,14 +254,17 @@ class ParallelModel(nn.Module):
             layer.aux_rows = rows
             layer.reset_step_load()
         if self.pipeline is not None:
-            loss_sum = self.pipeline.run(micro_batches, normalizer, loss_fn, self.no_sync, self.scale_loss)
+            loss_sum = self.pipeline.run(micro_batches, normalizer, loss_fn, self.no_sync, self.scale_loss,
+                                         functools.partial(self._loss_targets, loss_fn))
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, (inputs, labels) in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
+                labels = self._input_labels(inputs, labels.to(self.device, non_blocking=True))
                 with contextlib.nullcontext() if last else self.no_sync():
-                    output = self(inputs.to(self.device, non_blocking=True))
-                    token_losses = loss_fn(output, self._local_labels(output, labels.to(self.device, non_blocking=True)))
+                    with self._loss_targets(loss_fn, labels):
+                        output = self(inputs.to(self.device, non_blocking=True))
+                    token_losses = loss_fn(output, labels)
                     self.scale_loss(token_losses / normalizer).backward()
                 loss_sum += token_losses.detach()
         self._result = StepResult(loss_sum, ~torch.isfinite(loss_sum))
