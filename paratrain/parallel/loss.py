@@ -106,6 +106,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad.t(), x[rows])
             if need_bias:
                 grad_bias += grad.sum(0, dtype=grad_bias.dtype)
+            del grad  # before the next chunk's logits: one chunk's at a time
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 

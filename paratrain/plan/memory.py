@@ -30,6 +30,8 @@ from paratrain.plan.model_states import (
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 from paratrain.plan import moe
 from paratrain.plan.activations import (
+    fused_head_bytes,
+    fused_loss_working_bytes,
     head_bytes_as_run,
     layer_activation_bytes,
     logits_bytes,
@@ -105,6 +107,10 @@ class Workload:
             step's tensorwise weight casts (`fp8_cast_bytes`).
         fp8_min_features: linears with fewer whole-layer in or out features stay in the compute dtype, as
             `parallelize(fp8_min_features=...)` keeps them (the default: its CUDA default, 1,024; a CPU run: 0).
+        loss_chunk: the loss takes the head's matmul and the cross-entropy in chunks of this many tokens
+            (`parallelize(loss_chunk=...)`, the trainer's default): no fp32 logits kept, one chunk's at a time
+            (`fused_loss_working_bytes`), the head's matmul once more in backward; 0: the whole logits, as a user's
+            own loop (`loss_fn(model(x), y)`) takes them.
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -120,9 +126,12 @@ class Workload:
     moe_imbalance: float = moe.DEFAULT_IMBALANCE
     fp8: str | None = None
     fp8_min_features: int = FP8_CUDA_MIN_FEATURES
+    loss_chunk: int = 0
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise PlanError(f"--loss-chunk must be 0 (whole logits) or a number of tokens, got {self.loss_chunk!r}")
         if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
                 or not self.moe_imbalance >= 1:
             raise PlanError(f"--moe-imbalance must be a number ≥ 1 (max/mean tokens per expert rank), "
@@ -364,8 +373,9 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     schedule keeps in flight there (`in_flight_microbatches`), a MoE layer's routed copies added
     (`paratrain.plan.moe.layer_activation_delta_bytes`); plus, on the last stage, the final norm and
     the fp32 log-probabilities of those micro-batches (`head_bytes_as_run`; under a kernel that
-    materializes the scores, or cp, the fp32 logits); plus the larger of two transients that never
-    meet: the loss's backward on the last stage (`loss_backward_bytes`) and, with full recomputation,
+    materializes the scores, or cp, the fp32 logits; a fused loss keeps none: `fused_head_bytes`); plus the
+    larger of two transients that never meet: the loss's backward on the last stage (`loss_backward_bytes`;
+    fused, one chunk's logits: `fused_loss_working_bytes`) and, with full recomputation,
     one layer's activations rebuilt during its backward (Korthikanti et al. §5); plus, with
     context parallelism, the K/V blocks the ring of one layer has in flight (`ring_in_flight_bytes`).
     Under cp every rank holds s/cp tokens of each sequence, its logits included.
@@ -387,7 +397,12 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     transient = recompute_working_bytes(workload, layout)
     if stage == lay.pp - 1:
         tokens = s // lay.cp * b
-        if workload.flash_attention and lay.cp == 1:  # counted as paratrain's model runs (`head_bytes_as_run`)
+        if workload.loss_chunk:  # the fused loss keeps 14 bytes a token; one chunk's logits in either pass
+            total += fused_head_bytes(tokens, model.dim, lay.tp, lay.sequence_parallel, workload.precision,
+                                      norm=workload.flash_attention and lay.cp == 1) * in_flight
+            transient = max(transient, fused_loss_working_bytes(tokens, model.vocab_size, lay.tp, workload.loss_chunk,
+                                                                workload.precision))
+        elif workload.flash_attention and lay.cp == 1:  # counted as paratrain's model runs (`head_bytes_as_run`)
             total += head_bytes_as_run(tokens, model.dim, model.vocab_size, lay.tp, lay.sequence_parallel,
                                        workload.precision) * in_flight
             # the loss's backward runs before any block's: its buffers and a recomputed layer never meet
