@@ -609,7 +609,8 @@ def _peak_of(device, backward, loss_of) -> dict:
 
 def check_fp8_8b(device, small: bool) -> dict:
     """FP8 matmuls (parallel/fp8.py, torch._scaled_mm) at Llama 3.1 8B's linear shapes, 8,192 tokens: each recipe's
-    output and gradients against the bf16 matmul (norm-relative, within FP8's few percent: 0.1), and its forward +
+    output and gradients against the bf16 matmul (norm-relative: e4m3 keeps 3 mantissa bits, e5m2 2; within 0.15), and
+    its forward +
     backward time against bf16's (reported; the step's speedup is bench_gpu.py's llama3.1-8b rows)."""
     from paratrain.parallel.fp8 import fp8_linear
 
@@ -635,10 +636,10 @@ def check_fp8_8b(device, small: bool) -> dict:
         for recipe in recipes:
             worst = max(_norm_relative(a, b) for a, b in zip(run(recipe), want))
             times[recipe] = measure(lambda: run(recipe), device, 1, 3)["step_s"]["median"]
-            passed &= worst <= 0.1
+            passed &= worst <= 0.15
             out[f"{name} {recipe}"] = {"rel_err": worst, "speedup": times["bf16"] / times[recipe]}
             details.append(f"{name} {recipe} err {worst:.1e}, {times['bf16'] / times[recipe]:.2f}x bf16")
-    return {"passed": passed, "shapes": out, "detail": f"{tokens} tokens: " + "; ".join(details) + " (tol 0.1)"}
+    return {"passed": passed, "shapes": out, "detail": f"{tokens} tokens: " + "; ".join(details) + " (tol 0.15)"}
 
 
 def torchao_matches(recipe: str, x, w, dy, ours) -> tuple[bool | None, str]:

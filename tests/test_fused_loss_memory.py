@@ -7,7 +7,8 @@ width and few layers, so the loss is most of the step, as it is of Llama 3.1 8B'
 - the planner's peak with the fused loss (`Workload(loss_chunk=...)`) is within 10% of the measured step's.
 
 The suite's shape is 4 × 128 tokens in chunks of 64 (8 chunks, as the default 1,024-token chunks cut a micro-batch of
-4 × 2,048), in fp32; `benchmarks/bench_loss_memory.py` measures the 4 × 2,048 tokens themselves.
+4 × 2,048), in fp32: the whole logits of 4 × 2,048 tokens would take 13 GB of the CPU's memory in one step, and its bf16
+matmuls are 8 times slower than fp32's. `benchmarks/gpu_check.py`'s "fused loss" rows measure Llama 3.1 8B's own head.
 """
 
 from __future__ import annotations
