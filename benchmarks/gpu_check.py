@@ -610,8 +610,7 @@ def _peak_of(device, backward, loss_of) -> dict:
 def check_fp8_8b(device, small: bool) -> dict:
     """FP8 matmuls (parallel/fp8.py, torch._scaled_mm) at Llama 3.1 8B's linear shapes, 8,192 tokens: each recipe's
     output and gradients against the bf16 matmul (norm-relative: e4m3 keeps 3 mantissa bits, e5m2 2; within 0.15), and
-    its forward +
-    backward time against bf16's (reported; the step's speedup is bench_gpu.py's llama3.1-8b rows)."""
+    its forward + backward time against bf16's (reported; the step's speedup is bench_gpu.py's llama3.1-8b rows)."""
     from paratrain.parallel.fp8 import fp8_linear
 
     shapes = {"tiny": (64, 128)} if small else LLAMA3_8B_LINEARS
