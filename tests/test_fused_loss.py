@@ -14,7 +14,6 @@ from torch import nn
 
 import paratrain
 from paratrain.models import ModelConfig, Transformer
-from paratrain.parallel.api import ParallelConfigError
 from paratrain.parallel.loss import LossChunkError, head_name, linear_cross_entropy
 from paratrain.precision import cross_entropy
 from paratrain.testing import run_on_ranks
@@ -186,7 +185,7 @@ def test_nn_sequential_fused_equals_whole_logits(mesh):
 
 
 def test_a_chunk_for_a_model_without_a_head_is_refused(mesh):
-    with pytest.raises(ParallelConfigError, match=r"--loss-chunk 64: .*names no output head.*--loss-chunk 0"):
+    with pytest.raises(LossChunkError, match=r"--loss-chunk 64: .*names no output head.*--loss-chunk 0"):
         paratrain.parallelize(nn.Embedding(10, 4), mesh, loss_chunk=64)
     model, _ = paratrain.parallelize(nn.Embedding(10, 4), mesh)  # the default: whole logits, no refusal
     assert model.loss_head is None

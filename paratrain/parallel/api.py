@@ -33,11 +33,11 @@ from paratrain.parallel.blocks import UnitSpec
 from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel.data.offload import check_offload
-from paratrain.parallel.loss import FusedHead, head_name
+from paratrain.parallel.loss import fuse_head, loss_head_name
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
-from paratrain.parallel.rules import DEFAULT_LOSS_CHUNK, ZERO_STAGES, CheckedLayout, LayoutSpec
+from paratrain.parallel.rules import ZERO_STAGES, CheckedLayout, LayoutSpec
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.plan import PlannedModel, apply_tensor_parallel
 from paratrain.precision import Precision, precision_policy
@@ -195,11 +195,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (`paratrain.parallel.fp8`; with precision "bf16"); the converted names are `model.fp8_linears`.
     fp8_min_features: linears with fewer input or output features stay in the compute dtype (None: 1024 on
         CUDA, `fp8.CUDA_MIN_FEATURES`; 0 elsewhere).
-    loss_chunk: the default loss (`model.loss_fn`, in `train_step` and `eval_loss_sum`) taken inside the model's
-        output head in chunks of this many tokens, never holding the whole logits (`paratrain.parallel.loss`; the
-        head is what `get_output_embeddings()` returns, or an nn.Sequential's last layer, an nn.Linear; FP8 leaves it
-        in the compute dtype); 0: the loss reads whole logits; None: `DEFAULT_LOSS_CHUNK` tokens where the model's
-        head can be fused, whole logits where not (a number given for a model whose head cannot be is refused).
+    loss_chunk: the model's loss taken inside its output head, this many tokens at a time (`paratrain.parallel.loss`);
+        0: whole logits; None: `DEFAULT_LOSS_CHUNK` where the head can be fused (a number where not is refused).
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -219,9 +216,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 0. Context parallelism reads the model as the user built it: only its forward's signature (how it
     #    takes positions) matters, which no step below changes; it never touches the parameters.
     sharding = _context_sharding(model, comm, context)
-    # 0b. The output head the loss fuses into, named on the whole model: the split keeps names, and only the
-    #     rank holding the last stage holds it.
-    head, loss_chunk = _loss_head_name(model, loss_chunk)
+    # 0b. The head the loss fuses into, named on the whole model: the split keeps names (the last stage holds it).
+    head, loss_chunk = loss_head_name(model, loss_chunk)
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built there),
     #    and everything after works on that smaller module under the same names.
     split = _split(model, mesh, pipeline)
@@ -243,9 +239,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    them, outside the compiled regions; a recompute finds whole parameters through the engine's
     #    saved-tensor hooks).
     _recompute_and_compile(model, comm, checkpointing, compile, sharding)
-    # 4b. The fused loss over the head as the steps above left it (its tensor-parallel twin; compiled or not, its
-    #     forward when unarmed), before the engine hooks onto it (ZeRO-3 gathers it around the fused forward too).
-    loss_head = _fuse_head(model, head, loss_chunk)
+    # 4b. The loss fused into the head as tp left it, before the engine hooks onto it (ZeRO-3 gathers around it).
+    loss_head = fuse_head(model, head, loss_chunk)
     # 5. The data-parallel engine: it sees the final parameters it has to reduce.
     engine = _engine(model, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
@@ -259,26 +254,6 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     if opt is not None and fp8_casts is not None:  # the weights changed: the next micro-batch casts them again
         opt.register_step_post_hook(fp8_casts.new_step)
     return wrapped, opt
-
-
-def _loss_head_name(model: nn.Module, loss_chunk: int | None) -> tuple[str | None, int]:
-    """(the name of the head the loss fuses into or None, the chunk in tokens); a chunk asked for a model whose head
-    cannot be fused is refused in one line."""
-    if loss_chunk is not None and loss_chunk < 0:
-        raise ParallelConfigError(f"--loss-chunk must be 0 (off) or a number of tokens, got {loss_chunk}")
-    if loss_chunk == 0:
-        return None, 0
-    name, why = head_name(model)
-    if name is None and loss_chunk is not None:
-        raise ParallelConfigError(f"--loss-chunk {loss_chunk}: {why}; use --loss-chunk 0 (loss_chunk=0)")
-    return name, loss_chunk or DEFAULT_LOSS_CHUNK
-
-
-def _fuse_head(model: nn.Module, name: str | None, chunk: int) -> FusedHead | None:
-    """The fused loss over this rank's module `name` (None where the rank holds no such module: a pipeline stage
-    before the last)."""
-    module = dict(model.named_modules()).get(name) if name is not None else None
-    return FusedHead(module, chunk) if module is not None else None
 
 
 def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,

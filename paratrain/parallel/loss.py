@@ -175,6 +175,26 @@ def head_name(model: nn.Module) -> tuple[str | None, str]:
     return name, ""
 
 
+def loss_head_name(model: nn.Module, loss_chunk: int | None) -> tuple[str | None, int]:
+    """`parallelize(loss_chunk=...)`: (the name of the head the loss fuses into or None, the chunk in tokens); a chunk
+    asked for a model whose head cannot be fused is refused in one line."""
+    if loss_chunk is not None and loss_chunk < 0:
+        raise LossChunkError(f"--loss-chunk must be 0 (off) or a number of tokens, got {loss_chunk}")
+    if loss_chunk == 0:
+        return None, 0
+    name, why = head_name(model)
+    if name is None and loss_chunk is not None:
+        raise LossChunkError(f"--loss-chunk {loss_chunk}: {why}; use --loss-chunk 0 (loss_chunk=0)")
+    return name, loss_chunk or DEFAULT_LOSS_CHUNK
+
+
+def fuse_head(model: nn.Module, name: str | None, chunk: int) -> FusedHead | None:
+    """The fused loss over this rank's module `name` (None where the rank holds none: a pipeline stage before the
+    last)."""
+    module = dict(model.named_modules()).get(name) if name is not None else None
+    return FusedHead(module, chunk) if module is not None else None
+
+
 class FusedHead:
     """A model's output head computing the loss in chunks (`linear_cross_entropy`) while armed with labels.
 
@@ -202,7 +222,8 @@ class FusedHead:
             self._targets = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._targets is None:
+        targets, self._targets = self._targets, None  # one forward per arming
+        if targets is None:
             return self._forward(x)
         head, comm, axis, start = self.module, None, None, 0
         weight = head.weight
@@ -211,7 +232,7 @@ class FusedHead:
                 x = enter_tp_region(x, head.comm, head.axis, head.sequence_parallel)
             weight = weight.t() if head.transposed else weight
             comm, axis, start = head.comm, head.axis, head.tp_rank * weight.shape[0]
-        self._loss = linear_cross_entropy(x, weight, self._targets, head.bias, ignore_index=self.ignore_index,
+        self._loss = linear_cross_entropy(x, weight, targets, head.bias, ignore_index=self.ignore_index,
                                           chunk=self.chunk, vocab_start=start, comm=comm, axis=axis)
         return self._loss
 

@@ -29,14 +29,7 @@ from paratrain.plan.model_states import (
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 from paratrain.plan import moe
-from paratrain.plan.activations import (
-    fused_head_bytes,
-    fused_loss_working_bytes,
-    head_bytes_as_run,
-    layer_activation_bytes,
-    logits_bytes,
-    loss_backward_bytes,
-)
+from paratrain.plan.activations import layer_activation_bytes, loss_stage_bytes
 from paratrain.plan.buffers import comm_buffer_parts
 from paratrain.plan.ops import Shape, fp8_weight_params
 from paratrain.plan.errors import PlanError  # (raised here, and named by the planner's callers from here)
@@ -107,10 +100,8 @@ class Workload:
             step's tensorwise weight casts (`fp8_cast_bytes`).
         fp8_min_features: linears with fewer whole-layer in or out features stay in the compute dtype, as
             `parallelize(fp8_min_features=...)` keeps them (the default: its CUDA default, 1,024; a CPU run: 0).
-        loss_chunk: the loss takes the head's matmul and the cross-entropy in chunks of this many tokens
-            (`parallelize(loss_chunk=...)`, the trainer's default): no fp32 logits kept, one chunk's at a time
-            (`fused_loss_working_bytes`), the head's matmul once more in backward; 0: the whole logits, as a user's
-            own loop (`loss_fn(model(x), y)`) takes them.
+        loss_chunk: the loss fused into the head in chunks of this many tokens (`parallelize(loss_chunk=...)`, the
+            trainer's default; `loss_stage_bytes`); 0: the whole logits, as a loop calling the model takes them.
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -372,10 +363,9 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     Per layer `layer_activation_bytes`; times the layers on the stage and the micro-batches the
     schedule keeps in flight there (`in_flight_microbatches`), a MoE layer's routed copies added
     (`paratrain.plan.moe.layer_activation_delta_bytes`); plus, on the last stage, the final norm and
-    the fp32 log-probabilities of those micro-batches (`head_bytes_as_run`; under a kernel that
-    materializes the scores, or cp, the fp32 logits; a fused loss keeps none: `fused_head_bytes`); plus the
-    larger of two transients that never meet: the loss's backward on the last stage (`loss_backward_bytes`;
-    fused, one chunk's logits: `fused_loss_working_bytes`) and, with full recomputation,
+    the fp32 log-probabilities of those micro-batches (`loss_stage_bytes`; under a kernel that
+    materializes the scores, or cp, the fp32 logits; a fused loss keeps none); plus the larger of two
+    transients that never meet: the loss's (its backward's buffers; fused, one chunk's logits) and, with full recomputation,
     one layer's activations rebuilt during its backward (Korthikanti et al. §5); plus, with
     context parallelism, the K/V blocks the ring of one layer has in flight (`ring_in_flight_bytes`).
     Under cp every rank holds s/cp tokens of each sequence, its logits included.
@@ -395,20 +385,11 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
                                                   workload.moe_imbalance)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
     transient = recompute_working_bytes(workload, layout)
-    if stage == lay.pp - 1:
-        tokens = s // lay.cp * b
-        if workload.loss_chunk:  # the fused loss keeps 14 bytes a token; one chunk's logits in either pass
-            total += fused_head_bytes(tokens, model.dim, lay.tp, lay.sequence_parallel, workload.precision,
-                                      norm=workload.flash_attention and lay.cp == 1) * in_flight
-            transient = max(transient, fused_loss_working_bytes(tokens, model.vocab_size, lay.tp, workload.loss_chunk,
-                                                                workload.precision))
-        elif workload.flash_attention and lay.cp == 1:  # counted as paratrain's model runs (`head_bytes_as_run`)
-            total += head_bytes_as_run(tokens, model.dim, model.vocab_size, lay.tp, lay.sequence_parallel,
-                                       workload.precision) * in_flight
-            # the loss's backward runs before any block's: its buffers and a recomputed layer never meet
-            transient = max(transient, loss_backward_bytes(tokens, model.vocab_size, lay.tp))
-        else:
-            total += logits_bytes(s // lay.cp, b, model.vocab_size, lay.tp) * in_flight
+    if stage == lay.pp - 1:  # the loss's transient comes before any block's backward: never beside a recomputed one
+        kept, loss_transient = loss_stage_bytes(s // lay.cp * b, model.dim, model.vocab_size, lay.tp,
+                                                lay.sequence_parallel, workload.precision,
+                                                workload.flash_attention and lay.cp == 1, workload.loss_chunk)
+        total, transient = total + kept * in_flight, max(transient, loss_transient)
     total += transient
     if lay.cp > 1:
         total += ring_in_flight_bytes(model, b, s // lay.cp, lay.tp, workload.param_bytes, workload.flash_attention)
