@@ -231,7 +231,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
     tp_info, init = _tensor(model, comm, tensor, data, split, init)
     # 2b. FP8 swaps the class of the blocks' plain linears (their parameters stay what they are).
-    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data, fp8_min_features, keep=head)
+    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data, fp8_min_features)
     # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
     _materialize_or_move(model, init, mesh.device, data)
     # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
@@ -257,7 +257,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
 
 
 def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,
-         minimum: int | None, keep: str | None = None):
+         minimum: int | None):
     """(the names of the linears converted to FP8, where their weight casts are kept for a step): none without a
     recipe; casts kept under ZeRO-0..2, whose weights stay whole between optimizer steps."""
     if recipe is None:
@@ -270,7 +270,7 @@ def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, da
     agree = functools.partial(_max_over, comm, Axis.CP) if comm.mesh.size(Axis.CP) > 1 else None
     if minimum is None:
         minimum = CUDA_MIN_FEATURES if comm.mesh.device.type == "cuda" else 0
-    return convert_to_fp8(model, recipe, minimum, casts, agree, keep=(keep,) if keep else ()), casts
+    return convert_to_fp8(model, recipe, minimum, casts, agree), casts
 
 
 def _max_over(comm: Comm, axis: Axis, amax: torch.Tensor) -> torch.Tensor:

@@ -279,25 +279,23 @@ def _check_shard(name: str, module: nn.Module) -> None:
 
 
 def convert_to_fp8(model: nn.Module, recipe: str, min_features: int = 0, casts: Fp8Casts | None = None,
-                   agree=None, keep: tuple[str, ...] = ()) -> list[str]:
+                   agree=None) -> list[str]:
     """Make every convertible linear inside the blocks of `model` compute in FP8; the converted names.
 
     A plain linear becomes a `Float8Linear`; a tensor-parallel one computes its local matmul in FP8
     (`_ParallelLinear.fp8_recipe`), its tensorwise scales agreed over the tp group. `casts`: where their
     weights' casts are kept for the step (`Fp8Casts`; None: cast at every forward). `agree(amax)`: the
     max-reduction over the ranks that split each sequence (context parallelism), so that a tensorwise cast
-    of a rank's tokens uses the scale of the whole micro-batch, as one process does. `keep`: the names of modules
-    that stay in the compute dtype (an output head that is a block, as an nn.Sequential's last layer is).
+    of a rank's tokens uses the scale of the whole micro-batch, as one process does.
     """
     converted = []
     for block_name, block in unit_modules(model, "blocks"):
         for name, module in block.named_modules():
-            full_name = f"{block_name}.{name}" if name else block_name
-            if convertible(module, min_features) and full_name not in keep:
+            if convertible(module, min_features):
                 if type(module) is nn.Linear:
                     module.__class__ = Float8Linear
                 else:
                     _check_shard(f"{block_name}.{name}", module)
                 module.fp8_recipe, module.fp8_casts, module.fp8_agree = recipe, casts, agree
-                converted.append(full_name)
+                converted.append(f"{block_name}.{name}" if name else block_name)
     return converted

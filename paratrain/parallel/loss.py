@@ -190,9 +190,12 @@ def loss_head_name(model: nn.Module, loss_chunk: int | None) -> tuple[str | None
 
 def fuse_head(model: nn.Module, name: str | None, chunk: int) -> FusedHead | None:
     """The fused loss over this rank's module `name` (None where the rank holds none: a pipeline stage before the
-    last)."""
+    last; or where FP8 converted it, as it does an nn.Sequential's last linear, a block: it keeps its FP8 matmul
+    and whole logits, the head a transformer keeps outside its blocks staying in the compute dtype)."""
     module = dict(model.named_modules()).get(name) if name is not None else None
-    return FusedHead(module, chunk) if module is not None else None
+    if module is None or getattr(module, "fp8_recipe", None) is not None:
+        return None
+    return FusedHead(module, chunk)
 
 
 class FusedHead:
