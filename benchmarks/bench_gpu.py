@@ -15,6 +15,11 @@ Rows, most important first (a row that is not started within --budget-s is writt
      tensorwise linears), each only
      where torch.cuda.mem_get_info shows room for the planner's estimate (fp32 masters + Adam: ~16 bytes per
      parameter, 112 GB, so an H200's 141 GB, not an H100's 80).
+  3. llama3.1-8b (bf16, seq 8192, --llama3): bf16 and FP8 (tensorwise, rowwise), compiled, in the layout the planner
+     picks for 141 GB at world 1 (ZeRO stage, recomputation, optimizer offload where nothing fits without,
+     micro-batch), each after plain PyTorch's compiled step (FP8 through torchao), which runs where it fits (fp32
+     weights and AdamW: 128 GB before activations, so not on one H200). paratrain's loss is the fused one (the
+     default), plain PyTorch's keeps the whole logits.
 paratrain rows that ask for what this build's parallelize() does not take (compile=True, a recomputation
 mode by name) are written as "not available in this build"; recomputation "full" falls back to
 activation_checkpointing=1 (every block), which is full recomputation.
@@ -54,6 +59,7 @@ from gpu_check import SIZES, adamw, batches, measure, model_on_meta, plain_step
 from paratrain import DataParallel
 from paratrain.hardware import device_peak_flops
 from paratrain.models import ModelConfig, get_model_config
+from paratrain.parallel.rules import DEFAULT_LOSS_CHUNK
 
 NOT_AVAILABLE = "not available in this build"
 MARGIN = 1.10  # a row of the large model starts only where free memory exceeds the planner's peak by 10%
@@ -67,17 +73,49 @@ class Row:
     compile: bool
     zero: int | None = None  # paratrain's ZeRO stage
     recompute: str = "none"  # "none", "selective" or "full"
-    fp8: str | None = None  # paratrain's FP8 recipe for the blocks' linears
+    fp8: str | None = None  # paratrain's FP8 recipe for the blocks' linears (plain PyTorch: torchao's)
+    offload: str | None = None  # paratrain's optimizer offload
+    micro_batch: int | None = None  # sequences per step where the row sets it (the planner's pick), else the model's
 
     @property
     def name(self) -> str:
         what = {"pytorch": "plain PyTorch", "fsdp2": "FSDP2"}.get(self.kind, f"paratrain ZeRO-{self.zero}")
         return f"{what} {'compiled' if self.compile else 'eager'}" + \
             (f" +{self.recompute} recompute" if self.recompute != "none" else "") + \
-            (f" +fp8 {self.fp8}" if self.fp8 else "")
+            (f" +offload {self.offload}" if self.offload else "") + \
+            (f" +fp8 {self.fp8}" if self.fp8 else "") + (f" x{self.micro_batch}" if self.micro_batch else "")
 
 
-def rows(large: bool) -> list[Row]:
+H200_BYTES = 141e9
+
+
+def llama3_rows(cfg: ModelConfig, seq: int) -> list[Row]:
+    """Llama 3.1 8B on one GPU: for bf16 and each FP8 recipe, compiled, the layout the planner picks for 141 GB (ZeRO
+    stage, recomputation, offload, micro-batch: `paratrain.plan.search` at world 1 on the H200 preset), each after
+    plain PyTorch's compiled step (autocast bf16; FP8 through torchao's Float8Linear), which runs where it fits."""
+    from paratrain.plan import HARDWARE_PRESETS, Workload
+    from paratrain.plan.search import SearchSpace, search
+
+    hardware = dataclasses.replace(HARDWARE_PRESETS["h200"], memory_bytes=H200_BYTES)
+    out = []
+    for fp8 in (None, "tensorwise", "rowwise"):
+        workload = Workload.for_model(cfg, seq_len=seq, precision="bf16", reduce_dtype="fp32", fp8=fp8,
+                                      loss_chunk=DEFAULT_LOSS_CHUNK)
+        best = None
+        for offload in (None, "optimizer"):  # offload only where nothing fits on the device alone
+            best = best or search(workload, 1, hardware, SearchSpace(compile=True, micro_batch=(1, 2),
+                                                                     offload=offload)).best
+        out.append(Row("llama3", "pytorch", True, fp8=fp8, micro_batch=best.layout.micro_batch if best else 1))
+        if best is None:
+            out.append(Row("llama3", "paratrain", True, 3, "full", fp8=fp8, micro_batch=1))  # the planner says no fit
+            continue
+        lay = best.layout
+        out.append(Row("llama3", "paratrain", True, lay.zero, lay.recompute.value, fp8=fp8, offload=lay.offload,
+                       micro_batch=lay.micro_batch))
+    return out
+
+
+def rows(large: bool, llama3: tuple[ModelConfig, int] | None = None) -> list[Row]:
     out = [Row("small", "pytorch", True), Row("small", "paratrain", True, 0),
            Row("small", "pytorch", False), Row("small", "paratrain", False, 0),
            Row("small", "fsdp2", False), Row("small", "paratrain", False, 3), Row("small", "paratrain", True, 3),
@@ -88,6 +126,8 @@ def rows(large: bool) -> list[Row]:
         out += [Row("large", "paratrain", True, 3, "selective"),
                 *(Row("large", "paratrain", True, 3, "selective", fp8=recipe) for recipe in ("tensorwise", "rowwise")),
                 Row("large", "paratrain", False, 3, "full")]
+    if llama3 is not None:
+        out += llama3_rows(*llama3)
     return out
 
 
@@ -101,6 +141,8 @@ def parallelize_kwargs(row: Row) -> tuple[dict | None, str | None]:
         if "fp8" not in params:
             return None, f"{NOT_AVAILABLE}: parallelize() has no fp8 argument"
         kwargs["fp8"] = row.fp8
+    if row.offload:
+        kwargs["offload"] = row.offload  # a DataParallel option, not parallelize()'s (build_paratrain)
     if row.compile:
         if "compile" not in params:
             return None, f"{NOT_AVAILABLE}: parallelize() has no compile argument"
@@ -127,15 +169,16 @@ def hardware_preset(device_name: str) -> str | None:
     return None
 
 
-def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None, profile=None) -> dict:
+def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None, profile=None,
+            loss_chunk: int = 0) -> dict:
     """The planner's step time (on `profile`, a calibrated Hardware, else the device's preset; None without
-    either) and peak memory for `row`."""
+    either) and peak memory for `row`, whose loss ran fused in chunks of `loss_chunk` tokens (0: whole logits)."""
     from paratrain.plan import HARDWARE_PRESETS, Layout, Workload, estimate
 
     zero = row.zero if row.kind == "paratrain" else (3 if row.kind == "fsdp2" else 0)
-    workload = Workload.for_model(cfg, seq_len=seq, global_batch=batch, precision="bf16",
-                                  reduce_dtype="fp32")  # parallelize's default, and FSDP2's policy here
-    layout_args = {"zero": zero, "micro_batch": batch, "recompute": row.recompute}
+    workload = Workload.for_model(cfg, seq_len=seq, global_batch=batch, precision="bf16", reduce_dtype="fp32",
+                                  loss_chunk=loss_chunk, fp8=row.fp8)  # parallelize's defaults, and FSDP2's policy
+    layout_args = {"zero": zero, "micro_batch": batch, "recompute": row.recompute, "offload": row.offload}
     notes = []
     if "compile" in {f.name for f in dataclasses.fields(Layout)}:
         layout_args["compile"] = row.compile
@@ -143,8 +186,6 @@ def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None
         notes.append("the planner has no compile flag: predicted as eager")
     if row.kind != "paratrain":
         notes.append(f"predicted as paratrain's ZeRO-{zero} layout")
-    if row.fp8:
-        notes.append("the planner has no FP8 rates yet: predicted as bf16")
     # Memory does not depend on the hardware: any preset gives it; the time needs the device's own.
     hardware = profile or HARDWARE_PRESETS[preset or "h100-80gb"]
     est = estimate(workload, Layout(**layout_args), hardware)
@@ -173,6 +214,10 @@ def build_plain(cfg: ModelConfig, row: Row, x, y, device):
         for block in model.layers.values():
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+    if row.fp8:  # torchao's Float8Linear on the blocks' linears, as paratrain converts them
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model.layers, config=Float8LinearConfig.from_recipe_name(row.fp8))
     if row.compile:
         compile_blocks(model)
     optimizer = adamw(model.parameters(), fused=device.type == "cuda")
@@ -182,9 +227,10 @@ def build_plain(cfg: ModelConfig, row: Row, x, y, device):
 def build_paratrain(cfg: ModelConfig, row: Row, kwargs: dict, x, y):
     from paratrain.train import train_step
 
+    kwargs = dict(kwargs)
     model, optimizer = paratrain.parallelize(
         model_on_meta(cfg), paratrain.init_mesh(), optimizer=functools.partial(adamw, fused=x.is_cuda),
-        precision="bf16", data=DataParallel(zero=row.zero, grad_reduction="sum"),
+        precision="bf16", data=DataParallel(zero=row.zero, grad_reduction="sum", offload=kwargs.pop("offload", None)),
         init=functools.partial(model_on_meta(cfg).param_init, seed=0), **kwargs)
     return lambda: train_step(model, optimizer, [(x, y)], 1.0)
 
@@ -203,14 +249,16 @@ def free(device) -> int | None:
 
 def run_row(row: Row, cfg: ModelConfig, batch: int, seq: int, device, args, preset: str | None,
             profile=None) -> dict:
-    out = {"row": row.name, **dataclasses.asdict(row), "params": cfg.num_params(), "batch": batch, "seq": seq}
-    out["predicted"] = predict(cfg, row, batch, seq, preset, profile)
+    # paratrain's loss is the fused one (parallelize's default); plain PyTorch's and FSDP2's keep the whole logits
+    out = {"row": row.name, **dataclasses.asdict(row), "params": cfg.num_params(), "batch": batch, "seq": seq,
+           "loss_chunk": DEFAULT_LOSS_CHUNK if row.kind == "paratrain" else 0}
+    out["predicted"] = predict(cfg, row, batch, seq, preset, profile, out["loss_chunk"])
     kwargs = {}
     if row.kind == "paratrain":
         kwargs, why = parallelize_kwargs(row)
         if why:
             return {**out, "status": why}
-    if row.model == "large":
+    if row.model in ("large", "llama3"):
         if device.type != "cuda":
             return {**out, "status": "skipped: the large model needs a CUDA device"}
         free_bytes, _ = torch.cuda.mem_get_info(device)
@@ -263,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="1b", choices=list(SIZES), help="the small model (default 1b)")
     parser.add_argument("--large", default="llama2-7b",
                         help="the large model, a paratrain.models name (default llama2-7b); '' for none")
+    parser.add_argument("--llama3", default="llama3.1-8b",
+                        help="the model of the Llama 3 rows, a paratrain.models name (default llama3.1-8b); '' for none")
+    parser.add_argument("--llama3-seq", type=int, default=8192,
+                        help="tokens per sequence of the Llama 3 rows (default 8192)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step of the small model (default 4)")
     parser.add_argument("--large-batch", type=int, default=1, help="micro-batch of the large model (default 1)")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence, at most the model's (default 2048)")
@@ -313,20 +365,25 @@ def main(argv: list[str] | None = None) -> int:
     models = {"small": (SIZES[args.size], args.batch)}
     if args.large:
         models["large"] = (get_model_config(args.large), args.large_batch)
+    llama3 = None
+    if args.llama3:
+        models["llama3"] = (get_model_config(args.llama3), 1)
+        llama3 = (models["llama3"][0], args.llama3_seq)
     preset = hardware_preset(name)
-    for row in rows(bool(args.large)):
+    for row in rows(bool(args.large), llama3):
         cfg, batch = models[row.model]
-        seq = min(args.seq, cfg.max_seq_len)
+        batch = row.micro_batch or batch
+        seq = min(args.llama3_seq if row.model == "llama3" else args.seq, cfg.max_seq_len)
         elapsed = time.perf_counter() - begin
         left = args.budget_s - elapsed
         if row.compile and args.no_compile:
             result = {"row": row.name, **dataclasses.asdict(row), "status": "skipped: --no-compile"}
-        elif left <= 0 or (row.model == "large" and device.type == "cuda" and left < LARGE_ROW_MIN_S):
+        elif left <= 0 or (row.model != "small" and device.type == "cuda" and left < LARGE_ROW_MIN_S):
             result = {"row": row.name, **dataclasses.asdict(row),
                       "status": f"skipped: budget spent ({elapsed:.0f} s of --budget-s {args.budget_s:g})"}
         else:
             result = run_row(row, cfg, batch, seq, device, args, preset, profile)
-        result["model_name"] = args.size if row.model == "small" else args.large
+        result["model_name"] = {"small": args.size, "large": args.large, "llama3": args.llama3}[row.model]
         results["rows"].append(result)
         print(f"  {result['model_name']:>10} {row.name:<44} {summary(result)}", flush=True)
     results["total_s"] = time.perf_counter() - begin
@@ -354,9 +411,10 @@ def repredict(path: Path, profile, profile_path: str | None = None) -> int:
     for r in past["rows"]:
         if r["status"] != "ok":
             continue
-        row = Row(r["model"], r["kind"], r["compile"], r["zero"], r["recompute"], r.get("fp8"))
+        row = Row(r["model"], r["kind"], r["compile"], r["zero"], r["recompute"], r.get("fp8"), r.get("offload"),
+                  r.get("micro_batch"))
         cfg = SIZES[r["model_name"]] if r["model"] == "small" else get_model_config(r["model_name"])
-        predicted = predict(cfg, row, r["batch"], r["seq"], preset, profile)["step_s"]
+        predicted = predict(cfg, row, r["batch"], r["seq"], preset, profile, r.get("loss_chunk", 0))["step_s"]
         s = r["step_s"]
         print(f"| {r['model_name']} | {row.name} | {s['min']:.3f} / {s['median']:.3f} | {predicted:.3f} | "
               f"{s['median'] / predicted:.2f} |")

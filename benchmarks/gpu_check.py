@@ -23,6 +23,11 @@ status is 1 if any row failed. About 3 minutes on one H100/H200.
   PyTorch process (autocast bf16, fp32 weights, AdamW): largest relative loss difference.
 - checkpoint: saved mid-run and loaded into a fresh model, the next steps bit-equal, with AdamW and fused
   AdamW (whose step count must be loaded onto the GPU).
+- fused loss fp32 / bf16: the loss with the head fused in (chunks of 1,024 tokens, logits recomputed in backward)
+  against the whole logits' loss at Llama 3.1 8B's head (4,096 x 128,256, 4,096 tokens): loss, dX, dW, and the
+  peak bytes each adds.
+- fp8 llama3.1-8b shapes: each FP8 recipe's matmul, forward and backward, at the 8B block's linear shapes and 8,192
+  tokens against bf16's (error and time).
 - memory given back: a bf16 model and its optimizer (DDP, ZeRO-1/2/3) built, trained and dropped
   (gc.collect()): under 1% of its bytes left (torch.cuda.memory_allocated; on the CPU, live tensor bytes).
 - the 1B step: paratrain (DDP at world 1, bf16) against plain PyTorch eager (autocast, fused AdamW) on the
@@ -540,6 +545,100 @@ def check_fp8(device, steps: int) -> dict:
     return {"passed": passed, "detail": "; ".join(details)}
 
 
+LLAMA3_8B_HEAD = (4096, 128_256)  # hidden size, vocabulary of Llama 3.1 8B
+LLAMA3_8B_LINEARS = {"wq/wo": (4096, 4096), "wk/wv": (4096, 1024), "w1/w3": (4096, 14336), "w2": (14336, 4096)}
+
+
+def check_fused_loss(device, dtype: torch.dtype, small: bool) -> dict:
+    """The fused loss (parallel/loss.py: the head's matmul and the cross-entropy in chunks of 1,024 tokens, the
+    logits recomputed in backward) against the whole logits' loss (`precision.cross_entropy` of F.linear) on the
+    device's kernels, at Llama 3.1 8B's head (4,096 x 128,256; 4,096 tokens, a fifth of them masked): the loss and
+    the gradients of the hidden states and of the head, norm-relative (fp32 1e-5 with TF32 off; bf16 2e-2); and
+    the peak bytes each adds over its inputs (torch.cuda.max_memory_allocated)."""
+    from paratrain.parallel.loss import linear_cross_entropy
+    from paratrain.precision import cross_entropy
+
+    dim, vocab = (64, 512) if small else LLAMA3_8B_HEAD
+    tokens = 256 if small else 4096
+    chunk = 64 if small else 1024
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, dim, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, dim, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), generator=g)
+    y[torch.rand(tokens, generator=g) < 0.2] = -100
+    y = y.to(device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        results = {}
+        for name, loss_of in (("fused", lambda: linear_cross_entropy(x, w, y, chunk=chunk)),
+                              ("whole", lambda: cross_entropy(torch.nn.functional.linear(x, w), y))):
+            x.grad = w.grad = None
+            results[name] = _peak_of(device, lambda: loss_of().backward() or None, loss_of)
+            results[name]["grads"] = (x.grad.clone(), w.grad.clone())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    fused, whole = results["fused"], results["whole"]
+    errors = [_norm_relative(fused["loss"], whole["loss"])] + \
+        [_norm_relative(a, b) for a, b in zip(fused["grads"], whole["grads"])]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    peaks = "" if fused["peak"] is None else \
+        f"; peak over inputs {fused['peak'] / 2**20:,.0f} MiB fused vs {whole['peak'] / 2**20:,.0f} MiB whole logits"
+    return {"passed": max(errors) <= tol, "errors": errors, "peak_fused": fused["peak"], "peak_whole": whole["peak"],
+            "detail": f"{tokens} tokens x {vocab}: loss, dX, dW rel err {', '.join(f'{e:.1e}' for e in errors)} "
+                      f"(tol {tol:g}){peaks}"}
+
+
+def _peak_of(device, backward, loss_of) -> dict:
+    """The loss (no grad) and the peak bytes that `backward()` (a forward and its backward) adds over what exists
+    (on CUDA; the CPU's are `tests/test_fused_loss_memory.py`'s)."""
+    with torch.no_grad():
+        loss = loss_of().detach()
+    if device.type != "cuda":
+        backward()
+        return {"loss": loss, "peak": None}
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    backward()
+    torch.cuda.synchronize(device)
+    return {"loss": loss, "peak": torch.cuda.max_memory_allocated(device) - start}
+
+
+def check_fp8_8b(device, small: bool) -> dict:
+    """FP8 matmuls (parallel/fp8.py, torch._scaled_mm) at Llama 3.1 8B's linear shapes, 8,192 tokens: each recipe's
+    output and gradients against the bf16 matmul (norm-relative: e4m3 keeps 3 mantissa bits, e5m2 2; within 0.15), and
+    its forward + backward time against bf16's (reported; the step's speedup is bench_gpu.py's llama3.1-8b rows)."""
+    from paratrain.parallel.fp8 import fp8_linear
+
+    shapes = {"tiny": (64, 128)} if small else LLAMA3_8B_LINEARS
+    tokens = 256 if small else 8192
+    recipes = ["tensorwise"] + (["rowwise"] if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+                                else [])
+    g = torch.Generator().manual_seed(0)
+    details, passed, out = [], True, {}
+    for name, (fan_in, fan_out) in shapes.items():
+        x = torch.randn(tokens, fan_in, generator=g).to(device, torch.bfloat16).requires_grad_()
+        w = (torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5).to(device, torch.bfloat16).requires_grad_()
+        dy = torch.randn(tokens, fan_out, generator=g).to(device, torch.bfloat16)
+
+        def run(recipe):
+            x.grad = w.grad = None
+            y = fp8_linear(x, w, None, recipe) if recipe else torch.nn.functional.linear(x, w)
+            y.backward(dy)
+            return y.detach(), x.grad, w.grad
+
+        want = run(None)
+        times = {"bf16": measure(lambda: run(None), device, 1, 3)["step_s"]["median"]}
+        for recipe in recipes:
+            worst = max(_norm_relative(a, b) for a, b in zip(run(recipe), want))
+            times[recipe] = measure(lambda: run(recipe), device, 1, 3)["step_s"]["median"]
+            passed &= worst <= 0.15
+            out[f"{name} {recipe}"] = {"rel_err": worst, "speedup": times["bf16"] / times[recipe]}
+            details.append(f"{name} {recipe} err {worst:.1e}, {times['bf16'] / times[recipe]:.2f}x bf16")
+    return {"passed": passed, "shapes": out, "detail": f"{tokens} tokens: " + "; ".join(details) + " (tol 0.15)"}
+
+
 def torchao_matches(recipe: str, x, w, dy, ours) -> tuple[bool | None, str]:
     """Whether torchao's Float8Linear (the reference implementation, where this image has it) computes the output
     and both gradients of `x` · `w`ᵀ exactly as paratrain's FP8 linear did (`ours`), on this device's kernels;
@@ -745,6 +844,9 @@ def rows(device, args, profile: Path) -> list:
         ("document mask", lambda: check_document_mask(device)),
         ("fp8 linears", lambda: check_fp8(device, steps)),
         ("fp8 ZeRO-3 gathers", lambda: check_fp8_zero3(device, steps)),
+        ("fp8 llama3.1-8b shapes", lambda: check_fp8_8b(device, args.size == "tiny")),
+        ("fused loss fp32", lambda: check_fused_loss(device, torch.float32, args.size == "tiny")),
+        ("fused loss bf16", lambda: check_fused_loss(device, torch.bfloat16, args.size == "tiny")),
         ("offload optimizer", lambda: check_offload(device, steps)),
         ("plan --calibrate --quick", lambda: check_calibrate(device, profile)),
         ("elastic launcher", lambda: check_launcher(device, args.train_steps)),

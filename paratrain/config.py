@@ -125,6 +125,10 @@ class ParallelSection:
     fp8_min_features: int = option(-1, "with --fp8, linears with fewer input or output features stay in the compute "
                                        "dtype (-1: 1024 on a GPU, whose smaller matmuls do not repay their casts; 0 "
                                        "on the CPU)")
+    loss_chunk: int = option(rules.DEFAULT_LOSS_CHUNK,
+                             "the loss takes the output head's matmul and the cross-entropy together in chunks of "
+                             "this many tokens, never holding the whole logits (the head's matmul runs again in "
+                             "backward); 0: whole logits")
     activation_checkpointing: int | str = option(
         0, "recompute activations in backward: 'full' (every block, from its input), 'selective' (every block "
            "keeps its matmuls' and attention's outputs, recomputes norms and element-wise ops), k (every k-th "

@@ -74,6 +74,9 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
                for r in rows)
     large = [r for r in rows if r["model"] == "large" and not r["compile"]]
     assert large and all(r["status"] == "skipped: the large model needs a CUDA device" for r in large)
+    # Llama 3.1 8B: bf16 and both FP8 recipes compiled, each paratrain row in the planner's layout beside plain PyTorch
+    llama3 = [(r["kind"], r["fp8"]) for r in rows if r["model"] == "llama3"]
+    assert llama3 == [(kind, fp8) for fp8 in (None, "tensorwise", "rowwise") for kind in ("pytorch", "paratrain")]
 
 
 def test_bench_gpu_starts_no_row_after_its_budget(tmp_path):
@@ -103,6 +106,7 @@ def test_bench_gpu_repredicts_a_past_gpu_run_on_its_calibrated_profile():
 GPU_CHECK_ROWS = {
     "ring kernels fp32", "ring kernels bf16", "ring attention cp2", "experts grouped GEMM", "tiny-moe trains",
     "compile ZeRO-0", "compile ZeRO-3", "selective recomputation", "document mask", "fp8 linears", "fp8 ZeRO-3 gathers", "offload optimizer",
+    "fp8 llama3.1-8b shapes", "fused loss fp32", "fused loss bf16",
     "plan --calibrate --quick",
     "elastic launcher",
     "memory snapshot",

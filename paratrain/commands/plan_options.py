@@ -14,7 +14,7 @@ import dataclasses
 from paratrain.commands.options import add_config_options
 from paratrain.models.configs import ModelConfig, get_model_config
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
-from paratrain.parallel.rules import ZERO_STAGES
+from paratrain.parallel.rules import DEFAULT_LOSS_CHUNK, ZERO_STAGES
 from paratrain.plan.budget import DEFAULT_BATCH_TOKENS
 from paratrain.plan.hardware import GemmCurve, Hardware, get_hardware
 from paratrain.parallel.rules import Checkpointing
@@ -45,6 +45,8 @@ BATCH_OPTIONS = {
     "parallel.fp8_min_features": ((), "1024, parallelize's on CUDA: the linears a GPU run keeps in --precision "
                                       "(fewer whole-layer in or out features) are priced there; 0: every block "
                                       "linear in FP8"),
+    "parallel.loss_chunk": ((), "train's: one chunk's logits at a time and the head's matmul once more in backward; "
+                                "0: the whole fp32 logits kept, and twice that in the loss's backward"),
 }
 LAYOUT_OPTIONS = {
     "parallel.dp": ((), "1, or what --gpus leaves"),
@@ -105,7 +107,8 @@ def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
     if batch is None and (args.tokens is not None or args.gpus is not None):
         batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
     common = dict(seq_len=seq, global_batch=batch, precision=opts["parallel.precision"],
-                  reduce_dtype=opts.get("parallel.reduce_dtype"), fp8=opts.get("parallel.fp8") or None)
+                  reduce_dtype=opts.get("parallel.reduce_dtype"), fp8=opts.get("parallel.fp8") or None,
+                  loss_chunk=opts.get("parallel.loss_chunk", DEFAULT_LOSS_CHUNK))
     minimum = opts.get("parallel.fp8_min_features")
     if minimum is not None and minimum >= 0:  # (-1: the default, as `paratrain train` reads it)
         common["fp8_min_features"] = minimum

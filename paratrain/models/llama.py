@@ -224,6 +224,11 @@ class Transformer(nn.Module):
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
 
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The output head (Hugging Face's name for the method), whose output is the logits: where a fused loss
+        takes the cross-entropy (`paratrain.parallel.loss`). None on a pipeline stage that does not hold it."""
+        return self.output
+
     def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict:
         """Megatron's split of this model (`paratrain.models.tp_plans`): what `parallelize` applies under tp > 1
         when the caller names no plan (`paratrain.parallel.tensor.plan.PlannedModel`)."""

@@ -34,6 +34,7 @@ from paratrain.parallel.blocks import UnitSpec
 from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel.data.offload import check_offload
+from paratrain.parallel.loss import fuse_head, loss_head_name
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.recompute import Checkpointing, checkpoint_blocks
@@ -167,7 +168,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
                 comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None,
-                fp8_min_features: int | None = None):
+                fp8_min_features: int | None = None, loss_chunk: int | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -195,6 +196,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (`paratrain.parallel.fp8`; with precision "bf16"); the converted names are `model.fp8_linears`.
     fp8_min_features: linears with fewer input or output features stay in the compute dtype (None: 1024 on
         CUDA, `fp8.CUDA_MIN_FEATURES`; 0 elsewhere).
+    loss_chunk: the model's loss taken inside its output head, this many tokens at a time (`paratrain.parallel.loss`);
+        0: whole logits; None: `DEFAULT_LOSS_CHUNK` where the head can be fused (a number where not is refused).
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -214,6 +217,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 0. Context parallelism reads the model as the user built it: only its forward's signature (how it
     #    takes positions) matters, which no step below changes; it never touches the parameters.
     sharding = _context_sharding(model, comm, context)
+    # 0b. The head the loss fuses into, named on the whole model: the split keeps names (the last stage holds it).
+    head, loss_chunk = loss_head_name(model, loss_chunk)
     # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built there),
     #    and everything after works on that smaller module under the same names.
     split = _split(model, mesh, pipeline)
@@ -235,13 +240,15 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     #    them, outside the compiled regions; a recompute finds whole parameters through the engine's
     #    saved-tensor hooks).
     _recompute_and_compile(model, comm, checkpointing, compile, sharding)
+    # 4b. The loss fused into the head as tp left it, before the engine hooks onto it (ZeRO-3 gathers around it).
+    loss_head = fuse_head(model, head, loss_chunk)
     # 5. The data-parallel engine: it sees the final parameters it has to reduce.
     engine = _engine(model, comm, policy, data, init, expert_info)
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
     offload = _offload(engine, mesh, data, model if runner is None else None)
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
-                            offload=offload)
+                            offload=offload, loss_head=loss_head)
     wrapped.fp8_linears = fp8_linears
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     opt = _optimizer(optimizer, wrapped, engine, data)

@@ -37,7 +37,6 @@ Nothing runs at the end of backward by itself.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from enum import Enum
 from typing import Iterator
@@ -51,7 +50,9 @@ from paratrain.mesh import PER_DATA_RANK, WORLD, Axis, replicated_over
 from paratrain.parallel.context.split import unshard_sequence
 from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict, optimizer_state_bytes
 from paratrain.parallel.data.engine import Engine
-from paratrain.parallel.expert.sharding import moe_layers, whole_expert
+from paratrain.parallel import whole
+from paratrain.parallel.expert.sharding import moe_layers
+from paratrain.parallel.loss import FusedHead
 from paratrain.parallel.tensor.info import TensorParallelInfo, tp_norm_sq_parts
 from paratrain.parallel.tensor.layers import gather_full
 from paratrain.precision import LossScaler, Precision, cross_entropy
@@ -82,8 +83,9 @@ class ParallelModel(nn.Module):
 
     def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
                  tp_info: TensorParallelInfo | None = None, pipeline=None, context=None, expert_info=None,
-                 offload=None):
+                 offload=None, loss_head: FusedHead | None = None):
         super().__init__()
+        self.loss_head = loss_head  # `paratrain.parallel.loss.FusedHead`: the model's loss taken inside its head
         self.offload = offload  # `paratrain.parallel.data.offload.HostMasters`: the optimizer steps host masters
         # A `paratrain.parallel.expert.ExpertInfo` under expert parallelism: which parameters are blocks of experts.
         self.expert_info = expert_info
@@ -146,12 +148,22 @@ class ParallelModel(nn.Module):
             return labels
         return self.context.labels(labels, getattr(output, "logits", output).shape[1])
 
+    def _armed(self, loss_fn: LossFn | None, labels: torch.Tensor, seq_len: int | None = None):
+        """(the labels of the output of sequences of `seq_len` tokens; around its forward, the fused head armed with
+        them where `loss_fn` is the model's own, which takes the head's result)."""
+        if self.context is not None and seq_len is not None:
+            labels = self.context.labels(labels, seq_len // self.context.size)
+        armed = self.loss_head is not None and loss_fn in (None, self.loss_fn)
+        return labels, self.loss_head.targets(labels) if armed else contextlib.nullcontext()
+
     def loss_fn(self, output, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                 reduction: str = "sum") -> torch.Tensor:
         """Cross-entropy of this model's logits (fp32): vocab-parallel when tensor parallelism shards them.
 
         `output` may be the logits or an object with `.logits` (Hugging Face models).
         """
+        if self.loss_head is not None and (loss := self.loss_head.take(output)) is not None:
+            return loss  # the armed head took the loss already (`_loss_targets`): the token-loss sum
         logits = getattr(output, "logits", output)
         targets = self._local_labels(logits, targets)
         if self.tp_info is not None:
@@ -193,9 +205,12 @@ class ParallelModel(nn.Module):
         loss_fn = loss_fn or self.loss_fn
         labels = labels.to(self.device)
         if self.pipeline is not None:
-            return self.pipeline.eval_loss_sum(inputs.to(self.device), labels, loss_fn)
-        output = self(inputs.to(self.device))
-        loss = loss_fn(output, self._local_labels(output, labels)).float()
+            return self.pipeline.eval_loss_sum(inputs.to(self.device), labels, loss_fn,
+                                               lambda local: self._armed(loss_fn, local)[1])
+        labels, armed = self._armed(loss_fn, labels, inputs.shape[1])
+        with armed:
+            output = self(inputs.to(self.device))
+        loss = loss_fn(output, labels).float()
         if self.context is not None:  # each cp rank summed its chunks' tokens: the sequences' sum is theirs together
             self.comm.all_reduce(loss, self.context.axis)
         return loss
@@ -234,14 +249,16 @@ class ParallelModel(nn.Module):
             layer.aux_rows = rows
             layer.reset_step_load()
         if self.pipeline is not None:
-            loss_sum = self.pipeline.run(micro_batches, normalizer, loss_fn, self.no_sync, self.scale_loss)
+            loss_sum = self.pipeline.run(micro_batches, normalizer, loss_fn, self.no_sync, self.scale_loss,
+                                         lambda local: self._armed(loss_fn, local)[1])
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, (inputs, labels) in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                with contextlib.nullcontext() if last else self.no_sync():
+                labels, armed = self._armed(loss_fn, labels.to(self.device, non_blocking=True), inputs.shape[1])
+                with contextlib.nullcontext() if last else self.no_sync(), armed:
                     output = self(inputs.to(self.device, non_blocking=True))
-                    token_losses = loss_fn(output, self._local_labels(output, labels.to(self.device, non_blocking=True)))
+                    token_losses = loss_fn(output, labels)
                     self.scale_loss(token_losses / normalizer).backward()
                 loss_sum += token_losses.detach()
         self._result = StepResult(loss_sum, ~torch.isfinite(loss_sum))
@@ -454,36 +471,15 @@ class ParallelModel(nn.Module):
         """Steps the fp16 loss scaler skipped for overflowing gradients (0 without fp16)."""
         return self.scaler.skipped_steps
 
-    # -- whole-model views ------------------------------------------------------------------------
+    # -- whole-model views (`paratrain.parallel.whole`) ------------------------------------------------
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's whole shape, by name, in the order `full_parameters` yields them (no communication)."""
-        if self.pipeline is not None:
-            return {name: tuple(shape) for name, shape in self.pipeline.split.param_shapes.items()}
-        shapes = {name: tuple(shape) for name, _, shape in self.engine.master_rows()}
-        if self.tp_info is not None:
-            shapes = {name: self.tp_info.global_shape(name, shape)[0] for name, shape in shapes.items()}
-        if self.expert_info is not None:
-            shapes = {name: self.expert_info.global_shape(name, shape)[0] for name, shape in shapes.items()}
-        return shapes
+        return whole.full_shapes(self)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter of the whole model, whole, one at a time, on every rank (collective: every rank
-        iterates to the end, in the same order).
-
-        Only the tensor yielded last exists whole beyond this rank's own shards (ZeRO-3 gathers it over
-        dp, tensor parallelism over tp, its pipeline stage broadcasts it over pp): write each out and drop
-        it, and the whole model is never on one rank.
-        """
-        if self.offload is not None:  # (the host step done, the parameters up to date)
-            self.offload.settle(bring=True)
-        whole = (lambda name, value: value) if self.tp_info is None else self.tp_info.gather
-        if self.expert_info is not None:  # expert tensors are whole over tp: gathered over ep only
-            whole = functools.partial(whole_expert, self.expert_info, whole)
-        if self.pipeline is None:
-            for name, value in self.engine.full_parameters():
-                yield name, whole(name, value)
-        else:  # ZeRO-3 never runs under pp: this stage's parameters are its own tensors, not copies
-            yield from self.pipeline.stage_parameters(dict(self.engine.full_parameters()), whole)
+        iterates to the end, in the same order; only the one yielded last exists whole: `whole.full_parameters`)."""
+        return whole.full_parameters(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """All of `full_parameters` at once: the whole model on every rank, for tests and small models."""

@@ -40,6 +40,10 @@ ZERO_STAGES = (0, 1, 2, 3)  # 0: DDP; 1: + optimizer state sharded; 2: + gradien
 # three casts per matmul cost memory traffic that a small matmul's faster FP8 throughput does not repay
 # (`paratrain.parallel.fp8.convertible` applies it, the planner prices it; here so the planner needs no torch).
 FP8_CUDA_MIN_FEATURES = 1024
+# The default loss takes the head's matmul and the cross-entropy together in chunks of this many tokens
+# (`paratrain.parallel.loss`; the planner prices it): 1024 × 128,256 × 4 B = 0.5 GB of fp32 logits at a time, a
+# matmul still large enough to run at a GPU's full rate.
+DEFAULT_LOSS_CHUNK = 1024
 
 
 class Recompute(str, Enum):

@@ -130,6 +130,44 @@ def head_bytes_as_run(tokens: int, hidden: int, vocab_size: int, tp: int = 1, se
     return norm + logits_bytes(tokens, 1, vocab_size, tp)
 
 
+FUSED_LOSS_TOKEN_BYTES = 14  # per token, kept by the fused loss: its fp32 log-sum-exp, int64 target, two flags
+
+
+def fused_head_bytes(tokens: int, hidden: int, tp: int = 1, sequence_parallel: bool = False,
+                     precision: str = "bf16", norm: bool = True) -> float:
+    """`head_bytes_as_run` with the loss fused into the head (`paratrain.parallel.loss`): the final norm (with `norm`)
+    and what the loss keeps per token (`FUSED_LOSS_TOKEN_BYTES`), no logits. The head's input is the norm's output,
+    counted with the norm, which the unfused head's matmul saves alike."""
+    kept = float(tokens) * FUSED_LOSS_TOKEN_BYTES
+    if norm:
+        kept += float(tokens) * _norm_bytes(hidden, tp, sequence_parallel, DTYPE_BYTES[precision], compiled=False)
+    return kept
+
+
+def fused_loss_working_bytes(tokens: int, vocab_size: int, tp: int, chunk: int, precision: str = "bf16") -> float:
+    """One chunk's logits, the most the fused loss holds at once (in forward or in backward): min(chunk, tokens)
+    tokens × V/t, in the compute dtype as the matmul writes them and in fp32 beside them (one fp32 copy under
+    fp32, which the softmax then works on in place)."""
+    p = DTYPE_BYTES[precision]
+    return float(min(chunk, tokens)) * vocab_size / tp * (LOGIT_BYTES + (p if p != LOGIT_BYTES else 0))
+
+
+def loss_stage_bytes(tokens: int, hidden: int, vocab_size: int, tp: int, sequence_parallel: bool, precision: str,
+                     as_run: bool, loss_chunk: int) -> tuple[float, float]:
+    """What the last stage adds for its head and loss: (bytes kept per micro-batch in flight, the loss's transient,
+    once a step). `as_run`: counted as paratrain's model runs (a flash kernel, no cp): the final norm too, and the
+    unfused loss's fp32 log-probabilities with its backward's two buffers (`head_bytes_as_run`,
+    `loss_backward_bytes`); else the fp32 logits alone. `loss_chunk` > 0: the fused loss (`fused_head_bytes`,
+    `fused_loss_working_bytes`)."""
+    if loss_chunk:
+        return (fused_head_bytes(tokens, hidden, tp, sequence_parallel, precision, norm=as_run),
+                fused_loss_working_bytes(tokens, vocab_size, tp, loss_chunk, precision))
+    if as_run:
+        return (head_bytes_as_run(tokens, hidden, vocab_size, tp, sequence_parallel, precision),
+                loss_backward_bytes(tokens, vocab_size, tp))
+    return logits_bytes(tokens, 1, vocab_size, tp), 0.0
+
+
 def loss_backward_bytes(tokens: int, vocab_size: int, tp: int = 1) -> float:
     """The loss's backward at its peak, once per step whatever the micro-batches in flight: the gradient of the
     log-probabilities and that of the logits, both fp32, beside the saved log-probabilities."""

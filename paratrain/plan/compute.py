@@ -91,6 +91,8 @@ def step_flops(workload: Workload, layout: Layout) -> StepFlops:
         model_flops = float(workload.model.flops_per_token(workload.seq_len)) * tokens
     n_layers = workload.model.n_layers if workload.model is not None else 0
     extra = _recompute_flops_per_token(workload, layout.recompute, n_layers) * tokens
+    if workload.model is not None and workload.loss_chunk:  # the fused loss's backward recomputes the logits
+        extra += 2.0 * workload.model.dim * workload.model.vocab_size * tokens
     return StepFlops(model=model_flops, hardware=model_flops + extra)
 
 
@@ -182,7 +184,7 @@ def stage_pass_times(workload: Workload, layout: Layout, hardware: Hardware, sta
         if first:
             times += embedding_times(hardware, x)
         if last:
-            times += head_times(hardware, x, vocab_parallel=lay.tp > 1)
+            times += head_times(hardware, x, vocab_parallel=lay.tp > 1, fused=workload.loss_chunk > 0)
         host = host_times(hardware, x, layers, lay.recompute, lay.zero == 3, first, last)
         times = bound_by_host(times, host, hardware, x.kernels)
     m = lay.num_microbatches(workload.global_batch)

@@ -29,12 +29,7 @@ from paratrain.plan.model_states import (
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 from paratrain.plan import moe
-from paratrain.plan.activations import (
-    head_bytes_as_run,
-    layer_activation_bytes,
-    logits_bytes,
-    loss_backward_bytes,
-)
+from paratrain.plan.activations import layer_activation_bytes, loss_stage_bytes
 from paratrain.plan.buffers import comm_buffer_parts
 from paratrain.plan.ops import Shape, fp8_weight_params
 from paratrain.plan.errors import PlanError  # (raised here, and named by the planner's callers from here)
@@ -105,6 +100,8 @@ class Workload:
             step's tensorwise weight casts (`fp8_cast_bytes`).
         fp8_min_features: linears with fewer whole-layer in or out features stay in the compute dtype, as
             `parallelize(fp8_min_features=...)` keeps them (the default: its CUDA default, 1,024; a CPU run: 0).
+        loss_chunk: the loss fused into the head in chunks of this many tokens (`parallelize(loss_chunk=...)`, the
+            trainer's default; `loss_stage_bytes`); 0: the whole logits, as a loop calling the model takes them.
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -120,9 +117,12 @@ class Workload:
     moe_imbalance: float = moe.DEFAULT_IMBALANCE
     fp8: str | None = None
     fp8_min_features: int = FP8_CUDA_MIN_FEATURES
+    loss_chunk: int = 0
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise PlanError(f"--loss-chunk must be 0 (whole logits) or a number of tokens, got {self.loss_chunk!r}")
         if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
                 or not self.moe_imbalance >= 1:
             raise PlanError(f"--moe-imbalance must be a number ≥ 1 (max/mean tokens per expert rank), "
@@ -363,9 +363,9 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     Per layer `layer_activation_bytes`; times the layers on the stage and the micro-batches the
     schedule keeps in flight there (`in_flight_microbatches`), a MoE layer's routed copies added
     (`paratrain.plan.moe.layer_activation_delta_bytes`); plus, on the last stage, the final norm and
-    the fp32 log-probabilities of those micro-batches (`head_bytes_as_run`; under a kernel that
-    materializes the scores, or cp, the fp32 logits); plus the larger of two transients that never
-    meet: the loss's backward on the last stage (`loss_backward_bytes`) and, with full recomputation,
+    the fp32 log-probabilities of those micro-batches (`loss_stage_bytes`; under a kernel that
+    materializes the scores, or cp, the fp32 logits; a fused loss keeps none); plus the larger of two
+    transients that never meet: the loss's (its backward's buffers; fused, one chunk's logits) and, with full recomputation,
     one layer's activations rebuilt during its backward (Korthikanti et al. §5); plus, with
     context parallelism, the K/V blocks the ring of one layer has in flight (`ring_in_flight_bytes`).
     Under cp every rank holds s/cp tokens of each sequence, its logits included.
@@ -385,15 +385,11 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
                                                   workload.moe_imbalance)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
     transient = recompute_working_bytes(workload, layout)
-    if stage == lay.pp - 1:
-        tokens = s // lay.cp * b
-        if workload.flash_attention and lay.cp == 1:  # counted as paratrain's model runs (`head_bytes_as_run`)
-            total += head_bytes_as_run(tokens, model.dim, model.vocab_size, lay.tp, lay.sequence_parallel,
-                                       workload.precision) * in_flight
-            # the loss's backward runs before any block's: its buffers and a recomputed layer never meet
-            transient = max(transient, loss_backward_bytes(tokens, model.vocab_size, lay.tp))
-        else:
-            total += logits_bytes(s // lay.cp, b, model.vocab_size, lay.tp) * in_flight
+    if stage == lay.pp - 1:  # the loss's transient comes before any block's backward: never beside a recomputed one
+        kept, loss_transient = loss_stage_bytes(s // lay.cp * b, model.dim, model.vocab_size, lay.tp,
+                                                lay.sequence_parallel, workload.precision,
+                                                workload.flash_attention and lay.cp == 1, workload.loss_chunk)
+        total, transient = total + kept * in_flight, max(transient, loss_transient)
     total += transient
     if lay.cp > 1:
         total += ring_in_flight_bytes(model, b, s // lay.cp, lay.tp, workload.param_bytes, workload.flash_attention)

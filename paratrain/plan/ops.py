@@ -376,15 +376,16 @@ def _cross_entropy_seconds(hw: Hardware, x: Shape, vocab_parallel: bool) -> Pass
     return PassTimes(forward + EAGER_HEAD_OPS[0] * hw.op_overhead_s, backward + EAGER_HEAD_OPS[1] * hw.op_overhead_s)
 
 
-def head_times(hw: Hardware, x: Shape, vocab_parallel: bool = False) -> PassTimes:
-    """Final norm, output projection (T, V/t, h) and cross-entropy on the last stage."""
+def head_times(hw: Hardware, x: Shape, vocab_parallel: bool = False, fused: bool = False) -> PassTimes:
+    """Final norm, output projection (T, V/t, h) and cross-entropy on the last stage; `fused` (the loss in chunks,
+    `paratrain.parallel.loss`): the projection's forward once more in backward, which recomputes the logits."""
     head = Gemm(x.tokens, x.vocab, x.hidden)
     norm = (hw.memory_seconds(4 * x.tokens * x.residual * x.itemsize) if x.kernels is KernelStack.FUSED else
             _eager_seconds(hw, x, ((Elementwise.BINARY, {"residual": 2}), (Elementwise.UNARY, {"residual": 1}),
                                    (Elementwise.REDUCE, {"residual": 1})), 0))
     loss = _cross_entropy_seconds(hw, x, vocab_parallel)
     forward = hw.gemm_seconds(head.m, head.n, head.k, x.dtype) + norm + loss.forward
-    backward = _gemm_seconds(hw, backward_gemms(head), x.dtype) + 4 * norm + loss.backward
+    backward = _gemm_seconds(hw, backward_gemms(head) + ([head] if fused else []), x.dtype) + 4 * norm + loss.backward
     return PassTimes(forward, backward)
 
 

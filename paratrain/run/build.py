@@ -203,7 +203,8 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
                        precision=p.precision, reduce_dtype=p.reduce_dtype,
                        activation_checkpointing=p.activation_checkpointing, compile=p.compile,
                        init=weight_initializer(model, cfg), checked=layout, comm=comm, fp8=p.fp8 or None,
-                       fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features)
+                       fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features,
+                       loss_chunk=p.loss_chunk)
 
 
 def weight_initializer(model: Transformer, cfg: Config):

@@ -129,7 +129,7 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     """`estimate_memory` for the run's model, batch and layout (with --cp, each rank's s/cp tokens and its ring)."""
     p, t = cfg.parallel, cfg.train
     workload = Workload.for_model(model_cfg, seq_len=cfg.data.seq_len, global_batch=t.global_batch,
-                                  precision=p.precision, reduce_dtype=p.reduce_dtype)
+                                  precision=p.precision, reduce_dtype=p.reduce_dtype, loss_chunk=p.loss_chunk)
     recompute = Checkpointing.parse(p.activation_checkpointing).planned
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,

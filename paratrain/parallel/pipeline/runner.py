@@ -116,11 +116,13 @@ class PipelineRunner:
         return self._schedules[num_microbatches]
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], normalizer, loss_fn,
-            no_sync: Callable[[], ContextManager], scale_loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            no_sync: Callable[[], ContextManager], scale_loss: Callable[[torch.Tensor], torch.Tensor],
+            loss_targets: Callable[[torch.Tensor], ContextManager] | None = None) -> torch.Tensor:
         """Forward and backward of every (inputs, labels) micro-batch in schedule order; this rank's token-loss sum.
 
         Each micro-batch's loss is `scale_loss(loss_fn(output, labels) / normalizer)` on the last
-        stage; every backward but this rank's last runs inside `no_sync()`. The sum (fp64, on the
+        stage, whose forward runs inside `loss_targets(labels)` (a fused head takes the loss there:
+        `paratrain.parallel.loss`); every backward but this rank's last runs inside `no_sync()`. The sum (fp64, on the
         device) is the step's on the last stage, zero on the others. No collective of its own: the
         step's agreement carries the last stage's sum to every stage (`ParallelModel.agree`).
         """
@@ -136,7 +138,8 @@ class PipelineRunner:
             # Data-parallel gradient communication runs in this rank's last backward of the step only.
             with no_sync() if index != last_grad else contextlib.nullcontext():
                 if action.kind is Kind.F:
-                    loss_sum += self._forward(action, batches, normalizer, loss_fn, scale_loss, slots, inbox, outbox)
+                    loss_sum += self._forward(action, batches, (normalizer, loss_fn, scale_loss, loss_targets), slots,
+                                              inbox, outbox)
                 elif action.kind is Kind.B:
                     self._backward(action, slots, schedule.split_backward, inbox, outbox)
                 else:
@@ -165,15 +168,19 @@ class PipelineRunner:
                 index += 1
         self._exchange(*groups[-1], outbox, shapes)  # and every send of the step is complete
 
-    def _forward(self, action: Action, batches, normalizer, loss_fn, scale_loss, slots, inbox, outbox) -> torch.Tensor:
+    def _forward(self, action: Action, batches, loss, slots, inbox, outbox) -> torch.Tensor:
+        normalizer, loss_fn, scale_loss, loss_targets = loss
         mb, s = action.microbatch, action.stage
         inputs, labels = batches[mb]
         x = inputs if s == 0 else inbox.pop(("activation", mb, s - 1)).requires_grad_()
-        out = self._run_stage(s, x, inputs.shape[1])  # x stays the leaf whose gradient goes back, in its dtype
         if s == self.last_stage:
-            token_loss = loss_fn(out, self._local_labels(out, labels))
+            labels = self._local_labels(labels, inputs.shape[1])
+            with loss_targets(labels) if loss_targets is not None else contextlib.nullcontext():
+                out = self._run_stage(s, x, inputs.shape[1])  # x stays the leaf whose gradient goes back
+            token_loss = loss_fn(out, labels)
             slots[mb, s] = _Slot(x if s > 0 else None, scale_loss(token_loss / normalizer))
             return token_loss.detach()
+        out = self._run_stage(s, x, inputs.shape[1])
         outbox["activation", mb, s] = out.detach()
         slots[mb, s] = _Slot(x if s > 0 else None, out)
         return torch.zeros((), device=out.device)
@@ -195,9 +202,10 @@ class PipelineRunner:
             out = self.context.local_forward(shell, (x,), {}, seq_len)
         return self._stage_output(stage, out)
 
-    def _local_labels(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """The labels of the last stage's output: this rank's chunks of them under context parallelism."""
-        return labels if self.context is None else self.context.labels(labels, output.shape[1])
+    def _local_labels(self, labels: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The labels of the last stage's output for sequences of `seq_len` tokens: this rank's chunks of them under
+        context parallelism."""
+        return labels if self.context is None else self.context.labels(labels, seq_len // self.context.size)
 
     def _stage_output(self, stage: int, out):
         """A stage boundary carries one tensor: anything else is refused naming the stage and what it returned."""
@@ -327,11 +335,13 @@ class PipelineRunner:
         return out if self.last_stage in self.split.stages else None
 
     @torch.no_grad()
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Tensor:
-        """Token-loss sum of one batch, on every pipeline rank."""
-        out = self.forward_only(inputs)
-        loss = torch.zeros((), device=self.device) if out is None else \
-            loss_fn(out, self._local_labels(out, labels)).float()
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn,
+                      loss_targets: Callable[[torch.Tensor], ContextManager] | None = None) -> torch.Tensor:
+        """Token-loss sum of one batch, on every pipeline rank (the forward inside `loss_targets(labels)`)."""
+        labels = self._local_labels(labels, inputs.shape[1])
+        with loss_targets(labels) if loss_targets is not None else contextlib.nullcontext():
+            out = self.forward_only(inputs)
+        loss = torch.zeros((), device=self.device) if out is None else loss_fn(out, labels).float()
         self.comm.all_reduce(loss, Axis.PP)
         if self.context is not None:  # each cp rank summed its chunks' tokens
             self.comm.all_reduce(loss, self.context.axis)
