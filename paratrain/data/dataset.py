@@ -182,18 +182,20 @@ def _pack(documents: np.ndarray, seq_len: int, long: str) -> tuple[np.ndarray, i
     return np.asarray(bounds, dtype=np.int64).reshape(-1, 2), dropped, truncated
 
 
-def split_documents(stream: TokenStream, eval_fraction: float, *, seq_len: int) -> tuple[TokenStream, TokenStream]:
-    """Split a chat stream into (train, eval) by conversations: eval holds the last ``eval_fraction`` of them
-    (at least one), train the rest (at least one)."""
+def split_documents(stream: TokenStream, eval_fraction: float, *, seq_len: int,
+                    long: str = "drop") -> tuple[TokenStream, TokenStream]:
+    """Split a chat stream into (train, eval) by conversations: eval holds the last ``eval_fraction`` of those that
+    train (under ``long="drop"``, those that fit a sequence), at least one; train the rest, at least one."""
     _check_seq_len(seq_len)
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction={eval_fraction!r} must be in [0, 1)")
-    count = len(stream.documents) - 1
-    held = max(math.ceil(count * eval_fraction), 1)
-    if count - held < 1:
-        raise DataError(f"the chat data has {count} conversation(s), too few for a training and a held-out split; "
-                        f"add conversations")
-    cut = int(stream.documents[count - held])
+    lengths = np.diff(stream.documents)
+    kept = np.flatnonzero([fits(n, seq_len) for n in lengths.tolist()] if long == "drop" else lengths >= 0)
+    held = max(math.ceil(len(kept) * eval_fraction), 1)
+    if len(kept) - held < 1:
+        raise DataError(f"the chat data has {len(kept)} conversation(s) that fit --seq-len {seq_len}, too few for a "
+                        f"training and a held-out split; add conversations, raise --seq-len or pass --long truncate")
+    cut = int(stream.documents[kept[len(kept) - held]])
     return stream.slice(0, cut), stream.slice(cut, len(stream))
 
 
@@ -239,13 +241,8 @@ def build_dataset(data: str | Path | None, tokenizer_spec: str, seq_len: int, ca
     stream, tokenizer = load_token_stream(data, tokenizer_spec, cache_dir, progress=progress, text_key=text_key,
                                           chat=chat)
     if stream.mask is not None:
-        train, held_out = split_documents(stream, eval_fraction, seq_len=seq_len)
-        train_set, eval_set = PackedDataset(train, seq_len, chat.long), PackedDataset(held_out, seq_len, chat.long)
-        for name, part in (("training", train_set), ("held-out", eval_set)):
-            if len(part) == 0:
-                raise DataError(f"data={str(data)!r}: no {name} conversation fits --seq-len {seq_len} (--long drop "
-                                f"left out {part.dropped}); raise --seq-len or pass --long truncate")
-        return train_set, eval_set, tokenizer
+        train, held_out = split_documents(stream, eval_fraction, seq_len=seq_len, long=chat.long)
+        return PackedDataset(train, seq_len, chat.long), PackedDataset(held_out, seq_len, chat.long), tokenizer
     train, held_out = split_train_eval(stream, eval_fraction, seq_len=seq_len)
     return SequenceDataset(train, seq_len), SequenceDataset(held_out, seq_len), tokenizer
 
