@@ -131,7 +131,7 @@ class PackedDataset:
         assert stream.mask is not None and stream.documents is not None, "a packed stream carries mask and documents"
         self.stream, self.seq_len, self.long = stream, seq_len, long
         self.pad_id = int(stream.tokens[stream.documents[1] - 1]) if len(stream.documents) > 1 else 0  # an eos
-        self.bounds, self.dropped, self.truncated = _pack(stream.documents, seq_len, long)
+        self.bounds, self.dropped, self.truncated = _pack(stream.documents, stream.mask, seq_len, long)
         self.conversations = len(stream.documents) - 1 - self.dropped
 
     def __len__(self) -> int:
@@ -155,9 +155,10 @@ class PackedDataset:
         return torch.from_numpy(window[:, :-1].copy()), torch.from_numpy(labels)
 
 
-def _pack(documents: np.ndarray, seq_len: int, long: str) -> tuple[np.ndarray, int, int]:
+def _pack(documents: np.ndarray, mask: np.ndarray, seq_len: int, long: str) -> tuple[np.ndarray, int, int]:
     """([lo, hi) token bounds of each sample, dropped, truncated): consecutive documents while they fit
-    seq_len + 1 tokens; one longer than that alone (truncated) or left out (dropped, closing the sample before)."""
+    seq_len + 1 tokens; one longer than that alone (truncated) or left out (dropped, closing the sample before;
+    also a truncated one whose start holds no target: a step of such samples alone would count no token)."""
     bounds, dropped, truncated = [], 0, 0
     lo = hi = None
     for start, end in zip(documents[:-1].tolist(), documents[1:].tolist()):
@@ -165,11 +166,11 @@ def _pack(documents: np.ndarray, seq_len: int, long: str) -> tuple[np.ndarray, i
             if lo is not None:
                 bounds.append((lo, hi))
                 lo = None
-            if long == "drop":
-                dropped += 1
-            else:
+            if long == "truncate" and mask[start:start + seq_len + 1].any():
                 bounds.append((start, start + seq_len + 1))
                 truncated += 1
+            else:
+                dropped += 1
             continue
         if lo is not None and end - lo <= seq_len + 1:
             hi = end

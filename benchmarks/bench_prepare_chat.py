@@ -1,0 +1,164 @@
+"""`paratrain prepare` on chat data: tokens/s and peak memory, and what the loss mask costs.
+
+    python benchmarks/bench_prepare_chat.py                          # 100,000 conversations, 2 rounds
+    python benchmarks/bench_prepare_chat.py --conversations 20000 --rounds 1
+
+The corpus is JSON Lines of generated conversations (OpenAI `messages`: a system prompt in one of three, one to
+three user/assistant turns of words drawn from the standard library's sources). The tokenizer is a byte-level
+BPE trained here on those sources, with ChatML's special tokens, in a model directory whose template is Qwen's
+ChatML; each row prepares the corpus in a fresh process (`prepare_corpus`, workers 0) and reports wall seconds,
+tokens/s and the process's peak resident memory (VmHWM), median over --rounds:
+
+- `all`: every token a target (--loss-on all): the render and the tokenization, no mask to find;
+- `assistant, {% generation %}`: the template marks the assistant turns, the mask comes with the one render;
+- `assistant, prefixes`: the template does not mark them (Qwen's as published), each assistant turn's span is
+  found by rendering the conversation's prefixes (two more renders per assistant turn).
+
+The mask's cost is 1 − (tokens/s of the row) / (tokens/s of `all`). Writes benchmarks/results/prepare-chat-<time>.md
+and .json with the machine and its load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import doc_parser, fmt_load, machine, write_results
+
+_RUN = """
+import json, re, sys, time
+from paratrain.data import prepare_corpus
+from paratrain.data.chat import ChatOptions
+from paratrain.data.prepare import open_prepared
+start = time.perf_counter()
+out = prepare_corpus(sys.argv[1], sys.argv[2], sys.argv[3], progress=False, chat=ChatOptions(loss_on=sys.argv[4]))
+seconds = time.perf_counter() - start
+meta = open_prepared(out)[1]
+peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
+print(json.dumps({"seconds": seconds, "tokens": meta["num_tokens"], "conversations": meta["num_documents"],
+                  "peak_rss": peak}))
+"""
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message.role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHATML_MARKED = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message.role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{ message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def make_corpus(path: Path, count: int, seed: int = 0) -> int:
+    """`count` conversations as JSON Lines; returns the file's bytes."""
+    from paratrain.data.corpus import default_corpus_files
+
+    words = []
+    for f in default_corpus_files()[:200]:
+        words += f.read_text(errors="replace").split()[:500]
+    rng = random.Random(seed)
+    say = lambda n: " ".join(rng.choices(words, k=n))  # noqa: E731
+    with open(path, "w") as out:
+        for i in range(count):
+            messages = [{"role": "system", "content": say(8)}] if i % 3 == 0 else []
+            for _ in range(rng.randint(1, 3)):
+                messages += [{"role": "user", "content": say(rng.randint(5, 40))},
+                             {"role": "assistant", "content": say(rng.randint(10, 80))}]
+            out.write(json.dumps({"messages": messages}) + "\n")
+    return path.stat().st_size
+
+
+def model_dirs(work: Path, vocab: int) -> dict[str, Path]:
+    """Two model directories sharing one tokenizer: the ChatML template as published, and with its turns marked."""
+    from tokenizers import AddedToken
+
+    from paratrain.data.corpus import default_corpus_files, iter_texts
+    from paratrain.data.tokenizer import BPETokenizer
+
+    tokenizer = BPETokenizer.train(iter_texts(default_corpus_files()[:400]), vocab).backend
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    dirs = {}
+    for name, template in (("prefixes", CHATML), ("generation", CHATML_MARKED)):
+        directory = work / name
+        directory.mkdir()
+        tokenizer.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+                                                                     "chat_template": template}))
+        dirs[name] = directory
+    return dirs
+
+
+def run(corpus: Path, model: Path, loss_on: str, work: Path) -> dict:
+    out = work / f"out-{time.monotonic_ns()}"
+    result = subprocess.run([sys.executable, "-c", _RUN, str(corpus), str(out), str(model), loss_on],
+                            capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = doc_parser(__doc__)
+    parser.add_argument("--conversations", type=int, default=100_000, help="conversations in the corpus")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each row (the median is reported)")
+    parser.add_argument("--bpe-vocab", type=int, default=8192, help="vocabulary of the BPE tokenizer")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    args = parser.parse_args(argv)
+    now = datetime.datetime.now()
+    meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": os.getloadavg(),
+            "args": vars(args)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        meta["corpus_bytes"] = make_corpus(work / "chat.jsonl", args.conversations)
+        dirs = model_dirs(work, args.bpe_vocab)
+        for name, model, loss_on in (("all", dirs["prefixes"], "all"),
+                                     ("assistant, {% generation %}", dirs["generation"], "assistant"),
+                                     ("assistant, prefixes", dirs["prefixes"], "assistant")):
+            runs = [run(work / "chat.jsonl", model, loss_on, work) for _ in range(args.rounds)]
+            seconds = statistics.median(r["seconds"] for r in runs)
+            rows.append({"row": name, "tokens": runs[0]["tokens"], "conversations": runs[0]["conversations"],
+                         "seconds": [r["seconds"] for r in runs], "median_s": seconds,
+                         "tokens_per_s": runs[0]["tokens"] / seconds,
+                         "peak_rss_mb": max(r["peak_rss"] for r in runs) / 2**20})
+            print(f"{name:>28}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, peak {rows[-1]['peak_rss_mb']:.0f} MB",
+                  flush=True)
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["mask_cost"] = 1 - r["tokens_per_s"] / base
+    meta["load_avg_end"] = os.getloadavg()
+    m = meta["machine"]
+    lines = [f"# paratrain prepare on chat data, {meta['date']}", "",
+             f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; load average "
+             f"{fmt_load(meta['load_avg_start'])} at the start, {fmt_load(meta['load_avg_end'])} at the end (the "
+             f"cores are shared with other work: the spread of the rounds is shown). Corpus: "
+             f"{args.conversations:,} generated conversations, {meta['corpus_bytes'] / 2**20:.0f} MB of JSON Lines; "
+             f"BPE of {args.bpe_vocab} tokens; median of {args.rounds} round(s), workers 0.", "",
+             "| loss on | conversations | tokens | s (each round) | tokens/s | the mask's cost | peak RSS MB |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['row']} | {r['conversations']:,} | {r['tokens']:,} | "
+              f"{', '.join(f'{s:.1f}' for s in r['seconds'])} | {r['tokens_per_s']:,.0f} | {r['mask_cost']:+.1%} | "
+              f"{r['peak_rss_mb']:.0f} |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    write_results(args.out, "prepare-chat", now, text, {"meta": meta, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
