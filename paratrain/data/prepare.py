@@ -236,6 +236,22 @@ def data_format(files: Sequence[Path], chat: ChatOptions) -> str:
     return detect_format(next(iter(records(first)), (None, ""))[0])
 
 
+def source_format(data: str, chat: ChatOptions) -> str:
+    """'chat' or 'text' of one --data source without tokenizing it: a prepared directory's meta.json says, a corpus's
+    first record tells (`data_format`); a hub dataset or Megatron's files count as text until they are read."""
+    if is_prepared_dir(data):
+        return _read_meta(Path(data)).get("data_format", "text")
+    if chat.format != "auto":
+        return chat.format
+    if data == "default" or str(data).startswith("hf:"):
+        return "text"
+    try:
+        files, _ = corpus_files(data)
+    except DataError:
+        return "text"  # not a corpus of files (Megatron's PREFIX): its tokens are text
+    return data_format(files, chat)
+
+
 def make_encoder(tokenizer: Tokenizer, tokenizer_spec: str, fmt: str, chat: ChatOptions):
     """The encoder of one format: `TextEncoder`, or a `ChatEncoder` with the template of the --tokenizer
     directory (or --chat-template); chat data whose tokenizer has no template and whose records need one is

@@ -26,7 +26,7 @@ from paratrain.config import Config, ConfigError, check_values, layout_spec
 from paratrain.data import DataSampler
 from paratrain.data.chat import ChatOptions
 from paratrain.data.mixture import TrainingData, load_training_data, parse_mixture
-from paratrain.data.prepare import is_prepared_dir
+from paratrain.data.prepare import is_prepared_dir, source_format
 from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
 from paratrain.faults import current_attempt
@@ -115,6 +115,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
         raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
                           f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")
+    if cfg.data.document_mask is None and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
+        document_mask(cfg, any(source_format(p, chat_options(cfg)) == "chat" for p in paths))
     if cfg.data.document_mask and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
                           f"the context-parallel ring do not see the documents yet; drop one of them")
@@ -138,7 +141,7 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     data = load_data(cfg, env, out)
     train_set, eval_set, tokenizer = data.train, next(iter(data.held_out.values())), data.tokenizer
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    if document_mask(cfg, data):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
+    if document_mask(cfg, data.chat):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
         model_cfg = dataclasses.replace(model_cfg, document_eos=tokenizer.eos_id)
     comm = Comm(mesh)
     model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
@@ -162,16 +165,16 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     return run
 
 
-def document_mask(cfg: Config, data: TrainingData) -> bool:
+def document_mask(cfg: Config, chat: bool) -> bool:
     """--document-mask as given, else on for chat data (a conversation sees only itself, as alone) and off for
     text; chat data under --pp or --cp, which cannot mask yet, must say --no-document-mask."""
     if cfg.data.document_mask is not None:
         return cfg.data.document_mask
-    if data.chat and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+    if chat and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError(f"chat data turns --document-mask on, which --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1 "
                           f"does not support yet; pass --no-document-mask (conversations packed together then see "
                           f"each other)")
-    return data.chat
+    return chat
 
 
 def describe(run: Run) -> str:
