@@ -20,18 +20,16 @@ and .json with the machine and its load.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import doc_parser, fmt_load, machine, write_results
+from bench_prepare import parser_and_meta, run_fresh
+from common import fmt_load, write_results
 
 _RUN = """
 import json, re, sys, time
@@ -105,23 +103,13 @@ def model_dirs(work: Path, vocab: int) -> dict[str, Path]:
     return dirs
 
 
-def run(corpus: Path, model: Path, loss_on: str, work: Path) -> dict:
-    out = work / f"out-{time.monotonic_ns()}"
-    result = subprocess.run([sys.executable, "-c", _RUN, str(corpus), str(out), str(model), loss_on],
-                            capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.splitlines()[-1])
+def _options(parser) -> None:
+    parser.add_argument("--conversations", type=int, default=100_000, help="conversations in the corpus")
+    parser.add_argument("--bpe-vocab", type=int, default=8192, help="vocabulary of the BPE tokenizer")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = doc_parser(__doc__)
-    parser.add_argument("--conversations", type=int, default=100_000, help="conversations in the corpus")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each row (the median is reported)")
-    parser.add_argument("--bpe-vocab", type=int, default=8192, help="vocabulary of the BPE tokenizer")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
-    args = parser.parse_args(argv)
-    now = datetime.datetime.now()
-    meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": os.getloadavg(),
-            "args": vars(args)}
+    args, now, meta = parser_and_meta(__doc__, argv, _options)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -130,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, model, loss_on in (("all", dirs["prefixes"], "all"),
                                      ("assistant, {% generation %}", dirs["generation"], "assistant"),
                                      ("assistant, prefixes", dirs["prefixes"], "assistant")):
-            runs = [run(work / "chat.jsonl", model, loss_on, work) for _ in range(args.rounds)]
+            runs = [run_fresh(_RUN, work, work / "chat.jsonl", model, loss_on) for _ in range(args.rounds)]
             seconds = statistics.median(r["seconds"] for r in runs)
             rows.append({"row": name, "tokens": runs[0]["tokens"], "conversations": runs[0]["conversations"],
                          "seconds": [r["seconds"] for r in runs], "median_s": seconds,

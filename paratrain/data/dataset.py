@@ -83,7 +83,22 @@ class TokenStream:
         return TokenStream(self.tokens[lo:hi], self.start + lo, mask, documents)
 
 
-class SequenceDataset:
+class _Samples:
+    """What both kinds of samples share: one sample by index, and the check of a batch's indices."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids[S], labels[S]) of sample ``index``, int64."""
+        inputs, labels = self.get_batch([index])
+        return inputs[0], labels[0]
+
+    def _indices(self, indices: Sequence[int]) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"sample index out of range [0, {len(self)}): {idx.min()}..{idx.max()}")
+        return idx
+
+
+class SequenceDataset(_Samples):
     """Samples of ``seq_len`` inputs and ``seq_len`` next-token labels cut from a token stream."""
 
     def __init__(self, tokens: TokenStream | np.ndarray, seq_len: int):
@@ -96,16 +111,9 @@ class SequenceDataset:
     def __len__(self) -> int:
         return max(0, (len(self.stream) - 1) // self.seq_len)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids[S], labels[S]) of sample ``index``, int64."""
-        inputs, labels = self.get_batch([index])
-        return inputs[0], labels[0]
-
     def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs[B, S], labels[B, S]) int64 for the sample ``indices``, in that order."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"sample index out of range [0, {len(self)}): {idx.min()}..{idx.max()}")
+        idx = self._indices(indices)
         # One fancy-index read of all windows: a memmap reads only these pages.
         windows = self.stream.tokens[idx[:, None] * self.seq_len + self._window]
         windows = torch.from_numpy(windows.astype(np.int64))
@@ -117,7 +125,7 @@ def _check_seq_len(seq_len: int) -> None:
         raise DataError(f"seq_len={seq_len!r} must be a positive integer")
 
 
-class PackedDataset:
+class PackedDataset(_Samples):
     """Whole conversations packed into samples of ``seq_len`` inputs and labels, the labels of non-targets
     `IGNORE_INDEX` (a prompt, the end-of-text padding that fills a sample).
 
@@ -137,15 +145,9 @@ class PackedDataset:
     def __len__(self) -> int:
         return len(self.bounds)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, labels = self.get_batch([index])
-        return inputs[0], labels[0]
-
     def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs[B, S], labels[B, S]) int64 for the sample ``indices``, in that order."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"sample index out of range [0, {len(self)}): {idx.min()}..{idx.max()}")
+        idx = self._indices(indices)
         window = np.full((len(idx), self.seq_len + 1), self.pad_id, dtype=np.int64)
         targets = np.zeros(window.shape, dtype=bool)
         for row, (lo, hi) in enumerate(self.bounds[idx]):
