@@ -229,6 +229,9 @@ def target_spans(template: ChatTemplate | None, record, where: str,
     messages = context + completion
     if not any(m["role"] == "assistant" for m in messages):
         return None
+    if template is not None and loss_on == "all":  # one render: no turn to find
+        text = template.render(messages, where)[0]
+        return text, [(0, len(text))]
     if template is None:
         if len(messages) != 2 or messages[0]["role"] != "user":
             raise DataError(f"{where}: the tokenizer has no chat template (tokenizer_config.json's chat_template "
@@ -266,12 +269,19 @@ def _spans_by_prefixes(template: ChatTemplate, messages: list[dict], whole: str,
     return spans
 
 
-def token_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """uint8 mask of the tokens whose first character lies in one of the character `spans`."""
-    starts = offsets[:, 0] if len(offsets) else np.empty(0, dtype=np.int64)
-    mask = np.zeros(len(starts), dtype=np.uint8)
+def token_mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """uint8 mask of the tokens of `encoding` (a `tokenizers` Encoding) whose first character lies in one of the
+    character `spans`: two look-ups per span (the whole offsets list costs more than the tokenization)."""
+    mask = np.zeros(len(encoding.ids), dtype=np.uint8)
     for a, b in spans:
-        mask |= (starts >= a) & (starts < b)
+        first, last = encoding.char_to_token(a), encoding.char_to_token(b - 1) if b > a else None
+        if first is None or last is None:  # a character no token covers (a normalizer dropped it): read them all
+            starts = np.asarray([o[0] for o in encoding.offsets], dtype=np.int64)
+            mask |= (starts >= a) & (starts < b)
+            continue
+        if encoding.token_to_chars(first)[0] < a:  # a token that begins before the span is not its
+            first += 1
+        mask[first:last + 1] = 1
     return mask
 
 
@@ -351,7 +361,7 @@ class ChatEncoder:
         """(ids, mask, status) of one rendered conversation: closed by end-of-text, cut to --max-seq-len."""
         eos = self.tokenizer.eos_id
         ids = np.asarray(encoding.ids, dtype=self.dtype)
-        mask = token_mask(np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2), spans)
+        mask = token_mask(encoding, spans)
         if not len(ids) or ids[-1] != eos:  # every conversation ends with end-of-text: the document mask's cue
             ids = np.append(ids, self.dtype.type(eos))
             mask = np.append(mask, np.uint8(self.options.loss_on == "all"))
