@@ -56,8 +56,9 @@ class DataSection:
     )
     tokenizer: str = option(
         "auto",
-        "'byte', 'bpe:N' (train an N-token BPE locally), a tokenizer.json path, or 'auto' "
-        "(the tokenizer stored with a prepared corpus, else 'byte')")
+        "'byte', 'bpe:N' (train an N-token BPE locally), a tokenizer.json path, a model directory (tokenizer.json "
+        "and tokenizer_config.json, whose chat template renders chat data), or 'auto' (the tokenizer stored with a "
+        "prepared corpus, else --init-from's, else 'byte')")
     text_key: str = option("text", "the field of a JSON Lines record or Parquet/dataset column holding its text")
     seq_len: int = option(256, "tokens per training sequence")
     eval_fraction: float = option(0.02, "fraction of the token stream held out for evaluation")

@@ -206,31 +206,51 @@ def test_the_steps_loss_is_cross_entropy_over_the_assistant_targets_only(tmp_pat
     mask = open_mask(prepared, meta)
     ids = DataSampler(len(train), 4, seed=0).next_batch()
     net = build_model(cfg, torch.device("cpu"), 0)
+    nll, targets = _by_hand(net, tokens, mask, [train.bounds[i].tolist() for i in ids])
+    assert logged["tokens"] == targets
+    assert logged["loss"] == pytest.approx(nll / targets, rel=1e-6)
+
+
+def _by_hand(net, tokens, mask, bounds) -> tuple[float, int]:
+    """(summed negative log-likelihood, targets) of the samples `bounds` of a stream: each token whose mask is set,
+    predicted from the tokens before it in its sample."""
     nll, targets = 0.0, 0
     with torch.no_grad():
-        for i in ids:
-            lo, hi = train.bounds[i].tolist()
+        for lo, hi in bounds:
             x = torch.as_tensor(np.asarray(tokens[lo:hi - 1], dtype=np.int64))[None]
             log_probs = torch.log_softmax(net(x)[0].double(), dim=-1)
             for j in range(hi - lo - 1):
                 if mask[lo + j + 1]:  # the next token is an assistant token or its end-of-turn
                     nll -= log_probs[j, int(tokens[lo + j + 1])].item()
                     targets += 1
-    assert logged["tokens"] == targets
-    assert logged["loss"] == pytest.approx(nll / targets, rel=1e-6)
+    return nll, targets
 
 
 def test_chat_eval_data_scores_the_answers_only(tmp_path):
+    """--eval-data of chat data: its loss, logged at the last step, is the final model's cross-entropy over the
+    held-out set's assistant targets alone, by hand."""
+    from safetensors.torch import load_file
+
+    from paratrain.data.dataset import load_token_stream, sequences
+
     model = model_dir(tmp_path / "qwen", "chatml")
     data = write_jsonl(tmp_path / "chat.jsonl", _conversations(40))
     held = write_jsonl(tmp_path / "held.jsonl", _conversations(12, seed=1))
     run = tmp_path / "run"
-    assert main(["train", *TINY, "--data", str(data), "--tokenizer", str(model), "--out", str(run), "--steps", "1",
-                 "--seq-len", "96", "--global-batch", "4", "--eval-data", f"held={held}", "--eval-batches", "1"]) == 0
-    record = read_metrics(run / "metrics.jsonl")[-1]
-    assert math.isfinite(record["eval_losses"]["held"])
-    _, held_set, _ = build_dataset(str(held), str(model), 96, eval_fraction=0.0 + 1e-9, progress=False)
+    assert main(["train", *TINY, "--data", str(data), "--tokenizer", str(model), "--out", str(run), "--steps", "2",
+                 "--seq-len", "192", "--global-batch", "4", "--eval-data", f"held={held}", "--eval-batches", "1"]) == 0
+    logged = read_metrics(run / "metrics.jsonl")[-1]["eval_losses"]["held"]
+    cfg = ModelConfig(**json.loads((run / "final" / "model_config.json").read_text()))
+    net = Transformer(cfg)
+    net.load_state_dict(load_file(run / "final" / "model.safetensors"), strict=False)
+    if cfg.tie_embeddings:
+        net.output.weight = net.tok_embeddings.weight
+    stream, _ = load_token_stream(str(held), str(model), progress=False)
+    held_set = sequences(stream, 192)
     assert isinstance(held_set, PackedDataset)
+    nll, targets = _by_hand(net, stream.tokens, stream.mask, held_set.bounds[:4].tolist())
+    assert 0 < targets < (held_set.bounds[:4, 1] - held_set.bounds[:4, 0]).sum() / 2  # the answers are the lesser part
+    assert logged == pytest.approx(nll / targets, rel=1e-5)
 
 
 BAD = [

@@ -26,6 +26,7 @@ the document mask (`--document-mask`) restarts attention and positions.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -144,7 +145,6 @@ class ChatTemplate:
     @property
     def marks_generation(self) -> bool:
         """Whether the template marks the assistant's turns with {% generation %}."""
-        import re
         return re.search(r"\{%-?\s*generation\s*-?%\}", self.text) is not None
 
     def render(self, messages: list[dict], where: str, *, add_generation_prompt: bool = False,
