@@ -110,5 +110,7 @@ def test_a_killed_mixture_of_chat_and_text_resumes_the_same_packed_stream(chat, 
     train, _, _ = build_dataset(str(chat["data"]), str(chat["model"]), SEQ, progress=False)
     assert 4 * 4 * 0.5 % len(train) != 0  # the checkpoint lies inside an epoch of the chat source
     assert [r["tokens_by_source"] for r in a] == [r["tokens_by_source"] for r in b]
+    assert all(sum(r["tokens_by_source"].values()) == r["tokens"] for r in a)  # the chat source's: its targets
+    assert all(r["tokens_by_source"][chat["data"].stem] < 2 * SEQ for r in a)  # two samples, their answers alone
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)

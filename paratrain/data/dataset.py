@@ -91,6 +91,10 @@ class _Samples:
         inputs, labels = self.get_batch([index])
         return inputs[0], labels[0]
 
+    def targets(self, indices: Sequence[int]) -> np.ndarray:
+        """How many labels of each of the samples `indices` the loss counts: every one of a text sample."""
+        return np.full(len(self._indices(indices)), self.seq_len, dtype=np.int64)
+
     def _indices(self, indices: Sequence[int]) -> np.ndarray:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
@@ -141,9 +145,17 @@ class PackedDataset(_Samples):
         self.pad_id = int(stream.tokens[stream.documents[1] - 1]) if len(stream.documents) > 1 else 0  # an eos
         self.bounds, self.dropped, self.truncated = _pack(stream.documents, stream.mask, seq_len, long)
         self.conversations = len(stream.documents) - 1 - self.dropped
+        # each sample's target count: the mask summed after its first token (read once, in one pass)
+        before = np.concatenate(([0], np.cumsum(stream.mask, dtype=np.int64)))
+        self._targets = before[self.bounds[:, 1]] - before[self.bounds[:, 0] + 1] if len(self.bounds) else \
+            np.empty(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.bounds)
+
+    def targets(self, indices: Sequence[int]) -> np.ndarray:
+        """How many labels of each of the samples `indices` the loss counts (the targets after its first token)."""
+        return self._targets[self._indices(indices)]
 
     def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs[B, S], labels[B, S]) int64 for the sample ``indices``, in that order."""

@@ -161,6 +161,10 @@ class MixtureSampler:
         """Samples of each source at global positions [start, start + count)."""
         return np.bincount(self.pattern[np.arange(start, start + count) % PERIOD], minlength=len(self.sizes))
 
+    def ids(self, start: int, count: int) -> list[int]:
+        """The sample ids (into `MixtureDataset`'s index) at global positions [start, start + count)."""
+        return self._read(start, count)
+
     def _read(self, start: int, count: int) -> list[int]:
         positions = np.arange(start, start + count, dtype=np.int64)
         sources = self.pattern[positions % PERIOD]
@@ -210,6 +214,13 @@ class MixtureDataset:
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    def targets_by_source(self, indices: Sequence[int]) -> np.ndarray:
+        """The target tokens (the labels the loss counts) of the samples `indices`, summed per source."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        which = np.searchsorted(self.offsets, idx, side="right") - 1
+        return np.asarray([int(self.datasets[s].targets(idx[which == s] - self.offsets[s]).sum())
+                           for s in range(len(self.datasets))], dtype=np.int64)
 
     def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
