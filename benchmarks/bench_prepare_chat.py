@@ -7,7 +7,8 @@ The corpus is JSON Lines of generated conversations (OpenAI `messages`: a system
 three user/assistant turns of words drawn from the standard library's sources). The tokenizer is a byte-level
 BPE trained here on those sources, with ChatML's special tokens, in a model directory whose template is Qwen's
 ChatML; each row prepares the corpus in a fresh process (`prepare_corpus`, workers 0) and reports wall seconds,
-tokens/s and the process's peak resident memory (VmHWM), median over --rounds:
+tokens/s and the process's peak resident memory (VmHWM), median over --rounds (each round runs every row once, so
+a load that drifts weighs on the rows alike):
 
 - `all`: every token a target (--loss-on all): the render and the tokenization, no mask to find;
 - `assistant, {% generation %}`: the template marks the assistant turns, the mask comes with the one render;
@@ -115,17 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         meta["corpus_bytes"] = make_corpus(work / "chat.jsonl", args.conversations)
         dirs = model_dirs(work, args.bpe_vocab)
-        for name, model, loss_on in (("all", dirs["prefixes"], "all"),
-                                     ("assistant, {% generation %}", dirs["generation"], "assistant"),
-                                     ("assistant, prefixes", dirs["prefixes"], "assistant")):
-            runs = [run_fresh(_RUN, work, work / "chat.jsonl", model, loss_on) for _ in range(args.rounds)]
-            seconds = statistics.median(r["seconds"] for r in runs)
-            rows.append({"row": name, "tokens": runs[0]["tokens"], "conversations": runs[0]["conversations"],
-                         "seconds": [r["seconds"] for r in runs], "median_s": seconds,
-                         "tokens_per_s": runs[0]["tokens"] / seconds,
-                         "peak_rss_mb": max(r["peak_rss"] for r in runs) / 2**20})
-            print(f"{name:>28}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, peak {rows[-1]['peak_rss_mb']:.0f} MB",
-                  flush=True)
+        specs = (("all", dirs["prefixes"], "all"), ("assistant, {% generation %}", dirs["generation"], "assistant"),
+                 ("assistant, prefixes", dirs["prefixes"], "assistant"))
+        # Round by round, every row once per round: a load that drifts over the minutes weighs on each row alike.
+        runs = {name: [] for name, _, _ in specs}
+        for round_ in range(args.rounds):
+            for name, model, loss_on in specs[round_ % 3:] + specs[:round_ % 3]:  # each row first in some round
+                runs[name].append(run_fresh(_RUN, work, work / "chat.jsonl", model, loss_on))
+                print(f"{name:>28}: {runs[name][-1]['tokens'] / runs[name][-1]['seconds']:,.0f} tokens/s", flush=True)
+        for name, done in runs.items():
+            seconds = statistics.median(r["seconds"] for r in done)
+            rows.append({"row": name, "tokens": done[0]["tokens"], "conversations": done[0]["conversations"],
+                         "seconds": [r["seconds"] for r in done], "median_s": seconds,
+                         "tokens_per_s": done[0]["tokens"] / seconds,
+                         "peak_rss_mb": max(r["peak_rss"] for r in done) / 2**20})
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["mask_cost"] = 1 - r["tokens_per_s"] / base

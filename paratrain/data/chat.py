@@ -260,7 +260,7 @@ def _spans_by_prefixes(template: ChatTemplate, messages: list[dict], whole: str,
         if message["role"] != "assistant":
             continue
         before = template.render(messages[:k], where, add_generation_prompt=True)[0]
-        through = template.render(messages[:k + 1], where)[0]
+        through = whole if k == len(messages) - 1 else template.render(messages[:k + 1], where)[0]
         if not (whole.startswith(through) and through.startswith(before)):
             raise DataError(f"{where}: the chat template renders the conversation up to assistant message {k + 1} "
                             f"as other than the start of the whole (it rewrites earlier turns); mark the assistant "
