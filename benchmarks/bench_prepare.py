@@ -76,11 +76,12 @@ def run_fresh(script: str, work: Path, corpus: Path, *more) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def parser_and_meta(doc: str, argv: list[str] | None, add_options) -> tuple:
-    """(args, now, meta) of a prepare benchmark: its own options (`add_options(parser)`), --rounds and --out; the
-    date, the machine and its load at the start."""
+def parser_and_meta(doc: str, argv: list[str] | None, options: list[tuple]) -> tuple:
+    """(args, now, meta) of a prepare benchmark: its own `options` ((flag, type, default, help) each), --rounds
+    and --out; the date, the machine and its load at the start."""
     parser = doc_parser(doc)
-    add_options(parser)
+    for flag, kind, default, text in options:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each row (the median is reported)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = parser.parse_args(argv)
@@ -89,13 +90,9 @@ def parser_and_meta(doc: str, argv: list[str] | None, add_options) -> tuple:
                        "load_avg_start": os.getloadavg(), "args": vars(args)}
 
 
-def _options(parser) -> None:
-    parser.add_argument("--mb", type=float, default=64, help="corpus size in MB")
-    parser.add_argument("--bpe-vocab", type=int, default=32000, help="vocabulary of the BPE tokenizer")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args, now, meta = parser_and_meta(__doc__, argv, _options)
+    args, now, meta = parser_and_meta(__doc__, argv, [("--mb", float, 64, "corpus size in MB"),
+                                                      ("--bpe-vocab", int, 32000, "vocabulary of the BPE tokenizer")])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

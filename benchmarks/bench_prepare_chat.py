@@ -104,13 +104,10 @@ def model_dirs(work: Path, vocab: int) -> dict[str, Path]:
     return dirs
 
 
-def _options(parser) -> None:
-    parser.add_argument("--conversations", type=int, default=100_000, help="conversations in the corpus")
-    parser.add_argument("--bpe-vocab", type=int, default=8192, help="vocabulary of the BPE tokenizer")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args, now, meta = parser_and_meta(__doc__, argv, _options)
+    args, now, meta = parser_and_meta(__doc__, argv, [
+        ("--conversations", int, 100_000, "conversations in the corpus"),
+        ("--bpe-vocab", int, 8192, "vocabulary of the BPE tokenizer")])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
