@@ -64,22 +64,35 @@ def bpe_tokenizer(directory: Path, vocab: int) -> str:
 
 
 def run(corpus: Path, tokenizer: str, workers: int, work: Path) -> dict:
+    return run_fresh(_RUN, work, corpus, tokenizer, workers)
+
+
+def run_fresh(script: str, work: Path, corpus: Path, *more) -> dict:
+    """`script` in a fresh interpreter, given the corpus, a new output directory under `work` and `more`; the JSON
+    of its last line."""
     out = work / f"out-{time.monotonic_ns()}"
-    result = subprocess.run([sys.executable, "-c", _RUN, str(corpus), str(out), tokenizer, str(workers)],
+    result = subprocess.run([sys.executable, "-c", script, str(corpus), str(out), *map(str, more)],
                             capture_output=True, text=True, check=True)
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = doc_parser(__doc__)
-    parser.add_argument("--mb", type=float, default=64, help="corpus size in MB")
+def parser_and_meta(doc: str, argv: list[str] | None, options: list[tuple]) -> tuple:
+    """(args, now, meta) of a prepare benchmark: its own `options` ((flag, type, default, help) each), --rounds
+    and --out; the date, the machine and its load at the start."""
+    parser = doc_parser(doc)
+    for flag, kind, default, text in options:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each row (the median is reported)")
-    parser.add_argument("--bpe-vocab", type=int, default=32000, help="vocabulary of the BPE tokenizer")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = parser.parse_args(argv)
     now = datetime.datetime.now()
-    meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": os.getloadavg(),
-            "args": vars(args)}
+    return args, now, {"date": now.isoformat(timespec="seconds"), "machine": machine(),
+                       "load_avg_start": os.getloadavg(), "args": vars(args)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, now, meta = parser_and_meta(__doc__, argv, [("--mb", float, 64, "corpus size in MB"),
+                                                      ("--bpe-vocab", int, 32000, "vocabulary of the BPE tokenizer")])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -56,15 +56,27 @@ class DataSection:
     )
     tokenizer: str = option(
         "auto",
-        "'byte', 'bpe:N' (train an N-token BPE locally), a tokenizer.json path, or 'auto' "
-        "(the tokenizer stored with a prepared corpus, else 'byte')")
+        "'byte', 'bpe:N' (train an N-token BPE locally), a tokenizer.json path, a model directory (tokenizer.json "
+        "and tokenizer_config.json, whose chat template renders chat data), or 'auto' (the tokenizer stored with a "
+        "prepared corpus, else --init-from's, else 'byte')")
     text_key: str = option("text", "the field of a JSON Lines record or Parquet/dataset column holding its text")
     seq_len: int = option(256, "tokens per training sequence")
     eval_fraction: float = option(0.02, "fraction of the token stream held out for evaluation")
     eval_data: str = option("", "a named held-out set NAME=PATH (any --data source), its loss logged as its own; "
                                 "repeat the option for more", flag="--eval-data", repeat=True)
-    document_mask: bool = option(False, "attention stays within each document of a packed sequence and positions "
-                                        "restart per document (at each end-of-text token; not with --pp or --cp)")
+    document_mask: bool | None = option(
+        None, "attention stays within each document of a packed sequence and positions restart per document (at "
+              "each end-of-text token; not with --pp or --cp) (default: on for chat data, off for text)")
+    format: str = option("auto", "'chat' (records of messages, conversations or prompt/completion, rendered by the "
+                                 "tokenizer's chat template), 'text', or 'auto': from the first record of each source",
+                         flag="--format", choices=("auto", "chat", "text"))
+    chat_template: str = option("", "a Jinja chat template file, instead of the --tokenizer directory's "
+                                    "(tokenizer_config.json's chat_template or chat_template.jinja)")
+    loss_on: str = option("assistant", "chat data's targets: the assistant turns (their content and end-of-turn "
+                                       "token), 'completion' (the last assistant turn), or 'all' tokens",
+                          choices=("assistant", "all", "completion"))
+    long: str = option("drop", "a conversation longer than --seq-len + 1 tokens: 'drop' it, or 'truncate' it to its "
+                               "start", choices=("drop", "truncate"))
 
 
 @dataclass

@@ -238,14 +238,15 @@ def moe_record(run: Run, verdict: Verdict) -> dict:
 
 
 def source_record(run: Run, position: int) -> dict:
-    """{"tokens_by_source": {source: tokens}} of the step's global batch for a mixture, {} for one corpus.
+    """{"tokens_by_source": {source: tokens}} of the step's global batch for a mixture, {} for one corpus: the
+    tokens the loss counts (a chat source's targets), which add up to the step's `tokens`.
 
     A function of the batch's stream position alone (`paratrain.data.mixture`): the same on every layout.
     """
     if not run.data or not run.data.sources:
         return {}
-    counts = run.sampler.source_counts(position, run.cfg.train.global_batch)
-    return {"tokens_by_source": {name: int(n) * run.cfg.data.seq_len for name, n in zip(run.data.sources, counts)}}
+    counts = run.train_set.targets_by_source(run.sampler.ids(position, run.cfg.train.global_batch))
+    return {"tokens_by_source": {name: int(n) for name, n in zip(run.data.sources, counts)}}
 
 
 def evaluate(run: Run) -> tuple[float, dict[str, float]]:

@@ -26,10 +26,10 @@ def add_config_options(parser, keys: Iterable[str] | None = None, *, aliases: Ma
         the default of an option the command fills itself. Any other option the user leaves out is
         absent from the parsed namespace (`given_options`).
     """
-    options = {f"{section}.{f.name}": (section, f, flag) for section, _, f, flag in iter_options()}
+    options = {f"{section}.{f.name}": (section, cls, f, flag) for section, cls, f, flag in iter_options()}
     groups = {}
     for key in options if keys is None else keys:
-        section, f, flag = options[key]
+        section, cls, f, flag = options[key]
         target = parser
         if keys is None:
             target = groups.get(section) or groups.setdefault(
@@ -38,10 +38,19 @@ def add_config_options(parser, keys: Iterable[str] | None = None, *, aliases: Ma
         spellings = (flag, *aliases.get(key, ()))
         if isinstance(f.default, bool):
             target.add_argument(*spellings, action=argparse.BooleanOptionalAction, **kwargs)
+        elif f.default is None and _optional_bool(cls, f):  # --x alone is true, --x false, --no-x; unset: the default
+            target.add_argument(*spellings, metavar="BOOL", nargs="?", const="true", **kwargs)
+            target.add_argument("--no-" + flag[2:], dest=key, action="store_const", const="false",
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         elif f.metadata.get("repeat"):
             target.add_argument(*spellings, metavar=f.name.upper(), action=_Joined, **kwargs)
         else:
             target.add_argument(*spellings, metavar=f.name.upper(), **kwargs)
+
+
+def _optional_bool(cls: type, f) -> bool:
+    import typing
+    return set(typing.get_args(typing.get_type_hints(cls)[f.name])) == {bool, type(None)}
 
 
 class _Joined(argparse.Action):

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from paratrain.errors import DataError
-from paratrain.data.dataset import SequenceDataset, build_dataset, load_token_stream
+from paratrain.data.chat import ChatOptions
+from paratrain.data.dataset import PackedDataset, build_dataset, load_token_stream, sequences
 from paratrain.data.prepare import is_prepared_dir
 from paratrain.data.sampler import DataSampler
 
@@ -160,6 +161,10 @@ class MixtureSampler:
         """Samples of each source at global positions [start, start + count)."""
         return np.bincount(self.pattern[np.arange(start, start + count) % PERIOD], minlength=len(self.sizes))
 
+    def ids(self, start: int, count: int) -> list[int]:
+        """The sample ids (into `MixtureDataset`'s index) at global positions [start, start + count)."""
+        return self._read(start, count)
+
     def _read(self, start: int, count: int) -> list[int]:
         positions = np.arange(start, start + count, dtype=np.int64)
         sources = self.pattern[positions % PERIOD]
@@ -210,6 +215,13 @@ class MixtureDataset:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    def targets_by_source(self, indices: Sequence[int]) -> np.ndarray:
+        """The target tokens (the labels the loss counts) of the samples `indices`, summed per source."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        which = np.searchsorted(self.offsets, idx, side="right") - 1
+        return np.asarray([int(self.datasets[s].targets(idx[which == s] - self.offsets[s]).sum())
+                           for s in range(len(self.datasets))], dtype=np.int64)
+
     def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         which = np.searchsorted(self.offsets, idx, side="right") - 1
@@ -239,6 +251,24 @@ class TrainingData:
     sources: list | None = None
 
     @property
+    def chat(self) -> bool:
+        """Whether any training source is chat data (packed conversations)."""
+        return any(isinstance(d, PackedDataset) for d in getattr(self.train, "datasets", [self.train]))
+
+    def describe(self, loss_on: str) -> str:
+        """What the run reads, for its first line: text, or chat data with its conversations and what was left out."""
+        parts = []
+        for name, d in zip(self.sources or [""], getattr(self.train, "datasets", [self.train])):
+            label = f"{name}: " if name else ""
+            if not isinstance(d, PackedDataset):
+                parts.append(f"{label}text")
+                continue
+            left = [f"{n} {what}" for n, what in ((d.dropped, "dropped"), (d.truncated, "truncated")) if n]
+            parts.append(f"{label}chat data, {d.conversations:,} conversations packed, loss on {loss_on}"
+                         + (f" ({', '.join(left)} as longer than a sequence: --long)" if left else ""))
+        return ", ".join(parts)
+
+    @property
     def eval_sets(self) -> dict:
         """Every held-out set by the name its loss is logged under."""
         return {**self.held_out, **self.extra}
@@ -252,13 +282,16 @@ class TrainingData:
 
 
 def load_training_data(data: str, eval_data: str, tokenizer_spec: str, seq_len: int, cache_dir=None, *,
-                       eval_fraction: float = 0.02, progress: bool = True, text_key: str = "text") -> TrainingData:
-    """The corpus (or mixture) of --data split into train and held-out tails, and the --eval-data sets."""
+                       eval_fraction: float = 0.02, progress: bool = True, text_key: str = "text",
+                       chat: ChatOptions | None = None) -> TrainingData:
+    """The corpus (or mixture) of --data split into train and held-out tails, and the --eval-data sets; each
+    source text or chat (`chat`: detected per source by default)."""
+    chat = chat or ChatOptions()
     mixture = parse_mixture(data)
     if mixture is not None and tokenizer_spec.startswith("bpe:"):
         raise DataError(f"--tokenizer {tokenizer_spec} with a mixture: train one tokenizer for every source first "
                         f"(`paratrain prepare SOURCE OUT --tokenizer {tokenizer_spec}`), then pass its tokenizer.json")
-    options = dict(eval_fraction=eval_fraction, progress=progress, text_key=text_key)
+    options = dict(eval_fraction=eval_fraction, progress=progress, text_key=text_key, chat=chat)
     first_path = data if mixture is None else mixture[0].path
     if mixture is None:
         train, held_out, tokenizer = build_dataset(data, tokenizer_spec, seq_len, cache_dir, **options)
@@ -280,9 +313,9 @@ def load_training_data(data: str, eval_data: str, tokenizer_spec: str, seq_len: 
         # a prepared set brings its own tokenizer (checked below); text is tokenized with the run's, which under
         # 'auto' is the first (prepared) source's directory
         spec = "auto" if is_prepared_dir(path) else tokenizer_spec if tokenizer_spec != "auto" else first_path
-        stream, tok = load_token_stream(path, spec, None, progress=progress, text_key=text_key)
+        stream, tok = load_token_stream(path, spec, None, progress=progress, text_key=text_key, chat=chat)
         _check_same_tokenizer(tokenizer, tok, data, path)
-        held = SequenceDataset(stream, seq_len)
+        held = sequences(stream, seq_len, chat.long)
         if len(held) == 0:
             raise DataError(f"--eval-data {name}={path} holds {len(stream)} tokens, fewer than one sequence of "
                             f"--seq-len {seq_len}")

@@ -108,6 +108,11 @@ def _open_lines(path: Path):
 
 
 def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    for record, where in _jsonl_records(path):
+        yield _text_of(record, text_key, where)
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[object, str]]:
     with _open_lines(path) as lines:
         try:
             for number, line in enumerate(lines, 1):
@@ -118,9 +123,38 @@ def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{path}:{number}: not a JSON object ({exc.msg}); every line of a JSON Lines file "
                                     f"is one record") from None
-                yield _text_of(record, text_key, f"{path}:{number}")
+                yield record, f"{path}:{number}"
         except (OSError, EOFError) as exc:  # a truncated or corrupt compressed file
             raise DataError(f"cannot read data file {str(path)!r} ({exc}); is it complete?") from None
+
+
+def records(path: Path | HubDataset) -> Iterator[tuple[object, str]]:
+    """(record, where) of each record of a record source, whole (every field), `where` naming its file and line
+    (or row) for an error message: what chat data (`paratrain.data.chat`) reads. A text file has no records."""
+    if isinstance(path, HubDataset):
+        return _hub_records(path)
+    path = Path(path)
+    if is_saved_dataset(path):
+        datasets = _optional("datasets", "datasets", f"{str(path)!r} is a saved `datasets` dataset")
+        return _numbered(path, (row for batch in datasets.load_from_disk(str(path)).iter(batch_size=_BATCH_ROWS)
+                                for row in _rows(batch)))
+    if path.name.lower().endswith(JSONL_SUFFIXES):
+        return _jsonl_records(path)
+    if path.name.lower().endswith(PARQUET_SUFFIXES):
+        pq = _optional("pyarrow.parquet", "pyarrow", f"{str(path)!r} is Parquet")
+        return _numbered(path, (row for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
+                                for row in batch.to_pylist()))
+    raise DataError(f"{path}: a text file holds no records; chat data is JSON Lines, Parquet or a `datasets` dataset")
+
+
+def _rows(columns: dict) -> Iterator[dict]:
+    """The rows of a batch of columns ({name: [values]})."""
+    names = list(columns)
+    return (dict(zip(names, values)) for values in zip(*(columns[n] for n in names)))
+
+
+def _numbered(path: Path, rows: Iterator) -> Iterator[tuple[object, str]]:
+    return ((row, f"{path}: row {n}") for n, row in enumerate(rows, 1))
 
 
 def _optional(module: str, package: str, what: str):
@@ -181,6 +215,10 @@ def _dataset_documents(path: Path, text_key: str) -> Iterator[str]:
 
 
 def _hub_documents(source: HubDataset, text_key: str) -> Iterator[str]:
+    return (_text_of(record, text_key, where) for record, where in _hub_records(source))
+
+
+def _hub_records(source: HubDataset) -> Iterator[tuple[object, str]]:
     datasets = _optional("datasets", "datasets", f"{source} is a hub dataset")
     try:
         stream = datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
@@ -190,11 +228,6 @@ def _hub_documents(source: HubDataset, text_key: str) -> Iterator[str]:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise DataError(f"{source}: cannot stream it ({type(exc).__name__}: {reason}); on a machine that reaches the "
                         f"hub, `datasets.load_dataset(...).save_to_disk(DIR)` and pass DIR") from None
-    return _hub_texts(first, records, source, text_key)
-
-
-def _hub_texts(first, records, source: HubDataset, text_key: str) -> Iterator[str]:
     if first is None:
-        return
-    for number, record in enumerate(itertools.chain([first], records), 1):
-        yield _text_of(record, text_key, f"{source} record {number}")
+        return iter(())
+    return ((record, f"{source} record {n}") for n, record in enumerate(itertools.chain([first], records), 1))

@@ -24,8 +24,9 @@ from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
 from paratrain.config import Config, ConfigError, check_values, layout_spec
 from paratrain.data import DataSampler
+from paratrain.data.chat import ChatOptions
 from paratrain.data.mixture import TrainingData, load_training_data, parse_mixture
-from paratrain.data.prepare import is_prepared_dir
+from paratrain.data.prepare import is_prepared_dir, source_format
 from paratrain.distributed import DistEnv
 from paratrain.errors import ParatrainError
 from paratrain.faults import current_attempt
@@ -114,6 +115,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
         raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
                           f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")
+    if cfg.data.document_mask is None and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
+        document_mask(cfg, any(source_format(p, chat_options(cfg)) == "chat" for p in paths))
     if cfg.data.document_mask and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
                           f"the context-parallel ring do not see the documents yet; drop one of them")
@@ -137,7 +141,7 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     data = load_data(cfg, env, out)
     train_set, eval_set, tokenizer = data.train, next(iter(data.held_out.values())), data.tokenizer
     model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    if cfg.data.document_mask:  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
+    if document_mask(cfg, data.chat):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
         model_cfg = dataclasses.replace(model_cfg, document_eos=tokenizer.eos_id)
     comm = Comm(mesh)
     model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
@@ -161,6 +165,18 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     return run
 
 
+def document_mask(cfg: Config, chat: bool) -> bool:
+    """--document-mask as given, else on for chat data (a conversation sees only itself, as alone) and off for
+    text; chat data under --pp or --cp, which cannot mask yet, must say --no-document-mask."""
+    if cfg.data.document_mask is not None:
+        return cfg.data.document_mask
+    if chat and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        raise ConfigError(f"chat data turns --document-mask on, which --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1 "
+                          f"does not support yet; pass --no-document-mask (conversations packed together then see "
+                          f"each other)")
+    return chat
+
+
 def describe(run: Run) -> str:
     """The one line a run starts with: model, processes, layout, data."""
     cfg, p, mesh = run.cfg, run.cfg.parallel, run.mesh
@@ -169,7 +185,9 @@ def describe(run: Run) -> str:
             f"{run.env.world_size} process(es) on {run.device.type} (dp={mesh.size('dp')}, "
             f"tp={p.tp}{', sp' if p.sequence_parallel else ''}{f', cp={p.cp}' if p.cp > 1 else ''}{f', ep={p.ep}' if p.ep > 1 else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
             f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
-            f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats"
+            f"tokens, {run.accumulation} micro-batch(es) per step; {run.data.describe(cfg.data.loss_on)}"
+            f"{'; document mask on' if run.model_cfg.document_eos is not None else ''}; unigram entropy of the "
+            f"data {entropy:.3f} nats"
             + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else "")
             + ("; this CPU has no bf16 matrix instructions (AVX512-BF16, AMX): its bf16 matmuls run about 20x slower "
                "than fp32's (--precision fp32 trains faster here)"
@@ -291,13 +309,19 @@ def load_data(cfg: Config, env: DistEnv, out: Path) -> TrainingData:
 
     def load():
         return load_training_data(d.path, d.eval_data, spec, d.seq_len, cache, eval_fraction=d.eval_fraction,
-                                  progress=progress, text_key=d.text_key)
+                                  progress=progress, text_key=d.text_key, chat=chat_options(cfg))
 
     if cache is None:
         return load()
     result = load() if env.is_main else None
     barrier()
     return result or load()
+
+
+def chat_options(cfg: Config) -> ChatOptions:
+    """How the run reads chat data (`paratrain.data.chat`): --format, --chat-template, --loss-on, --long."""
+    d = cfg.data
+    return ChatOptions(format=d.format, chat_template=d.chat_template, loss_on=d.loss_on, long=d.long)
 
 
 def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
