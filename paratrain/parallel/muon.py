@@ -355,6 +355,7 @@ class MuonRecipe:
 
     muon: dict = field(default_factory=dict)
     adamw: dict = field(default_factory=dict)
+    lr_scale: float | None = None  # a schedule's factor from the AdamW learning rate to Muon's (the trainer's)
 
     def __post_init__(self):
         check_muon_options(self.muon)
@@ -367,6 +368,8 @@ class MuonRecipe:
         is_matrix = [len(shape) >= 2 and any(n.startswith(b) for b in blocks)
                      for n, (_, _, shape) in zip(names, model.master_rows())]
         muon = {**_torch_muon_defaults(), **MUON_DEFAULTS, **self.muon, "algorithm": "muon"}
+        if self.lr_scale is not None:
+            muon["lr_scale"] = self.lr_scale
         adamw = {k: v for k, v in self.adamw.items() if k != "weight_decay"}
         decay = self.adamw.get("weight_decay", 0.01)
         rest = [(m, len(s) >= 2) for m, (_, _, s), matrix in zip(masters, model.master_rows(), is_matrix) if not matrix]
