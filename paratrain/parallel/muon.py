@@ -41,7 +41,6 @@ AdamW for the rest: embeddings, head, norms, biases).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -52,6 +51,7 @@ from paratrain.comm import Comm
 from paratrain.compat import muon_adjusted_lr, muon_class, muon_orthogonalize
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Axis
+from paratrain.parallel.rules import newton_schulz_flops
 
 
 class MuonConfigError(ParatrainError, ValueError):
@@ -75,15 +75,8 @@ class Matrix:
 
     @property
     def flops(self) -> int:
-        """FLOPs of one Newton–Schulz step (m ≤ n: X Xᵀ, then B = bA + cA², then aX + B X)."""
-        m, n = sorted(self.shape)
-        return 4 * m * m * n + 2 * m ** 3
-
-
-def ns_flops(shape, steps: int) -> int:
-    """Newton–Schulz FLOPs of one Muon step on a matrix of `shape` (the planner's count too)."""
-    m, n = sorted(shape[-2:])
-    return steps * (4 * m * m * n + 2 * m ** 3)
+        """FLOPs of one Newton–Schulz step on it (what the owners are balanced by)."""
+        return newton_schulz_flops(self.shape, 1)
 
 
 def find_matrices(model, comm: Comm, indices: list[int]) -> list[Matrix]:
@@ -95,24 +88,24 @@ def find_matrices(model, comm: Comm, indices: list[int]) -> list[Matrix]:
     rows = model.master_rows()
     experts = model.expert_info.names if model.expert_info is not None else set()
     tp_split = model.tp_info.sharded if model.tp_info is not None else {}
-    axes = {False: mesh.data_axis, True: Axis.EP_REPLICATE}
+    axes = {False: mesh.data_axis, True: Axis.EP_REPLICATE}  # an expert block's copies are over its replicas
     gathered = {expert: _gather_rows(comm, axes[expert], rows) for expert in {rows[i][0] in experts for i in indices}}
     families: dict[bool, list[Matrix]] = {False: [], True: []}
     for i in indices:
         name, (lo, hi), local = rows[i]
         expert = name in experts
         held = gathered[expert][:, i].tolist()
-        if expert:
-            families[True] += [Matrix(i, e - lo if lo <= e < hi else None, tuple(local[1:]), tuple(local[1:]), None,
-                                      axes[True], tuple((0, local[1]) if a <= e < b else (0, 0) for a, b in held))
-                               for e in range(local[0])]
+        if len(local) == 3:  # stacked experts: ZeRO splits the stack by experts, so each matrix is whole somewhere
+            families[expert] += [Matrix(i, e - lo if lo <= e < hi else None, tuple(local[1:]), tuple(local[1:]),
+                                        None, axes[expert],
+                                        tuple((0, local[1]) if a <= e < b else (0, 0) for a, b in held))
+                                 for e in range(local[0])]
             continue
         whole = list(local)
         dim = tp_split.get(name)
         if dim is not None:
             whole[dim] *= mesh.size(Axis.TP)
-        families[False].append(Matrix(i, None, tuple(whole), tuple(local), dim, axes[False],
-                                      tuple((a, b) for a, b in held)))
+        families[expert].append(Matrix(i, None, tuple(whole), tuple(local), dim, axes[expert], tuple(map(tuple, held))))
     tp = mesh.size(Axis.TP)
     return [m for family in families.values() for m in _assign_owners(family, tp)]
 
@@ -212,7 +205,7 @@ class Muon(torch.optim.Optimizer):
             group = group_of[matrices[k].master]
             results[k] = muon_orthogonalize(value, group["ns_coefficients"], group["ns_steps"], group["eps"])
             results[k] = results[k].contiguous()
-            self.ns_flops += ns_flops(value.shape, group["ns_steps"])
+            self.ns_flops += newton_schulz_flops(value.shape, group["ns_steps"])
         pieces = self._scatter(matrices, results)
         for k, piece in pieces.items():
             m = matrices[k]

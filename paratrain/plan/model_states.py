@@ -45,6 +45,7 @@ from paratrain.models.configs import ModelConfig
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4  # fp32 master copy of each parameter (mixed precision only)
 ADAM_MOMENT_BYTES = 8  # fp32 first and second moments
+MUON_MOMENT_BYTES = 4  # Muon's one fp32 momentum buffer
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class ModelStates:
 
 
 def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
-                      reduce_dtype: str | None = None, offload: str | None = None) -> ModelStates:
+                      reduce_dtype: str | None = None, offload: str | None = None, muon_params: float = 0.0
+                      ) -> ModelStates:
     """Model states of a rank holding `num_params` (Ψ) parameters, ZeRO-sharded over `dp` (N).
 
     N is the ranks that split the shards: the data-parallel degree, or the shard group
@@ -83,6 +85,9 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     device), the moments and a buffer for the fp32 gradient, 16 bytes per element of this rank's shard.
     `offload="params"` (ZeRO-3) keeps the fp32 shards themselves there instead of a copy: the device holds no
     parameter between gathers, the host the same 16 bytes per element.
+
+    `muon_params` of the Ψ are stepped by Muon (`paratrain.plan.muon`): one fp32 momentum buffer, 4 bytes per
+    element where Adam keeps 8 (`adam_moments` then holds both optimizers' moments).
     """
     param_bytes = DTYPE_BYTES[precision]
     grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
@@ -96,7 +101,9 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     if offload:
         return ModelStates(0.0 if offload == "params" else params, grads, 0.0, 0.0,
                            host=(MASTER_BYTES + ADAM_MOMENT_BYTES + MASTER_BYTES) * shard)
-    return ModelStates(params, grads, master * shard, ADAM_MOMENT_BYTES * shard)
+    muon = muon_params / (n if zero >= 1 else 1)
+    moments = ADAM_MOMENT_BYTES * (shard - muon) + MUON_MOMENT_BYTES * muon
+    return ModelStates(params, grads, master * shard, moments)
 
 
 def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
