@@ -18,9 +18,7 @@ load: the step counts do not depend on the load; the seconds do.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import io
 import os
 import shutil
 import statistics
@@ -28,16 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import doc_parser, fmt_load, machine, write_results
+from common import doc_parser, fmt_load, machine, train_in_process, write_results
 
 SIZES = ["--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "176"]
 
 
 def train_once(optimizer: str, lr: float, seed: int, args, work: Path, adamw_lr: float | None = None) -> dict:
     """One run of the trainer: its eval curve [(step, eval loss)], step losses and wall time."""
-    from paratrain.cli import main as paratrain_main
-    from paratrain.metrics import read_metrics
-
     out = work / f"{optimizer}-{lr:g}-seed{seed}"
     rate = ["--lr", str(lr)] if optimizer == "adamw" else ["--optimizer", "muon", "--muon-lr", str(lr),
                                                             "--lr", str(adamw_lr)]
@@ -45,15 +40,7 @@ def train_once(optimizer: str, lr: float, seed: int, args, work: Path, adamw_lr:
             "--global-batch", str(args.batch), "--warmup-steps", str(args.warmup), "--eval-every", str(args.eval_every),
             "--eval-batches", str(args.eval_batches), "--sample-tokens", "0", "--no-progress", "--seed", str(seed),
             "--checkpoint-every", "0", *rate, "--out", str(out)]
-    captured = io.StringIO()
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-        code = paratrain_main(argv)
-    seconds = time.perf_counter() - start
-    if code != 0:
-        raise RuntimeError(f"{optimizer} lr {lr} seed {seed} exited {code}:\n{captured.getvalue()[-3000:]}")
-    records = read_metrics(out / "metrics.jsonl")
-    shutil.rmtree(out)
+    records, seconds = train_in_process(argv, out, f"{optimizer} lr {lr} seed {seed}")
     curve = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     print(f"{optimizer:5s} lr {lr:<6g} seed {seed}: eval {curve[-1][1]:.4f} at step {curve[-1][0]}, {seconds:.0f} s",
           flush=True)

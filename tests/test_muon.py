@@ -13,7 +13,6 @@ from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParalle
 from paratrain.parallel.muon import MuonRecipe
 from paratrain.parallel.rules import newton_schulz_flops as ns_flops
 from paratrain.precision import Precision
-from paratrain.testing import run_on_ranks
 from paratrain.models import Transformer
 from paratrain.parallel.expert import moe_layers
 from parallel_cases import (FP64_PARITY, TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model,
@@ -326,3 +325,23 @@ def test_a_killed_muon_run_resumes_bit_equal(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "checkpoints/step-00000004 at step 4" in result.stdout
     assert_bit_equal(out, reference)
+
+
+# -- verify --------------------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch):
+    """`paratrain verify --optimizer muon`: ZeRO-1 and ZeRO-3 against one process with Muon; rank 1 negating its
+    gradients must FAIL."""
+    from paratrain.cli import main
+    from paratrain.faults import FAULT_ENV
+    from test_verify import SMALL
+
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero1;dp2,zero3", "--optimizer", "muon"]) == 0, \
+        capsys.readouterr().out
+    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
+    assert [line.split()[5] for line in table[1:]] == ["PASS", "PASS"], table
+    monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero2", "--optimizer", "muon"]) == 1
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[0] == "dp2,zero2" and row[5] == "FAIL", row
