@@ -141,8 +141,8 @@ def test_the_planner_prices_newton_schulz_and_its_exchange_only_with_muon():
     from paratrain.plan.collectives import dp_collectives
     from paratrain.plan.compute import newton_schulz_seconds
     from paratrain.plan.hardware import get_hardware
-    from paratrain.plan.memory import Layout, Workload, stage_muon_params
-    from paratrain.plan.muon import muon_sent_bytes
+    from paratrain.plan.memory import Layout, Workload
+    from paratrain.plan.muon import muon_sent_bytes, stage_muon_params
 
     model = dataclasses.replace(TINY, n_layers=4)
     h200, layout = get_hardware("h200"), Layout(dp=4, zero=1)
@@ -152,7 +152,7 @@ def test_the_planner_prices_newton_schulz_and_its_exchange_only_with_muon():
     assert newton_schulz_seconds(muon, layout, h200, 0) == pytest.approx(one_rank / 4)  # the work is split
     sent = {o: sum(c.bytes_sent for c in dp_collectives(w, layout, 0)["dp"].calls) for o, w in (("m", muon),
                                                                                                  ("a", adamw))}
-    elements = stage_muon_params(muon, layout, 0)
+    elements = stage_muon_params(muon, layout, 0, 0.0)
     assert sent["m"] - sent["a"] == pytest.approx(muon_sent_bytes(elements, 4, 1)) and elements > 0
 
 

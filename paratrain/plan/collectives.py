@@ -29,10 +29,9 @@ from paratrain.plan.memory import (
     stage_dense_params,
     stage_expert_params,
     stage_fp8_weights,
-    stage_muon_params,
 )
 from paratrain.plan.model_states import layers_on_stage
-from paratrain.plan.muon import muon_sent_bytes
+from paratrain.plan.muon import muon_sent_bytes, stage_muon_params
 from paratrain.plan.ring import ring_kv_block_bytes
 
 # An all-to-all of S bytes (a rank's whole buffer, its own 1/n included) sends S·(n−1)/n in n−1 pairwise steps.
@@ -210,7 +209,7 @@ def _with_muon(dense: AxisCollectives, workload: Workload, layout: Layout, stage
     (`paratrain.plan.muon.muon_sent_bytes`: sends, exposed before the optimizer's update)."""
     if workload.optimizer != "muon":
         return dense
-    elements = stage_muon_params(workload, layout, stage) - experts
+    elements = stage_muon_params(workload, layout, stage, stage_expert_params(workload, layout, stage)) - experts
     sent = muon_sent_bytes(elements, layout.data_ranks, layout.zero)
     return AxisCollectives(dense.overlapped, dense.after + (Collective("send", sent, layout.data_ranks),))
 

@@ -29,7 +29,7 @@ from paratrain.plan.model_states import (
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 from paratrain.plan import moe
-from paratrain.plan.muon import block_muon_params
+from paratrain.plan.muon import check_optimizer, stage_muon_params
 from paratrain.plan.activations import (
     head_bytes_as_run,
     layer_activation_bytes,
@@ -106,8 +106,7 @@ class Workload:
             step's tensorwise weight casts (`fp8_cast_bytes`).
         fp8_min_features: linears with fewer whole-layer in or out features stay in the compute dtype, as
             `parallelize(fp8_min_features=...)` keeps them (the default: its CUDA default, 1,024; a CPU run: 0).
-        optimizer: "adamw", or "muon": the blocks' matrices stepped by Muon (`paratrain.plan.muon`: one momentum
-            buffer, Newton–Schulz FLOPs and the exchange of the matrices' pieces), the rest by AdamW.
+        optimizer: "adamw", or "muon": the blocks' matrices stepped by Muon (`paratrain.plan.muon`).
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -137,11 +136,7 @@ class Workload:
         for flag, value in (("--precision", self.precision), ("--reduce-dtype", self.reduce_dtype)):
             if value is not None and value not in DTYPE_BYTES:
                 raise PlanError(f"{flag} {value!r} is not one of: {', '.join(DTYPE_BYTES)}")
-        if self.optimizer not in ("adamw", "muon"):
-            raise PlanError(f"--optimizer must be adamw or muon, got {self.optimizer!r}")
-        if self.optimizer == "muon" and self.model is None:
-            raise PlanError("--optimizer muon needs the model's shape (which weights are matrices): give --model or "
-                            "sizes, not --params")
+        check_optimizer(self.optimizer, self.model)
         if self.model is not None and self.model.num_params() != self.num_params:
             raise PlanError(f"num_params={self.num_params} differs from the model's {self.model.num_params()}")
 
@@ -453,35 +448,19 @@ def stage_dense_params(workload: Workload, layout: Layout, stage: int) -> float:
     return float(stage_param_count(model, layout.tp, layout.pp, stage) - routed)
 
 
-def _add(a: ModelStates, b: ModelStates) -> ModelStates:
-    return ModelStates(a.params + b.params, a.grads + b.grads, a.master_weights + b.master_weights,
-                       a.adam_moments + b.adam_moments, a.host + b.host)
-
-
 def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelStates:
     """Model states of one rank of `stage`: the dense parameters ZeRO-sharded over the shard group, the
     routed experts (E/ep per layer) over their replica group (`paratrain.plan.moe.expert_shard_ranks`)."""
     w, lay = workload, layout
     experts = stage_expert_params(w, lay, stage)
+    muon = stage_muon_params(w, lay, stage, experts)  # (every routed weight is an expert's matrix)
     dense = model_state_bytes(stage_dense_params(w, lay, stage), lay.shard_ranks, lay.zero, w.precision,
-                              w.reduce_dtype, lay.offload, muon_params=stage_muon_params(w, lay, stage) - experts)
+                              w.reduce_dtype, lay.offload, muon - experts if muon else 0.0)
     if not experts:
         return dense
     shards = moe.expert_shard_ranks(lay.shard_ranks, lay.ep)
-    muon = experts if w.optimizer == "muon" else 0.0  # every routed weight is an expert's matrix
-    return _add(dense, model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype, lay.offload, muon))
-
-
-def stage_muon_params(workload: Workload, layout: Layout, stage: int) -> float:
-    """Elements one rank of `stage` holds of the matrices Muon steps (its tp slices, every expert it holds); 0 with
-    AdamW."""
-    if workload.optimizer != "muon":
-        return 0.0
-    model = workload.model
-    layers = layers_on_stage(model.n_layers, layout.pp, stage)
-    routed = moe.routed_params_per_layer(model) if model.is_moe else 0
-    dense = -(-(block_muon_params(model) - routed) // layout.tp)
-    return float(layers * dense + stage_expert_params(workload, layout, stage))
+    return dense + model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype, lay.offload,
+                                     experts if muon else 0.0)
 
 
 def stage_fp8_weights(workload: Workload, layout: Layout, stage: int) -> float:

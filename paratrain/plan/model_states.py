@@ -38,6 +38,7 @@ model states are 16Ψ = 112 GB. `ModelStates` reports `master_weights` and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from paratrain.models.configs import ModelConfig
@@ -61,6 +62,10 @@ class ModelStates:
     @property
     def optimizer_state(self) -> float:
         return self.master_weights + self.adam_moments
+
+    def __add__(self, other: ModelStates) -> ModelStates:
+        """Two groups of parameters held on one rank (a stage's dense ones and its experts)."""
+        return ModelStates(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
 
 def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: str = "bf16",

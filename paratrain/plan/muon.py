@@ -11,9 +11,22 @@ owner and the result back sends bf16 pieces over the data axis (`muon_sent_bytes
 from __future__ import annotations
 
 from paratrain.models.configs import ModelConfig
+from paratrain.plan import moe
+from paratrain.plan.model_states import layers_on_stage
 from paratrain.parallel.rules import MUON_NS_STEPS as NS_STEPS, newton_schulz_flops
 MUON_MOMENT_BYTES = 4  # one fp32 momentum buffer per element
 UPDATE_BYTES = 2  # the pieces travel in bf16 (the iteration's own first rounding)
+
+
+def check_optimizer(optimizer: str, model: ModelConfig | None) -> None:
+    """--optimizer: adamw or muon; Muon needs the model's shape (which of its weights are matrices)."""
+    from paratrain.plan.errors import PlanError
+
+    if optimizer not in ("adamw", "muon"):
+        raise PlanError(f"--optimizer must be adamw or muon, got {optimizer!r}")
+    if optimizer == "muon" and model is None:
+        raise PlanError("--optimizer muon needs the model's shape (which weights are matrices): give --model or "
+                        "sizes, not --params")
 
 
 def block_matrices(model: ModelConfig) -> list[tuple[int, int, int]]:
@@ -48,3 +61,15 @@ def muon_sent_bytes(elements: float, ranks: int, zero: int) -> float:
     if zero >= 1:
         return 2 * UPDATE_BYTES * elements * (ranks - 1) / ranks ** 2
     return UPDATE_BYTES * elements * (ranks - 1) / ranks
+
+
+def stage_muon_params(workload, layout, stage: int, experts: float) -> float:
+    """Elements one rank of `stage` holds of the matrices Muon steps (its tp slices, and the `experts` routed
+    elements it holds: every one a matrix's); 0 with AdamW."""
+    if workload.optimizer != "muon":
+        return 0.0
+    model = workload.model
+    layers = layers_on_stage(model.n_layers, layout.pp, stage)
+    routed = moe.routed_params_per_layer(model) if model.is_moe else 0
+    dense = -(-(block_muon_params(model) - routed) // layout.tp)
+    return float(layers * dense + experts)
