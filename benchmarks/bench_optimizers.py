@@ -8,8 +8,9 @@
 its sizes. First a sweep (seed 0): AdamW at each of --adamw-lrs, Muon (`--optimizer muon`: Muon for the blocks'
 matrices at --muon-lr, AdamW at AdamW's tuned --lr for the embeddings, head and norms) at each of --muon-lrs; each
 optimizer's tuned learning rate is the one with the lowest final eval loss. Then --seeds seeds (the sweep's seed 0
-counted) of each at its tuned rate. The target is AdamW's final eval loss (mean over its seeds); for every run the
-first evaluated step (every --eval-every steps, on the same held-out batches) whose eval loss is at or below it.
+counted) of each at its tuned rate. The target of a seed is AdamW's final eval loss with that seed; for each run the
+first evaluated step (every --eval-every steps, on the same held-out batches) whose eval loss is at or below its
+seed's target (AdamW's is at most its last step; Muon's is paired with it).
 Reported: each optimizer's steps to the target and final eval loss, mean and spread over the seeds (std, min, max),
 and Muon's steps as a fraction of AdamW's. The same seed gives both optimizers the same initialization and data
 order. Writes benchmarks/results/optimizers-<time>.md and .json (every run's eval curve) with the machine and its
@@ -73,11 +74,12 @@ def run(args) -> tuple[dict, list[dict]]:
                      train_once("muon", muon_lr, seed, args, work, adamw_lr)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    chosen = {o: [r for r in runs if r["optimizer"] == o and r["lr"] == tuned[o]] for o in tuned}
-    target = statistics.mean(r["final_eval"] for r in chosen["adamw"])
-    result = {"tuned_lr": tuned, "target": target, "optimizers": {}}
+    chosen = {o: sorted((r for r in runs if r["optimizer"] == o and r["lr"] == tuned[o]), key=lambda r: r["seed"])
+              for o in tuned}
+    targets = {r["seed"]: r["final_eval"] for r in chosen["adamw"]}  # per seed: AdamW's own final eval loss
+    result = {"tuned_lr": tuned, "targets": targets, "optimizers": {}}
     for name, picked in chosen.items():
-        steps = [steps_to(r["curve"], target) for r in picked]
+        steps = [steps_to(r["curve"], targets[r["seed"]]) for r in picked]
         reached = [s for s in steps if s is not None]
         result["optimizers"][name] = {
             "seeds": [r["seed"] for r in picked], "steps_to_target": steps,
@@ -103,7 +105,8 @@ def report(meta: dict, args, result: dict, runs: list[dict]) -> str:
     lines += [f"| {r['optimizer']} | {r['lr']:g} | {r['final_eval']:.4f} |" for r in runs if r["seed"] == 0]
     lines += ["", f"Tuned: AdamW lr {result['tuned_lr']['adamw']:g}; Muon lr {result['tuned_lr']['muon']:g} (AdamW at "
               f"{result['tuned_lr']['adamw']:g} for the embeddings, head and norms).", "",
-              f"## Steps to AdamW's final eval loss ({result['target']:.4f}, its mean over seeds)", "",
+              "## Steps to AdamW's final eval loss (of the same seed: "
+              f"{', '.join(f'{v:.4f}' for v in result['targets'].values())})", "",
               "| optimizer | seeds | steps to target, per seed | mean | std | min | max | final eval loss mean "
               "(std) | s per run |", "|---|---|---|---|---|---|---|---|---|"]
     for name, o in result["optimizers"].items():
