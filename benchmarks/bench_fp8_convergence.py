@@ -25,13 +25,10 @@ set).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import io
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -40,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from common import doc_parser, fmt_load, machine, write_results
+from common import doc_parser, fmt_load, machine, train_in_process, write_results
 
 REFERENCE = "bf16"
 CONTROL = "bf16-accum2"
@@ -57,23 +54,12 @@ def recipe_args(recipe: str, batch: int) -> list[str]:
 def train_once(recipe: str, seed: int, args, work: Path) -> dict:
     """One run of the trainer; its step losses, wall time and final eval loss. The trainer's own output is kept
     and shown only if the run fails."""
-    from paratrain.cli import main as paratrain_main
-    from paratrain.metrics import read_metrics
-
     out = work / f"{recipe}-seed{seed}"
     argv = ["train", "--model", args.model, "--precision", "bf16", "--steps", str(args.steps), "--seq-len",
             str(args.seq), "--sample-tokens", "0", "--eval-every", "0", "--no-progress", "--seed", str(seed),
             *recipe_args(recipe, args.batch), "--out", str(out)]
-    captured = io.StringIO()
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-        code = paratrain_main(argv)
-    seconds = time.perf_counter() - start
-    if code != 0:
-        raise RuntimeError(f"{recipe} seed {seed} exited {code}:\n{captured.getvalue()[-3000:]}")
-    records = read_metrics(out / "metrics.jsonl")
+    records, seconds = train_in_process(argv, out, f"{recipe} seed {seed}")
     losses = [r["loss"] for r in records]
-    shutil.rmtree(out)  # its final checkpoint: tens of MB per run, not needed
     return {"recipe": recipe, "seed": seed, "seconds": seconds, "losses": losses,
             "last_mean": statistics.mean(losses[-args.last:]), "eval_loss": records[-1].get("eval_loss")}
 

@@ -9,7 +9,8 @@ Rows, most important first (a row that is not started within --budget-s is writt
   1. the 1B model of gpu_check.py (SIZES["1b"], batch 4 x seq 2048, bf16): plain PyTorch compiled (every
      block torch.compile'd) and paratrain ZeRO-0 compiled; plain PyTorch eager, paratrain ZeRO-0 eager,
      FSDP2 (fully_shard per block + root, MixedPrecisionPolicy bf16 params / fp32 reduce), paratrain ZeRO-3;
-     paratrain ZeRO-0 compiled with FP8 linears (tensorwise, rowwise); then paratrain ZeRO-0 and ZeRO-3 x
+     paratrain ZeRO-0 compiled with FP8 linears (tensorwise, rowwise); paratrain ZeRO-0 and ZeRO-3 eager
+     with Muon (`MuonRecipe`: its step's Newton-Schulz against AdamW's in the rows of the same layout); then paratrain ZeRO-0 and ZeRO-3 x
      eager/compiled x selective/full recomputation.
   2. llama2-7b (bf16, seq 2048, micro-batch 1): a few paratrain ZeRO-3 rows with recomputation (one with FP8
      tensorwise linears), each only
@@ -76,6 +77,7 @@ class Row:
     fp8: str | None = None  # paratrain's FP8 recipe for the blocks' linears (plain PyTorch: torchao's)
     offload: str | None = None  # paratrain's optimizer offload
     micro_batch: int | None = None  # sequences per step where the row sets it (the planner's pick), else the model's
+    optimizer: str = "adamw"  # paratrain's: "muon" is the trainer's recipe (Muon for the blocks' matrices)
 
     @property
     def name(self) -> str:
@@ -83,7 +85,8 @@ class Row:
         return f"{what} {'compiled' if self.compile else 'eager'}" + \
             (f" +{self.recompute} recompute" if self.recompute != "none" else "") + \
             (f" +offload {self.offload}" if self.offload else "") + \
-            (f" +fp8 {self.fp8}" if self.fp8 else "") + (f" x{self.micro_batch}" if self.micro_batch else "")
+            (f" +fp8 {self.fp8}" if self.fp8 else "") + (f" x{self.micro_batch}" if self.micro_batch else "") + \
+            (f" +{self.optimizer}" if self.optimizer != "adamw" else "")
 
 
 H200_BYTES = 141e9
@@ -120,7 +123,9 @@ def rows(large: bool, llama3: tuple[ModelConfig, int] | None = None) -> list[Row
            Row("small", "pytorch", False), Row("small", "paratrain", False, 0),
            Row("small", "fsdp2", False), Row("small", "paratrain", False, 3), Row("small", "paratrain", True, 3),
            Row("small", "paratrain", True, 0, fp8="tensorwise"), Row("small", "paratrain", True, 0, fp8="rowwise"),
-           Row("small", "paratrain", True, 3, fp8="tensorwise")]  # ZeRO-3 gathers the FP8 casts
+           Row("small", "paratrain", True, 3, fp8="tensorwise"),  # ZeRO-3 gathers the FP8 casts
+           # Muon's step against AdamW's (the rows above of the same layout): Newton-Schulz on every block matrix
+           Row("small", "paratrain", False, 0, optimizer="muon"), Row("small", "paratrain", False, 3, optimizer="muon")]
     out += [Row("small", "paratrain", c, z, r) for z in (0, 3) for c in (False, True) for r in ("selective", "full")]
     if large:
         out += [Row("large", "paratrain", True, 3, "selective"),
@@ -177,7 +182,8 @@ def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None
 
     zero = row.zero if row.kind == "paratrain" else (3 if row.kind == "fsdp2" else 0)
     workload = Workload.for_model(cfg, seq_len=seq, global_batch=batch, precision="bf16", reduce_dtype="fp32",
-                                  loss_chunk=loss_chunk, fp8=row.fp8)  # parallelize's defaults, and FSDP2's policy
+                                  loss_chunk=loss_chunk, fp8=row.fp8,  # parallelize's defaults, and FSDP2's policy
+                                  optimizer=row.optimizer)
     layout_args = {"zero": zero, "micro_batch": batch, "recompute": row.recompute, "offload": row.offload}
     notes = []
     if "compile" in {f.name for f in dataclasses.fields(Layout)}:
@@ -228,8 +234,13 @@ def build_paratrain(cfg: ModelConfig, row: Row, kwargs: dict, x, y):
     from paratrain.train import train_step
 
     kwargs = dict(kwargs)
+    factory = functools.partial(adamw, fused=x.is_cuda)
+    if row.optimizer == "muon":
+        from paratrain.parallel.muon import MuonRecipe
+
+        factory = MuonRecipe(adamw={"fused": x.is_cuda})
     model, optimizer = paratrain.parallelize(
-        model_on_meta(cfg), paratrain.init_mesh(), optimizer=functools.partial(adamw, fused=x.is_cuda),
+        model_on_meta(cfg), paratrain.init_mesh(), optimizer=factory,
         precision="bf16", data=DataParallel(zero=row.zero, grad_reduction="sum", offload=kwargs.pop("offload", None)),
         init=functools.partial(model_on_meta(cfg).param_init, seed=0), **kwargs)
     return lambda: train_step(model, optimizer, [(x, y)], 1.0)

@@ -197,6 +197,28 @@ def run_meta(args, now: datetime.datetime) -> dict:
             "rounds": getattr(args, "rounds", 1), "load_avg_start": os.getloadavg()}
 
 
+def train_in_process(argv: list[str], out, what: str) -> tuple[list[dict], float]:
+    """`paratrain train` (`argv`, whose --out is `out`) in this process, its output kept and shown only if it fails:
+    the run's metrics records and wall seconds; its directory removed (its checkpoints are not needed)."""
+    import io
+    import shutil
+    import time
+
+    from paratrain.cli import main as paratrain_main
+    from paratrain.metrics import read_metrics
+
+    captured = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        code = paratrain_main(argv)
+    seconds = time.perf_counter() - start
+    if code != 0:
+        raise RuntimeError(f"{what} exited {code}:\n{captured.getvalue()[-3000:]}")
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    shutil.rmtree(out)
+    return records, seconds
+
+
 def write_results(out: str, prefix: str, now: datetime.datetime, text: str, payload: dict) -> None:
     """Write `<out>/<prefix>-<time>.md` (the markdown report) and `.json` (everything)."""
     os.makedirs(out, exist_ok=True)

@@ -21,7 +21,7 @@ _EXPORTS = {
     "ModelSpec": "paratrain.parallel.api", "PipelineParallel": "paratrain.parallel.api",
     "TensorParallel": "paratrain.parallel.api", "parallelize": "paratrain.parallel.api",
     "ParallelModel": "paratrain.parallel.model", "ScheduleName": "paratrain.parallel.pipeline.schedules",
-    "from_pretrained": "paratrain.interop.hf",
+    "from_pretrained": "paratrain.interop.hf", "MuonRecipe": "paratrain.parallel.muon",
 }
 __all__ = sorted(_EXPORTS)
 

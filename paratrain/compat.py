@@ -278,3 +278,27 @@ def flight_record_json() -> bytes:
 
     dump = getattr(c10d, "_dump_fr_trace_json", None) or c10d._dump_nccl_trace_json
     return dump(True, False)  # with collectives, without only-active filtering
+
+
+# -- Muon -----------------------------------------------------------------------------------------------
+
+def muon_class():
+    """`torch.optim.Muon` (torch 2.9 and newer), or None where the installed torch has none."""
+    return getattr(torch.optim, "Muon", None)
+
+
+def muon_orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                       eps: float) -> torch.Tensor:
+    """Newton–Schulz orthogonalization of one whole 2-D update, as `torch.optim.Muon` computes it (private
+    `torch.optim._muon._zeropower_via_newtonschulz`): paratrain runs torch's own iteration on the matrices it
+    gathers, so that a distributed step equals the one-process one to the bit (bf16 iterations included)."""
+    from torch.optim import _muon
+
+    return _muon._zeropower_via_newtonschulz(update, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """The learning rate `torch.optim.Muon` applies to a matrix of `shape` (private `torch.optim._muon._adjust_lr`)."""
+    from torch.optim import _muon
+
+    return _muon._adjust_lr(lr, adjust_lr_fn, shape)

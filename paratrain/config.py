@@ -88,6 +88,16 @@ class TrainSection:
     micro_batch: int | None = option(None, "sequences per forward/backward; accumulation = global / (micro * data "
                                            "ranks) (default: global / data ranks, one micro-batch per rank)")
     # The optimizer and schedule: None takes the named model's published recipe (`resolve_recipe`).
+    optimizer: str = option("adamw", "adamw, or muon: torch.optim.Muon for the 2-D weights of the blocks (each expert's "
+                                     "matrix of an MoE), AdamW (--lr, --weight-decay, --beta1/2, --eps) for the "
+                                     "embeddings, head, norms and biases; one schedule scales both learning rates")
+    muon_lr: float = option(0.02, "Muon's peak learning rate with --optimizer muon (default 0.02: Keller Jordan's Muon "
+                                  "and modded-nanogpt, with torch's adjust_lr_fn 'original')")
+    muon_momentum: float = option(0.95, "Muon's momentum (default 0.95: torch.optim.Muon's, Nesterov)")
+    muon_weight_decay: float = option(0.1, "Muon's decoupled weight decay (default 0.1: torch.optim.Muon's)")
+    muon_adjust_lr: str = option("original", "Muon's per-matrix learning-rate scale: original (√max(1, rows/cols), "
+                                             "Keller Jordan) or match_rms_adamw (0.2·√max(rows, cols), Moonshot's: "
+                                             "reuses AdamW's learning rate)")
     lr: float | None = option(None, f"peak learning rate (AdamW) {RECIPE_DEFAULT}")
     min_lr: float | None = option(None, "learning rate at the end of the cosine decay (default: the recipe's, or "
                                         "with --lr given the recipe's fraction of it)")
@@ -309,6 +319,36 @@ def validate(cfg: Config, world_size: int = 1, model_cfg=None) -> CheckedLayout:
     return rules.check_layout(layout_spec(cfg, world_size, model_cfg), ConfigError)
 
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
+
+
+def _check_optimizer(t: TrainSection) -> None:
+    if t.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
+    if t.optimizer != "muon":
+        return
+    for name, value in [("--muon-lr", t.muon_lr), ("--muon-weight-decay", t.muon_weight_decay)]:
+        if value < 0:
+            raise ConfigError(f"{name} must not be negative, got {value}")
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError(f"--muon-momentum must be in [0, 1), got {t.muon_momentum}")
+    if t.muon_adjust_lr not in MUON_ADJUST_LR:
+        raise ConfigError(f"--muon-adjust-lr must be one of {', '.join(MUON_ADJUST_LR)}, got {t.muon_adjust_lr!r}")
+    from paratrain.parallel.muon import MuonConfigError, check_muon_options
+
+    try:
+        check_muon_options(muon_options(t))
+    except MuonConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def muon_options(t: TrainSection) -> dict:
+    """torch.optim.Muon's keyword arguments from the train section (the learning rate the schedule's peak)."""
+    return {"lr": t.muon_lr, "momentum": t.muon_momentum, "weight_decay": t.muon_weight_decay,
+            "adjust_lr_fn": t.muon_adjust_lr}
+
+
 def check_values(cfg: Config) -> None:
     """The rules of each option's own value (ranges, and the launcher's and reliability options); ConfigError.
 
@@ -339,6 +379,7 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
     if not t.eps > 0:
         raise ConfigError(f"--eps must be positive, got {t.eps}")
+    _check_optimizer(t)
     p = cfg.parallel
     for name, value in [("--dp", p.dp), ("--dp-shard", p.dp_shard)]:
         if value < 0:

@@ -343,8 +343,8 @@ def learning_rate(step: int, cfg: Config, start: int = 0) -> float:
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, cfg: Config, start: int = 0) -> float:
     lr = learning_rate(step, cfg, start)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # one schedule: a group with its own peak (Muon's) scales it
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     return lr
 
 

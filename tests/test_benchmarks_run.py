@@ -62,7 +62,8 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
     CPU compilation alone takes longer than the rest); rows this build cannot run say so instead of failing."""
     rows = _bench_gpu(tmp_path, "--no-compile")
     ran = {r["row"]: r for r in rows if r["status"] == "ok"}
-    assert {"plain PyTorch eager", "FSDP2 eager", "paratrain ZeRO-0 eager", "paratrain ZeRO-3 eager"} <= set(ran)
+    assert {"plain PyTorch eager", "FSDP2 eager", "paratrain ZeRO-0 eager", "paratrain ZeRO-3 eager",
+            "paratrain ZeRO-0 eager +muon", "paratrain ZeRO-3 eager +muon"} <= set(ran)
     for r in ran.values():
         s = r["step_s"]
         assert 0 < s["min"] <= s["median"] <= s["max"] and len(s["all"]) == 2

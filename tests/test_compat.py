@@ -278,3 +278,17 @@ def test_the_cuda_memory_recorder_is_where_compat_calls_it(monkeypatch):
 
 def test_the_installed_torch_has_the_cuda_memory_recorder():
     assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
+
+
+def test_muons_private_iteration_and_lr_reproduce_torchs_step():
+    """`muon_orthogonalize` and `muon_adjusted_lr` (torch's private `_muon` functions) give torch.optim.Muon's step."""
+    from paratrain.compat import muon_adjusted_lr, muon_orthogonalize
+
+    weight = torch.nn.Parameter(torch.randn(24, 40, generator=torch.Generator().manual_seed(0)))
+    grad = torch.randn(24, 40, generator=torch.Generator().manual_seed(1))
+    expected = weight.detach().clone()
+    update = muon_orthogonalize(grad.lerp(grad * 0.05, 0.95).bfloat16(), (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    expected.mul_(1 - 0.02 * 0.1).add_(update, alpha=-muon_adjusted_lr(0.02, None, weight.shape))
+    weight.grad = grad
+    torch.optim.Muon([weight], lr=0.02).step()
+    assert torch.equal(weight.detach(), expected)

@@ -42,6 +42,8 @@ BATCH_OPTIONS = {
     "parallel.reduce_dtype": ((), "the --precision dtype"),
     "parallel.fp8": ((), "none: the blocks' linears in --precision; tensorwise or rowwise: at the hardware's FP8 "
                          "rate (h100-80gb, h200: twice bf16's peak) plus their casts"),
+    "train.optimizer": ((), "adamw; muon: the blocks' matrices keep one momentum buffer (4 bytes, not Adam's 8) "
+                            "and the step adds their Newton-Schulz matmuls and the exchange of their pieces"),
     "parallel.fp8_min_features": ((), "1024, parallelize's on CUDA: the linears a GPU run keeps in --precision "
                                       "(fewer whole-layer in or out features) are priced there; 0: every block "
                                       "linear in FP8"),
@@ -108,7 +110,8 @@ def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
         batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
     common = dict(seq_len=seq, global_batch=batch, precision=opts["parallel.precision"],
                   reduce_dtype=opts.get("parallel.reduce_dtype"), fp8=opts.get("parallel.fp8") or None,
-                  loss_chunk=opts.get("parallel.loss_chunk", DEFAULT_LOSS_CHUNK))
+                  loss_chunk=opts.get("parallel.loss_chunk", DEFAULT_LOSS_CHUNK),
+                  optimizer=opts.get("train.optimizer") or "adamw")
     minimum = opts.get("parallel.fp8_min_features")
     if minimum is not None and minimum >= 0:  # (-1: the default, as `paratrain train` reads it)
         common["fp8_min_features"] = minimum

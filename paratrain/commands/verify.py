@@ -1,6 +1,6 @@
 """`paratrain verify`: does every layout train exactly like one process?
 
-    paratrain verify --model tiny --layouts "dp2,zero3;dp2,zero1;dp2" [--steps 3] [--tol 1e-4]
+    paratrain verify --model tiny --layouts "dp2,zero3;dp2,zero1;dp2" [--steps 3] [--tol 1e-4] [--optimizer muon]
 
 Runs a few steps of the trainer once as a single process and once per layout
 (on as many local processes as the layout's degrees multiply to), all with the
@@ -54,7 +54,7 @@ from paratrain.verify import KNOWN, Comparison, VerifyError, compare, micro_batc
 
 # The options shared with `paratrain train` (the trainer's flags and help) and verify's defaults of them.
 SHARED = ("model.name", "train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.path",
-          "train.seed")
+          "train.seed", "train.optimizer")
 LAYOUT_OPTIONS = ("parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.zero",
                   "parallel.sequence_parallel", "parallel.precision", "parallel.reduce_dtype", "parallel.schedule",
                   "parallel.virtual_stages", "parallel.activation_checkpointing", "parallel.bucket_mb", "parallel.fp8",

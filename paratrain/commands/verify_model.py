@@ -92,7 +92,8 @@ def verify_factory(factory: str, given: dict[str, Any], layouts: list[tuple[str,
     spec = build_spec(factory)  # fails here, once, before any process starts
     base = {"factory": factory, "steps": given["train.steps"], "global_batch": given["train.global_batch"],
             "micro_batch": given.get("train.micro_batch"), "seq_len": given["data.seq_len"],
-            "seed": given.get("train.seed", TrainSection().seed), "vocab": vocabulary(spec, given["data.seq_len"])}
+            "seed": given.get("train.seed", TrainSection().seed), "optimizer": given.get("train.optimizer", "adamw"),
+            "vocab": vocabulary(spec, given["data.seq_len"])}
     for text, layout in layouts:
         _check_layout(text, layout, spec, base)
     jobs = {precision: {**base, "layout": {"precision": precision}, "out": str(work / f"reference-{precision}")}
@@ -155,6 +156,16 @@ def _worker(job: dict) -> None:
         shutdown()
 
 
+def _optimizer(name: str):
+    """AdamW at verify's learning rate, or with --optimizer muon the Muon recipe (torch's Muon defaults, AdamW at LR
+    for the rest), both without weight decay."""
+    if name == "muon":
+        from paratrain.parallel.muon import MuonRecipe
+
+        return MuonRecipe(muon={"weight_decay": 0.0}, adamw={"lr": LR, "weight_decay": 0.0})
+    return functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.0)
+
+
 def run(job: dict) -> None:
     from paratrain.checkpoint.files import write_safetensors
 
@@ -170,7 +181,7 @@ def run(job: dict) -> None:
     given = functools.partial(_given, layout)  # the layout's [parallel] options, the rest left to the defaults
     comm = Comm(mesh)  # the one the model communicates through, which an injected fault uses too
     model, optimizer = parallelize(
-        spec.module, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.0),
+        spec.module, mesh, optimizer=_optimizer(job.get("optimizer", "adamw")),
         data=DataParallel(grad_reduction="sum", **given("zero", "bucket_mb")),
         tensor=TensorParallel(plan=spec.plan, **given("sequence_parallel")),
         pipeline=PipelineParallel(**given("schedule", "virtual_stages")),

@@ -172,7 +172,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
-        needs an element-wise optimizer.
+        needs an element-wise optimizer, or Muon: `partial(torch.optim.Muon, ...)` over a model whose
+        parameters are all matrices, or a `paratrain.MuonRecipe` (Muon for the blocks' matrices, AdamW for the
+        rest), each matrix orthogonalized whole on one rank (`paratrain.parallel.muon`).
     data / tensor / pipeline / context: each strategy's options (see the dataclasses); tensor, pipeline
         and context apply when the mesh has tp > 1, pp > 1 or cp > 1 (tensor and pipeline also when given).
     precision: "fp32", "bf16" or "fp16" compute (or a `Precision`), fp32 master weights;
@@ -391,8 +393,11 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
     """The caller's optimizer over the engine's masters, or None without a factory."""
     if factory is None:
         return None
-    opt = factory(wrapped.masters())
-    if data.zero > 0 and not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
+    from paratrain.parallel.muon import Muon, build_optimizer
+
+    # A whole-matrix optimizer (Muon) gets its matrices here, from the model's layout; the engines never see it.
+    opt = build_optimizer(factory, wrapped, wrapped.comm)
+    if data.zero > 0 and not isinstance(opt, ELEMENTWISE_OPTIMIZERS + (Muon,)):
         raise ParallelConfigError(
             f"ZeRO shards optimizer state element by element, which {type(opt).__name__} does not allow; "
             f"use zero=0 or one of {[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}")

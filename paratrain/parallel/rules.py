@@ -426,3 +426,16 @@ def expert_parallel_violations(layout: LayoutSpec) -> list[Violation]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# -- Muon -----------------------------------------------------------------------------------------------
+
+MUON_NS_STEPS = 5  # torch.optim.Muon's Newton–Schulz steps (its default; the planner's assumption)
+
+
+def newton_schulz_flops(shape, steps: int = MUON_NS_STEPS) -> int:
+    """FLOPs of Muon's Newton–Schulz iteration on one matrix of `shape` (its last two dims) in one optimizer step:
+    per step, for m ≤ n, X Xᵀ (2m²n), the Gram polynomial bA + cA² (2m³) and its product with X (2m²n). The optimizer
+    (`paratrain.parallel.muon`) counts what it runs with it, the planner (`paratrain.plan.muon`) prices it."""
+    m, n = sorted(tuple(shape)[-2:])
+    return steps * (4 * m * m * n + 2 * m ** 3)

@@ -31,6 +31,7 @@ from paratrain.plan.memory import (
     stage_fp8_weights,
 )
 from paratrain.plan.model_states import layers_on_stage
+from paratrain.plan.muon import muon_sent_bytes, stage_muon_params
 from paratrain.plan.ring import ring_kv_block_bytes
 
 # An all-to-all of S bytes (a rank's whole buffer, its own 1/n included) sends S·(n−1)/n in n−1 pairwise steps.
@@ -192,7 +193,7 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
     experts = stage_expert_params(workload, layout, stage) if layout.ep > 1 else 0.0  # ep = 1: every data rank's
     dense, reduce = _sharded_collectives(workload, layout, stage, stage_psi(workload, layout, stage) - experts,
                                          layout.shard_ranks)
-    out = {layout.data_axes[0]: dense}
+    out = {layout.data_axes[0]: _with_muon(dense, workload, layout, stage, experts)}
     if layout.dp_replicate > 1:
         replicas = Collective("all_reduce", reduce.size / layout.shard_ranks, layout.dp_replicate, reduce.count)
         out["dp_replicate"] = AxisCollectives(overlapped=(replicas,))
@@ -200,6 +201,17 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
     if experts and replicas > 1:
         out[moe.EXPERT_DATA_AXIS] = _sharded_collectives(workload, layout, stage, experts, replicas)[0]
     return out
+
+
+def _with_muon(dense: AxisCollectives, workload: Workload, layout: Layout, stage: int,
+               experts: float) -> AxisCollectives:
+    """The data axis's collectives plus, with Muon, its exchange of the dense matrices' pieces after the backward
+    (`paratrain.plan.muon.muon_sent_bytes`: sends, exposed before the optimizer's update)."""
+    if workload.optimizer != "muon":
+        return dense
+    elements = stage_muon_params(workload, layout, stage, stage_expert_params(workload, layout, stage)) - experts
+    sent = muon_sent_bytes(elements, layout.data_ranks, layout.zero)
+    return AxisCollectives(dense.overlapped, dense.after + (Collective("send", sent, layout.data_ranks),))
 
 
 def _sharded_collectives(workload: Workload, layout: Layout, stage: int, psi: float,

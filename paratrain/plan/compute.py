@@ -45,6 +45,7 @@ from paratrain.plan.memory import (
     pipeline_traits,
     stage_expert_params,
 )
+from paratrain.plan.muon import NS_STEPS, block_matrices
 from paratrain.plan.model_states import ADAM_MOMENT_BYTES, MASTER_BYTES, block_param_count, layers_on_stage
 from paratrain.plan import moe
 from paratrain.plan.host import bound_by_host, host_times
@@ -255,7 +256,25 @@ def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, s
         seconds += hardware.copy_seconds((2 * m + 1) * MASTER_BYTES * elements)  # gradients go at backward's end
     else:
         seconds += hardware.memory_seconds(elements * optimizer_bytes_per_param(workload), 3 * tensor)
+    seconds += newton_schulz_seconds(workload, layout, hardware, stage)
     return seconds / hardware.compute_share(layout.world_size)
+
+
+def newton_schulz_seconds(workload: Workload, layout: Layout, hardware: Hardware, stage: int) -> float:
+    """Muon's Newton–Schulz iterations on one rank of `stage` (0 with AdamW): the stage's matrices' bf16 matmuls
+    (`paratrain.plan.muon`), spread over the data × tp ranks that share them; each expert's matrix over the ranks
+    of its block."""
+    if workload.optimizer != "muon":
+        return 0.0
+    model = workload.model
+    layers = layers_on_stage(model.n_layers, layout.pp, stage)
+    seconds = 0.0
+    for rows, cols, count in block_matrices(model):
+        m, n = sorted((rows, cols))
+        one = NS_STEPS * (hardware.gemm_seconds(m, m, n, "bf16") + hardware.gemm_seconds(m, m, m, "bf16")
+                          + hardware.gemm_seconds(m, n, m, "bf16"))
+        seconds += layers * count * one
+    return seconds / (layout.data_ranks * layout.tp)
 
 
 def offload_seconds(hardware: Hardware, elements: float, ranks_per_node: int, groups: int = 1,

@@ -30,6 +30,7 @@ from paratrain.plan.model_states import (
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
 from paratrain.plan import moe
 from paratrain.plan.activations import layer_activation_bytes, loss_stage_bytes
+from paratrain.plan.muon import check_optimizer, stage_muon_params
 from paratrain.plan.buffers import comm_buffer_parts
 from paratrain.plan.ops import Shape, fp8_weight_params
 from paratrain.plan.errors import PlanError  # (raised here, and named by the planner's callers from here)
@@ -102,6 +103,7 @@ class Workload:
             `parallelize(fp8_min_features=...)` keeps them (the default: its CUDA default, 1,024; a CPU run: 0).
         loss_chunk: the loss fused into the head in chunks of this many tokens (`parallelize(loss_chunk=...)`, the
             trainer's default; `loss_stage_bytes`); 0: the whole logits, as a loop calling the model takes them.
+        optimizer: "adamw", or "muon": the blocks' matrices stepped by Muon (`paratrain.plan.muon`).
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -118,6 +120,7 @@ class Workload:
     fp8: str | None = None
     fp8_min_features: int = FP8_CUDA_MIN_FEATURES
     loss_chunk: int = 0
+    optimizer: str = "adamw"
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")
@@ -133,6 +136,7 @@ class Workload:
         for flag, value in (("--precision", self.precision), ("--reduce-dtype", self.reduce_dtype)):
             if value is not None and value not in DTYPE_BYTES:
                 raise PlanError(f"{flag} {value!r} is not one of: {', '.join(DTYPE_BYTES)}")
+        check_optimizer(self.optimizer, self.model)
         if self.model is not None and self.model.num_params() != self.num_params:
             raise PlanError(f"num_params={self.num_params} differs from the model's {self.model.num_params()}")
 
@@ -440,22 +444,19 @@ def stage_dense_params(workload: Workload, layout: Layout, stage: int) -> float:
     return float(stage_param_count(model, layout.tp, layout.pp, stage) - routed)
 
 
-def _add(a: ModelStates, b: ModelStates) -> ModelStates:
-    return ModelStates(a.params + b.params, a.grads + b.grads, a.master_weights + b.master_weights,
-                       a.adam_moments + b.adam_moments, a.host + b.host)
-
-
 def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelStates:
     """Model states of one rank of `stage`: the dense parameters ZeRO-sharded over the shard group, the
     routed experts (E/ep per layer) over their replica group (`paratrain.plan.moe.expert_shard_ranks`)."""
     w, lay = workload, layout
-    dense = model_state_bytes(stage_dense_params(w, lay, stage), lay.shard_ranks, lay.zero, w.precision,
-                              w.reduce_dtype, lay.offload)
     experts = stage_expert_params(w, lay, stage)
+    muon = stage_muon_params(w, lay, stage, experts)  # (every routed weight is an expert's matrix)
+    dense = model_state_bytes(stage_dense_params(w, lay, stage), lay.shard_ranks, lay.zero, w.precision,
+                              w.reduce_dtype, lay.offload, muon - experts if muon else 0.0)
     if not experts:
         return dense
     shards = moe.expert_shard_ranks(lay.shard_ranks, lay.ep)
-    return _add(dense, model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype, lay.offload))
+    return dense + model_state_bytes(experts, shards, lay.zero, w.precision, w.reduce_dtype, lay.offload,
+                                     experts if muon else 0.0)
 
 
 def stage_fp8_weights(workload: Workload, layout: Layout, stage: int) -> float:

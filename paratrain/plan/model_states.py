@@ -38,6 +38,7 @@ model states are 16Ψ = 112 GB. `ModelStates` reports `master_weights` and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from paratrain.models.configs import ModelConfig
@@ -45,6 +46,7 @@ from paratrain.models.configs import ModelConfig
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4  # fp32 master copy of each parameter (mixed precision only)
 ADAM_MOMENT_BYTES = 8  # fp32 first and second moments
+MUON_MOMENT_BYTES = 4  # Muon's one fp32 momentum buffer
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,14 @@ class ModelStates:
     def optimizer_state(self) -> float:
         return self.master_weights + self.adam_moments
 
+    def __add__(self, other: ModelStates) -> ModelStates:
+        """Two groups of parameters held on one rank (a stage's dense ones and its experts)."""
+        return ModelStates(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
 
 def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
-                      reduce_dtype: str | None = None, offload: str | None = None) -> ModelStates:
+                      reduce_dtype: str | None = None, offload: str | None = None, muon_params: float = 0.0
+                      ) -> ModelStates:
     """Model states of a rank holding `num_params` (Ψ) parameters, ZeRO-sharded over `dp` (N).
 
     N is the ranks that split the shards: the data-parallel degree, or the shard group
@@ -83,6 +90,9 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     device), the moments and a buffer for the fp32 gradient, 16 bytes per element of this rank's shard.
     `offload="params"` (ZeRO-3) keeps the fp32 shards themselves there instead of a copy: the device holds no
     parameter between gathers, the host the same 16 bytes per element.
+
+    `muon_params` of the Ψ are stepped by Muon (`paratrain.plan.muon`): one fp32 momentum buffer, 4 bytes per
+    element where Adam keeps 8 (`adam_moments` then holds both optimizers' moments).
     """
     param_bytes = DTYPE_BYTES[precision]
     grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
@@ -96,7 +106,9 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     if offload:
         return ModelStates(0.0 if offload == "params" else params, grads, 0.0, 0.0,
                            host=(MASTER_BYTES + ADAM_MOMENT_BYTES + MASTER_BYTES) * shard)
-    return ModelStates(params, grads, master * shard, ADAM_MOMENT_BYTES * shard)
+    muon = muon_params / (n if zero >= 1 else 1)
+    moments = ADAM_MOMENT_BYTES * (shard - muon) + MUON_MOMENT_BYTES * muon
+    return ModelStates(params, grads, master * shard, moments)
 
 
 def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:

@@ -212,7 +212,7 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
         model = Transformer(model_cfg)
     # The trainer knows its model: it names the plan, so that no strategy has to.
     plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
-    return parallelize(model, mesh, optimizer=lambda params: make_optimizer(params, cfg),
+    return parallelize(model, mesh, optimizer=optimizer_factory(cfg),
                        # The trainer's loss is already normalized by the global token count.
                        data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM,
                                          offload=p.offload or None),
@@ -233,6 +233,21 @@ def weight_initializer(model: Transformer, cfg: Config):
 
     weights = HFWeights(cfg.model.init_from)  # checked against the config in preflight; reads lazily
     return lambda name, shape: weights.read(name).float()
+
+
+def optimizer_factory(cfg: Config):
+    """What parallelize builds the optimizer from: `make_optimizer` (AdamW), or with --optimizer muon the Muon recipe
+    (`paratrain.parallel.muon.MuonRecipe`: Muon for the blocks' matrices, this AdamW for the rest). The schedule sets
+    every group's learning rate to the AdamW one times the group's `lr_scale` (Muon's: --muon-lr / --lr)."""
+    if cfg.train.optimizer != "muon":
+        return lambda params: make_optimizer(params, cfg)
+    from paratrain.config import muon_options
+    from paratrain.parallel.muon import MuonRecipe
+
+    t = cfg.train
+    muon = muon_options(t)
+    adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "weight_decay": t.weight_decay}
+    return MuonRecipe(muon=muon, adamw=adamw, lr_scale=muon["lr"] / t.lr if t.lr else 1.0)
 
 
 def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:

@@ -86,7 +86,7 @@ def apply_expert_parallel(model: nn.Module, comm: Comm) -> ExpertInfo:
         first = info.rank * local
         for tensor in ("w1", "w2", "w3"):
             whole = getattr(moe.experts, tensor)
-            block = torch.empty(local, *whole.shape[1:], device="meta") if whole.is_meta else \
+            block = torch.empty(local, *whole.shape[1:], dtype=whole.dtype, device="meta") if whole.is_meta else \
                 whole.detach()[first:first + local].clone()
             setattr(moe.experts, tensor, nn.Parameter(block, requires_grad=whole.requires_grad))
             info.names.add(f"{prefix[id(moe)]}.experts.{tensor}")

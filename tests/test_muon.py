@@ -1,0 +1,347 @@
+"""Muon on every layout against torch.optim.Muon (the blocks' matrices) + torch.optim.AdamW (the rest) in one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.muon import MuonRecipe
+from paratrain.parallel.rules import newton_schulz_flops as ns_flops
+from paratrain.precision import Precision
+from paratrain.models import Transformer
+from paratrain.parallel.expert import moe_layers
+from parallel_cases import (FP64_PARITY, TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model,
+                            parallel_run)
+
+STEPS = 4
+
+# The parity runs are in fp64. Newton–Schulz rounds its input to bf16 (ε = 2⁻⁸) whatever the dtype: in fp32 a
+# gradient that another reduction order moves by its last bit flips some of those roundings, and the
+# orthogonalization spreads each flip over its matrix (measured on this model after 4 steps: 1e-2 to 6e-2 of a
+# tiny matrix's norm, on one process against another as much as on any layout; the losses within 1.5e-5). In fp64
+# a reordered sum moves a gradient by ~1e-16 of itself, which crosses a bf16 rounding boundary about never: every
+# layout must then give one process's numbers to fp64's summation-order bound (`FP64_PARITY`), which a misplaced
+# row or a wrong owner misses by orders of magnitude.
+FP64 = Precision("fp64", torch.float64, torch.float64, torch.float64)
+MUON = {"lr": 0.02, "weight_decay": 0.1}
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def recipe() -> MuonRecipe:
+    return MuonRecipe(muon=dict(MUON), adamw=dict(ADAMW))
+
+
+def reference_optimizers(model, blocks=("layers.",)):
+    """torch's own: Muon over the blocks' matrices, AdamW over the rest (vectors without weight decay)."""
+    named = list(model.named_parameters())
+    matrix = lambda n, p: n.startswith(blocks) and p.dim() == 2  # noqa: E731
+    muon = torch.optim.Muon([p for n, p in named if matrix(n, p)], **MUON)
+    adamw = torch.optim.AdamW([{"params": [p for n, p in named if not n.startswith(blocks) and p.dim() >= 2]},
+                               {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}], **ADAMW)
+    return muon, adamw
+
+
+class PerExpertMuon:
+    """torch.optim.Muon on each expert's matrix of stacked [experts, a, b] tensors: one 2-D copy per expert, stepped
+    by torch and written back (what "each expert's matrix whole" means, in torch's own terms)."""
+
+    def __init__(self, stacked: list[torch.Tensor]):
+        self.stacked = stacked
+        self.copies = [[torch.nn.Parameter(t.detach()[e].clone()) for e in range(t.shape[0])] for t in stacked]
+        self.muon = torch.optim.Muon([c for copies in self.copies for c in copies], **MUON) if stacked else None
+
+    @torch.no_grad()
+    def step(self):
+        if self.muon is None:
+            return
+        for t, copies in zip(self.stacked, self.copies):
+            for e, c in enumerate(copies):
+                c.copy_(t[e])
+                c.grad = t.grad[e].clone()
+        self.muon.step()
+        for t, copies in zip(self.stacked, self.copies):
+            for e, c in enumerate(copies):
+                t[e] = c
+
+
+def reference_run(model, data, clip=1.0, blocks=("layers.",)):
+    muon, adamw = reference_optimizers(model, blocks)
+    experts = PerExpertMuon([p for n, p in model.named_parameters() if n.startswith(blocks) and p.dim() == 3])
+    losses = []
+    for x, y in data:
+        tokens = (y != -100).sum()
+        loss = loss_sum(model, x, y) / tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        adamw.step()
+        muon.step()
+        experts.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+
+
+# -- one process, no process group ----------------------------------------------------------------------------
+
+NO_CLIP = 1e9  # clipping by a norm summed in another order would round the step differently; this one scales by 1
+
+
+def _one_rank_mesh():
+    from paratrain.mesh import Mesh
+
+    return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None, "world": None})
+
+
+def _one_process(config, steps=STEPS, factory=None):
+    model, optimizer = parallelize(make_model(config), _one_rank_mesh(), optimizer=factory or recipe())
+    for layer in moe_layers(model.module):
+        layer.aux_rows = batches(steps=1)[0][0].shape[0]
+    losses = parallel_run(model, optimizer, batches(steps=steps), 0, 1, lambda t: None, clip=NO_CLIP)
+    return losses, {k: v.clone() for k, v in model.full_state_dict().items()}, optimizer
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_one_process_is_torchs_muon_and_adamw_to_the_bit(moe):
+    """The recipe on one rank: torch.optim.Muon on the blocks' matrices (each expert's matrix of an MoE), AdamW on
+    the rest, bit for bit; the Newton–Schulz FLOPs counted are every matrix's, every step."""
+    config = MOE if moe else TINY
+    reference = make_model(config)
+    for layer in moe_layers(reference):
+        layer.aux_rows = batches(steps=1)[0][0].shape[0]
+    ref_losses, ref_params = reference_run(reference, batches(steps=STEPS), clip=NO_CLIP)
+    losses, params, optimizer = _one_process(config)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)  # (summed in fp64 here, in fp32 there)
+    for name, value in ref_params.items():
+        assert torch.equal(params[name], value), name
+    shapes = [p.shape for n, p in reference.named_parameters() if n.startswith("layers.") and p.dim() >= 2]
+    assert optimizer.ns_flops == STEPS * sum(ns_flops(s) * (s[0] if len(s) == 3 else 1) for s in shapes)
+
+
+def test_the_planner_counts_muons_state_as_the_optimizer_holds_it():
+    """One fp32 momentum buffer per matrix element, Adam's two moments for the rest: the planner's bytes equal the
+    state tensors of a real step."""
+    from paratrain.parallel.contract import optimizer_state_bytes
+    from paratrain.plan.memory import Layout, Workload, stage_model_states
+
+    _, _, optimizer = _one_process(TINY, steps=1)
+    planned = stage_model_states(Workload.for_model(TINY, precision="fp32", optimizer="muon"), Layout(), 0)
+    assert optimizer_state_bytes(optimizer) == planned.adam_moments
+    adamw = stage_model_states(Workload.for_model(TINY, precision="fp32"), Layout(), 0)
+    assert planned.adam_moments < adamw.adam_moments
+
+
+def test_the_planner_prices_newton_schulz_and_its_exchange_only_with_muon():
+    from paratrain.plan.collectives import dp_collectives
+    from paratrain.plan.compute import newton_schulz_seconds
+    from paratrain.plan.hardware import get_hardware
+    from paratrain.plan.memory import Layout, Workload
+    from paratrain.plan.muon import muon_sent_bytes, stage_muon_params
+
+    model = dataclasses.replace(TINY, n_layers=4)
+    h200, layout = get_hardware("h200"), Layout(dp=4, zero=1)
+    muon, adamw = (Workload.for_model(model, optimizer=o) for o in ("muon", "adamw"))
+    assert newton_schulz_seconds(adamw, layout, h200, 0) == 0 < newton_schulz_seconds(muon, layout, h200, 0)
+    one_rank = newton_schulz_seconds(muon, Layout(), h200, 0)
+    assert newton_schulz_seconds(muon, layout, h200, 0) == pytest.approx(one_rank / 4)  # the work is split
+    sent = {o: sum(c.bytes_sent for c in dp_collectives(w, layout, 0)["dp"].calls) for o, w in (("m", muon),
+                                                                                                 ("a", adamw))}
+    elements = stage_muon_params(muon, layout, 0, 0.0)
+    assert sent["m"] - sent["a"] == pytest.approx(muon_sent_bytes(elements, 4, 1)) and elements > 0
+
+
+# -- bad input: one line each ---------------------------------------------------------------------------------
+
+def test_torchs_muon_over_vectors_says_to_use_the_recipe():
+    from paratrain.parallel.muon import MuonConfigError
+
+    with pytest.raises(MuonConfigError, match=r"optimizer=torch.optim.Muon over \S+ of shape \[32\], which is not "
+                                              "a matrix: use paratrain.MuonRecipe") as info:
+        parallelize(make_model(), _one_rank_mesh(), optimizer=functools.partial(torch.optim.Muon, lr=0.02))
+    assert "\n" not in str(info.value)
+
+
+def test_a_muon_option_torch_lacks_is_named():
+    from paratrain.parallel.muon import MuonConfigError
+
+    with pytest.raises(MuonConfigError, match=r"Muon option 'ns_iters': torch \S+'s torch.optim.Muon has no such "
+                                              "option; use one of adjust_lr_fn, eps, lr, momentum, nesterov, "
+                                              "ns_coefficients, ns_steps, weight_decay"):
+        MuonRecipe(muon={"ns_iters": 5})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, got 'sgd'"),
+    (["--optimizer", "muon", "--muon-adjust-lr", "rms"], "--muon-adjust-lr must be one of original, match_rms_adamw"),
+    (["--optimizer", "muon", "--muon-momentum", "1.5"], "--muon-momentum must be in [0, 1), got 1.5"),
+])
+def test_bad_optimizer_options_end_in_one_line(args, message, tmp_path, capsys):
+    from paratrain.cli import main
+
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "run"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+# -- the layouts ------------------------------------------------------------------------------------------
+
+MOE = dataclasses.replace(TINY, n_layers=2, ffn_dim=48, n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.1,
+                          z_loss_coef=0.01)
+HF_BLOCKS = ("model.layers.",)
+
+
+def _hf_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _train(mesh, zero: int, model=None, tensor=None, pipeline=None, moe=False, steps=STEPS):
+    """Losses and whole parameters of `steps` Muon steps; the step's bytes by axis and this rank's NS FLOPs."""
+    if model is None:
+        config = MOE if moe else TINY
+        with torch.device("meta"):
+            model = Transformer(config).double()
+        init = lambda name, shape: Transformer(config).param_init(name, shape, 0).double()  # noqa: E731
+    else:
+        model, init = model.double(), None
+    model, optimizer = parallelize(model, mesh, optimizer=recipe(), init=init, tensor=tensor, pipeline=pipeline,
+                                   precision=FP64, data=DataParallel(zero=zero, grad_reduction="sum"))
+    for layer in moe_layers(model.module):
+        layer.aux_rows = batches(steps=1)[0][0].shape[0]  # the auxiliary loss over the global batch
+    data = batches(steps=steps)
+    if pipeline is None:
+        comm = model.comm
+        losses = parallel_run(model, optimizer, data, mesh.coord("dp"), mesh.size("dp"), model.comm_sum)
+    else:
+        losses = _pipeline_run(model, optimizer, mesh, data)
+    model.comm.reset()
+    return (losses, {k: v.double() for k, v in model.full_state_dict().items()}, optimizer.ns_flops)
+
+
+def _pipeline_run(model, optimizer, mesh, data):
+    dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
+    losses = []
+    for x, y in data:
+        rows = x.shape[0] // dp
+        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+        micro_batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, rows, 2)]
+        tokens = model.comm_sum(torch.tensor(float((y != -100).sum()), dtype=torch.float64)).item()
+        loss_sum = model.train_step(micro_batches, tokens).loss_sum
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(model.comm_sum(loss_sum.double()).item() / tokens)
+    return losses
+
+
+def _two_ranks(rank, world):  # noqa: ARG001
+    dp2, tp2, pp2, ep2 = (build_mesh(MeshShape(**s)) for s in ({"dp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "ep": 2}))
+    return {
+        **{f"zero{z}": _train(dp2, z) for z in (0, 1, 2, 3)},
+        "tp2_sp": _train(tp2, 0, tensor=TensorParallel(sequence_parallel=True)),
+        "pp2": _train(pp2, 0, pipeline=PipelineParallel(schedule="1f1b")),
+        "ep2": _train(ep2, 0, moe=True),
+        "ep2_zero1": _train(ep2, 1, moe=True),
+        "hf_zero2": _train(dp2, 2, model=_hf_model()),
+        "hf_zero3": _train(dp2, 3, model=_hf_model()),
+    }
+
+
+_RESULTS: dict = {}
+
+
+def _results(world: int, name: str):
+    return [per_rank[name] for per_rank in launch_once(_RESULTS, world, _FNS[world], timeout=900)]
+
+
+def _reference(name: str):
+    if name.startswith("hf"):
+        return reference_run(_hf_model().double(), batches(steps=STEPS), blocks=HF_BLOCKS)
+    model = make_model(MOE if name.startswith("ep") else TINY).double()
+    for layer in moe_layers(model):
+        layer.aux_rows = batches(steps=1)[0][0].shape[0]
+    return reference_run(model, batches(steps=STEPS))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "tp2_sp", "pp2", "ep2", "ep2_zero1",
+                                  "hf_zero2", "hf_zero3"])
+def test_muon_on_two_ranks_equals_torch_in_one_process(name):
+    ref_losses, ref_params = _reference(name)
+    for rank, (losses, params, _) in enumerate(_results(2, name)):
+        assert_matches_reference(losses, params, ref_losses, ref_params, FP64_PARITY, f"{name} rank {rank}")
+
+
+def _four_ranks(rank, world):  # noqa: ARG001
+    hybrid, dp4 = build_mesh(MeshShape(dp=4, dp_shard=2)), build_mesh(MeshShape(dp=4))
+    return {"hybrid_zero2": _train(hybrid, 2), "hybrid_zero3": _train(hybrid, 3), "dp4_zero1": _train(dp4, 1)}
+
+
+_FNS = {2: _two_ranks, 4: _four_ranks}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["hybrid_zero2", "hybrid_zero3", "dp4_zero1"])
+def test_muon_on_four_ranks_equals_torch_in_one_process(name):
+    ref_losses, ref_params = _reference(name)
+    for rank, (losses, params, _) in enumerate(_results(4, name)):
+        assert_matches_reference(losses, params, ref_losses, ref_params, FP64_PARITY, f"{name} rank {rank}")
+
+
+@pytest.mark.multirank
+def test_newton_schulz_work_is_split_over_four_data_ranks():
+    """Each rank orthogonalizes its share: at most the average plus the largest matrix (counted per rank)."""
+    shapes = [tuple(p.shape) for n, p in make_model().named_parameters() if n.startswith("layers.") and p.dim() == 2]
+    per_step = [ns_flops(s, 5) for s in shapes]
+    total, largest = STEPS * sum(per_step), STEPS * max(per_step)
+    done = [flops for _, _, flops in _results(4, "dp4_zero1")]
+    assert sum(done) == total  # every matrix once per step, on one rank
+    assert max(done) <= total / 4 + largest, (done, total)
+
+
+# -- the trainer: a killed run resumes bit-equal ------------------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_killed_muon_run_resumes_bit_equal(tmp_path):
+    """`paratrain train --nproc 2 --optimizer muon --zero 1`: rank 1 SIGKILLed in step 7, the launcher restarts the
+    job from the step-4 checkpoint (Muon's momentum saved layout-free, as rows of each matrix), and every loss and
+    the final weights equal an uninterrupted run's to the bit."""
+    from test_faults_launched import assert_bit_equal, launch
+
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert launch(reference, "--optimizer", "muon", "--zero", "1").returncode == 0
+    result = launch(out, "--optimizer", "muon", "--zero", "1", "--max-restarts", "1", fault="sigkill@rank1:step7")
+    assert result.returncode == 0, result.stderr
+    assert "checkpoints/step-00000004 at step 4" in result.stdout
+    assert_bit_equal(out, reference)
+
+
+# -- verify --------------------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch):
+    """`paratrain verify --optimizer muon`: ZeRO-1 and ZeRO-3 against one process with Muon; rank 1 negating its
+    gradients must FAIL."""
+    from paratrain.cli import main
+    from paratrain.faults import FAULT_ENV
+    from test_verify import SMALL
+
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero1;dp2,zero3", "--optimizer", "muon"]) == 0, \
+        capsys.readouterr().out
+    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
+    assert [line.split()[5] for line in table[1:]] == ["PASS", "PASS"], table
+    monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero2", "--optimizer", "muon"]) == 1
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[0] == "dp2,zero2" and row[5] == "FAIL", row
