@@ -139,8 +139,28 @@ def test_bad_directories_are_refused_in_one_line(tmp_path, capsys):
         _refusal(capsys, [*TRAIN, "--init-from", str(wrong)])
     assert "heads 4 not divisible by tp 3" in \
         _refusal(capsys, [*TRAIN, "--init-from", str(tmp_path / "ok"), "--tp", "3", "--nproc", "3"])
-    assert "layers 2 not divisible by pp 4" in \
+    assert "pp 4" in \
         _refusal(capsys, [*TRAIN, "--init-from", str(tmp_path / "ok"), "--pp", "4", "--nproc", "4"])
+
+
+def test_what_a_family_cannot_do_under_a_layout_is_refused_in_one_line(tmp_path, capsys):
+    save_family("gemma2", tmp_path / "gemma2")
+    save_family("phi3", tmp_path / "phi3")
+    gemma2 = [*TRAIN, "--init-from", str(tmp_path / "gemma2"), "--nproc", "2"]
+    assert "gemma2 runs transformers' eager attention" in _refusal(capsys, [*gemma2, "--cp", "2"])
+    assert "qkv_proj as 'colwise_gather_output'" in \
+        _refusal(capsys, [*TRAIN, "--init-from", str(tmp_path / "phi3"), "--nproc", "2", "--tp", "2"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_counts_the_directorys_parameters_exactly(family, tmp_path, capsys):
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    capsys.readouterr()
+    assert main(["plan", "--model", str(tmp_path), "--dp", "2", "--seq-len", "32", "--global-batch", "4",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["num_params"] == sum(p.numel() for p in hf.parameters())
 
 
 def test_a_plan_without_a_counterpart_refuses_tp_naming_the_module(tmp_path):

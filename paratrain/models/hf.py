@@ -155,6 +155,7 @@ class HFModelConfig:
     # transformers' config as a dict (`PretrainedConfig.to_dict`): a checkpoint's or final/'s model_config then
     # rebuilds the model, and `export` writes its config.json, without the directory it came from.
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    attention: str = "sdpa"  # transformers' attention implementation the model runs ("eager" where it has no SDPA)
 
     @property
     def is_moe(self) -> bool:
@@ -234,7 +235,8 @@ def summarize(config, model: nn.Module, directory: str) -> HFModelConfig:
         max_seq_len=get("max_position_embeddings", default=2048),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), params=params, active_params=active,
         n_experts=n_experts, top_k=top_k, sliding_window=window if window and _uses_window(text) else None,
-        tp_plan=bool(getattr(text, "base_model_tp_plan", None)), hf_config=json.loads(config.to_json_string()))
+        tp_plan=bool(getattr(text, "base_model_tp_plan", None)), hf_config=json.loads(config.to_json_string()),
+        attention=model.config._attn_implementation)
 
 
 def _uses_window(text) -> bool:

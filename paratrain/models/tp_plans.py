@@ -97,7 +97,8 @@ def hf_plan(model, sequence_parallel: bool = False) -> dict[str, Style]:
     Each module holding column-split projections becomes a region entered once (the attention an
     `AttentionRegion` checking whole heads); the embedding and the head are split by vocabulary. With
     sequence parallelism the embedding defers its reduction to the first decoder layer (transformers reads
-    the sequence length from the embedding's output), and every norm on the residual stream is marked.
+    the sequence length from the embedding's output), and every replicated module on the residual stream (the
+    norms; a mixture of experts) has its grads summed over tp.
     A config without a plan, or with a style paratrain has no counterpart for, refuses in one line.
     """
     hf = model.hf
@@ -125,11 +126,14 @@ def hf_plan(model, sequence_parallel: bool = False) -> dict[str, Style]:
     plan[_name_of(model, embed)] = VocabEmbedding(defer_sp_reduce=sequence_parallel)
     plan[_name_of(model, hf.get_output_embeddings())] = OutputHead()
     if sequence_parallel:
+        # Every replicated module outside the regions runs on this rank's positions only (the norms, a mixture's
+        # router and experts, which stay whole): its grads are partial sums over tp.
         plan[f"{prefix}layers.0"] = SequenceShardInput()
-        covered = set(plan)
+        regions = [c for c, style in plan.items() if isinstance(style, TPRegion)]
         for name, module in model.named_modules():
-            if "norm" in type(module).__name__.lower() and name not in covered \
-                    and not any(name.startswith(c + ".") for c in covered if isinstance(plan[c], TPRegion)):
+            planned = any(fnmatch.fnmatchcase(name, p) for p in plan)
+            inside = any(fnmatch.fnmatchcase(name, r + ".*") for r in regions)
+            if name and not planned and not inside and any(p is not None for p in module._parameters.values()):
                 plan[name] = SequenceParallelNorm()
     return plan
 

@@ -48,12 +48,36 @@ def transformers_model_config(cfg: Config, source: str, overrides: dict):
             check_weights(model_cfg, source)  # the files' headers only
     except HFModelError as e:
         raise ConfigError(f"{flag}: {e}") from None
+    check_layout(cfg, model_cfg, flag)
     for key, value in overrides.items():
         if getattr(model_cfg, key, None) != value:
             option = "--" + key.replace("_", "-")
             raise ConfigError(f"{option} {value} disagrees with {flag} {source} ({key}={getattr(model_cfg, key, None)}); "
                               f"drop {option}: the directory sets the model shape")
     return model_cfg
+
+
+def check_layout(cfg: Config, model_cfg, flag: str) -> None:
+    """What transformers' model cannot do under the layout, refused in one line rather than trained differently."""
+    p, kind = cfg.parallel, model_cfg.model_type
+    if p.cp > 1 and model_cfg.attention != "sdpa":
+        raise ConfigError(f"--cp {p.cp}: {kind} runs transformers' {model_cfg.attention} attention (it has no SDPA "
+                          "path), which the context-parallel ring cannot answer; use --cp 1")
+    if p.cp > 1 and model_cfg.sliding_window is not None and model_cfg.sliding_window < cfg.data.seq_len:
+        raise ConfigError(f"--cp {p.cp}: {kind} attends over a sliding window of {model_cfg.sliding_window} tokens, "
+                          f"shorter than --seq-len {cfg.data.seq_len}, and the ring attends causally over the whole "
+                          f"sequence; use --cp 1 or --seq-len {model_cfg.sliding_window}")
+    if p.tp > 1:  # the plan from the config, mapped now: a style paratrain has no counterpart for refuses here
+        from paratrain.models.hf import HFCausalLM
+        from paratrain.parallel.tensor import TensorParallelError
+
+        try:
+            HFCausalLM.build(model_cfg).tensor_parallel_plan(p.sequence_parallel)
+        except TensorParallelError as e:
+            raise ConfigError(f"--tp {p.tp}: {e}") from None
+    if p.pp > 1:
+        raise ConfigError(f"--pp {p.pp}: pipeline stages of transformers' {kind} model ({flag}) are not supported by "
+                          "the trainer yet; use --pp 1 (tensor, context and data parallelism apply)")
 
 
 def reference_dir_config(path: str):
