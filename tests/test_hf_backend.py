@@ -18,7 +18,8 @@ from hf_families import FAMILIES, VOCAB, hf_loss, hf_model, save_family
 from paratrain import DataParallel, init_mesh, parallelize
 from paratrain.cli import main
 from paratrain.metrics import read_metrics
-from paratrain.models.hf import HFCausalLM, HFModelError, read_model_dir, weight_initializer
+from paratrain.interop.hf_weights import weight_initializer
+from paratrain.models.hf import HFCausalLM, HFModelError, read_model_dir
 from paratrain.train import train_step
 
 SEQ = 24

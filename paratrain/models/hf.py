@@ -2,7 +2,7 @@
 
     config = read_model_dir("Qwen2.5-0.5B/")          # HFModelConfig: the shape the planner and trainer read
     model = HFCausalLM.build(config)                    # on the meta device, transformers' own modules
-    init = HFInitializer(model, config, weights=True)   # init(name, full_shape): one tensor read at a time
+    init = weight_initializer(model, "Qwen2.5-0.5B/")   # (paratrain.interop.hf_weights) one tensor read at a time
 
 The model is `AutoModelForCausalLM.from_config` of the directory's ``config.json``: paratrain
 re-implements no family. `HFCausalLM` holds it and registers its top-level modules as its own,
@@ -11,12 +11,10 @@ so that its parameters carry transformers' names (``model.layers.0.self_attn.q_p
 (and `position_ids`, as context parallelism passes them) and returns the logits.
 
 Loading is lazy: the model is built on the meta device, its buffers (rotary frequencies) computed
-by transformers' own `_init_weights`, and each parameter filled by `HFInitializer` when the rank
-materializes it (its tensor-parallel slice, under ZeRO-3 its rows), read from the directory's
-safetensors one tensor at a time, or seeded from the model's own initialization (`--model DIR`,
-from scratch). Fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2F, D]) are read from the
-Hub's per-expert layout (``experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
-``w1`` / ``w3`` / ``w2``) as transformers converts them, or as they are when stored fused.
+by transformers' own `_init_weights`, and each parameter filled when the rank materializes it (its
+tensor-parallel slice, under ZeRO-3 its rows): read from the directory's safetensors one tensor at a
+time (`paratrain.interop.hf_weights`), or seeded from the model's own initialization
+(`seeded_initializer`: `--model DIR`, from scratch).
 
 Nothing is executed from the directory: a config that needs remote code (``auto_map``) is refused
 in one line, as is a model_type this transformers does not implement as a causal LM.
@@ -27,7 +25,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +41,6 @@ REFERENCE_TYPES = ("llama", "mixtral")
 BACKENDS = ("auto", "reference", "transformers")
 # Stored by some converters, recomputed by the model: not a weight.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# transformers' fused expert tensors and the per-expert tensors the Hub stores them as, in order (gate before up).
-_FUSED_EXPERTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
-_EXPERTS = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)")
 
 
 class HFModelError(ParatrainError, ValueError):
@@ -339,78 +333,11 @@ def seeded_init(hf: nn.Module, name: str, shape, seed: int) -> torch.Tensor:
     return value
 
 
-class HFWeightFiles:
-    """A directory's safetensors (one file or an index of shards) read under the model's parameter names, one tensor
-    at a time, each checked against the meta-built model's shape before anything is read."""
-
-    def __init__(self, directory: str | Path, shapes: dict[str, tuple[int, ...]]):
-        from paratrain.interop.hf import HFError, stored_tensors
-
-        self.directory = Path(directory)
-        try:
-            self._stored = stored_tensors(self.directory)  # name -> (file, shape), from the headers
-        except HFError as exc:
-            raise HFModelError(str(exc)) from None
-        self._handles: dict = {}
-        self._sources = {name: self._source(name, tuple(shape)) for name, shape in shapes.items()}
-
-    def _source(self, name: str, shape: tuple[int, ...]) -> tuple[list[str], int]:
-        """The stored tensors of parameter `name` (several for a fused expert tensor stored per expert: each expert's
-        row is the concatenation of `parts` of them, in order)."""
-        if name in self._stored:
-            self._check(name, self._stored[name][1], shape)
-            return [name], 1
-        match = _EXPERTS.fullmatch(name)
-        if match:
-            prefix, fused = match.groups()
-            for parts in _FUSED_EXPERTS[fused]:
-                keys = [f"{prefix}.{j}.{part}.weight" for j in range(shape[0]) for part in parts]
-                if keys[0] in self._stored:
-                    missing = [k for k in keys if k not in self._stored]
-                    if missing:
-                        raise HFModelError(f"{self.directory}: tensor {missing[0]!r} is missing")
-                    rows = sum(self._stored[k][1][0] for k in keys[:len(parts)])
-                    self._check(keys[0], (shape[0], rows, *self._stored[keys[0]][1][1:]), shape)
-                    return keys, len(parts)
-        raise HFModelError(f"{self.directory}: tensor {name!r} is missing (the config implies it, shape {list(shape)})")
-
-    def _check(self, key: str, stored, expected) -> None:
-        if tuple(stored) != tuple(expected):
-            raise HFModelError(f"{self.directory}: tensor {key!r} has shape {list(stored)} but config.json implies "
-                               f"{list(expected)}")
-
-    def read(self, name: str) -> torch.Tensor:
-        """Parameter `name`, whole, in fp32 (a fused expert tensor stacked from its per-expert rows)."""
-        keys, parts = self._sources[name]
-        if len(keys) == 1:
-            return self._read(keys[0]).float()
-        rows = [torch.cat([self._read(k) for k in keys[j:j + parts]]) for j in range(0, len(keys), parts)]
-        return torch.stack(rows).float()
-
-    def _read(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        file = self._stored[key][0]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = safe_open(str(self.directory / file), framework="pt", device="cpu")
-        with torch.device("cpu"):
-            return handle.get_tensor(key)
-
-
-def weight_initializer(model: HFCausalLM, init_from: str | None, seed: int):
-    """init(name, full_shape) -> fp32 value: the directory's weights (--init-from), else the seeded initialization."""
-    if not init_from:  # a pristine meta copy: the strategies replace the model's own modules as they apply
-        pristine = build_meta(model.hf.config)
-        return lambda name, shape: seeded_init(pristine, name, shape, seed)
-    files = HFWeightFiles(init_from, {n: tuple(p.shape) for n, p in model.named_parameters()})
-    return lambda name, shape: files.read(name)
-
-
-def check_weights(config: HFModelConfig, init_from: str) -> None:
-    """Every parameter's tensor is in `init_from` with the shape the config implies (headers only): one line if not."""
-    model = HFCausalLM.build(config)
-    HFWeightFiles(init_from, {n: tuple(p.shape) for n, p in model.named_parameters()})
+def seeded_initializer(model: HFCausalLM, seed: int):
+    """init(name, full_shape) -> fp32 value: transformers' own initialization of each parameter (`seeded_init`), on
+    a pristine meta copy (the strategies replace the model's own modules as they apply)."""
+    pristine = build_meta(model.hf.config)
+    return lambda name, shape: seeded_init(pristine, name, shape, seed)
 
 
 def with_document_eos(config: HFModelConfig, eos: int | None) -> HFModelConfig:

@@ -36,7 +36,8 @@ def transformers_dir(cfg: Config) -> str | None:
 def transformers_model_config(cfg: Config, source: str, overrides: dict):
     """The `HFModelConfig` of `source`, its weights checked against it when they are loaded (--init-from); a size
     override must equal the directory's value (the directory sets the shape)."""
-    from paratrain.models.hf import HFModelError, check_weights, read_model_dir
+    from paratrain.interop.hf_weights import check_weights
+    from paratrain.models.hf import HFModelError, read_model_dir
 
     flag = "--init-from" if cfg.model.init_from else "--model"
     if cfg.data.document_mask:
@@ -103,7 +104,7 @@ def meta_model(model_cfg):
 
 def initializer(model, cfg: Config):
     """init(name, full_shape) -> full fp32 value of a transformers model: --init-from's weights or the seeded init."""
-    from paratrain.models.hf import weight_initializer
+    from paratrain.interop.hf_weights import weight_initializer
 
     return weight_initializer(model, cfg.model.init_from, cfg.train.seed)
 
