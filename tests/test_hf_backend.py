@@ -203,3 +203,27 @@ def test_the_seeded_initialization_is_transformers_own_and_layout_free(tmp_path)
 def test_a_directory_that_is_not_a_model_is_refused(tmp_path):
     with pytest.raises(HFModelError, match="has no config.json"):
         read_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_document_mask_keeps_packed_documents_apart(family, tmp_path):
+    """--document-mask (SDPA's boolean mask; Gemma 2's eager attention, an additive one): a packed sequence's logits
+    equal each document run alone."""
+    import dataclasses
+
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    model, init = _built(tmp_path)
+    model = HFCausalLM.build(dataclasses.replace(model.config, document_eos=2))
+    from paratrain.parallel.materialize import to_empty
+
+    to_empty(model, "cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init(name, p.shape))
+        g = torch.Generator().manual_seed(3)
+        first, second = torch.randint(3, VOCAB, (7,), generator=g), torch.randint(3, VOCAB, (9,), generator=g)
+        first[-1] = 2
+        packed = model.eval()(torch.cat([first, second])[None])
+        alone = torch.cat([hf(first[None]).logits, hf(second[None]).logits], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)

@@ -300,7 +300,20 @@ class HFCausalLM(nn.Module):
             hf._modules[name] = value
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False, return_dict=True).logits
+        """Logits of `tokens` [B, S]. With `config.document_eos` (--document-mask) the documents packed in each
+        sequence are kept apart: positions restart after each end-of-text token and a 4-D mask keeps each query
+        within its document (`paratrain.models.llama.document_layout`), as running each document alone."""
+        mask = None
+        if self.config.document_eos is not None:
+            from paratrain.models.llama import document_layout
+
+            positions, keep = document_layout(tokens, self.config.document_eos)
+            position_ids = positions if position_ids is None else position_ids
+            # SDPA takes the boolean mask; eager attention adds the mask to its scores
+            mask = keep if self.config.attention == "sdpa" else \
+                torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
+        return self.hf(input_ids=tokens, position_ids=position_ids, attention_mask=mask, use_cache=False,
+                       return_dict=True).logits
 
     @property
     def hf_config(self):
@@ -338,7 +351,3 @@ def seeded_initializer(model: HFCausalLM, seed: int):
     a pristine meta copy (the strategies replace the model's own modules as they apply)."""
     pristine = build_meta(model.hf.config)
     return lambda name, shape: seeded_init(pristine, name, shape, seed)
-
-
-def with_document_eos(config: HFModelConfig, eos: int | None) -> HFModelConfig:
-    return dataclasses.replace(config, document_eos=eos)

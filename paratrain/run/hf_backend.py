@@ -40,9 +40,6 @@ def transformers_model_config(cfg: Config, source: str, overrides: dict):
     from paratrain.models.hf import HFModelError, read_model_dir
 
     flag = "--init-from" if cfg.model.init_from else "--model"
-    if cfg.data.document_mask:
-        raise ConfigError(f"--document-mask is not supported with transformers' modeling code ({flag} {source}) yet: "
-                          "its attention takes no per-document mask from paratrain; drop --document-mask")
     try:
         model_cfg = read_model_dir(source)
         if cfg.model.init_from:
@@ -76,6 +73,14 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
             HFCausalLM.build(model_cfg).tensor_parallel_plan(p.sequence_parallel)
         except TensorParallelError as e:
             raise ConfigError(f"--tp {p.tp}: {e}") from None
+    window = model_cfg.sliding_window
+    if cfg.data.document_mask and window is not None and window < cfg.data.seq_len:
+        raise ConfigError(f"--document-mask: {kind} attends over a sliding window of {window} tokens, shorter than "
+                          f"--seq-len {cfg.data.seq_len}, which the per-document mask does not keep; use --seq-len "
+                          f"{window} or drop --document-mask")
+    if p.ep > 1:
+        raise ConfigError(f"--ep {p.ep}: transformers' {kind} holds its experts fused, which expert parallelism does "
+                          "not split yet; use --ep 1 (a mixtral directory: the reference model, --backend auto)")
     if p.pp > 1:
         raise ConfigError(f"--pp {p.pp}: pipeline stages of transformers' {kind} model ({flag}) are not supported by "
                           "the trainer yet; use --pp 1 (tensor, context and data parallelism apply)")
