@@ -145,3 +145,17 @@ def test_the_documented_table_is_the_one_these_tests_prove():
     assert TABLE_MARK in page, "docs/hf-models.md lost its table marker"
     table = page.split(TABLE_MARK, 1)[1].strip().split("\n\n", 1)[0]
     assert table == support_table(), "regenerate: python -c 'import test_hf_layouts as t; print(t.support_table())'"
+
+
+@pytest.mark.multirank
+def test_verify_checks_a_model_directory(capsys):
+    """`paratrain verify --model DIR`: the trainer on transformers' Qwen3 from scratch, dp2 ZeRO-3 against one
+    process."""
+    from paratrain.cli import main
+
+    directory = _directories()["qwen3"]
+    capsys.readouterr()
+    assert main(["verify", "--model", str(directory), "--steps", "2", "--global-batch", "4", "--seq-len", "16",
+                 "--layouts", "dp2,zero3"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[0] == "dp2,zero3" and row[5] == "PASS", row

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ParatrainError
+from paratrain.models.configs import ExpertShape
 
 CONFIG_FILE = "config.json"
 # model_type values paratrain's reference model computes (`paratrain.interop.hf`): the fast path unless
@@ -116,7 +117,7 @@ def _version() -> str:
 
 
 @dataclass(frozen=True)
-class HFModelConfig:
+class HFModelConfig(ExpertShape):
     """What the trainer and the planner read of a transformers model: its shapes and exact parameter counts.
 
     Fields (the reference `ModelConfig`'s names where they mean the same): directory, model_type,
@@ -150,14 +151,6 @@ class HFModelConfig:
     # rebuilds the model, and `export` writes its config.json, without the directory it came from.
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     attention: str = "sdpa"  # transformers' attention implementation the model runs ("eager" where it has no SDPA)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.n_experts > 0
-
-    @property
-    def expert_hidden_dim(self) -> int:
-        return self.expert_ffn_dim or self.ffn_dim
 
     def num_params(self) -> int:
         """Exact parameter count of the model (a tied table once)."""
