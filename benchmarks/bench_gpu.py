@@ -12,6 +12,8 @@ Rows, most important first (a row that is not started within --budget-s is writt
      paratrain ZeRO-0 compiled with FP8 linears (tensorwise, rowwise); paratrain ZeRO-0 and ZeRO-3 eager
      with Muon (`MuonRecipe`: its step's Newton-Schulz against AdamW's in the rows of the same layout); then paratrain ZeRO-0 and ZeRO-3 x
      eager/compiled x selective/full recomputation.
+  1b. a Qwen3-shaped transformers model of ~1B parameters (`paratrain.models.hf`, transformers' own modules),
+     every decoder layer compiled: plain PyTorch on the same module against paratrain ZeRO-0 (target <= 1.0x).
   2. llama2-7b (bf16, seq 2048, micro-batch 1): a few paratrain ZeRO-3 rows with recomputation (one with FP8
      tensorwise linears), each only
      where torch.cuda.mem_get_info shows room for the planner's estimate (fp32 masters + Adam: ~16 bytes per
@@ -397,9 +399,90 @@ def main(argv: list[str] | None = None) -> int:
         result["model_name"] = {"small": args.size, "large": args.large, "llama3": args.llama3}[row.model]
         results["rows"].append(result)
         print(f"  {result['model_name']:>10} {row.name:<44} {summary(result)}", flush=True)
+    for result in transformers_rows(device, args, args.budget_s - (time.perf_counter() - begin)):
+        result["model_name"] = "qwen3-hf"
+        results["rows"].append(result)
+        print(f"  {result['model_name']:>10} {result['row']:<44} {summary(result)}", flush=True)
     results["total_s"] = time.perf_counter() - begin
     write(results, Path(args.out))
     return 1 if any(r["status"].startswith("error") for r in results["rows"]) else 0
+
+
+def transformers_rows(device, args, left_s: float) -> list[dict]:
+    """A Qwen3-shaped transformers model (`paratrain.models.hf`: transformers' own modules, QK norms, head_dim 128) of
+    ~1B parameters, batch --batch x seq --seq, bf16, every decoder layer compiled: plain PyTorch (the same module,
+    autocast bf16, fused AdamW, clipping) against paratrain ZeRO-0 on it. Target: paratrain's median step ≤ 1.0x
+    plain PyTorch's (the ratio is in the second row's detail)."""
+    import tempfile
+
+    import transformers
+
+    from paratrain.interop.hf_weights import weight_initializer
+    from paratrain.models.hf import HFCausalLM, read_model_dir
+    from paratrain.parallel.materialize import to_empty
+    from paratrain.train import train_step
+
+    small = device.type != "cuda"
+    config = transformers.Qwen3Config(
+        vocab_size=512 if small else 32000, hidden_size=128 if small else 2048,
+        intermediate_size=256 if small else 6144, num_hidden_layers=2 if small else 16,
+        num_attention_heads=4 if small else 16, num_key_value_heads=2 if small else 8, head_dim=32 if small else 128,
+        max_position_embeddings=args.seq, tie_word_embeddings=False)
+    directory = tempfile.mkdtemp(prefix="bench-gpu-qwen3-")
+    with torch.device("meta"):
+        meta = transformers.Qwen3ForCausalLM(config)
+    meta.config.save_pretrained(directory)  # config only: both sides start from the seeded init
+    seq = min(args.seq, config.max_position_embeddings)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (args.batch, seq + 1), generator=g).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    out = []
+    for kind in ("pytorch", "paratrain"):
+        name = f"transformers Qwen3 {'plain PyTorch' if kind == 'pytorch' else 'paratrain ZeRO-0'} compiled"
+        if left_s <= 0 or args.no_compile:
+            out.append({"row": name, "status": "skipped: " + ("--no-compile" if args.no_compile else "budget spent")})
+            continue
+        start = time.perf_counter()
+        model_cfg = read_model_dir(directory)
+        model = HFCausalLM.build(model_cfg)
+        init = weight_initializer(model, None, seed=0)
+        row = {"row": name, "params": model_cfg.params, "batch": args.batch, "seq": seq,
+               "allocated_before": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
+               "predicted": {"step_s": None, "time_ratio": None, "peak_bytes": None, "memory_ratio": None}}
+        try:
+            if kind == "pytorch":
+                to_empty(model, device)
+                with torch.no_grad():
+                    for pname, param in model.named_parameters():
+                        param.copy_(init(pname, param.shape))
+                for layer in model.model.layers:
+                    layer.compile()
+                step = plain_step(model, adamw(model.parameters(), fused=device.type == "cuda"), x, y, device)
+            else:
+                pmodel, optimizer = paratrain.parallelize(
+                    model, paratrain.init_mesh(), optimizer=functools.partial(adamw, fused=device.type == "cuda"),
+                    precision="bf16", data=DataParallel(grad_reduction="sum"), compile=True, init=init)
+                step = lambda: train_step(pmodel, optimizer, [(x, y)], 1.0)  # noqa: E731
+            row.update(measure(step, device, args.warmup, args.steps))
+            row["status"] = "ok"
+            median = row["step_s"]["median"]
+            row["tokens_per_s"] = args.batch * seq / median
+            peak = device_peak_flops(device) or args.peak_flops
+            row["mfu"] = model_cfg.flops_per_token(seq) * args.batch * seq / median / peak if peak else None
+        except Exception as e:  # noqa: BLE001 - a row that fails is a result
+            row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        step = model = pmodel = optimizer = None
+        row["row_s"] = time.perf_counter() - start
+        row["allocated_after_free"] = free(device)
+        if row["allocated_before"] is not None:
+            row["left_by_row"] = row["allocated_after_free"] - row["allocated_before"]
+        left_s -= row["row_s"]
+        out.append(row)
+    if len(out) == 2 and all(r["status"] == "ok" for r in out):
+        ratio = out[1]["step_s"]["median"] / out[0]["step_s"]["median"]
+        out[1]["vs_plain"] = ratio
+        out[1]["predicted"]["notes"] = [f"paratrain / plain PyTorch median step: {ratio:.3f} (target <= 1.0)"]
+    return out
 
 
 HOST_FIELDS = ("host_op_s", "host_full_op_s", "host_selective_op_s", "host_unit_s")

@@ -32,6 +32,9 @@ status is 1 if any row failed. About 3 minutes on one H100/H200.
   (gc.collect()): under 1% of its bytes left (torch.cuda.memory_allocated; on the CPU, live tensor bytes).
 - the 1B step: paratrain (DDP at world 1, bf16) against plain PyTorch eager (autocast, fused AdamW) on the
   same GPU: paratrain's median step within 10% of plain PyTorch's (tokens/s, MFU, peak memory reported).
+- transformers Qwen3 compiled, world 1: a Qwen3-shaped transformers model (`paratrain.models.hf`) compiled per
+  decoder layer, bf16, under ZeRO-0..3, its tp plan at tp 1, selective/full recomputation and FP8, against
+  transformers' model stepped plainly (autocast bf16): loss within 2%, no graph break.
 - with 2+ GPUs: dp2 (ZeRO 0-3), tp2, tp2 with sequence parallelism and pp2 with every schedule over NCCL.
 
 Writes benchmarks/results/gpu-check-<date>.json and .md with the device, torch and CUDA versions.
@@ -828,6 +831,62 @@ def _throughput_row(cfg: ModelConfig, device, batch: int, seq: int, steps: int) 
                       f"peak {mem(mine)} vs {mem(plain)}"}
 
 
+def check_transformers_qwen3(device, steps: int) -> dict:
+    """A Qwen3-shaped transformers model (QK norms, head_dim ≠ hidden/heads) through `paratrain.models.hf`, compiled per
+    decoder layer, bf16, at world 1 under ZeRO-0..3, its own tensor-parallel plan at tp 1, selective and full
+    recomputation and FP8 (on CUDA), against transformers' model of the same directory stepped plainly (autocast
+    bf16, AdamW): largest relative loss difference per layout, and no graph break."""
+    import transformers
+
+    from paratrain.interop.hf_weights import weight_initializer
+    from paratrain.models.hf import HFCausalLM, read_model_dir
+    from paratrain.train import train_step
+
+    config = transformers.Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    directory = tempfile.mkdtemp(prefix="gpu-check-qwen3-")
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
+    g = torch.Generator().manual_seed(0)
+    data = [(t[:, :-1].to(device), t[:, 1:].to(device))
+            for t in (torch.randint(0, 2048, (4, 129), generator=g) for _ in range(steps))]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
+    optimizer = adamw(plain.parameters())
+    reference = []
+    for x, y in data:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = plain(x).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference.append(loss.item())
+    del plain, optimizer
+    backend = True if device.type == "cuda" else "aot_eager"
+    layouts = {f"zero{z}": {"zero": z} for z in range(4)}
+    layouts.update({"tp1 plan": {"tp": True}, "selective": {"recompute": "selective"}, "full": {"recompute": "full"}})
+    if device.type == "cuda":
+        layouts["fp8 tensorwise"] = {"fp8": "tensorwise"}
+    worst, details, breaks = 0.0, [], _graph_breaks()
+    for name, layout in layouts.items():
+        model = HFCausalLM.build(read_model_dir(directory))
+        pmodel, opt = paratrain.parallelize(
+            model, paratrain.init_mesh(), optimizer=adamw, precision="bf16", compile=backend,
+            data=DataParallel(zero=layout.get("zero", 0), grad_reduction="sum"),
+            tensor=TensorParallel(plan=model.tensor_parallel_plan() if layout.get("tp") else None),
+            activation_checkpointing=layout.get("recompute", 0), fp8=layout.get("fp8"), fp8_min_features=0,
+            init=weight_initializer(model, directory, seed=0))
+        losses = [train_step(pmodel, opt, [(x, y)], 0.0).loss for x, y in data]
+        diff = relative_difference(losses, reference)
+        worst = max(worst, diff)
+        details.append(f"{name} {diff:.1e}")
+        del pmodel, opt
+    breaks = _graph_breaks() - breaks
+    return {"passed": worst <= TOL and breaks == 0, "rel_diff": worst, "graph_breaks": breaks,
+            "detail": f"loss rel diff vs transformers eager: {', '.join(details)} (tol {TOL:g}); {breaks} graph breaks"}
+
+
 def rows(device, args, profile: Path) -> list:
     """(name, check) in the order they run: each check returns {"passed", "detail", ...} or {"skipped": why}."""
     steps = args.check_steps
@@ -857,6 +916,7 @@ def rows(device, args, profile: Path) -> list:
         *_release_rows(device, steps),
         (f"{args.size} step vs plain PyTorch", lambda: _throughput_row(SIZES[args.size], device, args.batch, seq,
                                                                        args.steps)),
+        ("transformers Qwen3 compiled, world 1", lambda: check_transformers_qwen3(device, steps)),
         *_world2_rows(device, steps),
     ]
 

@@ -30,7 +30,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 @dataclass
 class ModelSection:
-    name: str = option("tiny", "named model config (see `paratrain models`)", flag="--model")
+    name: str = option("tiny", "named model config (see `paratrain models`), or a Hugging Face model directory "
+                               "(config.json: any causal LM transformers implements, trained from scratch)",
+                       flag="--model")
     n_layers: int | None = option(None, "override the number of transformer blocks")
     dim: int | None = option(None, "override the hidden size")
     n_heads: int | None = option(None, "override the number of query heads")
@@ -39,9 +41,14 @@ class ModelSection:
     vocab_size: int | None = option(None, "override the vocabulary size (must hold the tokenizer's)")
     tie_embeddings: bool | None = option(None, "override whether the output layer shares the embedding")
     init_from: str | None = option(
-        None, "start from the weights of a Hugging Face Llama directory (e.g. written by `paratrain export`); "
-              "its config.json sets the model shape, --model only names the run, size overrides must agree",
+        None, "start from the weights of a Hugging Face directory (any causal LM transformers implements, e.g. written "
+              "by save_pretrained or `paratrain export`); its config.json sets the model shape, --model only names the "
+              "run, size overrides must agree",
         flag="--init-from")
+    backend: str = option(
+        "auto", "modeling code of a Hugging Face directory: 'transformers' (transformers' own, any causal LM), "
+                "'reference' (paratrain's Llama/Mixtral), 'auto' (reference for llama and mixtral, else transformers)",
+        choices=("auto", "reference", "transformers"))
 
 
 @dataclass

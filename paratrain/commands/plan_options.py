@@ -10,6 +10,7 @@ none|selective|full` (or 0|1) says; the planner models no other k.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from paratrain.commands.options import add_config_options
 from paratrain.models.configs import ModelConfig, get_model_config
@@ -88,6 +89,10 @@ def model_from_args(args, opts: dict) -> tuple[ModelConfig | None, str]:
         if name or sizes:
             raise PlanError("--params gives the parameter count only; do not combine it with --model or sizes")
         return None, "model states only"
+    if name and os.path.isfile(os.path.join(name, "config.json")):  # a Hugging Face directory: its exact shapes
+        if sizes:
+            raise PlanError(f"--model {name} sets the model's shape; drop the size options")
+        return directory_model(name), os.path.basename(os.path.normpath(name))
     if name:
         cfg = get_model_config(name)
         return (dataclasses.replace(cfg, **sizes) if sizes else cfg), name
@@ -100,6 +105,24 @@ def model_from_args(args, opts: dict) -> tuple[ModelConfig | None, str]:
     sizes.setdefault("vocab_size", 32000)
     sizes.setdefault("ffn_dim", -(-(8 * dim // 3) // 256) * 256)
     return ModelConfig(**sizes, max_seq_len=max(opts.get("data.seq_len") or 2048, 2048)), "custom"
+
+
+def directory_model(path: str):
+    """The model of a Hugging Face directory as `paratrain train` would build it (`--backend auto`): the reference
+    model's `ModelConfig` for llama and mixtral, else transformers' model counted on the meta device."""
+    from paratrain.models.hf import HFModelError, read_model_dir, uses_transformers
+
+    try:
+        if uses_transformers(path, "auto"):
+            return read_model_dir(path)
+        from paratrain.interop.hf import HFError, read_hf_config
+
+        try:
+            return read_hf_config(path)
+        except HFError as e:
+            raise PlanError(f"--model {path}: {e}") from None
+    except HFModelError as e:
+        raise PlanError(f"--model {path}: {e}") from None
 
 
 def workload_from_args(args, opts: dict) -> tuple[Workload, str]:

@@ -79,12 +79,20 @@ def write_hf_directory(out: Path, model_cfg: ModelConfig, shapes: dict[str, tupl
     `dtype` is the stored dtype; `max_shard_bytes` splits the weights into files of at most that size
     (a larger tensor gets a file of its own; None: one file).
     """
+    from paratrain.models.hf import HFModelConfig
+
+    if isinstance(model_cfg, HFModelConfig):  # transformers' own model: its names, its config
+        entries, tensors = _own_entries, _own_tensors
+        configs = _transformers_configs(model_cfg, dtype, _token_ids(tokenizer))
+    else:
+        entries, tensors = _hf_entries, _hf_tensors
+        configs = {CONFIG_FILE: hf_config(model_cfg, dtype, _token_ids(tokenizer))}
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     try:
         tmp.mkdir(parents=True)
-        files = _write_weights(tmp, shapes, read, dtype, max_shard_bytes)
-        token_ids = _token_ids(tokenizer)
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(model_cfg, dtype, token_ids), indent=2) + "\n")
+        files = _write_weights(tmp, shapes, read, dtype, max_shard_bytes, entries, tensors)
+        for name, doc in configs.items():
+            (tmp / name).write_text(json.dumps(doc, indent=2) + "\n")
         tokenizer_file = _write_tokenizer(tmp, tokenizer, model_cfg) if tokenizer is not None else None
         if out.exists():
             shutil.rmtree(out)
@@ -94,6 +102,24 @@ def write_hf_directory(out: Path, model_cfg: ModelConfig, shapes: dict[str, tupl
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return files, tokenizer_file
+
+
+def _transformers_configs(model_cfg, dtype: torch.dtype, token_ids: dict) -> dict[str, dict]:
+    """config.json and generation_config.json of a transformers model (`paratrain.models.hf.HFModelConfig`)."""
+    from transformers import GenerationConfig
+
+    from paratrain.models.hf import transformers_config
+
+    config = transformers_config(model_cfg)
+    for key, value in token_ids.items():
+        if value is not None:
+            setattr(config, key, value)
+    config.dtype = dtype
+    config.use_cache = True  # the exported model generates: its cache back on
+    config.architectures = [config.architectures[0]] if config.architectures else None
+    generation = GenerationConfig.from_model_config(config)
+    return {CONFIG_FILE: json.loads(config.to_json_string()),
+            "generation_config.json": json.loads(generation.to_json_string())}
 
 
 # ---- the tokenizer ----
@@ -123,11 +149,13 @@ def _write_tokenizer(directory: Path, tokenizer, model_cfg: ModelConfig) -> str:
 
 
 def _write_weights(directory: Path, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor],
-                   dtype: torch.dtype, max_shard_bytes: int | None) -> list[str]:
-    """Write the parameters under HF names, in model order, in one file or in shards of bounded size.
+                   dtype: torch.dtype, max_shard_bytes: int | None, entries_of=None, tensors_of=None) -> list[str]:
+    """Write the parameters under HF names (`entries_of`/`tensors_of`: the reference model's, by default), in model
+    order, in one file or in shards of bounded size.
 
     Tensor by tensor: each is read, cast, written and dropped, so memory holds one tensor, not a shard.
     """
+    entries_of, tensors_of = entries_of or _hf_entries, tensors_of or _hf_tensors
     groups = _shard_groups(shapes, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
     if len(groups) == 1:
         files = [WEIGHTS_FILE]
@@ -135,8 +163,8 @@ def _write_weights(directory: Path, shapes: dict[str, tuple[int, ...]], read: Ca
         files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0
     for file, group in zip(files, groups):
-        entries = [entry for name in group for entry in _hf_entries(name, shapes[name], dtype)]
-        write_safetensors(directory / file, entries, (item for name in group for item in _hf_tensors(name, read)))
+        entries = [entry for name in group for entry in entries_of(name, shapes[name], dtype)]
+        write_safetensors(directory / file, entries, (item for name in group for item in tensors_of(name, read)))
         weight_map.update({key: file for key, _, _ in entries})
         total += sum(math.prod(shape) * dtype.itemsize for _, _, shape in entries)
     if len(files) > 1:
@@ -160,6 +188,16 @@ def _hf_tensors(name: str, read: Callable[[str], torch.Tensor]):
         yield from zip(hf_names(name, tensor.shape[0]), tensor.unbind(0))
     else:
         yield hf_name(name), tensor
+
+
+def _own_entries(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
+    """A transformers model's parameter is written under its own name, as it is (fused experts stay fused: the
+    layout transformers holds them in)."""
+    return [(name, dtype, tuple(shape))]
+
+
+def _own_tensors(name: str, read: Callable[[str], torch.Tensor]):
+    yield name, read(name)
 
 
 def _shard_groups(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int | None) -> list[list[str]]:

@@ -364,7 +364,7 @@ class HFWeights:
         self.directory = _existing_dir(directory)
         self.config = read_hf_config(self.directory)
         self._shapes = expected_shapes(self.config)
-        self._stored = _stored_tensors(self.directory)  # HF name -> (file, shape)
+        self._stored = stored_tensors(self.directory)  # HF name -> (file, shape)
         self._handles: dict[str, Any] = {}
         self._check_tensors()
 
@@ -449,7 +449,7 @@ class HFWeights:
                           f"from {embedding!r}")
 
 
-def _stored_tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+def stored_tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """HF tensor name → (file, shape) for a single-file or sharded (index) layout, from the headers."""
     index, single = directory / INDEX_FILE, directory / WEIGHTS_FILE
     if index.is_file():

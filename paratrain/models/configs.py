@@ -16,8 +16,23 @@ class ModelConfigError(ParatrainError, ValueError):
 _POSITIVE_INTS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
 
 
+class ExpertShape:
+    """What every model description the planner reads derives from its n_experts, expert_ffn_dim and ffn_dim
+    (`ModelConfig`, and a transformers model's `paratrain.models.hf.HFModelConfig`)."""
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the blocks' feed-forward is a mixture of experts."""
+        return self.n_experts > 0
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Hidden width of one expert: expert_ffn_dim, or ffn_dim when that is 0."""
+        return self.expert_ffn_dim or self.ffn_dim
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ExpertShape):
     """Shape of a Llama-style decoder.
 
     Fields:
@@ -125,16 +140,6 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ModelConfigError(f"{name}={value!r} is invalid; use 0 or a positive number")
-
-    @property
-    def is_moe(self) -> bool:
-        """Whether the blocks' feed-forward is a mixture of experts."""
-        return self.n_experts > 0
-
-    @property
-    def expert_hidden_dim(self) -> int:
-        """Hidden width of one expert: expert_ffn_dim, or ffn_dim when that is 0."""
-        return self.expert_ffn_dim or self.ffn_dim
 
     @property
     def head_dim(self) -> int:

@@ -9,10 +9,13 @@ parallelism; `HF_LLAMA_PLAN` and `HF_GPT2_PLAN` are the same ideas under Hugging
 
 from __future__ import annotations
 
+import fnmatch
+
 from paratrain.parallel.tensor.plan import (
-    AttentionRegion, Colwise, OutputHead, Rowwise, SequenceParallelNorm, SequenceShardInput, Style, TPRegion,
-    VocabEmbedding,
+    AttentionRegion, Colwise, OutputHead, PartialGradients, Rowwise, SequenceParallelNorm, SequenceShardInput, Style,
+    TPRegion, VocabEmbedding,
 )
+from paratrain.parallel.tensor.layers import TensorParallelError
 
 LLAMA_TP_PLAN: dict[str, Style] = {
     "tok_embeddings": VocabEmbedding(),
@@ -76,3 +79,64 @@ HF_GPT2_PLAN: dict[str, Style] = {
     "transformer.h.*.mlp.c_proj": Rowwise(),
     "lm_head": OutputHead(),
 }
+
+
+# transformers' tensor-parallel styles (a config's `base_model_tp_plan`) as paratrain's. The fused projections
+# (Phi-3's qkv_proj, gate_up_proj: "colwise_gather_output" then "rowwise_split_input") and the packed experts have
+# none: a column split would cut across the parts, so they are refused, and the experts of a mixture stay whole
+# on every tp rank (as `LLAMA_MOE_TP_PLAN` keeps the reference model's).
+_HF_STYLES = {"colwise": Colwise, "rowwise": Rowwise, "replicated_with_grad_allreduce": PartialGradients}
+_HF_EXPERT_STYLES = ("packed_colwise", "moe_tp_experts", "local_colwise", "local_rowwise", "ep_router",
+                     "grouped_gemm", "local_packed_rowwise")
+
+
+def hf_plan(model, sequence_parallel: bool = False) -> dict[str, Style]:
+    """The tensor-parallel plan of a transformers model (`paratrain.models.hf.HFCausalLM`) from its config's
+    `base_model_tp_plan`, under the model's names.
+
+    Each module holding column-split projections becomes a region entered once (the attention an
+    `AttentionRegion` checking whole heads); the embedding and the head are split by vocabulary. With
+    sequence parallelism the embedding defers its reduction to the first decoder layer (transformers reads
+    the sequence length from the embedding's output), and every replicated module on the residual stream (the
+    norms; a mixture of experts) has its grads summed over tp.
+    A config without a plan, or with a style paratrain has no counterpart for, refuses in one line.
+    """
+    hf = model.hf
+    base = getattr(hf.config, "base_model_tp_plan", None)
+    kind = hf.config.model_type
+    if not base:
+        raise TensorParallelError(f"{kind} declares no base_model_tp_plan in its transformers config; use --tp 1")
+    prefix = hf.base_model_prefix + "."
+    names = [n for n, _ in model.named_modules() if n]
+    plan: dict[str, Style] = {}
+    for pattern, style in base.items():
+        full = prefix + pattern
+        if style in _HF_EXPERT_STYLES or ".experts" in pattern:
+            continue
+        if style not in _HF_STYLES:
+            raise TensorParallelError(f"{kind}'s tensor-parallel plan splits {pattern} as {style!r}, which paratrain "
+                                      f"has no style for (a fused projection); use --tp 1")
+        if any(fnmatch.fnmatchcase(n, full) for n in names):  # a family's plan may name modules a config leaves out
+            plan[full] = _HF_STYLES[style]()
+    for parent in sorted({p.rpartition(".")[0] for p, s in plan.items() if isinstance(s, Colwise)}):
+        children = {p.rpartition(".")[2] for p in plan if p.startswith(parent + ".")}
+        plan[parent] = AttentionRegion(q="q_proj", kv=("k_proj", "v_proj")) \
+            if {"q_proj", "k_proj", "v_proj"} <= children else TPRegion()
+    embed = hf.get_input_embeddings()
+    plan[_name_of(model, embed)] = VocabEmbedding(defer_sp_reduce=sequence_parallel)
+    plan[_name_of(model, hf.get_output_embeddings())] = OutputHead()
+    if sequence_parallel:
+        # Every replicated module outside the regions runs on this rank's positions only (the norms, a mixture's
+        # router and experts, which stay whole): its grads are partial sums over tp.
+        plan[f"{prefix}layers.0"] = SequenceShardInput()
+        regions = [c for c, style in plan.items() if isinstance(style, TPRegion)]
+        for name, module in model.named_modules():
+            planned = any(fnmatch.fnmatchcase(name, p) for p in plan)
+            inside = any(fnmatch.fnmatchcase(name, r + ".*") for r in regions)
+            if name and not planned and not inside and any(p is not None for p in module._parameters.values()):
+                plan[name] = SequenceParallelNorm()
+    return plan
+
+
+def _name_of(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)

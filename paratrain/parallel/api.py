@@ -28,6 +28,7 @@ from torch import nn
 from paratrain import compat
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
+from paratrain.parallel.materialize import to_empty
 from paratrain.mesh import Axis, Mesh
 from paratrain.parallel import rules
 from paratrain.parallel.blocks import UnitSpec
@@ -470,7 +471,7 @@ def _materialize(model: nn.Module, init, device: torch.device) -> None:
     if not any(p.is_meta for p in model.parameters()):
         model.to(device)
         return
-    model.to_empty(device=device)
+    to_empty(model, device)
     for name, param in model.named_parameters():
         param.copy_(init(name, param.shape))
 

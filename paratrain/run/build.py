@@ -41,7 +41,10 @@ from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
+from paratrain.models.hf import HFCausalLM, is_model_dir
 from paratrain.run.guard import StepGuard
+from paratrain.run.hf_backend import (initializer as hf_initializer, meta_model, reference_dir_config, run_name,
+                                      transformers_dir, transformers_model_config)
 from paratrain.run.inputs import check_paths
 from paratrain.run.memory_budget import check_free_memory, check_memory_budget
 from paratrain.run.profiling import MemorySnapshots, profile_steps
@@ -208,8 +211,7 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     run's communication layer (None: the model makes its own).
     """
     p = cfg.parallel
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
+    model = meta_model(model_cfg)  # the reference Transformer, or transformers' model of a directory
     # The trainer knows its model: it names the plan, so that no strategy has to.
     plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
     return parallelize(model, mesh, optimizer=optimizer_factory(cfg),
@@ -227,6 +229,8 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
 
 def weight_initializer(model: Transformer, cfg: Config):
     """init(name, full_shape) -> full fp32 value: the weights of --init-from if given, else the seeded init."""
+    if isinstance(model, HFCausalLM):
+        return hf_initializer(model, cfg)
     if not cfg.model.init_from:
         return lambda name, shape: model.param_init(name, shape, cfg.train.seed)
     from paratrain.interop.hf import HFWeights
@@ -279,8 +283,8 @@ def default_run_dir(cfg: Config, environ=os.environ) -> str:
     """
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     if int(environ.get("WORLD_SIZE", "1")) > 1:
-        return f"runs/{cfg.model.name}-{run_id}" if run_id != "none" else ""
-    return f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return f"runs/{run_name(cfg)}-{run_id}" if run_id != "none" else ""
+    return f"runs/{run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def shared_run_dir(cfg: Config, store) -> str:
@@ -290,7 +294,7 @@ def shared_run_dir(cfg: Config, store) -> str:
     NCCL's flight recorder can be told to dump into the run. A store that outlives a restart (torchrun's
     agent's) keeps the first attempt's name, and the restarted job continues that run.
     """
-    proposal = f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    proposal = f"runs/{run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
     return store.compare_set(RUN_DIR_KEY, "", proposal).decode()
 
 
@@ -342,8 +346,13 @@ def chat_options(cfg: Config) -> ChatOptions:
 def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
     """The named model config with the user's overrides, or --init-from's; checks that the vocabulary fits."""
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in ("name", "init_from") and v is not None}
-    if cfg.model.init_from:
+                 if k not in ("name", "init_from", "backend") and v is not None}
+    source = transformers_dir(cfg)
+    if source is not None:
+        model_cfg = transformers_model_config(cfg, source, overrides)
+    elif is_model_dir(cfg.model.name) and not cfg.model.init_from:
+        model_cfg = dataclasses.replace(reference_dir_config(cfg.model.name), **overrides)
+    elif cfg.model.init_from:
         model_cfg = imported_model_config(cfg.model.init_from, overrides)
     else:
         model_cfg = dataclasses.replace(get_model_config(cfg.model.name), **overrides)
@@ -385,6 +394,7 @@ def tokenizer_spec(cfg: Config) -> str:
     paths = [s.path for s in parse_mixture(d.path) or ()] or [d.path]
     if d.path != "default" and all(is_prepared_dir(p) for p in paths):
         return "auto"
-    if init_from and any((Path(init_from) / name).is_file() for name in ("tokenizer.json", "byte_tokenizer.json")):
-        return init_from
+    source = init_from or (cfg.model.name if is_model_dir(cfg.model.name) else None)  # --model DIR: its tokenizer
+    if source and any((Path(source) / name).is_file() for name in ("tokenizer.json", "byte_tokenizer.json")):
+        return source
     return "byte"

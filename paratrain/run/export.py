@@ -19,6 +19,7 @@ directory is the format's business: `paratrain.interop.export.write_hf_directory
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -35,6 +36,7 @@ from paratrain.checkpoint.store import find_latest, list_checkpoints
 from paratrain.interop.export import check_export_options, write_hf_directory
 from paratrain.interop.hf import HFError, expected_shapes
 from paratrain.models import ModelConfig, ModelConfigError
+from paratrain.models.hf import HFModelError, is_hf_model_config, model_config_from_dict
 
 MODEL_PREFIX = "model/"
 MODEL_CONFIG_KEY = "model_config"
@@ -141,12 +143,18 @@ def _open_weights(src: ExportSource) -> tuple[ModelConfig, int | None, dict[str,
 def _check_stored(src: ExportSource, model_cfg: ModelConfig, stored: dict[str, tuple[int, ...]]) -> dict:
     """The parameters to export (name → shape), after checking names and shapes against `Transformer(model_cfg)`."""
     prefix = MODEL_PREFIX if src.kind is SourceKind.CHECKPOINT else ""
-    expected = expected_shapes(model_cfg)
-    allowed = set(expected) | ({"output.weight"} if model_cfg.tie_embeddings else set())
+    if is_hf_model_config(dataclasses.asdict(model_cfg)):  # transformers' model: its own names
+        from paratrain.models.hf import HFCausalLM
+
+        expected = {n: tuple(p.shape) for n, p in HFCausalLM.build(model_cfg).named_parameters()}
+        allowed = set(expected)
+    else:
+        expected = expected_shapes(model_cfg)
+        allowed = set(expected) | ({"output.weight"} if model_cfg.tie_embeddings else set())
     for name, shape in stored.items():
         if name not in allowed:
             raise HFError(f"{src.path}: tensor {prefix + name!r} is not a parameter of the model its config describes")
-        want = expected.get(name, expected["tok_embeddings.weight"])
+        want = expected[name] if name in expected else expected["tok_embeddings.weight"]
         if tuple(shape) != want:
             raise HFError(f"{src.path}: tensor {prefix + name!r} has shape {list(shape)} but the model config "
                           f"implies {list(want)}")
@@ -168,8 +176,8 @@ def _checkpoint_model_config(reader: CheckpointReader, src: ExportSource) -> Mod
     stored = shared.get(MODEL_CONFIG_KEY)
     if isinstance(stored, dict):
         try:
-            return ModelConfig(**stored)
-        except (TypeError, ModelConfigError) as exc:
+            return _model_config(stored)
+        except (TypeError, ModelConfigError, HFModelError) as exc:
             raise HFError(f"{src.path}: the stored {MODEL_CONFIG_KEY} is invalid ({exc})") from None
     if isinstance(shared.get("config"), dict):
         return _resolve(shared["config"], f"{src.path}: the stored config")
@@ -193,10 +201,17 @@ def _resolve(doc: dict, where: str) -> ModelConfig:
         raise HFError(f"{where} does not give the model ({exc})") from None
 
 
+def _model_config(doc: dict):
+    """A stored model config: a reference `ModelConfig`, or a transformers model's `HFModelConfig`."""
+    if is_hf_model_config(doc):
+        return model_config_from_dict(doc)
+    return ModelConfig(**doc)
+
+
 def _config_from_json(path: Path) -> ModelConfig:
     try:
-        return ModelConfig(**json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError, TypeError, ModelConfigError) as exc:
+        return _model_config(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError, TypeError, ModelConfigError, HFModelError) as exc:
         raise HFError(f"{path}: not a valid model config ({exc})") from None
 
 

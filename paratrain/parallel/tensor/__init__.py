@@ -26,6 +26,6 @@ from paratrain.parallel.tensor.info import (  # noqa: F401
     TensorParallelInfo, clip_grad_norm_tp_, full_parameters, tp_grad_norm_sq, tp_norm_sq, tp_norm_sq_parts,
 )
 from paratrain.parallel.tensor.plan import (  # noqa: F401
-    AttentionRegion, Colwise, OutputHead, Rowwise, SequenceParallelNorm, SequenceShardInput, Style, TPRegion,
-    VocabEmbedding, apply_tensor_parallel,
+    AttentionRegion, Colwise, OutputHead, PartialGradients, Rowwise, SequenceParallelNorm, SequenceShardInput, Style,
+    TPRegion, VocabEmbedding, apply_tensor_parallel,
 )

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Comm
+from paratrain.parallel.materialize import to_empty
 from paratrain.mesh import Axis
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.layers import (
@@ -206,6 +207,19 @@ class SequenceParallelNorm(_Style):
             ctx.sequence_partial += [f"{name}.{p}" for p, _ in module.named_parameters()]
 
 
+@dataclass(frozen=True)
+class PartialGradients(_Style):
+    """A replicated module inside a tp region whose grads are partial sums over tp, with or without SP: one that
+    acts on each head apart (Qwen3's per-head q/k norms) sees only this rank's heads. Its grads are all-reduced
+    over tp, as `SequenceParallelNorm`'s are under SP (transformers' "replicated_with_grad_allreduce")."""
+
+    def check(self, name, module, tp, parent):
+        SequenceParallelNorm().check(name, module, tp, parent)
+
+    def apply(self, name, module, ctx):
+        ctx.sequence_partial += [f"{name}.{p}" for p, _ in module.named_parameters()]
+
+
 def _input_hook(module: nn.Module, fn, input_name: str):
     """A forward pre-hook (with kwargs) that applies `fn` to the module's input: its first positional
     argument, or the keyword `input_name` when it is called with keyword arguments only (Hugging Face
@@ -280,7 +294,7 @@ class AttentionRegion(TPRegion):
 
 
 Style = (Colwise | Rowwise | VocabEmbedding | OutputHead | SequenceParallelNorm | SequenceShardInput | TPRegion
-         | AttentionRegion)
+         | AttentionRegion | PartialGradients)
 
 
 # -- what the rest of the system needs to know ---------------------------------------------------
@@ -425,7 +439,7 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
 def _materialize(model, init: InitFn, sharded: dict[str, int], tied: dict[str, str], tp: int, rank: int,
                  device) -> None:
     """to_empty on `device`, restore ties, fill every parameter with its slice of `init`."""
-    model.to_empty(device=device or "cpu")
+    to_empty(model, device or "cpu")
     for alias, canonical in tied.items():
         _set_param(model, alias, model.get_parameter(canonical))
     for name, param in model.named_parameters():
@@ -448,7 +462,7 @@ def _check_sequence_parallel(model: nn.Module, matches) -> None:
     if deferred != any(isinstance(s, SequenceShardInput) for s in styles):
         raise TensorParallelError("a VocabEmbedding(defer_sp_reduce=True) and a SequenceShardInput() go together "
                                   "(the second reduces what the first defers); the plan has only one")
-    covering = (Colwise, Rowwise, VocabEmbedding, OutputHead, SequenceParallelNorm)
+    covering = (Colwise, Rowwise, VocabEmbedding, OutputHead, SequenceParallelNorm, PartialGradients)
     covered = {f"{name}.{p}" for name, module, style in matches if isinstance(style, covering)
                for p, _ in module.named_parameters()}
     for name, _ in model.named_parameters():

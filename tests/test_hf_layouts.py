@@ -1,0 +1,161 @@
+"""Every layout of a transformers model against one process: the families of `hf_families` under dp2, dp2 ZeRO-3
+(sharded loading from the directory), tp2 with sequence parallelism (the plan from the config's
+`base_model_tp_plan`) and cp2 (SDPA with position_ids), each through `parallelize` as the trainer calls it, against
+plain PyTorch on transformers' model of the same directory: the same global batches, AdamW and clipping, under the
+project's error model (`parallel_cases`). One launch of two ranks runs every case."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_families import VOCAB, hf_model
+from paratrain import ContextParallel, DataParallel, TensorParallel, init_mesh, parallelize
+from paratrain.interop.hf_weights import weight_initializer
+from paratrain.models.hf import HFCausalLM, read_model_dir
+from paratrain.train import train_step
+from parallel_cases import FP32_ADAMW_MODEL, adamw, assert_matches_reference, batches, launch_once
+
+SEQ, BATCH, STEPS, LR = 16, 4, 2, 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    family: str
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+    zero: int = 0
+    sp: bool = False
+
+
+CASES = {
+    "qwen2_dp2": Case("qwen2", dp=2),
+    **{f"{f}_dp2_zero3": Case(f, dp=2, zero=3) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
+    **{f"{f}_tp2_sp": Case(f, tp=2, sp=True) for f in ("qwen2", "qwen3", "mistral", "gemma2", "qwen3_moe")},
+    **{f"{f}_cp2": Case(f, cp=2) for f in ("qwen3", "mistral", "qwen3_moe")},
+}
+_DIRS: dict[str, Path] = {}
+
+
+def _directories() -> dict[str, Path]:
+    """Each family's saved directory, written once by the test process (every rank and the reference read them)."""
+    if not _DIRS:
+        root = Path(tempfile.mkdtemp(prefix="paratrain-hf-layouts-"))
+        for family in sorted({case.family for case in CASES.values()}):
+            hf_model(family).save_pretrained(root / family)
+            _DIRS[family] = root / family
+    return _DIRS
+
+
+def _run(case: Case, mesh, directory: Path):
+    model = HFCausalLM.build(read_model_dir(directory))
+    pmodel, optimizer = parallelize(
+        model, mesh, optimizer=functools.partial(adamw, lr=LR), data=DataParallel(zero=case.zero, grad_reduction="sum"),
+        tensor=TensorParallel(sequence_parallel=case.sp), context=ContextParallel() if case.cp > 1 else None,
+        init=weight_initializer(model, str(directory), seed=0))
+    dp, rank = mesh.size("dp"), mesh.coord("dp")
+    rows = BATCH // dp
+    losses = []
+    for x, y in batches(vocab=VOCAB, steps=STEPS, batch=BATCH, seq=SEQ):
+        outcome = train_step(pmodel, optimizer, [(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])],
+                             1.0)
+        losses.append(outcome.loss)
+    return {"losses": losses, "params": pmodel.full_state_dict()}
+
+
+def _all_cases(rank, world, directories):
+    """Every case on this rank; a case that fails reports its error, and the others still run."""
+    out = {}
+    for name, case in CASES.items():
+        try:
+            out[name] = _run(case, init_mesh(dp=case.dp, tp=case.tp, cp=case.cp), directories[case.family])
+        except Exception as error:  # noqa: BLE001 - re-raised by the case's test
+            out[name] = {"error": f"{type(error).__name__}: {error}"}
+    return out
+
+
+def _reference(family: str) -> dict:
+    """One process, plain PyTorch on transformers' model loaded from the same directory."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_directories()[family], dtype=torch.float32)
+    optimizer = adamw(list(model.parameters()), lr=LR)
+    losses = []
+    for x, y in batches(vocab=VOCAB, steps=STEPS, batch=BATCH, seq=SEQ):
+        logits = model(x).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+        loss = loss / (y != -100).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+_RESULTS: dict = {}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_transformers_model_matches_one_process(name):
+    ref = _reference(CASES[name].family)
+    for per_rank in launch_once(_RESULTS, 2, _all_cases, _directories(), timeout=900):
+        got = per_rank[name]
+        assert "error" not in got, got.get("error")
+        assert_matches_reference(got["losses"], got["params"], ref["losses"], ref["params"], FP32_ADAMW_MODEL)
+
+
+# -- the documentation's table, generated from the cases above ----------------------------------------------------
+
+FAMILY_NAMES = {"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma 2",
+                "phi3": "Phi-3", "qwen3_moe": "Qwen3-MoE"}
+COLUMNS = {"dp2": dict(dp=2, zero=0), "dp2 ZeRO-3": dict(dp=2, zero=3), "tp2 + sp": dict(tp=2, sp=True),
+           "cp2": dict(cp=2)}
+# What `tests/test_hf_backend.py` proves refused, in one line, before any process starts.
+REFUSED = {("gemma2", "cp2"): "refused: eager attention (soft-capped scores), no SDPA for the ring",
+           ("phi3", "tp2 + sp"): "refused: fused qkv / gate-up projections"}
+TABLE_MARK = "<!-- hf-support-table: generated by tests/test_hf_layouts.py (support_table) -->"
+
+
+def support_table() -> str:
+    """Families × layouts: "=" where a case above matches one process, the refusal where one is proven, else "·"."""
+    head = ["family", "first-step loss = transformers'", "export → from_pretrained", *COLUMNS, "pp2"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for family, title in FAMILY_NAMES.items():
+        cells = [title, "= (1e-6)", "= (1e-5)"]
+        for column, layout in COLUMNS.items():
+            proven = any(case.family == family and all(getattr(case, k) == v for k, v in layout.items())
+                         for case in CASES.values())
+            cells.append("=" if proven else REFUSED.get((family, column), "·"))
+        cells.append("refused: not in the trainer yet")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def test_the_documented_table_is_the_one_these_tests_prove():
+    page = (Path(__file__).parent.parent / "docs" / "hf-models.md").read_text()
+    assert TABLE_MARK in page, "docs/hf-models.md lost its table marker"
+    table = page.split(TABLE_MARK, 1)[1].strip().split("\n\n", 1)[0]
+    assert table == support_table(), "regenerate: python -c 'import test_hf_layouts as t; print(t.support_table())'"
+
+
+@pytest.mark.multirank
+def test_verify_checks_a_model_directory(capsys):
+    """`paratrain verify --model DIR`: the trainer on transformers' Qwen3 from scratch, dp2 ZeRO-3 against one
+    process."""
+    from paratrain.cli import main
+
+    directory = _directories()["qwen3"]
+    capsys.readouterr()
+    assert main(["verify", "--model", str(directory), "--steps", "2", "--global-batch", "4", "--seq-len", "16",
+                 "--layouts", "dp2,zero3"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[0] == "dp2,zero3" and row[5] == "PASS", row
