@@ -15,6 +15,7 @@ from paratrain.parallel.rules import newton_schulz_flops as ns_flops
 from paratrain.precision import Precision
 from paratrain.models import Transformer
 from paratrain.parallel.expert import moe_layers
+from test_data_parallel import _hf_model  # the Llama of transformers, built from a config
 from parallel_cases import (FP64_PARITY, TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model,
                             parallel_run)
 
@@ -194,15 +195,6 @@ def test_bad_optimizer_options_end_in_one_line(args, message, tmp_path, capsys):
 MOE = dataclasses.replace(TINY, n_layers=2, ffn_dim=48, n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.1,
                           z_loss_coef=0.01)
 HF_BLOCKS = ("model.layers.",)
-
-
-def _hf_model():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   attn_implementation="eager")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _train(mesh, zero: int, model=None, tensor=None, pipeline=None, moe=False, steps=STEPS):
