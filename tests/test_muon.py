@@ -318,22 +318,3 @@ def test_a_killed_muon_run_resumes_bit_equal(tmp_path):
     assert "checkpoints/step-00000004 at step 4" in result.stdout
     assert_bit_equal(out, reference)
 
-
-# -- verify --------------------------------------------------------------------------------------------------
-
-@pytest.mark.multirank
-def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch):
-    """`paratrain verify --optimizer muon`: ZeRO-1 and ZeRO-3 against one process with Muon; rank 1 negating its
-    gradients must FAIL."""
-    from paratrain.cli import main
-    from paratrain.faults import FAULT_ENV
-    from test_verify import SMALL
-
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero1;dp2,zero3", "--optimizer", "muon"]) == 0, \
-        capsys.readouterr().out
-    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
-    assert [line.split()[5] for line in table[1:]] == ["PASS", "PASS"], table
-    monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero2", "--optimizer", "muon"]) == 1
-    row = capsys.readouterr().out.splitlines()[-1].split()
-    assert row[0] == "dp2,zero2" and row[5] == "FAIL", row
