@@ -15,6 +15,7 @@ from paratrain.parallel.rules import newton_schulz_flops as ns_flops
 from paratrain.precision import Precision
 from paratrain.models import Transformer
 from paratrain.parallel.expert import moe_layers
+from test_data_parallel import _hf_model  # the Llama of transformers, built from a config
 from parallel_cases import (FP64_PARITY, TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model,
                             parallel_run)
 
@@ -196,15 +197,6 @@ MOE = dataclasses.replace(TINY, n_layers=2, ffn_dim=48, n_experts=4, top_k=2, ex
 HF_BLOCKS = ("model.layers.",)
 
 
-def _hf_model():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   attn_implementation="eager")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 def _train(mesh, zero: int, model=None, tensor=None, pipeline=None, moe=False, steps=STEPS):
     """Losses and whole parameters of `steps` Muon steps; the step's bytes by axis and this rank's NS FLOPs."""
     if model is None:
@@ -326,22 +318,3 @@ def test_a_killed_muon_run_resumes_bit_equal(tmp_path):
     assert "checkpoints/step-00000004 at step 4" in result.stdout
     assert_bit_equal(out, reference)
 
-
-# -- verify --------------------------------------------------------------------------------------------------
-
-@pytest.mark.multirank
-def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch):
-    """`paratrain verify --optimizer muon`: ZeRO-1 and ZeRO-3 against one process with Muon; rank 1 negating its
-    gradients must FAIL."""
-    from paratrain.cli import main
-    from paratrain.faults import FAULT_ENV
-    from test_verify import SMALL
-
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero1;dp2,zero3", "--optimizer", "muon"]) == 0, \
-        capsys.readouterr().out
-    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
-    assert [line.split()[5] for line in table[1:]] == ["PASS", "PASS"], table
-    monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero2", "--optimizer", "muon"]) == 1
-    row = capsys.readouterr().out.splitlines()[-1].split()
-    assert row[0] == "dp2,zero2" and row[5] == "FAIL", row
