@@ -65,14 +65,21 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
         raise ConfigError(f"--cp {p.cp}: {kind} attends over a sliding window of {model_cfg.sliding_window} tokens, "
                           f"shorter than --seq-len {cfg.data.seq_len}, and the ring attends causally over the whole "
                           f"sequence; use --cp 1 or --seq-len {model_cfg.sliding_window}")
+    if p.cp > 1:
+        raise ConfigError(f"--cp {p.cp}: transformers' {kind} builds an explicit attention mask from each rank's chunk "
+                          "positions, which the context-parallel ring cannot answer yet; use --cp 1")
     if p.tp > 1:  # the plan from the config, mapped now: a style paratrain has no counterpart for refuses here
         from paratrain.models.hf import HFCausalLM
         from paratrain.parallel.tensor import TensorParallelError
 
+        model = HFCausalLM.build(model_cfg)
         try:
-            HFCausalLM.build(model_cfg).tensor_parallel_plan(p.sequence_parallel)
+            model.tensor_parallel_plan(p.sequence_parallel)
         except TensorParallelError as e:
             raise ConfigError(f"--tp {p.tp}: {e}") from None
+        if model.hf.get_input_embeddings().padding_idx is not None:
+            raise ConfigError(f"--tp {p.tp}: {kind}'s embedding keeps padding_idx (pad_token_id), which the "
+                              "vocabulary-split embedding does not support yet; use --tp 1")
     window = model_cfg.sliding_window
     if cfg.data.document_mask and window is not None and window < cfg.data.seq_len:
         raise ConfigError(f"--document-mask: {kind} attends over a sliding window of {window} tokens, shorter than "
