@@ -60,4 +60,6 @@ def test_zero3_loads_a_model_without_any_rank_holding_it_whole():
         print(f"rank {rank}: zero3 {peaks['zero3'] / model_bytes:.2f}x, zero0 {peaks['zero0'] / model_bytes:.2f}x "
               f"of the model's {model_bytes / 1e6:.1f} MB")
         assert peaks["zero3"] < 0.7 * model_bytes, peaks
-        assert peaks["zero0"] > 0.9 * model_bytes, peaks  # the meter counts a whole model where one is held
+        # the meter sees a whole model where one is held (0.89x-1.03x measured: a rank's peak may fall between
+        # freeing a read tensor and placing the next), so the zero3 bound above is not met by a blind meter
+        assert peaks["zero0"] > 0.8 * model_bytes, peaks
