@@ -292,6 +292,10 @@ class HFCausalLM(nn.Module):
         if hf is not None and isinstance(value, nn.Module) and name in hf._modules:
             hf._modules[name] = value
 
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The output head (transformers' own answer): the module the fused loss folds the cross-entropy into."""
+        return self.hf.get_output_embeddings()
+
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of `tokens` [B, S]. With `config.document_eos` (--document-mask) the documents packed in each
         sequence are kept apart: positions restart after each end-of-text token and a 4-D mask keeps each query

@@ -154,9 +154,10 @@ def head_name(model: nn.Module) -> tuple[str | None, str]:
     follows it), or an `nn.Sequential`'s last layer; it must be an `nn.Linear`. A model that scales or caps its
     logits after the head (Gemma 2's soft-capping, Cohere's logit scale) is refused: the fused loss would miss it.
     """
-    config = getattr(model, "config", None)
+    # the model's config, or the transformers config of a model that wraps one (`models.hf.HFCausalLM`)
+    configs = [getattr(model, "config", None), getattr(getattr(model, "hf", None), "config", None)]
     for field in LOGIT_SOFTCAP_FIELDS:
-        if getattr(config, field, None) not in (None, 0, 1, 1.0):
+        if any(getattr(config, field, None) not in (None, 0, 1, 1.0) for config in configs):
             return None, f"{type(model).__name__} transforms its logits after the head ({field})"
     get_head = getattr(model, "get_output_embeddings", None)
     if callable(get_head):

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
@@ -39,6 +41,7 @@ from paratrain.parallel.contract import TrainableModel
 from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
+from paratrain.parallel.loss import head_name
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.models.hf import HFCausalLM, is_model_dir
@@ -224,7 +227,20 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
                        activation_checkpointing=p.activation_checkpointing, compile=p.compile,
                        init=weight_initializer(model, cfg), checked=layout, comm=comm, fp8=p.fp8 or None,
                        fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features,
-                       loss_chunk=p.loss_chunk)
+                       loss_chunk=trainer_loss_chunk(model, p.loss_chunk))
+
+
+def trainer_loss_chunk(model: nn.Module, loss_chunk: int) -> int:
+    """The trainer's --loss-chunk for `model`: the default fuses the loss into the head where the model allows
+    (a head transformers scales or soft-caps after it, as Gemma 2's, keeps the whole logits, said once); another
+    value is the user's, refused in one line by `parallelize` where it cannot be honoured."""
+    if loss_chunk != rules.DEFAULT_LOSS_CHUNK:
+        return loss_chunk
+    name, why = head_name(model)
+    if name is None:
+        print(f"paratrain: the loss takes the whole logits: {why}", file=sys.stderr, flush=True)
+        return 0
+    return loss_chunk
 
 
 def weight_initializer(model: Transformer, cfg: Config):
