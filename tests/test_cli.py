@@ -206,6 +206,31 @@ def test_prepare_then_train_on_it(tmp_path, capsys):
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
 
 
+def test_prepare_refuses_a_full_out_naming_overwrite_and_meta_json_names_its_tokenizer_absolutely(
+        tmp_path, capsys, monkeypatch):
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "tokens"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    (tmp_path / "tok").mkdir()
+    from paratrain.data.tokenizer import ByteTokenizer
+    ByteTokenizer().save(tmp_path / "tok")
+    monkeypatch.chdir(tmp_path)  # the tokenizer given relative to where prepare runs
+    assert main(["prepare", "--data", str(corpus), "--tokenizer", "tok/byte_tokenizer.json", "--out", str(out)]) == 0
+    spec = json.loads((out / "meta.json").read_text())["tokenizer_spec"]
+    assert Path(spec).is_absolute() and Path(spec) == tmp_path / "tok" / "byte_tokenizer.json"
+    capsys.readouterr()
+    assert main(["prepare", "--data", str(corpus), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--overwrite" in err and len(err.splitlines()) == 1
+    corpus.write_text("short\n" * 200)
+    assert main(["prepare", "--data", str(corpus), "--tokenizer", "tok/byte_tokenizer.json", "--out", str(out),
+                 "--overwrite"]) == 0
+    assert json.loads((out / "meta.json").read_text())["num_tokens"] == 200 * len("short\n") + 1
+    # Read from elsewhere, the corpus still matches its tokenizer given by that absolute path.
+    monkeypatch.chdir(tmp_path / "tok")
+    from paratrain.data.dataset import build_dataset
+    build_dataset(str(out), spec, 16, None, progress=False)
+
+
 def test_log_every_thins_the_metrics_and_every_record_has_its_grad_norm(tmp_path):
     """The norm comes with the agreement, so every written step has it; --log-every writes every k-th, the last and
     each evaluation's."""

@@ -21,6 +21,8 @@ def add_parser(subparsers):
                              "few cores); 1: this process on one thread; N > 1: N processes of one thread each; the "
                              "output does not depend on it (default 0)")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what --out holds (refused without it when --out is not empty)")
     return parser
 
 
@@ -28,6 +30,6 @@ def run(args) -> int:
     from paratrain.data import prepare_corpus
 
     out = prepare_corpus(None if args.data == "default" else args.data, args.out, tokenizer_spec=args.tokenizer,
-                         text_key=args.text_key, workers=args.workers)
+                         text_key=args.text_key, workers=args.workers, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
