@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -91,6 +92,9 @@ def paratrain(*argv, timeout=120):
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT and --rdzv-id ID"),
     (["--rdzv-endpoint", "somewhere"], "--rdzv-endpoint 'somewhere' is not HOST:PORT"),
     (["--join-timeout", "0"], "--join-timeout must be positive seconds"),
+    (["--vocab-size", "100"], "the tokenizer has 259 tokens but model 'tiny' only 100"),
+    (["--data", ":0.5"], "(a mixture is WEIGHT:SOURCE for every source"),
+    (["--init-from", "{tmp}/no-such-model"], "--init-from"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     bad_inputs(tmp_path)
@@ -154,6 +158,30 @@ def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
     assert result.stderr.startswith(f"paratrain train: error: --data {tmp_path / 'empty.txt'} is empty") \
         and result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", ["occupied out", "tokenizer larger than the model", "layout"])
+def test_a_launch_refuses_in_the_launching_process_before_any_rank_starts(case, tmp_path):
+    """Exit 2 with one line, within 5 s of the command, nothing written into --out: the refusals a worker would
+    otherwise make after the launch (and leave run.json behind)."""
+    out = tmp_path / "run"
+    argv = {"occupied out": [], "tokenizer larger than the model": ["--vocab-size", "100"],
+            "layout": ["--tp", "3"]}[case]
+    if case == "occupied out":
+        out.mkdir()
+        (out / "run.json").write_text('{"run_id": "earlier"}\n')
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted((p.name, p.read_text()) for p in out.iterdir()) if out.exists() else None
+    # The command's processor time, not its wall time: on a loaded machine (this suite's peers) the wall time
+    # measures the load; on an idle one the two agree.
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = paratrain("train", "--nproc", "2", "--steps", "2", "--out", str(out), *argv, *SMALL, timeout=120)
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    elapsed = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    assert result.returncode == 2 and result.stderr.startswith("paratrain train: error: "), result.stderr
+    assert result.stderr.count("\n") == 1 and "rank" not in result.stderr, result.stderr
+    assert (sorted((p.name, p.read_text()) for p in out.iterdir()) if out.exists() else None) == before
+    assert elapsed < 5, f"refused after {elapsed:.1f} s of processor time"
 
 
 def test_help_documents_every_option(capsys):

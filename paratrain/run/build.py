@@ -41,7 +41,7 @@ from paratrain.parallel import rules
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.run.guard import StepGuard
-from paratrain.run.inputs import check_paths
+from paratrain.run.inputs import check_paths, tokenizer_vocab
 from paratrain.run.memory_budget import check_free_memory, check_memory_budget
 from paratrain.run.profiling import MemorySnapshots, profile_steps
 from paratrain.run.samples import SampleRecorder
@@ -118,6 +118,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
         raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
                           f"the context-parallel ring do not see the documents yet; drop one of them")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
+    resolve_model_config(cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
+    if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
+        claim_run_dir(cfg, restarted=current_attempt() > 0)  # (every rank passes here before rank 0 writes)
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
     check_clients(tracker_names(cfg))  # a tracker whose client is missing refuses the run now, not after the build
     profile_steps(cfg)
