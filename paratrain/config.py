@@ -183,8 +183,10 @@ class LoggingSection:
 
 @dataclass
 class CheckpointSection:
-    every: int = option(0, "save a sharded checkpoint under <out>/checkpoints every N steps and at the last "
-                           "step (0: never; a SIGTERM still saves one before the run stops)", flag="--checkpoint-every")
+    every: int | str = option(
+        "30m", "save a sharded checkpoint under <out>/checkpoints every N steps, or by the clock every N minutes "
+               "('30m'; also '90s', '2h'), and always at the last step and on SIGTERM; 0: never (a SIGTERM still "
+               "saves one before the run stops)", flag="--checkpoint-every")
     keep_latest: int = option(2, "committed checkpoints to keep, the newest (at least 2, so that a damaged newest "
                                  "one leaves a fallback; 0 keeps all)", flag="--keep-latest")
     async_save: bool = option(False, "write checkpoints from a background thread; training pauses only while "
@@ -359,7 +361,8 @@ def resolve_recipe(cfg: Config) -> None:
 def _check_reliability(cfg: Config) -> None:
     """The [checkpoint] and [reliability] rules (the resume path itself is checked by the trainer's preflight)."""
     c, r = cfg.checkpoint, cfg.reliability
-    for name, value in [("--checkpoint-every", c.every), ("--load-step", c.load_step),
+    checkpoint_policy(c.every)
+    for name, value in [("--load-step", c.load_step),
                         ("--check-every", r.check_every)]:
         if value < 0:
             raise ConfigError(f"{name} must not be negative, got {value}")
@@ -376,6 +379,43 @@ def _check_reliability(cfg: Config) -> None:
     _check_timeout("--pg-timeout", r.pg_timeout_s)
     if r.step_timeout_s:
         _check_timeout("--step-timeout", r.step_timeout_s, " (or 0: no watchdog)")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a run saves, from --checkpoint-every: every `steps` steps, or every `seconds` of wall clock (at most
+    one of them set), and at the last step; neither: never (only a SIGTERM's save)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.steps or self.seconds)
+
+    def __str__(self) -> str:
+        if self.steps:
+            return f"every {self.steps} steps"
+        minutes = self.seconds / 60
+        return f"every {minutes:g} min" if self.seconds >= 60 else f"every {self.seconds:g} s"
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|min|h)")
+_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def checkpoint_policy(every: int | str) -> CheckpointPolicy:
+    """--checkpoint-every's value as a policy: N steps, or a duration such as '30m' (ConfigError otherwise)."""
+    text = str(every).strip().lower()
+    if re.fullmatch(r"-?\d+", text):
+        if int(text) < 0:
+            raise ConfigError(f"--checkpoint-every must not be negative, got {text}")
+        return CheckpointPolicy(steps=int(text))
+    match = _DURATION.fullmatch(text)
+    if match is None or not float(match.group(1)) > 0:
+        raise ConfigError(f"--checkpoint-every {every!r}: give a number of steps (0: never) or a duration such as "
+                          f"'30m', '90s' or '2h'")
+    return CheckpointPolicy(seconds=float(match.group(1)) * _SECONDS[match.group(2)])
 
 
 def _check_timeout(flag: str, seconds: float, alternative: str = "") -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain.checkpoint import CheckpointReader, verify_checkpoint
+from paratrain.checkpoint import CheckpointReader, list_checkpoints, verify_checkpoint
 from paratrain.cli import build_parser, main
 from paratrain.commands.options import config_from_args
 from paratrain.run.diagnose import FingerprintRing, describe
@@ -390,3 +390,24 @@ def test_a_rank_saves_its_own_gpus_rng_state_and_restores_it_where_fewer_gpus_ar
     assert torch.equal(restoring.states[0], saving.states[1]), "restored to this rank's device"
     saved = CheckpointReader(path).rank_state(0)["rng"]["cuda"]
     assert torch.equal(saved, saving.states[1]), "this rank's device only, not every visible GPU's"
+
+
+def test_a_run_checkpoints_by_the_clock_and_at_the_end_without_being_asked(tmp_path, monkeypatch, capsys):
+    """The default policy (every 30 min of wall clock, and the last step), on a clock that the test moves 10 minutes
+    at each reading: the start, then each step's agreement (rank 0's verdict), then each save."""
+    import paratrain.run.checkpoints as checkpoints
+
+    now = iter(range(0, 10**6, 600))
+    monkeypatch.setattr(checkpoints, "_clock", lambda: next(now))
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "8", "--keep-latest", "0", "--out", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "checkpoints every 30 min and at the end" in first, first
+    # Readings: 0 at the start; steps 1, 2, 3 at 600, 1200, 1800 (due: saved, reading 2400); steps 4, 5, 6 at 3000,
+    # 3600, 4200 (due); steps 7, 8 at 5400, 6000 and the last step saved.
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000003", "step-00000006",
+                                                                      "step-00000008"]
+    off = tmp_path / "off"
+    assert main(["train", *TINY, "--steps", "2", "--checkpoint-every", "0", "--out", str(off)]) == 0
+    assert "checkpoints off (--checkpoint-every 0)" in capsys.readouterr().out.splitlines()[0]
+    assert not list_checkpoints(off / "checkpoints")

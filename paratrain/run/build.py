@@ -173,6 +173,8 @@ def describe(run: Run) -> str:
             f"tp={p.tp}{', sp' if p.sequence_parallel else ''}{f', cp={p.cp}' if p.cp > 1 else ''}{f', ep={p.ep}' if p.ep > 1 else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
             f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
             f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats"
+            + (f"; checkpoints {run.checkpoints.policy} and at the end" if run.checkpoints.policy.enabled else
+               "; checkpoints off (--checkpoint-every 0): only a SIGTERM saves one, a crash loses the run")
             + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else "")
             + ("; this CPU has no bf16 matrix instructions (AVX512-BF16, AMX): its bf16 matmuls run about 20x slower "
                "than fp32's (--precision fp32 trains faster here)"

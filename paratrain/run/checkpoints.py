@@ -44,11 +44,12 @@ from paratrain.checkpoint.store import (
     check_free_space, find_latest, list_checkpoints, quarantine_incomplete, read_index, verify_checkpoint,
 )
 from paratrain.run.model_state import check_compatible, load_model_shards, master_boxes, model_shards
-from paratrain.config import Config, ConfigError
+from paratrain.config import Config, ConfigError, checkpoint_policy
 from paratrain.faults import checkpoint_events, current_attempt
 
 _SHARED_KEYS = ("step", "tokens_seen", "sampler", "scaler", "guard", "layout")
 RESETS = ("data", "lr", "step")  # what a new stage (--resume PATH --reset ...) starts afresh
+_clock = time.monotonic  # the wall-clock policy's (a module attribute, so that a test can move it)
 
 
 class TrainingCheckpoints:
@@ -69,7 +70,9 @@ class TrainingCheckpoints:
         self.on_event = checkpoint_events(rank)  # the injected faults of a save (tests), or None
         self.saver = (AsyncCheckpointer(self.root, keep_latest=self.keep_latest, coordinator=self._coordinator(),
                                         on_event=self.on_event) if c.async_save else None)
-        if c.every:
+        self.policy = checkpoint_policy(c.every)
+        self.last_save = _clock()  # the wall-clock policy counts from the start, then from each save
+        if self.policy.enabled:
             self._check_free_space()
 
     def _coordinator(self):
@@ -191,10 +194,15 @@ class TrainingCheckpoints:
                 f"(global batch {now['global_batch']}, {now['accumulation']} micro-batch(es) per step now)")
 
     # -- save --------------------------------------------------------------------------------
-    def after_step(self, step: int, tokens_seen: int, last: bool, stopping: bool) -> None:
-        """Save when due: every --checkpoint-every steps, at the last step, and (synchronously) when stopping."""
-        every = self.cfg.checkpoint.every
-        if stopping or (every and (step % every == 0 or last)):
+    def clock_due(self) -> bool:
+        """Whether this rank's clock says a wall-clock save is due (the ranks agree on rank 0's: `after_step`)."""
+        return bool(self.policy.seconds) and _clock() - self.last_save >= self.policy.seconds
+
+    def after_step(self, step: int, tokens_seen: int, last: bool, stopping: bool, clock_due: bool = False) -> None:
+        """Save when due: every --checkpoint-every steps, or when the agreed clock says so (`clock_due`, the same on
+        every rank), at the last step, and (synchronously) when stopping."""
+        every = self.policy.steps
+        if stopping or (self.policy.enabled and (last or clock_due or (every and step % every == 0))):
             self.save(step, tokens_seen, wait=stopping or last)
 
     def save(self, step: int, tokens_seen: int, wait: bool = True) -> None:
@@ -213,6 +221,7 @@ class TrainingCheckpoints:
         else:
             save_checkpoint(self.root, step, shards, rank_state, shared, coordinator=self.coordinator,
                             keep_latest=self.keep_latest, on_event=self.on_event)
+        self.last_save = _clock()
         if self.rank == 0 and (wait or self.saver is None):
             self.log(f"paratrain: saved checkpoint {step_dirname(step)} ({time.perf_counter() - start:.2f} s)")
 
