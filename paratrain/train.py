@@ -113,6 +113,8 @@ def loop(run: Run) -> tuple[float, float, float]:
             run.comm.reset()
             timer, start = StepTimer(run.comm), time.perf_counter()
             lr = set_learning_rate(run.optimizer, step, cfg, run.checkpoints.lr_start)
+            if step == run.resumed_step + 1:
+                warn_lr_jump(run, step, lr)
             # The profiler's range and the memory snapshots (--memory-snapshot) cover the step proper.
             with profiler.step(step) as trace, run.snapshots.around_step(step):
                 with timer.phase("data"):
@@ -145,6 +147,15 @@ def loop(run: Run) -> tuple[float, float, float]:
                 break
     bar.close()
     return first_loss, loss, eval_loss
+
+
+def warn_lr_jump(run: Run, step: int, lr: float) -> None:
+    """A warning when the first step after a resume moves the learning rate by more than 10% of the saved step's
+    (outside a warm-up, which starts from 0 by design): the schedule was changed under the checkpoint."""
+    before, t = run.checkpoints.resumed_lr, run.cfg.train
+    if run.env.is_main and before and step - run.checkpoints.lr_start > t.warmup_steps and abs(lr - before) > 0.1 * before:
+        print(f"paratrain: warning: the learning rate jumps from {before:.3g} at step {step - 1} to {lr:.3g} at step "
+              f"{step} (more than 10%): the schedule differs from the one the checkpoint was saved in", flush=True)
 
 
 def log_step(run: Run, bar: tqdm, record: dict, write: bool = True) -> None:

@@ -411,3 +411,40 @@ def test_a_run_checkpoints_by_the_clock_and_at_the_end_without_being_asked(tmp_p
     assert main(["train", *TINY, "--steps", "2", "--checkpoint-every", "0", "--out", str(off)]) == 0
     assert "checkpoints off (--checkpoint-every 0)" in capsys.readouterr().out.splitlines()[0]
     assert not list_checkpoints(off / "checkpoints")
+
+
+def test_resume_takes_what_a_user_points_at_and_continues_the_run_with_its_own_config(tmp_path, capsys):
+    """A run directory, its checkpoints/, its `latest`, its final/: each means the newest complete checkpoint; with
+    no other flag the run continues in its own directory with its own options, the same losses as unbroken."""
+    from paratrain.config import Config
+    from paratrain.run.checkpoints import resolve_resume
+
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "6", "--checkpoint-every", "3", "--out", str(run)]) == 0
+    unbroken = [r["loss"] for r in read_metrics(run / "metrics.jsonl")]
+    for pointer in (run, run / "checkpoints", run / "checkpoints" / "latest", run / "final"):
+        cfg = Config()
+        cfg.checkpoint.resume = str(pointer)
+        assert "newest complete checkpoint is step-00000006" in resolve_resume(cfg)
+        assert cfg.checkpoint.resume == str(run / "checkpoints" / "step-00000006") and cfg.run.out == str(run)
+    torn = next((run / "checkpoints" / "step-00000006").glob("*.safetensors"))
+    torn.write_bytes(torn.read_bytes()[:-1])
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000006 is torn" in out and "the one before it is used" in out, out
+    assert re.search(r"resumed from \S+step-00000003 at step 3 \(saved \d{4}-\d\d-\d\d \d\d:\d\d UTC by dp=1 tp=1 pp=1 "
+                     r"zero=0 fp32 on 1 process\(es\)\)", out), out
+    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl")] == unbroken
+
+    # A longer schedule under the checkpoint: refused before anything runs, naming --reset lr.
+    assert main(["train", "--resume", str(run), "--steps", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 9 changes the learning-rate schedule" in err and "--reset lr" in err, err
+
+    off = tmp_path / "off"
+    assert main(["train", *TINY, "--steps", "2", "--checkpoint-every", "0", "--out", str(off)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(off)]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint was written" in err and "checkpoints were off in that run (--checkpoint-every 0)" in err, err

@@ -39,7 +39,9 @@ from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParalle
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.rules import CheckedLayout
-from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
+from paratrain.run.checkpoints import (
+    TrainingCheckpoints, check_resume_option, explain_layout_error, resolve_resume,
+)
 from paratrain.run.guard import StepGuard
 from paratrain.run.inputs import check_paths, tokenizer_vocab
 from paratrain.run.memory_budget import check_free_memory, check_memory_budget
@@ -99,6 +101,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     directory, when it can without the others: one process, or a launcher that gave the job a run
     id (else `shared_run_dir`).
     """
+    note = resolve_resume(cfg)  # a run directory, checkpoints/, latest: the step directory it means (and its --out)
+    if note:
+        print(f"paratrain: {note}", flush=True)
     if not cfg.run.out:
         cfg.run.out = default_run_dir(cfg)
     try:

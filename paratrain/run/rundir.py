@@ -87,7 +87,7 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
         if not list_checkpoints(out / CHECKPOINT_DIR):
             raise ConfigError(f"--out {out} already holds a run and it has no checkpoint to resume; choose "
                               f"another --out or pass --overwrite")
-        difference = config_difference(_stored_config(out), cfg.to_dict())
+        difference = config_difference(read_stored_config(out), cfg.to_dict())
         if difference:
             raise ConfigError(f"--out {out} holds another run ({difference}); choose another --out, pass "
                               f"--overwrite, or --resume <checkpoint> to start a new run from its weights")
@@ -143,7 +143,8 @@ def checkpoint_run_id(path: Path) -> str | None:
     return read_index(path).shared_state.get("run_id")
 
 
-def _stored_config(out: Path) -> dict:
+def read_stored_config(out: Path) -> dict:
+    """The resolved config of the run in `out` (config.json), or {} where there is none."""
     try:
         return json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
