@@ -342,17 +342,22 @@ def check_values(cfg: Config) -> None:
 
 
 def resolve_recipe(cfg: Config) -> None:
-    """Fill the [train] optimizer options left unset from the named model's recipe (`paratrain.models.RECIPES`).
+    """Fill the [train] optimizer options left unset from the named model's recipe (`paratrain.models.RECIPES`), or
+    with --init-from the fine-tuning recipe of a pretrained model (`paratrain.models.configs.FINE_TUNE`).
 
     A value from the TOML file or the command line wins; a peak learning rate given without
     --min-lr decays to the recipe's fraction of it. Every process resolves them alike, before
     validation, and the run's config.json records the values used.
     """
     from paratrain.models import Recipe, get_recipe
+    from paratrain.models.configs import FINE_TUNE_WARMUP
 
-    t, recipe = cfg.train, get_recipe(cfg.model.name)
+    fine_tune = bool(cfg.model.init_from)
+    t, recipe = cfg.train, get_recipe(cfg.model.name, fine_tune=fine_tune)
     if t.min_lr is None and t.lr is not None:
         t.min_lr = t.lr * (recipe.min_lr / recipe.lr)
+    if fine_tune and t.warmup_steps is None:
+        t.warmup_steps = round(FINE_TUNE_WARMUP * t.steps)
     for f in dataclasses.fields(Recipe):
         if f.name != "source" and getattr(t, f.name) is None:
             setattr(t, f.name, getattr(recipe, f.name))

@@ -12,6 +12,7 @@ model and optimizer before the checkpoints that resume them; the resume before t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -173,11 +174,12 @@ def describe(run: Run) -> str:
     """The one line a run starts with: model, processes, layout, data."""
     cfg, p, mesh = run.cfg, run.cfg.parallel, run.mesh
     entropy = unigram_entropy(run.train_set.stream.tokens, run.model_cfg.vocab_size)
-    return (f"paratrain: {cfg.model.name} ({run.model_cfg.num_params():,} parameters), "
+    return (f"paratrain: {model_name(cfg, run.model_cfg)} ({run.model_cfg.num_params():,} parameters), "
             f"{run.env.world_size} process(es) on {run.device.type} (dp={mesh.size('dp')}, "
             f"tp={p.tp}{', sp' if p.sequence_parallel else ''}{f', cp={p.cp}' if p.cp > 1 else ''}{f', ep={p.ep}' if p.ep > 1 else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
             f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
             f"tokens, {run.accumulation} micro-batch(es) per step; unigram entropy of the data {entropy:.3f} nats"
+            + f"; {describe_recipe(cfg)}"
             + (f"; checkpoints {run.checkpoints.policy} and at the end" if run.checkpoints.policy.enabled else
                "; checkpoints off (--checkpoint-every 0): only a SIGTERM saves one, a crash loses the run")
             + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else "")
@@ -187,6 +189,37 @@ def describe(run: Run) -> str:
             + (f"; {'parameters and ' if p.offload == 'params' else ''}optimizer offloaded to host memory "
                f"({run.model.offload.host_bytes() / 1e9:.3g} GB per process before the optimizer's state)"
                if p.offload else ""))
+
+
+def model_name(cfg: Config, model_cfg: ModelConfig) -> str:
+    """What the model is: the named config, or --init-from's architecture and size (never the config --model
+    defaulted to, which only names the run then)."""
+    if not cfg.model.init_from:
+        return cfg.model.name
+    from paratrain.interop.hf import architecture_name
+
+    n = model_cfg.num_params()
+    size = next(f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+                if n >= scale or scale == 1)
+    return f"{architecture_name(cfg.model.init_from)} {size} from {cfg.model.init_from}"
+
+
+def describe_recipe(cfg: Config) -> str:
+    """The optimizer and schedule the run uses and where each value came from: the recipe (named with its source)
+    or the user (a value other than the recipe's)."""
+    from paratrain.models import get_recipe
+    from paratrain.models.configs import FINE_TUNE_WARMUP
+
+    t, fine_tune = cfg.train, bool(cfg.model.init_from)
+    recipe = get_recipe(cfg.model.name, fine_tune=fine_tune)
+    ours = {"lr": recipe.lr, "min_lr": t.lr * recipe.min_lr / recipe.lr, "weight_decay": recipe.weight_decay,
+            "warmup_steps": round(FINE_TUNE_WARMUP * t.steps) if fine_tune else recipe.warmup_steps}
+    values = {"lr": f"lr {t.lr:.3g}", "warmup_steps": f"warm-up {t.warmup_steps} steps",
+              "min_lr": f"cosine to {t.min_lr:.3g}", "weight_decay": f"weight decay {t.weight_decay:g}"}
+    given = [key for key in values if not math.isclose(getattr(t, key), ours[key], rel_tol=1e-9)]
+    whose = f"{'fine-tuning' if fine_tune else cfg.model.name} recipe: {recipe.source}"
+    return (f"{', '.join(values.values())} (" + (f"{', '.join('--' + k.replace('_', '-') for k in given)} given, "
+                                                 f"the rest from the " if given else "from the ") + f"{whose})")
 
 
 def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout: CheckedLayout | None = None,
