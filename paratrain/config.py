@@ -461,12 +461,13 @@ def layout_spec(cfg: Config, world_size: int, model_cfg=None) -> LayoutSpec:
         dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp).dp
     except ParatrainError as e:  # the mesh's: a config error here, naming the options
         raise ConfigError(str(e)) from None
+    defaulted = t.global_batch is None and t.micro_batch is None
     resolve_batch(cfg, dp)
     return LayoutSpec(
         dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, activation_checkpointing=p.activation_checkpointing,
         dp_shard=p.dp_shard, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
-        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len)
+        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len, batch_defaulted=defaulted)
 
 
 def resolve_batch(cfg: Config, dp: int) -> None:

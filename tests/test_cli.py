@@ -94,6 +94,10 @@ def paratrain(*argv, timeout=120):
     (["--join-timeout", "0"], "--join-timeout must be positive seconds"),
     (["--vocab-size", "100"], "the tokenizer has 259 tokens but model 'tiny' only 100"),
     (["--data", ":0.5"], "(a mixture is WEIGHT:SOURCE for every source"),
+    # The batch left to its defaults is resolved again for another dp: the nearest layout is offered, not a batch
+    # the user never set blamed.
+    (["--nproc", "3", "--tp", "3", "--n-heads", "8", "--n-kv-heads", "4"],
+     "heads 8 not divisible by tp 3; nearest valid layouts: dp=3 tp=1 pp=1"),
     (["--init-from", "{tmp}/no-such-model"], "--init-from"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
