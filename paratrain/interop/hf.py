@@ -318,16 +318,6 @@ def _get(doc: dict, key: str) -> Any:
     return _HF_DEFAULTS[key] if value is None else value
 
 
-def architecture_name(directory: str | os.PathLike) -> str:
-    """What config.json says the model is (its first architecture, else its model_type), for a run's first line."""
-    try:
-        doc = json.loads((Path(directory) / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return "model"
-    return ((doc.get("architectures") or [None])[0] or doc.get("model_type") or "model") if isinstance(doc, dict) \
-        else "model"
-
-
 def read_hf_config(directory: str | os.PathLike) -> ModelConfig:
     """The model config of the Hugging Face directory `directory` (reads config.json only)."""
     directory = _existing_dir(directory)

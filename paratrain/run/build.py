@@ -12,6 +12,7 @@ model and optimizer before the checkpoints that resume them; the resume before t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -196,12 +197,15 @@ def model_name(cfg: Config, model_cfg: ModelConfig) -> str:
     defaulted to, which only names the run then)."""
     if not cfg.model.init_from:
         return cfg.model.name
-    from paratrain.interop.hf import architecture_name
-
+    try:  # config.json was read and checked in preflight (`imported_model_config`): here only its name
+        doc = json.loads((Path(cfg.model.init_from) / "config.json").read_text())
+    except (OSError, ValueError):
+        doc = {}
+    architecture = (doc.get("architectures") or [None])[0] or doc.get("model_type") or "model"
     n = model_cfg.num_params()
     size = next(f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
                 if n >= scale or scale == 1)
-    return f"{architecture_name(cfg.model.init_from)} {size} from {cfg.model.init_from}"
+    return f"{architecture} {size} from {cfg.model.init_from}"
 
 
 def describe_recipe(cfg: Config) -> str:
