@@ -299,8 +299,9 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
     seq = f"seq {workload.seq_len}"
     if args is not None and "data.seq_len" not in given and workload.model is not None:
         seq += " (assumed: the model's pretraining length; --seq-len to change)"
-    precision = workload.precision + (" (assumed; --precision to change)" if args is not None and
-                                      "parallel.precision" not in given else "")
+    # --fp8 implies bf16 (FP8 keeps bf16 for what it does not cast): assumed only when nothing implies it
+    precision = workload.precision + (" (assumed; --precision to change)" if args is not None and not workload.fp8
+                                      and "parallel.precision" not in given else "")
     return (f"{what}, {seq}, {batch}, {precision}{fp8}, {stack}; "
             f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
             f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s{fp8_peak}, matmuls at {curve.peak_efficiency:g}·x/(x + "
