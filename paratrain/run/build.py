@@ -42,7 +42,7 @@ from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.run.checkpoints import (
-    TrainingCheckpoints, check_resume_option, explain_layout_error, resolve_resume,
+    TrainingCheckpoints, check_resume_option, check_resumed_schedule, explain_layout_error, resolve_resume,
 )
 from paratrain.run.guard import StepGuard
 from paratrain.run.inputs import check_paths, tokenizer_vocab
@@ -128,6 +128,7 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     resolve_model_config(cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
     if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
         claim_run_dir(cfg, restarted=current_attempt() > 0)  # (every rank passes here before rank 0 writes)
+    check_resumed_schedule(cfg)  # after the claim: another run's --out is refused first
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
     check_clients(tracker_names(cfg))  # a tracker whose client is missing refuses the run now, not after the build
     profile_steps(cfg)

@@ -368,8 +368,8 @@ def continue_config(cfg: Config, given: set[str]) -> Config:
 
 
 def check_resume_option(cfg: Config) -> None:
-    """Preflight: an explicit --resume must be a committed checkpoint with every file of the right size, and a
-    continued stage must keep the learning-rate schedule the checkpoint is in (or start one with --reset lr).
+    """Preflight: an explicit --resume must be a committed checkpoint with every file of the right size (whether
+    the continued stage keeps its schedule is `check_resumed_schedule`'s, after the run directory's claim).
 
     (Checksums are verified once, by rank 0, when the run resumes: here every rank would read
     every file.)
@@ -377,11 +377,17 @@ def check_resume_option(cfg: Config) -> None:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none"):
         verify_checkpoint(resume, checksums=False)
-        check_schedule(cfg, read_index(resume))
     if cfg.checkpoint.reset and resume in ("auto", "none"):
         raise ConfigError(f"--reset {cfg.checkpoint.reset} starts a new stage from a checkpoint: give it as --resume "
                           f"PATH (a step-* directory of the earlier run)")
     reset_parts(cfg.checkpoint.reset)
+
+
+def check_resumed_schedule(cfg: Config) -> None:
+    """Preflight, after the run directory's claim (resuming into another run's --out is the more fundamental
+    refusal): an explicit --resume continues the learning-rate schedule its checkpoint is in, or --reset lr."""
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        check_schedule(cfg, read_index(cfg.checkpoint.resume))
 
 
 def check_schedule(cfg: Config, index) -> None:
