@@ -357,6 +357,9 @@ def continue_config(cfg: Config, given: set[str]) -> Config:
     note = resolve_resume(cfg)
     if note:
         print(f"paratrain: {note}", flush=True)
+    # Verified first, as preflight does: a damaged checkpoint is refused for what verifying finds (a file's size
+    # against the manifest), not for whatever reading its config trips over.
+    verify_checkpoint(cfg.checkpoint.resume, checksums=False)
     stored = read_index(cfg.checkpoint.resume).shared_state.get("config") or {}
     merged = cfg.to_dict()
     for section, values in stored.items():
