@@ -216,8 +216,10 @@ class LoggingSection:
 
 @dataclass
 class CheckpointSection:
-    every: int = option(0, "save a sharded checkpoint under <out>/checkpoints every N steps and at the last "
-                           "step (0: never; a SIGTERM still saves one before the run stops)", flag="--checkpoint-every")
+    every: int | str = option(
+        "30m", "save a sharded checkpoint under <out>/checkpoints every N steps, or by the clock every N minutes "
+               "('30m'; also '90s', '2h'), and always at the last step and on SIGTERM; 0: never (a SIGTERM still "
+               "saves one before the run stops)", flag="--checkpoint-every")
     keep_latest: int = option(2, "committed checkpoints to keep, the newest (at least 2, so that a damaged newest "
                                  "one leaves a fallback; 0 keeps all)", flag="--keep-latest")
     async_save: bool = option(False, "write checkpoints from a background thread; training pauses only while "
@@ -404,17 +406,22 @@ def check_values(cfg: Config) -> None:
 
 
 def resolve_recipe(cfg: Config) -> None:
-    """Fill the [train] optimizer options left unset from the named model's recipe (`paratrain.models.RECIPES`).
+    """Fill the [train] optimizer options left unset from the named model's recipe (`paratrain.models.RECIPES`), or
+    with --init-from the fine-tuning recipe of a pretrained model (`paratrain.models.configs.FINE_TUNE`).
 
     A value from the TOML file or the command line wins; a peak learning rate given without
     --min-lr decays to the recipe's fraction of it. Every process resolves them alike, before
     validation, and the run's config.json records the values used.
     """
     from paratrain.models import Recipe, get_recipe
+    from paratrain.models.configs import FINE_TUNE_WARMUP
 
-    t, recipe = cfg.train, get_recipe(cfg.model.name)
+    fine_tune = bool(cfg.model.init_from)
+    t, recipe = cfg.train, get_recipe(cfg.model.name, fine_tune=fine_tune)
     if t.min_lr is None and t.lr is not None:
         t.min_lr = t.lr * (recipe.min_lr / recipe.lr)
+    if fine_tune and t.warmup_steps is None:
+        t.warmup_steps = round(FINE_TUNE_WARMUP * t.steps)
     for f in dataclasses.fields(Recipe):
         if f.name != "source" and getattr(t, f.name) is None:
             setattr(t, f.name, getattr(recipe, f.name))
@@ -423,7 +430,8 @@ def resolve_recipe(cfg: Config) -> None:
 def _check_reliability(cfg: Config) -> None:
     """The [checkpoint] and [reliability] rules (the resume path itself is checked by the trainer's preflight)."""
     c, r = cfg.checkpoint, cfg.reliability
-    for name, value in [("--checkpoint-every", c.every), ("--load-step", c.load_step),
+    checkpoint_policy(c.every)
+    for name, value in [("--load-step", c.load_step),
                         ("--check-every", r.check_every)]:
         if value < 0:
             raise ConfigError(f"{name} must not be negative, got {value}")
@@ -440,6 +448,43 @@ def _check_reliability(cfg: Config) -> None:
     _check_timeout("--pg-timeout", r.pg_timeout_s)
     if r.step_timeout_s:
         _check_timeout("--step-timeout", r.step_timeout_s, " (or 0: no watchdog)")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a run saves, from --checkpoint-every: every `steps` steps, or every `seconds` of wall clock (at most
+    one of them set), and at the last step; neither: never (only a SIGTERM's save)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.steps or self.seconds)
+
+    def __str__(self) -> str:
+        if self.steps:
+            return f"every {self.steps} steps"
+        minutes = self.seconds / 60
+        return f"every {minutes:g} min" if self.seconds >= 60 else f"every {self.seconds:g} s"
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|min|h)")
+_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def checkpoint_policy(every: int | str) -> CheckpointPolicy:
+    """--checkpoint-every's value as a policy: N steps, or a duration such as '30m' (ConfigError otherwise)."""
+    text = str(every).strip().lower()
+    if re.fullmatch(r"-?\d+", text):
+        if int(text) < 0:
+            raise ConfigError(f"--checkpoint-every must not be negative, got {text}")
+        return CheckpointPolicy(steps=int(text))
+    match = _DURATION.fullmatch(text)
+    if match is None or not float(match.group(1)) > 0:
+        raise ConfigError(f"--checkpoint-every {every!r}: give a number of steps (0: never) or a duration such as "
+                          f"'30m', '90s' or '2h'")
+    return CheckpointPolicy(seconds=float(match.group(1)) * _SECONDS[match.group(2)])
 
 
 def _check_timeout(flag: str, seconds: float, alternative: str = "") -> None:
@@ -480,12 +525,13 @@ def layout_spec(cfg: Config, world_size: int, model_cfg=None) -> LayoutSpec:
         dp = MeshShape.for_world(world_size, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp).dp
     except ParatrainError as e:  # the mesh's: a config error here, naming the options
         raise ConfigError(str(e)) from None
+    defaulted = t.global_batch is None and t.micro_batch is None
     resolve_batch(cfg, dp)
     return LayoutSpec(
         dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, activation_checkpointing=p.activation_checkpointing,
         dp_shard=p.dp_shard, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
-        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len)
+        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len, batch_defaulted=defaulted)
 
 
 def resolve_batch(cfg: Config, dp: int) -> None:

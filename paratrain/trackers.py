@@ -107,14 +107,16 @@ class TensorBoardTracker:
 
 class WandbTracker:
     """A W&B run with the paratrain run's id (resume="allow": a resumed run continues it), its files under
-    <out>/wandb; WANDB_MODE, WANDB_PROJECT (default "paratrain") and W&B's other variables apply."""
+    <out>/wandb, or under WANDB_DIR where the user set it (W&B's own convention, which accelerate and the
+    Trainer respect); WANDB_MODE, WANDB_PROJECT (default "paratrain") and W&B's other variables apply."""
 
     def __init__(self, out: Path, run_id: str, config: dict, purge_step: int | None):
         import wandb
 
-        (out / WANDB_DIR).mkdir(exist_ok=True)
+        where = Path(os.environ.get("WANDB_DIR") or out)
+        (where / WANDB_DIR).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "paratrain"), id=run_id, name=out.name,
-                              dir=str(out), config=flat_config(config), resume="allow",
+                              dir=str(where), config=flat_config(config), resume="allow",
                               settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, values: dict[str, float]) -> None:

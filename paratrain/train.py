@@ -99,7 +99,12 @@ def loop(run: Run) -> tuple[float, float, float]:
     first_loss = loss = eval_loss = float("nan")
     last_save_s = 0.0
     layers = moe_layers(model)  # a mixture of experts' layers on this rank, whose load each step's agreement carries
-    load = lambda: moe_counts(layers, run.model_cfg.n_layers, run.model_cfg.n_experts)  # noqa: E731
+    moe = bool(layers or run.model_cfg.n_experts)
+
+    def counts() -> dict:  # this rank's numbers the step's agreement carries: the clock's save, a MoE's load
+        load = moe_counts(layers, run.model_cfg.n_layers, run.model_cfg.n_experts) if moe else {}
+        return {**load, "save_due": float(run.checkpoints.clock_due())}
+
     profiler = StepProfiler(profile_steps(cfg), run.out, run.env.rank, run.device)  # --profile-steps
     # A failed collective says which rank was where; saves are waited for; a profile cut short still ends.
     with guard.running(), run.checkpoints, contextlib.closing(profiler):
@@ -108,6 +113,8 @@ def loop(run: Run) -> tuple[float, float, float]:
             run.comm.reset()
             timer, start = StepTimer(run.comm), time.perf_counter()
             lr = set_learning_rate(run.optimizer, step, cfg, run.checkpoints.lr_start)
+            if step == run.resumed_step + 1:
+                warn_lr_jump(run, step, lr)
             # The profiler's range and the memory snapshots (--memory-snapshot) cover the step proper.
             with profiler.step(step) as trace, run.snapshots.around_step(step):
                 with timer.phase("data"):
@@ -116,7 +123,7 @@ def loop(run: Run) -> tuple[float, float, float]:
                     batches = next_batches(run)
                 step_fn = faulty(train_step, run.comm, run.env.rank, step)  # train_step itself when no fault is due
                 outcome = step_fn(model, run.optimizer, batches, t.grad_clip, timer=timer, stop=guard.stop_requested,
-                                  peak=run.memory, more_counts=load if layers or run.model_cfg.n_experts else None)
+                                  peak=run.memory, more_counts=counts)
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             record.update(source_record(run, position))
@@ -132,12 +139,23 @@ def loop(run: Run) -> tuple[float, float, float]:
                 guard.perturb()
             guard.end_step(step)  # may stop the run: too many non-finite steps, diverged replicas
             with timer.phase("checkpoint"):
-                run.checkpoints.after_step(step, run.tokens_seen, last=step == t.steps, stopping=guard.stopping)
+                # Rank 0's clock decides, so that every rank saves at the same step.
+                run.checkpoints.after_step(step, run.tokens_seen, last=step == t.steps, stopping=guard.stopping,
+                                           clock_due=outcome.verdict.per_rank["save_due"][0] > 0)
             last_save_s = timer.seconds["checkpoint"]
             if guard.stopping:  # SIGTERM on some rank: checkpoint saved, leave now
                 break
     bar.close()
     return first_loss, loss, eval_loss
+
+
+def warn_lr_jump(run: Run, step: int, lr: float) -> None:
+    """A warning when the first step after a resume moves the learning rate by more than 10% of the saved step's
+    (outside a warm-up, which starts from 0 by design): the schedule was changed under the checkpoint."""
+    before, t = run.checkpoints.resumed_lr, run.cfg.train
+    if run.env.is_main and before and step - run.checkpoints.lr_start > t.warmup_steps and abs(lr - before) > 0.1 * before:
+        print(f"paratrain: warning: the learning rate jumps from {before:.3g} at step {step - 1} to {lr:.3g} at step "
+              f"{step} (more than 10%): the schedule differs from the one the checkpoint was saved in", flush=True)
 
 
 def log_step(run: Run, bar: tqdm, record: dict, write: bool = True) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain.checkpoint import CheckpointReader, verify_checkpoint
+from paratrain.checkpoint import CheckpointReader, list_checkpoints, verify_checkpoint
 from paratrain.cli import build_parser, main
 from paratrain.commands.options import config_from_args
 from paratrain.run.diagnose import FingerprintRing, describe
@@ -390,3 +390,61 @@ def test_a_rank_saves_its_own_gpus_rng_state_and_restores_it_where_fewer_gpus_ar
     assert torch.equal(restoring.states[0], saving.states[1]), "restored to this rank's device"
     saved = CheckpointReader(path).rank_state(0)["rng"]["cuda"]
     assert torch.equal(saved, saving.states[1]), "this rank's device only, not every visible GPU's"
+
+
+def test_a_run_checkpoints_by_the_clock_and_at_the_end_without_being_asked(tmp_path, monkeypatch, capsys):
+    """The default policy (every 30 min of wall clock, and the last step), on a clock that the test moves 10 minutes
+    at each reading: the start, then each step's agreement (rank 0's verdict), then each save."""
+    import paratrain.run.checkpoints as checkpoints
+
+    now = iter(range(0, 10**6, 600))
+    monkeypatch.setattr(checkpoints, "_clock", lambda: next(now))
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "8", "--keep-latest", "0", "--out", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "checkpoints every 30 min and at the end" in first, first
+    # Readings: 0 at the start; steps 1, 2, 3 at 600, 1200, 1800 (due: saved, reading 2400); steps 4, 5, 6 at 3000,
+    # 3600, 4200 (due); steps 7, 8 at 5400, 6000 and the last step saved.
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000003", "step-00000006",
+                                                                      "step-00000008"]
+    off = tmp_path / "off"
+    assert main(["train", *TINY, "--steps", "2", "--checkpoint-every", "0", "--out", str(off)]) == 0
+    assert "checkpoints off (--checkpoint-every 0)" in capsys.readouterr().out.splitlines()[0]
+    assert not list_checkpoints(off / "checkpoints")
+
+
+def test_resume_takes_what_a_user_points_at_and_continues_the_run_with_its_own_config(tmp_path, capsys):
+    """A run directory, its checkpoints/, its `latest`, its final/: each means the newest complete checkpoint; with
+    no other flag the run continues in its own directory with its own options, the same losses as unbroken."""
+    from paratrain.config import Config
+    from paratrain.run.checkpoints import resolve_resume
+
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "6", "--checkpoint-every", "3", "--out", str(run)]) == 0
+    unbroken = [r["loss"] for r in read_metrics(run / "metrics.jsonl")]
+    for pointer in (run, run / "checkpoints", run / "checkpoints" / "latest", run / "final"):
+        cfg = Config()
+        cfg.checkpoint.resume = str(pointer)
+        assert "newest complete checkpoint is step-00000006" in resolve_resume(cfg)
+        assert cfg.checkpoint.resume == str(run / "checkpoints" / "step-00000006") and cfg.run.out == str(run)
+    torn = next((run / "checkpoints" / "step-00000006").glob("*.safetensors"))
+    torn.write_bytes(torn.read_bytes()[:-1])
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000006 is torn" in out and "the one before it is used" in out, out
+    assert re.search(r"resumed from \S+step-00000003 at step 3 \(saved \d{4}-\d\d-\d\d \d\d:\d\d UTC by dp=1 tp=1 pp=1 "
+                     r"zero=0 fp32 on 1 process\(es\)\)", out), out
+    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl")] == unbroken
+
+    # A longer schedule under the checkpoint: refused before anything runs, naming --reset lr.
+    assert main(["train", "--resume", str(run), "--steps", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 9 changes the learning-rate schedule" in err and "--reset lr" in err, err
+
+    off = tmp_path / "off"
+    assert main(["train", *TINY, "--steps", "2", "--checkpoint-every", "0", "--out", str(off)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(off)]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint was written" in err and "checkpoints were off in that run (--checkpoint-every 0)" in err, err

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -91,6 +92,13 @@ def paratrain(*argv, timeout=120):
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT and --rdzv-id ID"),
     (["--rdzv-endpoint", "somewhere"], "--rdzv-endpoint 'somewhere' is not HOST:PORT"),
     (["--join-timeout", "0"], "--join-timeout must be positive seconds"),
+    (["--vocab-size", "100"], "the tokenizer has 259 tokens but model 'tiny' only 100"),
+    (["--data", ":0.5"], "(a mixture is WEIGHT:SOURCE for every source"),
+    # The batch left to its defaults is resolved again for another dp: the nearest layout is offered, not a batch
+    # the user never set blamed.
+    (["--nproc", "3", "--tp", "3", "--n-heads", "8", "--n-kv-heads", "4"],
+     "heads 8 not divisible by tp 3; nearest valid layouts: dp=3 tp=1 pp=1"),
+    (["--init-from", "{tmp}/no-such-model"], "--init-from"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     bad_inputs(tmp_path)
@@ -156,6 +164,30 @@ def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("case", ["occupied out", "tokenizer larger than the model", "layout"])
+def test_a_launch_refuses_in_the_launching_process_before_any_rank_starts(case, tmp_path):
+    """Exit 2 with one line, within 5 s of the command, nothing written into --out: the refusals a worker would
+    otherwise make after the launch (and leave run.json behind)."""
+    out = tmp_path / "run"
+    argv = {"occupied out": [], "tokenizer larger than the model": ["--vocab-size", "100"],
+            "layout": ["--tp", "3"]}[case]
+    if case == "occupied out":
+        out.mkdir()
+        (out / "run.json").write_text('{"run_id": "earlier"}\n')
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted((p.name, p.read_text()) for p in out.iterdir()) if out.exists() else None
+    # The command's processor time, not its wall time: on a loaded machine (this suite's peers) the wall time
+    # measures the load; on an idle one the two agree.
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = paratrain("train", "--nproc", "2", "--steps", "2", "--out", str(out), *argv, *SMALL, timeout=120)
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    elapsed = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    assert result.returncode == 2 and result.stderr.startswith("paratrain train: error: "), result.stderr
+    assert result.stderr.count("\n") == 1 and "rank" not in result.stderr, result.stderr
+    assert (sorted((p.name, p.read_text()) for p in out.iterdir()) if out.exists() else None) == before
+    assert elapsed < 5, f"refused after {elapsed:.1f} s of processor time"
+
+
 def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -204,6 +236,31 @@ def test_prepare_then_train_on_it(tmp_path, capsys):
     assert main(["train", "--data", str(tmp_path / "tokens"), "--steps", "3", "--out", str(tmp_path / "run"),
                  *SMALL]) == 0
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
+
+
+def test_prepare_refuses_a_full_out_naming_overwrite_and_meta_json_names_its_tokenizer_absolutely(
+        tmp_path, capsys, monkeypatch):
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "tokens"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    (tmp_path / "tok").mkdir()
+    from paratrain.data.tokenizer import ByteTokenizer
+    ByteTokenizer().save(tmp_path / "tok")
+    monkeypatch.chdir(tmp_path)  # the tokenizer given relative to where prepare runs
+    assert main(["prepare", "--data", str(corpus), "--tokenizer", "tok/byte_tokenizer.json", "--out", str(out)]) == 0
+    spec = json.loads((out / "meta.json").read_text())["tokenizer_spec"]
+    assert Path(spec).is_absolute() and Path(spec) == tmp_path / "tok" / "byte_tokenizer.json"
+    capsys.readouterr()
+    assert main(["prepare", "--data", str(corpus), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--overwrite" in err and len(err.splitlines()) == 1
+    corpus.write_text("short\n" * 200)
+    assert main(["prepare", "--data", str(corpus), "--tokenizer", "tok/byte_tokenizer.json", "--out", str(out),
+                 "--overwrite"]) == 0
+    assert json.loads((out / "meta.json").read_text())["num_tokens"] == 200 * len("short\n") + 1
+    # Read from elsewhere, the corpus still matches its tokenizer given by that absolute path.
+    monkeypatch.chdir(tmp_path / "tok")
+    from paratrain.data.dataset import build_dataset
+    build_dataset(str(out), spec, 16, None, progress=False)
 
 
 def test_log_every_thins_the_metrics_and_every_record_has_its_grad_norm(tmp_path):

@@ -59,14 +59,24 @@ def dataclasses_replace(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
-def test_init_from_trains_it_and_export_writes_its_rope_scaling_back(tmp_path):
-    _llama32_dir(tmp_path / "hf")
+def test_init_from_trains_it_and_export_writes_its_rope_scaling_back(tmp_path, capsys):
+    hf = _llama32_dir(tmp_path / "hf")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     code = main(["train", "--init-from", str(tmp_path / "hf"), "--data", str(corpus), "--out", str(tmp_path / "run"),
                  "--steps", "3", "--global-batch", "4", "--micro-batch", "4", "--seq-len", "64", "--eval-every", "0",
                  "--sample-tokens", "0", "--no-progress", "--peak-flops", "1e12"])
     assert code == 0
+    # The first line names the model by what the directory holds and trains it with the fine-tuning recipe, never
+    # the toy config --model defaulted to (tiny's peak 3e-3 would wreck pretrained weights).
+    first = capsys.readouterr().out.splitlines()[0]
+    size = sum(p.numel() for p in hf.parameters())
+    assert first.startswith(f"paratrain: LlamaForCausalLM {size / 1e3:.3g}K from {tmp_path / 'hf'} ({size:,} "
+                            f"parameters)"), first
+    assert "lr 2e-05, warm-up 0 steps, cosine to 2e-06, weight decay 0.1 (from the fine-tuning recipe: full " \
+           "fine-tuning: Llama 2-Chat's SFT (Touvron et al. 2023, §3.1" in first, first
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(2e-6 <= r["lr"] <= 2e-5 for r in records), records
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     doc = json.loads((tmp_path / "out" / "config.json").read_text())
     assert doc["rope_scaling"] == ROPE and doc["tie_word_embeddings"] is True and doc["rope_theta"] == 500000.0

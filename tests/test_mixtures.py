@@ -186,7 +186,8 @@ def _optimizer_steps(checkpoint: Path) -> float:
                                                             ("data,step", [1, 2, 3, 4, 5, 6], 0)])
 def test_a_new_stage_continues_the_model_and_optimizer_on_new_data(corpora, tmp_path, reset, steps, schedule_start):
     first, stage = tmp_path / "first", tmp_path / "stage"
-    assert main(_argv(corpora, first, "--steps", "4", "--checkpoint-every", "4")) == 0
+    # Six steps planned, so that a stage that keeps the schedule ('data') continues it as it was.
+    assert main(_argv(corpora, first, "--steps", "6", "--checkpoint-every", "4")) == 0
     checkpoint = first / "checkpoints" / "step-00000004"
     argv = ["train", *TINY, "--data", str(corpora["wiki"]), "--steps", "6", "--checkpoint-every", "6"]
     assert main([*argv, "--resume", str(checkpoint), "--reset", reset, "--out", str(stage)]) == 0

@@ -496,3 +496,20 @@ def test_plan_answers_without_importing_torch():
             "sys.exit(3 if 'torch' in sys.modules else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_plan_assumes_the_models_pretraining_length_and_says_so(capsys):
+    """Llama 3.1's 131,072-token context came from a late long-context stage: it pretrained, and is trained, at
+    8,192 (its rope's original context); Llama 2 at its 4,096. The first line names each assumption."""
+    from paratrain.cli import main
+
+    assert main(["plan", "--model", "llama3.1-8b", "--gpus", "8", "--gpu-memory", "80GB", "--top", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "seq 8192 (assumed: the model's pretraining length; --seq-len to change)" in first, first
+    assert "global batch 512 (assumed:" in first and "bf16 (assumed; --precision to change)" in first, first
+    assert main(["plan", "--model", "llama2-7b", "--gpus", "8", "--precision", "fp32", "--seq-len", "2048",
+                 "--global-batch", "64", "--top", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "seq 2048," in first and "assumed" not in first, first
+    assert get_model_config("llama2-7b").pretraining_seq_len == 4096
+    assert get_model_config("llama3.2-1b").pretraining_seq_len == 8192

@@ -234,3 +234,22 @@ def test_a_mixture_of_experts_gets_its_expert_load_figure(real_run, tmp_path, ca
     assert (tmp_path / "with" / "experts.png").read_bytes().startswith(PNG_MAGIC)
     assert main(["report", str(real_run), "--out", str(tmp_path / "without")]) == 0
     assert not (tmp_path / "without" / "experts.png").exists()
+
+
+def test_a_run_without_mfu_says_why_and_named_held_out_losses_are_drawn(tmp_path):
+    from paratrain.commands.report import throughput_figure
+
+    path = write_run(tmp_path / "cpu")
+    lines = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        r["mfu"] = None
+        if "eval_loss" in r:
+            r["eval_losses"] = {"wiki": r["eval_loss"] + 0.1, "code": r["eval_loss"] - 0.1}
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    runs = load_runs([path])
+    util = throughput_figure(runs).axes[1]
+    assert not util.lines and not util.axison and "--peak-flops" in util.texts[0].get_text()
+    _, labels = loss_figure(runs).axes[0].get_legend_handles_labels()
+    assert labels == ["cpu (dp2,zero3,bf16) train", "cpu (dp2,zero3,bf16) eval", "cpu (dp2,zero3,bf16) eval code",
+                      "cpu (dp2,zero3,bf16) eval wiki"]
+    assert throughput_figure(load_runs([write_run(tmp_path / "gpu")])).axes[1].lines

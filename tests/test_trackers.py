@@ -229,3 +229,13 @@ def test_memory_snapshots_after_the_first_step_and_before_an_out_of_memory_error
     snapshots.close()
     assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["rank-3-oom-step-7.pickle", "rank-3-step-5.pickle"]
     assert calls[-1] == ("record", {"enabled": None})
+
+
+def test_wandb_writes_under_wandb_dir_when_the_user_set_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    cfg = small_config(tmp_path / "run", steps=2)
+    cfg.logging.trackers = "wandb"
+    train(cfg)
+    assert list((tmp_path / "elsewhere" / "wandb").glob("offline-run-*"))
+    assert not (tmp_path / "run" / "wandb").exists()

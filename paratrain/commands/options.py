@@ -64,11 +64,11 @@ class _Joined(argparse.Action):
 def _help(f, key: str, defaults: Mapping[str, Any], notes: Mapping[str, str]) -> str:
     text = f.metadata["help"]
     choices = f.metadata.get("choices")
-    allowed = f"; one of {', '.join(map(str, choices))}" if choices else ""
+    allowed = f"; one of {', '.join(str(c) if c != '' else repr(c) for c in choices)}" if choices else ""
     if key in defaults or key in notes:  # the command's own default replaces the one the field describes
         text = text[:text.rfind(" (default:")] if text.endswith(")") and " (default:" in text else text
         return f"{text}{allowed} (default: {notes[key] if key in notes else defaults[key]})"
-    shown = "auto" if f.default in ("", None) else f.default
+    shown = "auto" if f.default is None else "none" if f.default == "" else f.default  # '' is an option left off
     return f"{text}{allowed}" + ("" if "(default:" in text else f" (default: {shown})")
 
 

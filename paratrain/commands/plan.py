@@ -295,7 +295,14 @@ def _header(workload: Workload, name: str, hardware: Hardware, gpus: int, args=N
     stack = "compiled blocks" if args is not None and given_options(args).get("parallel.compile") else "eager"
     fp8 = f" with FP8 {workload.fp8} linears" if workload.fp8 else ""
     fp8_peak = f" ({hardware.peak_fp8 / 1e12:g} in FP8; MFU against the bf16 peak)" if workload.fp8 else ""
-    return (f"{what}, seq {workload.seq_len}, {batch}, {workload.precision}{fp8}, {stack}; "
+    given = given_options(args) if args is not None else {}
+    seq = f"seq {workload.seq_len}"
+    if args is not None and "data.seq_len" not in given and workload.model is not None:
+        seq += " (assumed: the model's pretraining length; --seq-len to change)"
+    # --fp8 implies bf16 (FP8 keeps bf16 for what it does not cast): assumed only when nothing implies it
+    precision = workload.precision + (" (assumed; --precision to change)" if args is not None and not workload.fp8
+                                      and "parallel.precision" not in given else "")
+    return (f"{what}, {seq}, {batch}, {precision}{fp8}, {stack}; "
             f"{gpus} × {hardware.name} ({hardware.memory_bytes / GB:g} GB, "
             f"{hardware.peak(workload.precision) / 1e12:g} TFLOP/s{fp8_peak}, matmuls at {curve.peak_efficiency:g}·x/(x + "
             f"{curve.half_size:.0f}) of it, {hardware.gpus_per_node} per node; links {intra:g} GB/s in a node, "

@@ -36,7 +36,8 @@ MODEL_OPTIONS = {
     "model.ffn_dim": (("--ffn",), "--model's, else 8/3 × --dim rounded up to 256"),
 }
 BATCH_OPTIONS = {
-    "data.seq_len": (("--seq",), "the model's max_seq_len, else 2048"),
+    "data.seq_len": (("--seq",), "the model's pretraining length (8,192 for Llama 3.x, 4,096 for Llama 2; "
+                                 "ModelConfig.pretraining_seq_len), else 2048"),
     "train.global_batch": ((), "dp × micro-batch; with --gpus or --tokens, 4M tokens per step (Llama 2's)"),
     "train.micro_batch": ((), f"1; --gpus searches {', '.join(map(str, SearchSpace.micro_batch))}"),
     "parallel.precision": ((), "bf16: mixed precision, K = 12 bytes of optimizer state per parameter; fp32: K = 8"),
@@ -70,14 +71,15 @@ LAYOUT_OPTIONS = {
                              "(host bytes per rank shown), its step priced at the host's memory and PCIe rates; "
                              "params (--zero 3): the parameter shards too, copied to the device for each gather"),
 }
-PLAN_DEFAULTS = {"parallel.precision": "bf16"}
+PLAN_DEFAULTS = {"parallel.precision": "bf16"}  # (its help says so: OPTIONS' note)
 SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
 
 
 def add_shared_options(group, options: dict) -> None:
     """`options` (config key: (aliases, the planner's default)) as train's flags, into `group`."""
     add_config_options(group, options, aliases={key: spellings for key, (spellings, _) in options.items()},
-                       defaults={key: PLAN_DEFAULTS[key] for key in options if key in PLAN_DEFAULTS},
+                       # The planner's own defaults are filled where read (`workload_from_args`), so that its first
+                       # line can say which it assumed.
                        notes={key: note for key, (_, note) in options.items() if note})
 
 
@@ -127,11 +129,12 @@ def directory_model(path: str):
 
 def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
     model, name = model_from_args(args, opts)
-    seq = opts.get("data.seq_len") or (model.max_seq_len if model is not None else 2048)
+    seq = opts.get("data.seq_len") or (model.pretraining_seq_len if model is not None else 2048)
     batch = opts.get("train.global_batch")
     if batch is None and (args.tokens is not None or args.gpus is not None):
         batch = max(1, round(DEFAULT_BATCH_TOKENS / seq))
-    common = dict(seq_len=seq, global_batch=batch, precision=opts["parallel.precision"],
+    common = dict(seq_len=seq, global_batch=batch, precision=opts.get("parallel.precision") or PLAN_DEFAULTS[
+                      "parallel.precision"],
                   reduce_dtype=opts.get("parallel.reduce_dtype"), fp8=opts.get("parallel.fp8") or None,
                   loss_chunk=opts.get("parallel.loss_chunk", DEFAULT_LOSS_CHUNK),
                   optimizer=opts.get("train.optimizer") or "adamw")

@@ -36,6 +36,8 @@ def add_parser(subparsers):
                              "few cores); 1: this process on one thread; N > 1: N processes of one thread each; the "
                              "output does not depend on it (default 0)")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what --out holds (refused without it when --out is not empty)")
     return parser
 
 
@@ -52,7 +54,7 @@ def run(args) -> int:
     print(f"prepare: {fmt} data ({'detected from the first record' if args.format == 'auto' else '--format'})"
           + (f", loss on {args.loss_on}" if fmt == "chat" else ""), flush=True)
     out = prepare_corpus(data, args.out, tokenizer_spec=args.tokenizer, text_key=args.text_key, workers=args.workers,
-                         chat=chat)
+                         chat=chat, overwrite=args.overwrite)
     meta = open_prepared(out)[1]
     counts = meta.get("chat")
     left = "" if not counts else (

@@ -233,6 +233,11 @@ def loss_figure(runs: list[Run]):
             xs, ys = run.series("eval_loss", x)
             if xs:
                 ax.plot(xs, ys, color=run.color, linestyle="--", marker="o", label=f"{run.label} eval")
+            # Each named held-out set (a mixture's sources, --eval-data) as its own dotted line.
+            rows = [r for r in run.records if r.get("eval_losses") and r.get(x) is not None]
+            for name, marker in zip(sorted({n for r in rows for n in r["eval_losses"]}), "sv^<>Dph"):
+                named = [(r[x], r["eval_losses"][name]) for r in rows if name in r["eval_losses"]]
+                ax.plot(*zip(*named), color=run.color, linestyle=":", marker=marker, label=f"{run.label} eval {name}")
     by_step.set(xlabel="step", ylabel="loss (nats per token)")
     by_tokens.set(xlabel="tokens seen", ylabel="loss (nats per token)")
     by_tokens.xaxis.set_major_formatter(EngFormatter(sep=""))
@@ -246,9 +251,16 @@ def throughput_figure(runs: list[Run]):
     for run in runs:
         speed.plot(*run.series("tokens_per_s"), color=run.color, marker=".", label=run.label)
         steps, mfu = run.series("mfu")
-        util.plot(steps, [100 * m for m in mfu], color=run.color, marker=".", label=run.label)
+        if steps:
+            util.plot(steps, [100 * m for m in mfu], color=run.color, marker=".", label=run.label)
     speed.set(xlabel="step", ylabel="tokens / s (all ranks)", ylim=(0, None))
-    util.set(xlabel="step", ylabel="MFU (%)", ylim=(0, None))
+    util.set(xlabel="step", ylabel="MFU (%)")
+    if util.lines:
+        util.set_ylim(0, None)
+    else:  # a CPU has no known peak: say so rather than draw an empty panel with a made-up axis
+        util.set_axis_off()
+        util.text(0.5, 0.5, "no MFU logged: the device's peak FLOP/s is unknown\n(a CPU); --peak-flops sets it",
+                  ha="center", va="center", transform=util.transAxes)
     speed.legend(fontsize="small")
     return fig
 

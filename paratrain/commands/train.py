@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.commands.options import add_config_options, config_from_args
+from paratrain.commands.options import add_config_options, config_from_args, given_options
 
 
 def add_parser(subparsers):
@@ -19,6 +19,13 @@ def run(args) -> int:
     from paratrain.distributed import detect_env  # torch-free, as is everything up to the launch decision
 
     cfg = config_from_args(args)
+    if cfg.checkpoint.resume not in ("auto", "none"):  # the checkpoint's own config, under the options given
+        from paratrain.config import load_toml
+        from paratrain.run.checkpoints import continue_config
+
+        toml = load_toml(args.config) if args.config else {}
+        given = set(given_options(args)) | {f"{section}.{key}" for section, values in toml.items() for key in values}
+        cfg = continue_config(cfg, given)
     if (cfg.run.nproc > 1 or cfg.run.nnodes > 1) and not detect_env().distributed:
         from paratrain import forkserver
 

@@ -93,7 +93,9 @@ def resolve_text_files(path_or_glob: str | Path) -> list[Path]:
         return [path]
     if path.is_dir():
         return _text_files_under(path)
-    raise DataError(f"data={text!r} does not exist; pass a file, a directory, a glob or 'default'")
+    mixture = (" (a mixture is WEIGHT:SOURCE for every source, e.g. 0.7:a.jsonl,0.3:b/)"
+               if ":" in text or "," in text else "")
+    raise DataError(f"data={text!r} does not exist; pass a file, a directory, a glob or 'default'{mixture}")
 
 
 def _text_files_under(root: Path) -> list[Path]:

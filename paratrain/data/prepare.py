@@ -217,7 +217,8 @@ def prepare_corpus(data: str | Path | None, out_dir: str | Path, tokenizer_spec:
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"out_dir={str(out_dir)!r} is a file; pass a directory path")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise DataError(f"out_dir={str(out_dir)!r} already exists and is not empty; remove it or pass overwrite=True")
+        raise DataError(f"out_dir={str(out_dir)!r} already exists and is not empty; remove it, choose another "
+                        f"--out, or pass --overwrite to replace it")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise DataError(f"workers={workers!r}: use 0 (this process, the library's threads) or a number of processes")
     files, source = corpus_files(data)
@@ -327,7 +328,7 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
             "dtype": token_dtype(tokenizer.vocab_size).name, "num_tokens": num_tokens,
             "num_documents": num_documents, "documents_file": DOCUMENTS_FILE, "eos_id": tokenizer.eos_id,
             "document_template": [list(tokenizer.document_prefix), list(tokenizer.document_suffix)],
-            "tokenizer_spec": tokenizer_spec, "tokenizer": tokenizer.spec,
+            "tokenizer_spec": absolute_spec(tokenizer_spec), "tokenizer": tokenizer.spec,
             "tokenizer_file": tokenizer_file, "source": source, "text_key": text_key,
             "data_format": fmt, "mask_file": MASK_FILE if fmt == "chat" else None,
             **({"chat": {**dataclasses.asdict(chat), "template": encoder.template.source if encoder.template else None,
@@ -341,6 +342,13 @@ def write_prepared(files: Sequence[Path], source: str, tokenizer_spec: str, out_
     finally:
         if tmp.exists() and (done or not resumable):  # a resumable prepare keeps what it finished
             shutil.rmtree(tmp)
+
+
+def absolute_spec(tokenizer_spec: str) -> str:
+    """A tokenizer spec that names a file or directory, made absolute: meta.json is read from wherever a later run
+    starts, where a path relative to the directory `prepare` ran in names nothing (or another file)."""
+    path = Path(tokenizer_spec).expanduser()
+    return str(path.resolve()) if path.exists() else tokenizer_spec
 
 
 def file_stamp(path: Path | HubDataset) -> list:

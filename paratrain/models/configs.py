@@ -146,6 +146,14 @@ class ModelConfig(ExpertShape):
         """Size of one attention head."""
         return self.dim // self.n_heads
 
+    @property
+    def pretraining_seq_len(self) -> int:
+        """The sequence length the model was pretrained at: under Llama 3's rope scaling the original context
+        (8,192 for Llama 3.1/3.2, whose 131,072 came from a late long-context stage), else its maximum (4,096 for
+        Llama 2). What people train it at, and the planner's default."""
+        return min(self.rope_original_max_seq_len, self.max_seq_len) if self.rope_scaling == "llama3" \
+            else self.max_seq_len
+
     def num_params(self) -> int:
         """Exact number of parameters of `Transformer(self)`, a tied table counted once."""
         embedding = self.vocab_size * self.dim
@@ -300,10 +308,22 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def get_recipe(name: str) -> Recipe:
-    """The named model's recipe; a name that is not a named config (with --init-from, --model only names the run)
-    gets the small configs'."""
-    return RECIPES.get(name, _QUICK)
+# Full fine-tuning of a pretrained model (--init-from): Llama 2-Chat's supervised fine-tuning (Touvron et al. 2023,
+# §3.1: "a cosine learning rate schedule, with an initial learning rate of 2 × 10⁻⁵, a weight decay of 0.1"),
+# the optimizer otherwise as its pretraining (§2.2: AdamW β1 0.9, β2 0.95, eps 10⁻⁵, clipping 1.0, decay to 10% of
+# the peak). §3.1 states no warm-up; Alpaca's recipe for the same models (Taori et al. 2023) warms up over 3% of
+# the steps, which `FINE_TUNE_WARMUP` takes (`paratrain.config.resolve_recipe`). A toy config's peak (3e-3) would
+# destroy a pretrained model's weights in a few steps.
+FINE_TUNE = Recipe(lr=2e-5, min_lr=2e-6, warmup_steps=0, beta1=0.9, beta2=0.95, eps=1e-5, weight_decay=0.1,
+                   grad_clip=1.0, source="full fine-tuning: Llama 2-Chat's SFT (Touvron et al. 2023, §3.1; AdamW and "
+                                         "the decay to 10% as §2.2), warm-up 3% of the steps as Alpaca's")
+FINE_TUNE_WARMUP = 0.03
+
+
+def get_recipe(name: str, fine_tune: bool = False) -> Recipe:
+    """The named model's recipe, or with `fine_tune` (--init-from: a pretrained model) `FINE_TUNE`; a name that is
+    not a named config gets the small configs'."""
+    return FINE_TUNE if fine_tune else RECIPES.get(name, _QUICK)
 
 
 def get_model_config(name: str) -> ModelConfig:

@@ -117,6 +117,8 @@ class LayoutSpec:
     params_only: only the parameter count is known (the planner's --params), so tp and pp, which
         split the model's shape, cannot be estimated.
     global_batch, micro_batch: sequences per step (all data ranks) and per forward/backward.
+    batch_defaulted: the user set neither: both are the trainer's defaults for this dp, which it would resolve
+        again for another (so another dp is not held to them).
     seq_len: tokens per sequence.
     activation_checkpointing: 0 / "none" off, "full", "selective", or k (every k-th block, full).
     """
@@ -139,6 +141,7 @@ class LayoutSpec:
     cp: int = 1
     activation_checkpointing: int | str = 0
     ep: int = 1
+    batch_defaulted: bool = False
 
     @property
     def num_microbatches(self) -> int | None:
@@ -242,6 +245,8 @@ def nearest_layouts(layout: LayoutSpec, count: int = 3) -> list[tuple[int, int, 
             d = world // (layout.cp * t * p)
             candidate = dataclasses.replace(layout, dp=d, tp=t, pp=p, world_size=world,
                                             params_only=layout.params_only or layout.model is None)
+            if layout.batch_defaulted and d != layout.dp:  # the defaults resolve again for another dp
+                candidate = dataclasses.replace(candidate, global_batch=None, micro_batch=None)
             if not divisibility_violations(candidate):
                 distance = (abs(math.log2(d / layout.dp)) + abs(math.log2(t / layout.tp))
                             + abs(math.log2(p / layout.pp)))

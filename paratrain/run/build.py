@@ -12,6 +12,8 @@ model and optimizer before the checkpoints that resume them; the resume before t
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import sys
 import time
@@ -43,12 +45,14 @@ from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.loss import head_name
 from paratrain.parallel.rules import CheckedLayout
-from paratrain.run.checkpoints import TrainingCheckpoints, check_resume_option, explain_layout_error
 from paratrain.models.hf import HFCausalLM, is_model_dir
+from paratrain.run.checkpoints import (
+    TrainingCheckpoints, check_resume_option, check_resumed_schedule, explain_layout_error, resolve_resume,
+)
 from paratrain.run.guard import StepGuard
 from paratrain.run.hf_backend import (initializer as hf_initializer, meta_model, reference_dir_config, run_name,
                                       transformers_dir, transformers_model_config)
-from paratrain.run.inputs import check_paths
+from paratrain.run.inputs import check_paths, tokenizer_vocab
 from paratrain.run.memory_budget import check_free_memory, check_memory_budget
 from paratrain.run.profiling import MemorySnapshots, profile_steps
 from paratrain.run.samples import SampleRecorder
@@ -106,6 +110,9 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     directory, when it can without the others: one process, or a launcher that gave the job a run
     id (else `shared_run_dir`).
     """
+    note = resolve_resume(cfg)  # a run directory, checkpoints/, latest: the step directory it means (and its --out)
+    if note:
+        print(f"paratrain: {note}", flush=True)
     if not cfg.run.out:
         cfg.run.out = default_run_dir(cfg)
     try:
@@ -128,6 +135,10 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
         raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
                           f"the context-parallel ring do not see the documents yet; drop one of them")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
+    resolve_model_config(cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
+    if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
+        claim_run_dir(cfg, restarted=current_attempt() > 0)  # (every rank passes here before rank 0 writes)
+    check_resumed_schedule(cfg)  # after the claim: another run's --out is refused first
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
     check_clients(tracker_names(cfg))  # a tracker whose client is missing refuses the run now, not after the build
     profile_steps(cfg)
@@ -187,13 +198,16 @@ def describe(run: Run) -> str:
     """The one line a run starts with: model, processes, layout, data."""
     cfg, p, mesh = run.cfg, run.cfg.parallel, run.mesh
     entropy = unigram_entropy(run.train_set.stream.tokens, run.model_cfg.vocab_size)
-    return (f"paratrain: {cfg.model.name} ({run.model_cfg.num_params():,} parameters), "
+    return (f"paratrain: {model_name(cfg, run.model_cfg)} ({run.model_cfg.num_params():,} parameters), "
             f"{run.env.world_size} process(es) on {run.device.type} (dp={mesh.size('dp')}, "
             f"tp={p.tp}{', sp' if p.sequence_parallel else ''}{f', cp={p.cp}' if p.cp > 1 else ''}{f', ep={p.ep}' if p.ep > 1 else ''}, pp={p.pp}{f' {p.schedule}' if p.pp > 1 else ''}, "
             f"zero={p.zero}, {p.precision}), {len(run.train_set):,} training sequences of {cfg.data.seq_len} "
             f"tokens, {run.accumulation} micro-batch(es) per step; {run.data.describe(cfg.data.loss_on)}"
             f"{'; document mask on' if run.model_cfg.document_eos is not None else ''}; unigram entropy of the "
             f"data {entropy:.3f} nats"
+            + f"; {describe_recipe(cfg)}"
+            + (f"; checkpoints {run.checkpoints.policy} and at the end" if run.checkpoints.policy.enabled else
+               "; checkpoints off (--checkpoint-every 0): only a SIGTERM saves one, a crash loses the run")
             + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else "")
             + ("; this CPU has no bf16 matrix instructions (AVX512-BF16, AMX): its bf16 matmuls run about 20x slower "
                "than fp32's (--precision fp32 trains faster here)"
@@ -201,6 +215,40 @@ def describe(run: Run) -> str:
             + (f"; {'parameters and ' if p.offload == 'params' else ''}optimizer offloaded to host memory "
                f"({run.model.offload.host_bytes() / 1e9:.3g} GB per process before the optimizer's state)"
                if p.offload else ""))
+
+
+def model_name(cfg: Config, model_cfg: ModelConfig) -> str:
+    """What the model is: the named config, or --init-from's architecture and size (never the config --model
+    defaulted to, which only names the run then)."""
+    if not cfg.model.init_from:
+        return cfg.model.name
+    try:  # config.json was read and checked in preflight (`imported_model_config`): here only its name
+        doc = json.loads((Path(cfg.model.init_from) / "config.json").read_text())
+    except (OSError, ValueError):
+        doc = {}
+    architecture = (doc.get("architectures") or [None])[0] or doc.get("model_type") or "model"
+    n = model_cfg.num_params()
+    size = next(f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+                if n >= scale or scale == 1)
+    return f"{architecture} {size} from {cfg.model.init_from}"
+
+
+def describe_recipe(cfg: Config) -> str:
+    """The optimizer and schedule the run uses and where each value came from: the recipe (named with its source)
+    or the user (a value other than the recipe's)."""
+    from paratrain.models import get_recipe
+    from paratrain.models.configs import FINE_TUNE_WARMUP
+
+    t, fine_tune = cfg.train, bool(cfg.model.init_from)
+    recipe = get_recipe(cfg.model.name, fine_tune=fine_tune)
+    ours = {"lr": recipe.lr, "min_lr": t.lr * recipe.min_lr / recipe.lr, "weight_decay": recipe.weight_decay,
+            "warmup_steps": round(FINE_TUNE_WARMUP * t.steps) if fine_tune else recipe.warmup_steps}
+    values = {"lr": f"lr {t.lr:.3g}", "warmup_steps": f"warm-up {t.warmup_steps} steps",
+              "min_lr": f"cosine to {t.min_lr:.3g}", "weight_decay": f"weight decay {t.weight_decay:g}"}
+    given = [key for key in values if not math.isclose(getattr(t, key), ours[key], rel_tol=1e-9)]
+    whose = f"{'fine-tuning' if fine_tune else cfg.model.name} recipe: {recipe.source}"
+    return (f"{', '.join(values.values())} (" + (f"{', '.join('--' + k.replace('_', '-') for k in given)} given, "
+                                                 f"the rest from the " if given else "from the ") + f"{whose})")
 
 
 def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout: CheckedLayout | None = None,

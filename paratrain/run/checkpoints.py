@@ -34,21 +34,24 @@ import torch
 
 from paratrain.checkpoint.async_save import AsyncCheckpointer
 from paratrain.checkpoint.coordinator import LocalCoordinator, dedicated_coordinator
-from paratrain.checkpoint.format import CheckpointError, CheckpointWarning, step_dirname
+from paratrain.checkpoint.format import (
+    LATEST_FILE, MANIFEST_FILE, CheckpointError, CheckpointWarning, parse_step_dirname, step_dirname,
+)
 from paratrain.checkpoint.reader import CheckpointReader
 from paratrain.run.rundir import (
-    CHECKPOINT_DIR, read_run_id, set_aside_newer, truncate_metrics,
+    CHECKPOINT_DIR, RUN_FILE, read_run_id, read_stored_config, set_aside_newer, truncate_metrics,
 )
 from paratrain.checkpoint.save import save_checkpoint
 from paratrain.checkpoint.store import (
     check_free_space, find_latest, list_checkpoints, quarantine_incomplete, read_index, verify_checkpoint,
 )
 from paratrain.run.model_state import check_compatible, load_model_shards, master_boxes, model_shards
-from paratrain.config import Config, ConfigError
+from paratrain.config import Config, ConfigError, checkpoint_policy
 from paratrain.faults import checkpoint_events, current_attempt
 
 _SHARED_KEYS = ("step", "tokens_seen", "sampler", "scaler", "guard", "layout")
 RESETS = ("data", "lr", "step")  # what a new stage (--resume PATH --reset ...) starts afresh
+_clock = time.monotonic  # the wall-clock policy's (a module attribute, so that a test can move it)
 
 
 class TrainingCheckpoints:
@@ -61,6 +64,7 @@ class TrainingCheckpoints:
         self.model, self.optimizer, self.sampler, self.guard = model, optimizer, sampler, guard
         self.mesh = model.mesh
         self.lr_start = 0  # the step the learning-rate schedule started at (a stage's --reset lr moves it)
+        self.resumed_lr = None  # the learning rate of the step this launch resumed after, if it continues the stage
         self.root = self.out / CHECKPOINT_DIR
         self.coordinator = self._coordinator()
         self.run_id = self.coordinator.broadcast_object(read_run_id(self.out) if rank == 0 else None)
@@ -69,7 +73,9 @@ class TrainingCheckpoints:
         self.on_event = checkpoint_events(rank)  # the injected faults of a save (tests), or None
         self.saver = (AsyncCheckpointer(self.root, keep_latest=self.keep_latest, coordinator=self._coordinator(),
                                         on_event=self.on_event) if c.async_save else None)
-        if c.every:
+        self.policy = checkpoint_policy(c.every)
+        self.last_save = _clock()  # the wall-clock policy counts from the start, then from each save
+        if self.policy.enabled:
             self._check_free_space()
 
     def _coordinator(self):
@@ -106,6 +112,7 @@ class TrainingCheckpoints:
         self.guard.load_state_dict(shared["guard"])
         restored = self._restore_rng(reader, shared["layout"])
         step, tokens_seen, self.lr_start = reader.step, int(shared["tokens_seen"]), int(shared.get("lr_start", 0))
+        self.resumed_lr = None if {"lr", "step"} & set(stage) else shared.get("lr")  # a new schedule starts at 0
         if "step" in stage:
             step, tokens_seen, self.lr_start = 0, 0, 0
         elif "lr" in stage:
@@ -114,7 +121,9 @@ class TrainingCheckpoints:
             new_stage = f"; a new stage, {' and '.join(stage)} started afresh" if stage else ""
             dropped = truncate_metrics(self.out, step)
             rng = "" if restored else "; RNG states not restored (the layout changed; training draws no random numbers)"
-            self.log(f"paratrain: resumed from {reader.path} at step {reader.step}"
+            saved = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((Path(reader.path) / MANIFEST_FILE).stat().st_mtime))
+            self.log(f"paratrain: resumed from {reader.path} at step {reader.step} (saved {saved} by "
+                     f"{describe_layout(shared['layout'])})"
                      f"{f' ({dropped} metrics record(s) after it dropped)' if dropped else ''}"
                      f"{self._layout_change(shared['layout'])}{rng}{new_stage}")
         return step, tokens_seen
@@ -191,10 +200,15 @@ class TrainingCheckpoints:
                 f"(global batch {now['global_batch']}, {now['accumulation']} micro-batch(es) per step now)")
 
     # -- save --------------------------------------------------------------------------------
-    def after_step(self, step: int, tokens_seen: int, last: bool, stopping: bool) -> None:
-        """Save when due: every --checkpoint-every steps, at the last step, and (synchronously) when stopping."""
-        every = self.cfg.checkpoint.every
-        if stopping or (every and (step % every == 0 or last)):
+    def clock_due(self) -> bool:
+        """Whether this rank's clock says a wall-clock save is due (the ranks agree on rank 0's: `after_step`)."""
+        return bool(self.policy.seconds) and _clock() - self.last_save >= self.policy.seconds
+
+    def after_step(self, step: int, tokens_seen: int, last: bool, stopping: bool, clock_due: bool = False) -> None:
+        """Save when due: every --checkpoint-every steps, or when the agreed clock says so (`clock_due`, the same on
+        every rank), at the last step, and (synchronously) when stopping."""
+        every = self.policy.steps
+        if stopping or (self.policy.enabled and (last or clock_due or (every and step % every == 0))):
             self.save(step, tokens_seen, wait=stopping or last)
 
     def save(self, step: int, tokens_seen: int, wait: bool = True) -> None:
@@ -204,6 +218,7 @@ class TrainingCheckpoints:
         shared = {"step": step, "tokens_seen": tokens_seen, "run_id": self.run_id, "config": self.cfg.to_dict(),
                   "layout": self.layout(), "scaler": self.model.loss_scale_state(),
                   "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), "lr_start": self.lr_start,
+                  "lr": self.optimizer.param_groups[0]["lr"],  # the saved step's: a resume's first step compares
                   **self.extra_state}
         rank_state = {"rng": rng_state()}
         if self.saver is not None:
@@ -213,6 +228,7 @@ class TrainingCheckpoints:
         else:
             save_checkpoint(self.root, step, shards, rank_state, shared, coordinator=self.coordinator,
                             keep_latest=self.keep_latest, on_event=self.on_event)
+        self.last_save = _clock()
         if self.rank == 0 and (wait or self.saver is None):
             self.log(f"paratrain: saved checkpoint {step_dirname(step)} ({time.perf_counter() - start:.2f} s)")
 
@@ -275,8 +291,88 @@ def describe_layout(layout: dict) -> str:
             f"on {layout['world_size']} process(es)")
 
 
+def resolve_resume(cfg: Config) -> str:
+    """--resume as a user points at it (a run directory, its checkpoints/, its `latest`, its final/, or a step
+    directory) made the step directory it means: the newest complete checkpoint, a torn newer one passed over.
+    Without --out the run continues in its own directory. Returns what was found ('' when --resume already named a
+    step directory, or auto/none); ConfigError saying why there is none."""
+    resume = cfg.checkpoint.resume
+    root = _checkpoint_root(Path(resume).expanduser()) if resume not in ("auto", "none") else None
+    if root is None:
+        return ""
+    torn = []
+    for candidate in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(candidate, checksums=False)  # rank 0 verifies the checksums when it resumes
+        except CheckpointError as exc:
+            torn.append(f"{candidate.name} is torn ({exc})")
+            continue
+        cfg.checkpoint.resume = str(candidate)
+        cfg.run.out = cfg.run.out or str(root.parent)
+        passed = f"; {', '.join(torn)}: the one before it is used" if torn else ""
+        return f"--resume {resume}: its newest complete checkpoint is {candidate.name}{passed}"
+    raise ConfigError(_why_no_checkpoint(resume, root, torn))
+
+
+def _checkpoint_root(path: Path) -> Path | None:
+    """The checkpoint root that `path` points into, or None for a step directory (or a path that is none of these,
+    which verifying it explains)."""
+    if path.name == LATEST_FILE and path.is_file():
+        return path.parent
+    if (path / MANIFEST_FILE).exists() or parse_step_dirname(path.name) is not None:
+        return None
+    if path.name == "final" and (path.parent / RUN_FILE).is_file():  # the last step's weights: its checkpoint
+        return path.parent / CHECKPOINT_DIR
+    if (path / CHECKPOINT_DIR).is_dir() or (path / RUN_FILE).is_file():
+        return path / CHECKPOINT_DIR
+    if path.name == CHECKPOINT_DIR or list_checkpoints(path):
+        return path
+    return None
+
+
+def _why_no_checkpoint(resume: str, root: Path, torn: list[str]) -> str:
+    if torn:
+        return f"--resume {resume}: no complete checkpoint in {root} ({'; '.join(torn)}); resume from another run"
+    stored = read_stored_config(root.parent)
+    never = stored and not checkpoint_policy(stored.get("checkpoint", {}).get("every", 0)).enabled
+    why = ("checkpoints were off in that run (--checkpoint-every 0) and no SIGTERM saved one" if never else
+           "the run stopped before its first save")
+    final = root.parent / "final"
+    instead = (f"; to start from its final weights, `paratrain export {root.parent} DIR` and train with --init-from DIR"
+               if final.is_dir() else "")
+    return f"--resume {resume}: no checkpoint was written in {root}: {why}{instead}"
+
+
+# Options a resumed run does not take from its checkpoint's config: what says where to resume from and how, and
+# the rendezvous of one launch.
+_NOT_INHERITED = {"checkpoint.resume", "checkpoint.load_step", "checkpoint.reset", "run.overwrite", "run.out",
+                  "run.rdzv_id", "run.rdzv_endpoint"}
+# The options that shape the learning-rate schedule a checkpoint is in the middle of.
+_SCHEDULE = ("steps", "warmup_steps", "lr", "min_lr")
+
+
+def continue_config(cfg: Config, given: set[str]) -> Config:
+    """The config of `--resume PATH`: the checkpoint's own (model, data, recipe, layout, processes) with the options
+    the user gave (`given`, "section.field") over it, so that `--resume RUN` alone continues the run as it was."""
+    note = resolve_resume(cfg)
+    if note:
+        print(f"paratrain: {note}", flush=True)
+    # Verified first, as preflight does: a damaged checkpoint is refused for what verifying finds (a file's size
+    # against the manifest), not for whatever reading its config trips over.
+    verify_checkpoint(cfg.checkpoint.resume, checksums=False)
+    stored = read_index(cfg.checkpoint.resume).shared_state.get("config") or {}
+    merged = cfg.to_dict()
+    for section, values in stored.items():
+        for key, value in values.items() if isinstance(values, dict) and section in merged else ():
+            name = f"{section}.{key}"
+            if key in merged[section] and name not in given and name not in _NOT_INHERITED:
+                merged[section][key] = value
+    return Config.from_dict(merged)
+
+
 def check_resume_option(cfg: Config) -> None:
-    """Preflight: an explicit --resume must be a committed checkpoint with every file of the right size.
+    """Preflight: an explicit --resume must be a committed checkpoint with every file of the right size (whether
+    the continued stage keeps its schedule is `check_resumed_schedule`'s, after the run directory's claim).
 
     (Checksums are verified once, by rank 0, when the run resumes: here every rank would read
     every file.)
@@ -288,6 +384,29 @@ def check_resume_option(cfg: Config) -> None:
         raise ConfigError(f"--reset {cfg.checkpoint.reset} starts a new stage from a checkpoint: give it as --resume "
                           f"PATH (a step-* directory of the earlier run)")
     reset_parts(cfg.checkpoint.reset)
+
+
+def check_resumed_schedule(cfg: Config) -> None:
+    """Preflight, after the run directory's claim (resuming into another run's --out is the more fundamental
+    refusal): an explicit --resume continues the learning-rate schedule its checkpoint is in, or --reset lr."""
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        check_schedule(cfg, read_index(cfg.checkpoint.resume))
+
+
+def check_schedule(cfg: Config, index) -> None:
+    """ConfigError when the run would continue the checkpoint's schedule with other steps, warm-up or rates: the
+    cosine would be stretched under the checkpoint's step and its learning rate jump (--reset lr starts a new one)."""
+    parts = reset_parts(cfg.checkpoint.reset)
+    saved = (index.shared_state.get("config") or {}).get("train", {})
+    if "lr" in parts or "step" in parts or not saved:
+        return
+    for key in _SCHEDULE:
+        now = getattr(cfg.train, key)
+        if key in saved and saved[key] is not None and now is not None and saved[key] != now:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} {now} changes the learning-rate schedule that checkpoint step {index.step} is in "
+                              f"({flag} {saved[key]} there): its learning rate would jump at step {index.step + 1}; "
+                              f"pass --reset lr to run a new schedule over the steps left, or keep {flag} {saved[key]}")
 
 
 def reset_parts(reset: str) -> list[str]:

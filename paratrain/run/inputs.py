@@ -26,8 +26,8 @@ from paratrain.data.corpus import resolve_text_files
 from paratrain.data.megatron import megatron_prefix
 from paratrain.data.sources import parse_hub
 from paratrain.data.mixture import parse_eval_data, parse_mixture
-from paratrain.data.prepare import is_prepared_dir
-from paratrain.data.tokenizer import load_tokenizer
+from paratrain.data.prepare import is_prepared_dir, open_prepared
+from paratrain.data.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def check_paths(cfg: Config, tokenizer_spec: str) -> None:
@@ -93,3 +93,15 @@ def check_tokenizer(spec: str) -> None:
     if spec in ("auto", "byte") or re.fullmatch(r"bpe:\d+", spec):
         return
     load_tokenizer(spec)  # DataError naming the file and what is wrong with it
+
+
+def tokenizer_vocab(data: str, spec: str) -> int:
+    """The vocabulary of the run's tokenizer (`spec` as `tokenizer_spec` resolved it) where it is known without
+    tokenizing: a prepared corpus's own, the byte tokenizer's, a tokenizer file's; 0 where only loading the data
+    tells (bpe:N, trained on it to at most N tokens; `resolve_model_config` checks it then again)."""
+    if spec == "auto":  # every source a prepared directory (`tokenizer_spec`): the first one's tokenizer
+        first = (parse_mixture(data) or [None])[0]
+        return open_prepared(first.path if first else data)[2].vocab_size
+    if spec == "byte":
+        return ByteTokenizer.vocab_size
+    return 0 if re.fullmatch(r"bpe:\d+", spec) else load_tokenizer(spec).vocab_size

@@ -16,7 +16,9 @@
 A launch into an --out that already holds a run continues it only when that
 is surely the same run: a restart by the launcher, or a relaunch with the
 same model, data and training options and a checkpoint to resume (``--resume
-auto``), or an explicit ``--resume`` of one of the run's own checkpoints.
+auto``; not when it already finished: its final weights written and an intact
+checkpoint at its last step), or an explicit ``--resume`` of one of the run's
+own checkpoints.
 Anything else is refused with one line naming the first difference, unless
 ``--overwrite`` starts a new run (its old metrics and checkpoints deleted).
 """
@@ -84,13 +86,20 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
         raise ConfigError(f"--out {out} already holds a run; choose another --out, pass --overwrite, or "
                           f"--resume auto to continue it")
     if resume == "auto":
-        if not list_checkpoints(out / CHECKPOINT_DIR):
+        checkpoints = list_checkpoints(out / CHECKPOINT_DIR)
+        if not checkpoints:
             raise ConfigError(f"--out {out} already holds a run and it has no checkpoint to resume; choose "
                               f"another --out or pass --overwrite")
-        difference = config_difference(_stored_config(out), cfg.to_dict())
+        difference = config_difference(read_stored_config(out), cfg.to_dict())
         if difference:
             raise ConfigError(f"--out {out} holds another run ({difference}); choose another --out, pass "
                               f"--overwrite, or --resume <checkpoint> to start a new run from its weights")
+        newest = _finished_step(checkpoints, cfg.train.steps) if (out / "final").is_dir() else 0
+        if newest and not 0 < cfg.checkpoint.load_step < newest:
+            # Checkpoints by default leave a finished run one: --resume auto would run no step of it (a 'nan' loss)
+            raise ConfigError(f"--out {out} already holds a run, finished at step {newest} (its weights in "
+                              f"{out / 'final'}); choose another --out, pass --overwrite, or --resume {out} "
+                              f"--steps N --reset lr to train it further")
         return RunClaim(out, fresh=False, wipe=(DIAGNOSTICS_DIR,))
     theirs, mine = checkpoint_run_id(Path(resume)), read_run_id(out)
     if theirs != mine:
@@ -98,6 +107,24 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
                           f"continue the run in {out} with --resume auto, resume into another --out, or pass "
                           f"--overwrite to replace it")
     return RunClaim(out, fresh=False, wipe=(DIAGNOSTICS_DIR,))
+
+
+def _finished_step(checkpoints: list[Path], steps: int) -> int:
+    """The step of the newest intact checkpoint at or past the last step (`steps`), or 0 where none is: a damaged
+    one is passed over when resuming, so it does not make the run finished. (Checksums read only for those.)"""
+    from paratrain.checkpoint.format import CheckpointError
+    from paratrain.checkpoint.store import verify_checkpoint
+
+    for path in reversed(checkpoints):
+        step = parse_step_dirname(path.name)
+        if step < steps:
+            return 0
+        try:
+            verify_checkpoint(path)
+        except CheckpointError:
+            continue
+        return step
+    return 0
 
 
 def _refuse_overwriting_the_resume_source(cfg: Config, out: Path) -> None:
@@ -143,7 +170,8 @@ def checkpoint_run_id(path: Path) -> str | None:
     return read_index(path).shared_state.get("run_id")
 
 
-def _stored_config(out: Path) -> dict:
+def read_stored_config(out: Path) -> dict:
+    """The resolved config of the run in `out` (config.json), or {} where there is none."""
     try:
         return json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
