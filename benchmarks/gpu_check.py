@@ -842,15 +842,19 @@ def check_transformers_qwen3(device, steps: int) -> dict:
     from paratrain.models.hf import HFCausalLM, read_model_dir
     from paratrain.train import train_step
 
-    config = transformers.Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
+    small = device.type != "cuda"  # the CPU dry run: bf16 matmuls there may take torch's slow reference kernel
+    config = transformers.Qwen3Config(vocab_size=512 if small else 2048, hidden_size=128 if small else 512,
+                                      intermediate_size=256 if small else 1536, num_hidden_layers=2 if small else 4,
+                                      num_attention_heads=4 if small else 8, num_key_value_heads=2 if small else 4,
+                                      head_dim=48 if small else 128, max_position_embeddings=256,
+                                      tie_word_embeddings=False)
     directory = tempfile.mkdtemp(prefix="gpu-check-qwen3-")
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
     g = torch.Generator().manual_seed(0)
+    tokens = (2, 33) if small else (4, 129)
     data = [(t[:, :-1].to(device), t[:, 1:].to(device))
-            for t in (torch.randint(0, 2048, (4, 129), generator=g) for _ in range(steps))]
+            for t in (torch.randint(0, config.vocab_size, tokens, generator=g) for _ in range(steps))]
     plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
     optimizer = adamw(plain.parameters())
     reference = []
