@@ -8,6 +8,7 @@ import pytest
 
 from paratrain.cli import main as cli_main
 from paratrain.models import get_model_config
+from paratrain.parallel.rules import DEFAULT_LOSS_CHUNK
 from paratrain.plan import (
     COLLECTIVE_KINDS,
     HARDWARE_PRESETS,
@@ -161,7 +162,8 @@ def test_plan_uses_the_calibrated_profile(calibrated, capsys):
             "--global-batch", "16", "--precision", "fp32", "--json"]
     assert cli_main([*argv, "--hardware", str(calibrated)]) == 0
     row = json.loads(capsys.readouterr().out)["layouts"][0]
-    work = Workload.for_model(get_model_config("tiny"), seq_len=128, global_batch=16, precision="fp32")
+    work = Workload.for_model(get_model_config("tiny"), seq_len=128, global_batch=16, precision="fp32",
+                              loss_chunk=DEFAULT_LOSS_CHUNK)  # the trainer's fused loss, as `plan` prices it
     expected = step_time(work, Layout(dp=2, zero=1, micro_batch=4), hw)
     assert row["step_time_s"] == pytest.approx(expected.total)
     assert cli_main(argv) == 0  # the default preset predicts something else

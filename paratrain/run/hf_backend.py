@@ -90,7 +90,7 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
                           "not split yet; use --ep 1 (a mixtral directory: the reference model, --backend auto)")
     if p.pp > 1:
         raise ConfigError(f"--pp {p.pp}: pipeline stages of transformers' {kind} model ({flag}) are not supported by "
-                          "the trainer yet; use --pp 1 (tensor, context and data parallelism apply)")
+                          "the trainer yet; use --pp 1 (data parallelism and ZeRO-1..3 apply)")
 
 
 def reference_dir_config(path: str):
