@@ -142,17 +142,20 @@ def adamw(params, lr: float = LR, **options):
     return torch.optim.AdamW(groups, lr=lr, **options)
 
 
-def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None = None, lr: float = LR):
-    """Single process, whole global batch: per-step losses and final parameters."""
-    optimizer = adamw(list(model.parameters()), lr=lr)
+def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None = None, lr: float = LR,
+                  optimizers: list | None = None):
+    """Single process, whole global batch: per-step losses and final parameters. `optimizers`: what steps the model,
+    in order (default: AdamW over every parameter)."""
+    optimizers = optimizers or [adamw(list(model.parameters()), lr=lr)]
     losses = []
     for x, y in data:
         tokens = (y != -100).sum()
         loss = loss_sum(model, x, y) / tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -16,6 +16,7 @@ from paratrain.precision import Precision
 from paratrain.models import Transformer
 from paratrain.parallel.expert import moe_layers
 from test_data_parallel import _hf_model  # the Llama of transformers, built from a config
+import parallel_cases
 from parallel_cases import (FP64_PARITY, TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model,
                             parallel_run)
 
@@ -71,20 +72,10 @@ class PerExpertMuon:
 
 
 def reference_run(model, data, clip=1.0, blocks=("layers.",)):
+    """One process: torch's Muon on the blocks' matrices (each expert's on its own), AdamW on the rest."""
     muon, adamw = reference_optimizers(model, blocks)
     experts = PerExpertMuon([p for n, p in model.named_parameters() if n.startswith(blocks) and p.dim() == 3])
-    losses = []
-    for x, y in data:
-        tokens = (y != -100).sum()
-        loss = loss_sum(model, x, y) / tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        adamw.step()
-        muon.step()
-        experts.step()
-        model.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return parallel_cases.reference_run(model, data, clip=clip, optimizers=[adamw, muon, experts])
 
 
 
