@@ -13,3 +13,10 @@ pytest_plugins = ["process_marks"]
 # across runs and `tests/other_machines.sh` honest. The rank processes inherit it.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}"))
+
+# Under pytest-xdist each worker shares the machine's cores with the others (and with the ranks a multi-rank test
+# starts): one intra-op thread each, as the ranks have, instead of threads that wait on each other for a core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)

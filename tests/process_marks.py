@@ -119,13 +119,18 @@ def _starters(path: Path) -> frozenset[str]:
 
 
 def pytest_collection_modifyitems(items):
-    """Mark every collected test whose code reaches a process starter."""
+    """Mark every collected test whose code reaches a process starter, and give each test its group for pytest-xdist's
+    `--dist loadgroup`: the marked tests one group (they run one after another on one worker, each with the cores
+    to itself as far as the other worker's single-threaded test leaves them: their ranks, the launcher's timeouts
+    and the fault tests' clocks are tuned for that), every other test its module's (a module's fixtures are made
+    once, on one worker)."""
     for item in items:
         function = getattr(item, "function", None)
-        if function is None or item.get_closest_marker(MARK):
-            continue
-        if function.__name__ in _starters(Path(str(item.fspath))):
+        if function is not None and not item.get_closest_marker(MARK) and \
+                function.__name__ in _starters(Path(str(item.fspath))):
             item.add_marker(MARK)
+        group = MARK if item.get_closest_marker(MARK) else Path(str(item.fspath)).name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True)
