@@ -41,10 +41,10 @@ Mixed precision casts the fp32 shards to ``param_dtype`` as they enter the
 all-gather (as FSDP2 does): the full parameters compute in ``param_dtype``, and
 no separate low-precision shard is kept, because the stock optimizer cannot step
 an fp32 master with a bf16 gradient and an fp32 gradient plus a bf16 shard would
-cost 18Ψ/N instead of 16Ψ/N. A tensorwise FP8 linear's weight enters the gather
-as its e4m3 cast instead (`paratrain.parallel.fp8.gathers_fp8`: 1 byte per
-element), with the scale of the whole weight: after each optimizer step each
-rank's shard amax, then one max-reduction over the shards (`units.agree_fp8_scales`).
+cost 18Ψ/N instead of 16Ψ/N. A parameter that a codec of the caller's takes
+(`units.GatherCodec`) enters the gather as the codec encodes it instead (e.g.
+one byte per element with a scale); after each optimizer step every codec
+derives what its encoding needs from the updated shards (`GatherCodec.refresh`).
 """
 
 from __future__ import annotations
@@ -69,9 +69,8 @@ from paratrain.parallel.data.groups import MasterGroup
 from paratrain.parallel.data.outside_use import OutsideUse
 from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
 from paratrain.parallel.blocks import UnitSpec, unit_modules
-from paratrain.parallel.data.units import (GatherUnit, SavedView, Unit, ZeroConfigError, agree_fp8_scales,
-                                          check_buffers, default_init, fp8_gathered, gather_whole, parameter_slots,
-                                          row_shape)
+from paratrain.parallel.data.units import (GatherCodec, GatherUnit, SavedView, Unit, ZeroConfigError, check_buffers,
+                                          default_init, gather_whole, parameter_slots, row_shape)
 from paratrain.precision import Precision
 
 
@@ -102,7 +101,7 @@ class FullyShardedEngine:
                  init: Callable[[str, torch.Size], torch.Tensor] | None = None,
                  grad_reduction: GradReduction = GradReduction.MEAN,
                  expert_names: Collection[str] = (), expert_axis: Axis = Axis.EP_REPLICATE,
-                 offload_params: bool = False):
+                 offload_params: bool = False, codecs: Collection[GatherCodec] = ()):
         try:
             grad_reduction = GradReduction(grad_reduction)
         except ValueError:
@@ -129,8 +128,8 @@ class FullyShardedEngine:
                             precision.master_dtype, self._pinned) if offload_params else [None] * len(originals)
         self._shards = [self._make_shard(name, p, init, axis, out)
                         for (name, p), axis, out in zip(originals.items(), self._axes, host)]
+        self._codecs = list(codecs)
         self.units = self._build_units(model, units, index_of, set(expert_names))
-        self._fp8_scales: dict[int, torch.Tensor] = {}  # per FP8-gathered weight, its scale for this step
         self._values: list[torch.Tensor] | None = None  # offload: the masters' values (`keep_master_values`)
         self.after_step()
         self.root = self.units[0]
@@ -197,11 +196,15 @@ class FullyShardedEngine:
         units = []
         indexed = {name: [(mod, attr, index_of[id(mod._parameters[attr])]) for mod, attr in slots.get(id(module), [])]
                    for name, module in named}
-        self._fp8 = fp8_gathered([slot for slot_list in indexed.values() for slot in slot_list])
+        every_slot = [slot for slot_list in indexed.values() for slot in slot_list]
+        self._coded: dict[int, GatherCodec] = {}  # parameter index -> the codec that carries it (the first to claim)
+        for codec in self._codecs:
+            for index in sorted(codec.claims(every_slot) - self._coded.keys()):
+                self._coded[index] = codec
         for name, module in named:
             axis = unit_axis(name, [self._axes[i] for _, _, i in indexed[name]], self.shard_axis)
             units.append(Unit(name, module, indexed[name], self._shards, self._shapes, self.mesh.size(axis), axis,
-                              self.precision.param_dtype, self._fp8, self.device))
+                              self.precision.param_dtype, self._coded, self.device))
         for unit in units:
             unit.on_shards = self._reduced_here(unit) and unit.computes_on_shards
         self._watch_shards_computed_on(units)
@@ -306,7 +309,7 @@ class FullyShardedEngine:
     def _launch_gather(self, unit: Unit) -> None:
         if self._await is not None:  # offload: the host step of the unit's masters done
             self._await([fp.index for fp in unit.params])
-        unit.launch_gather(self.comm, self._fp8_scales)
+        unit.launch_gather(self.comm)
 
     def _gather(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer, all-gathering it now if no prefetch did."""
@@ -484,15 +487,17 @@ class FullyShardedEngine:
 
     def after_step(self, ready=None, defer: bool = True) -> None:
         """Nothing to copy (the masters are the shards, cast to param_dtype at each gather) but the offloaded masters'
-        values into the shards; and the FP8-gathered weights' scales follow the updated shards. `ready` (offload's
-        overlapped host step): each gather first waits for its unit's masters (`_launch_gather`, `defer` or not);
-        the scales of FP8-gathered weights need them all."""
+        values into the shards; and each codec refreshes what its encoding needs from the updated shards. `ready`
+        (offload's overlapped host step): each gather first waits for its unit's masters (`_launch_gather`, `defer`
+        or not); a codec's refresh needs them all."""
         self._await = ready
         if ready is None:
             self.values_to_device(range(len(self._shards)))
-        elif self._fp8:
+        elif self._coded:
             ready(range(len(self._shards)))
-        self._fp8_scales = agree_fp8_scales(self._shards, self._fp8, self._axes, self.comm, self.precision.param_dtype)
+        for codec in self._codecs:
+            codec.refresh(self._shards, [i for i, c in self._coded.items() if c is codec], self._axes, self.comm,
+                          self.precision.param_dtype)
 
     def bring(self, indices) -> None:
         """Nothing: each gather waits for its own masters."""
