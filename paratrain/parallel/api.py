@@ -350,9 +350,12 @@ def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel,
         from paratrain.parallel.fp8 import Fp8Gather
 
         prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
+        from paratrain.parallel.data.offload import HostShards
+
         return FullyShardedEngine(model, comm, policy, units=data.units, init=init, grad_reduction=data.grad_reduction,
-                                  prefetch=prefetch, expert_names=expert_info.names if expert_info else (),
-                                  expert_axis=REPLICATE_AXIS, offload_params=data.offload == "params",
+                                  prefetch=prefetch,
+                                  axes=dict.fromkeys(expert_info.names, REPLICATE_AXIS) if expert_info else None,
+                                  shard_store=HostShards(comm.mesh.device) if data.offload == "params" else None,
                                   codecs=[Fp8Gather()] if gathers_fp8 else [])
     if expert_info is not None:
         from paratrain.parallel.data.groups import GroupedEngine
