@@ -384,27 +384,3 @@ def check_buffers(model: nn.Module) -> None:
     for name, buf in model.named_buffers():
         if buf.is_meta:
             raise ZeroConfigError(f"buffer {name!r} is on the meta device; materialize buffers before sharding")
-
-
-class GatherUnit(torch.autograd.Function):
-    """Forward: a unit's shards -> its full parameters (views of one gathered buffer).
-
-    Backward: reduce-scatter the full gradients (async) and free the buffer. No
-    gradient is returned to the shards: the engine sets master grads when the
-    reduce-scatter lands, so autograd never holds a shard-sized gradient twice.
-    """
-
-    @staticmethod
-    def forward(ctx, engine, unit: Unit, *shards: torch.Tensor):
-        ctx.engine, ctx.unit = engine, unit
-        ctx.set_materialize_grads(False)  # None marks a parameter that got no gradient
-        engine._gather(unit)
-        views = unit.views()
-        # a frozen parameter's full view must not require grad just because its unit-mates do
-        ctx.mark_non_differentiable(*(v for v, shard in zip(views, shards) if not shard.requires_grad))
-        return tuple(views)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._reduce_scatter(ctx.unit, grads)
-        return (None, None) + (None,) * len(grads)

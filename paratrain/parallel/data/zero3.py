@@ -68,7 +68,7 @@ from paratrain.parallel.data.groups import MasterGroup
 from paratrain.parallel.data.outside_use import OutsideUse
 from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
 from paratrain.parallel.blocks import UnitSpec, unit_modules
-from paratrain.parallel.data.units import (GatherCodec, GatherUnit, SavedView, Unit, ZeroConfigError, check_buffers,
+from paratrain.parallel.data.units import (GatherCodec, SavedView, Unit, ZeroConfigError, check_buffers,
                                           default_init, gather_whole, parameter_slots, row_shape)
 from paratrain.precision import Precision
 
@@ -561,6 +561,30 @@ class FullyShardedEngine:
     def _gather_parameter(self, index: int) -> torch.Tensor:
         axis = self._axes[index]
         return gather_whole(self._shards[index], self._shapes[index], self.comm, axis, self.mesh.size(axis))
+
+
+class GatherUnit(torch.autograd.Function):
+    """Forward: a unit's shards -> its full parameters (views of one gathered buffer).
+
+    Backward: reduce-scatter the full gradients (async) and free the buffer. No
+    gradient is returned to the shards: the engine sets master grads when the
+    reduce-scatter lands, so autograd never holds a shard-sized gradient twice.
+    """
+
+    @staticmethod
+    def forward(ctx, engine, unit: Unit, *shards: torch.Tensor):
+        ctx.engine, ctx.unit = engine, unit
+        ctx.set_materialize_grads(False)  # None marks a parameter that got no gradient
+        engine._gather(unit)
+        views = unit.views()
+        # a frozen parameter's full view must not require grad just because its unit-mates do
+        ctx.mark_non_differentiable(*(v for v, shard in zip(views, shards) if not shard.requires_grad))
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._reduce_scatter(ctx.unit, grads)
+        return (None, None) + (None,) * len(grads)
 
 
 def _nbytes(t: torch.Tensor) -> int:
