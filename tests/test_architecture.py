@@ -405,8 +405,8 @@ def _step_files(rank: int, world: int, zero: int, options: dict) -> list[str]:
     mesh = paratrain.init_mesh(dp=world)
     with warnings.catch_warnings():  # (offload on the CPU says it saves nothing here)
         warnings.simplefilter("ignore")
-        model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, data=DataParallel(zero=zero, offload=offload),
-                                       **options)
+        model, optimizer = parallelize(make_model(), mesh, optimizer=adamw,
+                                       data=DataParallel(zero=zero, offload=offload), **options)
     x, y = batches()[0]
     mine = [(x[rank::world], y[rank::world])]
     train_step(model, optimizer, mine, 1.0)  # the first step makes its lazy state

@@ -126,13 +126,13 @@ class FullyShardedEngine:
         init = init or default_init(model, originals)
         # the shards (and so the optimizer's state) where the store keeps them (host memory), gathered onto the device
         self._store = shard_store
-        store = shard_store.tensors([self._shard_shape(p.shape, axis) for p, axis in zip(originals.values(), self._axes)],
-                                    precision.master_dtype) if shard_store is not None else [None] * len(originals)
+        shapes = [self._shard_shape(p.shape, axis) for p, axis in zip(originals.values(), self._axes)]
+        store = shard_store.tensors(shapes, precision.master_dtype) if shard_store is not None else [None] * len(shapes)
         self._shards = [self._make_shard(name, p, init, axis, out)
                         for (name, p), axis, out in zip(originals.items(), self._axes, store)]
         self._codecs = list(codecs)
         self.units = self._build_units(model, units, index_of, set(axes))
-        self._values: list[torch.Tensor] | None = None  # the masters' values, when kept elsewhere (`keep_master_values`)
+        self._values: list[torch.Tensor] | None = None  # the masters' values kept elsewhere (`keep_master_values`)
         self._await = None  # how `after_step` waits for them (`await_values`)
         self.after_step()
         self.root = self.units[0]
@@ -215,7 +215,7 @@ class FullyShardedEngine:
 
     def _reduced_here(self, unit: Unit) -> bool:
         """Whether this rank alone makes the unit's gradients: it holds the unit whole and no replica of its shards
-        adds to them (hybrid sharding's replicas do, over dp_replicate; parameters on an axis of their own have none)."""
+        adds to them (hybrid sharding's replicas do, over dp_replicate; parameters on an axis of their own: none)."""
         return unit.whole and (self.replicas == 1 or unit.axis != self.shard_axis)
 
     def _watch_shards_computed_on(self, units: list[Unit]) -> None:
