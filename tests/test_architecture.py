@@ -376,8 +376,17 @@ def test_the_engine_protocol_holds_the_strategys_verbs_only():
     from paratrain.parallel.data.engine import Engine
     from paratrain.parallel.data.offload import HostPlaced
 
+    from paratrain.parallel.data.ddp import DataParallelEngine
+    from paratrain.parallel.data.groups import GroupedEngine
+    from paratrain.parallel.data.zero3 import FullyShardedEngine
+
     placement = {name for name in vars(HostPlaced) if not name.startswith("_")}
     assert placement and not placement & set(vars(Engine)), placement & set(vars(Engine))
+    # and every engine implements it, besides the contract
+    lacking = {cls.__name__: sorted(name for name in placement | {"after_step", "finish_gradients"}
+                                    if not callable(getattr(cls, name, None)))
+               for cls in (DataParallelEngine, FullyShardedEngine, GroupedEngine)}
+    assert {name: names for name, names in lacking.items() if names} == {}
 
 
 # -- one training step's path through the code --------------------------------------------------------
