@@ -350,21 +350,72 @@ def test_the_parallel_model_keeps_its_contract():
     assert ddp.replicated_over("weight") == ddp.replicated_over("weight", at_rest=True) == ("dp", "cp", "tp")
 
 
+# -- the data-parallel engines know their strategy only ------------------------------------------------
+
+# The engines' modules: a feature that plugs into them (a gather codec, where the optimizer steps, a layout of
+# units the builder computes) reaches them through its extension point, and they name none of them.
+ENGINE_MODULES = ("parallel/data/zero3.py", "parallel/data/units.py", "parallel/data/ddp.py",
+                  "parallel/data/engine.py", "parallel/data/buckets.py")
+PLUGGED_FEATURES = re.compile(r"fp8|offload|expert", re.IGNORECASE)
+
+
+def test_the_feature_finder_finds_a_feature():
+    assert PLUGGED_FEATURES.search("# offloaded shards") and PLUGGED_FEATURES.search("an FP8-gathered weight")
+    assert PLUGGED_FEATURES.search("holds Experts") and not PLUGGED_FEATURES.search("a codec's placement")
+
+
+def test_no_engine_module_names_a_feature_that_plugs_into_it():
+    """Comments and docstrings included: an engine says "codec", "placement", "axis of their own"."""
+    named = {module: [number for number, line in enumerate((PACKAGE / module).read_text().splitlines(), 1)
+                      if PLUGGED_FEATURES.search(line)] for module in ENGINE_MODULES}
+    assert {module: lines for module, lines in named.items() if lines} == {}
+
+
+def test_the_engine_protocol_holds_the_strategys_verbs_only():
+    """What a placement needs of an engine is the placement's interface (`offload.HostPlaced`), not `Engine`'s."""
+    from paratrain.parallel.data.engine import Engine
+    from paratrain.parallel.data.offload import HostPlaced
+
+    from paratrain.parallel.data.ddp import DataParallelEngine
+    from paratrain.parallel.data.groups import GroupedEngine
+    from paratrain.parallel.data.zero3 import FullyShardedEngine
+
+    placement = {name for name in vars(HostPlaced) if not name.startswith("_")}
+    assert placement and not placement & set(vars(Engine)), placement & set(vars(Engine))
+    # and every engine implements it, besides the contract
+    lacking = {cls.__name__: sorted(name for name in placement | {"after_step", "finish_gradients"}
+                                    if not callable(getattr(cls, name, None)))
+               for cls in (DataParallelEngine, FullyShardedEngine, GroupedEngine)}
+    assert {name: names for name, names in lacking.items() if names} == {}
+
+
 # -- one training step's path through the code --------------------------------------------------------
 
-STEP_FILES = {0: 11, 3: 13}  # the most paratrain files one train_step may pass through, by ZeRO stage (the
-# loss, fused into the head, one of them: parallel/loss.py)
+# The most paratrain files one train_step may pass through, per layout (the loss, fused into the head, one of them:
+# parallel/loss.py): (ZeRO stage, parallelize's options, files). FP8 and offload add their own modules only.
+STEP_FILES = {
+    "ddp": (0, {}, 11),
+    "zero3": (3, {}, 13),
+    "zero3_fp8": (3, {"precision": "bf16", "fp8": "tensorwise"}, 14),
+    "zero3_offload": (3, {"offload": "optimizer"}, 15),
+}
 
 
-def _step_files(rank: int, world: int, zero: int) -> list[str]:
+def _step_files(rank: int, world: int, zero: int, options: dict) -> list[str]:
     """The paratrain files one `train_step` (after a warm-up step) calls into on this rank."""
     import sys
+    import warnings
 
     from parallel_cases import adamw, batches, make_model
     from paratrain.train import train_step
 
+    options = dict(options)
+    offload = options.pop("offload", None)
     mesh = paratrain.init_mesh(dp=world)
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, data=DataParallel(zero=zero))
+    with warnings.catch_warnings():  # (offload on the CPU says it saves nothing here)
+        warnings.simplefilter("ignore")
+        model, optimizer = parallelize(make_model(), mesh, optimizer=adamw,
+                                       data=DataParallel(zero=zero, offload=offload), **options)
     x, y = batches()[0]
     mine = [(x[rank::world], y[rank::world])]
     train_step(model, optimizer, mine, 1.0)  # the first step makes its lazy state
@@ -382,11 +433,12 @@ def _step_files(rank: int, world: int, zero: int) -> list[str]:
     return sorted(seen)
 
 
-@pytest.mark.parametrize("zero", sorted(STEP_FILES))
-def test_one_train_step_passes_through_few_files(zero):
+@pytest.mark.parametrize("layout", sorted(STEP_FILES))
+def test_one_train_step_passes_through_few_files(layout):
     from paratrain.testing import run_on_ranks
 
-    files = run_on_ranks(_step_files, 2, zero, timeout=120)[0]
+    zero, options, most = STEP_FILES[layout]
+    files = run_on_ranks(_step_files, 2, zero, options, timeout=120)[0]
     assert "parallel/model.py" in files and "train.py" in files, files  # the profile saw the step
-    assert len(files) <= STEP_FILES[zero], f"{len(files)} files: {files}"
+    assert len(files) <= most, f"{len(files)} files: {files}"
     assert "faults.py" not in files, "fault injection wraps the step from outside"

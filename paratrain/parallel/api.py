@@ -246,7 +246,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 4b. The loss fused into the head as tp left it, before the engine hooks onto it (ZeRO-3 gathers around it).
     loss_head = fuse_head(model, head, loss_chunk)
     # 5. The data-parallel engine: it sees the final parameters it has to reduce.
-    engine = _engine(model, comm, policy, data, init, expert_info)
+    engine = _engine(model, comm, policy, data, init, expert_info, gathers_fp8=fp8 == "tensorwise")
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
     offload = _offload(engine, mesh, data, model if runner is None else None)
@@ -338,18 +338,25 @@ def _recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpoi
         checkpoint_blocks(model, checkpointing)
 
 
-def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel, init, expert_info=None):
+def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel, init, expert_info=None,
+            gathers_fp8: bool = False):
     """The data-parallel engine of `data.zero`'s stage over the model's final parameters; under expert parallelism
     one over the dense parameters (the data axis) and one over the experts (the ranks holding the same block), or
-    under ZeRO-3 one engine sharding each kind over its own axis."""
+    under ZeRO-3 one engine sharding each kind over its own axis (`gathers_fp8`: the converted linears' weights
+    gathered as their FP8 casts, `paratrain.parallel.fp8.Fp8Gather`)."""
     if data.zero == 3:  # one engine: each expert block sharded over the ranks holding it, the rest over the data axis
         from paratrain.parallel.data.zero3 import FullyShardedEngine
         from paratrain.parallel.expert.sharding import REPLICATE_AXIS
+        from paratrain.parallel.fp8 import Fp8Gather
 
         prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
+        from paratrain.parallel.data.offload import HostShards
+
         return FullyShardedEngine(model, comm, policy, units=data.units, init=init, grad_reduction=data.grad_reduction,
-                                  prefetch=prefetch, expert_names=expert_info.names if expert_info else (),
-                                  expert_axis=REPLICATE_AXIS, offload_params=data.offload == "params")
+                                  prefetch=prefetch,
+                                  axes=dict.fromkeys(expert_info.names, REPLICATE_AXIS) if expert_info else None,
+                                  shard_store=HostShards(comm.mesh.device) if data.offload == "params" else None,
+                                  codecs=[Fp8Gather()] if gathers_fp8 else [])
     if expert_info is not None:
         from paratrain.parallel.data.groups import GroupedEngine
         from paratrain.parallel.expert.sharding import REPLICATE_AXIS

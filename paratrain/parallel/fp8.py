@@ -35,8 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain import compat
+from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
+from paratrain.mesh import Axis
 from paratrain.parallel.blocks import unit_modules
+from paratrain.parallel.data.units import GatherCodec
 from paratrain.parallel.rules import FP8_CUDA_MIN_FEATURES
 
 RECIPES = ("tensorwise", "rowwise")
@@ -257,6 +260,64 @@ def gathers_fp8(module: nn.Module, attr: str) -> bool:
     its forward reads only through that cast. (Rowwise casts along each matmul's own reduction, and a
     tensor-parallel linear agrees its scales over tp: both gather the compute dtype and cast after.)"""
     return type(module) is Float8Linear and module.fp8_recipe == "tensorwise" and attr == "weight"
+
+
+class Fp8Gather(GatherCodec):
+    """ZeRO-3's gather of a converted linear's weight as its tensorwise e4m3 cast (`gathers_fp8`): 1 byte per element
+    on the wire, with the scale of the whole weight, agreed after each optimizer step from the shards (each rank's
+    shard amax, then one max-reduction per axis); the linear computes from the gathered cast
+    (`Float8Linear.fp8_gathered`), and its slot holds a stand-in of the weight's shape that receives the
+    gradient."""
+
+    align = 16  # bytes: the FP8 kernels want aligned operands
+
+    def __init__(self):
+        self._scales: dict[int, torch.Tensor] = {}  # per weight (engine index), its scale for this step
+        self._stand_ins: dict[tuple, torch.Tensor] = {}
+
+    def dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return E4M3
+
+    def reads(self, module: nn.Module, attr: str) -> bool:
+        return gathers_fp8(module, attr)
+
+    @torch.no_grad()
+    def refresh(self, shards: list[torch.Tensor], indices: list[int], axes: list[Axis], comm: Comm,
+                compute_dtype: torch.dtype) -> None:
+        """Per weight at `indices`, the tensorwise e4m3 scale of the whole weight its shard over its axis is part of:
+        each rank's shard amax, of its values in `compute_dtype` (which the cast reads), then one max-reduction
+        per axis."""
+        scales = {}
+        for axis in dict.fromkeys(axes[i] for i in sorted(indices)):
+            held_here = [i for i in sorted(indices) if axes[i] == axis]
+            amax = torch.zeros(len(held_here), dtype=torch.float32, device=shards[held_here[0]].device)
+            held = [k for k, i in enumerate(held_here) if shards[i].numel()]  # a rank past a short weight's rows: 0
+            if held:  # one batch of kernels for every shard's max |x|
+                amax[held] = torch.stack(torch._foreach_norm([shards[held_here[k]].detach() for k in held],
+                                                             ord=float("inf")))
+            amax = amax.to(comm.mesh.device).to(compute_dtype).float()  # (shards on the host: from there)
+            comm.all_reduce(amax, axis, op=torch.distributed.ReduceOp.MAX)
+            scales.update(zip(held_here, scale_from_amax(amax, E4M3).unbind()))
+        self._scales = scales
+
+    def encode(self, index: int, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The compute dtype's values cast, as a whole weight in the compute dtype would be; returns its scale."""
+        scale = self._scales[index]
+        out.copy_(to_fp8(values, scale, E4M3))
+        return scale
+
+    def decode(self, gathered: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+        """A stand-in of the weight's shape in the compute dtype (no memory): it receives the weight's gradient."""
+        key = (compute_dtype, gathered.device)
+        if key not in self._stand_ins:
+            self._stand_ins[key] = torch.zeros((), dtype=compute_dtype, device=gathered.device)
+        return self._stand_ins[key].expand(gathered.shape)
+
+    def install(self, module: nn.Module, gathered: torch.Tensor, meta) -> None:
+        module.fp8_gathered = (gathered, meta)
+
+    def restore(self, module: nn.Module) -> None:
+        module.fp8_gathered = None
 
 
 def convertible(module: nn.Module, min_features: int) -> bool:

@@ -419,7 +419,9 @@ class ParallelModel(nn.Module):
         """The parameters brought up to date with the masters (after a step, or a checkpoint loaded into them) by the
         engine's post-step path (ZeRO-1/2: an all-gather, collective; mixed-precision DDP: the cast copy); the
         next step begins afresh. The loss scale moves only in `after_step`: a loaded checkpoint took no step."""
-        self.engine.after_step(ready, defer=self.pipeline is None)  # (a stage's forward is the runner's: at once)
+        if self.offload is not None:  # (a stage's forward is the runner's: its collectives at once)
+            self.offload.before_parameters(ready, defer=self.pipeline is None)
+        self.engine.after_step()
         self.verdict, self._result, self._phase = None, None, _Phase.BACKWARD
 
     def _before_optimizer_step(self, optimizer, *_) -> None:

@@ -39,14 +39,14 @@ class Slot:
     chunk_numel: int  # padded rows × row size
     rows: tuple[int, int]  # owned rows [lo, hi)
     master: torch.Tensor | None = None
-    value: torch.Tensor | None = None  # where the master's value is when not in it (offload: its host copy)
+    value: torch.Tensor | None = None  # where the master's value is when not in it (a host copy)
     filled: bool = False  # a gradient was written into the bucket since it was last reduced
     # Views of a bucket buffer that lives for the run (DDP, ZeRO-1): made once, not per gradient or step.
     span: torch.Tensor | None = None  # DDP: the parameter's gradient in its bucket
     reduced: torch.Tensor | None = None  # this rank's reduced rows, shaped as the master
 
     def source(self) -> torch.Tensor:
-        """The tensor holding the master's value: the master, or its host copy (offload)."""
+        """The tensor holding the master's value: the master, or its host copy."""
         return self.master if self.value is None else self.value
 
     def columns(self, buffer: torch.Tensor, shards: int) -> torch.Tensor:

@@ -90,7 +90,7 @@ class DataParallelEngine:
         """`params` (name, parameter): the ones this engine reduces (None: every trainable one of `model`);
         `axis`: the ranks that hold copies of them, over which their gradients are reduced and ZeRO shards them
         (None: the data axis, split for hybrid sharding). A mean divides by the whole data axis whatever the
-        axis: a group of parameters held by fewer data ranks (a block of experts) already sums, through its
+        axis: a group of parameters held by fewer data ranks (an axis of their own) already sums, through its
         forward, the contributions of the tokens of the others."""
         assert zero in (0, 1, 2)
         grad_reduction = GradReduction(grad_reduction)
@@ -144,7 +144,8 @@ class DataParallelEngine:
         # backward that raises never runs its end callback, and the next one must queue its own.
         self._end_queued_for: int | None = None
         self._reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _assign_master_grads
-        self._ungathered, self._ready = [], None  # ZeRO-1/2: buckets whose updated rows wait for `bring`
+        self._ungathered = []  # ZeRO-1/2: buckets whose updated rows wait for `bring`
+        self._ready, self._defer = None, False  # how `after_step` waits for the masters' values (`await_values`)
 
     # -- construction ---------------------------------------------------------
     def _make_masters(self) -> None:
@@ -357,7 +358,7 @@ class DataParallelEngine:
             used = [s.master.grad is not None for s in self.slots]
             if any(used):
                 self._used_mask = used_flags(used, device)
-            if any(used) and self.pre_divide != 1:  # a mean over data ranks of which this group has one (experts)
+            if any(used) and self.pre_divide != 1:  # a mean over data ranks of which this group's axis has one
                 torch._foreach_div_([s.master.grad for s in self.slots if s.master.grad is not None], self.pre_divide)
             return self._used_mask
         if not self._accumulating:
@@ -410,8 +411,9 @@ class DataParallelEngine:
 
     # -- after the optimizer step ------------------------------------------------
     def keep_master_values(self, values: list[torch.Tensor]) -> None:
-        """Offload: the masters' values are `values` (host copies, in `masters()` order) from now on, which the optimizer
-        steps and `after_step` reads; a separate mixed-precision master keeps its gradient only (no storage)."""
+        """A placement's (`HostPlaced`): the masters' values are `values` (host copies, in `masters()` order) from now
+        on, which the optimizer steps and `after_step` reads; a separate mixed-precision master keeps its gradient
+        only (no storage)."""
         for slot, value in zip(self.slots, values):
             slot.value = value
             if self.precision.mixed:
@@ -420,11 +422,16 @@ class DataParallelEngine:
         for bucket in self.buckets:
             bucket.gather = None  # made again, from the values
 
-    def after_step(self, ready=None, defer: bool = False) -> None:
-        """Bring the model's parameters up to date with the masters. `ready` (offload's overlapped host step,
-        `host_step.py`): the host values of the masters at given indices are stepped once it returns; DDP's were
-        copied by `values_to_device` as each group was stepped; ZeRO-1/2 all-gathers a bucket once its masters
-        are, and with `defer` only when the next forward first reads it (`bring`)."""
+    def await_values(self, ready, defer: bool) -> None:
+        """A placement's (`HostPlaced`): how the next `after_step` waits for the masters' values."""
+        self._ready, self._defer = ready, defer
+
+    def after_step(self) -> None:
+        """Bring the model's parameters up to date with the masters. With a placement's `ready` (`await_values`: the
+        values of the masters at given indices are stepped once it returns), DDP's were copied by
+        `values_to_device` as each group was stepped; ZeRO-1/2 all-gathers a bucket once its masters are, and with
+        `defer` only when the next forward first reads it (`bring`)."""
+        ready = self._ready
         if self.precision.mixed:
             for slot in self.slots:
                 slot.master.grad = None  # fp32 copies made for this step only
@@ -432,13 +439,13 @@ class DataParallelEngine:
             if ready is None and (self.precision.mixed or any(s.value is not None for s in self.slots)):
                 self.values_to_device(range(len(self.slots)))
             return
-        self._ungathered, self._ready = list(self.buckets), ready
-        if ready is None or not defer:
+        self._ungathered = list(self.buckets)
+        if ready is None or not self._defer:
             self.bring(range(len(self.slots)))
 
     def bring(self, indices) -> None:
         """ZeRO-1/2: all-gather the updated rows of each bucket that holds a master at `indices` and is not gathered
-        since the step (first waiting for its masters' host step, under offload). Collective: every rank calls it
+        since the step (first waiting for its masters' values, `await_values`). Collective: every rank calls it
         in the same order (the forward's units, then the rest)."""
         wanted = set(indices)
         for bucket in [b for b in self._ungathered if any(self._where[s.param][2] in wanted for s in b.slots)]:
@@ -450,7 +457,7 @@ class DataParallelEngine:
 
     @torch.no_grad()
     def values_to_device(self, indices) -> None:
-        """DDP: the masters' values at `indices` (offload: from the host) into the parameters the model computes
+        """DDP: the masters' values at `indices` (from their host copies) into the parameters the model computes
         with (ZeRO-1/2's all-gather reads them itself)."""
         slots = [self.slots[i] for i in indices] if self.zero == 0 else []
         if slots:

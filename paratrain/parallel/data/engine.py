@@ -19,6 +19,10 @@ as `paratrain.parallel.model.ParallelModel` drives it:
 5. `after_step()`: bring the parameters the model computes with up to date (ZeRO-1/2: all-gather
    the updated rows; mixed-precision DDP: cast the masters into the compute copies).
 
+Where the optimizer steps is a placement's matter, not the engine's contract: a placement that steps
+the masters elsewhere (in host memory) owns the small interface it needs of an engine (`HostPlaced`,
+in the placement's module), which the engines implement besides this one.
+
 Nothing in an engine runs at the end of backward by itself: the model calls 2, 3 and 5 in that
 order, and so each engine's state is only what the steps above say.
 """
@@ -50,8 +54,9 @@ class Engine(Protocol):
     """Parameters at rest are this rank's 1/N rows (ZeRO-3): they are not replicas of each other."""
 
     def groups(self) -> list[tuple["Engine", bool]]:
-        """(engine, holds experts) per group of parameters reduced alike: this engine alone, or one per group
-        (`paratrain.parallel.data.groups.GroupedEngine`); who owns a copy depends on the group."""
+        """(engine, whether its copies live on an axis of their own rather than the data axis) per group of
+        parameters reduced alike: this engine alone, or one per group (`paratrain.parallel.data.groups`); who owns
+        a copy depends on the group."""
 
     def masters(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates (fp32), in a fixed order."""
@@ -72,23 +77,8 @@ class Engine(Protocol):
     def drop_gradients(self, indices: list[int]) -> None:
         """Remove the gradients of the masters at `indices` (no data rank reached them, or the step is skipped)."""
 
-    def after_step(self, ready: Callable | None = None, defer: bool = False) -> None:
-        """Make the model's parameters equal to the (updated) masters. `ready(indices)` (offload's overlapped host
-        step): returns once the host values of the masters at `indices` are stepped; what the engine does with
-        them waits for it first (the model's forward waits for each unit's own: `host_step.py`); `defer`: what
-        needs a collective waits for `bring`."""
-
-    def bring(self, indices) -> None:
-        """After a deferred `after_step`: the parameters of the masters at `indices` up to date (collective where
-        the engine gathers: every rank calls it at the same point of its forward)."""
-
-    def values_to_device(self, indices) -> None:
-        """Offload: the host values of the masters at `indices` into what the engine computes or gathers from,
-        with no collective (called by the host step's thread, on its copy stream)."""
-
-    def keep_master_values(self, values: list[torch.Tensor]) -> None:
-        """Offload (`offload.py`): the masters' values live in `values` (host copies, in `masters()` order) from now
-        on; `after_step` reads them there, and the masters keep their gradients (a separate master: nothing else)."""
+    def after_step(self) -> None:
+        """Make the model's parameters equal to the (updated) masters."""
 
     def zero_grad(self) -> None:
         """Drop every gradient: masters' and parameters'."""

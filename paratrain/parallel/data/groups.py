@@ -61,9 +61,13 @@ class GroupedEngine:
             engine.drop_gradients([i - start for i in indices if start <= i < start + size])
             start += size
 
-    def after_step(self, ready=None, defer: bool = False) -> None:
+    def after_step(self) -> None:
+        for engine in self.engines:
+            engine.after_step()
+
+    def await_values(self, ready, defer: bool) -> None:
         for engine, start in zip(self.engines, self._starts()):
-            engine.after_step(ready and (lambda indices, start=start: ready([start + i for i in indices])), defer)
+            engine.await_values(ready and (lambda indices, start=start: ready([start + i for i in indices])), defer)
 
     def values_to_device(self, indices) -> None:
         for engine, part in zip(self.engines, self._split(indices)):

@@ -9,7 +9,7 @@ masters (its ZeRO shard), so its state is allocated there too, and steps them wi
 torch's CPU kernel (fused AdamW where the factory asks for it). What stays on the
 device is what the engine computes with: the parameters in the compute dtype and the
 gradients (a mixed-precision engine's separate fp32 masters keep their gradients only,
-no storage: `Engine.keep_master_values`).
+no storage: `HostPlaced.keep_master_values`).
 
 One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
 
@@ -22,7 +22,7 @@ One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
    next forward reads the groups, and its values go back to the device as soon as it is
    stepped; `optimizer.step()` returns at once, and the next forward waits for each unit's
    group where the unit begins (ZeRO-1/2 over several ranks: for the groups of the buckets
-   it reads, then their all-gather, `Engine.bring`). The host step uses `threads` intra-op threads (a launcher sets
+   it reads, then their all-gather, `HostPlaced.bring`). The host step uses `threads` intra-op threads (a launcher sets
    one per process; the host step is a pass over 28 bytes per parameter and wants the node's
    cores, shared by its ranks);
 4. any other optimizer: `gradients_to_host` (each master's gradient into its host buffer,
@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -63,6 +64,47 @@ OFFLOADS = ("optimizer", "params")
 # torch's pinned allocator rounds each request up to one, so a chunk wastes at most the room the next tensor did not
 # fit in.
 CHUNK_BYTES = 2**30
+
+
+@runtime_checkable
+class HostPlaced(Protocol):
+    """What the host placement needs of a data-parallel engine besides its `Engine` contract (which knows nothing
+    of where the optimizer steps); DDP / ZeRO-1/2 (`ddp.py`), ZeRO-3 (`zero3.py`) and `groups.GroupedEngine`
+    implement it."""
+
+    def keep_master_values(self, values: list[torch.Tensor]) -> None:
+        """The masters' values live in `values` (host copies, in `masters()` order) from now on; `after_step` reads
+        them there, and the masters keep their gradients (a separate master: nothing else)."""
+
+    def values_to_device(self, indices) -> None:
+        """The host values of the masters at `indices` into what the engine computes or gathers from, with no
+        collective (called by the host step's thread, on its copy stream)."""
+
+    def await_values(self, ready: Callable | None, defer: bool) -> None:
+        """How the next `after_step` waits: `ready(indices)` (the overlapped host step) returns once the host values
+        of the masters at `indices` are stepped, and what the engine does with them waits for it first (the
+        model's forward waits for each unit's own: `host_step.py`); `defer`: what needs a collective waits for
+        `bring`. None: the values are stepped already."""
+
+    def bring(self, indices) -> None:
+        """After a deferred `after_step`: the parameters of the masters at `indices` up to date (collective where
+        the engine gathers: every rank calls it at the same point of its forward)."""
+
+
+class HostShards:
+    """Where ZeRO-3 keeps its parameter shards under offload="params": host memory (pinned where it can be), the
+    device's gradients brought there at the end of backward."""
+
+    def __init__(self, device: torch.device):
+        self.pinned = can_pin(device)
+
+    def tensors(self, shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The shards' storage, one tensor per shape."""
+        return host_tensors(shapes, dtype, self.pinned)
+
+    def gradients(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device gradients as tensors where the shards live."""
+        return to_host(grads, self.pinned)
 
 
 class OffloadError(ParatrainError, ValueError):
@@ -179,6 +221,11 @@ class HostMasters:
         self.step.hook_units(units)
         self.overlapped = False
 
+    def before_parameters(self, ready, defer: bool) -> None:
+        """Before the engine's post-step path: how it waits for the host step (`ready`, from `finish`; None: done)
+        and whether its collectives wait for the forward (`defer`)."""
+        self.engine.await_values(ready, defer)
+
     def launch(self, optimizer) -> None:
         """The step's start (the optimizer's pre-step hook, after the agreement): torch's Adam / AdamW step each
         group of masters in the worker thread (`HostStep`), which the optimizer's own step body then leaves
@@ -198,7 +245,7 @@ class HostMasters:
 
     def settle(self, bring: bool = False) -> None:
         """The step under way, if any, done: before anything reads the host masters or the optimizer's state;
-        `bring` (collective: at the same point on every rank): the parameters too (`Engine.bring`)."""
+        `bring` (collective: at the same point on every rank): the parameters too (`HostPlaced.bring`)."""
         self.step.settle()
         if bring:
             self.engine.bring(range(len(self.values)))

@@ -26,15 +26,13 @@ view of it and the [N, C] gather output is dropped at once.
 A unit one rank holds whole (its axis has one rank) has chunks of its real rows only, laid out as the full
 buffer: its chunk is that buffer, with nothing to gather or copy out, and its gradients need no flat layout
 (the engine keeps them as its masters'); where the chunk would be a copy of the shards (their dtype, their
-device, no FP8 cast) the module computes on the shards themselves (`Unit.on_shards`).
+device, no codec) the module computes on the shards themselves (`Unit.on_shards`).
 
-The gather's buffers are bytes: each parameter travels in its own gather dtype
-(the compute dtype; a converted FP8 linear's weight as its tensorwise e4m3
-cast, one byte per element: `paratrain.parallel.fp8.gathers_fp8`), its place
-in a chunk and in the full buffer aligned to its dtype (to 16 bytes in a unit
-with FP8 casts, as the FP8 kernels want their operands), so that every full
-parameter is an aligned view of its dtype. The reduce-scatter's layout is the
-elements' above, in the reduce dtype.
+The gather's buffers are bytes: each parameter travels as its codec says (`GatherCodec`: the compute
+dtype by default; a codec of the caller's may carry another dtype, e.g. one byte per element with a scale,
+and hand the module what it computes with), its place in a chunk and in the full buffer aligned to its dtype
+(to the largest alignment a codec of the unit asks for), so that every full parameter is an aligned view of
+its dtype. The reduce-scatter's layout is the elements' above, in the reduce dtype.
 """
 
 from __future__ import annotations
@@ -50,13 +48,57 @@ from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Axis
 from paratrain.parallel.data.shard import chunk_padding, chunk_tiles, rows_per_rank
-from paratrain.parallel.fp8 import E4M3, gathers_fp8, scale_from_amax, to_fp8
-
-_FP8_ALIGN = 16  # bytes: where each parameter of a unit with FP8 casts starts (FP8 kernels want aligned operands)
 
 
 class ZeroConfigError(ParatrainError, ValueError):
     """A ZeRO-3 setting or model that the engine cannot shard."""
+
+
+class GatherCodec:
+    """What some parameters travel as in their unit's all-gather, and what their module computes with after it:
+    the extension point for parameters gathered otherwise than as their values in the compute dtype.
+
+    The engine asks each codec it was given which parameters it takes (`claims`), after each optimizer step lets
+    it derive what its encoding needs from the updated shards (`refresh`, collective: every rank calls it), and
+    around each gather calls `encode` (this rank's rows into its chunk) and, once gathered, `decode` (the tensor
+    autograd sees in the module's slot) and `install` / `restore` (anything else the module reads). Parameters no
+    codec takes travel as their values in the compute dtype, in one batched copy.
+    """
+
+    align = 1  # bytes: where each parameter of a unit holding one of this codec's starts
+
+    def dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype this codec's parameters travel in."""
+        return compute_dtype
+
+    def reads(self, module: nn.Module, attr: str) -> bool:
+        """Whether `module` reads its parameter `attr` only through this codec's decoding."""
+        return False
+
+    def claims(self, slots: list[tuple[nn.Module, str, int]]) -> frozenset[int]:
+        """The parameters (engine indices) of the (module, attribute, index) `slots` this codec carries: those that
+        every slot holding them reads only through it (a parameter tied to another reader travels plainly)."""
+        return frozenset({i for _, _, i in slots} - {i for mod, attr, i in slots if not self.reads(mod, attr)})
+
+    def refresh(self, shards: list[torch.Tensor], indices: list[int], axes: list[Axis], comm: Comm,
+                compute_dtype: torch.dtype) -> None:
+        """After the masters changed: what encoding the parameters at `indices` (their `shards`, split over
+        `axes[i]`) needs from their new values (collective: every rank calls it)."""
+
+    def encode(self, index: int, values: torch.Tensor, out: torch.Tensor):
+        """This rank's rows of parameter `index` (flat, in the compute dtype) into `out` (flat, in `dtype`); returns
+        what `decode` and `install` need of this gather."""
+        out.copy_(values)
+
+    def decode(self, gathered: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+        """What the module's slot holds (autograd gives it the parameter's gradient), from the gathered parameter."""
+        return gathered
+
+    def install(self, module: nn.Module, gathered: torch.Tensor, meta) -> None:
+        """Whatever else `module` reads of the gathered parameter (`meta`: what `encode` returned)."""
+
+    def restore(self, module: nn.Module) -> None:
+        """Undo `install`."""
 
 
 def row_shape(shape: torch.Size) -> torch.Size:
@@ -91,13 +133,10 @@ class FlatParam:
     index: int          # the engine's parameter index (its master)
     shape: torch.Size   # full shape
     chunk_offset: int   # element offset inside one rank's chunk of the reduce-scatter
-    gather_dtype: torch.dtype  # what it is gathered as: the compute dtype, or e4m3 (`fp8`)
+    gather_dtype: torch.dtype  # what it is gathered as: the compute dtype, or its codec's
     chunk_byte: int     # byte offset inside one rank's chunk of the all-gather
     full_byte: int      # byte offset inside the full-parameter buffer
-
-    @property
-    def fp8(self) -> bool:
-        return self.gather_dtype == E4M3
+    codec: GatherCodec | None = None  # None: its values in the compute dtype
 
     @property
     def rows(self) -> int:
@@ -122,12 +161,13 @@ class Unit:
 
     def __init__(self, name: str, module: nn.Module, slots: list[tuple[nn.Module, str, int]],
                  shards: list[nn.Parameter], full_shapes: list[torch.Size], num_ranks: int, axis: Axis = Axis.DP,
-                 gather_dtype: torch.dtype = torch.float32, fp8: frozenset[int] = frozenset(),
+                 gather_dtype: torch.dtype = torch.float32, codecs: dict[int, GatherCodec] | None = None,
                  device: torch.device | None = None):
         """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit; the
         shards are split over the `num_ranks` ranks of the mesh axis `axis` and gathered in `gather_dtype` onto
-        `device` (None: the shards'; offloaded shards live on the host), but the parameters (engine indices) in
-        `fp8` as their e4m3 casts."""
+        `device` (None: the shards'; shards may live on the host), but the parameters (engine indices) in
+        `codecs` as their codec encodes them."""
+        codecs = codecs or {}
         self.name, self.module, self.num_ranks, self.axis = name, module, num_ranks, axis
         self.device = device or (shards[slots[0][2]].device if slots else torch.device("cpu"))
         order = list(dict.fromkeys(index for _, _, index in slots))  # each parameter once, in first-use order
@@ -135,10 +175,11 @@ class Unit:
         self.shards = [shards[i] for i in order]
         self.params: list[FlatParam] = []
         chunk_offset = chunk_byte = full_byte = 0
-        align = _FP8_ALIGN if fp8.intersection(order) else gather_dtype.itemsize
+        align = max([gather_dtype.itemsize] + [codecs[i].align for i in order if i in codecs])
         for i in order:
-            dtype = E4M3 if i in fp8 else gather_dtype
-            fp = FlatParam(i, full_shapes[i], chunk_offset, dtype, chunk_byte, full_byte)
+            codec = codecs.get(i)
+            dtype = codec.dtype(gather_dtype) if codec is not None else gather_dtype
+            fp = FlatParam(i, full_shapes[i], chunk_offset, dtype, chunk_byte, full_byte, codec)
             self.params.append(fp)
             chunk_offset += fp.chunk_numel(num_ranks)
             chunk_byte += -(-fp.chunk_numel(num_ranks) * dtype.itemsize // align) * align
@@ -154,9 +195,8 @@ class Unit:
         # what it would gather (`computes_on_shards`) and its gradients are summed over no other rank.
         self.on_shards = False
         self.full: torch.Tensor | None = None  # bytes
-        self.scales: dict[int, torch.Tensor] = {}  # the FP8 parameters' scales `full` was cast with
+        self.meta: dict[int, object] = {}  # per codec-encoded parameter, what its encoding of `full` returned
         self._pending = None
-        self._stand_in: torch.Tensor | None = None  # what autograd sees of an FP8-gathered parameter (`views`)
         # What the unit's forward saved for backward through the engine's saved-tensor hooks (in the last
         # forward): anything, and views of its gathered parameters.
         self.saved_any = self.saved_own = False
@@ -164,8 +204,9 @@ class Unit:
     @property
     def computes_on_shards(self) -> bool:
         """Whether gathering this unit would copy its shards unchanged: whole, each parameter gathered in its
-        shard's dtype, on the device its shard lives on."""
-        return self.whole and all(fp.gather_dtype == shard.dtype and shard.device.type == self.device.type
+        shard's dtype (no codec), on the device its shard lives on."""
+        return self.whole and all(fp.codec is None and fp.gather_dtype == shard.dtype
+                                  and shard.device.type == self.device.type
                                   for fp, shard in zip(self.params, self.shards))
 
     @property
@@ -181,21 +222,20 @@ class Unit:
         return self.saved_own or not self.saved_any
 
     # -- gather -----------------------------------------------------------
-    def launch_gather(self, comm: Comm, scales: dict[int, torch.Tensor]) -> None:
-        """Copy the local rows (cast to their gather dtype, zero-padded) into one chunk and start the all-gather;
-        a whole unit's chunk is its full buffer, with nothing to gather.
-        `scales`: per FP8 parameter (engine index), the tensorwise scale agreed over its shards."""
+    def launch_gather(self, comm: Comm) -> None:
+        """Copy the local rows (cast to their gather dtype, or encoded by their codec; zero-padded) into one chunk
+        and start the all-gather; a whole unit's chunk is its full buffer, with nothing to gather."""
         device = self.device
         chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=device)
-        self.scales = {fp.index: scales[fp.index] for fp in self.params if fp.fp8}
-        dsts, srcs = [], []  # one foreach copy (a cast, in mixed precision) for the parameters not in FP8
+        self.meta = {}
+        dsts, srcs = [], []  # one foreach copy (a cast, in mixed precision) for the parameters no codec encodes
         for fp, shard in zip(self.params, self.shards):
             n = shard.numel()
             values = chunk[fp.chunk_byte:fp.chunk_byte + fp.chunk_numel(self.num_ranks) * fp.gather_dtype.itemsize]
             values = values.view(fp.gather_dtype)
-            rows = shard.detach().reshape(-1).to(device, non_blocking=True)  # (offloaded: from the host)
-            if fp.fp8:  # the compute dtype's values cast, as a whole weight in the compute dtype would be
-                values[:n].copy_(to_fp8(rows.to(self.gather_dtype), self.scales[fp.index], E4M3))
+            rows = shard.detach().reshape(-1).to(device, non_blocking=True)  # (shards on the host: copied here)
+            if fp.codec is not None:  # the compute dtype's values encoded, as a whole parameter's would be
+                self.meta[fp.index] = fp.codec.encode(fp.index, rows.to(self.gather_dtype), values[:n])
             else:
                 dsts.append(values[:n])
                 srcs.append(rows)
@@ -249,11 +289,9 @@ class Unit:
 
     def views(self) -> list[torch.Tensor]:
         """What the unit's module computes with, in unit parameter order: each full parameter as a view of the
-        gathered buffer; an FP8-gathered one as a stand-in of its shape in the compute dtype (no memory), which
-        receives its gradient while its forward reads the cast (`install`)."""
-        if self._stand_in is None:
-            self._stand_in = torch.zeros((), dtype=self.gather_dtype, device=self.full.device)
-        return [self._stand_in.expand(fp.shape) if fp.fp8 else self.full_view(fp) for fp in self.params]
+        gathered buffer, or what its codec decodes from that view."""
+        return [fp.codec.decode(self.full_view(fp), self.gather_dtype) if fp.codec is not None else self.full_view(fp)
+                for fp in self.params]
 
     def gathered_bytes(self) -> int:
         """Bytes of the gather buffers alive now."""
@@ -262,20 +300,20 @@ class Unit:
 
     # -- module slots ------------------------------------------------------
     def install(self, tensors) -> None:
-        """Put `tensors` (one per unit parameter, `views`) in the unit's module slots, and each FP8-gathered
-        weight's cast and scale where its linear reads them (`Float8Linear.fp8_gathered`)."""
+        """Put `tensors` (one per unit parameter, `views`) in the unit's module slots, and what a codec's module
+        reads besides (`GatherCodec.install`)."""
         for mod, attr, k in self.slots:
             mod._parameters[attr] = tensors[k]
             fp = self.params[k]
-            if fp.fp8:
-                mod.fp8_gathered = (self.full_view(fp), self.scales[fp.index])
+            if fp.codec is not None:
+                fp.codec.install(mod, self.full_view(fp), self.meta[fp.index])
 
     def restore(self) -> None:
         """Put the shards back in the module slots (the at-rest state)."""
         for mod, attr, k in self.slots:
             mod._parameters[attr] = self.shards[k]
-            if self.params[k].fp8:
-                mod.fp8_gathered = None
+            if self.params[k].codec is not None:
+                self.params[k].codec.restore(mod)
 
     # -- reduce-scatter ----------------------------------------------------
     def flatten_grads(self, grads, dtype: torch.dtype, divide_by: int) -> torch.Tensor:
@@ -300,31 +338,6 @@ class Unit:
         """(parameter index, this rank's real rows) views of a reduce-scatter output chunk."""
         return [(fp.index, chunk[fp.chunk_offset:fp.chunk_offset + shard.numel()].view(shard.shape))
                 for fp, shard in zip(self.params, self.shards)]
-
-
-def fp8_gathered(slots: list[tuple[nn.Module, str, int]]) -> frozenset[int]:
-    """The parameters (engine indices) of all (module, attribute, index) `slots` that travel as their FP8 casts:
-    those every slot holding them reads only so (a converted linear's weight, tied to nothing else)."""
-    return frozenset({i for _, _, i in slots} - {i for mod, attr, i in slots if not gathers_fp8(mod, attr)})
-
-
-@torch.no_grad()
-def agree_fp8_scales(shards: list[torch.Tensor], fp8: frozenset[int], axes: list[Axis], comm: Comm,
-                     dtype: torch.dtype) -> dict[int, torch.Tensor]:
-    """Per FP8-gathered weight (engine index in `fp8`), the tensorwise e4m3 scale of the whole weight whose rows its
-    shard over its axis holds: each rank's shard amax, of its values in `dtype` (which the cast reads), then one
-    max-reduction per axis."""
-    scales = {}
-    for axis in dict.fromkeys(axes[i] for i in sorted(fp8)):
-        indices = [i for i in sorted(fp8) if axes[i] == axis]
-        amax = torch.zeros(len(indices), dtype=torch.float32, device=shards[indices[0]].device)
-        held = [k for k, i in enumerate(indices) if shards[i].numel()]  # a rank past a short weight's rows: 0
-        if held:  # one batch of kernels for every shard's max |x|
-            amax[held] = torch.stack(torch._foreach_norm([shards[indices[k]].detach() for k in held], ord=float("inf")))
-        amax = amax.to(comm.mesh.device).to(dtype).float()  # (offloaded shards: from the host)
-        comm.all_reduce(amax, axis, op=torch.distributed.ReduceOp.MAX)
-        scales.update(zip(indices, scale_from_amax(amax, E4M3).unbind()))
-    return scales
 
 
 @torch.no_grad()
@@ -371,27 +384,3 @@ def check_buffers(model: nn.Module) -> None:
     for name, buf in model.named_buffers():
         if buf.is_meta:
             raise ZeroConfigError(f"buffer {name!r} is on the meta device; materialize buffers before sharding")
-
-
-class GatherUnit(torch.autograd.Function):
-    """Forward: a unit's shards -> its full parameters (views of one gathered buffer).
-
-    Backward: reduce-scatter the full gradients (async) and free the buffer. No
-    gradient is returned to the shards: the engine sets master grads when the
-    reduce-scatter lands, so autograd never holds a shard-sized gradient twice.
-    """
-
-    @staticmethod
-    def forward(ctx, engine, unit: Unit, *shards: torch.Tensor):
-        ctx.engine, ctx.unit = engine, unit
-        ctx.set_materialize_grads(False)  # None marks a parameter that got no gradient
-        engine._gather(unit)
-        views = unit.views()
-        # a frozen parameter's full view must not require grad just because its unit-mates do
-        ctx.mark_non_differentiable(*(v for v, shard in zip(views, shards) if not shard.requires_grad))
-        return tuple(views)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._reduce_scatter(ctx.unit, grads)
-        return (None, None) + (None,) * len(grads)

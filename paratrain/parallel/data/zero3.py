@@ -41,10 +41,10 @@ Mixed precision casts the fp32 shards to ``param_dtype`` as they enter the
 all-gather (as FSDP2 does): the full parameters compute in ``param_dtype``, and
 no separate low-precision shard is kept, because the stock optimizer cannot step
 an fp32 master with a bf16 gradient and an fp32 gradient plus a bf16 shard would
-cost 18Ψ/N instead of 16Ψ/N. A tensorwise FP8 linear's weight enters the gather
-as its e4m3 cast instead (`paratrain.parallel.fp8.gathers_fp8`: 1 byte per
-element), with the scale of the whole weight: after each optimizer step each
-rank's shard amax, then one max-reduction over the shards (`units.agree_fp8_scales`).
+cost 18Ψ/N instead of 16Ψ/N. A parameter that a codec of the caller's takes
+(`units.GatherCodec`) enters the gather as the codec encodes it instead (e.g.
+one byte per element with a scale); after each optimizer step every codec
+derives what its encoding needs from the updated shards (`GatherCodec.refresh`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ from paratrain.comm import Comm
 from paratrain.compat import in_backward
 from paratrain.mesh import Axis
 from paratrain.parallel.data.engine import GradReduction, used_flags, weak_hook
-from paratrain.parallel.data.offload import can_pin, host_tensors, to_host
 from paratrain.parallel.norm import sum_of_squares
 from paratrain.parallel.data.replicas import ReplicaSum
 from paratrain.parallel.data.shard import row_range
@@ -69,9 +68,8 @@ from paratrain.parallel.data.groups import MasterGroup
 from paratrain.parallel.data.outside_use import OutsideUse
 from paratrain.parallel.data.placement import axis_units, shard_place, unit_axis
 from paratrain.parallel.blocks import UnitSpec, unit_modules
-from paratrain.parallel.data.units import (GatherUnit, SavedView, Unit, ZeroConfigError, agree_fp8_scales,
-                                          check_buffers, default_init, fp8_gathered, gather_whole, parameter_slots,
-                                          row_shape)
+from paratrain.parallel.data.units import (GatherCodec, SavedView, Unit, ZeroConfigError, check_buffers,
+                                          default_init, gather_whole, parameter_slots, row_shape)
 from paratrain.precision import Precision
 
 
@@ -89,9 +87,12 @@ class FullyShardedEngine:
     `units`: None (blocks of ModuleList/ModuleDict), module classes, or a
     predicate (name, module) -> bool. `grad_reduction`: `GradReduction.MEAN` divides
     gradients by N (DDP semantics), `SUM` adds them (the caller's loss is
-    already normalized by the global token count). `expert_names`: parameters that only the
-    `expert_axis` ranks hold copies of (expert parallelism's blocks of experts), sharded over those
-    (`placement.py`) and reported as a group of their own (`groups`).
+    already normalized by the global token count). `axes`: parameter name -> the axis of the ranks
+    that hold its copies, where that is not the shard axis (a table the caller computes: `placement.py`);
+    such a parameter is sharded over those ranks and reported in a group of its own (`groups`).
+    `shard_store`: where the shards live when not on the device (`tensors(shapes, dtype)`, and
+    `gradients(grads)` bringing the device's gradients there). `codecs`: how parameters that a codec
+    takes travel in their gathers (`units.GatherCodec`).
     """
 
     grads_sharded = True  # each rank holds only its shard of every gradient: global norms need a dp all-reduce
@@ -101,8 +102,7 @@ class FullyShardedEngine:
                  units: UnitSpec = None, prefetch: bool = True,
                  init: Callable[[str, torch.Size], torch.Tensor] | None = None,
                  grad_reduction: GradReduction = GradReduction.MEAN,
-                 expert_names: Collection[str] = (), expert_axis: Axis = Axis.EP_REPLICATE,
-                 offload_params: bool = False):
+                 axes: dict[str, Axis] | None = None, shard_store=None, codecs: Collection[GatherCodec] = ()):
         try:
             grad_reduction = GradReduction(grad_reduction)
         except ValueError:
@@ -118,20 +118,22 @@ class FullyShardedEngine:
         index_of = {id(p): i for i, p in enumerate(originals.values())}
         self._names = list(originals)
         self._shapes = [p.shape for p in originals.values()]
-        self._axes = [expert_axis if name in expert_names else self.shard_axis for name in self._names]
+        axes = axes or {}
+        self._axes = [axes.get(name, self.shard_axis) for name in self._names]
         # state_dict names (a tied parameter has several) -> parameter index
         self._state_names = {name: index_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
         check_buffers(model)
         init = init or default_init(model, originals)
-        # offload="params": the shards (and so the optimizer's state) in host memory, gathered onto the device
-        self._pinned = offload_params and can_pin(self.device)
-        host = host_tensors([self._shard_shape(p.shape, axis) for p, axis in zip(originals.values(), self._axes)],
-                            precision.master_dtype, self._pinned) if offload_params else [None] * len(originals)
+        # the shards (and so the optimizer's state) where the store keeps them (host memory), gathered onto the device
+        self._store = shard_store
+        shapes = [self._shard_shape(p.shape, axis) for p, axis in zip(originals.values(), self._axes)]
+        store = shard_store.tensors(shapes, precision.master_dtype) if shard_store is not None else [None] * len(shapes)
         self._shards = [self._make_shard(name, p, init, axis, out)
-                        for (name, p), axis, out in zip(originals.items(), self._axes, host)]
-        self.units = self._build_units(model, units, index_of, set(expert_names))
-        self._fp8_scales: dict[int, torch.Tensor] = {}  # per FP8-gathered weight, its scale for this step
-        self._values: list[torch.Tensor] | None = None  # offload: the masters' values (`keep_master_values`)
+                        for (name, p), axis, out in zip(originals.items(), self._axes, store)]
+        self._codecs = list(codecs)
+        self.units = self._build_units(model, units, index_of, set(axes))
+        self._values: list[torch.Tensor] | None = None  # the masters' values kept elsewhere (`keep_master_values`)
+        self._await = None  # how `after_step` waits for them (`await_values`)
         self.after_step()
         self.root = self.units[0]
         for unit in self.units:
@@ -191,17 +193,21 @@ class FullyShardedEngine:
         shard.copy_(full.reshape(rows)[lo:hi])
         return nn.Parameter(shard, requires_grad=param.requires_grad)
 
-    def _build_units(self, model: nn.Module, spec: UnitSpec, index_of: dict[int, int], experts: set[str]) -> list[Unit]:
-        named = [("", model)] + axis_units(model, unit_modules(model, spec), experts)
+    def _build_units(self, model: nn.Module, spec: UnitSpec, index_of: dict[int, int], apart: set[str]) -> list[Unit]:
+        named = [("", model)] + axis_units(model, unit_modules(model, spec), apart)
         slots = parameter_slots(model, {id(m) for _, m in named[1:]})
         units = []
         indexed = {name: [(mod, attr, index_of[id(mod._parameters[attr])]) for mod, attr in slots.get(id(module), [])]
                    for name, module in named}
-        self._fp8 = fp8_gathered([slot for slot_list in indexed.values() for slot in slot_list])
+        every_slot = [slot for slot_list in indexed.values() for slot in slot_list]
+        self._coded: dict[int, GatherCodec] = {}  # parameter index -> the codec that carries it (the first to claim)
+        for codec in self._codecs:
+            for index in sorted(codec.claims(every_slot) - self._coded.keys()):
+                self._coded[index] = codec
         for name, module in named:
             axis = unit_axis(name, [self._axes[i] for _, _, i in indexed[name]], self.shard_axis)
             units.append(Unit(name, module, indexed[name], self._shards, self._shapes, self.mesh.size(axis), axis,
-                              self.precision.param_dtype, self._fp8, self.device))
+                              self.precision.param_dtype, self._coded, self.device))
         for unit in units:
             unit.on_shards = self._reduced_here(unit) and unit.computes_on_shards
         self._watch_shards_computed_on(units)
@@ -209,7 +215,7 @@ class FullyShardedEngine:
 
     def _reduced_here(self, unit: Unit) -> bool:
         """Whether this rank alone makes the unit's gradients: it holds the unit whole and no replica of its shards
-        adds to them (hybrid sharding's replicas do, over dp_replicate; expert blocks have none)."""
+        adds to them (hybrid sharding's replicas do, over dp_replicate; parameters on an axis of their own: none)."""
         return unit.whole and (self.replicas == 1 or unit.axis != self.shard_axis)
 
     def _watch_shards_computed_on(self, units: list[Unit]) -> None:
@@ -304,9 +310,9 @@ class FullyShardedEngine:
             self._launch_gather(unit)
 
     def _launch_gather(self, unit: Unit) -> None:
-        if self._await is not None:  # offload: the host step of the unit's masters done
+        if self._await is not None:  # the unit's masters' values stepped where they are kept (`await_values`)
             self._await([fp.index for fp in unit.params])
-        unit.launch_gather(self.comm, self._fp8_scales)
+        unit.launch_gather(self.comm)
 
     def _gather(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer, all-gathering it now if no prefetch did."""
@@ -420,7 +426,7 @@ class FullyShardedEngine:
         hybrid sharding, first sum the shard over the replicas (`ReplicaSum`: asynchronously, landed at
         the next reduction or when the gradients are finished)."""
         self.comm.wait([work], unit.axis)
-        if self.replicas == 1 or unit.axis != self.shard_axis:  # (expert blocks have no replicas of their shards)
+        if self.replicas == 1 or unit.axis != self.shard_axis:  # (an axis of their own: no replicas of their shards)
             self._add_shard(unit, out)
         else:
             self._replica_sum.push(out, functools.partial(self._add_shard, unit, out))
@@ -449,8 +455,8 @@ class FullyShardedEngine:
         if self.replicas > 1:  # hybrid sharding: the last shard's sum over the replicas
             self._replica_sum.land()
         self._used_mask = used_flags(self._used, self._device())
-        if self._shards and self._shards[0].device != self.device:  # offloaded shards: their gradients to the host
-            self._new_grads = dict(zip(self._new_grads, to_host(list(self._new_grads.values()), self._pinned)))
+        if self._store is not None and self._shards and self._shards[0].device != self.device:  # to the shards
+            self._new_grads = dict(zip(self._new_grads, self._store.gradients(list(self._new_grads.values()))))
         for index, grad in self._new_grads.items():
             master = self._shards[index]
             master.grad = grad if master.grad is None else master.grad.add_(grad)
@@ -464,11 +470,12 @@ class FullyShardedEngine:
             self._shards[i].grad = None
 
     def groups(self) -> list[tuple[object, bool]]:
-        """This engine alone, or its dense masters and its expert blocks as two groups (`MasterGroup`)."""
+        """This engine alone, or its masters on the shard axis and those on an axis of their own as two groups
+        (`MasterGroup`)."""
         if all(axis == self.shard_axis for axis in self._axes):
             return [(self, False)]
-        return [(MasterGroup(self, [i for i, axis in enumerate(self._axes) if (axis != self.shard_axis) == expert]),
-                 expert) for expert in (False, True)]
+        return [(MasterGroup(self, [i for i, axis in enumerate(self._axes) if (axis != self.shard_axis) == apart]),
+                 apart) for apart in (False, True)]
 
     def masters(self) -> list[torch.Tensor]:
         """The fp32 shards the optimizer updates (they are also the model's parameters at rest)."""
@@ -482,31 +489,38 @@ class FullyShardedEngine:
         return [(name, self._rows(shape, axis), shape)
                 for name, shape, axis in zip(self._names, self._shapes, self._axes)]
 
-    def after_step(self, ready=None, defer: bool = True) -> None:
-        """Nothing to copy (the masters are the shards, cast to param_dtype at each gather) but the offloaded masters'
-        values into the shards; and the FP8-gathered weights' scales follow the updated shards. `ready` (offload's
-        overlapped host step): each gather first waits for its unit's masters (`_launch_gather`, `defer` or not);
-        the scales of FP8-gathered weights need them all."""
+    def await_values(self, ready, defer: bool) -> None:
+        """A placement's (`HostPlaced`): with `ready`, each gather first waits for its unit's masters' values
+        (`_launch_gather`, `defer` or not: gathers are collectives in the forward's order already)."""
         self._await = ready
+
+    def after_step(self) -> None:
+        """Nothing to copy (the masters are the shards, cast to param_dtype at each gather) but masters' values kept
+        elsewhere into the shards; and each codec refreshes what its encoding needs from the updated shards, which
+        needs every master's value (`await_values`)."""
+        ready = self._await
         if ready is None:
             self.values_to_device(range(len(self._shards)))
-        elif self._fp8:
+        elif self._coded:
             ready(range(len(self._shards)))
-        self._fp8_scales = agree_fp8_scales(self._shards, self._fp8, self._axes, self.comm, self.precision.param_dtype)
+        for codec in self._codecs:
+            codec.refresh(self._shards, [i for i, c in self._coded.items() if c is codec], self._axes, self.comm,
+                          self.precision.param_dtype)
 
     def bring(self, indices) -> None:
         """Nothing: each gather waits for its own masters."""
 
     @torch.no_grad()
     def values_to_device(self, indices) -> None:
-        """Offload="optimizer": the host values of the masters at `indices` into their shards, which the gathers read."""
+        """A placement's (`HostPlaced`): the host values of the masters at `indices` into their shards, which the
+        gathers read."""
         if self._values is not None:
             torch._foreach_copy_([self._shards[i].data for i in indices], [self._values[i] for i in indices],
                                  non_blocking=True)
 
     def keep_master_values(self, values: list[torch.Tensor]) -> None:
-        """Offload: the masters' values are `values` (host copies, which the optimizer steps); `after_step` copies
-        them into the shards, which the gathers read."""
+        """A placement's (`HostPlaced`): the masters' values are `values` (host copies, which the optimizer steps);
+        `after_step` copies them into the shards, which the gathers read."""
         self._values = values
 
     def local_grad_sq_sum(self) -> torch.Tensor:
@@ -523,7 +537,7 @@ class FullyShardedEngine:
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes alive now: shards + gathered buffers, master grads (+ in flight), separate masters (none)."""
-        on = [s for s in self._shards if s.device == self.device]  # offloaded shards are not on this device
+        on = [s for s in self._shards if s.device == self.device]  # shards kept on the host are not on this device
         params = sum(_nbytes(s) for s in on) + sum(u.gathered_bytes() for u in self.units)
         grads = sum(_nbytes(s.grad) for s in on if s.grad is not None)
         grads += sum(_nbytes(g) for g in self._new_grads.values())
@@ -547,6 +561,30 @@ class FullyShardedEngine:
     def _gather_parameter(self, index: int) -> torch.Tensor:
         axis = self._axes[index]
         return gather_whole(self._shards[index], self._shapes[index], self.comm, axis, self.mesh.size(axis))
+
+
+class GatherUnit(torch.autograd.Function):
+    """Forward: a unit's shards -> its full parameters (views of one gathered buffer).
+
+    Backward: reduce-scatter the full gradients (async) and free the buffer. No
+    gradient is returned to the shards: the engine sets master grads when the
+    reduce-scatter lands, so autograd never holds a shard-sized gradient twice.
+    """
+
+    @staticmethod
+    def forward(ctx, engine, unit: Unit, *shards: torch.Tensor):
+        ctx.engine, ctx.unit = engine, unit
+        ctx.set_materialize_grads(False)  # None marks a parameter that got no gradient
+        engine._gather(unit)
+        views = unit.views()
+        # a frozen parameter's full view must not require grad just because its unit-mates do
+        ctx.mark_non_differentiable(*(v for v, shard in zip(views, shards) if not shard.requires_grad))
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._reduce_scatter(ctx.unit, grads)
+        return (None, None) + (None,) * len(grads)
 
 
 def _nbytes(t: torch.Tensor) -> int:
