@@ -194,21 +194,45 @@ def _layers_case(rank, world, sp):
         comm.all_reduce(bias_grad, "tp")
     _close(bias_grad, row_full.bias.grad, "row bias grad")
 
-    emb_full = nn.Embedding(vocab, 6)
-    ids = torch.randint(0, vocab, (b, s))
-    ge = torch.randn(b, s, 6)
-    (emb_full(ids) * ge).sum().backward()
-    emb = VocabParallelEmbedding.from_full(emb_full, comm, "tp", sequence_parallel=sp)
-    out = emb(ids)
-    _close(out, seq(emb_full(ids)).detach(), "embedding output")
-    (out * seq(ge)).sum().backward()
-    _close(emb.weight.grad, part(emb_full.weight.grad, 0), "embedding weight grad")
+    for padding_idx in (None, vocab - 3):  # a padding row (held by the last rank) gets no gradient, as nn.Embedding's
+        emb_full = nn.Embedding(vocab, 6, padding_idx=padding_idx)
+        ids = torch.randint(0, vocab, (b, s))
+        ids[:, ::3] = vocab - 3
+        ge = torch.randn(b, s, 6)
+        (emb_full(ids) * ge).sum().backward()
+        emb = VocabParallelEmbedding.from_full(emb_full, comm, "tp", sequence_parallel=sp)
+        out = emb(ids)
+        _close(out, seq(emb_full(ids)).detach(), "embedding output")
+        (out * seq(ge)).sum().backward()
+        _close(emb.weight.grad, part(emb_full.weight.grad, 0), "embedding weight grad")
+        assert (padding_idx is None) == bool(emb_full.weight.grad[vocab - 3].any())
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_layers_match_single_device(world, sp):
     run_on_ranks(_layers_case, world, sp, timeout=60)
+
+
+def test_an_embedding_whose_forward_adds_to_the_lookup_is_carried_or_refused():
+    """A vocabulary split replaces the module's forward: transformers' scaled word embeddings keep their factor (a
+    tensor buffer cast to the table's dtype, or a float), any other subclass overriding forward is refused."""
+    from hf_families import hf_model
+    from paratrain.parallel.tensor.layers import embedding_scale
+
+    assert embedding_scale(nn.Embedding(8, 4)) is None
+    scaled = type(hf_model("gemma2").get_input_embeddings())  # transformers' Gemma 2 scaled word embedding
+    with torch.device("meta"):  # the buffer holds no value yet: the scalar it is made from is the factor
+        gemma = scaled(8, 4, padding_idx=0, embed_scale=4 ** 0.5)
+    scale = embedding_scale(gemma)
+    assert torch.is_tensor(scale) and scale.item() == 2.0
+
+    class Shifted(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1
+
+    with pytest.raises(TensorParallelError, match="^Shifted overrides nn.Embedding's forward"):
+        embedding_scale(Shifted(8, 4))
 
 
 def test_layers_init_from_full_init_equals_slice():

@@ -77,9 +77,6 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
             model.tensor_parallel_plan(p.sequence_parallel)
         except TensorParallelError as e:
             raise ConfigError(f"--tp {p.tp}: {e}") from None
-        if model.hf.get_input_embeddings().padding_idx is not None:
-            raise ConfigError(f"--tp {p.tp}: {kind}'s embedding keeps padding_idx (pad_token_id), which the "
-                              "vocabulary-split embedding does not support yet; use --tp 1")
     window = model_cfg.sliding_window
     if cfg.data.document_mask and window is not None and window < cfg.data.seq_len:
         raise ConfigError(f"--document-mask: {kind} attends over a sliding window of {window} tokens, shorter than "

@@ -231,16 +231,20 @@ class VocabParallelEmbedding(TensorParallelLayer):
     must reduce them (tp_plan's `SequenceShardInput` reduce-scatters them at the first block);
     without SP it is ignored.
     Backward: the grad of the sum is replicated (under SP: all-gathered); each rank's table grad
-    touches only its rows, complete and local.
+    touches only its rows, complete and local. `padding_idx` as `nn.Embedding`'s: that row (on the
+    rank holding it) gets no gradient. `scale`: the output times this factor, as transformers' scaled
+    word embeddings multiply theirs (Gemma's √h; `embedding_scale`).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, axis: Axis = Axis.TP, *,
-                 sequence_parallel: bool = False, defer_reduce: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, defer_reduce: bool = False, padding_idx: int | None = None,
+                 scale: float | torch.Tensor | None = None, device=None, dtype=None):
         super().__init__()
         self._bind(comm, axis, sequence_parallel)
         check_divisible("VocabParallelEmbedding", "num_embeddings (vocabulary)", num_embeddings, self.tp)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.defer_reduce = defer_reduce
+        self.padding_idx, self.scale = padding_idx, scale
         self.shard_dims = {"weight": 0}
         self.rows = num_embeddings // self.tp
         self.weight = nn.Parameter(torch.zeros(self.rows, embedding_dim, device=device, dtype=dtype))
@@ -248,10 +252,11 @@ class VocabParallelEmbedding(TensorParallelLayer):
     @classmethod
     def from_full(cls, embedding: nn.Embedding, comm: Comm, axis: Axis = Axis.TP, **options) -> VocabParallelEmbedding:
         """The shard of an existing `nn.Embedding` (its rows for this rank)."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-            raise TensorParallelError("VocabParallelEmbedding: padding_idx, max_norm and sparse are not "
-                                      "supported; use a plain nn.Embedding")
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, comm, axis,
+        if embedding.max_norm is not None or embedding.sparse:
+            raise TensorParallelError("VocabParallelEmbedding: max_norm and sparse are not supported; use a plain "
+                                      "nn.Embedding")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, comm, axis, padding_idx=embedding.padding_idx,
+                    scale=embedding_scale(embedding),
                     device=embedding.weight.device, dtype=embedding.weight.dtype, **options)
         layer._load_full(embedding)
         return layer
@@ -259,8 +264,14 @@ class VocabParallelEmbedding(TensorParallelLayer):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         start = self.tp_rank * self.rows
         elsewhere = (ids < start) | (ids >= start + self.rows)
-        partial_y = F.embedding((ids - start).masked_fill(elsewhere, 0), self.weight)
+        # The padding row, where this rank holds it, by its local index; the ids held elsewhere read row 0 and are
+        # zeroed below, so their gradient is zero whatever row 0 is.
+        pad = self.padding_idx
+        local_pad = pad - start if pad is not None and start <= pad < start + self.rows else None
+        partial_y = F.embedding((ids - start).masked_fill(elsewhere, 0), self.weight, padding_idx=local_pad)
         partial_y = partial_y.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        if self.scale is not None:  # before the sum over ranks: one rank's row times it, as the whole table's
+            partial_y = partial_y * (self.scale.to(partial_y.dtype) if torch.is_tensor(self.scale) else self.scale)
         if self.defer_reduce and self.sequence_parallel:
             return partial_y
         if self.sequence_parallel:
@@ -270,6 +281,22 @@ class VocabParallelEmbedding(TensorParallelLayer):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (/{self.tp}), {self.embedding_dim}, "
                 f"sequence_parallel={self.sequence_parallel}, defer_reduce={self.defer_reduce}")
+
+
+def embedding_scale(embedding: nn.Embedding) -> float | torch.Tensor | None:
+    """The factor an `nn.Embedding` subclass multiplies its output by, as the vocabulary-split layer must too: None
+    for a plain `nn.Embedding`; transformers' scaled word embeddings (Gemma's; `forward` returns the lookup times
+    `embed_scale`) give theirs, a 0-d tensor where they multiply by a tensor cast to the table's dtype, else the
+    float. Any other subclass that overrides `forward` is refused: splitting it would drop what its forward adds."""
+    if type(embedding).forward is nn.Embedding.forward:
+        return None
+    scale = getattr(embedding, "embed_scale", None)
+    if torch.is_tensor(scale):  # a buffer a meta model may not hold yet: its value is the scalar it was made from
+        return torch.tensor(embedding.scalar_embed_scale if hasattr(embedding, "scalar_embed_scale") else scale.item())
+    if isinstance(scale, (int, float)):
+        return float(scale)
+    raise TensorParallelError(f"{type(embedding).__name__} overrides nn.Embedding's forward, which a vocabulary-split "
+                              "embedding would drop; leave it whole (no tensor parallelism for it)")
 
 
 # -- the loss over vocab-sharded logits --------------------------------------------------------

@@ -53,7 +53,7 @@ from paratrain.mesh import Axis
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.layers import (
     ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, TensorParallelLayer, VocabParallelEmbedding,
-    check_divisible, enter_tp_region, linear_features, reduce_scatter_sequence,
+    check_divisible, embedding_scale, enter_tp_region, linear_features, reduce_scatter_sequence,
 )
 
 
@@ -160,6 +160,10 @@ class VocabEmbedding(_Style):
     def check(self, name, module, tp, parent):
         _expect(name, module, nn.Embedding, self)
         check_divisible(name, "num_embeddings (vocabulary)", module.num_embeddings, tp)
+        try:
+            embedding_scale(module)
+        except TensorParallelError as e:
+            raise TensorParallelError(f"{name}: {e}") from None
 
     def split_dims(self, module):
         return {"weight": 0}
