@@ -39,8 +39,8 @@ CASES = {
     "qwen2_dp2": Case("qwen2", dp=2),
     **{f"{f}_dp2_zero3": Case(f, dp=2, zero=3) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
     **{f"{f}_tp2_sp": Case(f, tp=2, sp=True) for f in ("qwen2", "qwen3", "mistral", "gemma2", "qwen3_moe")},
+    **{f"{f}_cp2": Case(f, cp=2) for f in ("qwen2", "qwen3", "mistral", "phi3", "qwen3_moe")},
 }
-# Not yet: cp2 (transformers builds an explicit mask from the chunks' position_ids, which the ring refuses).
 _DIRS: dict[str, Path] = {}
 
 

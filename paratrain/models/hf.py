@@ -296,11 +296,15 @@ class HFCausalLM(nn.Module):
         """The output head (transformers' own answer): the module the fused loss folds the cross-entropy into."""
         return self.hf.get_output_embeddings()
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of `tokens` [B, S]. With `config.document_eos` (--document-mask) the documents packed in each
         sequence are kept apart: positions restart after each end-of-text token and a 4-D mask keeps each query
-        within its document (`paratrain.models.llama.document_layout`), as running each document alone."""
-        mask = None
+        within its document (`paratrain.models.llama.document_layout`), as running each document alone.
+        `attention_mask` ([B, S], 1 = a token to attend to) is transformers' own: context parallelism passes one of
+        all ones with each rank's chunk positions, so that transformers reads the jump between the two chunks'
+        positions as one sequence (not two packed ones, which it would mask apart) and calls causal SDPA."""
+        mask = attention_mask
         if self.config.document_eos is not None:
             from paratrain.models.llama import document_layout
 

@@ -65,9 +65,6 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
         raise ConfigError(f"--cp {p.cp}: {kind} attends over a sliding window of {model_cfg.sliding_window} tokens, "
                           f"shorter than --seq-len {cfg.data.seq_len}, and the ring attends causally over the whole "
                           f"sequence; use --cp 1 or --seq-len {model_cfg.sliding_window}")
-    if p.cp > 1:
-        raise ConfigError(f"--cp {p.cp}: transformers' {kind} builds an explicit attention mask from each rank's chunk "
-                          "positions, which the context-parallel ring cannot answer yet; use --cp 1")
     if p.tp > 1:  # the plan from the config, mapped now: a style paratrain has no counterpart for refuses here
         from paratrain.models.hf import HFCausalLM
         from paratrain.parallel.tensor import TensorParallelError
