@@ -13,7 +13,8 @@ from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
 from paratrain.train import IGNORE_INDEX, build_model, learning_rate, lr_jump, train, train_step
-from parallel_cases import FP32_ADAMW, assert_matches_reference
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import assert_matches_reference
 
 
 def small_config(out, **train_overrides) -> Config:
@@ -122,7 +123,7 @@ def _accumulation(rank, world):
 
 def test_accumulation_with_uneven_masks_equals_one_batch():
     """Token-weighted loss: 4 micro-batches of 1 equal one batch of 4, padding included; losses and parameters
-    under the parity tests' error model (parallel_cases.FP32_ADAMW: after AdamW, element by element, one of 512
+    under the parity tests' error model (paratrain.error_model.FP32_ADAMW: after AdamW, element by element, one of 512
     differs by 1.4e-6 on the default CPU kernel path)."""
     steps, whole, split = run_on_ranks(_accumulation, 1, timeout=60)[0]
     for whole_step, split_step in steps:
