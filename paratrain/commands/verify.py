@@ -161,12 +161,13 @@ def _reference(given: dict[str, Any], work: Path, cfg: Config) -> Config:
 
 
 def format_table(results: list[Comparison]) -> str:
-    """The verdict table: layout, processes, largest differences, the bounds they are judged by, PASS/FAIL; then
-    each bound used, and why."""
+    """The bounds used, each with why; then the verdict table: layout, processes, largest differences, PASS/FAIL and
+    the bounds the layout was judged by (marked [n] when the layouts were judged by different ones)."""
     width = max(len("layout"), *(len(r.layout) for r in results))
     notes = list(dict.fromkeys(r.bound for r in results))
-    lines = [f"{'layout':<{width}}  procs  max rel loss diff  rel param diff  max abs param diff  result"
-             f"  loss bound  param bound"]
+    lines = [f"bound{f' [{i}]' if len(notes) > 1 else ''}: {note}" for i, note in enumerate(notes, 1)]
+    lines.append(f"{'layout':<{width}}  procs  max rel loss diff  rel param diff  max abs param diff  result"
+                 f"  loss bound  param bound")
     for r in results:
         verdict = "PASS" if r.passed() else "FAIL"
         tail = f"  {r.error}" if r.error else ""
@@ -174,7 +175,6 @@ def format_table(results: list[Comparison]) -> str:
         lines.append(f"{r.layout:<{width}}  {r.processes:>5}  {r.loss_rel_diff:>17.2e}  {r.param_rel_diff:>14.2e}"
                      f"  {r.param_abs_diff:>18.2e}  {verdict:<6}  {r.loss_bound:>10.2e}  {r.param_bound:>11.2e}"
                      f"{mark}{tail}")
-    lines += [f"bound{f' [{i}]' if len(notes) > 1 else ''}: {note}" for i, note in enumerate(notes, 1)]
     return "\n".join(lines)
 
 
