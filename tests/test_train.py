@@ -94,6 +94,23 @@ def test_a_learning_rate_moved_beyond_the_schedule_is_named():
     assert lr_jump(own * 1.12, lr, 31, after) and lr_jump(own * 0.88, lr, 31, after)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_resumed_run_continues_its_schedule_without_a_warning(tmp_path, capsys, optimizer):
+    """Muon's group holds the learning rate scaled by its own peak: the checkpoint keeps the schedule's."""
+    import shutil
+
+    cfg = small_config(tmp_path / "run", steps=4, warmup_steps=1, sample_tokens=0, eval_every=0, optimizer=optimizer)
+    cfg.checkpoint.every = 2
+    train(cfg)
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000004")
+    capsys.readouterr()
+    train(cfg)  # --resume auto: from step 2
+    out = capsys.readouterr()
+    assert "resumed from" in out.out and "jumps" not in out.out + out.err
+    assert [r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [r["lr"] for r in first]
+
+
 def _tiny_model(seed=0):
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
     return build_model(cfg, torch.device("cpu"), seed)
