@@ -106,6 +106,7 @@ def loop(run: Run) -> tuple[float, float, float]:
         return {**load, "save_due": float(run.checkpoints.clock_due())}
 
     profiler = StepProfiler(profile_steps(cfg), run.out, run.env.rank, run.device)  # --profile-steps
+    previous_lr = run.checkpoints.resumed_lr  # the step before this one's (the saved step's, after a resume)
     # A failed collective says which rank was where; saves are waited for; a profile cut short still ends.
     with guard.running(), run.checkpoints, contextlib.closing(profiler):
         for step in range(run.resumed_step + 1, t.steps + 1):
@@ -113,8 +114,10 @@ def loop(run: Run) -> tuple[float, float, float]:
             run.comm.reset()
             timer, start = StepTimer(run.comm), time.perf_counter()
             lr = set_learning_rate(run.optimizer, step, cfg, run.checkpoints.lr_start)
-            if step == run.resumed_step + 1:
-                warn_lr_jump(run, step, lr)
+            jump = lr_jump(previous_lr, lr, step, cfg, run.checkpoints.lr_start)
+            if jump and run.env.is_main:
+                print(f"paratrain: warning: {jump}", flush=True)
+            previous_lr = lr
             # The profiler's range and the memory snapshots (--memory-snapshot) cover the step proper.
             with profiler.step(step) as trace, run.snapshots.around_step(step):
                 with timer.phase("data"):
@@ -149,13 +152,19 @@ def loop(run: Run) -> tuple[float, float, float]:
     return first_loss, loss, eval_loss
 
 
-def warn_lr_jump(run: Run, step: int, lr: float) -> None:
-    """A warning when the first step after a resume moves the learning rate by more than 10% of the saved step's
-    (outside a warm-up, which starts from 0 by design): the schedule was changed under the checkpoint."""
-    before, t = run.checkpoints.resumed_lr, run.cfg.train
-    if run.env.is_main and before and step - run.checkpoints.lr_start > t.warmup_steps and abs(lr - before) > 0.1 * before:
-        print(f"paratrain: warning: the learning rate jumps from {before:.3g} at step {step - 1} to {lr:.3g} at step "
-              f"{step} (more than 10%): the schedule differs from the one the checkpoint was saved in", flush=True)
+def lr_jump(previous: float | None, lr: float, step: int, cfg: Config, start: int = 0) -> str:
+    """What is wrong when the learning rate moves from the previous step's (`previous`; None: no step before
+    this one in the schedule) to `lr` by more than 10% of `previous` beyond the schedule's own move between the
+    two steps: the previous step ran another schedule (one changed under a checkpoint, or set by hand); '' when
+    it did not. Every step of every run is checked; a warm-up or a short cosine moving fast is the schedule's."""
+    if not previous or step - 1 <= start:
+        return ""
+    own_move = lr - learning_rate(step - 1, cfg, start)
+    if abs((lr - previous) - own_move) <= 0.1 * previous:
+        return ""
+    return (f"the learning rate jumps from {previous:.3g} at step {step - 1} to {lr:.3g} at step {step} (more than "
+            f"10% beyond the schedule's own step): the step before ran another schedule, such as the one a "
+            f"checkpoint was saved in")
 
 
 def log_step(run: Run, bar: tqdm, record: dict, write: bool = True) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from paratrain.config import ParallelSection
+from paratrain.error_model import default_bound
 from paratrain.errors import ParatrainError
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
@@ -150,9 +151,25 @@ class Comparison:
     param_rel_diff: float = float("nan")  # ‖θ − θ_ref‖₂ / ‖θ_ref‖₂ over every parameter
     param_abs_diff: float = float("nan")  # largest |θ − θ_ref| of one element (shown, not judged)
     error: str = ""
+    loss_bound: float = float("nan")  # what judges the two differences (`Bound`)
+    param_bound: float = float("nan")
+    bound: str = ""  # which bound, and why
 
-    def passed(self, tol: float) -> bool:
-        return not self.error and self.loss_rel_diff <= tol and self.param_rel_diff <= tol
+    def passed(self) -> bool:
+        return not self.error and self.loss_rel_diff <= self.loss_bound and self.param_rel_diff <= self.param_bound
+
+    def judge_by(self, layout: dict[str, Any], steps: int, tol: float | None) -> Comparison:
+        """Set the bounds this layout is judged by: `tol` for both when given, else the error model of its precision
+        and FP8 recipe (`paratrain.error_model.default_bound`) over `steps` optimizer steps."""
+        if tol is not None:
+            self.loss_bound = self.param_bound = tol
+            self.bound = f"--tol {tol:g}"
+            return self
+        model = default_bound(layout.get("precision") or "fp32", layout.get("fp8") or "")
+        self.loss_bound, self.param_bound = model.bounds(steps)
+        self.bound = (f"{model.name}: {model.loss_rtol:g} (loss) and {model.param_rtol:g} (parameters) per step"
+                      f"{'' if steps == 1 else f' x {steps} steps'}; {model.why}")
+        return self
 
 
 def compare(reference: Path, candidate: Path, comparison: Comparison) -> Comparison:

@@ -1,5 +1,5 @@
 """Chat data under every layout: dp2, ZeRO-3 dp2, tp2 + sp and pp2 each equal one process (the error model of
-`parallel_cases`), on micro-batches whose counted tokens differ fivefold and more; a mixture of a chat and a text
+`paratrain.error_model`), on micro-batches whose counted tokens differ fivefold and more; a mixture of a chat and a text
 source, killed mid-epoch, resumes the same packed stream."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from paratrain.faults import FAULT_ENV
 from paratrain.metrics import read_metrics
 from paratrain.parallel.contract import IGNORE_INDEX
 from paratrain.testing import run_on_ranks
-from parallel_cases import FP32_ADAMW, assert_matches_reference
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import assert_matches_reference
 
 pytestmark = pytest.mark.multirank
 

@@ -30,7 +30,8 @@ import torch
 from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
 from paratrain.models import Transformer
 from paratrain.train import train_step
-from parallel_cases import FP32_ADAMW, TINY, adamw, assert_matches_reference, batches, launch_once, model_difference
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import TINY, adamw, assert_matches_reference, batches, launch_once, model_difference
 
 STEPS, ROWS, SEQ, LR = 4, 2, 16, 1e-2  # ROWS: sequences per micro-batch on every rank
 
@@ -54,7 +55,7 @@ class Case:
 
     @property
     def tolerance(self) -> float:
-        return {"bf16": 2e-2, "fp16": 5e-3}[self.precision]  # fp32: parallel_cases.FP32_ADAMW
+        return {"bf16": 2e-2, "fp16": 5e-3}[self.precision]  # fp32: paratrain.error_model.FP32_ADAMW
 
 
 CASES = {

@@ -12,8 +12,9 @@ from torch import nn
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import RankFailure, run_on_ranks
-from parallel_cases import (FP32_ADAMW, TINY, OpRecorder, OverlapTrace, adamw, assert_matches_reference, batches,
-                            loss_sum, make_model, parallel_run, reference_run)
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import (TINY, OpRecorder, OverlapTrace, adamw, assert_matches_reference, batches, loss_sum,
+                             make_model, parallel_run, reference_run)
 
 
 STEPS = 10  # AdamW steps of every parity case: enough for a misplaced reduction to move the loss by far more than 1e-5

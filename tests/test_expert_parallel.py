@@ -23,8 +23,9 @@ from paratrain.parallel import rules
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.parallel.expert import moe_layers
 from paratrain.testing import Collectives
-from parallel_cases import (FP32_ADAMW, adamw, assert_matches_reference, batches, launch_once, make_model,
-                            parallel_run, reference_run)
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import (adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
+                             reference_run)
 
 MOE = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32,
                   n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.1, z_loss_coef=0.01)

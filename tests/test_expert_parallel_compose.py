@@ -24,8 +24,9 @@ from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
 from paratrain.parallel.expert import moe_layers
 from paratrain.testing import Collectives
-from parallel_cases import (FP32_ADAMW, adamw, assert_matches_reference, batches, launch_once, make_model,
-                            model_difference, reference_run)
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import (adamw, assert_matches_reference, batches, launch_once, make_model, model_difference,
+                             reference_run)
 from test_expert_parallel import MOE
 
 STEPS, BATCH, LR = 4, 8, 1e-2

@@ -2,7 +2,7 @@
 (sharded loading from the directory), tp2 with sequence parallelism (the plan from the config's
 `base_model_tp_plan`) and cp2 (SDPA with position_ids), each through `parallelize` as the trainer calls it, against
 plain PyTorch on transformers' model of the same directory: the same global batches, AdamW and clipping, under the
-project's error model (`parallel_cases`). One launch of two ranks runs every case."""
+project's error model (`paratrain.error_model`). One launch of two ranks runs every case."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from paratrain import ContextParallel, DataParallel, TensorParallel, init_mesh, 
 from paratrain.interop.hf_weights import weight_initializer
 from paratrain.models.hf import HFCausalLM, read_model_dir
 from paratrain.train import train_step
-from parallel_cases import FP32_ADAMW_MODEL, adamw, assert_matches_reference, batches, launch_once
+from paratrain.error_model import FP32_ADAMW_MODEL
+from parallel_cases import adamw, assert_matches_reference, batches, launch_once
 
 SEQ, BATCH, STEPS, LR = 16, 4, 2, 1e-2
 

@@ -22,8 +22,9 @@ from paratrain.parallel.rules import degree_violations
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, ParallelConfigError, TensorParallel, parallelize
 from paratrain.testing import Collectives
-from parallel_cases import (FP32_ADAMW, TINY, adamw, assert_matches_reference, batches, launch_once, make_model,
-                            parallel_run, reference_run)
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import (TINY, adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
+                             reference_run)
 
 LR = 1e-3  # fp32: see test_parallel_2d
 

@@ -17,8 +17,8 @@ from paratrain.models import Transformer
 from paratrain.parallel.expert import moe_layers
 from test_data_parallel import _hf_model  # the Llama of transformers, built from a config
 import parallel_cases
-from parallel_cases import (FP64_PARITY, TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model,
-                            parallel_run)
+from paratrain.error_model import FP64_PARITY
+from parallel_cases import TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model, parallel_run
 
 STEPS = 4
 

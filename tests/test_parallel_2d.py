@@ -21,8 +21,9 @@ from paratrain.mesh import MeshShape, build_mesh
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, TensorParallel, parallelize
 from paratrain.precision import Precision
-from parallel_cases import (FP32_ADAMW, FP64_PARITY, LR, TINY, adamw, assert_matches_reference, batches, launch_once,
-                            make_model, parallel_run, reference_run)
+from paratrain.error_model import FP32_ADAMW, FP64_PARITY
+from parallel_cases import (LR, TINY, adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
+                             reference_run)
 
 FP64 = Precision("fp64", torch.float64, torch.float64, torch.float64)
 FP32_LR = 1e-3

@@ -1,6 +1,6 @@
 """The parity bounds catch real bugs: one injected per strategy, each fails its parity comparison.
 
-The error model (parallel_cases.FP32_ADAMW, FP64_PARITY) compares parameters per tensor by their norm, never
+The error model (paratrain.error_model's FP32_ADAMW, FP64_PARITY) compares parameters per tensor by their norm, never
 element by element, so that rounding on another processor cannot push a correct layout across it. This checks
 the other side: a layout with the bug of a gradient summed twice still fails, by its losses and by its
 parameters alone. Each fault counts rank 0's share twice in the one place its strategy combines gradients (or,
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from paratrain.comm import Comm
-from parallel_cases import FP32_ADAMW, FP64_PARITY, assert_matches_reference, batches, launch_once, reference_run
+from paratrain.error_model import BF16_ADAMW, FP32_ADAMW, FP64_PARITY
+from parallel_cases import assert_matches_reference, batches, launch_once, reference_run
 
 
 @contextlib.contextmanager
@@ -152,4 +153,7 @@ def test_a_gradient_counted_twice_fails_the_parity_comparison(strategy, monkeypa
         # the parameters alone show it too
         with pytest.raises(AssertionError, match="off by .* of its norm"):
             assert_matches_reference(ref_losses, params, ref_losses, ref_params, model, f"{strategy} with the fault")
+        # and the bf16 bound `paratrain verify` judges a bf16 layout by (the whole model, 10x looser per step) fails it
+        with pytest.raises(AssertionError, match="off by"):
+            assert_matches_reference(losses, params, ref_losses, ref_params, BF16_ADAMW, f"{strategy} with the fault")
     assert any(per_rank[strategy][1] for per_rank in _RESULTS[2]), "the fault never fired"

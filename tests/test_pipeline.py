@@ -25,8 +25,9 @@ from paratrain.parallel.pipeline.stages import PipelineError, balanced_boundarie
 from paratrain.parallel.pipeline.schedules import ScheduleError
 from paratrain.precision import DTYPES, Precision
 from paratrain.testing import run_on_ranks
-from parallel_cases import (BATCH, FP32_ADAMW, FP64_PARITY, LR, SEQ, TINY, adamw, assert_matches_reference, batches,
-                            launch_once, make_model, reference_run)
+from paratrain.error_model import FP32_ADAMW, FP64_PARITY
+from parallel_cases import (BATCH, LR, SEQ, TINY, adamw, assert_matches_reference, batches, launch_once, make_model,
+                             reference_run)
 
 FP64 = Precision("fp64", torch.float64, torch.float64, torch.float64)
 EIGHT_LAYERS = dataclasses.replace(TINY, n_layers=8)

@@ -277,9 +277,11 @@ def write_hybrid_run(path, steps=3):
 def test_report_sets_plan_numbers_beside_each_axis_of_a_hybrid_run(tmp_path):
     run = load_run(write_hybrid_run(tmp_path / "hsdp"))
     assert run.layout == "dp4,shard2,zero3"
-    full = 4 * get_model_config("tiny").num_params()  # fp32 bytes of the whole model
+    tiny = get_model_config("tiny")
+    full, table = 4 * tiny.num_params(), 4 * tiny.vocab_size * tiny.dim  # fp32 bytes of the model, of one table
     planned = planned_comm(run)
-    assert planned["dp_shard"] == pytest.approx(3 * full / 2, abs=1)  # 2 gathers + 1 reduce-scatter, (S−1)/S
+    # 2 gathers + 1 reduce-scatter, (S−1)/S; the embedding's and the head's backward gather nothing
+    assert planned["dp_shard"] == pytest.approx((3 * full - 2 * table) / 2, abs=1)
     assert planned["dp_replicate"] == pytest.approx(2 * (full / 2) / 2, abs=1)  # 2·(G/S)·(R−1)/R
     hardware = get_hardware("a100-80gb")
     text = format_summary([run], hardware)

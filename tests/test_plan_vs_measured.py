@@ -150,3 +150,55 @@ def test_tensor_and_pipeline_layouts_match_the_planner(name):
     planned_state = m.params + m.grads + m.master_weights + m.adam_moments
     measured_state = max(resident["total"] for _, resident in per_rank)
     assert _agrees(measured_state, planned_state), (measured_state, planned_state)
+
+
+# -- ZeRO-3 with tied and untied embeddings, fp32, bf16 and FP8 ----------------------------------------------------
+
+ZERO3_CASES = [(tied, precision, fp8) for tied in (True, False)
+               for precision, fp8 in (("fp32", None), ("bf16", None), ("bf16", "tensorwise"))]
+ZERO3_TOLERANCE = 0.05
+
+
+def _zero3_step(tied: bool, precision: str, fp8: str | None):
+    """dp bytes rank 0 sends in the second of two steps (two micro-batches each), as the trainer runs ZeRO-3: bf16
+    gradients reduced in fp32, FP8 on every block linear (the CPU's floor on features)."""
+    mesh = build_mesh(MeshShape(dp=2))
+    cfg = dataclasses.replace(TINY, tie_embeddings=tied)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model, optimizer = parallelize(model, mesh, optimizer=adamw,
+                                   init=lambda name, shape: model.param_init(name, shape, 0),
+                                   data=DataParallel(zero=3, grad_reduction="sum"), precision=precision,
+                                   reduce_dtype="fp32", fp8=fp8, fp8_min_features=0 if fp8 else None)
+    rows, micro = BATCH // 2, BATCH // 4
+    for x, y in batches(steps=2):
+        x, y = (t[mesh.coord("dp") * rows:(mesh.coord("dp") + 1) * rows] for t in (x, y))
+        model.comm.reset()
+        for i in range(0, rows, micro):
+            (model.loss_fn(model(x[i:i + micro]), y[i:i + micro]) / 100).backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.comm.bytes_by_axis()
+
+
+def _zero3_all(rank, world):  # noqa: ARG001
+    return [_zero3_step(*case) for case in ZERO3_CASES]
+
+
+_ZERO3: dict = {}
+
+
+@pytest.mark.parametrize("case", ZERO3_CASES, ids=lambda c: f"{'tied' if c[0] else 'untied'}-{c[1]}-{c[2] or 'no fp8'}")
+def test_zero3_bytes_per_axis_match_the_planner_tied_or_not(case):
+    """The embedding and the head are ZeRO-3 units of their own, each gathered once per micro-batch (the embedding's
+    backward reads only its indices, the head stays gathered into its backward); a tied table is in both units."""
+    tied, precision, fp8 = case
+    measured = launch_once(_ZERO3, 2, _zero3_all)[0][ZERO3_CASES.index(case)]
+    workload = Workload.for_model(dataclasses.replace(TINY, tie_embeddings=tied), seq_len=SEQ, global_batch=BATCH,
+                                  precision=precision, reduce_dtype="fp32", fp8=fp8, fp8_min_features=0)
+    planned = comm_bytes_per_rank(workload, Layout(dp=2, zero=3, micro_batch=BATCH // 4))
+    assert planned["dp"] > 0
+    for axis, bytes_ in planned.items():  # dp, and tp and pp with nothing on them
+        got = measured.get(axis, 0)
+        assert got == pytest.approx(bytes_, rel=ZERO3_TOLERANCE, abs=1), f"{axis}: measured {got:,}, planned {bytes_:,}"

@@ -14,8 +14,9 @@ from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.precision import DTYPES, LossScaler, PrecisionError, precision_policy
 from paratrain.testing import run_on_ranks
-from parallel_cases import (FP32_ADAMW, adamw, assert_matches_reference, batches, launch_once, loss_sum, make_model,
-                            parallel_run, reference_run)
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import (adamw, assert_matches_reference, batches, launch_once, loss_sum, make_model, parallel_run,
+                             reference_run)
 
 
 def test_policies():

@@ -22,8 +22,9 @@ from paratrain.parallel.tensor import (
 from paratrain.models.tp_plans import LLAMA_SP_PLAN, LLAMA_TP_PLAN
 from paratrain.parallel.tensor import Colwise, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
-from parallel_cases import (BATCH, FP32_ADAMW, FP32_CHAOTIC, FP64_PARITY, SEQ, STEPS, TINY, OpRecorder, adamw,
-                            assert_matches_reference, batches, launch_once, make_model)
+from paratrain.error_model import FP32_ADAMW, FP32_CHAOTIC, FP64_PARITY
+from parallel_cases import (BATCH, SEQ, STEPS, TINY, OpRecorder, adamw, assert_matches_reference, batches, launch_once,
+                             make_model)
 
 # kv heads must divide by tp: tp=4 runs the same shape with 8 query / 4 kv heads.
 CONFIGS = {2: TINY, 4: dataclasses.replace(TINY, n_heads=8, n_kv_heads=4)}

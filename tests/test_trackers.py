@@ -208,6 +208,17 @@ def test_profile_steps_write_a_trace_per_rank_with_those_steps_forward_and_backw
         f"{out / 'profile' / 'rank-1-step-2-3.json.gz'}"]
 
 
+def test_the_profilers_own_log_lines_go_to_the_run_not_the_console(tmp_path, capfd):
+    """Kineto writes `USDT: ... profiler_start` and `profiler_stop` to file descriptor 2 whatever its log level."""
+    cfg = small_config(tmp_path / "run", steps=2)
+    cfg.logging.profile_steps = "1:2"
+    train(cfg)
+    captured = capfd.readouterr()
+    assert "USDT" not in captured.err + captured.out and "profiler_" not in captured.err + captured.out
+    assert "profiler_stop" in (tmp_path / "run" / "profile" / "rank-0.log").read_text()
+    assert (tmp_path / "run" / "profile" / "rank-0-step-1-2.json.gz").is_file()
+
+
 def test_memory_snapshots_after_the_first_step_and_before_an_out_of_memory_error_leaves(tmp_path, monkeypatch):
     """The CUDA path with the allocator's calls recorded instead of made (no GPU here): history recorded from the
     start, a snapshot after the attempt's first step only, one more when a step runs out of memory, then the

@@ -12,8 +12,9 @@ from paratrain.models import ModelConfig, Transformer
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
-from paratrain.train import IGNORE_INDEX, build_model, learning_rate, train, train_step
-from parallel_cases import FP32_ADAMW, assert_matches_reference
+from paratrain.train import IGNORE_INDEX, build_model, learning_rate, lr_jump, train, train_step
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import assert_matches_reference
 
 
 def small_config(out, **train_overrides) -> Config:
@@ -70,6 +71,46 @@ def test_learning_rate_schedule():
     assert 0.1 < learning_rate(55, cfg) < 1.0
 
 
+@pytest.mark.parametrize("steps, warmup", [(6, 2), (4, 0), (100, 10)])
+def test_a_schedule_never_warns_of_its_own_moves(steps, warmup):
+    """A short cosine to 0 moves by far more than 10% a step near its end, a warm-up from 0 too: the schedule's."""
+    cfg = small_config("unused", steps=steps, warmup_steps=warmup, lr=3e-3, min_lr=0.0)
+    lrs = {step: learning_rate(step, cfg) for step in range(1, steps + 1)}
+    assert any(abs(lrs[s] - lrs[s - 1]) > 0.1 * lrs[s - 1] for s in range(2, steps + 1))
+    assert all(lr_jump(lrs.get(s - 1), lrs[s], s, cfg) == "" for s in range(1, steps + 1))
+
+
+def test_a_learning_rate_moved_beyond_the_schedule_is_named():
+    """The stretched schedule of a stage resumed at step 30 with --steps 40: 3e-4 at step 30, 1.44e-3 at 31."""
+    before, after = (small_config("unused", steps=n, warmup_steps=20, lr=3e-3, min_lr=3e-4) for n in (30, 40))
+    saved, lr = learning_rate(30, before), learning_rate(31, after)
+    assert lr > 4 * saved
+    assert "jumps from 0.0003 at step 30 to 0.00144 at step 31" in lr_jump(saved, lr, 31, after)
+    assert lr_jump(learning_rate(30, after), lr, 31, after) == ""  # the same steps under one schedule
+    assert lr_jump(saved, learning_rate(31, after, start=30), 31, after, start=30) == ""  # --reset lr: a new one
+    # 10% beyond the schedule's own move, either way
+    own = learning_rate(30, after)
+    assert lr_jump(own * 1.09, lr, 31, after) == "" and lr_jump(own * 0.91, lr, 31, after) == ""
+    assert lr_jump(own * 1.12, lr, 31, after) and lr_jump(own * 0.88, lr, 31, after)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_resumed_run_continues_its_schedule_without_a_warning(tmp_path, capsys, optimizer):
+    """Muon's group holds the learning rate scaled by its own peak: the checkpoint keeps the schedule's."""
+    import shutil
+
+    cfg = small_config(tmp_path / "run", steps=4, warmup_steps=1, sample_tokens=0, eval_every=0, optimizer=optimizer)
+    cfg.checkpoint.every = 2
+    train(cfg)
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000004")
+    capsys.readouterr()
+    train(cfg)  # --resume auto: from step 2
+    out = capsys.readouterr()
+    assert "resumed from" in out.out and "jumps" not in out.out + out.err
+    assert [r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [r["lr"] for r in first]
+
+
 def _tiny_model(seed=0):
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
     return build_model(cfg, torch.device("cpu"), seed)
@@ -99,7 +140,7 @@ def _accumulation(rank, world):
 
 def test_accumulation_with_uneven_masks_equals_one_batch():
     """Token-weighted loss: 4 micro-batches of 1 equal one batch of 4, padding included; losses and parameters
-    under the parity tests' error model (parallel_cases.FP32_ADAMW: after AdamW, element by element, one of 512
+    under the parity tests' error model (paratrain.error_model.FP32_ADAMW: after AdamW, element by element, one of 512
     differs by 1.4e-6 on the default CPU kernel path)."""
     steps, whole, split = run_on_ranks(_accumulation, 1, timeout=60)[0]
     for whole_step, split_step in steps:

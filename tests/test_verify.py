@@ -11,8 +11,11 @@ import pytest
 from paratrain.cli import main
 from paratrain.config import ParallelSection
 from paratrain.faults import FAULT_ENV
+from paratrain.commands.verify import format_table
+from paratrain.error_model import BF16_ADAMW, FP8_ADAMW, FP16_ADAMW, FP32_ADAMW_MODEL, default_bound
 from paratrain.verify import (
     LAYOUT_TOKENS,
+    Comparison,
     VerifyError,
     format_layout,
     num_processes,
@@ -70,11 +73,40 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert "reference" not in captured.out, "nothing ran"
 
 
+def test_the_default_bound_is_the_error_model_of_the_precision_and_fp8_recipe_per_step():
+    assert default_bound("fp32") is FP32_ADAMW_MODEL and default_bound("bf16") is BF16_ADAMW
+    assert default_bound("fp16") is FP16_ADAMW and default_bound("bf16", "rowwise") is FP8_ADAMW
+    assert FP32_ADAMW_MODEL.param_rtol < FP16_ADAMW.param_rtol <= BF16_ADAMW.param_rtol < FP8_ADAMW.param_rtol
+    bf16 = Comparison("dp2,zero3,bf16", 2, 2.96e-5, 2.39e-3, 3.59e-3).judge_by({"precision": "bf16"}, 3, None)
+    assert (bf16.loss_bound, bf16.param_bound) == BF16_ADAMW.bounds(3) and bf16.passed()
+    # the same differences fail fp32's bound, and one step's bf16 bound
+    assert not Comparison("dp2", 2, 2.96e-5, 2.39e-3, 0).judge_by({}, 3, None).passed()
+    assert not Comparison("dp2,bf16", 2, 2.96e-5, 2.39e-3, 0).judge_by({"precision": "bf16"}, 1, 1e-3).passed()
+    table = format_table([bf16, Comparison("dp2", 2, 1e-7, 1e-6, 1e-6).judge_by({}, 3, None)])
+    rows = table.splitlines()
+    assert rows[0].startswith("bound [1]: bf16 AdamW, whole model: 0.0004 (loss) and 0.018 (parameters) per step x 3 "
+                              "steps; ") and rows[1].startswith("bound [2]: fp32 AdamW")
+    assert rows[3].split()[5] == rows[4].split()[5] == "PASS" and rows[3].endswith("[1]") and rows[4].endswith("[2]")
+    given = format_table([Comparison("dp2", 2, 1e-7, 1e-6, 1e-6).judge_by({}, 3, 1e-4)])
+    assert given.splitlines()[0] == "bound: --tol 0.0001"
+
+
 def test_data_and_zero3_layouts_match_one_process(capsys):
     assert main(["verify", *SMALL, "--layouts", "dp2;dp2,zero3"]) == 0
-    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
+    out = capsys.readouterr().out
+    table = out.split("layout ")[-1].splitlines()
     assert [line.split()[0] for line in table[1:]] == ["dp2", "dp2,zero3"]
     assert all(line.split()[5] == "PASS" for line in table[1:]), table
+    assert "\nbound: fp32 AdamW, whole model: 1e-06 (loss) and 2e-05 (parameters) per step x 3 steps" in out, out
+
+
+def test_mixed_precision_layouts_pass_with_no_tol(capsys):
+    """bf16 on dp2 ZeRO-3, tp2 + sp and pp2 1F1B: judged by the bf16 error model, with no --tol given."""
+    assert main(["verify", *SMALL, "--precision", "bf16", "--layouts", "dp2,zero3;tp2,sp;pp2,1f1b"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("layout ")[-1].splitlines()
+    assert [line.split()[5] for line in table[1:]] == ["PASS"] * 3, table
+    assert "\nbound: bf16 AdamW, whole model" in out, out
 
 
 def test_context_parallel_layouts_match_one_process(capsys):

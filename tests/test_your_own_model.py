@@ -29,7 +29,8 @@ from paratrain.models.tp_plans import HF_GPT2_PLAN, HF_LLAMA_PLAN
 from paratrain.parallel.tensor import Colwise, OutputHead, Rowwise, TPRegion, VocabEmbedding, apply_tensor_parallel
 from paratrain.testing import run_on_ranks
 from paratrain.train import train_step
-from parallel_cases import FP32_ADAMW_MODEL, adamw, assert_matches_reference, batches, launch_once
+from paratrain.error_model import FP32_ADAMW_MODEL
+from parallel_cases import adamw, assert_matches_reference, batches, launch_once
 
 V, H, SEQ, BATCH, STEPS, LR = 64, 32, 16, 8, 5, 1e-2
 

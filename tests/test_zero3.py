@@ -30,7 +30,8 @@ from paratrain.parallel.data.units import row_shape
 from paratrain.peak_memory import ProcessPeak, return_freed_memory
 from paratrain.precision import Precision, precision_policy
 from paratrain.testing import run_on_ranks
-from parallel_cases import FP32_ADAMW, FP64_PARITY, ErrorModel, assert_matches_reference
+from paratrain.error_model import FP32_ADAMW, FP64_PARITY, ErrorModel
+from parallel_cases import assert_matches_reference
 
 SEED = 3
 STEPS = 20
@@ -44,7 +45,7 @@ TIED = dataclasses.replace(UNTIED, vocab_size=66, n_layers=3, tie_embeddings=Tru
 MEASURED = UNTIED
 FP32, BF16, FP64 = precision_policy("fp32"), precision_policy("bf16", "bf16"), Precision(
     "fp64", torch.float64, torch.float64, torch.float64)
-# fp32 parity after 20 AdamW steps at lr 1e-2: the error model of every parity test (parallel_cases.FP32_ADAMW:
+# fp32 parity after 20 AdamW steps at lr 1e-2: the error model of every parity test (paratrain.error_model.FP32_ADAMW:
 # losses per step, parameters per tensor by its norm; element by element they move by up to 3.3e-5, dp4 tied,
 # which measures the CPU's rounding, not the engine). The engine adds no error of its own: in fp64 it agrees
 # to 1e-15 (FP64_PARITY). Global grad norms drift with the parameters, by up to 7e-5 relative: 1e-3 in fp32.

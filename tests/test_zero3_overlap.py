@@ -13,8 +13,9 @@ from __future__ import annotations
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
-from parallel_cases import (FP32_ADAMW, OverlapTrace, adamw, assert_matches_reference, batches, make_model,
-                            parallel_run, reference_run)
+from paratrain.error_model import FP32_ADAMW
+from parallel_cases import (OverlapTrace, adamw, assert_matches_reference, batches, make_model, parallel_run,
+                             reference_run)
 
 STEPS = 2  # the second forward follows the order the first recorded
 

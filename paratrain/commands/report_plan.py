@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from paratrain.parallel.rules import FP8_CUDA_MIN_FEATURES
+
 
 def median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
@@ -38,7 +40,8 @@ def planned_inputs(run: Run):
         sizes = {k: m[k] for k in _MODEL_SIZES if m.get(k) is not None}
         model = dataclasses.replace(get_model_config(m["name"]), **sizes)
         workload = Workload.for_model(model, seq_len=c["data"]["seq_len"], global_batch=t["global_batch"],
-                                      precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"))
+                                      precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"),
+                                      **_fp8_options(run))
         pp = p.get("pp") or 1
         layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), dp_shard=p.get("dp_shard") or 0,
                         micro_batch=t["micro_batch"], sequence_parallel=bool(p.get("sequence_parallel")),
@@ -49,6 +52,19 @@ def planned_inputs(run: Run):
     except (KeyError, TypeError, ValueError):  # an older or hand-written config: no estimate
         return None
     return workload, layout
+
+
+def _fp8_options(run: Run) -> dict:
+    """The run's FP8 recipe for the planner: its linears (parallelize's default floor on features is CUDA's 1024,
+    none on the CPU; a run on CUDA logs the caching allocator's reserved bytes, a CPU run none)."""
+    p = run.config["parallel"]
+    if not p.get("fp8"):
+        return {}
+    minimum = p.get("fp8_min_features", -1)
+    if minimum is None or minimum < 0:
+        on_cuda = any(r.get("reserved_mem_bytes") for r in run.records)
+        minimum = FP8_CUDA_MIN_FEATURES if on_cuda else 0
+    return {"fp8": p["fp8"], "fp8_min_features": minimum}
 
 
 def planned_comm(run: Run) -> dict[str, int] | None:

@@ -1,13 +1,16 @@
 """`paratrain verify`: does every layout train exactly like one process?
 
-    paratrain verify --model tiny --layouts "dp2,zero3;dp2,zero1;dp2" [--steps 3] [--tol 1e-4] [--optimizer muon]
+    paratrain verify --model tiny --layouts "dp2,zero3;dp2,zero1;dp2" [--steps 3] [--tol TOL] [--optimizer muon]
 
 Runs a few steps of the trainer once as a single process and once per layout
 (on as many local processes as the layout's degrees multiply to), all with the
 same global batch, and compares the per-step losses and the final parameters.
 A layout whose largest relative loss difference, or whose relative parameter
-difference ‖θ − θ_ref‖₂ / ‖θ_ref‖₂, exceeds the tolerance FAILs, and the
-command exits with code 1. The largest difference of a single parameter
+difference ‖θ − θ_ref‖₂ / ‖θ_ref‖₂, exceeds its bound FAILs, and the
+command exits with code 1. The bounds are the error model of the layout's
+precision and FP8 recipe (`paratrain.error_model.default_bound`: per optimizer
+step, times --steps; the parity tests assert the same model), or --tol for both;
+the table names the bound each layout was judged by and why. The largest difference of a single parameter
 element is printed too but not judged: Adam divides each gradient by its own
 running magnitude, so an element whose gradient is almost zero turns
 reduction-order rounding into an update of up to the learning rate, in a
@@ -112,10 +115,12 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
     faults = parse_faults(os.environ.get(FAULT_ENV, ""))  # a bad spec fails now, not in every layout
     if faults:
         log(f"fault injection is on ({FAULT_ENV}={os.environ[FAULT_ENV]}): every layout's processes run it")
+    steps = given["train.steps"]
     if args.model_factory:
         from paratrain.commands.verify_model import verify_factory
 
-        return verify_factory(args.model_factory, given, layouts, work, log)
+        results = verify_factory(args.model_factory, given, layouts, work, log)
+        return [r.judge_by(layout, steps, args.tol) for r, (_, layout) in zip(results, layouts)]
     configs = [base_config(given, work / f"layout{i}", layout) for i, (_, layout) in enumerate(layouts)]
     # The reference computes in the layout's precision: one single-process run per precision used. Under FP8
     # each matmul's scales come from its own operands, so the reference also runs the layout's micro-batches.
@@ -136,7 +141,8 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
             comparison.error = str(e)
         else:
             compare(Path(references[_reference_key(cfg)].run.out), Path(cfg.run.out), comparison)
-        results.append(comparison)
+        results.append(comparison.judge_by({"precision": cfg.parallel.precision, "fp8": cfg.parallel.fp8}, steps,
+                                           args.tol))
     return results
 
 
@@ -154,16 +160,21 @@ def _reference(given: dict[str, Any], work: Path, cfg: Config) -> Config:
     return base_config(given, work / ("reference-" + "-".join(str(k).replace(" ", "") for k in key)), layout)
 
 
-def format_table(results: list[Comparison], tol: float) -> str:
-    """The verdict table: layout, processes, largest differences, PASS/FAIL."""
+def format_table(results: list[Comparison]) -> str:
+    """The bounds used, each with why; then the verdict table: layout, processes, largest differences, PASS/FAIL and
+    the bounds the layout was judged by (marked [n] when the layouts were judged by different ones)."""
     width = max(len("layout"), *(len(r.layout) for r in results))
-    lines = [f"{'layout':<{width}}  procs  max rel loss diff  rel param diff  max abs param diff  result"
-             f"  (tolerance {tol:g})"]
+    notes = list(dict.fromkeys(r.bound for r in results))
+    lines = [f"bound{f' [{i}]' if len(notes) > 1 else ''}: {note}" for i, note in enumerate(notes, 1)]
+    lines.append(f"{'layout':<{width}}  procs  max rel loss diff  rel param diff  max abs param diff  result"
+                 f"  loss bound  param bound")
     for r in results:
-        verdict = "PASS" if r.passed(tol) else "FAIL"
+        verdict = "PASS" if r.passed() else "FAIL"
         tail = f"  {r.error}" if r.error else ""
+        mark = f" [{notes.index(r.bound) + 1}]" if len(notes) > 1 else ""
         lines.append(f"{r.layout:<{width}}  {r.processes:>5}  {r.loss_rel_diff:>17.2e}  {r.param_rel_diff:>14.2e}"
-                     f"  {r.param_abs_diff:>18.2e}  {verdict}{tail}")
+                     f"  {r.param_abs_diff:>18.2e}  {verdict:<6}  {r.loss_bound:>10.2e}  {r.param_bound:>11.2e}"
+                     f"{mark}{tail}")
     return "\n".join(lines)
 
 
@@ -178,10 +189,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "its tensor-parallel plan and loss; --data is not used (random token batches)")
     parser.add_argument("--layouts", required=True,
                         help=f"';'-separated layouts of ','-separated tokens ({KNOWN}), e.g. 'dp2,zero3;dp2'")
-    parser.add_argument("--tol", type=float, default=1e-4,
-                        help="largest allowed relative difference of the losses and of the parameters "
-                             "(L2 norm) (default 1e-4; bf16 and fp16 layouts round differently from one "
-                             "process and need about 1e-2)")
+    parser.add_argument("--tol", type=float, default=None,
+                        help="largest allowed relative difference of the losses and of the parameters (L2 norm) "
+                             "(default: the error model of the layout's precision and FP8 recipe, per step times "
+                             "--steps, paratrain.error_model; the table names the bound used and why)")
     parser.add_argument("--keep", metavar="DIR", help="keep the run directories in DIR (default: a temporary "
                                                       "directory, removed afterwards)")
     add_config_options(parser.add_argument_group("options of `paratrain train`, every run's"), SHARED,
@@ -199,7 +210,7 @@ def run(args) -> int:
     given = given_options(args)
     if min(given["train.steps"], given["train.global_batch"], given["data.seq_len"]) < 1:
         raise VerifyError("--steps, --global-batch and --seq-len must be at least 1")
-    if not args.tol > 0:
+    if args.tol is not None and not args.tol > 0:
         raise VerifyError(f"--tol must be positive, got {args.tol}")
     if detect_env().distributed:
         raise VerifyError("run `paratrain verify` as one process: it launches the layouts' processes itself")
@@ -208,5 +219,5 @@ def run(args) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as work:
             results = verify(args, Path(work))
-    print(format_table(results, args.tol))
-    return 0 if all(r.passed(args.tol) for r in results) else 1
+    print(format_table(results))
+    return 0 if all(r.passed() for r in results) else 1

@@ -175,7 +175,8 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
     and ZeRO-1 accumulate gradients locally over micro-batches and communicate once per step;
     ZeRO-2 keeps no full gradient, so it reduce-scatters after every micro-batch. ZeRO-3: for
     every micro-batch an all-gather of each unit's parameters before forward and again before
-    backward and a reduce-scatter of its gradients: 3Ψ(N−1)/N per micro-batch.
+    backward and a reduce-scatter of its gradients: 3Ψ(N−1)/N per micro-batch, but the embedding
+    and the head units gather once (`_zero3_tables`): 3Ψ − 2·V·h untied, 3Ψ + V·h with a tied table.
 
     Hybrid sharding (R = dp / N replicas of each shard group): those reduce-scatters and
     all-gathers run within the shard group (axis dp_shard), and every reduce-scatter of S bytes
@@ -192,7 +193,7 @@ def dp_collectives(workload: Workload, layout: Layout, stage: int) -> dict[str, 
         return {}
     experts = stage_expert_params(workload, layout, stage) if layout.ep > 1 else 0.0  # ep = 1: every data rank's
     dense, reduce = _sharded_collectives(workload, layout, stage, stage_psi(workload, layout, stage) - experts,
-                                         layout.shard_ranks)
+                                         layout.shard_ranks, _zero3_tables(workload, layout, stage))
     out = {layout.data_axes[0]: _with_muon(dense, workload, layout, stage, experts)}
     if layout.dp_replicate > 1:
         replicas = Collective("all_reduce", reduce.size / layout.shard_ranks, layout.dp_replicate, reduce.count)
@@ -214,16 +215,39 @@ def _with_muon(dense: AxisCollectives, workload: Workload, layout: Layout, stage
     return AxisCollectives(dense.overlapped, dense.after + (Collective("send", sent, layout.data_ranks),))
 
 
+def _zero3_tables(workload: Workload, layout: Layout, stage: int) -> tuple[float, float, int]:
+    """(held, table, units): the elements of the embedding table and the output head one rank of `stage` holds (a
+    tied table once), one table's (V·h/tp), and how many ZeRO-3 units hold them (`paratrain.parallel.data.units`:
+    the embedding and the head are units of their own, a tied table in both). Each such unit is gathered once per
+    micro-batch, not twice: the embedding's backward reads only the indices, and the head, the forward's last
+    unit, stays gathered into its backward (`paratrain.parallel.data.zero3`); a tied table is gathered and reduced
+    by each of its two units, as an untied model's two tables are."""
+    model = workload.model
+    if model is None or layout.zero != 3:
+        return 0.0, 0.0, 0
+    table = -(-(model.vocab_size * model.dim) // layout.tp)
+    first, last = stage == 0, stage == layout.pp - 1
+    held = table * (int(first) + int(last and (not model.tie_embeddings or layout.pp > 1)))
+    return float(held), float(table), int(first) + int(last)
+
+
 def _sharded_collectives(workload: Workload, layout: Layout, stage: int, psi: float,
-                         n: int) -> tuple[AxisCollectives, Collective]:
-    """The collectives of Ψ = `psi` parameters reduced (and ZeRO-sharded) over `n` ranks, and the reduction itself."""
+                         n: int, tables: tuple[float, float, int] = (0.0, 0.0, 0),
+                         ) -> tuple[AxisCollectives, Collective]:
+    """The collectives of Ψ = `psi` parameters reduced (and ZeRO-sharded) over `n` ranks, and the reduction itself;
+    `tables` (`_zero3_tables`): ZeRO-3's embedding and head units, whose backward gathers nothing."""
     grads, params = psi * workload.grad_bytes, psi * workload.param_bytes
     m = layout.num_microbatches(workload.global_batch)
     if layout.zero == 3:
         units = _zero3_units(workload, layout, stage)
-        params -= _fp8_gathered_params(workload, layout, stage) * (workload.param_bytes - 1)
-        reduce = Collective("reduce_scatter", grads / units, n, m * units)
-        return AxisCollectives(overlapped=(Collective("all_gather", params / units, n, 2 * m * units), reduce)), reduce
+        held, table, table_units = tables  # each unit of a table gathers and reduces it once; the rest gather twice
+        gathered = 2 * (psi - held) + table * table_units  # elements, per micro-batch
+        reduced = psi - held + table * table_units
+        gathered_bytes = (gathered * workload.param_bytes
+                          - 2 * _fp8_gathered_params(workload, layout, stage) * (workload.param_bytes - 1))
+        reduce = Collective("reduce_scatter", reduced * workload.grad_bytes / units, n, m * units)
+        all_gather = Collective("all_gather", gathered_bytes / (2 * units), n, 2 * m * units)
+        return AxisCollectives(overlapped=(all_gather, reduce)), reduce
     buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
     if layout.zero == 0:
         reduce = Collective("all_reduce", grads / buckets, n, buckets)

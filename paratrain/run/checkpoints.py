@@ -211,6 +211,11 @@ class TrainingCheckpoints:
         if stopping or (self.policy.enabled and (last or clock_due or (every and step % every == 0))):
             self.save(step, tokens_seen, wait=stopping or last)
 
+    def _schedule_lr(self) -> float:
+        """The schedule's learning rate of the last step (a group with its own peak, Muon's, holds it scaled)."""
+        group = self.optimizer.param_groups[0]
+        return group["lr"] / group.get("lr_scale", 1.0)
+
     def save(self, step: int, tokens_seen: int, wait: bool = True) -> None:
         """Save checkpoint `step` (collective); CheckpointError on every rank if it fails."""
         start = time.perf_counter()
@@ -218,7 +223,7 @@ class TrainingCheckpoints:
         shared = {"step": step, "tokens_seen": tokens_seen, "run_id": self.run_id, "config": self.cfg.to_dict(),
                   "layout": self.layout(), "scaler": self.model.loss_scale_state(),
                   "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), "lr_start": self.lr_start,
-                  "lr": self.optimizer.param_groups[0]["lr"],  # the saved step's: a resume's first step compares
+                  "lr": self._schedule_lr(),  # the saved step's: a resume's first step compares
                   **self.extra_state}
         rank_state = {"rng": rng_state()}
         if self.saver is not None:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -70,7 +71,8 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profile = torch.profiler.profile(activities=activities, record_shapes=True,
                                                    with_stack=self.device.type == "cuda")
-            self._profile.__enter__()
+            with self._native_log():
+                self._profile.__enter__()
         with torch.profiler.record_function(f"paratrain step {step}"):
             yield written
         if step == self.steps[1]:
@@ -78,7 +80,8 @@ class StepProfiler:
 
     def _finish(self) -> str:
         profile, self._profile = self._profile, None
-        profile.__exit__(None, None, None)
+        with self._native_log():
+            profile.__exit__(None, None, None)
         name = trace_name(self.rank, *self.steps)
         (self.out / PROFILE_DIR).mkdir(exist_ok=True)
         profile.export_chrome_trace(str(self.out / name))  # gzipped, by its name
@@ -87,8 +90,28 @@ class StepProfiler:
     def close(self) -> None:
         """A run that ends (or stops) inside the range: the trace of the steps it recorded."""
         if self._profile is not None:
-            self._profile.__exit__(None, None, None)
+            with self._native_log():
+                self._profile.__exit__(None, None, None)
             self._profile = None
+
+    @contextlib.contextmanager
+    def _native_log(self):
+        """The profiler's own C++ log lines (Kineto's `USDT: ... profiler_start`/`profiler_stop`, which no log level
+        turns off) written to this rank's <out>/profile/rank-R.log instead of the console: file descriptor 2 is
+        pointed there while the profiler starts and stops."""
+        (self.out / PROFILE_DIR).mkdir(parents=True, exist_ok=True)
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(self.out / PROFILE_DIR / f"rank-{self.rank}.log", "ab") as log:
+                os.dup2(log.fileno(), 2)
+                try:
+                    yield
+                finally:
+                    sys.stderr.flush()
+                    os.dup2(saved, 2)
+        finally:
+            os.close(saved)
 
 
 class MemorySnapshots:

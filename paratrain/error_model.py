@@ -1,0 +1,120 @@
+"""How far a layout's run may be from one process's, and why: the error model that `paratrain verify` judges a
+layout by and that the parity tests assert.
+
+A layout runs the same algorithm as one process, but its sums run in another order (over ranks, buckets,
+micro-batches, ring steps, shards), and a CPU's kernels round by their vector width: PyTorch dispatches on the
+processor (`ATEN_CPU_CAPABILITY`: default, avx2, avx512), so the same code gives other roundings on another
+machine. What a parity test may compare is therefore what those roundings cannot push across, written here
+once, with the reason; `tests/other_machines.sh` runs the parity tests under every capability this machine
+offers and reports each bound's measured worst against it (PARATRAIN_ERROR_REPORT). Every bound is at least
+10x the worst measured on AVX-512, AVX2 and the default path, and below what a wrong gradient gives
+(tests/test_parity_faults.py injects one per strategy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+FP32_EPS = torch.finfo(torch.float32).eps  # 1.19e-7
+FP64_EPS = torch.finfo(torch.float64).eps  # 2.2e-16
+
+
+@dataclass(frozen=True)
+class ErrorModel:
+    """How far a layout's losses and parameters may be from one process's, and why."""
+
+    name: str
+    loss_rtol: float  # |loss − loss_ref| / |loss_ref|, each step
+    param_rtol: float  # ‖θ − θ_ref‖ / ‖θ_ref‖ after the last step, per parameter tensor or over the model
+    why: str
+    scope: str = "tensor"  # "tensor": the worst parameter tensor; "model": all parameters as one vector
+    per_step: bool = False  # both bounds are per optimizer step, times the steps compared
+
+    def bounds(self, steps: int) -> tuple[float, float]:
+        """(loss bound, parameter bound) for a run of `steps` optimizer steps."""
+        scale = steps if self.per_step else 1
+        return self.loss_rtol * scale, self.param_rtol * scale
+
+
+# The same algorithm in fp64: the only difference is summation order, n·ε64 relative for a sum of n terms
+# (n ≤ 10⁴ here: 2e-12), carried through 20 optimizer steps.
+FP64_PARITY = ErrorModel("fp64", 1e-10, 1e-10, "summation order only, in fp64: n·ε64 ≤ 2e-12 per sum")
+
+# fp32 with AdamW, bounds per optimizer step: each step's sums round differently in another order, and Adam
+# carries what it moved into every later step, so the two runs drift apart about linearly over these short runs.
+# Losses: a token-loss sum of n ≤ 10³ terms rounds by ≤ √n·ε32 ≈ 4e-6 typically; measured worst 1.1e-7 after 3
+# steps and 1.7e-6 after 20 (ZeRO-3, tied, dp4, AVX2): 1e-6 per step. Parameters, per tensor and never element by
+# element: Adam divides each gradient by its own running magnitude, so an element whose gradient is at rounding
+# level steps by about lr whichever way the rounding goes (element-wise differences after 3 steps reach 1.1e-5 on
+# AVX-512 and 2.4e-6 on AVX2: they measure the vector width, not the layout). Over a tensor those few elements add
+# to the many whose gradients are well above rounding, whose steps differ by lr·O(√n·ε32); the worst tensor
+# measured is 1.1e-5 after 3 steps (context parallel), 4.2e-5 after 4 (compiled against eager, ZeRO-3 with
+# selective recomputation) and 1.6e-4 after 20 (ZeRO-3, tied, dp4, AVX2): 1.5e-4 per step. A gradient counted
+# twice moves its worst tensor by 15-120% of its norm (tests/test_parity_faults.py).
+FP32_ADAMW = ErrorModel("fp32 AdamW", 1e-6, 1.5e-4, "reduction order under fp32 rounding, amplified by Adam's "
+                                                  "per-element normalization; compared per tensor", per_step=True)
+
+# fp32 AdamW on a model with parameters whose gradient is zero in exact arithmetic (GPT-2's key biases: softmax
+# does not change when every score of a query moves by the same amount): Adam normalizes pure rounding noise
+# there, so such a tensor follows the processor's rounding (3.1e-4 of its norm after 5 steps on the default path)
+# and only the model as a whole, as `paratrain verify` judges a layout, has a bound rounding cannot cross:
+# measured 4.7e-6 after 5 steps (AVX-512), 2e-5 per step.
+FP32_ADAMW_MODEL = replace(FP32_ADAMW, name="fp32 AdamW, whole model", param_rtol=2e-5, scope="model",
+                           why="Adam steps on rounding where a gradient is exactly zero; compared over the whole model")
+
+# A chaotic fp32 run (lr 1e-2, tiny vocabulary, 20 AdamW steps) against the fp64 run of the same model: one fp32
+# process itself drifts from it by up to 1e-4 in loss and 1e-3 in parameters by step 20, and any reordering of
+# the sums by as much again; measured worst 1.9e-4 in loss (tp2 + sp, default path). So 2e-3 and 5e-2: the fp64
+# parity tests hold such layouts to 1e-10; this bound says only that fp32 stays as close as fp32 can.
+FP32_CHAOTIC = ErrorModel("fp32 against fp64, chaotic run", 2e-3, 5e-2, "fp32 rounding grows through a chaotic run")
+
+
+
+# -- mixed precision, as `paratrain verify` judges a layout: the whole model, per optimizer step -----------------
+#
+# The layout and its one-process reference compute in the same precision, so what differs is still only where the
+# sums are split and in what order; but each partial sum a layout keeps apart (a tensor-parallel rank's share of a
+# matmul, a pipeline stage's boundary, a ZeRO-3 gather's cast) is rounded to the compute dtype before it is added:
+# a relative error of the dtype's unit roundoff u (bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4; an FP8 matmul's e4m3
+# operands 2^-4 = 6.3e-2, scaled per tensor or per row) where fp32's is 6e-8. Adam turns the gradients' rounding
+# into steps of about the learning rate whichever way it goes wherever a gradient is small against it, so the
+# parameters drift apart about linearly over the steps compared. Measured on `paratrain verify`'s default run
+# (the tiny model, lr 3e-3, global batch 8 of 64 tokens, 3 steps), the worst of dp2 ZeRO-3, tp2 + sp and pp2 1F1B:
+# bf16 loss 1.2e-4 and model 5.3e-3 (both tp2 + sp), so 4e-5 and 1.8e-3 per step (a small transformers Llama's
+# dp2 ZeRO-3: 4.3e-5 and 2.4e-3). Each bound below is 10x the
+# worst measured per step; a gradient counted twice or negated on one rank moves the model by far more
+# (tests/test_parity_faults.py checks every injected fault against the bf16 bound).
+BF16_ADAMW = ErrorModel("bf16 AdamW, whole model", 4e-4, 1.8e-2,
+                        "partial sums rounded to bf16 (u = 3.9e-3) where one process adds them first, amplified by "
+                        "Adam's per-element normalization; compared over the whole model", scope="model",
+                        per_step=True)
+
+# fp16 rounds 8x finer than bf16 (u = 4.9e-4), under a loss scale that a layout and its reference keep alike.
+# Measured the same way: loss 1.5e-4 and model 1.4e-3 (both tp2 + sp), so 5e-5 and 4.5e-4 per step; the model
+# drifts 4x less than bf16's, the loss no less (the fp32 loss of logits whose inputs rounded differently).
+FP16_ADAMW = ErrorModel("fp16 AdamW, whole model", 5e-4, 4.5e-3,
+                        "partial sums rounded to fp16 (u = 4.9e-4) where one process adds them first, amplified by "
+                        "Adam's per-element normalization; compared over the whole model", scope="model",
+                        per_step=True)
+
+# FP8 linears (with bf16 elsewhere): each matmul's operands are e4m3 (u = 6.3e-2) under scales taken from their own
+# amax, which the reference shares (it runs the layout's micro-batches; tensor parallelism agrees one scale over
+# the group), so a layout changes the rounding of the bf16 parts and, through them, which values an FP8 cast
+# rounds up or down. Measured with tensorwise FP8 after 3 steps: the tiny model's dp2 ZeRO-3 loss 0 and model
+# 2.0e-3, pp2 1F1B 0 and 0 (its tp2 + sp is refused: a 344-row shard is no multiple of FP8's 16); a small
+# transformers Llama's dp2 ZeRO-3 loss 8.4e-5 and model 2.3e-3 (rowwise 6.0e-5 and 2.2e-3), and a larger one's
+# model 8e-3, the worst, 2.7e-3 per step.
+FP8_ADAMW = ErrorModel("FP8 AdamW, whole model", 1e-3, 3e-2,
+                       "FP8 operands (e4m3, u = 6.3e-2) that a layout's bf16 rounding pushes to the neighbouring "
+                       "value, amplified by Adam's per-element normalization; compared over the whole model",
+                       scope="model", per_step=True)
+
+
+def default_bound(precision: str, fp8: str = "") -> ErrorModel:
+    """The error model a layout in `precision` (fp32, bf16, fp16) with FP8 linears (`fp8`: '', 'tensorwise',
+    'rowwise') is judged by against its one-process reference, over the whole model as `paratrain verify` does."""
+    if fp8:
+        return FP8_ADAMW
+    return {"bf16": BF16_ADAMW, "fp16": FP16_ADAMW}.get(precision, FP32_ADAMW_MODEL)
