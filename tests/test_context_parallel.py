@@ -194,7 +194,8 @@ def test_training_with_cp_equals_one_process(world, case):
     reference model and a Hugging Face Llama with SDPA attention at cp2; cp2 with activation checkpointing
     (full, selective, every 2nd block), whose recompute runs attention through the ring again; dp2 × cp2
     under ZeRO-3; pp2 × cp2 under GPipe, interleaved (2 virtual stages) and ZB-H1 with full recomputation."""
-    from tests.parallel_cases import FP32_ADAMW, assert_matches_reference, batches, reference_run
+    from paratrain.error_model import FP32_ADAMW
+    from tests.parallel_cases import assert_matches_reference, batches, reference_run
 
     ref_losses, ref_params = reference_run(_make(case.kind), batches(steps=3))
     for per_rank in _results(world, CASES[world]):
