@@ -90,6 +90,20 @@ def test_an_nf4_base_keeps_no_decoded_weight_for_backward():
     assert saved_base_weights("nf4") == 0
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recomputed_blocks_train_the_adapters_as_stored_activations_do(recompute):
+    def run(checkpointing):
+        model, optimizer = parallelize(make_model(), _one_rank_mesh(), optimizer=adamw, activation_checkpointing=checkpointing,
+                                       lora=LoRA(4, base_dtype="nf4", dropout=0.1))
+        torch.manual_seed(0)  # the dropout masks: a recomputed block draws its forward's again
+        losses = [train_step(model, optimizer, [(x, y)], 1.0) for x, y in batches(steps=3)]
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    (want_losses, want), (losses, got) = run(0), run(recompute)
+    assert [a.loss for a in losses] == [a.loss for a in want_losses]
+    assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_the_adapters_compute_peft_s_formula_with_dropout_on_their_input_only():
     torch.manual_seed(0)
     linear = nn.Sequential(nn.Linear(16, 8))
