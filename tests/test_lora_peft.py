@@ -83,3 +83,36 @@ def test_export_of_the_wrong_kind_of_run_is_one_line(runs, argv, message, capsys
     assert main(["export", str(runs / argv[0]), str(runs / "out" / argv[1]), *argv[2:]]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_transformers_backend_run_exports_adapters_peft_loads(tmp_path):
+    """A Qwen2 (q, k, v biases; transformers' own modeling under `--backend transformers`): the adapters keep
+    transformers' module names; PEFT's logits are those of the same model converted here, and the merged export
+    equals PEFT's merge bit for bit."""
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "base")
+    targets = ("q_proj", "v_proj", "down_proj")
+    assert main(["train", *RUN, "--lora", "4", "--lora-targets", ",".join(targets), "--lr", "0.02", "--steps", "3",
+                 "--init-from", str(tmp_path / "base"), "--backend", "transformers", "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--merge"]) == 0
+
+    def base():
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+
+    theirs = peft.PeftModel.from_pretrained(base(), tmp_path / "adapter").eval()
+    ours = base()
+    convert_to_lora(ours, LoRA(4, targets=targets))
+    missing, unexpected = ours.load_state_dict(load_file(tmp_path / "run" / "final" / "model.safetensors"), strict=False)
+    assert not unexpected and all(".lora_" not in n for n in missing)
+    tokens = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens).logits, rtol=0, atol=1e-5)
+        assert (base()(tokens).logits - theirs(tokens).logits).abs().max() > 1e-3, "the adapters change the logits"
+    want = theirs.merge_and_unload().state_dict()
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
