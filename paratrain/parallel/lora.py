@@ -90,24 +90,23 @@ class LoRA:
         return self.alpha / self.rank
 
 
-def unsupported_with_lora(zero: int = 0, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, offload=None,
-                          compile=False, fp8=None) -> list[str]:
+def unsupported_with_lora(zero: int = 0, tp: int = 1, ep: int = 1, fp8=None) -> list[str]:
     """The strategies of a layout that do not honour LoRA yet, by their options' names (empty: it runs).
 
-    One process, DDP and ZeRO-1/2 (hybrid sharding too) reduce and shard only the parameters that train, so the
-    adapters alone; full and selective recomputation recompute the adapters as the rest of a block. ZeRO-3 would
-    gather and reduce-scatter the frozen base as trainable, tensor parallelism would split the base linears
-    without their adapters, the pipeline's and the experts' splits and offload are untested with frozen
-    parameters, a compiled block breaks its graph at the NF4 matmul, FP8 converts the same linears.
+    DDP and ZeRO-1/2 (hybrid sharding too) reduce and shard only the parameters that train, so the adapters alone,
+    and so do the pipeline's stages, the context-parallel ring, the optimizer's offload to the host, full and
+    selective recomputation and compiled blocks (each tested against one process). ZeRO-3 would make masters and
+    shards of the frozen base and gather an NF4 base as whole weights; the tensor-parallel plan splits a base
+    linear and loses its adapters; expert parallelism is untested with frozen parameters; FP8 converts the same
+    linears.
     """
-    asked = {"--zero 3": zero == 3, "--tp": tp > 1, "--pp": pp > 1, "--cp": cp > 1, "--ep": ep > 1,
-             "--offload": bool(offload), "--compile": bool(compile), "--fp8": bool(fp8)}
+    asked = {"--zero 3": zero == 3, "--tp": tp > 1, "--ep": ep > 1, "--fp8": bool(fp8)}
     return [name for name, on in asked.items() if on]
 
 
 def refusal(names: list[str]) -> str:
-    return (f"LoRA with {', '.join(names)} is not supported yet (it runs on one process, DDP and ZeRO-1/2, with "
-            f"recomputation); drop {'it' if len(names) == 1 else 'them'}")
+    return (f"LoRA with {', '.join(names)} is not supported yet (it runs with DDP, ZeRO-1/2, pipeline and context "
+            f"parallelism, offload, recomputation and compile); drop {'it' if len(names) == 1 else 'them'}")
 
 
 def matches(name: str, pattern: str) -> bool:
