@@ -37,6 +37,7 @@ from paratrain.interop.export import check_export_options, peft_module_name, wri
 from paratrain.interop.hf import HFError, expected_shapes
 from paratrain.models import ModelConfig, ModelConfigError
 from paratrain.models.hf import HFModelError, is_hf_model_config, model_config_from_dict
+from paratrain.parallel.lora import is_adapter
 
 MODEL_PREFIX = "model/"
 MODEL_CONFIG_KEY = "model_config"
@@ -257,10 +258,6 @@ def _run_config(run: Path):
 
 
 # ---- LoRA adapters ----
-
-
-def is_adapter(name: str) -> bool:
-    return name.endswith(".lora_A.weight") or name.endswith(".lora_B.weight")
 
 
 def _adapter_pairs(src: ExportSource, model_cfg, stored: dict, read: Callable) -> dict[str, tuple]:
