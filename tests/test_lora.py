@@ -105,9 +105,10 @@ def test_recomputed_blocks_train_the_adapters_as_stored_activations_do(recompute
     assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
-@pytest.mark.parametrize("base_dtype", [None, "nf4"])
-@pytest.mark.parametrize("option", [{"compile": "aot_eager"}, {"data": DataParallel(offload="optimizer")}],
-                         ids=["compile", "offload"])
+@pytest.mark.parametrize("option, base_dtype", [({"compile": "aot_eager"}, "nf4"),  # NF4's autograd function inside
+                                                ({"data": DataParallel(offload="optimizer")}, None),
+                                                ({"data": DataParallel(offload="optimizer")}, "nf4")],
+                         ids=["compile-nf4", "offload", "offload-nf4"])
 def test_compiled_blocks_and_the_offloaded_optimizer_train_the_adapters_as_eager_does(option, base_dtype):
     def run(**options):
         model, optimizer = parallelize(make_model(), _one_rank_mesh(), optimizer=adamw,
