@@ -22,6 +22,7 @@ _EXPORTS = {
     "TensorParallel": "paratrain.parallel.api", "parallelize": "paratrain.parallel.api",
     "ParallelModel": "paratrain.parallel.model", "ScheduleName": "paratrain.parallel.pipeline.schedules",
     "from_pretrained": "paratrain.interop.hf", "MuonRecipe": "paratrain.parallel.muon",
+    "LoRA": "paratrain.parallel.lora",
 }
 __all__ = sorted(_EXPORTS)
 

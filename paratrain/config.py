@@ -171,6 +171,23 @@ class ParallelSection:
 
 
 @dataclass
+class LoraSection:
+    rank: int | None = option(None, "train low-rank adapters of this rank on a frozen model (LoRA): only the adapters "
+                                    "take gradients, masters and optimizer state (default: off, every parameter "
+                                    "trains)", flag="--lora")
+    alpha: float | None = option(None, "the adapters' output is scaled by alpha / rank (default: 2 × rank)",
+                                 flag="--lora-alpha")
+    dropout: float = option(0.0, "dropout on the adapters' input, in training", flag="--lora-dropout")
+    targets: str = option("", "the linears that get adapters: comma-separated module-name patterns (fnmatch; a "
+                              "pattern also matches a name's end after a dot, as PEFT's target_modules: 'wq,wv', "
+                              "'layers.0.*') (default: every linear inside the blocks, not the head or embeddings)",
+                          flag="--lora-targets")
+    base_dtype: str = option("", "how the frozen base weights of the targets are stored: 'bf16', or 'nf4' (QLoRA: 4-bit "
+                                 "NormalFloat, blocks of 64 with double-quantized scales, decoded for each matmul) "
+                                 "(default: the compute dtype)", flag="--base-dtype", choices=("", "bf16", "nf4"))
+
+
+@dataclass
 class RunSection:
     out: str = option("", "run directory for config.json, metrics.jsonl and checkpoints "
                           "(default: a new runs/<model>-<time>)")
@@ -256,6 +273,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     reliability: ReliabilitySection = field(default_factory=ReliabilitySection)
@@ -401,8 +419,42 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     if p.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive, got {p.bucket_mb}")
+    _check_lora(cfg)
     _check_reliability(cfg)
     _check_launch(cfg)
+
+
+def _check_lora(cfg: Config) -> None:
+    """The [lora] rules: its values (`paratrain.parallel.lora.LoRA` checks them) and the strategies it runs with."""
+    lo, p = cfg.lora, cfg.parallel
+    if lo.rank is None:
+        given = [flag for flag, on in (("--base-dtype", lo.base_dtype), ("--lora-alpha", lo.alpha is not None),
+                                       ("--lora-dropout", lo.dropout), ("--lora-targets", lo.targets)) if on]
+        if given:
+            raise ConfigError(f"{', '.join(given)} without --lora RANK: the base is frozen only under LoRA; pass "
+                              f"--lora RANK or drop {', '.join(given)}")
+        return
+    from paratrain.parallel.lora import LoRAError, refusal, unsupported_with_lora
+
+    try:
+        lora_options(cfg)
+    except LoRAError as e:
+        raise ConfigError(str(e).replace("the LoRA rank", "--lora").replace("the LoRA alpha", "--lora-alpha")
+                          .replace("the LoRA dropout", "--lora-dropout")) from None
+    unsupported = unsupported_with_lora(zero=p.zero, tp=p.tp, ep=p.ep, fp8=p.fp8)
+    if unsupported:
+        raise ConfigError(refusal(unsupported))
+
+
+def lora_options(cfg: Config):
+    """The run's `paratrain.parallel.lora.LoRA` (None without --lora); LoRAError for a value it cannot take."""
+    from paratrain.parallel.lora import LoRA
+
+    lo = cfg.lora
+    if lo.rank is None:
+        return None
+    targets = tuple(t.strip() for t in lo.targets.split(",") if t.strip()) or None
+    return LoRA(lo.rank, lo.alpha, lo.dropout, targets, lo.base_dtype or None, seed=cfg.train.seed)
 
 
 def resolve_recipe(cfg: Config) -> None:

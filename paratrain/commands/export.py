@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from paratrain.interop.export import EXPORT_DTYPES
-from paratrain.run.export import export_hf
+from paratrain.run.export import export_adapter, export_hf
 
 MB = 2**20
 
@@ -31,17 +31,32 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="split the weights into files of at most MB megabytes, with an index "
                              "(default: one model.safetensors)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds files")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--adapter", action="store_true",
+                      help="a --lora run: write its adapters in PEFT's format (adapter_config.json, "
+                           "adapter_model.safetensors), which peft.PeftModel.from_pretrained loads over the base")
+    lora.add_argument("--merge", action="store_true",
+                      help="a --lora run: write the whole model with the adapters merged into the base weights "
+                           "(as PEFT's merge_and_unload), a Hugging Face directory")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `paratrain export` (bad input raises HFError, CheckpointError or ModelConfigError: exit 2)."""
     max_bytes = None if args.max_shard_mb is None else int(args.max_shard_mb * MB)
+    if args.adapter:
+        result = export_adapter(args.source, args.out, dtype=EXPORT_DTYPES[args.dtype], overwrite=args.overwrite)
+        print(f"exported the LoRA adapters of {_what(result)} to {result.out_dir} in PEFT's format: "
+              f"{', '.join(result.weight_files)}")
+        return 0
     result = export_hf(args.source, args.out, dtype=EXPORT_DTYPES[args.dtype], max_shard_bytes=max_bytes,
-                       overwrite=args.overwrite)
-    source = result.source
-    what = f"step {result.step} ({source.path})" if result.step is not None else str(source.path)
+                       overwrite=args.overwrite, merge=args.merge)
+    what = _what(result)
     tokenizer = result.tokenizer_file or "none found"
     print(f"exported {what} to {result.out_dir}: {result.model_config.num_params():,} parameters as {args.dtype} "
-          f"in {len(result.weight_files)} file(s); tokenizer: {tokenizer}")
+          f"in {len(result.weight_files)} file(s){'; LoRA adapters merged' if args.merge else ''}; tokenizer: {tokenizer}")
     return 0
+
+
+def _what(result) -> str:
+    return f"step {result.step} ({result.source.path})" if result.step is not None else str(result.source.path)

@@ -213,3 +213,47 @@ def _shard_groups(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: 
         groups[-1].append(name)
         size += nbytes
     return groups
+
+
+# ---- LoRA adapters in PEFT's format ----
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PEFT's LoraModel wraps the base model: its keys start here
+
+
+def peft_module_name(module: str, transformers_model: bool) -> str:
+    """PEFT's name of an adapted linear: a transformers model's own module name; the reference model's Hugging Face
+    Llama name (layers.0.attention.wq → model.layers.0.self_attn.q_proj)."""
+    return module if transformers_model else hf_name(module + ".weight").removesuffix(".weight")
+
+
+def write_peft_adapter(out: Path, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], *, alpha: float,
+                       dropout: float, base: str | None, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Write LoRA adapters as the directory `peft.PeftModel.from_pretrained(base_model, out)` loads (replacing what
+    is there): `adapters` maps PEFT's module name to its (A [r, in], B [out, r]); one rank for all. adapter_config.json
+    names each adapted module in full in `target_modules` (PEFT matches a full name exactly), and
+    adapter_model.safetensors holds `base_model.model.<module>.lora_A.weight` / `.lora_B.weight`. The files written."""
+    ranks = {a.shape[0] for a, _ in adapters.values()}
+    if len(ranks) != 1:
+        raise HFError(f"the adapters have ranks {sorted(ranks)}; one adapter directory holds one rank")
+    rank = ranks.pop()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+              "target_modules": sorted(adapters), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+              "base_model_name_or_path": base, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+    keys = [(f"{PEFT_PREFIX}{module}.lora_{which}.weight", tensor) for module, pair in adapters.items()
+            for which, tensor in zip("AB", pair)]
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir(parents=True)
+        write_safetensors(tmp / ADAPTER_WEIGHTS, [(k, dtype, tuple(t.shape)) for k, t in keys], keys)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except OSError as exc:
+        raise HFError(f"cannot write {out}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]

@@ -9,4 +9,5 @@
 - `pipeline`: schedules as data, their simulator, stage splitting and the runner (the `pp` axis).
 - `context`: context parallelism (the `cp` axis): the load-balanced sequence split and ring attention.
 - `norm`: sums of squares shared by every strategy's gradient norm.
+- `lora`: LoRA and QLoRA, a model converted before any strategy applies; `nf4`: QLoRA's 4-bit NormalFloat codec.
 """

@@ -35,6 +35,7 @@ from paratrain.parallel.blocks import UnitSpec
 from paratrain.parallel.data.ddp import DataParallelEngine
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel.data.offload import check_offload
+from paratrain.parallel.lora import LoRA
 from paratrain.parallel.loss import fuse_head, loss_head_name
 from paratrain.parallel.model import ParallelModel
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
@@ -169,7 +170,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
                 comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None,
-                fp8_min_features: int | None = None, loss_chunk: int | None = None):
+                fp8_min_features: int | None = None, loss_chunk: int | None = None, lora: LoRA | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -201,6 +202,10 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         CUDA, `fp8.CUDA_MIN_FEATURES`; 0 elsewhere).
     loss_chunk: the model's loss taken inside its output head, this many tokens at a time (`paratrain.parallel.loss`);
         0: whole logits; None: `DEFAULT_LOSS_CHUNK` where the head can be fused (a number where not is refused).
+    lora: a `paratrain.parallel.lora.LoRA`: the model frozen and low-rank adapters added to its target linears
+        (the base stored in the compute dtype, bf16 or NF4) before any strategy applies; only the adapters train
+        (their names: `model.lora_targets`). Refused in one line with a strategy that does not honour it yet
+        (`paratrain.parallel.lora.unsupported_with_lora`).
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -217,7 +222,9 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     comm = comm or Comm(mesh)
     if comm.mesh is not mesh:  # each strategy below is handed the comm alone and reads its groups from comm.mesh
         raise ParallelConfigError("comm= talks over another mesh than the one given; build it as Comm(mesh)")
-    # 0. Context parallelism reads the model as the user built it: only its forward's signature (how it
+    # 0. LoRA converts the model as the user built it, before any strategy: each sees the frozen base and the adapters.
+    lora_targets, init = _lora(model, lora, comm, policy, init, data, tensor, fp8)
+    # 0a. Context parallelism reads the model as the user built it: only its forward's signature (how it
     #    takes positions) matters, which no step below changes; it never touches the parameters.
     sharding = _context_sharding(model, comm, context)
     # 0b. The head the loss fuses into, named on the whole model: the split keeps names (the last stage holds it).
@@ -253,11 +260,34 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
                             offload=offload, loss_head=loss_head)
     wrapped.fp8_linears = fp8_linears
+    wrapped.lora_targets = lora_targets
     # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
     opt = _optimizer(optimizer, wrapped, engine, data)
     if opt is not None and fp8_casts is not None:  # the weights changed: the next micro-batch casts them again
         opt.register_step_post_hook(fp8_casts.new_step)
     return wrapped, opt
+
+
+def _lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, init, data: DataParallel,
+          tensor: TensorParallel, fp8) -> tuple[list[str], Callable | None]:
+    """(the names of the linears given adapters, the initializer with the adapters' values): nothing without
+    `lora`; refused in one line with a strategy that does not honour it yet."""
+    if lora is None:
+        return [], init
+    from paratrain.parallel.lora import LoRAError, convert_to_lora, lora_init, refusal, unsupported_with_lora
+
+    mesh = comm.mesh
+    unsupported = unsupported_with_lora(zero=data.zero, tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
+                                        ep=mesh.size(Axis.EP), fp8=fp8)
+    if unsupported:
+        raise ParallelConfigError(refusal(unsupported))
+    if init is None and any(p.is_meta for p in model.parameters()):
+        init = _default_init(model)
+    try:
+        names = convert_to_lora(model, lora, policy.param_dtype, init, mesh.device)
+    except LoRAError as e:
+        raise ParallelConfigError(str(e)) from None
+    return names, lora_init(init, lora.seed)
 
 
 def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,

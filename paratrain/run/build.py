@@ -26,7 +26,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
-from paratrain.config import Config, ConfigError, check_values, layout_spec
+from paratrain.config import Config, ConfigError, check_values, layout_spec, lora_options
 from paratrain.data import DataSampler
 from paratrain.data.chat import ChatOptions
 from paratrain.data.mixture import TrainingData, load_training_data, parse_mixture
@@ -47,7 +47,7 @@ from paratrain.parallel.loss import head_name
 from paratrain.parallel.rules import CheckedLayout
 from paratrain.models.hf import HFCausalLM, is_model_dir
 from paratrain.run.checkpoints import (
-    TrainingCheckpoints, check_resume_option, check_resumed_schedule, explain_layout_error, resolve_resume,
+    LORA_BASE_KEY, TrainingCheckpoints, check_resume_option, check_resumed_schedule, explain_layout_error, resolve_resume,
 )
 from paratrain.run.guard import StepGuard
 from paratrain.run.hf_backend import (initializer as hf_initializer, meta_model, reference_dir_config, run_name,
@@ -122,6 +122,7 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
+    check_lora_targets(cfg, model_cfg)
     if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
         raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
                           f"bf16 for what it does not cast")
@@ -166,8 +167,12 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     accumulation = layout.accumulation
     sampler = data.sampler(t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
     guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
-    checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard,
-                                      extra_state={"model_config": dataclasses.asdict(model_cfg)})
+    extra_state = {"model_config": dataclasses.asdict(model_cfg)}
+    if cfg.lora.rank is not None:  # a checkpoint of adapters names the base they were trained on
+        from paratrain.parallel.lora import base_fingerprint
+
+        extra_state[LORA_BASE_KEY] = base_fingerprint(model)
+    checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard, extra_state=extra_state)
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
         sampler = SampleRecorder(sampler, out, env.rank, resumed)
@@ -209,6 +214,9 @@ def describe(run: Run) -> str:
             + (f"; checkpoints {run.checkpoints.policy} and at the end" if run.checkpoints.policy.enabled else
                "; checkpoints off (--checkpoint-every 0): only a SIGTERM saves one, a crash loses the run")
             + (f"; {len(run.model.fp8_linears)} linears compute in FP8 ({p.fp8})" if p.fp8 else "")
+            + (f"; LoRA rank {cfg.lora.rank} on {len(run.model.lora_targets)} linears "
+               f"({sum(m.numel() for m in run.model.masters()):,} parameters train), the rest frozen"
+               f"{', base in NF4' if cfg.lora.base_dtype == 'nf4' else ''}" if cfg.lora.rank else "")
             + ("; this CPU has no bf16 matrix instructions (AVX512-BF16, AMX): its bf16 matmuls run about 20x slower "
                "than fp32's (--precision fp32 trains faster here)"
                if p.precision == "bf16" and slow_bf16_matmuls(run.device) else "")
@@ -275,7 +283,26 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
                        activation_checkpointing=p.activation_checkpointing, compile=p.compile,
                        init=weight_initializer(model, cfg), checked=layout, comm=comm, fp8=p.fp8 or None,
                        fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features,
-                       loss_chunk=trainer_loss_chunk(model, p.loss_chunk))
+                       loss_chunk=trainer_loss_chunk(model, p.loss_chunk), lora=lora_options(cfg))
+
+
+def check_lora_targets(cfg: Config, model_cfg: ModelConfig) -> None:
+    """--lora-targets against the model built on the meta device (no memory), before any process starts: a pattern
+    that matches no linear, or an NF4 base of a weight that is not whole blocks, refused in one line."""
+    lora = lora_options(cfg)
+    if lora is None:
+        return
+    from paratrain.parallel.lora import LoRAError, target_names
+    from paratrain.parallel.nf4 import NF4Error, check_encodable
+
+    model = meta_model(model_cfg)
+    try:
+        names = target_names(model, lora.targets)
+        if lora.base_dtype == "nf4":
+            for name in names:
+                check_encodable(model.get_submodule(name).weight.shape, torch.bfloat16)
+    except (LoRAError, NF4Error) as e:
+        raise ConfigError(f"--lora-targets: {e}" if lora.targets and isinstance(e, LoRAError) else str(e)) from None
 
 
 def trainer_loss_chunk(model: nn.Module, loss_chunk: int) -> int:

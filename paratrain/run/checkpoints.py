@@ -54,6 +54,10 @@ RESETS = ("data", "lr", "step")  # what a new stage (--resume PATH --reset ...) 
 _clock = time.monotonic  # the wall-clock policy's (a module attribute, so that a test can move it)
 
 
+# The shared-state key of a LoRA run's base fingerprint (`paratrain.parallel.lora.base_fingerprint`).
+LORA_BASE_KEY = "lora_base"
+
+
 class TrainingCheckpoints:
     """Save and resume of one run; every rank builds one, collectively, after the model and optimizer."""
 
@@ -104,6 +108,11 @@ class TrainingCheckpoints:
         if missing:
             raise CheckpointError(f"{reader.path} was not saved by `paratrain train`: its shared state lacks "
                                   f"{', '.join(missing)}")
+        base = self.extra_state.get(LORA_BASE_KEY)
+        if base is not None and shared.get(LORA_BASE_KEY, base) != base:
+            raise CheckpointError(f"{reader.path} holds adapters trained on another base model (its frozen weights "
+                                  f"differ from this run's: another --init-from, --seed or model); resume over the "
+                                  f"base it was trained on")
         load_model_shards(self.model, self.optimizer, reader)
         stage = decision.get("reset", [])
         if "data" not in stage:

@@ -33,10 +33,11 @@ from safetensors import safe_open
 from paratrain.checkpoint.format import MANIFEST_FILE, parse_step_dirname
 from paratrain.checkpoint.reader import CheckpointReader
 from paratrain.checkpoint.store import find_latest, list_checkpoints
-from paratrain.interop.export import check_export_options, write_hf_directory
+from paratrain.interop.export import check_export_options, peft_module_name, write_hf_directory, write_peft_adapter
 from paratrain.interop.hf import HFError, expected_shapes
 from paratrain.models import ModelConfig, ModelConfigError
 from paratrain.models.hf import HFModelError, is_hf_model_config, model_config_from_dict
+from paratrain.parallel.lora import is_adapter
 
 MODEL_PREFIX = "model/"
 MODEL_CONFIG_KEY = "model_config"
@@ -72,8 +73,12 @@ class ExportResult:
 
 
 def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-              max_shard_bytes: int | None = None, overwrite: bool = False) -> ExportResult:
+              max_shard_bytes: int | None = None, overwrite: bool = False, merge: bool = False) -> ExportResult:
     """Write the weights of `source` (a run, a checkpoint or a final/ directory) as a Hugging Face directory.
+
+    `merge`: the source holds LoRA adapters (a `--lora` run): write the whole model, each adapted weight its base
+    as the run stored it (in the compute dtype, bf16 or NF4, rebuilt from the run's seed or --init-from) plus
+    alpha / rank · B · A, as PEFT's `merge_and_unload` computes it (`merged_weights`).
 
     `dtype` is the stored dtype (float32, bfloat16 or float16); `max_shard_bytes`
     splits the weights into files of at most that size (a larger tensor gets a
@@ -85,7 +90,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     src = resolve_source(source)
     if out.exists() and (out.resolve() == src.path.resolve() or out.resolve() in src.path.resolve().parents):
         raise HFError(f"{out} holds the source {src.path}; export into another directory")
-    model_cfg, step, shapes, read = _open_weights(src)
+    model_cfg, step, shapes, read = _open_weights(src, merge)
     files, tokenizer_file = write_hf_directory(out, model_cfg, shapes, read, dtype=dtype,
                                                max_shard_bytes=max_shard_bytes, tokenizer=find_tokenizer(src))
     return ExportResult(out, src, model_cfg, step, tuple(files), tokenizer_file)
@@ -121,8 +126,22 @@ def _is_final(path: Path) -> bool:
 # ---- reading the source ----
 
 
-def _open_weights(src: ExportSource) -> tuple[ModelConfig, int | None, dict[str, tuple[int, ...]], Callable]:
-    """(model config, step, parameter name → shape, read(name)) of a source, tensors checked against the config."""
+def _open_weights(src: ExportSource, merge: bool = False) -> tuple[ModelConfig, int | None, dict, Callable]:
+    """(model config, step, parameter name → shape, read(name)) of a source, tensors checked against the config;
+    `merge`: a LoRA source's adapters merged into its base."""
+    model_cfg, step, stored, read = _open_stored(src)
+    if any(is_adapter(name) for name in stored):
+        if not merge:
+            raise HFError(f"{src.path} holds LoRA adapters over a frozen base (a --lora run): export them with "
+                          f"--adapter (PEFT's format) or the merged model with --merge")
+        return model_cfg, step, *merged_weights(src, model_cfg, stored, read)
+    if merge:
+        raise HFError(f"{src.path} holds no LoRA adapters (it was not trained with --lora); export it without --merge")
+    return model_cfg, step, _check_stored(src, model_cfg, stored), read
+
+
+def _open_stored(src: ExportSource) -> tuple[ModelConfig, int | None, dict[str, tuple[int, ...]], Callable]:
+    """(model config, step, stored name → shape, read(name)) of a source, as stored."""
     if src.kind is SourceKind.FINAL:
         model_cfg = _config_from_json(src.path / FINAL_CONFIG)
         handle = safe_open(str(src.path / FINAL_WEIGHTS), framework="pt", device="cpu")
@@ -137,20 +156,24 @@ def _open_weights(src: ExportSource) -> tuple[ModelConfig, int | None, dict[str,
             raise HFError(f"{src.path} holds no {MODEL_PREFIX}* tensors (model weights); it cannot be exported")
         step = reader.step
         read = lambda name: reader.read(MODEL_PREFIX + name)  # noqa: E731
-    return model_cfg, step, _check_stored(src, model_cfg, stored), read
+    return model_cfg, step, stored, read
+
+
+def _expected(model_cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(the parameters an export writes, name → shape; the names a source may store) of the model `model_cfg`."""
+    if is_hf_model_config(dataclasses.asdict(model_cfg)):  # transformers' model: its own names
+        from paratrain.models.hf import HFCausalLM
+
+        expected = {n: tuple(p.shape) for n, p in HFCausalLM.build(model_cfg).named_parameters()}
+        return expected, set(expected)
+    expected = expected_shapes(model_cfg)
+    return expected, set(expected) | ({"output.weight"} if model_cfg.tie_embeddings else set())
 
 
 def _check_stored(src: ExportSource, model_cfg: ModelConfig, stored: dict[str, tuple[int, ...]]) -> dict:
     """The parameters to export (name → shape), after checking names and shapes against `Transformer(model_cfg)`."""
     prefix = MODEL_PREFIX if src.kind is SourceKind.CHECKPOINT else ""
-    if is_hf_model_config(dataclasses.asdict(model_cfg)):  # transformers' model: its own names
-        from paratrain.models.hf import HFCausalLM
-
-        expected = {n: tuple(p.shape) for n, p in HFCausalLM.build(model_cfg).named_parameters()}
-        allowed = set(expected)
-    else:
-        expected = expected_shapes(model_cfg)
-        allowed = set(expected) | ({"output.weight"} if model_cfg.tie_embeddings else set())
+    expected, allowed = _expected(model_cfg)
     for name, shape in stored.items():
         if name not in allowed:
             raise HFError(f"{src.path}: tensor {prefix + name!r} is not a parameter of the model its config describes")
@@ -232,6 +255,94 @@ def _run_config(run: Path):
         return Config.from_dict(_run_config_doc(run))
     except (ConfigError, TypeError) as exc:
         raise HFError(f"{run / 'config.json'}: not a valid run config ({exc})") from None
+
+
+# ---- LoRA adapters ----
+
+
+def _adapter_pairs(src: ExportSource, model_cfg, stored: dict, read: Callable) -> dict[str, tuple]:
+    """{adapted module (ours): (A, B)} of a LoRA source, each checked against the module's base shape."""
+    expected, _ = _expected(model_cfg)
+    pairs = {}
+    for name in stored:
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight")
+            a, b = read(name), read(f"{module}.lora_B.weight")
+            base = expected.get(f"{module}.weight")
+            if base is None or (b.shape[0], a.shape[1]) != tuple(base) or a.shape[0] != b.shape[1]:
+                raise HFError(f"{src.path}: the adapters of {module} ({list(a.shape)}, {list(b.shape)}) do not fit "
+                              f"the model's {f'weight {list(base)}' if base else 'modules (no such linear)'}")
+            pairs[module] = (a, b)
+    return pairs
+
+
+def _lora_options(src: ExportSource):
+    """The run's config and its `LoRA` (alpha, dropout, base dtype) from the checkpoint's stored config or the
+    run's config.json."""
+    from paratrain.config import Config, ConfigError, lora_options
+
+    doc = None
+    if src.kind is SourceKind.CHECKPOINT:
+        doc = CheckpointReader(src.path, checksums=False).shared_state().get("config")
+    if not isinstance(doc, dict) and src.run_dir is not None and (src.run_dir / "config.json").is_file():
+        doc = _run_config_doc(src.run_dir)
+    if not isinstance(doc, dict):
+        raise HFError(f"{src.path} holds LoRA adapters but no run config says their alpha and base (export a run "
+                      f"directory or one of its checkpoints)")
+    try:
+        cfg = Config.from_dict(doc)
+        return cfg, lora_options(cfg)
+    except (ConfigError, ValueError) as exc:
+        raise HFError(f"{src.path}: the run's config does not give its LoRA options ({exc})") from None
+
+
+def export_adapter(source: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                   overwrite: bool = False) -> ExportResult:
+    """Write the LoRA adapters of `source` (a `--lora` run, one of its checkpoints or its final/) in PEFT's format
+    (`paratrain.interop.export.write_peft_adapter`), under the names PEFT gives the modules of transformers' model
+    of the same architecture (the reference model's: its Hugging Face Llama names)."""
+    out = check_export_options(Path(out_dir), overwrite, dtype, None)
+    src = resolve_source(source)
+    model_cfg, step, stored, read = _open_stored(src)
+    if not any(is_adapter(name) for name in stored):
+        raise HFError(f"{src.path} holds no LoRA adapters (it was not trained with --lora); export it without "
+                      f"--adapter")
+    cfg, lora = _lora_options(src)
+    transformers_model = is_hf_model_config(dataclasses.asdict(model_cfg))
+    pairs = {peft_module_name(module, transformers_model): pair
+             for module, pair in _adapter_pairs(src, model_cfg, stored, read).items()}
+    files = write_peft_adapter(out, pairs, alpha=lora.alpha, dropout=lora.dropout, base=cfg.model.init_from,
+                               dtype=dtype)
+    return ExportResult(out, src, model_cfg, step, tuple(files), None)
+
+
+def merged_weights(src: ExportSource, model_cfg, stored: dict, read: Callable) -> tuple[dict, Callable]:
+    """(name → shape, read(name)) of a LoRA source's whole model merged: each parameter its base value as the run
+    held it (the run's initializer: its seed or --init-from; cast to the compute dtype, a target's to its base
+    dtype, NF4 decoded) in fp32, an adapted weight plus (B · A) · alpha / rank."""
+    from paratrain.parallel.nf4 import NF4
+    from paratrain.precision import precision_policy
+    from paratrain.run.build import meta_model, weight_initializer
+
+    cfg, lora = _lora_options(src)
+    pairs = _adapter_pairs(src, model_cfg, stored, read)
+    init = weight_initializer(meta_model(model_cfg), cfg)
+    compute = precision_policy(cfg.parallel.precision, None).param_dtype
+    expected, _ = _expected(model_cfg)
+
+    def value(name: str) -> torch.Tensor:
+        base = init(name, expected[name]).to(compute)
+        module = name.removesuffix(".weight")
+        if module not in pairs:
+            return base.float()
+        if lora.base_dtype == "nf4":
+            base = NF4.encode(base).decode()
+        elif lora.base_dtype == "bf16":
+            base = base.to(torch.bfloat16)
+        a, b = pairs[module]
+        return base.float() + (b.float() @ a.float()) * lora.scaling
+
+    return expected, value
 
 
 # ---- the tokenizer ----

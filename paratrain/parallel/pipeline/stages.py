@@ -93,7 +93,7 @@ class StageSplit:
     ranges: list[tuple[int, int]]
     stages: tuple[int, ...]  # this rank's global stages, in chunk order
     module: nn.Module
-    param_owner: dict[str, int]  # every parameter name of the whole model → the stage holding it
+    param_owner: dict[str, int]  # every trainable parameter name of the whole model → the stage holding it
     param_shapes: dict[str, torch.Size]
 
     @property
@@ -131,7 +131,8 @@ def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int
     layers = list(model.layers.values()) if kind == LAYERED else list(model)
     num_stages = pp * virtual_stages
     ranges = _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs)
-    names = dict(model.named_parameters())
+    # the parameters that train (a frozen one, as LoRA's base, is no master, checkpoint or export tensor)
+    names = {name: p for name, p in model.named_parameters() if p.requires_grad}
     owner = {name: _owning_stage(name, model, kind, ranges) for name in names}
     _check_no_shared_across_stages(model, kind, ranges)
     stages = tuple(s for s in range(num_stages) if s % pp == rank)

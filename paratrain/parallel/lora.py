@@ -1,0 +1,281 @@
+"""LoRA and QLoRA: low-rank adapters over a frozen base (`parallelize(..., lora=LoRA(16))`, `train --lora 16`).
+
+    model, optimizer = parallelize(model, mesh, optimizer=..., lora=LoRA(rank=16, targets=("wq", "wv")))
+    model, optimizer = parallelize(model, mesh, optimizer=..., precision="bf16", lora=LoRA(16, base_dtype="nf4"))
+
+`convert_to_lora` turns each targeted `nn.Linear` into a `LoRALinear` in place, before any strategy applies
+(`parallelize` calls it first), as PEFT's `LoraModel` does (Hu et al. 2021):
+
+    y = x · Wᵀ + b  +  (alpha / rank) · B · A · dropout(x)       A: [rank, in], B: [out, rank]
+
+- Every parameter of the model is frozen (`requires_grad=False`: no gradient, no master copy, no optimizer
+  state, kept in the compute dtype) except the adapters `lora_A.weight` and `lora_B.weight` of each target, named
+  as PEFT names them. `A` starts Kaiming-uniform (a = √5, PEFT's default: uniform in ±1/√in), `B` at zero, so
+  the converted model computes what the base did. The dropout acts on the adapters' input only.
+- Targets: module-name patterns (`fnmatch`, PEFT's suffix rule: a pattern matches a module whose qualified name
+  matches it or ends with "." and a match of it, so "wq" is every block's `attn.wq`, "layers.0.*" the first
+  block's linears); only `nn.Linear` modules are targets. None: every `nn.Linear` inside the model's blocks
+  (`paratrain.parallel.blocks.unit_modules(model, "blocks")`; not the embeddings or the output head).
+- base_dtype: None keeps the frozen base weights in the compute dtype; "bf16" stores them in bf16 (cast to the
+  compute dtype for each matmul); "nf4" (QLoRA, Dettmers et al. 2023) stores each as NF4
+  (`paratrain.parallel.nf4`: blocks of 64, double-quantized scales, torchao's format) and decodes it for its own
+  matmul only, in forward and again in backward, so no decoded weight outlives its matmul.
+
+A model built on the meta device gets its values from the initializer `parallelize` uses (`lora_init` wraps it:
+the adapters' values come from their own seeded generators); an NF4 base is encoded from it here, one weight
+at a time, on the device. Which strategies honour LoRA yet: `unsupported_with_lora`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.errors import ParatrainError
+from paratrain.parallel.blocks import unit_modules
+from paratrain.parallel.nf4 import NF4, check_encodable
+
+BASE_DTYPES = ("bf16", "nf4")
+ADAPTERS = ("lora_A", "lora_B")
+
+
+class LoRAError(ParatrainError, ValueError):
+    """LoRA asked for what it cannot do (a rank, a pattern, a strategy); the message names the fix."""
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """Low-rank adapters on the targeted linears (see the module's docstring).
+
+    rank: the adapters' inner dimension r (> 0). alpha: the scaling's numerator (None: 2 · rank), the adapters'
+    output multiplied by alpha / rank. dropout: on the adapters' input, in training. targets: module-name
+    patterns (None: every linear inside the blocks). base_dtype: None (the compute dtype), "bf16" or "nf4".
+    seed: the adapters' initialization.
+    """
+
+    rank: int
+    alpha: float | None = None
+    dropout: float = 0.0
+    targets: tuple[str, ...] | None = None
+    base_dtype: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise LoRAError(f"the LoRA rank must be a positive integer, got {self.rank!r}")
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 2 * self.rank)
+        if not self.alpha > 0:
+            raise LoRAError(f"the LoRA alpha must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise LoRAError(f"the LoRA dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t.strip()))
+        if self.targets is not None:
+            object.__setattr__(self, "targets", tuple(t.strip() for t in self.targets))
+            if not self.targets:
+                raise LoRAError("the LoRA targets are empty; name module patterns, or None for every block linear")
+        if self.base_dtype not in (None, *BASE_DTYPES):
+            raise LoRAError(f"base_dtype={self.base_dtype!r}: use None (the compute dtype), 'bf16' or 'nf4'")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def unsupported_with_lora(zero: int = 0, tp: int = 1, ep: int = 1, fp8=None) -> list[str]:
+    """The strategies of a layout that do not honour LoRA yet, by their options' names (empty: it runs).
+
+    DDP and ZeRO-1/2 (hybrid sharding too) reduce and shard only the parameters that train, so the adapters alone,
+    and so do the pipeline's stages, the context-parallel ring, the optimizer's offload to the host, full and
+    selective recomputation and compiled blocks (each tested against one process). ZeRO-3 would make masters and
+    shards of the frozen base and gather an NF4 base as whole weights; the tensor-parallel plan splits a base
+    linear and loses its adapters; expert parallelism is untested with frozen parameters; FP8 converts the same
+    linears.
+    """
+    asked = {"--zero 3": zero == 3, "--tp": tp > 1, "--ep": ep > 1, "--fp8": bool(fp8)}
+    return [name for name, on in asked.items() if on]
+
+
+def refusal(names: list[str]) -> str:
+    return (f"LoRA with {', '.join(names)} is not supported yet (it runs with DDP, ZeRO-1/2, pipeline and context "
+            f"parallelism, offload, recomputation and compile); drop {'it' if len(names) == 1 else 'them'}")
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether a module's qualified name matches a target pattern: whole, or as the end after a dot (PEFT's rule)."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def target_names(model: nn.Module, targets: tuple[str, ...] | None) -> list[str]:
+    """The qualified names of the linears `targets` picks (None: every linear inside the blocks), in model order;
+    LoRAError for a pattern that picks nothing, or when nothing is picked at all."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
+    if targets is None:
+        inside = [f"{block}.{name}" if name else block for block, module in unit_modules(model, "blocks")
+                  for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+        if not inside:
+            raise LoRAError(f"{type(model).__name__} has no linear inside a block (a ModuleList, ModuleDict or "
+                            f"Sequential of layers); name the LoRA targets")
+        return [name for name in linears if name in set(inside)]
+    for pattern in targets:
+        if not any(matches(name, pattern) for name in linears):
+            some = ", ".join(linears[:6]) + (", ..." if len(linears) > 6 else "")
+            raise LoRAError(f"the LoRA target {pattern!r} matches no linear of {type(model).__name__} "
+                            f"(its linears: {some})")
+    return [name for name in linears if any(matches(name, p) for p in targets)]
+
+
+def adapter_init(name: str, shape, seed: int = 0) -> torch.Tensor:
+    """An adapter's initial fp32 value: `lora_A` Kaiming-uniform (a = √5: uniform in ±1/√in, PEFT's default) from a
+    generator seeded by `seed` and the name (the same on every rank and any layout), `lora_B` zeros."""
+    if name.endswith("lora_B.weight"):
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    weight = torch.empty(shape)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+    return weight
+
+
+def is_adapter(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ADAPTERS
+
+
+def lora_init(init: Callable | None, seed: int = 0) -> Callable | None:
+    """The initializer `init(name, shape)` with the adapters' own values (None stays None)."""
+    if init is None:
+        return None
+    return lambda name, shape: adapter_init(name, shape, seed) if is_adapter(name) else init(name, shape)
+
+
+class _NF4Matmul(torch.autograd.Function):
+    """x · Wᵀ with W held in NF4: decoded for the forward's matmul and again for the backward's; W takes no
+    gradient, and nothing decoded is saved between them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, packed: NF4):
+        ctx.packed = packed
+        return F.linear(x, packed.decode(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ ctx.packed.decode(grad.dtype), None
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` with a frozen base and trainable low-rank adapters (`convert_to_lora` makes it in place).
+
+    The base weight is the parameter `weight` (frozen), or with an NF4 base the buffers `weight_nf4_*` (not
+    saved with the state dict: a checkpoint holds the adapters, the base comes from its source)."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    scaling: float
+    nf4: tuple | None = None  # an NF4 base's (shape, dtype, block size, scaler block size); its tensors are buffers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nf4 is not None:
+            base = _NF4Matmul.apply(x, self._packed())
+            base = base if self.bias is None else base + self.bias.to(base.dtype)
+        else:
+            base = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        adapted = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
+        return base + (adapted * self.scaling).to(base.dtype)
+
+    def _packed(self) -> NF4:
+        """The NF4 base over this module's buffers as they are now (moved with the module)."""
+        return NF4(self.weight_nf4_codes, self.weight_nf4_scales, self.weight_nf4_factors, self.weight_nf4_mean,
+                   *self.nf4)
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The frozen base weight as the forward uses it (an NF4 base decoded), in `dtype` if given."""
+        weight = self._packed().decode() if self.nf4 is not None else self.weight.detach()
+        return weight if dtype is None else weight.to(dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling · B · A in fp32: what merging adds to the base weight (PEFT's `get_delta_weight`)."""
+        return (self.lora_B.weight.detach().float() @ self.lora_A.weight.detach().float()) * self.scaling
+
+    def extra_repr(self) -> str:
+        base = "nf4" if self.nf4 is not None else str(self.weight.dtype).removeprefix("torch.")
+        return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}, base={base}"
+
+
+@torch.no_grad()
+def convert_to_lora(model: nn.Module, lora: LoRA, compute_dtype: torch.dtype = torch.float32,
+                    init: Callable | None = None, device: torch.device | None = None) -> list[str]:
+    """Freeze `model` and give each target linear adapters (in place); the converted names, in model order.
+
+    compute_dtype: the frozen parameters are stored in it (no master copy follows them); the adapters stay fp32
+    (the data-parallel engine casts them with the other trainable parameters). init: the initializer of a model
+    on the meta device (its base weights, needed now for an NF4 base). device: where an NF4 base is encoded.
+    """
+    names = target_names(model, lora.targets)
+    base_dtype = {None: compute_dtype, "bf16": torch.bfloat16, "nf4": compute_dtype}[lora.base_dtype]
+    for param in model.parameters():
+        param.requires_grad_(False)
+        if param.is_floating_point() and param.dtype != compute_dtype:
+            param.data = param.data.to(compute_dtype)
+    for name in names:
+        module = model.get_submodule(name)
+        weight = module.weight
+        on_meta = weight.is_meta
+        module.__class__ = LoRALinear
+        module.scaling = lora.scaling
+        module.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        for adapter, shape in (("lora_A", (lora.rank, module.in_features)), ("lora_B", (module.out_features, lora.rank))):
+            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta" if on_meta else weight.device)
+            if not on_meta:
+                linear.weight.copy_(adapter_init(f"{name}.{adapter}.weight", shape, lora.seed))
+            setattr(module, adapter, linear)
+        if lora.base_dtype == "nf4":
+            _encode_base(module, name, init, base_dtype, device or weight.device)
+        elif weight.dtype != base_dtype:
+            weight.data = weight.data.to(base_dtype)
+    return names
+
+
+def _encode_base(module: LoRALinear, name: str, init: Callable | None, dtype: torch.dtype, device) -> None:
+    """Replace the module's base weight with its NF4 encoding (buffers on `device`), from the weight or, on the
+    meta device, from `init`."""
+    weight = module.weight
+    check_encodable(weight.shape, dtype)
+    if weight.is_meta:
+        if init is None:
+            raise LoRAError(f"{name} is on the meta device: an NF4 base needs the initializer of its weights")
+        value = init(f"{name}.weight", weight.shape)
+    else:
+        value = weight.detach()
+    packed = NF4.encode(value.to(device=device, dtype=dtype))
+    del module.weight, value
+    for key, tensor in packed.tensors().items():
+        module.register_buffer(f"weight_nf4_{key}", tensor, persistent=False)
+    module.nf4 = (packed.shape, packed.dtype, packed.block_size, packed.scaler_block_size)  # the tensors: buffers
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """(qualified name, module) of each LoRA linear of `model`."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@torch.no_grad()
+def base_fingerprint(model: nn.Module) -> str:
+    """A SHA-256 of the frozen base as this rank holds it (every frozen parameter and NF4 buffer, by name), so that a
+    checkpoint of adapters can refuse to be resumed over another base (whole on every rank below ZeRO-3)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    frozen += [(n, b) for n, b in model.named_buffers() if ".weight_nf4_" in n]
+    for name, tensor in sorted(frozen, key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,107 @@
+"""LoRA and QLoRA over two ranks (DDP, ZeRO-1/2, the optimizer offloaded, pipeline and context parallelism) against
+one plain process: the same losses and adapters under fp32 AdamW's error model, the frozen base bit-unchanged, the
+optimizer state of the adapters only.
+
+The reference is the model converted by `convert_to_lora` and trained by plain PyTorch (`reference_run`); every
+layout's cases run in one launch of two ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel_cases import (FP32_ADAMW, adamw, assert_matches_reference, batches, launch_once, make_model,
+                            parallel_run, reference_run)
+from paratrain.mesh import MeshShape, build_mesh
+from paratrain.parallel.api import DataParallel, parallelize
+from paratrain.parallel.lora import LoRA, convert_to_lora
+
+STEPS = 6
+CASES = [(0, None), (0, "nf4"), (1, None), (2, None), (2, "nf4")]  # (ZeRO stage, base dtype)
+MESHES = {"pp2": MeshShape(pp=2), "cp2": MeshShape(cp=2), "dp2 offload": MeshShape(dp=2)}
+MESH_CASES = [(mesh, base_dtype) for mesh in MESHES for base_dtype in (None, "nf4")]
+LORA = dict(rank=4, alpha=8, targets=("attention.*", "w1", "w2"))
+
+
+def _adapters(named) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): t.detach().float().clone() for n, t in named
+            if ".lora_A." in n or ".lora_B." in n}
+
+
+def _frozen(model) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if ".lora_" not in n}
+
+
+def _cases(rank, world):
+    results = {}
+    for zero, base_dtype in CASES:
+        mesh = build_mesh(MeshShape(dp=world))
+        model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, lora=LoRA(**LORA, base_dtype=base_dtype),
+                                       data=DataParallel(zero=zero, grad_reduction="sum"))
+        before = _frozen(model)
+        losses = parallel_run(model, optimizer, batches(steps=STEPS), rank, world,
+                              lambda t: model.comm.all_reduce(t, "dp"))
+        after = _frozen(model)
+        state = [t.numel() for s in optimizer.state.values() for k, t in s.items() if k != "step"]
+        results[zero, base_dtype] = (losses, _adapters(model.full_state_dict().items()),
+                                     all(torch.equal(before[n], after[n]) for n in before) and before.keys() == after.keys(),
+                                     sum(state), sum(m.numel() for m in model.masters()))
+    for name, base_dtype in MESH_CASES:  # the trainer's step: its loss is the global batch's on every rank
+        from paratrain.train import train_step
+
+        model, optimizer = parallelize(make_model(), build_mesh(MESHES[name]), optimizer=adamw,
+                                       lora=LoRA(**LORA, base_dtype=base_dtype),
+                                       data=DataParallel(zero=2, grad_reduction="sum",  # the trainer's
+                                                         offload="optimizer" if "offload" in name else None))
+        before = _frozen(model)
+        data = [(x[rank::world], y[rank::world]) if name.startswith("dp") else (x, y) for x, y in batches(steps=STEPS)]
+        losses = [train_step(model, optimizer, [batch], 1.0).loss for batch in data]
+        after = _frozen(model)
+        results[name, base_dtype] = (losses, _adapters(model.full_state_dict().items()),
+                                     all(torch.equal(before[n], after[n]) for n in before) and before.keys() == after.keys(),
+                                     sum(t.numel() for s in optimizer.state.values() for k, t in s.items() if k != "step"),
+                                     sum(m.numel() for m in model.masters()))
+    return results
+
+
+_LAUNCH, _REFERENCE = {}, {}
+
+
+def _reference(base_dtype):
+    if base_dtype not in _REFERENCE:
+        model = make_model()
+        convert_to_lora(model, LoRA(**LORA, base_dtype=base_dtype))
+        losses, params = reference_run(model, batches(steps=STEPS))
+        _REFERENCE[base_dtype] = losses, _adapters(params.items())
+    return _REFERENCE[base_dtype]
+
+
+@pytest.mark.parametrize("zero, base_dtype", CASES)
+def test_two_data_ranks_equal_one_process(zero, base_dtype):
+    ref_losses, ref_adapters = _reference(base_dtype)
+    assert len(ref_adapters) == 2 * 3 * 6  # wq wk wv wo w1 w2 in each of 3 blocks
+    for rank, results in enumerate(launch_once(_LAUNCH, 2, _cases, timeout=300)):
+        losses, adapters, frozen_unchanged, state, masters = results[zero, base_dtype]
+        assert_matches_reference(losses, adapters, ref_losses, ref_adapters, FP32_ADAMW, what=f"rank {rank}")
+        assert frozen_unchanged, "a frozen tensor of the base moved"
+        # exp_avg and exp_avg_sq of the adapters this rank steps (ZeRO-1/2: its half of their rows), nothing more
+        total = sum(t.numel() for t in ref_adapters.values())
+        assert masters == (total if zero == 0 else total // 2) and state == 2 * masters
+
+
+@pytest.mark.parametrize("mesh, base_dtype", MESH_CASES)
+def test_pipeline_context_parallelism_and_offload_equal_one_process(mesh, base_dtype):
+    """pp2: each stage holds and steps its layers' adapters; cp2: each rank half of every sequence; the optimizer
+    of ZeRO-2 dp2 offloaded to the host."""
+    ref_losses, ref_adapters = _reference(base_dtype)
+    per_rank = [results[mesh, base_dtype] for results in launch_once(_LAUNCH, 2, _cases, timeout=300)]
+    gathered = {}
+    for rank, (losses, adapters, frozen_unchanged, state, masters) in enumerate(per_rank):
+        assert_matches_reference(losses, {}, ref_losses, {}, FP32_ADAMW, what=f"rank {rank}")
+        assert frozen_unchanged, "a frozen tensor of the base moved"
+        assert state == 2 * masters
+        gathered.update(adapters)
+    assert_matches_reference(per_rank[0][0], gathered, ref_losses, ref_adapters, FP32_ADAMW)
+    total = sum(t.numel() for t in ref_adapters.values())
+    assert sum(masters for *_, masters in per_rank) == total  # every adapter stepped once, on one rank
