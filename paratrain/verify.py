@@ -139,6 +139,22 @@ def layout_spec(layout: dict[str, Any], global_batch: int, seq_len: int, given_m
 
 # -- judging --------------------------------------------------------------------------------------
 
+# The default --tol, per optimizer. AdamW: fp32 runs whose sums differ only in order (1e-4; bf16 and fp16 layouts
+# round differently from one process and need about 1e-2). Muon rounds each matrix's update to bf16 before its
+# Newton–Schulz iteration (`torch.optim.Muon`, in one process as on every layout): a gradient that another reduction
+# order moves by its last fp32 bit flips some of those roundings by one bf16 step (2⁻⁸ to 2⁻⁷ of the element), and
+# the iteration spreads each flip over its matrix. So a correct layout's updates may differ from one process's by
+# about bf16's unit roundoff u = 2⁻⁸ ≈ 3.9e-3 of themselves, and its parameters, which a few steps move by a
+# fraction of their norm, by less: the bound is u (measured on the tiny model after 3 steps, fp32, dp2 with ZeRO-0/1/3:
+# parameters 5.5e-4, losses 1.4e-5; a rank that negates its gradients: parameters 3e-2 to 4e-2, losses 0.2 to 0.3).
+TOLERANCE = {"adamw": 1e-4, "muon": 2.0 ** -8}
+
+
+def default_tolerance(optimizer: str) -> float:
+    """verify's --tol when none is given: the rounding a correct layout of `optimizer` in fp32 cannot cross."""
+    return TOLERANCE.get(optimizer, TOLERANCE["adamw"])
+
+
 
 @dataclass
 class Comparison:

@@ -11,7 +11,9 @@ command exits with code 1. The largest difference of a single parameter
 element is printed too but not judged: Adam divides each gradient by its own
 running magnitude, so an element whose gradient is almost zero turns
 reduction-order rounding into an update of up to the learning rate, in a
-correct layout as much as in a wrong one.
+correct layout as much as in a wrong one. The default tolerance depends on the
+optimizer (`paratrain.verify.TOLERANCE`): Muon's Newton–Schulz iteration rounds
+each update to bf16 in every run, so a correct fp32 layout may differ by bf16's unit roundoff.
 
 A layout is a comma-separated list of tokens (`paratrain.verify.LAYOUT_TOKENS`): `dpN`, `shardN`,
 `tpN`, `ppN`, `zeroK`, `sp`, a precision (`fp32`, `bf16`, `fp16`), a pipeline schedule (`gpipe`,
@@ -50,7 +52,8 @@ from typing import Any
 from paratrain.commands.options import add_config_options, given_options
 from paratrain.config import Config
 from paratrain.faults import FAULT_ENV, parse_faults
-from paratrain.verify import KNOWN, Comparison, VerifyError, compare, micro_batch, num_processes, parse_layout
+from paratrain.verify import (KNOWN, Comparison, VerifyError, compare, default_tolerance, micro_batch, num_processes,
+                              parse_layout)
 
 # The options shared with `paratrain train` (the trainer's flags and help) and verify's defaults of them.
 SHARED = ("model.name", "train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.path",
@@ -178,10 +181,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "its tensor-parallel plan and loss; --data is not used (random token batches)")
     parser.add_argument("--layouts", required=True,
                         help=f"';'-separated layouts of ','-separated tokens ({KNOWN}), e.g. 'dp2,zero3;dp2'")
-    parser.add_argument("--tol", type=float, default=1e-4,
+    parser.add_argument("--tol", type=float, default=None,
                         help="largest allowed relative difference of the losses and of the parameters "
-                             "(L2 norm) (default 1e-4; bf16 and fp16 layouts round differently from one "
-                             "process and need about 1e-2)")
+                             "(L2 norm) (default 1e-4; with --optimizer muon 2^-8 = 3.9e-3, as Newton-Schulz "
+                             "rounds each update to bf16 in every run; bf16 and fp16 layouts round differently "
+                             "from one process and need about 1e-2)")
     parser.add_argument("--keep", metavar="DIR", help="keep the run directories in DIR (default: a temporary "
                                                       "directory, removed afterwards)")
     add_config_options(parser.add_argument_group("options of `paratrain train`, every run's"), SHARED,
@@ -199,6 +203,8 @@ def run(args) -> int:
     given = given_options(args)
     if min(given["train.steps"], given["train.global_batch"], given["data.seq_len"]) < 1:
         raise VerifyError("--steps, --global-batch and --seq-len must be at least 1")
+    if args.tol is None:
+        args.tol = default_tolerance(given.get("train.optimizer", "adamw"))
     if not args.tol > 0:
         raise VerifyError(f"--tol must be positive, got {args.tol}")
     if detect_env().distributed:
