@@ -140,7 +140,6 @@ def layout_spec(layout: dict[str, Any], global_batch: int, seq_len: int, given_m
 
 # -- judging --------------------------------------------------------------------------------------
 
-
 @dataclass
 class Comparison:
     """One layout against the single-process reference."""
@@ -158,14 +157,14 @@ class Comparison:
     def passed(self) -> bool:
         return not self.error and self.loss_rel_diff <= self.loss_bound and self.param_rel_diff <= self.param_bound
 
-    def judge_by(self, layout: dict[str, Any], steps: int, tol: float | None) -> Comparison:
-        """Set the bounds this layout is judged by: `tol` for both when given, else the error model of its precision
-        and FP8 recipe (`paratrain.error_model.default_bound`) over `steps` optimizer steps."""
+    def judge_by(self, layout: dict[str, Any], steps: int, tol: float | None, optimizer: str = "adamw") -> Comparison:
+        """Set the bounds this layout is judged by: `tol` for both when given, else the error model of its precision,
+        FP8 recipe and optimizer (`paratrain.error_model.default_bound`) over `steps` optimizer steps."""
         if tol is not None:
             self.loss_bound = self.param_bound = tol
             self.bound = f"--tol {tol:g}"
             return self
-        model = default_bound(layout.get("precision") or "fp32", layout.get("fp8") or "")
+        model = default_bound(layout.get("precision") or "fp32", layout.get("fp8") or "", optimizer)
         self.loss_bound, self.param_bound = model.bounds(steps)
         self.bound = (f"{model.name}: {model.loss_rtol:g} (loss) and {model.param_rtol:g} (parameters) per step"
                       f"{'' if steps == 1 else f' x {steps} steps'}; {model.why}")

@@ -75,6 +75,27 @@ def test_the_mask_covers_exactly_the_assistant_contents_and_each_end_of_turn(tmp
         assert tokens[-1] == tokenizer.eos_id and mask[-1] == 0 and mask[0] == 0
 
 
+@pytest.mark.parametrize("family", ["chatml", "llama3"])
+def test_every_prefix_renders_as_transformers_renders_it(tmp_path, family):
+    """The prefixes the mask is found from, rendered in one pass over the conversation's template data, are
+    transformers' `render_jinja_template`'s text for each prefix, with and without the generation prompt; a
+    conversation that ends with a user turn after the answer keeps the answer's own end."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from paratrain.data.chat import load_chat_template, target_spans
+
+    template = load_chat_template(model_dir(tmp_path / family, family))
+    trailing = {"messages": RECORDS[0]["messages"][:3] + [{"role": "user", "content": "Thanks."}]}
+    for record in (RECORDS[0], trailing):
+        messages = record["messages"]
+        ends = [(k, prompt) for k in range(1, len(messages) + 1) for prompt in (False, True)]
+        want = [render_jinja_template([messages[:k]], chat_template=template.text, add_generation_prompt=prompt,
+                                      **template.special)[0][0] for k, prompt in ends]
+        assert template.render_prefixes(messages, ends, "x") == want
+    text, spans = target_spans(template, trailing, "x", "assistant")
+    assert [text[a:b] for a, b in spans] == [EXPECTED[family][0][0]]
+
+
 def test_generation_marks_give_the_mask_in_one_render_and_loss_on_selects_the_turns(tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", RECORDS[:1])
     marked = model_dir(tmp_path / "marked", "chatml", template=CHATML_GENERATION)
@@ -337,3 +358,33 @@ def test_a_token_stream_slice_keeps_its_mask_and_documents():
     assert part.documents.tolist() == [0, 3, 6] and len(part.mask) == 6
     with pytest.raises(DataError, match="--long"):
         ChatOptions(long="keep")
+
+
+@pytest.mark.parametrize("override", [False, True], ids=["directory's", "--chat-template"])
+def test_an_exported_chat_run_renders_chats_in_transformers_as_it_trained(tmp_path, override):
+    """prepare (from a model directory, or with --chat-template FILE) → train → export: transformers' tokenizer
+    of the exported directory renders a conversation with the template the data was rendered with, and encodes
+    it to the ids prepare stored."""
+    from transformers import AutoTokenizer
+
+    from paratrain.data.chat import load_chat_template
+
+    model = model_dir(tmp_path / "llama3", "llama3")
+    template_file = tmp_path / "marked.jinja"
+    template_file.write_text(CHATML_GENERATION)
+    conversations = _conversations(40)
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations)
+    options = ChatOptions(chat_template=str(template_file)) if override else ChatOptions()
+    prepared = prepare_corpus(data, tmp_path / "prepared", str(model), progress=False, chat=options)
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--data", str(prepared), "--out", str(run), "--steps", "1", "--seq-len", "96",
+                 "--global-batch", "4", "--micro-batch", "2"]) == 0
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    used = load_chat_template(model, str(template_file) if override else "")
+    assert theirs.chat_template == used.text
+    for messages in (RECORDS[0]["messages"], conversations[0]["messages"]):
+        text = theirs.apply_chat_template(messages, tokenize=False)
+        assert text == used.render(messages, "x")[0]
+    (stored, _), *_ = _documents(prepared)[0]  # the first conversation, closed by end-of-text
+    assert theirs(text, add_special_tokens=False)["input_ids"] == stored.tolist()[:-1]

@@ -1,7 +1,8 @@
 """--document-mask: attention within each document of a packed sequence, positions restarting per document.
 
 Equal to running each document as its own sequence (fp32), in the model and through the trainer on
-one process and under tensor + sequence parallelism; refused in one line where it cannot run yet.
+one process, under tensor + sequence parallelism and under pipeline parallelism; refused in one line under
+context parallelism, which cannot run it yet.
 """
 
 from __future__ import annotations
@@ -79,11 +80,12 @@ def _train(rank, world, argv):
     train(config_from_args(build_parser().parse_args(argv)))
 
 
-def test_the_trainer_masks_documents_alike_on_one_process_and_under_tp_with_sp(documents, tmp_path):
-    one, tp = tmp_path / "one", tmp_path / "tp"
+@pytest.mark.parametrize("layout", [["--tp", "2", "--sequence-parallel"], ["--pp", "2"]], ids=["tp2_sp", "pp2"])
+def test_the_trainer_masks_documents_alike_on_one_process_and_under_a_layout(documents, tmp_path, layout):
+    """Under pp2 the later stage masks by the micro-batch's token ids, which every pipeline rank holds."""
+    one, tp = tmp_path / "one", tmp_path / "layout"
     assert main(["train", *TINY, "--data", str(documents), "--out", str(one)]) == 0
-    run_on_ranks(_train, 2, ["train", *TINY, "--data", str(documents), "--out", str(tp), "--tp", "2",
-                             "--sequence-parallel"], timeout=120)
+    run_on_ranks(_train, 2, ["train", *TINY, "--data", str(documents), "--out", str(tp), *layout], timeout=120)
     plain = tmp_path / "plain"
     assert main(["train", *TINY[:-1], "--data", str(documents), "--out", str(plain)]) == 0
     a, b, c = (read_metrics(out / "metrics.jsonl") for out in (one, tp, plain))
@@ -91,9 +93,8 @@ def test_the_trainer_masks_documents_alike_on_one_process_and_under_tp_with_sp(d
     assert a[0]["loss"] != pytest.approx(c[0]["loss"], rel=1e-6)  # the mask changes what the model computes
 
 
-@pytest.mark.parametrize("flag", ["--pp", "--cp"])
-def test_document_masking_is_refused_where_it_cannot_run(documents, tmp_path, capsys, flag):
-    code = main(["train", *TINY, "--data", str(documents), "--out", str(tmp_path / "r"), "--nproc", "2", flag, "2"])
+def test_document_masking_is_refused_where_it_cannot_run(documents, tmp_path, capsys):
+    code = main(["train", *TINY, "--data", str(documents), "--out", str(tmp_path / "r"), "--nproc", "2", "--cp", "2"])
     assert code == 2
     err = capsys.readouterr().err
-    assert f"--document-mask with {flag} > 1" in err and len(err.strip().splitlines()) == 1
+    assert "--document-mask with --cp > 1" in err and len(err.strip().splitlines()) == 1

@@ -172,6 +172,7 @@ def test_a_muon_option_torch_lacks_is_named():
     (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, got 'sgd'"),
     (["--optimizer", "muon", "--muon-adjust-lr", "rms"], "--muon-adjust-lr must be one of original, match_rms_adamw"),
     (["--optimizer", "muon", "--muon-momentum", "1.5"], "--muon-momentum must be in [0, 1), got 1.5"),
+    (["--optimizer", "muon", "--offload", "optimizer"], "Muon with --offload is not supported yet"),
 ])
 def test_bad_optimizer_options_end_in_one_line(args, message, tmp_path, capsys):
     from paratrain.cli import main
@@ -179,6 +180,33 @@ def test_bad_optimizer_options_end_in_one_line(args, message, tmp_path, capsys):
     assert main(["train", "--steps", "1", "--out", str(tmp_path / "run"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()  # refused before anything is written or launched
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--model", "tiny", "--gpus", "4", "--optimizer", "sgd"], "--optimizer must be adamw or muon, got 'sgd'"),
+    (["plan", "--params", "7B", "--gpus", "4", "--optimizer", "muon"], "--optimizer muon needs the model's shape"),
+    (["verify", "--layouts", "dp2", "--optimizer", "sgd"], "--optimizer must be one of adamw, muon, got 'sgd'"),
+])
+def test_plan_and_verify_refuse_an_unknown_optimizer_in_one_line(args, message, capsys):
+    from paratrain.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_verifys_default_bound_is_the_optimizers_too():
+    """fp32: Muon's own bound (Newton–Schulz's bf16 input, rounded in every run), looser than AdamW's; in 16-bit or
+    FP8 the looser of the precision's and Muon's, each component."""
+    from paratrain.error_model import BF16_ADAMW, FP32_ADAMW_MODEL, FP8_ADAMW, MUON, default_bound
+
+    assert default_bound("fp32", optimizer="adamw") is FP32_ADAMW_MODEL and default_bound("fp32", optimizer="muon") is MUON
+    assert MUON.param_rtol > FP32_ADAMW_MODEL.param_rtol and MUON.loss_rtol > FP32_ADAMW_MODEL.loss_rtol
+    for precision, fp8, base in (("bf16", "", BF16_ADAMW), ("bf16", "rowwise", FP8_ADAMW)):
+        bound = default_bound(precision, fp8, "muon")
+        assert bound.bounds(3) == (3 * max(base.loss_rtol, MUON.loss_rtol), 3 * max(base.param_rtol, MUON.param_rtol))
+        assert "Muon" in bound.name and bound.scope == "model"
 
 
 # -- the layouts ------------------------------------------------------------------------------------------
@@ -267,14 +295,17 @@ def test_muon_on_two_ranks_equals_torch_in_one_process(name):
 
 def _four_ranks(rank, world):  # noqa: ARG001
     hybrid, dp4 = build_mesh(MeshShape(dp=4, dp_shard=2)), build_mesh(MeshShape(dp=4))
-    return {"hybrid_zero2": _train(hybrid, 2), "hybrid_zero3": _train(hybrid, 3), "dp4_zero1": _train(dp4, 1)}
+    dp2_tp2 = build_mesh(MeshShape(dp=2, tp=2))
+    sp = TensorParallel(sequence_parallel=True)
+    return {"hybrid_zero2": _train(hybrid, 2), "hybrid_zero3": _train(hybrid, 3), "dp4_zero1": _train(dp4, 1),
+            "dp2_tp2_sp_zero1": _train(dp2_tp2, 1, tensor=sp), "dp2_tp2_sp_zero3": _train(dp2_tp2, 3, tensor=sp)}
 
 
 _FNS = {2: _two_ranks, 4: _four_ranks}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["hybrid_zero2", "hybrid_zero3", "dp4_zero1"])
+@pytest.mark.parametrize("name", ["hybrid_zero2", "hybrid_zero3", "dp4_zero1", "dp2_tp2_sp_zero1", "dp2_tp2_sp_zero3"])
 def test_muon_on_four_ranks_equals_torch_in_one_process(name):
     ref_losses, ref_params = _reference(name)
     for rank, (losses, params, _) in enumerate(_results(4, name)):
@@ -309,3 +340,23 @@ def test_a_killed_muon_run_resumes_bit_equal(tmp_path):
     assert "checkpoints/step-00000004 at step 4" in result.stdout
     assert_bit_equal(out, reference)
 
+
+
+# -- verify --------------------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch):
+    """`paratrain verify --optimizer muon` at its default tolerance (fp32, Newton–Schulz in bf16 in every run):
+    ZeRO-1 and ZeRO-3 against one process PASS; rank 1 negating its gradients FAILs."""
+    from paratrain.cli import main
+    from paratrain.faults import FAULT_ENV
+    from test_verify import SMALL
+
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero1;dp2,zero3", "--optimizer", "muon"]) == 0, \
+        capsys.readouterr().out
+    table = capsys.readouterr().out.split("layout ")[-1].splitlines()
+    assert [line.split()[5] for line in table[1:]] == ["PASS", "PASS"], table
+    monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero2", "--optimizer", "muon"]) == 1
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[0] == "dp2,zero2" and row[5] == "FAIL", row

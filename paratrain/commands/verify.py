@@ -14,7 +14,9 @@ the table names the bound each layout was judged by and why. The largest differe
 element is printed too but not judged: Adam divides each gradient by its own
 running magnitude, so an element whose gradient is almost zero turns
 reduction-order rounding into an update of up to the learning rate, in a
-correct layout as much as in a wrong one.
+correct layout as much as in a wrong one. With `--optimizer muon` the bound is also
+Muon's (`paratrain.error_model.MUON`): its Newton–Schulz iteration rounds each update to
+bf16 in every run, so a correct fp32 layout may differ by about bf16's unit roundoff.
 
 A layout is a comma-separated list of tokens (`paratrain.verify.LAYOUT_TOKENS`): `dpN`, `shardN`,
 `tpN`, `ppN`, `zeroK`, `sp`, a precision (`fp32`, `bf16`, `fp16`), a pipeline schedule (`gpipe`,
@@ -53,7 +55,8 @@ from typing import Any
 from paratrain.commands.options import add_config_options, given_options
 from paratrain.config import Config
 from paratrain.faults import FAULT_ENV, parse_faults
-from paratrain.verify import KNOWN, Comparison, VerifyError, compare, micro_batch, num_processes, parse_layout
+from paratrain.verify import (KNOWN, Comparison, VerifyError, compare, micro_batch, num_processes,
+                              parse_layout)
 
 # The options shared with `paratrain train` (the trainer's flags and help) and verify's defaults of them.
 SHARED = ("model.name", "train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.path",
@@ -115,12 +118,12 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
     faults = parse_faults(os.environ.get(FAULT_ENV, ""))  # a bad spec fails now, not in every layout
     if faults:
         log(f"fault injection is on ({FAULT_ENV}={os.environ[FAULT_ENV]}): every layout's processes run it")
-    steps = given["train.steps"]
+    steps, optimizer = given["train.steps"], given.get("train.optimizer", "adamw")
     if args.model_factory:
         from paratrain.commands.verify_model import verify_factory
 
         results = verify_factory(args.model_factory, given, layouts, work, log)
-        return [r.judge_by(layout, steps, args.tol) for r, (_, layout) in zip(results, layouts)]
+        return [r.judge_by(layout, steps, args.tol, optimizer) for r, (_, layout) in zip(results, layouts)]
     configs = [base_config(given, work / f"layout{i}", layout) for i, (_, layout) in enumerate(layouts)]
     # The reference computes in the layout's precision: one single-process run per precision used. Under FP8
     # each matmul's scales come from its own operands, so the reference also runs the layout's micro-batches.
@@ -142,7 +145,7 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
         else:
             compare(Path(references[_reference_key(cfg)].run.out), Path(cfg.run.out), comparison)
         results.append(comparison.judge_by({"precision": cfg.parallel.precision, "fp8": cfg.parallel.fp8}, steps,
-                                           args.tol))
+                                           args.tol, cfg.train.optimizer))
     return results
 
 

@@ -25,6 +25,7 @@ the document mask (`--document-mask`) restarts attention and positions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -151,23 +152,60 @@ class ChatTemplate:
                track: bool = False) -> tuple[str, list[tuple[int, int]]]:
         """(text, [(start, end)] of the {% generation %} blocks when `track`) of one conversation, by transformers'
         sandboxed rendering; one line naming `where` for a template that raises or leaves the sandbox."""
-        import jinja2
+        if not track:
+            return self.render_prefixes(messages, [(len(messages), add_generation_prompt)], where)[0], []
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        try:
+        with self._refusals(where):
             rendered, spans = render_jinja_template([messages], chat_template=self.text, add_generation_prompt=
-                                                    add_generation_prompt, return_assistant_tokens_mask=track,
+                                                    add_generation_prompt, return_assistant_tokens_mask=True,
                                                     **self.special)
+        return rendered[0], [tuple(s) for s in spans[0]]
+
+    def render_prefixes(self, messages: list[dict], ends: Sequence[tuple[int, bool]], where: str) -> list[str]:
+        """messages[:end] rendered (with the generation prompt where asked) for each (end, add_generation_prompt) of
+        `ends`, each exactly as transformers' `render_jinja_template` renders it: its compiled template (jinja2's
+        ImmutableSandboxedEnvironment with transformers' filters and globals, compiled once per template) given
+        its own template data (plain JSON types, reasoning fields aliased), made once for every prefix."""
+        with self._refusals(where):
+            template, data = _transformers_rendering()
+            messages, special = data(messages), data(self.special)
+            return [template(self.text).render(messages=messages[:end], tools=None, documents=None,
+                                               add_generation_prompt=prompt, **special) for end, prompt in ends]
+
+    @contextlib.contextmanager
+    def _refusals(self, where: str):
+        """A template that leaves the sandbox, raises or fails, as one line naming `where` and the template."""
+        import jinja2
+
+        try:
+            yield
         except jinja2.exceptions.SecurityError as exc:
             raise ChatTemplateRefused(f"{where}: the chat template ({self.source}) reaches outside jinja2's sandbox "
                                       f"({_first_line(exc)}); refused, nothing of it ran") from None
         except jinja2.exceptions.TemplateError as exc:  # raise_exception(...) in the template, or a syntax error
             raise DataError(f"{where}: the chat template ({self.source}) refused the conversation: "
                             f"{_first_line(exc)}") from None
+        except DataError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a template's own bug surfaces as any Python error
             raise DataError(f"{where}: the chat template ({self.source}) failed on the conversation "
                             f"({type(exc).__name__}: {_first_line(exc)})") from None
-        return rendered[0], [tuple(s) for s in spans[0]] if track else []
+
+
+def _transformers_rendering():
+    """(compile, template data) of transformers' `render_jinja_template`, whose private pieces these are: its cached
+    compilation into the sandbox, and the conversion of what a template sees into plain data. Rendering every prefix
+    of a conversation through `render_jinja_template` itself converts the conversation again for each one (a third
+    of a prefix's render); tests/test_chat.py checks the two give the same text."""
+    from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                        _plain_template_data)
+
+    def data(value):
+        value = _plain_template_data(value)
+        return _alias_reasoning_fields(value) if isinstance(value, list) else value
+
+    return _compile_jinja_template, data
 
 
 class ChatTemplateRefused(DataError):
@@ -241,8 +279,7 @@ def target_spans(template: ChatTemplate | None, record, where: str,
     elif template.marks_generation:
         text, spans = template.render(messages, where, track=True)
     else:
-        text = template.render(messages, where)[0]
-        spans = _spans_by_prefixes(template, messages, text, where)
+        text, spans = _spans_by_prefixes(template, messages, where)
     if loss_on == "all":
         return text, [(0, len(text))]
     if loss_on == "completion":
@@ -250,23 +287,23 @@ def target_spans(template: ChatTemplate | None, record, where: str,
     return (text, spans) if spans else None
 
 
-def _spans_by_prefixes(template: ChatTemplate, messages: list[dict], whole: str,
-                       where: str) -> list[tuple[int, int]]:
-    """Each assistant turn's span in `whole`: from the end of the conversation before it rendered with the
-    generation prompt to the end of the conversation through it (less trailing whitespace), each a prefix of the
-    whole."""
+def _spans_by_prefixes(template: ChatTemplate, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """(the whole text, each assistant turn's span in it): from the end of the conversation before the turn rendered
+    with the generation prompt to the end of the conversation through it (less trailing whitespace), each a prefix
+    of the whole. The whole and every prefix are rendered in one pass over the conversation's template data."""
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    inner = [k for k in turns if k + 1 < len(messages)]  # a turn that ends the conversation ends with the whole
+    ends = [(len(messages), False)] + [(k, True) for k in turns] + [(k + 1, False) for k in inner]
+    whole, *rest = template.render_prefixes(messages, ends, where)
+    befores, throughs = rest[:len(turns)], rest[len(turns):] + [whole] * (len(turns) - len(inner))
     spans = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = template.render(messages[:k], where, add_generation_prompt=True)[0]
-        through = whole if k == len(messages) - 1 else template.render(messages[:k + 1], where)[0]
+    for k, before, through in zip(turns, befores, throughs):
         if not (whole.startswith(through) and through.startswith(before)):
             raise DataError(f"{where}: the chat template renders the conversation up to assistant message {k + 1} "
                             f"as other than the start of the whole (it rewrites earlier turns); mark the assistant "
                             f"turns with {{% generation %}} in a --chat-template FILE")
         spans.append((len(before), len(through.rstrip())))
-    return spans
+    return whole, spans
 
 
 def token_mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:

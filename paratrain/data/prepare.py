@@ -261,7 +261,10 @@ def make_encoder(tokenizer: Tokenizer, tokenizer_spec: str, fmt: str, chat: Chat
     if fmt == "text":
         return TextEncoder(tokenizer, dtype)
     directory = Path(tokenizer_spec) if tokenizer_spec and Path(tokenizer_spec).exists() else None
-    return ChatEncoder(tokenizer, load_chat_template(directory, chat.chat_template), chat, dtype)
+    template = load_chat_template(directory, chat.chat_template)
+    if template is not None and hasattr(tokenizer, "chat_template"):
+        tokenizer.chat_template = template  # what the data is rendered with travels with the tokenizer (--chat-template)
+    return ChatEncoder(tokenizer, template, chat, dtype)
 
 
 def encode_files(encoder, files: Sequence[Path], text_key: str, workers: int = 0, *, first: int = 1,

@@ -24,6 +24,7 @@ from paratrain.errors import DataError
 
 BPE_FILE = "tokenizer.json"
 BYTE_FILE = "byte_tokenizer.json"
+CHAT_CONFIG_FILE = "tokenizer_config.json"  # a model directory's, where its chat template is
 _BYTE_TYPE = "paratrain.byte"
 
 # Looked up in this order in tokenizer files that someone else trained, so
@@ -122,6 +123,9 @@ class BPETokenizer:
         self.eos_id = _find_token(backend, _EOS_NAMES)
         self.pad_id = _find_token(backend, _PAD_NAMES)
         self.document_prefix, self.document_suffix = _template_affixes(backend)
+        # The model directory's chat template (`paratrain.data.chat.ChatTemplate`, with the special tokens it is
+        # rendered with), carried wherever the tokenizer is saved: a prepared directory, a run's final/, an export.
+        self.chat_template = None
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
@@ -157,7 +161,11 @@ class BPETokenizer:
         except Exception as exc:  # the library raises a bare Exception on bad files
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise DataError(f"tokenizer file {str(path)!r} is not a valid tokenizer.json ({first_line})") from exc
-        return cls(backend)
+        tokenizer = cls(backend)
+        from paratrain.data.chat import load_chat_template
+
+        tokenizer.chat_template = load_chat_template(path.parent)  # tokenizer_config.json's or chat_template.jinja
+        return tokenizer
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without special tokens."""
@@ -181,11 +189,20 @@ class BPETokenizer:
                 "eos_id": self.eos_id, "pad_id": self.pad_id}
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``tokenizer.json`` into ``directory``; return its path."""
+        """Write ``tokenizer.json`` into ``directory`` (and its chat template, if it has one, as the
+        ``tokenizer_config.json`` of a model directory); return its path."""
         path = Path(directory) / BPE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path))
+        if self.chat_template is not None:
+            (path.parent / CHAT_CONFIG_FILE).write_text(json.dumps(self.chat_config(), indent=2) + "\n")
         return path
+
+    def chat_config(self) -> dict:
+        """What tokenizer_config.json says of chats: the template and the special tokens it is rendered with."""
+        if self.chat_template is None:
+            return {}
+        return {**self.chat_template.special, "chat_template": self.chat_template.text}
 
 
 def _template_affixes(backend: HFTokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:

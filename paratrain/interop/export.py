@@ -132,7 +132,8 @@ def _token_ids(tokenizer) -> dict:
 
 
 def _write_tokenizer(directory: Path, tokenizer, model_cfg: ModelConfig) -> str:
-    """Save the tokenizer; a BPE one also gets the tokenizer_config.json that lets AutoTokenizer load it."""
+    """Save the tokenizer; a BPE one also gets the tokenizer_config.json that lets AutoTokenizer load it (with the
+    chat template the tokenizer carries, if any)."""
     path = tokenizer.save(directory)
     backend = getattr(tokenizer, "backend", None)
     if backend is not None:
@@ -141,6 +142,9 @@ def _write_tokenizer(directory: Path, tokenizer, model_cfg: ModelConfig) -> str:
             token_id = getattr(tokenizer, f"{kind}_id", None)
             if token_id is not None:
                 doc[f"{kind}_token"] = backend.id_to_token(token_id)
+        # the chat template the data was rendered with, and the special tokens it was rendered with, so that
+        # transformers renders a chat as the training data was rendered
+        doc.update(tokenizer.chat_config() if hasattr(tokenizer, "chat_config") else {})
         (directory / TOKENIZER_CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
     return path.name
 

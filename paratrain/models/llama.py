@@ -200,19 +200,23 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self._tie_weights()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] for token ids [B, S].
 
         A pipeline stage without `tok_embeddings` takes hidden states [B, S, D] instead,
         and one without `output` returns hidden states. `positions` [S]: each token's position
         in its sequence (None: 0..S-1); context parallelism gives a rank's chunks of a sequence. With
-        `config.document_eos` the documents packed in each sequence are kept apart (`document_layout`).
+        `config.document_eos` the documents packed in each sequence are kept apart (`document_layout`), found in
+        the token ids: on a later pipeline stage, which takes hidden states, the micro-batch's `documents` [B, S].
         """
         mask = None
         if self.config.document_eos is not None:
-            if self.tok_embeddings is None:  # a later pipeline stage sees hidden states, not the documents
-                raise ValueError("document masking needs the token ids: it runs on the first pipeline stage only")
-            positions, mask = document_layout(tokens, self.config.document_eos)
+            ids = tokens if self.tok_embeddings is not None else documents
+            if ids is None:
+                raise ValueError("document masking needs the token ids: a pipeline stage that takes hidden states "
+                                 "takes the micro-batch's token ids as `documents`")
+            positions, mask = document_layout(ids, self.config.document_eos)
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Recomputed each call (S·E/2 products): a cached buffer would hold garbage after
         # meta construction + to_empty, and wrappers would have one more tensor to broadcast.
@@ -223,6 +227,12 @@ class Transformer(nn.Module):
             h_BSD = layer(h_BSD, cos_SE, sin_SE) if mask is None else layer(h_BSD, cos_SE, sin_SE, mask)
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
+
+    @property
+    def documents_from_tokens(self) -> bool:
+        """Whether a pipeline stage that takes hidden states needs the micro-batch's token ids (`forward`'s
+        `documents`): with `config.document_eos`, to keep the packed documents apart."""
+        return self.config.document_eos is not None
 
     def get_output_embeddings(self) -> nn.Linear | None:
         """The output head (Hugging Face's name for the method), whose output is the logits: where a fused loss

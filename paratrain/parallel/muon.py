@@ -397,12 +397,17 @@ def check_muon_options(options: dict) -> None:
                                   f"option; use one of {', '.join(sorted(known))}")
 
 
-def check_layout(model) -> None:
+def check_offload(offload) -> None:
     """Muon's step exchanges pieces between ranks; the offloaded host step runs in a thread of its own, unit by
-    unit, where no collective may run."""
-    if model.offload is not None:
+    unit, where no collective may run. The trainer asks before launching (`paratrain.run.build.preflight`),
+    `parallelize` again for the library's callers."""
+    if offload:
         raise MuonConfigError("Muon with --offload is not supported yet: its whole-matrix step needs the "
                               "gradients on the device; drop --offload or use --optimizer adamw")
+
+
+def check_layout(model) -> None:
+    check_offload(model.offload is not None)
 
 
 def build_optimizer(factory, model, comm: Comm) -> torch.optim.Optimizer:

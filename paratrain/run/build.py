@@ -126,15 +126,22 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
         raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
                           f"bf16 for what it does not cast")
+    if cfg.train.optimizer == "muon":
+        from paratrain.parallel.muon import MuonConfigError, check_offload
+
+        try:
+            check_offload(cfg.parallel.offload)
+        except MuonConfigError as e:
+            raise ConfigError(str(e)) from None
     if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
         raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
                           f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")
-    if cfg.data.document_mask is None and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+    if cfg.data.document_mask is None and cfg.parallel.cp > 1:
         paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
         document_mask(cfg, any(source_format(p, chat_options(cfg)) == "chat" for p in paths))
-    if cfg.data.document_mask and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
-        raise ConfigError(f"--document-mask with --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1: a later pipeline stage and "
-                          f"the context-parallel ring do not see the documents yet; drop one of them")
+    if cfg.data.document_mask and cfg.parallel.cp > 1:
+        raise ConfigError("--document-mask with --cp > 1: the context-parallel ring does not see the documents yet; "
+                          "drop one of them")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
     resolve_model_config(cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
     if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
@@ -189,13 +196,13 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
 
 def document_mask(cfg: Config, chat: bool) -> bool:
     """--document-mask as given, else on for chat data (a conversation sees only itself, as alone) and off for
-    text; chat data under --pp or --cp, which cannot mask yet, must say --no-document-mask."""
+    text; chat data under --cp, which cannot mask yet, must say --no-document-mask. (Under --pp every stage
+    masks: each pipeline rank holds the micro-batch's token ids.)"""
     if cfg.data.document_mask is not None:
         return cfg.data.document_mask
-    if chat and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
-        raise ConfigError(f"chat data turns --document-mask on, which --{'pp' if cfg.parallel.pp > 1 else 'cp'} > 1 "
-                          f"does not support yet; pass --no-document-mask (conversations packed together then see "
-                          f"each other)")
+    if chat and cfg.parallel.cp > 1:
+        raise ConfigError("chat data turns --document-mask on, which --cp > 1 does not support yet; pass "
+                          "--no-document-mask (conversations packed together then see each other)")
     return chat
 
 

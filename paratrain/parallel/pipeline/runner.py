@@ -176,26 +176,30 @@ class PipelineRunner:
         if s == self.last_stage:
             labels = self._local_labels(labels, inputs.shape[1])
             with loss_targets(labels) if loss_targets is not None else contextlib.nullcontext():
-                out = self._run_stage(s, x, inputs.shape[1])  # x stays the leaf whose gradient goes back
+                out = self._run_stage(s, x, inputs)  # x stays the leaf whose gradient goes back
             token_loss = loss_fn(out, labels)
             slots[mb, s] = _Slot(x if s > 0 else None, scale_loss(token_loss / normalizer))
             return token_loss.detach()
-        out = self._run_stage(s, x, inputs.shape[1])
+        out = self._run_stage(s, x, inputs)
         outbox["activation", mb, s] = out.detach()
         slots[mb, s] = _Slot(x if s > 0 else None, out)
         return torch.zeros((), device=out.device)
 
-    def _run_stage(self, stage: int, x, seq_len: int):
+    def _run_stage(self, stage: int, x, inputs: torch.Tensor):
         """One stage's forward: its input in the compute dtype (the model's floating-point input on the first
-        stage, on a later one the activation its sender computed), its output checked.
+        stage, on a later one the activation its sender computed), its output checked. A later stage of a model
+        that keeps packed documents apart (`documents_from_tokens`, the reference `Transformer` with
+        `document_eos`) is given the micro-batch's token ids `inputs` too, which every pipeline rank holds: the
+        document mask travels with the micro-batch, not through the stage boundary.
 
-        Under context parallelism the first stage splits the token ids (sequences of `seq_len` tokens) into
-        this rank's chunks; a later stage receives activations of those chunks already, from the stage
+        Under context parallelism the first stage splits the token ids (sequences of `inputs.shape[1]` tokens)
+        into this rank's chunks; a later stage receives activations of those chunks already, from the stage
         before it on the same cp rank. Every stage is given its chunks' positions and runs its attention
         as the ring over the cp ranks of its own stage."""
-        shell, x = self.shells[stage], self.precision.cast_inputs(x)
+        shell, x, seq_len = self.shells[stage], self.precision.cast_inputs(x), inputs.shape[1]
         if self.context is None:
-            out = shell(x)
+            documents = stage > 0 and getattr(shell, "documents_from_tokens", False)
+            out = shell(x, documents=inputs.to(self.device)) if documents else shell(x)
         elif stage == 0:
             out = self.context.forward(shell, (x,), {})
         else:
@@ -281,7 +285,7 @@ class PipelineRunner:
                 x = torch.zeros(shape, dtype=dtype, device=self.device)
             if s < self.last_stage:
                 with torch.compiler.set_stance("force_eager"):  # compiled blocks: no graph for a no-grad pass run once
-                    out = self._run_stage(s, x, inputs.shape[1])
+                    out = self._run_stage(s, x, inputs)
                 shapes[s] = (tuple(out.shape), out.dtype)
                 self.comm.exchange([(_encode_header(*shapes[s], self.device), (s + 1) % self.pp)], [], Axis.PP)
         self._shapes[key] = shapes
@@ -329,7 +333,7 @@ class PipelineRunner:
         for _, _, action, inbox, outbox in self._walk(schedule, self._boundary_shapes(inputs)):
             s = action.stage
             x = inputs if s == 0 else inbox.pop(("activation", 0, s - 1))
-            out = self._run_stage(s, x, inputs.shape[1])
+            out = self._run_stage(s, x, inputs)
             if s < self.last_stage:
                 outbox["activation", 0, s] = out
         return out if self.last_stage in self.split.stages else None
