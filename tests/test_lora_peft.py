@@ -46,7 +46,8 @@ def _ours(root) -> torch.nn.Module:
 
 
 def test_peft_loads_the_adapters_over_transformers_model_with_paratrains_logits(runs):
-    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    import peft
+    import transformers
     config = json.loads((runs / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 12 and len(config["target_modules"]) == 2 * 4
     base = transformers.LlamaForCausalLM.from_pretrained(runs / "base", attn_implementation="eager")
@@ -60,7 +61,8 @@ def test_peft_loads_the_adapters_over_transformers_model_with_paratrains_logits(
 
 
 def test_the_merged_export_equals_peft_merge_and_unload(runs):
-    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    import peft
+    import transformers
     base = transformers.LlamaForCausalLM.from_pretrained(runs / "base", attn_implementation="eager")
     merged = peft.PeftModel.from_pretrained(base, runs / "adapter").merge_and_unload()
     want = {n: t for n, t in merged.state_dict().items()}
@@ -89,7 +91,8 @@ def test_a_transformers_backend_run_exports_adapters_peft_loads(tmp_path):
     """A Qwen2 (q, k, v biases; transformers' own modeling under `--backend transformers`): the adapters keep
     transformers' module names; PEFT's logits are those of the same model converted here, and the merged export
     equals PEFT's merge bit for bit."""
-    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    import peft
+    import transformers
     torch.manual_seed(0)
     config = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
