@@ -19,6 +19,7 @@ side: `paratrain.run.export.export_hf`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -87,13 +88,22 @@ def write_hf_directory(out: Path, model_cfg: ModelConfig, shapes: dict[str, tupl
     else:
         entries, tensors = _hf_entries, _hf_tensors
         configs = {CONFIG_FILE: hf_config(model_cfg, dtype, _token_ids(tokenizer))}
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    try:
-        tmp.mkdir(parents=True)
+    with _replacing(out) as tmp:
         files = _write_weights(tmp, shapes, read, dtype, max_shard_bytes, entries, tensors)
         for name, doc in configs.items():
             (tmp / name).write_text(json.dumps(doc, indent=2) + "\n")
         tokenizer_file = _write_tokenizer(tmp, tokenizer, model_cfg) if tokenizer is not None else None
+    return files, tokenizer_file
+
+
+@contextlib.contextmanager
+def _replacing(out: Path):
+    """A fresh directory beside `out` to write into; once the body is done it replaces `out` whole (a failed write
+    leaves `out` as it was and no partial directory behind; an OSError becomes one line naming `out`)."""
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -101,7 +111,6 @@ def write_hf_directory(out: Path, model_cfg: ModelConfig, shapes: dict[str, tupl
         raise HFError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return files, tokenizer_file
 
 
 def _transformers_configs(model_cfg, dtype: torch.dtype, token_ids: dict) -> dict[str, dict]:
@@ -248,16 +257,7 @@ def write_peft_adapter(out: Path, adapters: dict[str, tuple[torch.Tensor, torch.
               "base_model_name_or_path": base, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
     keys = [(f"{PEFT_PREFIX}{module}.lora_{which}.weight", tensor) for module, pair in adapters.items()
             for which, tensor in zip("AB", pair)]
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    try:
-        tmp.mkdir(parents=True)
+    with _replacing(out) as tmp:
         write_safetensors(tmp / ADAPTER_WEIGHTS, [(k, dtype, tuple(t.shape)) for k, t in keys], keys)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except OSError as exc:
-        raise HFError(f"cannot write {out}: {exc.strerror or exc}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
