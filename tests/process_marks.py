@@ -118,6 +118,7 @@ def _starters(path: Path) -> frozenset[str]:
     return frozenset(starting)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups to name the tests' scopes
 def pytest_collection_modifyitems(items):
     """Mark every collected test whose code reaches a process starter, and give each test its group for pytest-xdist's
     `--dist loadgroup`: the marked tests one group (they run one after another on one worker, each with the cores
