@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_cases import (FP32_ADAMW, adamw, assert_matches_reference, batches, launch_once, make_model,
-                            parallel_run, reference_run)
+from parallel_cases import (adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
+                            reference_run)
+from paratrain.error_model import FP32_ADAMW
 from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.parallel.lora import LoRA, convert_to_lora
