@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import doc_parser, fmt_load, machine, train_in_process, write_results
+from common import doc_parser, machine, machine_sentence, train_in_process, write_results
 
 SIZES = ["--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "176"]
 
@@ -92,10 +92,8 @@ def run(args) -> tuple[dict, list[dict]]:
 
 
 def report(meta: dict, args, result: dict, runs: list[dict]) -> str:
-    m = meta["machine"]
     lines = [f"# paratrain optimizers: Muon against AdamW, {meta['date']}", "",
-             f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; load average "
-             f"{fmt_load(meta['load_avg_start'])} at the start, {fmt_load(meta['load_avg_end'])} at the end (the "
+             machine_sentence(meta) + f" (the "
              f"machine shared with other jobs: seconds are noisy, step counts are not); {meta['wall_s'] / 60:.1f} min "
              "in all.", "",
              f"Model: {' '.join(SIZES)} (fp32) on the embedded corpus; {args.steps} steps of {args.batch} x {args.seq} "

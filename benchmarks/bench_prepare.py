@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import doc_parser, fmt_load, machine, write_results
+from common import doc_parser, machine, machine_sentence, write_results
 
 _RUN = """
 import json, re, sys, time
@@ -116,10 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         one = next(o for o in rows if o["tokenizer"] == r["tokenizer"] and o["workers"] == 1)
         r["speedup"] = one["median_s"] / r["median_s"]
     meta["load_avg_end"] = os.getloadavg()
-    m = meta["machine"]
     lines = [f"# paratrain prepare, {meta['date']}", "",
-             f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; load average "
-             f"{fmt_load(meta['load_avg_start'])} at the start, {fmt_load(meta['load_avg_end'])} at the end. Corpus: "
+             machine_sentence(meta) + f". Corpus: "
              f"{meta['corpus_bytes'] / 2**20:.0f} MB of JSON Lines (the standard library's sources); median of "
              f"{args.rounds} round(s).", "",
              "| tokenizer | workers | tokens | s (each round) | tokens/s | MB/s | speed-up | peak RSS MB | "

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from bench_prepare import parser_and_meta, run_fresh
-from common import fmt_load, write_results
+from common import machine_sentence, write_results
 
 _RUN = """
 import json, re, sys, time
@@ -131,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["mask_cost"] = 1 - r["tokens_per_s"] / base
     meta["load_avg_end"] = os.getloadavg()
-    m = meta["machine"]
     lines = [f"# paratrain prepare on chat data, {meta['date']}", "",
-             f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; load average "
-             f"{fmt_load(meta['load_avg_start'])} at the start, {fmt_load(meta['load_avg_end'])} at the end (the "
+             machine_sentence(meta) + f" (the "
              f"cores are shared with other work: the spread of the rounds is shown). Corpus: "
              f"{args.conversations:,} generated conversations, {meta['corpus_bytes'] / 2**20:.0f} MB of JSON Lines; "
              f"BPE of {args.bpe_vocab} tokens; median of {args.rounds} round(s), workers 0.", "",

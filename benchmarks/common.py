@@ -144,6 +144,13 @@ def fmt_load(load) -> str:
     return "/".join(f"{x:.1f}" for x in load)
 
 
+def machine_sentence(meta: dict) -> str:
+    """The results' first sentence: the machine, torch and Python, and the load average at the run's start and end."""
+    m = meta["machine"]
+    return (f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; load average "
+            f"{fmt_load(meta['load_avg_start'])} at the start, {fmt_load(meta['load_avg_end'])} at the end")
+
+
 def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
