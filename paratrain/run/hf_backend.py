@@ -57,14 +57,16 @@ def transformers_model_config(cfg: Config, source: str, overrides: dict):
 
 def check_layout(cfg: Config, model_cfg, flag: str) -> None:
     """What transformers' model cannot do under the layout, refused in one line rather than trained differently."""
-    p, kind = cfg.parallel, model_cfg.model_type
+    p, kind, window = cfg.parallel, model_cfg.model_type, model_cfg.sliding_window
+    # A window shorter than the sequence: what the ring and the per-document mask do not keep (each refuses it).
+    short_window = window is not None and window < cfg.data.seq_len
     if p.cp > 1 and model_cfg.attention != "sdpa":
         raise ConfigError(f"--cp {p.cp}: {kind} runs transformers' {model_cfg.attention} attention (it has no SDPA "
                           "path), which the context-parallel ring cannot answer; use --cp 1")
-    if p.cp > 1 and model_cfg.sliding_window is not None and model_cfg.sliding_window < cfg.data.seq_len:
-        raise ConfigError(f"--cp {p.cp}: {kind} attends over a sliding window of {model_cfg.sliding_window} tokens, "
+    if p.cp > 1 and short_window:
+        raise ConfigError(f"--cp {p.cp}: {kind} attends over a sliding window of {window} tokens, "
                           f"shorter than --seq-len {cfg.data.seq_len}, and the ring attends causally over the whole "
-                          f"sequence; use --cp 1 or --seq-len {model_cfg.sliding_window}")
+                          f"sequence; use --cp 1 or --seq-len {window}")
     if p.tp > 1:  # the plan from the config, mapped now: a style paratrain has no counterpart for refuses here
         from paratrain.models.hf import HFCausalLM
         from paratrain.parallel.tensor import TensorParallelError
@@ -74,8 +76,7 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
             model.tensor_parallel_plan(p.sequence_parallel)
         except TensorParallelError as e:
             raise ConfigError(f"--tp {p.tp}: {e}") from None
-    window = model_cfg.sliding_window
-    if cfg.data.document_mask and window is not None and window < cfg.data.seq_len:
+    if cfg.data.document_mask and short_window:
         raise ConfigError(f"--document-mask: {kind} attends over a sliding window of {window} tokens, shorter than "
                           f"--seq-len {cfg.data.seq_len}, which the per-document mask does not keep; use --seq-len "
                           f"{window} or drop --document-mask")
