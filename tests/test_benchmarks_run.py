@@ -107,6 +107,7 @@ def test_bench_gpu_repredicts_a_past_gpu_run_on_its_calibrated_profile():
 GPU_CHECK_ROWS = {
     "ring kernels fp32", "ring kernels bf16", "ring attention cp2", "experts grouped GEMM", "tiny-moe trains",
     "compile ZeRO-0", "compile ZeRO-3", "selective recomputation", "document mask", "fp8 linears", "fp8 ZeRO-3 gathers", "offload optimizer",
+    "offload optimizer, Muon",
     "fp8 llama3.1-8b shapes", "fused loss fp32", "fused loss bf16", "transformers Qwen3 compiled, world 1",
     "plan --calibrate --quick",
     "elastic launcher",

@@ -91,29 +91,44 @@ def _one_rank_mesh():
     return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None, "world": None})
 
 
-def _one_process(config, steps=STEPS, factory=None):
-    model, optimizer = parallelize(make_model(config), _one_rank_mesh(), optimizer=factory or recipe())
+def _one_process(config, steps=STEPS, factory=None, offload=None):
+    model, optimizer = parallelize(make_model(config), _one_rank_mesh(), optimizer=factory or recipe(),
+                                   data=DataParallel(offload=offload))
     for layer in moe_layers(model.module):
         layer.aux_rows = batches(steps=1)[0][0].shape[0]
     losses = parallel_run(model, optimizer, batches(steps=steps), 0, 1, lambda t: None, clip=NO_CLIP)
     return losses, {k: v.clone() for k, v in model.full_state_dict().items()}, optimizer
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_one_process_is_torchs_muon_and_adamw_to_the_bit(moe):
+@pytest.mark.filterwarnings("ignore:offload on the CPU")
+@pytest.mark.parametrize("moe, offload", [(False, None), (True, None), (True, "optimizer")],
+                         ids=["dense", "moe", "moe-offload"])
+def test_one_process_is_torchs_muon_and_adamw_to_the_bit(moe, offload):
     """The recipe on one rank: torch.optim.Muon on the blocks' matrices (each expert's matrix of an MoE), AdamW on
-    the rest, bit for bit; the Newton–Schulz FLOPs counted are every matrix's, every step."""
+    the rest, bit for bit; the Newton–Schulz FLOPs counted are every matrix's, every step. Offloaded: the momentum
+    and AdamW's moments are the host masters' state, apart from every tensor the engine computes with, and each
+    update goes to the device and back through its staging buffer: the same bits."""
     config = MOE if moe else TINY
     reference = make_model(config)
     for layer in moe_layers(reference):
         layer.aux_rows = batches(steps=1)[0][0].shape[0]
     ref_losses, ref_params = reference_run(reference, batches(steps=STEPS), clip=NO_CLIP)
-    losses, params, optimizer = _one_process(config)
+    losses, params, optimizer = _one_process(config, offload=offload)
     assert losses == pytest.approx(ref_losses, rel=1e-6)  # (summed in fp64 here, in fp32 there)
     for name, value in ref_params.items():
         assert torch.equal(params[name], value), name
     shapes = [p.shape for n, p in reference.named_parameters() if n.startswith("layers.") and p.dim() >= 2]
     assert optimizer.ns_flops == STEPS * sum(ns_flops(s) * (s[0] if len(s) == 3 else 1) for s in shapes)
+    if offload:
+        model = optimizer.model
+        host = {t.untyped_storage().data_ptr() for t in model.masters()}
+        engine = {t.untyped_storage().data_ptr() for t in [*model.engine.masters(), *model.module.parameters()]}
+        momenta = [s["momentum_buffer"] for s in optimizer.state.values() if "momentum_buffer" in s]
+        moments = [s["exp_avg"] for s in optimizer.state.values() if "exp_avg" in s]
+        assert momenta and moments and {id(p) for p in optimizer.state} <= {id(m) for m in model.masters()}
+        state = {t.untyped_storage().data_ptr() for t in momenta + moments}
+        staging = {t.untyped_storage().data_ptr() for t in optimizer.host.buffers.values()}
+        assert host and not (host | state | staging) & engine and len(optimizer.host.buffers) == len(momenta)
 
 
 def test_the_planner_counts_muons_state_as_the_optimizer_holds_it():
@@ -127,6 +142,22 @@ def test_the_planner_counts_muons_state_as_the_optimizer_holds_it():
     assert optimizer_state_bytes(optimizer) == planned.adam_moments
     adamw = stage_model_states(Workload.for_model(TINY, precision="fp32"), Layout(), 0)
     assert planned.adam_moments < adamw.adam_moments
+
+
+@pytest.mark.filterwarnings("ignore:offload on the CPU")
+def test_the_planner_counts_muons_offloaded_state_as_the_host_holds_it():
+    """Offloaded: the host's masters and gradient buffers, the momentum and AdamW's moments, and the staging
+    buffers of the bf16 updates are the planner's host bytes; nothing of the optimizer's is left on the device."""
+    from paratrain.parallel.contract import optimizer_state_bytes
+    from paratrain.plan.memory import Layout, Workload, stage_model_states
+
+    _, _, optimizer = _one_process(TINY, steps=1, offload="optimizer")
+    held = optimizer.model.offload.host_bytes() + optimizer_state_bytes(optimizer) + optimizer.host.host_bytes()
+    workload = Workload.for_model(TINY, precision="fp32", optimizer="muon")
+    planned = stage_model_states(workload, Layout(offload="optimizer"), 0)
+    assert planned.host == held and planned.optimizer_state == 0
+    assert planned.host < stage_model_states(Workload.for_model(TINY, precision="fp32"), Layout(offload="optimizer"),
+                                             0).host
 
 
 def test_the_planner_prices_newton_schulz_and_its_exchange_only_with_muon():
@@ -146,6 +177,27 @@ def test_the_planner_prices_newton_schulz_and_its_exchange_only_with_muon():
                                                                                                  ("a", adamw))}
     elements = stage_muon_params(muon, layout, 0, 0.0)
     assert sent["m"] - sent["a"] == pytest.approx(muon_sent_bytes(elements, 4, 1)) and elements > 0
+
+
+def test_the_planner_prices_muons_offloaded_step_whole_and_unoverlapped():
+    """Offloaded Muon steps in the caller's thread once every gradient is on the host: the copies, the host's
+    passes and the bf16 update's way out and back one after the other, none beside the next forward."""
+    from paratrain.plan import compute
+    from paratrain.plan.hardware import get_hardware
+    from paratrain.plan.memory import Layout, Workload
+    from paratrain.plan.muon import MUON_HOST_BYTES, stage_muon_params
+
+    h200, model = get_hardware("h200"), dataclasses.replace(TINY, n_layers=4)
+    layout = Layout(dp=2, zero=1, offload="optimizer")
+    muon, adamw = (Workload.for_model(model, optimizer=o) for o in ("muon", "adamw"))
+    seconds = {o: [compute._optimizer_seconds(w, layout, h200, 0, 1, f) for f in (0.0, 1e-3)]
+               for o, w in (("muon", muon), ("adamw", adamw))}
+    assert seconds["muon"][0] == seconds["muon"][1] and seconds["adamw"][1] < seconds["adamw"][0]
+    elements, m = 1e6, 4e5
+    serial = (h200.host_seconds(28 * (elements - m) + MUON_HOST_BYTES * m, 1) + 2 * h200.copy_seconds(4 * elements)
+              + 2 * h200.copy_seconds(2 * m))
+    assert compute.offload_seconds(h200, elements, 1, muon=m) == pytest.approx(serial)
+    assert stage_muon_params(muon, layout, 0, 0.0) > 0
 
 
 # -- bad input: one line each ---------------------------------------------------------------------------------
@@ -172,7 +224,6 @@ def test_a_muon_option_torch_lacks_is_named():
     (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, got 'sgd'"),
     (["--optimizer", "muon", "--muon-adjust-lr", "rms"], "--muon-adjust-lr must be one of original, match_rms_adamw"),
     (["--optimizer", "muon", "--muon-momentum", "1.5"], "--muon-momentum must be in [0, 1), got 1.5"),
-    (["--optimizer", "muon", "--offload", "optimizer"], "Muon with --offload is not supported yet"),
 ])
 def test_bad_optimizer_options_end_in_one_line(args, message, tmp_path, capsys):
     from paratrain.cli import main
@@ -216,7 +267,7 @@ MOE = dataclasses.replace(TINY, n_layers=2, ffn_dim=48, n_experts=4, top_k=2, ex
 HF_BLOCKS = ("model.layers.",)
 
 
-def _train(mesh, zero: int, model=None, tensor=None, pipeline=None, moe=False, steps=STEPS):
+def _train(mesh, zero: int, model=None, tensor=None, pipeline=None, moe=False, steps=STEPS, offload=None):
     """Losses and whole parameters of `steps` Muon steps; the step's bytes by axis and this rank's NS FLOPs."""
     if model is None:
         config = MOE if moe else TINY
@@ -226,7 +277,7 @@ def _train(mesh, zero: int, model=None, tensor=None, pipeline=None, moe=False, s
     else:
         model, init = model.double(), None
     model, optimizer = parallelize(model, mesh, optimizer=recipe(), init=init, tensor=tensor, pipeline=pipeline,
-                                   precision=FP64, data=DataParallel(zero=zero, grad_reduction="sum"))
+                                   precision=FP64, data=DataParallel(zero=zero, grad_reduction="sum", offload=offload))
     for layer in moe_layers(model.module):
         layer.aux_rows = batches(steps=1)[0][0].shape[0]  # the auxiliary loss over the global batch
     data = batches(steps=steps)
@@ -265,6 +316,11 @@ def _two_ranks(rank, world):  # noqa: ARG001
         "ep2_zero1": _train(ep2, 1, moe=True),
         "hf_zero2": _train(dp2, 2, model=_hf_model()),
         "hf_zero3": _train(dp2, 3, model=_hf_model()),
+        # offloaded: the momentum and AdamW's state on the host, the pieces exchanged and orthogonalized on the device
+        **{f"zero{z}_offload": _train(dp2, z, offload="optimizer") for z in (0, 1, 2, 3)},
+        "zero3_offload_params": _train(dp2, 3, offload="params"),
+        "tp2_sp_offload": _train(tp2, 0, tensor=TensorParallel(sequence_parallel=True), offload="optimizer"),
+        "pp2_offload": _train(pp2, 0, pipeline=PipelineParallel(schedule="1f1b"), offload="optimizer"),
     }
 
 
@@ -286,7 +342,8 @@ def _reference(name: str):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "tp2_sp", "pp2", "ep2", "ep2_zero1",
-                                  "hf_zero2", "hf_zero3"])
+                                  "hf_zero2", "hf_zero3", "zero0_offload", "zero1_offload", "zero2_offload",
+                                  "zero3_offload", "zero3_offload_params", "tp2_sp_offload", "pp2_offload"])
 def test_muon_on_two_ranks_equals_torch_in_one_process(name):
     ref_losses, ref_params = _reference(name)
     for rank, (losses, params, _) in enumerate(_results(2, name)):
@@ -327,15 +384,18 @@ def test_newton_schulz_work_is_split_over_four_data_ranks():
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_a_killed_muon_run_resumes_bit_equal(tmp_path):
-    """`paratrain train --nproc 2 --optimizer muon --zero 1`: rank 1 SIGKILLed in step 7, the launcher restarts the
-    job from the step-4 checkpoint (Muon's momentum saved layout-free, as rows of each matrix), and every loss and
-    the final weights equal an uninterrupted run's to the bit."""
+@pytest.mark.parametrize("layout", [("--zero", "1"), ("--zero", "2", "--offload", "optimizer")],
+                         ids=["zero1", "zero2_offload"])
+def test_a_killed_muon_run_resumes_bit_equal(tmp_path, layout):
+    """`paratrain train --nproc 2 --optimizer muon --zero 1` (and ZeRO-2 with the optimizer offloaded): rank 1
+    SIGKILLed in step 7, the launcher restarts the job from the step-4 checkpoint (Muon's momentum saved
+    layout-free, as rows of each matrix; from the host under offload), and every loss and the final weights equal
+    an uninterrupted run's to the bit."""
     from test_faults_launched import assert_bit_equal, launch
 
     reference, out = tmp_path / "reference", tmp_path / "run"
-    assert launch(reference, "--optimizer", "muon", "--zero", "1").returncode == 0
-    result = launch(out, "--optimizer", "muon", "--zero", "1", "--max-restarts", "1", fault="sigkill@rank1:step7")
+    assert launch(reference, "--optimizer", "muon", *layout).returncode == 0
+    result = launch(out, "--optimizer", "muon", *layout, "--max-restarts", "1", fault="sigkill@rank1:step7")
     assert result.returncode == 0, result.stderr
     assert "checkpoints/step-00000004 at step 4" in result.stdout
     assert_bit_equal(out, reference)

@@ -243,10 +243,13 @@ def test_two_ranks_with_offload_equal_two_ranks_without(tmp_path, layout, mode):
     assert [r["grad_norm"] for r in offload] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-6)
 
 
-def test_verify_passes_every_layout_with_offload(capsys):
-    assert main(["verify", "--model", "tiny", "--layouts", "dp2,zero1;dp2,zero3;tp2", "--offload", "optimizer",
-                 "--steps", "2"]) == 0
-    assert capsys.readouterr().out.count("PASS") == 3
+@pytest.mark.parametrize("optimizer, layouts", [("adamw", "dp2,zero1;dp2,zero3;tp2"), ("muon", "dp2,zero2;tp2")])
+def test_verify_passes_every_layout_with_offload(capsys, optimizer, layouts):
+    """With AdamW, and with Muon (its momentum on the host, its Newton–Schulz iteration on the device) at Muon's
+    bound."""
+    assert main(["verify", "--model", "tiny", "--layouts", layouts, "--offload", "optimizer", "--steps", "2",
+                 "--optimizer", optimizer]) == 0
+    assert capsys.readouterr().out.count("PASS") == len(layouts.split(";"))
 
 
 def test_a_killed_offloaded_run_resumes_bit_exact(tmp_path):

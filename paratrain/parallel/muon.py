@@ -31,6 +31,16 @@ pieces changes nothing), per matrix of M elements held by the ranks of an axis o
 
 Each hop is one `Comm.exchange` per axis (counted per axis in the step's bytes).
 
+Under offload (`paratrain.parallel.data.offload`) the masters, and so the momentum buffers and the AdamW state,
+live on the host, and the optimizer steps in the caller's thread after each master's gradient reached its host
+buffer (`HostMasters.gradients_to_host`; Muon is not one of the optimizers the overlapped host step runs, since
+the exchange is collective). Parts 1 and 5 then run on the host and parts 2–4 on the device: each rank's bf16
+update is written into a host staging buffer (pinned on CUDA, one per matrix master: `HostUpdates`) and copied
+to the device with `non_blocking`, the exchanges and the Newton–Schulz iteration run there, and each rank's
+orthogonalized rows come back into the same staging buffer (queued behind the iteration on the current stream,
+after the copy out that read it), waited for once before the host applies them. The rounding to bf16 is the
+same on either side, so the update is the one without offload.
+
 The optimizer here is a `torch.optim.Optimizer` whose groups say their algorithm: "muon" groups carry
 torch.optim.Muon's hyperparameters under its names, "adamw" groups torch.optim.AdamW's and are stepped
 by a stock `torch.optim.AdamW` sharing the same groups and state. `parallelize` builds it for a
@@ -51,6 +61,7 @@ from paratrain.comm import Comm
 from paratrain.compat import muon_adjusted_lr, muon_class, muon_orthogonalize
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Axis
+from paratrain.parallel.data.offload import host_tensors
 from paratrain.parallel.rules import newton_schulz_flops
 
 
@@ -162,6 +173,10 @@ class Muon(torch.optim.Optimizer):
         muon = [self._index[id(p)] for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
         self.matrices = find_matrices(model, comm, muon)
         self.ns_flops = 0  # Newton–Schulz FLOPs this rank ran, over every step so far
+        masters = model.masters()
+        # Offloaded: the masters are on the host, the iteration on the device (see the module's docstring).
+        self.host = HostUpdates({i: masters[i].shape for i in muon}, comm.mesh.device,
+                                model.offload.pinned) if model.offload is not None else None
 
     def _link(self) -> None:
         """The AdamW groups' stepper shares this optimizer's groups and state (after a load replaced them)."""
@@ -197,7 +212,8 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - group["momentum"])
-            updates[i] = (grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf).bfloat16()
+            update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            updates[i] = update.bfloat16() if self.host is None else self.host.to_device(i, update)
         matrices = [m for m in self.matrices if m.master in updates]
         whole = self._gather(matrices, updates)
         results = {}
@@ -207,6 +223,8 @@ class Muon(torch.optim.Optimizer):
             results[k] = results[k].contiguous()
             self.ns_flops += newton_schulz_flops(value.shape, group["ns_steps"])
         pieces = self._scatter(matrices, results)
+        if self.host is not None:
+            pieces = self.host.to_host(pieces, matrices)
         for k, piece in pieces.items():
             m = matrices[k]
             group = group_of[m.master]
@@ -326,6 +344,38 @@ def _sources(rows: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], int]:
     return sources
 
 
+class HostUpdates:
+    """Offload: the bf16 updates' way from the host masters to the device that orthogonalizes them and back, through
+    one host staging buffer per matrix master, of the master's shape (pinned where the host masters are)."""
+
+    def __init__(self, shapes: dict[int, torch.Size], device: torch.device, pinned: bool):
+        self.device, self.pinned = device, pinned
+        self.buffers = dict(zip(shapes, host_tensors(list(shapes.values()), torch.bfloat16, pinned)))
+
+    def to_device(self, i: int, update: torch.Tensor) -> torch.Tensor:
+        """The host `update` of master `i` rounded to bf16 into its buffer and copied to the device (queued on the
+        current stream: the buffer is written again only after `to_host` waited for that stream)."""
+        buffer = self.buffers[i]
+        buffer.copy_(update)  # (the same round to nearest even as `.bfloat16()`)
+        out = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
+        return out.copy_(buffer, non_blocking=self.pinned)
+
+    def to_host(self, pieces: dict[int, torch.Tensor], matrices: list[Matrix]) -> dict[int, torch.Tensor]:
+        """The device's orthogonalized `pieces` into the buffers (the rows this rank holds: its master's shape, or
+        one expert's matrix of it), queued behind the iteration and waited for once."""
+        out = {}
+        for k, piece in pieces.items():
+            m = matrices[k]
+            buffer = self.buffers[m.master] if m.expert is None else self.buffers[m.master][m.expert]
+            out[k] = buffer.copy_(piece, non_blocking=self.pinned)
+        if self.pinned:
+            torch.cuda.current_stream(self.device).synchronize()  # the host reads them next
+        return out
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
 # -- what builds it ---------------------------------------------------------------------------------------
 
 # The recipe's Muon defaults: torch.optim.Muon's (momentum 0.95, Nesterov, the Newton–Schulz coefficients
@@ -354,7 +404,6 @@ class MuonRecipe:
         check_muon_options(self.muon)
 
     def build(self, model, comm: Comm) -> Muon:
-        check_layout(model)
         blocks = [name + "." for name, _ in _blocks(model.module)]
         names = [name for name, _, _ in model.master_rows()]
         masters = model.masters()
@@ -397,19 +446,6 @@ def check_muon_options(options: dict) -> None:
                                   f"option; use one of {', '.join(sorted(known))}")
 
 
-def check_offload(offload) -> None:
-    """Muon's step exchanges pieces between ranks; the offloaded host step runs in a thread of its own, unit by
-    unit, where no collective may run. The trainer asks before launching (`paratrain.run.build.preflight`),
-    `parallelize` again for the library's callers."""
-    if offload:
-        raise MuonConfigError("Muon with --offload is not supported yet: its whole-matrix step needs the "
-                              "gradients on the device; drop --offload or use --optimizer adamw")
-
-
-def check_layout(model) -> None:
-    check_offload(model.offload is not None)
-
-
 def build_optimizer(factory, model, comm: Comm) -> torch.optim.Optimizer:
     """The caller's optimizer over the model's masters; a Muon (`torch.optim.Muon` or a `MuonRecipe`) becomes this
     module's `Muon`, which gets each whole matrix (the one extension point by which a whole-matrix optimizer reaches
@@ -428,7 +464,6 @@ def build_optimizer(factory, model, comm: Comm) -> torch.optim.Optimizer:
         raise
     if cls is None or not isinstance(opt, cls):
         return opt
-    check_layout(model)
     return Muon([{**group, "algorithm": "muon"} for group in opt.param_groups], model, comm)
 
 

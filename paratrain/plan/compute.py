@@ -45,7 +45,7 @@ from paratrain.plan.memory import (
     pipeline_traits,
     stage_expert_params,
 )
-from paratrain.plan.muon import NS_STEPS, block_matrices
+from paratrain.plan.muon import MUON_HOST_BYTES, NS_STEPS, UPDATE_BYTES, block_matrices, stage_muon_params
 from paratrain.plan.model_states import ADAM_MOMENT_BYTES, MASTER_BYTES, block_param_count, layers_on_stage
 from paratrain.plan import moe
 from paratrain.plan.host import bound_by_host, host_times
@@ -247,11 +247,15 @@ def _optimizer_seconds(workload: Workload, layout: Layout, hardware: Hardware, s
         seconds += hardware.memory_seconds(elements * 2 * workload.grad_bytes, 3 * tensor)
         # Groups: the stage's blocks and the units beside them (embedding; final norm and head). The next forward
         # waits unit by unit without pipeline parallelism; a pipeline stage waits for all of it (`host_step.py`);
-        # on a CPU profile the host step and the forward share the cores: nothing overlaps.
+        # on a CPU profile the host step and the forward share the cores: nothing overlaps. Muon steps all of it
+        # at once in the caller's thread (`paratrain.parallel.muon`): one group, no overlap.
         layers = layers_on_stage(workload.model.n_layers, layout.pp, stage) if workload.model is not None else 1
-        overlaps = layout.pp == 1 and hardware.host_cores is None
-        seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node), layers + 3,
-                                   forward if overlaps else 0.0, 0 if layout.offload == "params" else 2)
+        muon = stage_muon_params(workload, layout, stage, experts)
+        muon = (muon - experts) / shards + experts / expert_shards if muon else 0.0
+        overlaps = layout.pp == 1 and hardware.host_cores is None and not muon
+        seconds += offload_seconds(hardware, elements, min(layout.world_size, hardware.gpus_per_node),
+                                   1 if muon else layers + 3, forward if overlaps else 0.0,
+                                   0 if layout.offload == "params" else 2, muon)
     if layout.offload == "params":  # each gather, forward and backward, copies the fp32 shard from the host; the
         seconds += hardware.copy_seconds((2 * m + 1) * MASTER_BYTES * elements)  # gradients go at backward's end
     else:
@@ -278,7 +282,7 @@ def newton_schulz_seconds(workload: Workload, layout: Layout, hardware: Hardware
 
 
 def offload_seconds(hardware: Hardware, elements: float, ranks_per_node: int, groups: int = 1,
-                    forward: float = 0.0, copies: int = 2) -> float:
+                    forward: float = 0.0, copies: int = 2, muon: float = 0.0) -> float:
     """Exposed seconds of the offloaded step of `elements` master elements on one rank
     (`paratrain.parallel.data.host_step`): `copies` fp32 copies over the host link (the gradients out and the
     values back; none where the masters live on the host, offload="params") and the host's fused AdamW (28 bytes each: the gradient read, the master
@@ -289,10 +293,15 @@ def offload_seconds(hardware: Hardware, elements: float, ranks_per_node: int, gr
     stages' share of one group. The next forward waits for each unit's group where the unit begins: of the
     `forward` seconds of its first micro-batch, all but the first unit's run beside the host step, which then
     shows only where it outlasts them, and at least one group's pass through the pipeline (`forward` 0: no
-    overlap, a layout whose forward waits for the whole step)."""
+    overlap, a layout whose forward waits for the whole step).
+
+    `muon` of the elements are Muon's (`paratrain.parallel.muon`): their host step is the momentum and the
+    update's application (`MUON_HOST_BYTES` each, not AdamW's 28), and their bf16 update crosses the host link
+    both ways for the device's Newton–Schulz iteration (priced by `newton_schulz_seconds`)."""
     host = MASTER_BYTES + 2 * (ADAM_MOMENT_BYTES + MASTER_BYTES)
     copy = hardware.copy_seconds(MASTER_BYTES * elements)
-    stages = [hardware.host_seconds(host * elements, ranks_per_node)] + [copy] * copies
+    stages = [hardware.host_seconds(host * (elements - muon) + MUON_HOST_BYTES * muon, ranks_per_node)]
+    stages += [copy] * copies + ([hardware.copy_seconds(UPDATE_BYTES * muon)] * 2 if muon else [])
     pipelined = max(stages) + (sum(stages) - max(stages)) / groups
     if not forward:
         return pipelined

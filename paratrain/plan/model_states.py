@@ -47,6 +47,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4  # fp32 master copy of each parameter (mixed precision only)
 ADAM_MOMENT_BYTES = 8  # fp32 first and second moments
 MUON_MOMENT_BYTES = 4  # Muon's one fp32 momentum buffer
+MUON_UPDATE_BYTES = 2  # Muon's update in bf16 (the Newton–Schulz iteration's first rounding): what travels, and
+# under offload its host staging buffer between the host's momentum and the device's iteration
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,9 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     parameter between gathers, the host the same 16 bytes per element.
 
     `muon_params` of the Ψ are stepped by Muon (`paratrain.plan.muon`): one fp32 momentum buffer, 4 bytes per
-    element where Adam keeps 8 (`adam_moments` then holds both optimizers' moments).
+    element where Adam keeps 8 (`adam_moments` then holds both optimizers' moments); offloaded, that buffer is on
+    the host with a bf16 staging buffer for the update (`paratrain.parallel.muon.HostUpdates`): 14 bytes per
+    element of the shard there, not 16.
     """
     param_bytes = DTYPE_BYTES[precision]
     grad_bytes = DTYPE_BYTES[reduce_dtype or precision]
@@ -103,11 +107,11 @@ def model_state_bytes(num_params: float, dp: int = 1, zero: int = 0, precision: 
     psi, n = float(num_params), dp
     shard = psi / (n if zero >= 1 else 1)  # what this rank's optimizer steps
     params, grads = param_bytes * psi / (n if zero >= 3 else 1), grad_bytes * psi / (n if zero >= 2 else 1)
-    if offload:
-        return ModelStates(0.0 if offload == "params" else params, grads, 0.0, 0.0,
-                           host=(MASTER_BYTES + ADAM_MOMENT_BYTES + MASTER_BYTES) * shard)
     muon = muon_params / (n if zero >= 1 else 1)
     moments = ADAM_MOMENT_BYTES * (shard - muon) + MUON_MOMENT_BYTES * muon
+    if offload:  # the master (or the shard itself), the moments and the gradient's buffer
+        return ModelStates(0.0 if offload == "params" else params, grads, 0.0, 0.0,
+                           host=2 * MASTER_BYTES * shard + moments + MUON_UPDATE_BYTES * muon)
     return ModelStates(params, grads, master * shard, moments)
 
 

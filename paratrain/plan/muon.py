@@ -6,16 +6,24 @@ Adam keeps 8), and each matrix's Newton–Schulz iteration (5 steps of X Xᵀ, a
 product with X: 4m²n + 2m³ FLOPs per step for m ≤ n) runs once per step on one of the ranks sharing it, so
 a rank's share is the stage's total over its data × tp ranks. The exchange that brings each matrix to its
 owner and the result back sends bf16 pieces over the data axis (`muon_sent_bytes`).
+
+Offloaded (`--offload`), the momentum lives on the host beside the masters with a bf16 staging buffer for the
+update (`paratrain.plan.model_states.model_state_bytes`: 14 bytes per element there, AdamW's 16), the host steps
+the momentum and applies the orthogonalized update (`MUON_HOST_BYTES`), the update crosses the host link out and
+back in bf16, and the iteration stays on the device (`paratrain.plan.compute.offload_seconds`).
 """
 
 from __future__ import annotations
 
 from paratrain.models.configs import ModelConfig
 from paratrain.plan import moe
-from paratrain.plan.model_states import layers_on_stage
+from paratrain.plan.model_states import MUON_UPDATE_BYTES as UPDATE_BYTES, layers_on_stage
 from paratrain.parallel.rules import MUON_NS_STEPS as NS_STEPS, newton_schulz_flops
-MUON_MOMENT_BYTES = 4  # one fp32 momentum buffer per element
-UPDATE_BYTES = 2  # the pieces travel in bf16 (the iteration's own first rounding)
+# Host bytes per element of Muon's offloaded step, pass by pass (`paratrain.parallel.muon.Muon._muon_step`): the
+# momentum's lerp (gradient and momentum read, momentum written: 12), the Nesterov lerp into a temporary (12), its
+# rounding into the bf16 staging buffer (6), the weight decay (master read and written: 8) and the update's
+# application (master and bf16 update read, master written: 10).
+MUON_HOST_BYTES = 12 + 12 + 6 + 8 + 10
 
 
 def check_optimizer(optimizer: str, model: ModelConfig | None) -> None:

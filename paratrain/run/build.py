@@ -126,13 +126,6 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
         raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
                           f"bf16 for what it does not cast")
-    if cfg.train.optimizer == "muon":
-        from paratrain.parallel.muon import MuonConfigError, check_offload
-
-        try:
-            check_offload(cfg.parallel.offload)
-        except MuonConfigError as e:
-            raise ConfigError(str(e)) from None
     if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
         raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
                           f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")

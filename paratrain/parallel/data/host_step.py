@@ -81,9 +81,9 @@ class HostStep:
     """The worker thread's steps of one `HostMasters` and the waits for them (`launch`, `wait`, `settle`)."""
 
     def __init__(self, engine, values: list[torch.Tensor], groups: list[list[int]], device: torch.device,
-                 threads: int):
+                 threads: int | None):
         self.engine, self.values, self.groups, self.device = engine, values, groups, device
-        self.threads = threads if device.type == "cuda" else None  # on a CPU run the host is the device: as it is
+        self.threads = threads  # (None: as they are)
         self._group_of = {i: g for g, held in enumerate(groups) for i in held}
         self._ready = [threading.Event() for _ in groups]
         self._copied: list[torch.cuda.Event | None] = [None] * len(groups)  # a group's values on the device

@@ -24,10 +24,11 @@ One optimizer step, in `paratrain.parallel.model.ParallelModel`'s order:
    group where the unit begins (ZeRO-1/2 over several ranks: for the groups of the buckets
    it reads, then their all-gather, `HostPlaced.bring`). The host step uses `threads` intra-op threads (a launcher sets
    one per process; the host step is a pass over 28 bytes per parameter and wants the node's
-   cores, shared by its ranks);
+   cores, shared by its ranks; on a CPU run the host is the device, and its threads stay as they are);
 4. any other optimizer: `gradients_to_host` (each master's gradient into its host buffer,
    asynchronously into pinned memory, waited for once), the optimizer steps every host master
-   in the caller's thread, and the engine's post-step path reads the values from the host
+   in the caller's thread (Muon: its Newton–Schulz iteration on the device, `paratrain.parallel.muon`),
+   and the engine's post-step path reads the values from the host
    copies (`keep_master_values`): DDP copies them into the parameters, ZeRO-1/2 into its
    all-gather, ZeRO-3 into its shards.
 
@@ -203,8 +204,9 @@ class HostMasters:
         if copies:
             self.pinned = can_pin(device)
             shapes = [m.shape for m in masters]
-            self.values = host_tensors(shapes, torch.float32, self.pinned)
-            self._grads: list[torch.Tensor] | None = host_tensors(shapes, torch.float32, self.pinned)
+            dtype = masters[0].dtype if masters else torch.float32  # the precision's master dtype (fp32, or fp64)
+            self.values = host_tensors(shapes, dtype, self.pinned)
+            self._grads: list[torch.Tensor] | None = host_tensors(shapes, dtype, self.pinned)
             with torch.no_grad():
                 for value, master in zip(self.values, masters):
                     value.copy_(master)
@@ -212,7 +214,8 @@ class HostMasters:
         else:
             self.values, self._grads = masters, None
             self.pinned = bool(masters) and masters[0].is_pinned()
-        self.threads = threads or host_threads()
+        # The host step's intra-op threads; on a CPU run the host is the device, whose threads stay as they are.
+        self.threads = (threads or host_threads()) if device.type == "cuda" else None
         self._threads_before: int | None = None
         # The overlapped step (`host_step.py`): groups of masters by the units of `module` (None: one group).
         groups, units = step_groups(module, engine.master_names()) if module is not None else \
@@ -270,7 +273,7 @@ class HostMasters:
     def begin_step(self) -> None:
         """The host step's threads on (restored by `end_step`)."""
         self._threads_before = torch.get_num_threads()
-        if self.threads != self._threads_before:
+        if self.threads is not None and self.threads != self._threads_before:
             torch.set_num_threads(self.threads)
 
     def end_step(self) -> None:
