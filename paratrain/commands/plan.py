@@ -332,8 +332,8 @@ def format_memory(memory: MemoryBreakdown, limit: float | None = None) -> str:
     if not memory.gradients_meet_activations:
         lines.append("  (a peak, not the sum: the gradients are born as backward frees the activations)")
     if memory.host:
-        lines.append(f"  host (offloaded)   {_gb(memory.host):>12}   = fp32 master, Adam moments and gradient "
-                     f"buffer per rank, in host memory")
+        lines.append(f"  host (offloaded)   {_gb(memory.host):>12}   = fp32 master, optimizer state (Adam's moments; "
+                     f"Muon's momentum and bf16 update) and gradient buffer per rank, in host memory")
     return "\n".join(lines)
 
 
