@@ -277,17 +277,17 @@ def _lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, in
     from paratrain.parallel.lora import LoRAError, convert_to_lora, lora_init, refusal, unsupported_with_lora
 
     mesh = comm.mesh
-    unsupported = unsupported_with_lora(zero=data.zero, tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
+    unsupported = unsupported_with_lora(tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
                                         ep=mesh.size(Axis.EP), fp8=fp8)
     if unsupported:
         raise ParallelConfigError(refusal(unsupported))
     if init is None and any(p.is_meta for p in model.parameters()):
         init = _default_init(model)
     try:
-        names = convert_to_lora(model, lora, policy.param_dtype, init, mesh.device)
+        names = convert_to_lora(model, lora, policy.param_dtype, mesh.device)
     except LoRAError as e:
         raise ParallelConfigError(str(e)) from None
-    return names, lora_init(init, lora.seed)
+    return names, lora_init(init, lora.seed, model, mesh.device)
 
 
 def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,
