@@ -45,6 +45,15 @@ def check_lora(rank: int | None, base_dtype: str | None, model: ModelConfig | No
         raise PlanError("--lora: the planner models LoRA on dense models; a mixture of experts is not modelled yet")
 
 
+def run_options(model: ModelConfig, rank: int | None, base_dtype: str | None, targets: str | None) -> dict:
+    """A run's LoRA options (`--lora`, `--base-dtype`, `--lora-targets`) as `Workload` fields: the planner models
+    every block linear adapted, so a run naming its targets is planned with that many adapters and its base in
+    the compute dtype, and a mixture of experts as if every parameter trained (no fewer bytes than the run holds)."""
+    if not rank or model.is_moe:
+        return {}
+    return {"lora": rank, "base_dtype": None if targets else (base_dtype or None)}
+
+
 def lora_violation(workload, layout) -> str | None:
     """Why a layout cannot run `workload`'s LoRA (`paratrain.parallel.lora.unsupported_with_lora`), or None."""
     if not workload.lora:
