@@ -217,6 +217,22 @@ def test_a_lora_run_resumes_from_its_checkpoint_as_if_never_stopped(base_dtype, 
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), "the checkpoint holds the adapters only"
 
 
+def test_a_qlora_checkpoint_resumes_under_zero3(tmp_path, capsys):
+    """The base's fingerprint is the whole frozen model's under every layout (ZeRO-3 gathers it), and ZeRO-3's
+    masters are the adapters alone: a ZeRO-0 run's checkpoint resumes at --zero 3 and its steps go on as before."""
+    nf4 = ["--base-dtype", "nf4", "--lora-dropout", "0"]  # (the RNG a layout restores is its own layout's)
+    full = tmp_path / "full"
+    assert main(["train", *RUN, *nf4, "--steps", "4", "--checkpoint-every", "2", "--out", str(full)]) == 0
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    capsys.readouterr()
+    assert main(["train", *RUN, *nf4, "--zero", "3", "--steps", "4", "--checkpoint-every", "2", "--load-step", "2",
+                 "--out", str(cut)]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    records = [[r["loss"] for r in read_metrics(run / "metrics.jsonl")] for run in (full, cut)]
+    assert len(records[0]) == 4 and records[1] == records[0]
+
+
 def test_resuming_adapters_over_another_base_is_refused(tmp_path, capsys):
     """Another --seed initializes another base (the adapters' checkpoint does not hold it)."""
     run = tmp_path / "run"
