@@ -12,7 +12,8 @@ import torch
 from paratrain.cli import main
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.lora import LoRA, convert_to_lora
-from paratrain.parallel.nf4 import NF4, bytes_per_parameter
+from paratrain.parallel.nf4 import NF4
+from paratrain.parallel.rules import nf4_bytes_per_parameter
 from paratrain.plan import Layout, PlanError, Workload, estimate_memory
 from paratrain.plan import lora as plan_lora
 from paratrain.plan.compute import stage_pass_times, step_flops
@@ -37,7 +38,7 @@ def test_nf4_bytes_per_parameter_are_the_codecs(dtype):
     weight = torch.randn(384, 2048, dtype=dtype)  # 12,288 blocks: 48 blocks of scales
     packed = NF4.encode(weight)
     mean = packed.mean.nbytes
-    assert (packed.nbytes() - mean) / weight.numel() == bytes_per_parameter(dtype.itemsize)
+    assert (packed.nbytes() - mean) / weight.numel() == nf4_bytes_per_parameter(dtype.itemsize)
     assert packed.rows().nbytes + packed.factors.nbytes == packed.nbytes() - mean
 
 
@@ -54,7 +55,7 @@ def test_only_the_adapters_hold_gradients_masters_and_optimizer_state(zero, base
     assert (lora.grads, lora.master_weights, lora.adam_moments) == (alone.grads, alone.master_weights,
                                                                      alone.adam_moments)
     targets = CFG.n_layers * plan_lora.target_params(CFG)
-    stored = {None: 2, "bf16": 2, "nf4": bytes_per_parameter(2)}[base_dtype]
+    stored = {None: 2, "bf16": 2, "nf4": nf4_bytes_per_parameter(2)}[base_dtype]
     frozen = (targets * stored + (psi - targets) * 2) / (dp if zero == 3 else 1)
     assert lora.params == pytest.approx(alone.params + frozen)
 

@@ -27,7 +27,7 @@
 A model built on the meta device gets its values from the initializer `parallelize` uses (`lora_init` wraps it:
 the adapters' values come from their own seeded generators, and an NF4 base's from its weight's initial value,
 encoded on the device when its parameters are materialized, or sharded, one weight at a time).
-Which strategies honour LoRA yet: `unsupported_with_lora`.
+Which strategies honour LoRA yet: `paratrain.parallel.rules.unsupported_with_lora`.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from torch import nn
 
 from paratrain.errors import ParatrainError
 from paratrain.parallel.blocks import unit_modules
-from paratrain.parallel.nf4 import BLOCK_SIZE, NF4, SCALER_BLOCK_SIZE, check_encodable
+from paratrain.parallel.nf4 import NF4, check_encodable
+from paratrain.parallel.rules import LORA_BASE_DTYPES, NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 
-BASE_DTYPES = ("bf16", "nf4")
 ADAPTERS = ("lora_A", "lora_B")
 
 
@@ -86,31 +86,12 @@ class LoRA:
             object.__setattr__(self, "targets", tuple(t.strip() for t in self.targets))
             if not self.targets:
                 raise LoRAError("the LoRA targets are empty; name module patterns, or None for every block linear")
-        if self.base_dtype not in (None, *BASE_DTYPES):
+        if self.base_dtype not in (None, *LORA_BASE_DTYPES):
             raise LoRAError(f"base_dtype={self.base_dtype!r}: use None (the compute dtype), 'bf16' or 'nf4'")
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
-
-
-def unsupported_with_lora(tp: int = 1, ep: int = 1, fp8=None) -> list[str]:
-    """The strategies of a layout that do not honour LoRA yet, by their options' names (empty: it runs).
-
-    DDP and ZeRO-1/2/3 (hybrid sharding too) reduce and shard only the parameters that train, so the adapters
-    alone (ZeRO-3 shards and gathers the frozen base too, at its stored bytes, and never reduces it), and so do the
-    pipeline's stages, the context-parallel ring, the optimizer's offload to the host, full and selective
-    recomputation and compiled blocks (each tested against one process). The tensor-parallel plan splits a base
-    linear and loses its adapters; expert parallelism is untested with frozen parameters; FP8 converts the same
-    linears.
-    """
-    asked = {"--tp": tp > 1, "--ep": ep > 1, "--fp8": bool(fp8)}
-    return [name for name, on in asked.items() if on]
-
-
-def refusal(names: list[str]) -> str:
-    return (f"LoRA with {', '.join(names)} is not supported yet (it runs with DDP, ZeRO-1/2/3, pipeline and context "
-            f"parallelism, offload, recomputation and compile); drop {'it' if len(names) == 1 else 'them'}")
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -281,9 +262,9 @@ def _encode_base(module: LoRALinear, dtype: torch.dtype, device) -> None:
     weight = module.weight
     check_encodable(weight.shape, dtype)
     if weight.is_meta:
-        blocks = weight.numel() // BLOCK_SIZE
-        parts = (torch.empty(blocks, BLOCK_SIZE // 2 + 1, dtype=torch.uint8, device="meta"),
-                 torch.empty(-(-blocks // SCALER_BLOCK_SIZE), dtype=dtype, device="meta"),
+        blocks = weight.numel() // NF4_BLOCK_SIZE
+        parts = (torch.empty(blocks, NF4_BLOCK_SIZE // 2 + 1, dtype=torch.uint8, device="meta"),
+                 torch.empty(-(-blocks // NF4_SCALER_BLOCK_SIZE), dtype=dtype, device="meta"),
                  torch.empty((), dtype=dtype, device="meta"))
         packed = None
     else:
@@ -292,7 +273,7 @@ def _encode_base(module: LoRALinear, dtype: torch.dtype, device) -> None:
     del module.weight
     for name, tensor in zip(NF4_PARTS, parts):
         module.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
-    module.nf4 = (weight.shape, dtype, BLOCK_SIZE, SCALER_BLOCK_SIZE)
+    module.nf4 = (weight.shape, dtype, NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:

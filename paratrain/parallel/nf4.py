@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.errors import ParatrainError
+from paratrain.parallel.rules import NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 
-BLOCK_SIZE = 64
-SCALER_BLOCK_SIZE = 256
 # The 16 NF4 levels (QLoRA's quantiles of N(0, 1), normalized to [-1, 1]) as torchao writes them.
 LEVELS = (-1.0000, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0000,
           0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0000)
@@ -58,13 +57,13 @@ class NF4:
     mean: torch.Tensor  # dtype []: the mean of the block absmaxes
     shape: torch.Size
     dtype: torch.dtype
-    block_size: int = BLOCK_SIZE
-    scaler_block_size: int = SCALER_BLOCK_SIZE
+    block_size: int = NF4_BLOCK_SIZE
+    scaler_block_size: int = NF4_SCALER_BLOCK_SIZE
 
     @classmethod
     @torch.no_grad()
-    def encode(cls, weight: torch.Tensor, block_size: int = BLOCK_SIZE,
-               scaler_block_size: int = SCALER_BLOCK_SIZE) -> NF4:
+    def encode(cls, weight: torch.Tensor, block_size: int = NF4_BLOCK_SIZE,
+               scaler_block_size: int = NF4_SCALER_BLOCK_SIZE) -> NF4:
         check_encodable(weight.shape, weight.dtype, block_size)
         flat = weight.detach().contiguous().flatten()
         n_blocks = flat.numel() // block_size
@@ -104,7 +103,8 @@ class NF4:
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor, shape: torch.Size,
-                  dtype: torch.dtype, block_size: int = BLOCK_SIZE, scaler_block_size: int = SCALER_BLOCK_SIZE) -> NF4:
+                  dtype: torch.dtype, block_size: int = NF4_BLOCK_SIZE,
+                  scaler_block_size: int = NF4_SCALER_BLOCK_SIZE) -> NF4:
         """The weight whose `rows` (views: nothing copied), factors and mean these are."""
         return cls(rows[:, :-1], rows[:, -1].view(torch.int8), factors, mean.reshape(()), torch.Size(shape), dtype,
                    block_size, scaler_block_size)
@@ -121,14 +121,7 @@ class NF4:
                    scaler_block_size=self.scaler_block_size)
 
 
-def bytes_per_parameter(dtype_bytes: int, block_size: int = BLOCK_SIZE,
-                        scaler_block_size: int = SCALER_BLOCK_SIZE) -> float:
-    """Bytes of an NF4 weight per element: its codes (1/2), its int8 scales (1/block_size) and its factors in the
-    weight's dtype (one per block of scales; the one mean is left out)."""
-    return 0.5 + 1 / block_size + dtype_bytes / (block_size * scaler_block_size)
-
-
-def check_encodable(shape, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> None:
+def check_encodable(shape, dtype: torch.dtype, block_size: int = NF4_BLOCK_SIZE) -> None:
     """NF4Error (one line) for a weight NF4 cannot hold: not floating point, or not whole blocks."""
     if not dtype.is_floating_point:
         raise NF4Error(f"NF4 encodes floating-point weights, not {dtype}")

@@ -7,13 +7,15 @@ every linear of every block (attention's q, k, v, o and the MLP's three), the re
 - Model states. The adapters (r · (in + out) per linear) train as any parameters do (`model_state_bytes`: their
   masters, gradients and optimizer state, sharded by the ZeRO stage). The frozen base has no gradient, no master and
   no optimizer state: its target weights cost their stored bytes (the compute dtype's, bf16's 2, or NF4's
-  `paratrain.parallel.nf4.bytes_per_parameter`: about 0.52), the rest (embeddings, norms, head) the compute dtype's;
+  `paratrain.parallel.rules.nf4_bytes_per_parameter`: about 0.52), the rest (embeddings, norms, head) the compute dtype's;
   ZeRO-3 shards all of it over its shard group, the other stages hold it whole.
 - Communication buffers under ZeRO-3: the gathered units at those stored bytes (an NF4 block gathers its 4-bit
   rows), the gradients in flight the adapters' alone.
-- Activations: each adapted linear also keeps A's output (b · s · r) for B's backward; the frozen matmuls keep
-  what the plain model's keep (their input is A's too). An NF4 matmul decodes its weight for itself, forward and
-  backward: one weight in the compute dtype and its int32 code indices (2 bytes a parameter) live meanwhile.
+- Activations: each adapted linear also keeps A's output (b · s · r) for B's backward; a frozen matmul keeps no
+  input for a weight gradient, but A keeps that same input; a frozen norm's weight takes no gradient, so the
+  normalized value it scales (p · h a token, `paratrain.plan.activations.block_bytes_as_run`) is not kept, in each
+  block's two norms and the final one. An NF4 matmul decodes its weight for itself, forward and backward: one
+  weight in the compute dtype and its int32 code indices (2 bytes a parameter) live meanwhile.
 - Time: a frozen weight's backward computes the input gradient only (no weight gradient), the adapters' six small
   matmuls are added, and an NF4 weight is decoded twice a micro-batch (memory-bound).
 """
@@ -21,8 +23,7 @@ every linear of every block (attention's q, k, v, o and the MLP's three), the re
 from __future__ import annotations
 
 from paratrain.models.configs import ModelConfig
-from paratrain.parallel.lora import BASE_DTYPES, refusal, unsupported_with_lora
-from paratrain.parallel.nf4 import bytes_per_parameter
+from paratrain.parallel.rules import LORA_BASE_DTYPES, lora_refusal, nf4_bytes_per_parameter, unsupported_with_lora
 from paratrain.plan.errors import PlanError
 from paratrain.plan.model_states import (DTYPE_BYTES, ModelStates, block_param_count, layers_on_stage,
                                          model_state_bytes, stage_param_count)
@@ -37,8 +38,8 @@ def check_lora(rank: int | None, base_dtype: str | None, model: ModelConfig | No
         return
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise PlanError(f"--lora must be a positive integer, got {rank!r}")
-    if base_dtype not in (None, *BASE_DTYPES):
-        raise PlanError(f"--base-dtype {base_dtype!r} is not one of: {', '.join(BASE_DTYPES)}")
+    if base_dtype not in (None, *LORA_BASE_DTYPES):
+        raise PlanError(f"--base-dtype {base_dtype!r} is not one of: {', '.join(LORA_BASE_DTYPES)}")
     if model is None:
         raise PlanError("--lora needs the model's shape (--model or --n-layers/--dim/--n-heads), not --params")
     if model.is_moe:
@@ -55,11 +56,11 @@ def run_options(model: ModelConfig, rank: int | None, base_dtype: str | None, ta
 
 
 def lora_violation(workload, layout) -> str | None:
-    """Why a layout cannot run `workload`'s LoRA (`paratrain.parallel.lora.unsupported_with_lora`), or None."""
+    """Why a layout cannot run `workload`'s LoRA (`paratrain.parallel.rules.unsupported_with_lora`), or None."""
     if not workload.lora:
         return None
     unsupported = unsupported_with_lora(tp=layout.tp, ep=layout.ep, fp8=workload.fp8)
-    return refusal(unsupported) if unsupported else None
+    return lora_refusal(unsupported) if unsupported else None
 
 
 def target_shapes(model: ModelConfig) -> list[tuple[int, int]]:
@@ -81,7 +82,7 @@ def target_params(model: ModelConfig) -> int:
 def base_bytes(workload) -> float:
     """Bytes per parameter of an adapted linear's frozen weight as stored."""
     compute = DTYPE_BYTES[workload.precision]
-    return {None: compute, "bf16": 2, "nf4": bytes_per_parameter(compute)}[workload.base_dtype]
+    return {None: compute, "bf16": 2, "nf4": nf4_bytes_per_parameter(compute)}[workload.base_dtype]
 
 
 def stage_states(workload, layout, stage: int) -> ModelStates:
@@ -127,8 +128,15 @@ def zero3_units(workload) -> tuple[float, float]:
 
 
 def activation_bytes_per_layer(workload, tokens: float) -> float:
-    """What LoRA adds to one layer's activations: A's output of each adapted linear, kept for B's backward."""
-    return len(target_shapes(workload.model)) * tokens * workload.lora * DTYPE_BYTES[workload.precision]
+    """What LoRA changes in one layer's activations: A's output of each adapted linear, kept for B's backward, less
+    the normalized values of the two frozen norms (no weight gradient reads them)."""
+    p = DTYPE_BYTES[workload.precision]
+    return tokens * p * (len(target_shapes(workload.model)) * workload.lora - 2 * workload.model.dim)
+
+
+def final_norm_bytes(workload, tokens: float) -> float:
+    """What LoRA changes in the last stage's own activations: the frozen final norm's normalized value, not kept."""
+    return -tokens * DTYPE_BYTES[workload.precision] * workload.model.dim
 
 
 def decode_bytes(workload) -> float:

@@ -402,6 +402,8 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
         kept, loss_transient = loss_stage_bytes(s // lay.cp * b, model.dim, model.vocab_size, lay.tp,
                                                 lay.sequence_parallel, workload.precision,
                                                 workload.flash_attention and lay.cp == 1, workload.loss_chunk)
+        if workload.lora:
+            kept += lora.final_norm_bytes(workload, s // lay.cp * b)
         total, transient = total + kept * in_flight, max(transient, loss_transient)
     total += transient
     if lay.cp > 1:
