@@ -60,6 +60,18 @@ def test_only_the_adapters_hold_gradients_masters_and_optimizer_state(zero, base
     assert lora.params == pytest.approx(alone.params + frozen)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_lora_keeps_the_adapters_outputs_and_not_the_frozen_norms_values(recompute):
+    """Per token and layer, A's output of each of the 7 adapted linears (kept unless the layer is recomputed whole),
+    less the two frozen norms' normalized values where an eager block keeps them (no recomputation); the final
+    norm's, whatever the mode (it is no block's)."""
+    tokens, p = 64, 2
+    plain = estimate_memory(Workload.for_model(CFG, seq_len=tokens), Layout(recompute=recompute)).activations
+    lora = estimate_memory(Workload.for_model(CFG, seq_len=tokens, lora=8), Layout(recompute=recompute)).activations
+    per_layer = {"none": 7 * 8 - 2 * CFG.dim, "selective": 7 * 8, "full": 0}[recompute] * tokens * p
+    assert 0 < lora == plain + CFG.n_layers * per_layer - tokens * p * CFG.dim
+
+
 def test_a_frozen_weight_computes_no_weight_gradient():
     """Per token, 2 FLOPs per parameter of every frozen matmul fewer than the whole model's 6, 6 per adapter
     parameter more; in time, the backward of a micro-batch loses the blocks' weight-gradient matmuls and gains the

@@ -23,7 +23,8 @@ every linear of every block (attention's q, k, v, o and the MLP's three), the re
 from __future__ import annotations
 
 from paratrain.models.configs import ModelConfig
-from paratrain.parallel.rules import LORA_BASE_DTYPES, lora_refusal, nf4_bytes_per_parameter, unsupported_with_lora
+from paratrain.parallel.rules import (LORA_BASE_DTYPES, Recompute, lora_refusal, nf4_bytes_per_parameter,
+                                      unsupported_with_lora)
 from paratrain.plan.errors import PlanError
 from paratrain.plan.model_states import (DTYPE_BYTES, ModelStates, block_param_count, layers_on_stage,
                                          model_state_bytes, stage_param_count)
@@ -127,11 +128,16 @@ def zero3_units(workload) -> tuple[float, float]:
     return max(block, root), adapters * DTYPE_BYTES[workload.reduce_dtype or workload.precision]
 
 
-def activation_bytes_per_layer(workload, tokens: float) -> float:
-    """What LoRA changes in one layer's activations: A's output of each adapted linear, kept for B's backward, less
-    the normalized values of the two frozen norms (no weight gradient reads them)."""
+def activation_bytes_per_layer(workload, tokens: float, recompute: Recompute, compiled: bool) -> float:
+    """What LoRA changes in one layer's activations as `recompute` keeps them: A's output of each adapted linear,
+    kept for B's backward (a matmul's output: selective recomputation keeps it too; full keeps the layer's input
+    alone), less, where an eager block keeps its norms' normalized values (no recomputation), those of the two
+    frozen norms (no weight gradient reads them)."""
+    if recompute is Recompute.FULL:
+        return 0.0
     p = DTYPE_BYTES[workload.precision]
-    return tokens * p * (len(target_shapes(workload.model)) * workload.lora - 2 * workload.model.dim)
+    norms = 2 * workload.model.dim if recompute is Recompute.NONE and not compiled else 0
+    return tokens * p * (len(target_shapes(workload.model)) * workload.lora - norms)
 
 
 def final_norm_bytes(workload, tokens: float) -> float:

@@ -395,7 +395,7 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
                                                   lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
                                                   workload.moe_imbalance)
     if workload.lora:
-        per_layer += lora.activation_bytes_per_layer(workload, s // lay.cp * b)
+        per_layer += lora.activation_bytes_per_layer(workload, s // lay.cp * b, lay.recompute, lay.compile)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
     transient = max(recompute_working_bytes(workload, layout), lora.decode_bytes(workload) if workload.lora else 0.0)
     if stage == lay.pp - 1:  # the loss's transient comes before any block's backward: never beside a recomputed one
