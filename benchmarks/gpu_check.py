@@ -24,6 +24,9 @@ status is 1 if any row failed. About 3 minutes on one H100/H200.
   iteration on the device, against Muon on the device (ZeRO-1): losses within 1e-3, the update's staging pinned.
 - world 1, bf16: DDP, ZeRO-1/2/3 and tensor parallelism (the reference plan at tp 1) against one plain
   PyTorch process (autocast bf16, fp32 weights, AdamW): largest relative loss difference.
+- world 1 LoRA ZeRO-0 / QLoRA ZeRO-3: `parallelize(lora=LoRA(8))` with a bf16 base under DDP, and with an NF4 base
+  under ZeRO-3 (its 4-bit rows gathered and decoded on the GPU), bf16, against one plain PyTorch process over the
+  model `convert_to_lora` made (autocast bf16, AdamW over the adapters): largest relative loss difference.
 - checkpoint: saved mid-run and loaded into a fresh model, the next steps bit-equal, with AdamW and fused
   AdamW (whose step count must be loaded onto the GPU).
 - fused loss fp32 / bf16: the loss with the head fused in (chunks of 1,024 tokens, logits recomputed in backward)
@@ -82,6 +85,8 @@ LAYOUTS_2 = {**{f"dp2_zero{z}": {"dp": 2, "zero": z} for z in range(4)}, "tp2": 
              "tp2_sp": {"tp": 2, "sp": True},
              **{f"pp2_{s}": {"pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "interleaved", "zb-h1")}}
 TOL = 2e-2  # bf16 keeps 8 bits of mantissa: a few steps stay within 2% of the autocast reference
+LORA_RANK = 8  # the LoRA rows' adapters
+LORA_ROWS = {"LoRA zero0": (None, 0), "QLoRA zero3": ("nf4", 3)}  # name: (base dtype, ZeRO stage)
 LEFT_TOL = 1e-2  # of a dropped model's bytes, what may stay allocated (nothing of it should)
 
 
@@ -129,6 +134,7 @@ def paratrain_losses(cfg: ModelConfig, data, layout: dict) -> list[float]:
 
     mesh = paratrain.init_mesh(dp=layout.get("dp"), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
     schedule = layout.get("schedule", "1f1b")
+    lora = paratrain.LoRA(LORA_RANK, base_dtype=layout["base_dtype"]) if "base_dtype" in layout else None
     model, optimizer = paratrain.parallelize(
         model_on_meta(cfg), mesh, optimizer=paratrain.MuonRecipe() if layout.get("optimizer") == "muon" else adamw,
         precision="bf16",
@@ -138,7 +144,8 @@ def paratrain_losses(cfg: ModelConfig, data, layout: dict) -> list[float]:
                               sequence_parallel=layout.get("sp", False)),
         pipeline=PipelineParallel(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1),
         compile=layout.get("compile", False), activation_checkpointing=layout.get("recompute", 0),
-        init=functools.partial(model_on_meta(cfg).param_init, seed=0), fp8=layout.get("fp8"), fp8_min_features=0)
+        init=functools.partial(model_on_meta(cfg).param_init, seed=0), fp8=layout.get("fp8"), fp8_min_features=0,
+        lora=lora)
     dp, rank = mesh.size("dp"), mesh.coord("dp")
     losses = []
     for x, y in data:
@@ -148,6 +155,41 @@ def paratrain_losses(cfg: ModelConfig, data, layout: dict) -> list[float]:
         pieces = [(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)]
         losses.append(train_step(model, optimizer, pieces, 1.0).loss)
     return losses
+
+
+def lora_reference_losses(cfg: ModelConfig, data, device, base_dtype: str | None) -> list[float]:
+    """One plain PyTorch process over the model `convert_to_lora` made, its frozen base in bf16 (or NF4) as a bf16
+    run stores it: autocast bf16, AdamW over the adapters, global-norm clipping."""
+    from paratrain.parallel.lora import convert_to_lora
+
+    model = model_on_meta(cfg).to_empty(device=device)
+    model.init_weights(0)
+    convert_to_lora(model, paratrain.LoRA(LORA_RANK, base_dtype=base_dtype), torch.bfloat16)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw(adapters)
+    losses = []
+    for x, y in data:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(adapters, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _lora_rows(device, steps: int) -> list:
+    data = batches(CHECK, steps, 8, 64, device)
+
+    def row(base_dtype, zero):
+        losses = paratrain_losses(CHECK, data, {"zero": zero, "base_dtype": base_dtype})
+        diff = relative_difference(losses, lora_reference_losses(CHECK, data, device, base_dtype))
+        return {"passed": diff <= TOL, "losses": losses, "rel_diff": diff,
+                "detail": f"loss rel diff {diff:.1e} vs one plain PyTorch process (tol {TOL:g})"}
+
+    return [(f"world 1 {name}", functools.partial(row, *case)) for name, case in LORA_ROWS.items()]
 
 
 def relative_difference(a: list[float], b: list[float]) -> float:
@@ -946,6 +988,7 @@ def rows(device, args, profile: Path) -> list:
         ("elastic launcher", lambda: check_launcher(device, args.train_steps)),
         ("memory snapshot", lambda: check_memory_snapshot(device)),
         *_world1_rows(device, steps),
+        *_lora_rows(device, steps),
         ("checkpoint round trip", lambda: _checkpoint_row(device, steps, False)),
         ("checkpoint round trip, fused AdamW", lambda: _checkpoint_row(device, steps, True)),
         *_release_rows(device, steps),

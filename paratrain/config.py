@@ -434,16 +434,17 @@ def _check_lora(cfg: Config) -> None:
             raise ConfigError(f"{', '.join(given)} without --lora RANK: the base is frozen only under LoRA; pass "
                               f"--lora RANK or drop {', '.join(given)}")
         return
-    from paratrain.parallel.lora import LoRAError, refusal, unsupported_with_lora
+    from paratrain.parallel.lora import LoRAError
+    from paratrain.parallel.rules import lora_refusal, unsupported_with_lora
 
     try:
         lora_options(cfg)
     except LoRAError as e:
         raise ConfigError(str(e).replace("the LoRA rank", "--lora").replace("the LoRA alpha", "--lora-alpha")
                           .replace("the LoRA dropout", "--lora-dropout")) from None
-    unsupported = unsupported_with_lora(zero=p.zero, tp=p.tp, ep=p.ep, fp8=p.fp8)
+    unsupported = unsupported_with_lora(tp=p.tp, ep=p.ep, fp8=p.fp8)
     if unsupported:
-        raise ConfigError(refusal(unsupported))
+        raise ConfigError(lora_refusal(unsupported))
 
 
 def lora_options(cfg: Config):

@@ -113,6 +113,7 @@ GPU_CHECK_ROWS = {
     "elastic launcher",
     "memory snapshot",
     *(f"world 1 {name}" for name in ("ddp", "zero1", "zero2", "zero3", "tp1_plan")),
+    "world 1 LoRA zero0", "world 1 QLoRA zero3",
     "checkpoint round trip", "checkpoint round trip, fused AdamW",
     *(f"memory given back zero{z}" for z in range(4)), "tiny step vs plain PyTorch", "world 2 NCCL layouts",
 }

@@ -50,9 +50,10 @@ def test_at_init_the_lora_model_computes_what_its_base_does(base_dtype):
     assert torch.equal(model(x), want)
 
 
+@pytest.mark.parametrize("zero", [0, 3])
 @pytest.mark.parametrize("base_dtype", BASES)
-def test_only_the_adapters_train_and_hold_optimizer_state(base_dtype):
-    model, optimizer = parallelize(make_model(), _one_rank_mesh(), optimizer=adamw,
+def test_only_the_adapters_train_and_hold_optimizer_state(base_dtype, zero):
+    model, optimizer = parallelize(make_model(), _one_rank_mesh(), optimizer=adamw, data=DataParallel(zero=zero),
                                    lora=LoRA(4, base_dtype=base_dtype, dropout=0.1))
     frozen = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]
               if not (n.endswith("lora_A.weight") or n.endswith("lora_B.weight"))}
@@ -71,6 +72,7 @@ def test_only_the_adapters_train_and_hold_optimizer_state(base_dtype):
     assert len(state) == len(adapters) and {p.shape for p in state} == {p.shape for p in adapters.values()}
     assert sum(t.numel() for s in state.values() for k, t in s.items() if k != "step") == \
         2 * sum(p.numel() for p in adapters.values())
+    assert sum(m.numel() for m in model.masters()) == sum(p.numel() for p in adapters.values())  # no master of the base
 
 
 def test_an_nf4_base_keeps_no_decoded_weight_for_backward():
@@ -167,8 +169,8 @@ def test_bad_lora_options_are_one_line_errors(make, match):
 
 
 def test_parallelize_refuses_a_strategy_that_does_not_honour_lora_yet():
-    with pytest.raises(ParallelConfigError, match="LoRA with --zero 3 is not supported yet"):
-        parallelize(make_model(), _one_rank_mesh(), data=DataParallel(zero=3), lora=LoRA(4))
+    with pytest.raises(ParallelConfigError, match="LoRA with --fp8 is not supported yet"):
+        parallelize(make_model(), _one_rank_mesh(), precision="bf16", fp8="tensorwise", lora=LoRA(4))
     with pytest.raises(ParallelConfigError, match="'wz' matches no linear"):
         parallelize(make_model(), _one_rank_mesh(), lora=LoRA(4, targets=("wz",)))
 
@@ -185,7 +187,6 @@ RUN = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", 
     (["--base-dtype", "nf4"], "--base-dtype without --lora RANK"),
     (["--lora-targets", "wq"], "--lora-targets without --lora RANK"),
     (["--lora", "4", "--lora-targets", "wz"], "--lora-targets: the LoRA target 'wz' matches no linear"),
-    (["--lora", "4", "--zero", "3"], "LoRA with --zero 3 is not supported yet"),
     (["--lora", "4", "--tp", "2", "--nproc", "2"], "LoRA with --tp is not supported yet"),
     (["--lora", "4", "--ep", "2", "--nproc", "2"], "LoRA with --ep is not supported yet"),
     (["--lora", "4", "--fp8", "tensorwise", "--precision", "bf16"], "LoRA with --fp8 is not supported yet"),
@@ -214,6 +215,22 @@ def test_a_lora_run_resumes_from_its_checkpoint_as_if_never_stopped(base_dtype, 
     index = json.loads((full / "checkpoints" / "step-00000002" / "index.json").read_text())
     names = [n for n in json.dumps(index).split('"') if n.startswith("model/")]
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), "the checkpoint holds the adapters only"
+
+
+def test_a_qlora_checkpoint_resumes_under_zero3(tmp_path, capsys):
+    """The base's fingerprint is the whole frozen model's under every layout (ZeRO-3 gathers it), and ZeRO-3's
+    masters are the adapters alone: a ZeRO-0 run's checkpoint resumes at --zero 3 and its steps go on as before."""
+    nf4 = ["--base-dtype", "nf4", "--lora-dropout", "0"]  # (the RNG a layout restores is its own layout's)
+    full = tmp_path / "full"
+    assert main(["train", *RUN, *nf4, "--steps", "4", "--checkpoint-every", "2", "--out", str(full)]) == 0
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    capsys.readouterr()
+    assert main(["train", *RUN, *nf4, "--zero", "3", "--steps", "4", "--checkpoint-every", "2", "--load-step", "2",
+                 "--out", str(cut)]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    records = [[r["loss"] for r in read_metrics(run / "metrics.jsonl")] for run in (full, cut)]
+    assert len(records[0]) == 4 and records[1] == records[0]
 
 
 def test_resuming_adapters_over_another_base_is_refused(tmp_path, capsys):

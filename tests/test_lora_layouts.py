@@ -1,4 +1,4 @@
-"""LoRA and QLoRA over two ranks (DDP, ZeRO-1/2, the optimizer offloaded, pipeline and context parallelism) against
+"""LoRA and QLoRA over two ranks (DDP, ZeRO-1/2/3 and hybrid sharding, the optimizer offloaded, pipeline and context parallelism) against
 one plain process: the same losses and adapters under fp32 AdamW's error model, the frozen base bit-unchanged, the
 optimizer state of the adapters only.
 
@@ -18,7 +18,9 @@ from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.parallel.lora import LoRA, convert_to_lora
 
 STEPS = 6
-CASES = [(0, None), (0, "nf4"), (1, None), (2, None), (2, "nf4")]  # (ZeRO stage, base dtype)
+# (ZeRO stage, base dtype, ranks of a shard group: 0 all of them, 1 hybrid sharding's replicas of whole shards)
+CASES = [(0, None, 0), (0, "nf4", 0), (1, None, 0), (2, None, 0), (2, "nf4", 0), (3, None, 0), (3, "bf16", 0),
+         (3, "nf4", 0), (3, None, 1), (3, "nf4", 1)]
 MESHES = {"pp2": MeshShape(pp=2), "cp2": MeshShape(cp=2), "dp2 offload": MeshShape(dp=2)}
 MESH_CASES = [(mesh, base_dtype) for mesh in MESHES for base_dtype in (None, "nf4")]
 LORA = dict(rank=4, alpha=8, targets=("attention.*", "w1", "w2"))
@@ -36,8 +38,8 @@ def _frozen(model) -> dict[str, torch.Tensor]:
 
 def _cases(rank, world):
     results = {}
-    for zero, base_dtype in CASES:
-        mesh = build_mesh(MeshShape(dp=world))
+    for zero, base_dtype, dp_shard in CASES:
+        mesh = build_mesh(MeshShape(dp=world, dp_shard=dp_shard))
         model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, lora=LoRA(**LORA, base_dtype=base_dtype),
                                        data=DataParallel(zero=zero, grad_reduction="sum"))
         before = _frozen(model)
@@ -45,7 +47,7 @@ def _cases(rank, world):
                               lambda t: model.comm.all_reduce(t, "dp"))
         after = _frozen(model)
         state = [t.numel() for s in optimizer.state.values() for k, t in s.items() if k != "step"]
-        results[zero, base_dtype] = (losses, _adapters(model.full_state_dict().items()),
+        results[zero, base_dtype, dp_shard] = (losses, _adapters(model.full_state_dict().items()),
                                      all(torch.equal(before[n], after[n]) for n in before) and before.keys() == after.keys(),
                                      sum(state), sum(m.numel() for m in model.masters()))
     for name, base_dtype in MESH_CASES:  # the trainer's step: its loss is the global batch's on every rank
@@ -78,17 +80,17 @@ def _reference(base_dtype):
     return _REFERENCE[base_dtype]
 
 
-@pytest.mark.parametrize("zero, base_dtype", CASES)
-def test_two_data_ranks_equal_one_process(zero, base_dtype):
+@pytest.mark.parametrize("zero, base_dtype, dp_shard", CASES)
+def test_two_data_ranks_equal_one_process(zero, base_dtype, dp_shard):
     ref_losses, ref_adapters = _reference(base_dtype)
     assert len(ref_adapters) == 2 * 3 * 6  # wq wk wv wo w1 w2 in each of 3 blocks
     for rank, results in enumerate(launch_once(_LAUNCH, 2, _cases, timeout=300)):
-        losses, adapters, frozen_unchanged, state, masters = results[zero, base_dtype]
+        losses, adapters, frozen_unchanged, state, masters = results[zero, base_dtype, dp_shard]
         assert_matches_reference(losses, adapters, ref_losses, ref_adapters, FP32_ADAMW, what=f"rank {rank}")
         assert frozen_unchanged, "a frozen tensor of the base moved"
-        # exp_avg and exp_avg_sq of the adapters this rank steps (ZeRO-1/2: its half of their rows), nothing more
+        # exp_avg and exp_avg_sq of the adapters this rank steps (ZeRO-1/2/3: its half of their rows), nothing more
         total = sum(t.numel() for t in ref_adapters.values())
-        assert masters == (total if zero == 0 else total // 2) and state == 2 * masters
+        assert masters == (total if zero == 0 or dp_shard == 1 else total // 2) and state == 2 * masters
 
 
 @pytest.mark.parametrize("mesh, base_dtype", MESH_CASES)

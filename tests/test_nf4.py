@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.parallel.nf4 import BLOCK_SIZE, LEVELS, NF4, NF4Error
+from paratrain.parallel.nf4 import LEVELS, NF4, NF4Error
+from paratrain.parallel.rules import NF4_BLOCK_SIZE as BLOCK_SIZE
 
 
 def _torchao_nf4(weight: torch.Tensor):

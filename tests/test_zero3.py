@@ -545,8 +545,9 @@ def test_frozen_parameter_gets_no_gradient():
     _plain_loss(model, 0, slice(None)).backward()
     finish(engine)
     grads = {name: m.grad for name, m in zip(engine.master_names(), engine.masters())}
-    assert grads["head.weight"] is None and grads["head.bias"] is not None
-    assert not model.head.weight.requires_grad
+    assert "head.weight" not in grads and grads["head.bias"] is not None  # no master, no gradient
+    assert engine.master_names() == [n for n, p in model.named_parameters() if p.requires_grad]
+    assert not model.head.weight.requires_grad and model.head.weight.grad is None
 
 
 def test_invalid_settings_raise_value_errors():

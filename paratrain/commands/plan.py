@@ -26,7 +26,7 @@ import json
 
 from paratrain.commands.options import given_options
 from paratrain.commands.plan_options import (
-    BATCH_OPTIONS, LAYOUT_OPTIONS, MODEL_OPTIONS, add_shared_options, hardware_from_args, layout_from_args,
+    BATCH_OPTIONS, LAYOUT_OPTIONS, LORA_OPTIONS, MODEL_OPTIONS, add_shared_options, hardware_from_args, layout_from_args,
     space_from_args, workload_from_args,
 )
 from paratrain.parallel import rules
@@ -34,7 +34,7 @@ from paratrain.plan.budget import budget, format_budget
 from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, Hardware, save_profile
 from paratrain.plan.memory import GB, LayoutError, MemoryBreakdown, PlanError, Recompute, Workload
 from paratrain.plan.moe import DEFAULT_IMBALANCE, is_moe
-from paratrain.plan.search import Estimate, SearchResult, estimate, layout_spec, search
+from paratrain.plan.search import Estimate, SearchResult, estimate, layout_spec, layout_violations, search
 from paratrain.plan.sizes import parse_count
 
 
@@ -62,6 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                             "1-byte dropout masks kept, a GPT block, Megatron's selective recompute of attention's "
                             "core)")
     add_shared_options(parser.add_argument_group("batch and precision"), BATCH_OPTIONS)
+    add_shared_options(parser.add_argument_group("LoRA (a frozen base, low-rank adapters that train)"), LORA_OPTIONS)
     layout = parser.add_argument_group("layout (with --gpus, any of these fixes that choice of the search)")
     layout.add_argument("--gpus", type=int, help="search every layout of this many GPUs")
     add_shared_options(layout, LAYOUT_OPTIONS)
@@ -205,7 +206,7 @@ def _run_single(args, opts: dict, workload: Workload, name: str, hardware: Hardw
     if workload.global_batch is None:
         workload = dataclasses.replace(workload, global_batch=layout.dp * layout.micro_batch)
     spec = layout_spec(workload, layout, gpus_per_node=hardware.gpus_per_node)
-    broken = rules.layout_violations(spec)
+    broken = layout_violations(workload, layout, gpus_per_node=hardware.gpus_per_node)
     errors = [v for v in broken if v.rule != "tp_node"]  # a tp across nodes runs, slowly: an infeasible estimate
     if errors:
         message = rules.explain(spec, errors[0])  # the degrees' rules name the nearest valid layouts

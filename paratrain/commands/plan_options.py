@@ -71,6 +71,11 @@ LAYOUT_OPTIONS = {
                              "(host bytes per rank shown), its step priced at the host's memory and PCIe rates; "
                              "params (--zero 3): the parameter shards too, copied to the device for each gather"),
 }
+LORA_OPTIONS = {
+    "lora.rank": ((), "off: every parameter trains; a rank: adapters on every block linear, the rest frozen "
+                      "(`paratrain.plan.lora`)"),
+    "lora.base_dtype": ((), ""),  # (train's help says it: the compute dtype by default)
+}
 PLAN_DEFAULTS = {"parallel.precision": "bf16"}  # (its help says so: OPTIONS' note)
 SIZES = ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
 
@@ -137,7 +142,8 @@ def workload_from_args(args, opts: dict) -> tuple[Workload, str]:
                       "parallel.precision"],
                   reduce_dtype=opts.get("parallel.reduce_dtype"), fp8=opts.get("parallel.fp8") or None,
                   loss_chunk=opts.get("parallel.loss_chunk", DEFAULT_LOSS_CHUNK),
-                  optimizer=opts.get("train.optimizer") or "adamw")
+                  optimizer=opts.get("train.optimizer") or "adamw", lora=opts.get("lora.rank"),
+                  base_dtype=opts.get("lora.base_dtype") or None)
     minimum = opts.get("parallel.fp8_min_features")
     if minimum is not None and minimum >= 0:  # (-1: the default, as `paratrain train` reads it)
         common["fp8_min_features"] = minimum

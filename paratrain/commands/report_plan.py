@@ -33,15 +33,17 @@ def planned_inputs(run: Run):
     from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
     from paratrain.parallel.rules import Checkpointing
     from paratrain.plan import Layout, Workload
+    from paratrain.plan.lora import run_options
 
     c = run.config
     try:
-        p, t, m = c["parallel"], c["train"], c["model"]
+        p, t, m, lora = c["parallel"], c["train"], c["model"], c.get("lora", {})
         sizes = {k: m[k] for k in _MODEL_SIZES if m.get(k) is not None}
         model = dataclasses.replace(get_model_config(m["name"]), **sizes)
         workload = Workload.for_model(model, seq_len=c["data"]["seq_len"], global_batch=t["global_batch"],
                                       precision=p.get("precision", "fp32"), reduce_dtype=p.get("reduce_dtype"),
-                                      **_fp8_options(run))
+                                      **_fp8_options(run),
+                                      **run_options(model, lora.get("rank"), lora.get("base_dtype"), lora.get("targets")))
         pp = p.get("pp") or 1
         layout = Layout(dp=run.dp, tp=p.get("tp") or 1, pp=pp, zero=p.get("zero", 0), dp_shard=p.get("dp_shard") or 0,
                         micro_batch=t["micro_batch"], sequence_parallel=bool(p.get("sequence_parallel")),

@@ -205,7 +205,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     lora: a `paratrain.parallel.lora.LoRA`: the model frozen and low-rank adapters added to its target linears
         (the base stored in the compute dtype, bf16 or NF4) before any strategy applies; only the adapters train
         (their names: `model.lora_targets`). Refused in one line with a strategy that does not honour it yet
-        (`paratrain.parallel.lora.unsupported_with_lora`).
+        (`paratrain.parallel.rules.unsupported_with_lora`).
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
@@ -274,20 +274,20 @@ def _lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, in
     `lora`; refused in one line with a strategy that does not honour it yet."""
     if lora is None:
         return [], init
-    from paratrain.parallel.lora import LoRAError, convert_to_lora, lora_init, refusal, unsupported_with_lora
+    from paratrain.parallel.lora import LoRAError, convert_to_lora, lora_init
 
     mesh = comm.mesh
-    unsupported = unsupported_with_lora(zero=data.zero, tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
+    unsupported = rules.unsupported_with_lora(tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
                                         ep=mesh.size(Axis.EP), fp8=fp8)
     if unsupported:
-        raise ParallelConfigError(refusal(unsupported))
+        raise ParallelConfigError(rules.lora_refusal(unsupported))
     if init is None and any(p.is_meta for p in model.parameters()):
         init = _default_init(model)
     try:
-        names = convert_to_lora(model, lora, policy.param_dtype, init, mesh.device)
+        names = convert_to_lora(model, lora, policy.param_dtype, mesh.device)
     except LoRAError as e:
         raise ParallelConfigError(str(e)) from None
-    return names, lora_init(init, lora.seed)
+    return names, lora_init(init, lora.seed, model, mesh.device)
 
 
 def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,

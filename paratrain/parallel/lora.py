@@ -19,11 +19,15 @@
 - base_dtype: None keeps the frozen base weights in the compute dtype; "bf16" stores them in bf16 (cast to the
   compute dtype for each matmul); "nf4" (QLoRA, Dettmers et al. 2023) stores each as NF4
   (`paratrain.parallel.nf4`: blocks of 64, double-quantized scales, torchao's format) and decodes it for its own
-  matmul only, in forward and again in backward, so no decoded weight outlives its matmul.
+  matmul only, in forward and again in backward, so no decoded weight outlives its matmul. An NF4 weight is three
+  frozen parameters: `weight_nf4` (its rows, `NF4.rows`: a block's codes and scale each), `weight_nf4_factors`
+  and `weight_nf4_mean`, which every strategy holds as it holds other frozen parameters (ZeRO-3 shards the rows
+  on whole blocks and gathers them in their 4-bit form).
 
 A model built on the meta device gets its values from the initializer `parallelize` uses (`lora_init` wraps it:
-the adapters' values come from their own seeded generators); an NF4 base is encoded from it here, one weight
-at a time, on the device. Which strategies honour LoRA yet: `unsupported_with_lora`.
+the adapters' values come from their own seeded generators, and an NF4 base's from its weight's initial value,
+encoded on the device when its parameters are materialized, or sharded, one weight at a time).
+Which strategies honour LoRA yet: `paratrain.parallel.rules.unsupported_with_lora`.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ from torch import nn
 from paratrain.errors import ParatrainError
 from paratrain.parallel.blocks import unit_modules
 from paratrain.parallel.nf4 import NF4, check_encodable
+from paratrain.parallel.rules import LORA_BASE_DTYPES, NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 
-BASE_DTYPES = ("bf16", "nf4")
 ADAPTERS = ("lora_A", "lora_B")
 
 
@@ -82,31 +86,12 @@ class LoRA:
             object.__setattr__(self, "targets", tuple(t.strip() for t in self.targets))
             if not self.targets:
                 raise LoRAError("the LoRA targets are empty; name module patterns, or None for every block linear")
-        if self.base_dtype not in (None, *BASE_DTYPES):
+        if self.base_dtype not in (None, *LORA_BASE_DTYPES):
             raise LoRAError(f"base_dtype={self.base_dtype!r}: use None (the compute dtype), 'bf16' or 'nf4'")
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
-
-
-def unsupported_with_lora(zero: int = 0, tp: int = 1, ep: int = 1, fp8=None) -> list[str]:
-    """The strategies of a layout that do not honour LoRA yet, by their options' names (empty: it runs).
-
-    DDP and ZeRO-1/2 (hybrid sharding too) reduce and shard only the parameters that train, so the adapters alone,
-    and so do the pipeline's stages, the context-parallel ring, the optimizer's offload to the host, full and
-    selective recomputation and compiled blocks (each tested against one process). ZeRO-3 would make masters and
-    shards of the frozen base and gather an NF4 base as whole weights; the tensor-parallel plan splits a base
-    linear and loses its adapters; expert parallelism is untested with frozen parameters; FP8 converts the same
-    linears.
-    """
-    asked = {"--zero 3": zero == 3, "--tp": tp > 1, "--ep": ep > 1, "--fp8": bool(fp8)}
-    return [name for name, on in asked.items() if on]
-
-
-def refusal(names: list[str]) -> str:
-    return (f"LoRA with {', '.join(names)} is not supported yet (it runs with DDP, ZeRO-1/2, pipeline and context "
-            f"parallelism, offload, recomputation and compile); drop {'it' if len(names) == 1 else 'them'}")
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -149,41 +134,70 @@ def is_adapter(name: str) -> bool:
     return len(parts) >= 2 and parts[-2] in ADAPTERS
 
 
-def lora_init(init: Callable | None, seed: int = 0) -> Callable | None:
-    """The initializer `init(name, shape)` with the adapters' own values (None stays None)."""
+NF4_PARTS = ("weight_nf4", "weight_nf4_factors", "weight_nf4_mean")  # an NF4 base's parameters (`NF4.rows`)
+
+
+def lora_init(init: Callable | None, seed: int = 0, model: nn.Module | None = None,
+              device: torch.device | None = None) -> Callable | None:
+    """The initializer `init(name, shape)` with the adapters' own values, and the NF4 bases of `model`'s LoRA
+    linears encoded (on `device`) from their weights' (None stays None)."""
     if init is None:
         return None
-    return lambda name, shape: adapter_init(name, shape, seed) if is_adapter(name) else init(name, shape)
+    bases = {name: m.nf4 for name, m in lora_modules(model)} if model is not None else {}
+    encoded: dict[str, NF4] = {}  # the last weight encoded: its three parameters are asked for one after another
+
+    def nf4_part(module: str, part: str) -> torch.Tensor:
+        if module not in encoded:
+            shape, dtype, block_size, scaler_block_size = bases[module]
+            weight = init(f"{module}.weight", shape).to(device=device, dtype=dtype)
+            encoded.clear()
+            encoded[module] = NF4.encode(weight, block_size, scaler_block_size)
+        packed = encoded[module]
+        return {"weight_nf4": packed.rows(), "weight_nf4_factors": packed.factors, "weight_nf4_mean": packed.mean}[part]
+
+    def initial(name: str, shape) -> torch.Tensor:
+        module, _, part = name.rpartition(".")
+        if is_adapter(name):
+            return adapter_init(name, shape, seed)
+        if part in NF4_PARTS and bases.get(module) is not None:
+            return nf4_part(module, part)
+        return init(name, shape)
+
+    return initial
 
 
 class _NF4Matmul(torch.autograd.Function):
-    """x · Wᵀ with W held in NF4: decoded for the forward's matmul and again for the backward's; W takes no
-    gradient, and nothing decoded is saved between them."""
+    """x · Wᵀ with W held in NF4 (its rows, factors and mean; `nf4`: the rest of `NF4`): decoded for the forward's
+    matmul and again for the backward's; W takes no gradient, and nothing decoded is saved between them. The 4-bit
+    form is saved as tensors (so ZeRO-3's saved-tensor hooks keep a gathered one as a reference, gathered again
+    for the backward)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, packed: NF4):
-        ctx.packed = packed
-        return F.linear(x, packed.decode(x.dtype))
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor, nf4: tuple):
+        ctx.save_for_backward(rows, factors, mean)
+        ctx.nf4 = nf4
+        return F.linear(x, NF4.from_rows(rows, factors, mean, *nf4).decode(x.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad @ ctx.packed.decode(grad.dtype), None
+        weight = NF4.from_rows(*ctx.saved_tensors, *ctx.nf4).decode(grad.dtype)
+        return grad @ weight, None, None, None, None
 
 
 class LoRALinear(nn.Linear):
     """An `nn.Linear` with a frozen base and trainable low-rank adapters (`convert_to_lora` makes it in place).
 
-    The base weight is the parameter `weight` (frozen), or with an NF4 base the buffers `weight_nf4_*` (not
-    saved with the state dict: a checkpoint holds the adapters, the base comes from its source)."""
+    The base weight is the parameter `weight` (frozen), or with an NF4 base the frozen parameters `NF4_PARTS`
+    (a checkpoint holds the adapters alone, the base comes from its source)."""
 
     lora_A: nn.Linear
     lora_B: nn.Linear
     scaling: float
-    nf4: tuple | None = None  # an NF4 base's (shape, dtype, block size, scaler block size); its tensors are buffers
+    nf4: tuple | None = None  # an NF4 base's (shape, dtype, block size, scaler block size); its tensors: NF4_PARTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.nf4 is not None:
-            base = _NF4Matmul.apply(x, self._packed())
+            base = _NF4Matmul.apply(x, self.weight_nf4, self.weight_nf4_factors, self.weight_nf4_mean, self.nf4)
             base = base if self.bias is None else base + self.bias.to(base.dtype)
         else:
             base = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -191,9 +205,8 @@ class LoRALinear(nn.Linear):
         return base + (adapted * self.scaling).to(base.dtype)
 
     def _packed(self) -> NF4:
-        """The NF4 base over this module's buffers as they are now (moved with the module)."""
-        return NF4(self.weight_nf4_codes, self.weight_nf4_scales, self.weight_nf4_factors, self.weight_nf4_mean,
-                   *self.nf4)
+        """The NF4 base over this module's parameters as they are now."""
+        return NF4.from_rows(self.weight_nf4, self.weight_nf4_factors, self.weight_nf4_mean, *self.nf4)
 
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The frozen base weight as the forward uses it (an NF4 base decoded), in `dtype` if given."""
@@ -211,12 +224,12 @@ class LoRALinear(nn.Linear):
 
 @torch.no_grad()
 def convert_to_lora(model: nn.Module, lora: LoRA, compute_dtype: torch.dtype = torch.float32,
-                    init: Callable | None = None, device: torch.device | None = None) -> list[str]:
+                    device: torch.device | None = None) -> list[str]:
     """Freeze `model` and give each target linear adapters (in place); the converted names, in model order.
 
     compute_dtype: the frozen parameters are stored in it (no master copy follows them); the adapters stay fp32
-    (the data-parallel engine casts them with the other trainable parameters). init: the initializer of a model
-    on the meta device (its base weights, needed now for an NF4 base). device: where an NF4 base is encoded.
+    (the data-parallel engine casts them with the other trainable parameters). device: where an NF4 base is
+    encoded (one on the meta device stays there: `lora_init` encodes it where it is materialized).
     """
     names = target_names(model, lora.targets)
     base_dtype = {None: compute_dtype, "bf16": torch.bfloat16, "nf4": compute_dtype}[lora.base_dtype]
@@ -237,28 +250,30 @@ def convert_to_lora(model: nn.Module, lora: LoRA, compute_dtype: torch.dtype = t
                 linear.weight.copy_(adapter_init(f"{name}.{adapter}.weight", shape, lora.seed))
             setattr(module, adapter, linear)
         if lora.base_dtype == "nf4":
-            _encode_base(module, name, init, base_dtype, device or weight.device)
+            _encode_base(module, base_dtype, device or weight.device)
         elif weight.dtype != base_dtype:
             weight.data = weight.data.to(base_dtype)
     return names
 
 
-def _encode_base(module: LoRALinear, name: str, init: Callable | None, dtype: torch.dtype, device) -> None:
-    """Replace the module's base weight with its NF4 encoding (buffers on `device`), from the weight or, on the
-    meta device, from `init`."""
+def _encode_base(module: LoRALinear, dtype: torch.dtype, device) -> None:
+    """Replace the module's base weight with its NF4 encoding (the frozen parameters `NF4_PARTS`, on `device`);
+    on the meta device, with meta parameters of their shapes (`lora_init` gives their values)."""
     weight = module.weight
     check_encodable(weight.shape, dtype)
     if weight.is_meta:
-        if init is None:
-            raise LoRAError(f"{name} is on the meta device: an NF4 base needs the initializer of its weights")
-        value = init(f"{name}.weight", weight.shape)
+        blocks = weight.numel() // NF4_BLOCK_SIZE
+        parts = (torch.empty(blocks, NF4_BLOCK_SIZE // 2 + 1, dtype=torch.uint8, device="meta"),
+                 torch.empty(-(-blocks // NF4_SCALER_BLOCK_SIZE), dtype=dtype, device="meta"),
+                 torch.empty((), dtype=dtype, device="meta"))
+        packed = None
     else:
-        value = weight.detach()
-    packed = NF4.encode(value.to(device=device, dtype=dtype))
-    del module.weight, value
-    for key, tensor in packed.tensors().items():
-        module.register_buffer(f"weight_nf4_{key}", tensor, persistent=False)
-    module.nf4 = (packed.shape, packed.dtype, packed.block_size, packed.scaler_block_size)  # the tensors: buffers
+        packed = NF4.encode(weight.detach().to(device=device, dtype=dtype))
+        parts = (packed.rows(), packed.factors, packed.mean)
+    del module.weight
+    for name, tensor in zip(NF4_PARTS, parts):
+        module.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+    module.nf4 = (weight.shape, dtype, NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
@@ -267,15 +282,16 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 
 @torch.no_grad()
-def base_fingerprint(model: nn.Module) -> str:
-    """A SHA-256 of the frozen base as this rank holds it (every frozen parameter and NF4 buffer, by name), so that a
-    checkpoint of adapters can refuse to be resumed over another base (whole on every rank below ZeRO-3)."""
+def base_fingerprint(model) -> str:
+    """A SHA-256 of the frozen base of a `ParallelModel` (every frozen parameter, whole, by name, in the model's
+    order: the same under every data-parallel layout), so that a checkpoint of adapters can refuse to be resumed over
+    another base (collective under ZeRO-3, which gathers each frozen parameter in turn)."""
     import hashlib
 
+    from paratrain.parallel.whole import frozen_parameters
+
     digest = hashlib.sha256()
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    frozen += [(n, b) for n, b in model.named_buffers() if ".weight_nf4_" in n]
-    for name, tensor in sorted(frozen, key=lambda item: item[0]):
+    for name, tensor in frozen_parameters(model):
         digest.update(name.encode())
         digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

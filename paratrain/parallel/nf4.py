@@ -21,6 +21,10 @@ scales it has (so any weight of a multiple of 64 elements encodes), which equals
 
 A weight's bytes: numel / 2 for the codes, numel / 64 for the int8 scales, and one factor per 16384 elements:
 4.127 bits per parameter (with bf16 factors), the 0.5 bytes per parameter QLoRA's memory claims rest on.
+
+Held as rows (`rows`, `from_rows`): one uint8 row per block, its block_size / 2 code bytes then its scale's byte,
+beside the factors and the mean. Rows split anywhere split on whole blocks, and a block decodes from its row, the
+factors and the mean alone: so ZeRO-3 shards and gathers an NF4 weight by rows, in its 4-bit form.
 """
 
 from __future__ import annotations
@@ -31,9 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.errors import ParatrainError
+from paratrain.parallel.rules import NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 
-BLOCK_SIZE = 64
-SCALER_BLOCK_SIZE = 256
 # The 16 NF4 levels (QLoRA's quantiles of N(0, 1), normalized to [-1, 1]) as torchao writes them.
 LEVELS = (-1.0000, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0000,
           0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0000)
@@ -54,13 +57,13 @@ class NF4:
     mean: torch.Tensor  # dtype []: the mean of the block absmaxes
     shape: torch.Size
     dtype: torch.dtype
-    block_size: int = BLOCK_SIZE
-    scaler_block_size: int = SCALER_BLOCK_SIZE
+    block_size: int = NF4_BLOCK_SIZE
+    scaler_block_size: int = NF4_SCALER_BLOCK_SIZE
 
     @classmethod
     @torch.no_grad()
-    def encode(cls, weight: torch.Tensor, block_size: int = BLOCK_SIZE,
-               scaler_block_size: int = SCALER_BLOCK_SIZE) -> NF4:
+    def encode(cls, weight: torch.Tensor, block_size: int = NF4_BLOCK_SIZE,
+               scaler_block_size: int = NF4_SCALER_BLOCK_SIZE) -> NF4:
         check_encodable(weight.shape, weight.dtype, block_size)
         flat = weight.detach().contiguous().flatten()
         n_blocks = flat.numel() // block_size
@@ -76,19 +79,35 @@ class NF4:
         return cls(codes, scales, factors, mean, weight.shape, weight.dtype, block_size, scaler_block_size)
 
     def decode(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight, in its own dtype (computed there, as torchao does), then cast to `dtype` if given."""
+        """The weight, in its own dtype (computed there, as torchao does), then cast to `dtype` if given.
+
+        Each code byte looks up its two levels at once (a table of the 256 pairs, in the weight's order), and each
+        block is scaled in place: besides the weight, one int32 index per byte lives meanwhile (2 bytes a
+        parameter)."""
         levels = torch.tensor(LEVELS, dtype=self.dtype, device=self.codes.device)
-        scale = self.block_scales()
-        half = self.block_size // 2
-        first = levels[(self.codes >> 4).long()].view(-1, half) * scale.unsqueeze(-1)
-        second = levels[(self.codes & 0b1111).long()].view(-1, half) * scale.unsqueeze(-1)
-        weight = torch.stack([first.flatten(), second.flatten()], dim=-1).reshape(self.shape)
+        pairs = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=-1)  # byte -> (high, low)
+        weight = pairs[self.codes.reshape(-1).int()]
+        weight.view(-1, self.block_size).mul_(self.block_scales().unsqueeze(-1))
+        weight = weight.reshape(self.shape)
         return weight if dtype is None else weight.to(dtype)
 
     def block_scales(self) -> torch.Tensor:
         """Each block's scale as decoding uses it: int8 scale / its scaler block's factor + mean, in the dtype."""
         per_scale = self.factors.repeat_interleave(self.scaler_block_size)[:self.scales.numel()]
         return (self.scales / per_scale).to(self.dtype) + self.mean
+
+    def rows(self) -> torch.Tensor:
+        """The codes and scales as uint8 [blocks, block_size / 2 + 1]: each block's codes, then its scale's byte."""
+        codes = self.codes.reshape(-1, self.block_size // 2)
+        return torch.cat([codes, self.scales.view(torch.uint8).unsqueeze(1)], dim=1)
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor, shape: torch.Size,
+                  dtype: torch.dtype, block_size: int = NF4_BLOCK_SIZE,
+                  scaler_block_size: int = NF4_SCALER_BLOCK_SIZE) -> NF4:
+        """The weight whose `rows` (views: nothing copied), factors and mean these are."""
+        return cls(rows[:, :-1], rows[:, -1].view(torch.int8), factors, mean.reshape(()), torch.Size(shape), dtype,
+                   block_size, scaler_block_size)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scales": self.scales, "factors": self.factors, "mean": self.mean}
@@ -102,7 +121,7 @@ class NF4:
                    scaler_block_size=self.scaler_block_size)
 
 
-def check_encodable(shape, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> None:
+def check_encodable(shape, dtype: torch.dtype, block_size: int = NF4_BLOCK_SIZE) -> None:
     """NF4Error (one line) for a weight NF4 cannot hold: not floating point, or not whole blocks."""
     if not dtype.is_floating_point:
         raise NF4Error(f"NF4 encodes floating-point weights, not {dtype}")

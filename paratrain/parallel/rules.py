@@ -44,6 +44,38 @@ FP8_CUDA_MIN_FEATURES = 1024
 # (`paratrain.parallel.loss`; the planner prices it): 1024 × 128,256 × 4 B = 0.5 GB of fp32 logits at a time, a
 # matmul still large enough to run at a GPU's full rate.
 DEFAULT_LOSS_CHUNK = 1024
+# LoRA's frozen base (`paratrain.parallel.lora`): how its adapted weights may be stored, and the NF4 format's blocks
+# (`paratrain.parallel.nf4`): here so the planner needs no torch.
+LORA_BASE_DTYPES = ("bf16", "nf4")
+NF4_BLOCK_SIZE = 64  # elements a block's absmax scales
+NF4_SCALER_BLOCK_SIZE = 256  # block scales one double-quantization factor scales
+
+
+def nf4_bytes_per_parameter(dtype_bytes: int, block_size: int = NF4_BLOCK_SIZE,
+                            scaler_block_size: int = NF4_SCALER_BLOCK_SIZE) -> float:
+    """Bytes of an NF4 weight per element: its codes (1/2), its int8 scales (1/block_size) and its factors in the
+    weight's dtype (one per block of scales; the one mean is left out)."""
+    return 0.5 + 1 / block_size + dtype_bytes / (block_size * scaler_block_size)
+
+
+def unsupported_with_lora(tp: int = 1, ep: int = 1, fp8=None) -> list[str]:
+    """The strategies of a layout that do not honour LoRA yet, by their options' names (empty: it runs).
+
+    DDP and ZeRO-1/2/3 (hybrid sharding too) reduce and shard only the parameters that train, so the adapters
+    alone (ZeRO-3 shards and gathers the frozen base too, at its stored bytes, and never reduces it), and so do the
+    pipeline's stages, the context-parallel ring, the optimizer's offload to the host, full and selective
+    recomputation and compiled blocks (each tested against one process). The tensor-parallel plan splits a base
+    linear and loses its adapters; expert parallelism is untested with frozen parameters; FP8 converts the same
+    linears.
+    """
+    asked = {"--tp": tp > 1, "--ep": ep > 1, "--fp8": bool(fp8)}
+    return [name for name, on in asked.items() if on]
+
+
+def lora_refusal(names: list[str]) -> str:
+    """The one-line refusal of LoRA with the strategies `unsupported_with_lora` named."""
+    return (f"LoRA with {', '.join(names)} is not supported yet (it runs with DDP, ZeRO-1/2/3, pipeline and context "
+            f"parallelism, offload, recomputation and compile); drop {'it' if len(names) == 1 else 'them'}")
 
 
 class Recompute(str, Enum):

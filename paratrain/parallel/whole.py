@@ -44,3 +44,15 @@ def full_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, whole(name, value)
     else:  # ZeRO-3 never runs under pp: this stage's parameters are its own tensors, not copies
         yield from model.pipeline.stage_parameters(dict(model.engine.full_parameters()), whole)
+
+
+def frozen_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every frozen parameter (`requires_grad=False`: a LoRA base) of this rank's part of the model, whole, in its
+    stored dtype, by the module's names, in the module's order (collective under ZeRO-3, which gathers each in
+    turn over the data ranks)."""
+    if model.engine.params_sharded and model.pipeline is None:
+        yield from model.engine.frozen_parameters()
+        return
+    for name, param in model.module.named_parameters():
+        if not param.requires_grad:
+            yield name, param.detach()

@@ -5,6 +5,7 @@ functions take that module's `Workload` and `Layout` (not imported here: it impo
 from __future__ import annotations
 
 from paratrain.plan import moe
+from paratrain.plan.lora import zero3_units
 from paratrain.plan.model_states import block_param_count
 
 ZERO3_PREFETCH_UNITS = 2  # units gathered at once (computing + prefetched), and gradients in flight
@@ -20,7 +21,8 @@ def comm_buffer_parts(workload, layout, stage_params: float) -> tuple[float, flo
     buckets, one being filled and the one before it in flight meanwhile (paratrain.parallel.data.ddp,
     on CUDA; on the CPU each lands at once). DDP and ZeRO-1: their
     buckets are the gradients (counted there); ZeRO-1 adds one bucket's all-gather of updated
-    parameters. Nothing when only the parameter count is known. Hybrid sharding keeps one
+    parameters. Under LoRA (`paratrain.plan.lora`) the units gather at their stored bytes and only the adapters'
+    gradients travel (`stage_params`: the adapters). Nothing when only the parameter count is known. Hybrid sharding keeps one
     reduced shard more (1/dp_shard of a unit's gradients, or of a ZeRO-2 bucket) while it is
     summed over the replicas and the next one is reduced; ZeRO-1 sums its shard in place in
     the bucket. Gathered units and buckets are whole tensors whatever the shard group.
@@ -33,6 +35,9 @@ def comm_buffer_parts(workload, layout, stage_params: float) -> tuple[float, flo
     if model is None or lay.data_ranks == 1:
         return 0.0, 0.0
     replicating = 1 / lay.shard_ranks if lay.dp_replicate > 1 else 0.0  # a shard on its way between replicas
+    if lay.zero == 3 and workload.lora:  # the units at their stored bytes, the adapters' gradients alone
+        gathered, grads = zero3_units(workload)
+        return ZERO3_PREFETCH_UNITS * gathered, ZERO3_PREFETCH_UNITS * grads + grads * replicating
     if lay.zero == 3:
         block = block_param_count(model)
         routed = moe.routed_params_per_layer(model)

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from paratrain.plan.hardware import Hardware
-from paratrain.plan import moe
+from paratrain.plan import lora, moe
 from paratrain.plan.memory import (
     Layout,
     PipelineBoundary,
@@ -130,7 +130,10 @@ def collective_seconds(hardware: Hardware, layout: Layout, axis: str, collective
 
 
 def stage_psi(workload: Workload, layout: Layout, stage: int) -> float:
-    """Parameters one rank of `stage` holds before ZeRO sharding (Ψ of the ZeRO formulas), E/ep experts per layer."""
+    """Parameters one rank of `stage` holds before ZeRO sharding (Ψ of the ZeRO formulas), E/ep experts per layer;
+    under LoRA those that train: the adapters (`paratrain.plan.lora`)."""
+    if workload.lora:
+        return lora.stage_adapters(workload, layout, stage)
     return stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
 
 
@@ -245,6 +248,8 @@ def _sharded_collectives(workload: Workload, layout: Layout, stage: int, psi: fl
         reduced = psi - held + table * table_units
         gathered_bytes = (gathered * workload.param_bytes
                           - 2 * _fp8_gathered_params(workload, layout, stage) * (workload.param_bytes - 1))
+        if workload.lora:  # the frozen base gathered at its stored bytes; only the adapters reduced
+            gathered_bytes, reduced = lora.zero3_gathered_bytes(workload, layout, stage), psi
         reduce = Collective("reduce_scatter", reduced * workload.grad_bytes / units, n, m * units)
         all_gather = Collective("all_gather", gathered_bytes / (2 * units), n, 2 * m * units)
         return AxisCollectives(overlapped=(all_gather, reduce)), reduce

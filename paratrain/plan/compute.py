@@ -15,6 +15,7 @@ the host's time to issue it (`paratrain.plan.host`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -47,7 +48,7 @@ from paratrain.plan.memory import (
 )
 from paratrain.plan.muon import MUON_HOST_BYTES, NS_STEPS, UPDATE_BYTES, block_matrices, stage_muon_params
 from paratrain.plan.model_states import ADAM_MOMENT_BYTES, MASTER_BYTES, block_param_count, layers_on_stage
-from paratrain.plan import moe
+from paratrain.plan import lora, moe
 from paratrain.plan.host import bound_by_host, host_times
 from paratrain.plan.ops import PassTimes, Shape, attention_seconds, block_times, embedding_times, head_times
 
@@ -88,6 +89,8 @@ def step_flops(workload: Workload, layout: Layout) -> StepFlops:
     tokens = batch * workload.seq_len
     if workload.model is None:
         model_flops = 6.0 * workload.num_params * tokens
+    elif workload.lora:
+        model_flops = lora.flops_per_token(workload) * tokens
     else:
         model_flops = float(workload.model.flops_per_token(workload.seq_len)) * tokens
     n_layers = workload.model.n_layers if workload.model is not None else 0
@@ -157,6 +160,8 @@ def _block(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[Shap
     x = Shape.of(workload.model, layout.micro_batch, workload.seq_len, layout.tp, layout.sequence_parallel,
                  workload.precision, workload.flash_attention, kernel_stack(layout), layout.cp, layout.ep,
                  workload.moe_imbalance, workload.fp8, workload.fp8_min_features)
+    if workload.lora:
+        x = dataclasses.replace(x, lora=workload.lora, nf4=workload.base_dtype == "nf4")
     if workload.fp8 and not hardware.peak_fp8:
         raise PlanError(f"--fp8 {workload.fp8}: hardware {hardware.name!r} has no FP8 matmuls (peak_fp8 0: an A100, a "
                         f"CPU, a profile that did not measure them); plan it on h100-80gb or h200")

@@ -28,7 +28,7 @@ from paratrain.plan.model_states import (
     stage_param_count,
 )
 from paratrain.parallel.rules import Recompute  # the modes; what each keeps is parallel/recompute.py's rule
-from paratrain.plan import moe
+from paratrain.plan import lora, moe
 from paratrain.plan.activations import layer_activation_bytes, loss_stage_bytes
 from paratrain.plan.muon import check_optimizer, stage_muon_params
 from paratrain.plan.buffers import comm_buffer_parts
@@ -104,6 +104,10 @@ class Workload:
         loss_chunk: the loss fused into the head in chunks of this many tokens (`parallelize(loss_chunk=...)`, the
             trainer's default; `loss_stage_bytes`); 0: the whole logits, as a loop calling the model takes them.
         optimizer: "adamw", or "muon": the blocks' matrices stepped by Muon (`paratrain.plan.muon`).
+        lora: None, or the rank of low-rank adapters on every block linear of a frozen model (`paratrain.plan.lora`:
+            only the adapters train; the base costs its stored bytes).
+        base_dtype: with `lora`, how the adapted linears' frozen weights are stored: None (the compute dtype),
+            "bf16" or "nf4" (QLoRA).
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.
@@ -121,6 +125,8 @@ class Workload:
     fp8_min_features: int = FP8_CUDA_MIN_FEATURES
     loss_chunk: int = 0
     optimizer: str = "adamw"
+    lora: int | None = None
+    base_dtype: str | None = None
 
     def __post_init__(self):
         _positive_int(self.num_params, "--params")
@@ -137,6 +143,7 @@ class Workload:
             if value is not None and value not in DTYPE_BYTES:
                 raise PlanError(f"{flag} {value!r} is not one of: {', '.join(DTYPE_BYTES)}")
         check_optimizer(self.optimizer, self.model)
+        lora.check_lora(self.lora, self.base_dtype, self.model)
         if self.model is not None and self.model.num_params() != self.num_params:
             raise PlanError(f"num_params={self.num_params} differs from the model's {self.model.num_params()}")
 
@@ -387,12 +394,16 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     per_layer += moe.layer_activation_delta_bytes(model, s // lay.cp * b, lay.tp, lay.recompute is Recompute.SELECTIVE,
                                                   lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
                                                   workload.moe_imbalance)
+    if workload.lora:
+        per_layer += lora.activation_bytes_per_layer(workload, s // lay.cp * b, lay.recompute, lay.compile)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
-    transient = recompute_working_bytes(workload, layout)
+    transient = max(recompute_working_bytes(workload, layout), lora.decode_bytes(workload) if workload.lora else 0.0)
     if stage == lay.pp - 1:  # the loss's transient comes before any block's backward: never beside a recomputed one
         kept, loss_transient = loss_stage_bytes(s // lay.cp * b, model.dim, model.vocab_size, lay.tp,
                                                 lay.sequence_parallel, workload.precision,
                                                 workload.flash_attention and lay.cp == 1, workload.loss_chunk)
+        if workload.lora:
+            kept += lora.final_norm_bytes(workload, s // lay.cp * b)
         total, transient = total + kept * in_flight, max(transient, loss_transient)
     total += transient
     if lay.cp > 1:
@@ -448,6 +459,8 @@ def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelS
     """Model states of one rank of `stage`: the dense parameters ZeRO-sharded over the shard group, the
     routed experts (E/ep per layer) over their replica group (`paratrain.plan.moe.expert_shard_ranks`)."""
     w, lay = workload, layout
+    if w.lora:  # (a dense model: `lora.check_lora`)
+        return lora.stage_states(w, lay, stage)
     experts = stage_expert_params(w, lay, stage)
     muon = stage_muon_params(w, lay, stage, experts)  # (every routed weight is an expert's matrix)
     dense = model_state_bytes(stage_dense_params(w, lay, stage), lay.shard_ranks, lay.zero, w.precision,
@@ -478,6 +491,9 @@ def fp8_cast_bytes(workload: Workload, layout: Layout, stage: int) -> float:
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     """Memory of one rank of pipeline stage `stage`."""
     psi = stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
+    if workload.lora:  # only the adapters have gradients to reduce
+        psi = layers_on_stage(workload.model.n_layers, layout.pp, stage) * lora.adapter_params(workload.model,
+                                                                                                workload.lora)
     states = stage_model_states(workload, layout, stage)
     gathered, gradient_buffers = comm_buffer_parts(workload, layout, psi)
     return MemoryBreakdown(

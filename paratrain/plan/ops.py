@@ -130,6 +130,8 @@ class Shape:
     fp8: str | None = None  # the FP8 recipe of the block's linears (`paratrain.parallel.fp8`), None: the dtype's
     fp8_min_features: int = 0  # linears with fewer whole-layer in or out features stay in the dtype (`fp8_gemms`)
     tp: int = 1  # the tensor-parallel degree the widths above are divided by
+    lora: int = 0  # the rank of adapters on every block linear, whose frozen weight takes no gradient (0: none)
+    nf4: bool = False  # under LoRA, the frozen weights stored in NF4: each decoded for its matmul, forward and backward
 
     @classmethod
     def of(cls, model: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
@@ -194,9 +196,24 @@ def attention_gemms(x: Shape) -> list[Gemm]:
     return [Gemm(queries, x.seq_len, x.head_dim, count), Gemm(queries, x.head_dim, x.seq_len, count)]
 
 
-def backward_gemms(gemm: Gemm) -> list[Gemm]:
-    """Input gradient [m, n] @ [n, k] and weight gradient [k, m] @ [m, n] of one forward matmul."""
-    return [Gemm(gemm.m, gemm.k, gemm.n, gemm.count), Gemm(gemm.k, gemm.n, gemm.m, gemm.count)]
+def backward_gemms(gemm: Gemm, frozen: bool = False) -> list[Gemm]:
+    """Input gradient [m, n] @ [n, k] and weight gradient [k, m] @ [m, n] of one forward matmul (a `frozen` weight:
+    the input gradient alone)."""
+    return [Gemm(gemm.m, gemm.k, gemm.n, gemm.count)] + ([] if frozen else [Gemm(gemm.k, gemm.n, gemm.m, gemm.count)])
+
+
+def lora_gemms(x: Shape, gemms: list[Gemm]) -> list[Gemm]:
+    """The adapters' forward matmuls beside each of a block's linears (`Shape.lora`): x · Aᵀ (T, r, in), then
+    · Bᵀ (T, out, r)."""
+    return [g for gemm in gemms for g in (Gemm(gemm.m, x.lora, gemm.k, gemm.count),
+                                          Gemm(gemm.m, gemm.n, x.lora, gemm.count))]
+
+
+def nf4_decode_seconds(hw: Hardware, x: Shape) -> float:
+    """One decode of the block's NF4 weights (memory-bound): per parameter its half byte of codes read, an int32
+    index written and read, the weight written, and scaled in place (read and written)."""
+    weights = sum(g.k * g.n * g.count for g in block_gemms(x))
+    return hw.memory_seconds(weights * (0.5 + 8 + 3 * x.itemsize))
 
 
 def _widths(x: Shape) -> dict[str, float]:
@@ -332,9 +349,13 @@ def block_times(hw: Hardware, x: Shape, recompute: Recompute) -> PassTimes:
     fp8_matmuls, casts = fp8_times(hw, x, low)
     # the casts are element-wise work: selective recomputation runs them again, as it runs the rest of it
     elementwise = block_elementwise_times(hw, x) + casts
-    forward = (_gemm_seconds(hw, gemms, x.dtype) + fp8_matmuls.forward + attention_seconds(hw, x, 2)
-               + elementwise.forward)
-    backward = (_gemm_seconds(hw, [b for g in gemms for b in backward_gemms(g)], x.dtype) + fp8_matmuls.backward
+    adapters = lora_gemms(x, gemms) if x.lora else []
+    decode = nf4_decode_seconds(hw, x) if x.nf4 else 0.0
+    forward = (_gemm_seconds(hw, gemms + adapters, x.dtype) + fp8_matmuls.forward + attention_seconds(hw, x, 2)
+               + elementwise.forward + decode)
+    backward = (_gemm_seconds(hw, [b for g in gemms for b in backward_gemms(g, frozen=bool(x.lora))]
+                              + [b for g in adapters for b in backward_gemms(g)], x.dtype) + decode
+                + fp8_matmuls.backward
                 + attention_seconds(hw, x, FLASH_BACKWARD_MATMULS if x.flash else DENSE_BACKWARD_MATMULS, backward=True)
                 + elementwise.backward)
     if recompute is Recompute.FULL:

@@ -21,6 +21,7 @@ from paratrain.parallel import rules
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE, ScheduleName
 from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
 from paratrain.plan.collectives import comm_bytes_per_rank
+from paratrain.plan.lora import lora_violation
 from paratrain.plan.compute import Hardware, StepFlops, StepTime, step_flops, step_time
 from paratrain.plan.memory import (
     GB,
@@ -59,8 +60,11 @@ def layout_spec(workload: Workload, layout: Layout, world_size: int | None = Non
 
 def layout_violations(workload: Workload, layout: Layout, world_size: int | None = None,
                       gpus_per_node: int | None = None) -> list[Violation]:
-    """Every rule `layout` breaks for `workload` (empty when it can run). Memory is not checked here."""
-    return rules.layout_violations(layout_spec(workload, layout, world_size, gpus_per_node))
+    """Every rule `layout` breaks for `workload` (empty when it can run), LoRA's strategies among them (`plan.lora`).
+    Memory is not checked here."""
+    broken = rules.layout_violations(layout_spec(workload, layout, world_size, gpus_per_node))
+    refused = lora_violation(workload, layout)
+    return broken + ([Violation("lora", refused)] if refused else [])
 
 
 def validate_layout(world_size: int, dp: int, tp: int, pp: int, model_cfg: ModelConfig | None,

@@ -25,6 +25,7 @@ from paratrain.mesh import WORLD, Mesh, MeshShape
 from paratrain.models import ModelConfig
 from paratrain.parallel.rules import Checkpointing
 from paratrain.plan import Layout, MemoryBreakdown, Workload, estimate_memory
+from paratrain.plan.lora import run_options
 
 # cgroup v2, then v1: a container's limit is what the processes really have.
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -129,7 +130,8 @@ def planned_memory(cfg: Config, model_cfg: ModelConfig, dp: int) -> MemoryBreakd
     """`estimate_memory` for the run's model, batch and layout (with --cp, each rank's s/cp tokens and its ring)."""
     p, t = cfg.parallel, cfg.train
     workload = Workload.for_model(model_cfg, seq_len=cfg.data.seq_len, global_batch=t.global_batch,
-                                  precision=p.precision, reduce_dtype=p.reduce_dtype, loss_chunk=p.loss_chunk)
+                                  precision=p.precision, reduce_dtype=p.reduce_dtype, loss_chunk=p.loss_chunk,
+                                  **run_options(model_cfg, cfg.lora.rank, cfg.lora.base_dtype, cfg.lora.targets))
     recompute = Checkpointing.parse(p.activation_checkpointing).planned
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, micro_batch=t.micro_batch,
                     virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel, recompute=recompute,

@@ -87,7 +87,7 @@ class Engine(Protocol):
         """Σ grad² over the gradients this rank holds (its shard under ZeRO), as a 0-d tensor on the device."""
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter whole, one at a time, by name (collective under ZeRO-3: every rank iterates)."""
+        """Every parameter that trains whole, one at a time, by name (collective under ZeRO-3: every rank iterates)."""
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and separate masters that exist on this rank now (by storage)."""

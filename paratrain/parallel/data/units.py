@@ -32,7 +32,14 @@ The gather's buffers are bytes: each parameter travels as its codec says (`Gathe
 dtype by default; a codec of the caller's may carry another dtype, e.g. one byte per element with a scale,
 and hand the module what it computes with), its place in a chunk and in the full buffer aligned to its dtype
 (to the largest alignment a codec of the unit asks for), so that every full parameter is an aligned view of
-its dtype. The reduce-scatter's layout is the elements' above, in the reduce dtype.
+its dtype. The reduce-scatter's layout is the elements' above, in the reduce dtype, of the parameters that
+train alone.
+
+A frozen parameter (`requires_grad=False`: a LoRA base) is sharded and gathered like the others but never
+reduce-scattered: it has no place in the reduce-scatter's layout (a unit of frozen parameters alone has none at
+all), and it travels as its shard is stored (`frozen_gather_dtype`): in the compute dtype, or in its own dtype
+where that is narrower (a bf16 base under fp32 compute, an NF4 base's bytes), the module casting it as one
+process does.
 """
 
 from __future__ import annotations
@@ -101,6 +108,14 @@ class GatherCodec:
         """Undo `install`."""
 
 
+def frozen_gather_dtype(stored: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """What a frozen parameter stored in `stored` travels in: the compute dtype, or its own where that is not a
+    float or is narrower (casting it to the compute dtype is then the module's, after the gather)."""
+    if not stored.is_floating_point or stored.itemsize < compute_dtype.itemsize:
+        return stored
+    return compute_dtype
+
+
 def row_shape(shape: torch.Size) -> torch.Size:
     """The shape a parameter is sharded in: itself, or one row for a 0-d parameter."""
     return shape if len(shape) else torch.Size([1])
@@ -132,11 +147,16 @@ class FlatParam:
 
     index: int          # the engine's parameter index (its master)
     shape: torch.Size   # full shape
-    chunk_offset: int   # element offset inside one rank's chunk of the reduce-scatter
+    chunk_offset: int   # element offset inside one rank's chunk of the reduce-scatter (a frozen one: none, -1)
     gather_dtype: torch.dtype  # what it is gathered as: the compute dtype, or its codec's
     chunk_byte: int     # byte offset inside one rank's chunk of the all-gather
     full_byte: int      # byte offset inside the full-parameter buffer
     codec: GatherCodec | None = None  # None: its values in the compute dtype
+
+    @property
+    def trains(self) -> bool:
+        """Whether its gradient is reduce-scattered (a frozen parameter has none)."""
+        return self.chunk_offset >= 0
 
     @property
     def rows(self) -> int:
@@ -166,7 +186,8 @@ class Unit:
         """`slots`: (module, attribute, engine parameter index) of every parameter slot in the unit; the
         shards are split over the `num_ranks` ranks of the mesh axis `axis` and gathered in `gather_dtype` onto
         `device` (None: the shards'; shards may live on the host), but the parameters (engine indices) in
-        `codecs` as their codec encodes them."""
+        `codecs` as their codec encodes them, and frozen shards (`requires_grad=False`) as `frozen_gather_dtype`
+        says, outside the reduce-scatter's layout."""
         codecs = codecs or {}
         self.name, self.module, self.num_ranks, self.axis = name, module, num_ranks, axis
         self.device = device or (shards[slots[0][2]].device if slots else torch.device("cpu"))
@@ -177,13 +198,15 @@ class Unit:
         chunk_offset = chunk_byte = full_byte = 0
         align = max([gather_dtype.itemsize] + [codecs[i].align for i in order if i in codecs])
         for i in order:
-            codec = codecs.get(i)
-            dtype = codec.dtype(gather_dtype) if codec is not None else gather_dtype
-            fp = FlatParam(i, full_shapes[i], chunk_offset, dtype, chunk_byte, full_byte, codec)
+            codec, trains = codecs.get(i), shards[i].requires_grad
+            dtype = codec.dtype(gather_dtype) if codec is not None else \
+                gather_dtype if trains else frozen_gather_dtype(shards[i].dtype, gather_dtype)
+            fp = FlatParam(i, full_shapes[i], chunk_offset if trains else -1, dtype, chunk_byte, full_byte, codec)
             self.params.append(fp)
-            chunk_offset += fp.chunk_numel(num_ranks)
+            chunk_offset += fp.chunk_numel(num_ranks) if trains else 0
             chunk_byte += -(-fp.chunk_numel(num_ranks) * dtype.itemsize // align) * align
             full_byte += -(-math.prod(fp.shape) * dtype.itemsize // align) * align
+        # chunk_numel: elements of one rank's chunk of the reduce-scatter (0: every parameter frozen)
         self.chunk_numel, self.chunk_bytes, self.full_bytes = chunk_offset, chunk_byte, full_byte
         self.gather_dtype = gather_dtype
         # Every row of every parameter is here (one rank on the unit's axis): the local chunk is the whole unit,
@@ -317,13 +340,16 @@ class Unit:
 
     # -- reduce-scatter ----------------------------------------------------
     def flatten_grads(self, grads, dtype: torch.dtype, divide_by: int) -> torch.Tensor:
-        """Full gradients (None: no gradient, counted as zeros) as the [N·C] reduce-scatter input in `dtype`.
+        """Full gradients (None: no gradient, counted as zeros; a frozen parameter's: none, left out) as the [N·C]
+        reduce-scatter input in `dtype`.
 
         Every element is written once: rows by a (scaled) copy, padding and missing gradients by
         zeros; nothing is zero-filled first.
         """
         flat = torch.empty(self.num_ranks, self.chunk_numel, dtype=dtype, device=self.device)
         for fp, grad in zip(self.params, grads):
+            if not fp.trains:
+                continue
             part = flat[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
             if grad is None:
                 part.zero_()
@@ -335,9 +361,14 @@ class Unit:
         return flat.view(-1)
 
     def shard_pieces(self, chunk: torch.Tensor):
-        """(parameter index, this rank's real rows) views of a reduce-scatter output chunk."""
+        """(parameter index, this rank's real rows) views of a reduce-scatter output chunk, for those that train."""
         return [(fp.index, chunk[fp.chunk_offset:fp.chunk_offset + shard.numel()].view(shard.shape))
-                for fp, shard in zip(self.params, self.shards)]
+                for fp, shard in zip(self.params, self.shards) if fp.trains]
+
+    @property
+    def trains(self) -> bool:
+        """Whether any of its parameters trains (a unit of frozen parameters alone is never reduce-scattered)."""
+        return any(fp.trains for fp in self.params)
 
 
 @torch.no_grad()

@@ -41,7 +41,11 @@ Mixed precision casts the fp32 shards to ``param_dtype`` as they enter the
 all-gather (as FSDP2 does): the full parameters compute in ``param_dtype``, and
 no separate low-precision shard is kept, because the stock optimizer cannot step
 an fp32 master with a bf16 gradient and an fp32 gradient plus a bf16 shard would
-cost 18Ψ/N instead of 16Ψ/N. A parameter that a codec of the caller's takes
+cost 18Ψ/N instead of 16Ψ/N. A frozen parameter (`requires_grad=False`: a LoRA base) is sharded and gathered
+like the others but is no master: no gradient, no reduce-scatter (`units.py`), no optimizer state; its shard is
+stored as the model held it (a bf16 base: 2Ψ/N bytes, an NF4 base's bytes: about 0.52Ψ/N) and it travels so
+where that is narrower than the compute dtype. The masters are the engine's first parameters, those that
+train, in the model's order. A parameter that a codec of the caller's takes
 (`units.GatherCodec`) enters the gather as the codec encodes it instead (e.g.
 one byte per element with a scale); after each optimizer step every codec
 derives what its encoding needs from the updated shards (`GatherCodec.refresh`).
@@ -114,7 +118,9 @@ class FullyShardedEngine:
         self.shard_axis, self.replicas = mesh.shard_axis, mesh.replicas
         self.mesh, self.device = mesh, mesh.device
         self._divide_by = mesh.size(mesh.data_axis) if grad_reduction is GradReduction.MEAN else 1
-        originals = dict(model.named_parameters())  # name -> parameter, each shared tensor once
+        # name -> parameter, each shared tensor once: those that train first (the masters), then the frozen ones
+        originals = dict(sorted(model.named_parameters(), key=lambda item: not item[1].requires_grad))
+        self._trained = sum(p.requires_grad for p in originals.values())  # the masters: the first parameters
         index_of = {id(p): i for i, p in enumerate(originals.values())}
         self._names = list(originals)
         self._shapes = [p.shape for p in originals.values()]
@@ -127,7 +133,7 @@ class FullyShardedEngine:
         # the shards (and so the optimizer's state) where the store keeps them (host memory), gathered onto the device
         self._store = shard_store
         shapes = [self._shard_shape(p.shape, axis) for p, axis in zip(originals.values(), self._axes)]
-        store = shard_store.tensors(shapes, precision.master_dtype) if shard_store is not None else [None] * len(shapes)
+        store = self._stored(shapes, [self._stored_dtype(p) for p in originals.values()])
         self._shards = [self._make_shard(name, p, init, axis, out)
                         for (name, p), axis, out in zip(originals.items(), self._axes, store)]
         self._codecs = list(codecs)
@@ -151,7 +157,7 @@ class FullyShardedEngine:
         self._replica_sum = ReplicaSum(comm)  # hybrid sharding: each reduced shard summed over the replicas
         self._new_grads: dict[int, torch.Tensor] = {}
         self._used = [False] * len(self._shards)  # on the host while backward runs: no kernel per gradient
-        self._used_mask = torch.zeros(len(self._shards), device=self._device())
+        self._used_mask = torch.zeros(self._trained, device=self._device())  # per master
         # A step's gradients are being collected: from its first reduce-scatter to finish_gradients().
         self._accumulating = False
         self._outside_use: OutsideUse | None = None
@@ -177,16 +183,32 @@ class FullyShardedEngine:
         lo, hi = self._rows(shape, axis)
         return (hi - lo, *row_shape(shape)[1:])
 
+    def _stored_dtype(self, param: nn.Parameter) -> torch.dtype:
+        """A shard's dtype: the master dtype for a parameter that trains, its own for a frozen one."""
+        return self.precision.master_dtype if param.requires_grad else param.dtype
+
+    def _stored(self, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> list[torch.Tensor | None]:
+        """The shards' storage where the store keeps them (host memory), by dtype; None each without a store."""
+        if self._store is None:
+            return [None] * len(shapes)
+        out: list[torch.Tensor | None] = [None] * len(shapes)
+        for dtype in dict.fromkeys(dtypes):
+            at = [i for i, d in enumerate(dtypes) if d == dtype]
+            for i, tensor in zip(at, self._store.tensors([shapes[i] for i in at], dtype)):
+                out[i] = tensor
+        return out
+
     def _make_shard(self, name: str, param: nn.Parameter, init, axis: Axis, out: torch.Tensor | None) -> nn.Parameter:
-        """This rank's rows over `axis` of one parameter as an fp32 leaf (in `out`: host memory, or on the mesh's
-        device, whatever device a materialized model was built on); a meta parameter's full value lives only here."""
+        """This rank's rows over `axis` of one parameter as a leaf in its stored dtype (`_stored_dtype`; in `out`:
+        host memory, or on the mesh's device, whatever device a materialized model was built on); a meta
+        parameter's full value lives only here."""
         rows = row_shape(param.shape)
         lo, hi = self._rows(param.shape, axis)
         # The shard is allocated before the full value, so that the freed full value is the most
         # recent allocation and the next one reuses its memory (measured: peak RSS of a sharded
         # 200 MB model = shard + 8 MB, against shard + 58 MB the other way round).
         shard = out if out is not None else torch.empty(self._shard_shape(param.shape, axis),
-                                                        dtype=self.precision.master_dtype, device=self.device)
+                                                        dtype=self._stored_dtype(param), device=self.device)
         full = init(name, param.shape) if param.is_meta else param.detach()
         if full.shape != param.shape:
             raise ZeroConfigError(f"init({name!r}) returned shape {tuple(full.shape)}, expected {tuple(param.shape)}")
@@ -311,7 +333,7 @@ class FullyShardedEngine:
 
     def _launch_gather(self, unit: Unit) -> None:
         if self._await is not None:  # the unit's masters' values stepped where they are kept (`await_values`)
-            self._await([fp.index for fp in unit.params])
+            self._await([fp.index for fp in unit.params if fp.index < self._trained])
         unit.launch_gather(self.comm)
 
     def _gather(self, unit: Unit) -> torch.Tensor:
@@ -351,9 +373,17 @@ class FullyShardedEngine:
         unit = saved.unit
         if unit.full is None or unit is self._kept:  # its first use in this backward: gather, fetch the next one
             self._kept = None
+            self._free_frozen(but=unit)
             self._gather(unit)
             self._prefetch(self._backward_next(unit))
         return saved.view()
+
+    def _free_frozen(self, but: Unit) -> None:
+        """The backward reached another unit: the units of frozen parameters alone that it gathered are done (no
+        reduce-scatter frees them; were one needed again, it would be gathered again)."""
+        for other in self.units:
+            if other is not but and other.full is not None and not other.trains:
+                self._free(other)
 
     def _backward_next(self, unit: Unit) -> Unit | None:
         """The unit to gather after `unit` in backward: the nearest previous call in the last forward whose
@@ -454,7 +484,7 @@ class FullyShardedEngine:
             self._land(*self._in_flight.popleft())
         if self.replicas > 1:  # hybrid sharding: the last shard's sum over the replicas
             self._replica_sum.land()
-        self._used_mask = used_flags(self._used, self._device())
+        self._used_mask = used_flags(self._used[:self._trained], self._device())
         if self._store is not None and self._shards and self._shards[0].device != self.device:  # to the shards
             self._new_grads = dict(zip(self._new_grads, self._store.gradients(list(self._new_grads.values()))))
         for index, grad in self._new_grads.items():
@@ -472,22 +502,24 @@ class FullyShardedEngine:
     def groups(self) -> list[tuple[object, bool]]:
         """This engine alone, or its masters on the shard axis and those on an axis of their own as two groups
         (`MasterGroup`)."""
-        if all(axis == self.shard_axis for axis in self._axes):
+        axes = self._axes[:self._trained]
+        if all(axis == self.shard_axis for axis in axes):
             return [(self, False)]
-        return [(MasterGroup(self, [i for i, axis in enumerate(self._axes) if (axis != self.shard_axis) == apart]),
+        return [(MasterGroup(self, [i for i, axis in enumerate(axes) if (axis != self.shard_axis) == apart]),
                  apart) for apart in (False, True)]
 
     def masters(self) -> list[torch.Tensor]:
-        """The fp32 shards the optimizer updates (they are also the model's parameters at rest)."""
-        return list(self._shards)
+        """The fp32 shards the optimizer updates (they are also the model's parameters at rest): those of the
+        parameters that train."""
+        return self._shards[:self._trained]
 
     def master_names(self) -> list[str]:
-        return list(self._names)
+        return self._names[:self._trained]
 
     def master_rows(self) -> list[tuple[str, tuple[int, int], torch.Size]]:
         """Per master (in `masters()` order): parameter name, the rows [lo, hi) it holds, the parameter's full shape."""
         return [(name, self._rows(shape, axis), shape)
-                for name, shape, axis in zip(self._names, self._shapes, self._axes)]
+                for name, shape, axis in zip(self.master_names(), self._shapes, self._axes)]
 
     def await_values(self, ready, defer: bool) -> None:
         """A placement's (`HostPlaced`): with `ready`, each gather first waits for its unit's masters' values
@@ -500,9 +532,9 @@ class FullyShardedEngine:
         needs every master's value (`await_values`)."""
         ready = self._await
         if ready is None:
-            self.values_to_device(range(len(self._shards)))
+            self.values_to_device(range(self._trained))
         elif self._coded:
-            ready(range(len(self._shards)))
+            ready(range(self._trained))
         for codec in self._codecs:
             codec.refresh(self._shards, [i for i, c in self._coded.items() if c is codec], self._axes, self.comm,
                           self.precision.param_dtype)
@@ -547,13 +579,20 @@ class FullyShardedEngine:
 
     @torch.no_grad()
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter whole in fp32, one all-gather at a time (collective: every rank iterates)."""
-        for index, name in enumerate(self._names):
+        """Every parameter that trains whole in fp32, one all-gather at a time (collective: every rank iterates)."""
+        for index, name in enumerate(self.master_names()):
             yield name, self._gather_parameter(index)
 
     @torch.no_grad()
+    def frozen_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every frozen parameter whole in its stored dtype, one all-gather at a time (collective)."""
+        for index in range(self._trained, len(self._shards)):
+            yield self._names[index], self._gather_parameter(index)
+
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict with every parameter whole, in fp32 (collective: call on every rank)."""
+        """The model's state_dict with every parameter whole, in fp32 (a frozen one in its stored dtype; collective:
+        call on every rank)."""
         full = [self._gather_parameter(i) for i in range(len(self._shards))]
         return {name: full[self._state_names[name]] if name in self._state_names else value.detach().clone()
                 for name, value in self.model.state_dict(keep_vars=True).items()}
