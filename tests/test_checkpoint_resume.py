@@ -102,15 +102,17 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_and_refused_when_
     verify_checkpoint(out / "checkpoints" / "step-00000008")  # saved again, in place of the damaged one
 
 
-def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(base_run, tmp_path, capsys):
+def test_resuming_into_another_model_is_refused_naming_the_option(base_run, tmp_path, capsys):
+    """The checkpoint carries its model's config (`paratrain.run.carried`): a size option that disagrees is refused
+    before anything is built. (A tensor of another shape is refused naming it: test_checkpoint_reshard.)"""
     wider = list(RUN)
     wider[wider.index("--dim") + 1] = "64"
     code = main(["train", *wider, "--resume", str(base_run / "checkpoints" / "step-00000004"),
                  "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 2
-    assert ("step-00000004 does not match the model: tensor 'model/tok_embeddings.weight' is [512, 32] float32 in "
-            "the checkpoint but [512, 64] float32 is expected") in err, err
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert err.strip() == ("paratrain train: error: --dim 64 disagrees with the model step-00000004 was saved with "
+                           "(dim=32); drop --dim: the checkpoint sets the shape"), err
 
 
 def test_resuming_into_the_out_of_another_run_is_refused(base_run, tmp_path, capsys):

@@ -447,6 +447,34 @@ def test_index_parse_errors_are_clear_even_with_a_matching_manifest(two_rank_che
         verify_checkpoint(path)
 
 
+def test_assets_are_kept_whole_and_verified_like_the_data(tmp_path):
+    """Rank 0's assets land whole under assets/ and in the manifest, from a sync, a multi-rank or an async save; a
+    damaged or missing one fails verification naming it; a name that is a path is refused, nothing committed."""
+    tokenizer = json.dumps({"model": {"type": "BPE"}}).encode() * 40
+    path = save_simple(tmp_path, 1, assets={"tokenizer.json": tokenizer, "config.json": b"{}"})
+    assert (path / "assets" / "tokenizer.json").read_bytes() == tokenizer
+    assert {"assets/tokenizer.json", "assets/config.json"} <= json.loads((path / "manifest.json").read_text())["files"].keys()
+    verify_checkpoint(path)
+    _flip_byte(path / "assets" / "tokenizer.json", 10)
+    with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in assets/tokenizer\.json$"):
+        verify_checkpoint(path)
+    (path / "assets" / "config.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"assets/config\.json is missing"):
+        verify_checkpoint(path, checksums=False)
+    with pytest.raises(CheckpointError, match=r"asset '\.\./escape\.json' is not a plain file name"):
+        save_simple(tmp_path, 2, assets={"../escape.json": b"x"})
+    assert list_checkpoints(tmp_path) == [path] and not (tmp_path / "escape.json").exists()
+
+    ranks = save_layout(tmp_path / "dp2", 3, {"w": torch.ones(4, 2)}, "dp2", assets={"a.txt": b"rank 0's"})
+    assert (ranks[0] / "assets" / "a.txt").read_bytes() == b"rank 0's"
+    verify_checkpoint(ranks[0])
+    saver = AsyncCheckpointer(tmp_path / "async", coordinator=LOCAL)
+    saver.save(4, {"b": (ShardSpec("b", (3,), (0,)), torch.arange(3.0))}, assets={"a.txt": b"async"})
+    committed = saver.wait()
+    assert (committed / "assets" / "a.txt").read_bytes() == b"async"
+    verify_checkpoint(committed)
+
+
 def test_find_latest_skips_invalid_newer_checkpoints_with_a_warning(tmp_path):
     for step in (4, 8, 12):
         save_simple(tmp_path, step, value=step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import pytest
 import torch
@@ -109,6 +110,37 @@ def test_train_init_from_export_and_continue(tmp_path, capsys):
     assert first < losses[0] + 0.5
     assert main([*TRAIN, "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "scratch")]) == 0
     capsys.readouterr()
+
+
+def test_a_checkpoint_resumes_and_exports_with_its_model_directory_gone(tmp_path, capsys):
+    """A run of `--init-from DIR` (Qwen2, a tokenizer with its chat template, chat data) resumed with `--resume RUN`
+    alone after DIR moved away continues bit-exact: the checkpoint carries the model's config and the tokenizer
+    (`paratrain.run.carried`); `export` writes config and tokenizer from there; an --init-from of another model is
+    refused in one line."""
+    from chat_fixtures import model_dir, write_jsonl
+
+    hf = model_dir(save_family("qwen2", tmp_path / "hf"), "chatml")
+    chats = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]}
+             for i in range(24)]
+    run = tmp_path / "run"
+    train = [*TRAIN, "--seq-len", "96", "--data", str(write_jsonl(tmp_path / "chat.jsonl", chats))]
+    assert main([*train, "--init-from", str(hf), "--out", str(run), "--checkpoint-every", "1"]) == 0
+    expected = [float.hex(r["loss"]) for r in read_metrics(run / "metrics.jsonl")]
+    shutil.rmtree(run / "checkpoints" / "step-00000002")
+    moved = hf.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    first = next(line for line in capsys.readouterr().out.splitlines() if "parameters)" in line)
+    assert first.startswith("paratrain: Qwen2ForCausalLM"), first
+    assert [float.hex(r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == expected
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["num_key_value_heads"] == 2
+    assert "<|im_start|>" in json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["chat_template"]
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (moved / "tokenizer.json").read_bytes()
+    other = save_family("qwen3", tmp_path / "other")
+    refusal = _refusal(capsys, ["train", "--resume", str(run), "--init-from", str(other)])
+    assert "model_type is 'qwen2' there, 'qwen3' here" in refusal and "drop --init-from" in refusal, refusal
 
 
 def _refusal(capsys, argv) -> str:

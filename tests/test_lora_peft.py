@@ -45,6 +45,15 @@ def _ours(root) -> torch.nn.Module:
     return model.eval()
 
 
+def test_a_lora_resume_needs_the_directory_of_its_base(runs, tmp_path, capsys):
+    """A LoRA checkpoint carries its model's config and tokenizer but not the frozen base, read from --init-from
+    again: a directory that is gone is refused in one line before anything starts."""
+    capsys.readouterr()
+    code = main(["train", "--resume", str(runs / "lora"), "--init-from", str(tmp_path / "gone")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "holds the adapters, not the frozen base" in err, err
+
+
 def test_peft_loads_the_adapters_over_transformers_model_with_paratrains_logits(runs):
     import peft
     import transformers

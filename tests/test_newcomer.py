@@ -2,9 +2,10 @@
 
 A Llama 3.2-style directory (transformers, from a config: GQA, tied embeddings, llama3 rope scaling; no
 download) -> `prepare` a JSON Lines corpus -> `train --init-from DIR --nproc 2 --zero 3` with no checkpoint
-flag -> SIGTERM to the launcher mid-run -> `--resume RUN` alone continues bit-exact -> a SIGKILL (a rank killed
-mid-step) -> `--resume RUN --reset data --data OTHER` continues from the newest checkpoint the default policy
-wrote, with the learning rate of the unbroken schedule -> `export` loads in transformers.
+flag -> SIGTERM to the launcher mid-run -> the model directory moved away -> `--resume RUN` alone continues
+bit-exact (the checkpoint carries the model's config: `paratrain.run.carried`) -> a SIGKILL (a rank killed mid-step)
+-> `--resume RUN --reset data --data OTHER` continues from the newest checkpoint the default policy wrote, with the
+learning rate of the unbroken schedule -> `export` loads in transformers.
 """
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ def test_a_first_fine_tune_checkpoints_resumes_and_exports_without_being_told(tm
     preempted = _steps(run)
     assert 2 <= preempted < STEPS and f"newest checkpoint step-{preempted:08d}" in err, err
 
-    # `--resume RUN` alone: its own model, data, recipe, layout and processes; killed (SIGKILL) three steps on.
+    # `--resume RUN` alone: its own model, data, recipe, layout and processes, with the model directory moved
+    # away (the checkpoint carries what the run read of it); killed (SIGKILL) three steps on.
+    hf = hf.rename(tmp_path / "moved")
     killed_at = preempted + 3
     code, out, err = _run("train", "--resume", str(run), fault=f"sigkill@rank0:step{killed_at}")
     assert code == 1 and "killed by SIGKILL" in err, err
+    assert "LlamaForCausalLM" in next(line for line in out.splitlines() if "parameters)" in line), out
     assert f"resumed from {run / 'checkpoints' / f'step-{preempted:08d}'} at step {preempted}" in out, out
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, killed_at))

@@ -66,7 +66,7 @@ class AsyncCheckpointer:
         return self._thread is not None and self._thread.is_alive()
 
     def save(self, step: int, shards: Shards, rank_state: dict | None = None, shared_state: dict | None = None,
-             *, overwrite: bool = False) -> None:
+             *, overwrite: bool = False, assets: dict[str, bytes] | None = None) -> None:
         """Start saving checkpoint `step` (arguments as `save_checkpoint`); return once the tensors are copied.
 
         Collective like `save_checkpoint`. Waits for the previous save first
@@ -74,7 +74,8 @@ class AsyncCheckpointer:
         """
         self.wait()
         check_save_options(step, self.keep_latest)
-        payload = prepare_payload(self.coordinator.rank, shards, rank_state, shared_state, copy=True)
+        payload = prepare_payload(self.coordinator.rank, shards, rank_state, shared_state, copy=True,
+                                  assets=assets)
         self._step = step
         self._thread = threading.Thread(target=self._run, args=(step, payload, overwrite),
                                         name=f"paratrain-checkpoint-{step}", daemon=True)

@@ -104,9 +104,9 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def write_durable(path: Path, text: str) -> FileDigest:
-    """Write `text` (UTF-8) to a new file at `path`, fsync it, return its digest."""
-    data = text.encode("utf-8")
+def write_durable(path: Path, text: str | bytes) -> FileDigest:
+    """Write `text` (a str as UTF-8, or bytes) to a new file at `path`, fsync it, return its digest."""
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     with _naming_errors(path), open(path, "xb") as f:
         f.write(data)
         f.flush()

@@ -7,6 +7,8 @@ A committed checkpoint is one directory ``root/step-00000008`` holding
 * ``index.json``: for every tensor its global shape, dtype and the boxes that
   make it up (file, key inside the file, offset, shape), plus the shared
   state written by rank 0 and every rank's own state;
+* ``assets/``: small files the saver hands over whole (`save_checkpoint`'s
+  ``assets``: a trainer's tokenizer and model description), written by rank 0;
 * ``manifest.json``: size and sha256 of every other file. It is written last,
   so its presence is the commit marker.
 
@@ -32,6 +34,7 @@ FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
+ASSETS_DIR = "assets"  # the one subdirectory of a checkpoint: its assets, each a plain file name inside it
 TEMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 
@@ -237,8 +240,8 @@ class Manifest:
         files = {}
         for name, digest in _get(doc, "files", dict, where).items():
             at = f"{where}: file {name!r}"
-            if not _plain_name(name):
-                raise CorruptCheckpointError(f"{at} is not a plain file name")
+            if not _plain_name(name.removeprefix(ASSETS_DIR + "/")):
+                raise CorruptCheckpointError(f"{at} is not a plain file name (or one under {ASSETS_DIR}/)")
             size, sha = _get(digest, "size", int, at), _get(digest, "sha256", str, at)
             if size < 0 or not re.fullmatch(r"[0-9a-f]{64}", sha):
                 raise CorruptCheckpointError(f"{at}: bad size {size} or sha256 {sha!r}")

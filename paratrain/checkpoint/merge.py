@@ -40,8 +40,11 @@ def build_index(step: int, fragments: list[dict]) -> Index:
 
 
 def file_digests(fragments: list[dict]) -> dict[str, FileDigest]:
-    """The data files of a save and their digests, as the ranks computed them while writing."""
-    return {f["file"]: FileDigest(f["size"], f["sha256"]) for f in fragments}
+    """The data files (and rank 0's assets) of a save and their digests, as the ranks computed them while writing."""
+    digests = {f["file"]: FileDigest(f["size"], f["sha256"]) for f in fragments}
+    for fragment in fragments:
+        digests.update({name: FileDigest(size, sha) for name, (size, sha) in (fragment.get("assets") or {}).items()})
+    return digests
 
 
 def _merge_tensor(name: str, items: list[dict]) -> TensorEntry:

@@ -6,7 +6,8 @@ The protocol, with the coordinator's three meetings:
    (or why it could not, e.g. the step exists and ``overwrite`` is off);
 2. every rank writes ``rank-<r>.safetensors`` of its shards there, fsyncs
    it, and sends rank 0 a fragment: the boxes it wrote, the file's size and
-   sha256, its per-rank state (rank 0 adds the shared state);
+   sha256, its per-rank state (rank 0 adds the shared state, and writes the
+   assets under ``assets/`` with their digests);
 3. rank 0 merges the fragments (refusing overlapping or incomplete tensors),
    writes ``index.json``, then ``manifest.json`` (the commit marker, last),
    fsyncs the directory, renames it to ``root/step-00000008``, points
@@ -44,7 +45,7 @@ import torch
 from paratrain.checkpoint.coordinator import Coordinator
 from paratrain.checkpoint.files import exchange_dirs, fsync_dir, write_durable, write_shard_file
 from paratrain.checkpoint.format import (
-    INDEX_FILE, MANIFEST_FILE, TEMP_PREFIX, CheckpointError, CheckpointWarning, Manifest, ShardSpec,
+    ASSETS_DIR, INDEX_FILE, MANIFEST_FILE, TEMP_PREFIX, CheckpointError, CheckpointWarning, Manifest, ShardSpec,
     dtype_name, parse_step_dirname, rank_filename, step_dirname,
 )
 from paratrain.checkpoint.merge import build_index, file_digests
@@ -65,11 +66,13 @@ class RankPayload:
     rank_state: Any
     shared_state: Any
     error: str | None = None
+    assets: dict[str, bytes] | None = None  # rank 0's: file name -> content, written under assets/
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, shards: Shards, rank_state: dict | None = None,
                     shared_state: dict | None = None, *, coordinator: Coordinator,
-                    keep_latest: int | None = None, overwrite: bool = False, on_event: EventHook = None) -> Path:
+                    keep_latest: int | None = None, overwrite: bool = False, on_event: EventHook = None,
+                    assets: dict[str, bytes] | None = None) -> Path:
     """Save this rank's shards and state as part of checkpoint `step` under `root`; return the committed directory.
 
     Collective: every rank of the coordinator calls it with the same root,
@@ -79,13 +82,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, shards: Shards, rank_sta
     state (RNG, sampler; restored to the same rank), `shared_state` the state
     common to all ranks (step, tokens, config, schedule; only rank 0's is
     stored). Both may hold JSON values, bytes and small tensors (see
-    `paratrain.checkpoint.state`). `keep_latest` (None: keep all) bounds the
+    `paratrain.checkpoint.state`). `assets` (rank 0's; file name -> bytes) are
+    files kept whole under ``assets/``, listed in the manifest like the data
+    files (a tokenizer, a model's description). `keep_latest` (None: keep all) bounds the
     committed checkpoints left under root. `on_event` is told of each point of
     the save it reaches (for fault-injection tests). Raises CheckpointError on
     every rank when the save fails; the previous checkpoints are then untouched.
     """
     check_save_options(step, keep_latest)
-    payload = prepare_payload(coordinator.rank, shards, rank_state, shared_state, copy=False)
+    payload = prepare_payload(coordinator.rank, shards, rank_state, shared_state, copy=False, assets=assets)
     return run_save(Path(root), step, payload, coordinator, keep_latest, overwrite, on_event)
 
 
@@ -98,9 +103,10 @@ def check_save_options(step: int, keep_latest: int | None) -> None:
 
 
 def prepare_payload(rank: int, shards: Shards, rank_state: dict | None, shared_state: dict | None,
-                    copy: bool) -> RankPayload:
-    """Check the shards and encode the states; with `copy`, snapshot the tensors into CPU memory."""
+                    copy: bool, assets: dict[str, bytes] | None = None) -> RankPayload:
+    """Check the shards, states and assets and encode the states; with `copy`, snapshot the tensors into CPU memory."""
     try:
+        assets = _check_assets(assets) if rank == 0 else None
         checked = {key: _check_shard(key, value) for key, value in shards.items()}
         if copy:
             checked = {key: (spec, _STAGING.snapshot(key, t)) for key, (spec, t) in checked.items()}
@@ -109,7 +115,19 @@ def prepare_payload(rank: int, shards: Shards, rank_state: dict | None, shared_s
         encoded_shared = encode_state(_as_dict(shared_state, "shared_state"), "shared_state") if rank == 0 else None
     except Exception as exc:  # noqa: BLE001 - becomes this rank's report, so that no peer waits in vain
         return RankPayload({}, None, None, error=f"rank {rank}: {_describe(exc, rank_filename(rank))}")
-    return RankPayload(checked, encoded_rank, encoded_shared)
+    return RankPayload(checked, encoded_rank, encoded_shared, assets=assets)
+
+
+def _check_assets(assets: dict[str, bytes] | None) -> dict[str, bytes] | None:
+    """The assets as bytes, each named by a plain file name (CheckpointError otherwise)."""
+    if not assets:
+        return None
+    for name, data in assets.items():
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise CheckpointError(f"asset {name!r} is not a plain file name")
+        if not isinstance(data, (bytes, bytearray)):
+            raise CheckpointError(f"asset {name!r} is a {type(data).__name__}, not bytes")
+    return {name: bytes(data) for name, data in assets.items()}
 
 
 class _PinnedStaging:
@@ -225,10 +243,24 @@ def _write_fragment(tmp: Path, step: int, rank: int, payload: RankPayload, event
         digest = write_shard_file(tmp / file, tensors, lambda: event("writing_data", step))
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 so that no peer waits for this rank in vain
         return {"rank": rank, "error": f"rank {rank}: {_describe(exc, file)}"}
+    try:
+        assets = _write_assets(tmp, payload.assets or {})
+    except OSError as exc:
+        return {"rank": rank, "error": f"rank {rank}: {_describe(exc, ASSETS_DIR)}"}
     shards = [{"key": key, "name": spec.name, "dtype": dtype_name(t.dtype), "global_shape": list(spec.global_shape),
                "offset": list(spec.offset), "shape": list(t.shape)} for key, (spec, t) in payload.shards.items()]
     return {"rank": rank, "step": step, "file": file, "size": digest.size, "sha256": digest.sha256, "shards": shards,
-            "rank_state": payload.rank_state, "shared_state": payload.shared_state}
+            "rank_state": payload.rank_state, "shared_state": payload.shared_state, "assets": assets}
+
+
+def _write_assets(tmp: Path, assets: dict[str, bytes]) -> dict[str, list]:
+    """Write the assets under tmp/assets/ (fsynced); {"assets/<name>": [size, sha256]}."""
+    if not assets:
+        return {}
+    (tmp / ASSETS_DIR).mkdir()
+    digests = {f"{ASSETS_DIR}/{name}": write_durable(tmp / ASSETS_DIR / name, data) for name, data in assets.items()}
+    fsync_dir(tmp / ASSETS_DIR)
+    return {name: [d.size, d.sha256] for name, d in digests.items()}
 
 
 def _commit(root: Path, tmp: Path, step: int, fragments: list[dict], overwrite: bool, event) -> dict:

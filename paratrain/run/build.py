@@ -45,13 +45,16 @@ from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.loss import head_name
 from paratrain.parallel.rules import CheckedLayout
-from paratrain.models.hf import HFCausalLM, is_model_dir
+from paratrain.models.hf import HFCausalLM, HFModelConfig, is_model_dir
+from paratrain.checkpoint.store import read_index
 from paratrain.run.checkpoints import (
     LORA_BASE_KEY, TrainingCheckpoints, check_resume_option, check_resumed_schedule, explain_layout_error, resolve_resume,
 )
+from paratrain.run.carried import (MODEL_CONFIG_KEY, carried_model_config, carried_tokenizer, model_difference,
+                                   model_directory, resumed_checkpoint, run_assets)
 from paratrain.run.guard import StepGuard
-from paratrain.run.hf_backend import (initializer as hf_initializer, meta_model, reference_dir_config, run_name,
-                                      transformers_dir, transformers_model_config)
+from paratrain.run.hf_backend import (check_layout, initializer as hf_initializer, meta_model, reference_dir_config,
+                                      run_name, transformers_dir, transformers_model_config)
 from paratrain.run.inputs import check_paths, tokenizer_vocab
 from paratrain.run.memory_budget import check_free_memory, check_memory_budget
 from paratrain.run.profiling import MemorySnapshots, profile_steps
@@ -122,6 +125,7 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
+    check_resumed_model(cfg, model_cfg)
     check_lora_targets(cfg, model_cfg)
     if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
         raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
@@ -167,12 +171,13 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
     accumulation = layout.accumulation
     sampler = data.sampler(t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
     guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
-    extra_state = {"model_config": dataclasses.asdict(model_cfg)}
+    extra_state = {MODEL_CONFIG_KEY: dataclasses.asdict(model_cfg)}
     if cfg.lora.rank is not None:  # a checkpoint of adapters names the base they were trained on
         from paratrain.parallel.lora import base_fingerprint
 
         extra_state[LORA_BASE_KEY] = base_fingerprint(model)
-    checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard, extra_state=extra_state)
+    checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard, extra_state=extra_state,
+                                      assets=run_assets(cfg, tokenizer) if env.is_main else None)
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
         sampler = SampleRecorder(sampler, out, env.rank, resumed)
@@ -230,8 +235,9 @@ def model_name(cfg: Config, model_cfg: ModelConfig) -> str:
     defaulted to, which only names the run then)."""
     if not cfg.model.init_from:
         return cfg.model.name
+    directory = model_directory(cfg)  # a resumed checkpoint's copy of config.json, else --init-from's
     try:  # config.json was read and checked in preflight (`imported_model_config`): here only its name
-        doc = json.loads((Path(cfg.model.init_from) / "config.json").read_text())
+        doc = json.loads((directory / "config.json").read_text()) if directory is not None else {}
     except (OSError, ValueError):
         doc = {}
     architecture = (doc.get("architectures") or [None])[0] or doc.get("model_type") or "model"
@@ -319,7 +325,13 @@ def trainer_loss_chunk(model: nn.Module, loss_chunk: int) -> int:
 
 
 def weight_initializer(model: Transformer, cfg: Config):
-    """init(name, full_shape) -> full fp32 value: the weights of --init-from if given, else the seeded init."""
+    """init(name, full_shape) -> full fp32 value: the weights of --init-from if given, else the seeded init.
+
+    Resuming an explicit checkpoint, which holds every weight (all but a LoRA run's frozen base, read as above),
+    nothing is read or drawn: zeros, each replaced by the checkpoint's value before the first step (the resume
+    loads every master or fails)."""
+    if resumed_checkpoint(cfg) is not None and cfg.lora.rank is None:
+        return lambda name, shape: torch.zeros(shape)
     if isinstance(model, HFCausalLM):
         return hf_initializer(model, cfg)
     if not cfg.model.init_from:
@@ -435,18 +447,13 @@ def chat_options(cfg: Config) -> ChatOptions:
 
 
 def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
-    """The named model config with the user's overrides, or --init-from's; checks that the vocabulary fits."""
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in ("name", "init_from", "backend") and v is not None}
-    source = transformers_dir(cfg)
-    if source is not None:
-        model_cfg = transformers_model_config(cfg, source, overrides)
-    elif is_model_dir(cfg.model.name) and not cfg.model.init_from:
-        model_cfg = dataclasses.replace(reference_dir_config(cfg.model.name), **overrides)
-    elif cfg.model.init_from:
-        model_cfg = imported_model_config(cfg.model.init_from, overrides)
-    else:
-        model_cfg = dataclasses.replace(get_model_config(cfg.model.name), **overrides)
+    """The model a resumed checkpoint carries (`paratrain.run.carried`), else the named model config with the user's
+    overrides, or --init-from's; checks that the vocabulary fits."""
+    model_cfg = carried_model_config(cfg)  # the size options are checked against it in `check_resumed_model`
+    if isinstance(model_cfg, HFModelConfig):
+        check_layout(cfg, model_cfg, "--resume")
+    elif model_cfg is None:
+        model_cfg = source_model_config(cfg, model_overrides(cfg))
     if tokenizer_vocab > model_cfg.vocab_size:
         fix = ("a tokenizer that fits" if cfg.model.init_from
                else f"--vocab-size {tokenizer_vocab} or a smaller tokenizer")
@@ -456,6 +463,52 @@ def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
         raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's max_seq_len "
                           f"{model_cfg.max_seq_len}")
     return model_cfg
+
+
+def model_overrides(cfg: Config) -> dict:
+    """The model options the user set (sizes of a named config): field -> value."""
+    return {k: v for k, v in dataclasses.asdict(cfg.model).items()
+            if k not in ("name", "init_from", "backend") and v is not None}
+
+
+def source_model_config(cfg: Config, overrides: dict) -> ModelConfig:
+    """The model config of the run's own options: --init-from's directory, --model's (directory or named config)."""
+    source = transformers_dir(cfg)
+    if source is not None:
+        return transformers_model_config(cfg, source, overrides)
+    if is_model_dir(cfg.model.name) and not cfg.model.init_from:
+        return dataclasses.replace(reference_dir_config(cfg.model.name), **overrides)
+    if cfg.model.init_from:
+        return imported_model_config(cfg.model.init_from, overrides)
+    return dataclasses.replace(get_model_config(cfg.model.name), **overrides)
+
+
+def check_resumed_model(cfg: Config, model_cfg) -> None:
+    """Preflight of a resume, against the model the checkpoint carries: a size option must equal its value; an
+    --init-from that is not the directory the checkpoint's run started from must hold that model (read once, here;
+    the run then reads nothing of it); a LoRA run's frozen base, which its checkpoints do not hold, must still be in
+    --init-from's directory."""
+    checkpoint = resumed_checkpoint(cfg)
+    if checkpoint is None or carried_model_config(cfg) is None:
+        return
+    for key, value in model_overrides(cfg).items():
+        if getattr(model_cfg, key, None) != value:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} {value} disagrees with the model {checkpoint.name} was saved with "
+                              f"({key}={getattr(model_cfg, key, None)}); drop {flag}: the checkpoint sets the shape")
+    if not cfg.model.init_from:
+        return
+    if cfg.lora.rank is not None and not Path(cfg.model.init_from).is_dir():
+        raise ConfigError(f"--init-from {cfg.model.init_from} does not exist: a LoRA checkpoint ({checkpoint.name}) "
+                          f"holds the adapters, not the frozen base, which is read from there; pass --init-from with "
+                          f"the base model's directory")
+    saved = (read_index(checkpoint).shared_state.get("config") or {}).get("model", {})
+    if saved.get("init_from") == cfg.model.init_from:
+        return
+    difference = model_difference(model_cfg, source_model_config(cfg, model_overrides(cfg)))
+    if difference:
+        raise ConfigError(f"--init-from {cfg.model.init_from} is not the model {checkpoint.name} was saved with "
+                          f"({difference}); drop --init-from: the checkpoint carries its model and tokenizer")
 
 
 def imported_model_config(path: str, overrides: dict) -> ModelConfig:
@@ -478,13 +531,22 @@ def imported_model_config(path: str, overrides: dict) -> ModelConfig:
 
 
 def tokenizer_spec(cfg: Config) -> str:
-    """--tokenizer with 'auto' resolved: 'auto' for a prepared corpus (its own), else --init-from's, else 'byte'."""
+    """--tokenizer with 'auto' resolved: 'auto' for a prepared corpus (its own), else --init-from's, else 'byte'.
+    Resuming raw text, a tokenizer read from files (--tokenizer PATH, the directory's) is the checkpoint's copy."""
     d, init_from = cfg.data, cfg.model.init_from
-    if d.tokenizer != "auto":
+    if d.tokenizer == "byte" or d.tokenizer.startswith("bpe:"):
         return d.tokenizer
     paths = [s.path for s in parse_mixture(d.path) or ()] or [d.path]
-    if d.path != "default" and all(is_prepared_dir(p) for p in paths):
+    prepared = [d.path != "default" and is_prepared_dir(p) for p in paths]
+    if d.tokenizer == "auto" and all(prepared):
         return "auto"
+    # What the run loaded, saved whole: the same tokenizer (the byte one, if it was). A prepared source holds its
+    # own, which the run's must stay the file it was prepared with.
+    carried = carried_tokenizer(cfg) if not any(prepared) else None
+    if carried is not None:
+        return carried
+    if d.tokenizer != "auto":
+        return d.tokenizer
     source = init_from or (cfg.model.name if is_model_dir(cfg.model.name) else None)  # --model DIR: its tokenizer
     if source and any((Path(source) / name).is_file() for name in ("tokenizer.json", "byte_tokenizer.json")):
         return source

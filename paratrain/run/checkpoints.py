@@ -8,6 +8,8 @@ optimizer state (`paratrain.run.model_state`):
   layout (world size, degrees, ZeRO stage, precision, micro-batch), the loss
   scaler, the data sampler (a global stream position: it continues exactly
   under any number of data ranks) and the non-finite step counters;
+* its assets (``assets/``: the tokenizer and the model directory's config.json, `paratrain.run.carried`), so
+  that the checkpoint alone resumes and exports;
 * per-rank state: each rank's RNG states (torch's CPU and its GPU's, Python, NumPy), restored to
   the same rank when the layout is unchanged.
 
@@ -62,9 +64,11 @@ class TrainingCheckpoints:
     """Save and resume of one run; every rank builds one, collectively, after the model and optimizer."""
 
     def __init__(self, cfg: Config, rank: int, out: Path, model, optimizer, sampler, guard, *,
-                 extra_state: dict | None = None, log=functools.partial(print, flush=True)):
+                 extra_state: dict | None = None, assets: dict[str, bytes] | None = None,
+                 log=functools.partial(print, flush=True)):
         self.cfg, self.rank, self.out, self.log = cfg, rank, Path(out), log
         self.extra_state = dict(extra_state or {})  # more shared state (the resolved model config)
+        self.assets = assets  # rank 0's: the files each checkpoint carries (`paratrain.run.carried.run_assets`)
         self.model, self.optimizer, self.sampler, self.guard = model, optimizer, sampler, guard
         self.mesh = model.mesh
         self.lr_start = 0  # the step the learning-rate schedule started at (a stage's --reset lr moves it)
@@ -236,12 +240,12 @@ class TrainingCheckpoints:
                   **self.extra_state}
         rank_state = {"rng": rng_state()}
         if self.saver is not None:
-            self.saver.save(step, shards, rank_state, shared)
+            self.saver.save(step, shards, rank_state, shared, assets=self.assets)
             if wait:
                 self.saver.wait()
         else:
             save_checkpoint(self.root, step, shards, rank_state, shared, coordinator=self.coordinator,
-                            keep_latest=self.keep_latest, on_event=self.on_event)
+                            keep_latest=self.keep_latest, on_event=self.on_event, assets=self.assets)
         self.last_save = _clock()
         if self.rank == 0 and (wait or self.saver is None):
             self.log(f"paratrain: saved checkpoint {step_dirname(step)} ({time.perf_counter() - start:.2f} s)")

@@ -13,7 +13,8 @@ Where the weights come from (`resolve_source`):
 * a run directory: its newest committed checkpoint under ``checkpoints/``
   that verifies, else its ``final/``.
 
-The tokenizer is the run's (final/'s file, else what the run's config names). Writing the
+The tokenizer is the run's: the checkpoint's own copy (``assets/``, `paratrain.run.carried`), else final/'s
+file, else what the run's config names. Writing the
 directory is the format's business: `paratrain.interop.export.write_hf_directory`.
 """
 
@@ -30,17 +31,17 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from paratrain.checkpoint.format import MANIFEST_FILE, parse_step_dirname
+from paratrain.checkpoint.format import ASSETS_DIR, MANIFEST_FILE, parse_step_dirname
 from paratrain.checkpoint.reader import CheckpointReader
 from paratrain.checkpoint.store import find_latest, list_checkpoints
 from paratrain.interop.export import check_export_options, peft_module_name, write_hf_directory, write_peft_adapter
 from paratrain.interop.hf import HFError, expected_shapes
 from paratrain.models import ModelConfig, ModelConfigError
-from paratrain.models.hf import HFModelError, is_hf_model_config, model_config_from_dict
+from paratrain.models.hf import HFModelError, is_hf_model_config
 from paratrain.parallel.lora import is_adapter
+from paratrain.run.carried import MODEL_CONFIG_KEY, TOKENIZER_FILES, stored_model_config
 
 MODEL_PREFIX = "model/"
-MODEL_CONFIG_KEY = "model_config"
 FINAL_WEIGHTS = "model.safetensors"
 FINAL_CONFIG = "model_config.json"
 
@@ -199,7 +200,7 @@ def _checkpoint_model_config(reader: CheckpointReader, src: ExportSource) -> Mod
     stored = shared.get(MODEL_CONFIG_KEY)
     if isinstance(stored, dict):
         try:
-            return _model_config(stored)
+            return stored_model_config(stored)
         except (TypeError, ModelConfigError, HFModelError) as exc:
             raise HFError(f"{src.path}: the stored {MODEL_CONFIG_KEY} is invalid ({exc})") from None
     if isinstance(shared.get("config"), dict):
@@ -224,16 +225,9 @@ def _resolve(doc: dict, where: str) -> ModelConfig:
         raise HFError(f"{where} does not give the model ({exc})") from None
 
 
-def _model_config(doc: dict):
-    """A stored model config: a reference `ModelConfig`, or a transformers model's `HFModelConfig`."""
-    if is_hf_model_config(doc):
-        return model_config_from_dict(doc)
-    return ModelConfig(**doc)
-
-
 def _config_from_json(path: Path) -> ModelConfig:
     try:
-        return _model_config(json.loads(path.read_text()))
+        return stored_model_config(json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError, TypeError, ModelConfigError, HFModelError) as exc:
         raise HFError(f"{path}: not a valid model config ({exc})") from None
 
@@ -349,14 +343,15 @@ def merged_weights(src: ExportSource, model_cfg, stored: dict, read: Callable) -
 
 
 def find_tokenizer(src: ExportSource):
-    """The tokenizer of the run `src` belongs to, or None: final/'s file, else what the run's config names."""
+    """The tokenizer of the run `src` belongs to, or None: a checkpoint's own copy, else final/'s file, else what the
+    run's config names."""
     from paratrain.data import DataError
-    from paratrain.data.tokenizer import BPE_FILE, BYTE_FILE, ByteTokenizer, tokenizer_from_file
+    from paratrain.data.tokenizer import ByteTokenizer, tokenizer_from_file
 
-    finals = [src.path] if src.kind is SourceKind.FINAL else []
-    finals += [src.run_dir / "final"] if src.run_dir is not None else []
-    for directory in finals:
-        if (directory / BPE_FILE).is_file() or (directory / BYTE_FILE).is_file():
+    copies = [src.path / ASSETS_DIR] if src.kind is SourceKind.CHECKPOINT else [src.path]
+    copies += [src.run_dir / "final"] if src.run_dir is not None else []
+    for directory in copies:
+        if any((directory / name).is_file() for name in TOKENIZER_FILES):
             return tokenizer_from_file(directory)
     if src.run_dir is None or not (src.run_dir / "config.json").is_file():
         return None
