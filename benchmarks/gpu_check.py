@@ -466,6 +466,12 @@ def check_grouped_experts(device) -> dict:
             "detail": f"{how}; out, dx, dw1, dw3, dw2 max {max(errors):.1e} (tol {tol:g})"}
 
 
+def _small_batch(device) -> list[str]:
+    """The training rows' batch on the CPU dry run: the row checks the path (launcher, snapshots, experts), and
+    tiny's default batch (16 x 256 tokens) makes it take half a minute there; on a GPU the defaults run."""
+    return [] if device.type == "cuda" else ["--global-batch", "4", "--seq-len", "64"]
+
+
 def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "paratrain", *args], capture_output=True, text=True,
                           timeout=timeout)
@@ -479,7 +485,7 @@ def _losses_of_run(run_dir: Path) -> list[float]:
 def check_tiny_moe(device, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as work:
         result = _run_cli(["train", "--model", "tiny-moe", "--steps", str(steps), "--out", f"{work}/run",
-                           "--log-every", "1"], timeout=600)
+                           "--log-every", "1", *_small_batch(device)], timeout=600)
         if result.returncode:
             return {"passed": False, "detail": (result.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
         losses = _losses_of_run(Path(work) / "run")
@@ -805,7 +811,8 @@ def check_launcher(device, steps: int) -> dict:
 
     with tempfile.TemporaryDirectory() as work:
         cfg = config_from_args(build_parser().parse_args(
-            ["train", "--model", "tiny", "--steps", str(steps), "--out", f"{work}/run", "--log-every", "1"]))
+            ["train", "--model", "tiny", "--steps", str(steps), "--out", f"{work}/run", "--log-every", "1",
+             *_small_batch(device)]))
         launch_local(cfg)
         losses = _losses_of_run(Path(work) / "run")
     return {"passed": len(losses) == steps and losses[-1] < losses[0], "losses": losses,
@@ -825,7 +832,8 @@ def check_memory_snapshot(device) -> dict:
 
     def run(out: str):
         train(config_from_args(build_parser().parse_args(
-            ["train", "--model", "tiny", "--steps", "2", "--out", out, "--memory-snapshot", "--no-progress"])))
+            ["train", "--model", "tiny", "--steps", "2", "--out", out, "--memory-snapshot", "--no-progress",
+             *_small_batch(device)])))
 
     with tempfile.TemporaryDirectory() as work:
         run(f"{work}/ok")

@@ -407,15 +407,15 @@ def test_a_killed_muon_run_resumes_bit_equal(tmp_path, layout):
 @pytest.mark.multirank
 def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch):
     """`paratrain verify --optimizer muon` at its default tolerance (fp32, Newton–Schulz in bf16 in every run):
-    ZeRO-1 and ZeRO-3 against one process PASS; rank 1 negating its gradients FAILs."""
+    ZeRO-3 against one process PASSes; rank 1 negating its gradients FAILs. (Every other layout's Muon is held to
+    torch's in one process by the tests above; this is verify's own path, its bound and its verdict.)"""
     from paratrain.cli import main
     from paratrain.faults import FAULT_ENV
     from test_verify import SMALL
 
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero1;dp2,zero3", "--optimizer", "muon"]) == 0, \
-        capsys.readouterr().out
+    assert main(["verify", *SMALL, "--layouts", "dp2,zero3", "--optimizer", "muon"]) == 0, capsys.readouterr().out
     table = capsys.readouterr().out.split("layout ")[-1].splitlines()
-    assert [line.split()[5] for line in table[1:]] == ["PASS", "PASS"], table
+    assert [line.split()[5] for line in table[1:]] == ["PASS"], table
     monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
     assert main(["verify", *SMALL, "--layouts", "dp2,zero2", "--optimizer", "muon"]) == 1
     row = capsys.readouterr().out.splitlines()[-1].split()
