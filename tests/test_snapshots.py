@@ -25,6 +25,7 @@ from paratrain.checkpoint.snapshot import (
 from paratrain.distributed import free_port
 from paratrain.faults import FAULT_ENV, GATE_ENV
 from paratrain.metrics import StragglerWatch, read_metrics
+from paratrain.run.checkpoints import describe_sources
 
 TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "64",
         "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--sample-tokens", "0",
@@ -64,6 +65,13 @@ def test_the_plan_takes_the_newest_step_complete_for_every_rank_from_the_nearest
     assert plan["holders"] == [[0, COPY], [1, COPY]]
     plan = plan_restore([inventory(), inventory({0: [6]}, {1: [6]})], None)
     assert plan["holders"] == [[1, OWN], [1, COPY]]
+
+
+def test_the_first_line_says_where_each_ranks_snapshot_came_from():
+    assert describe_sources([[0, OWN], [1, OWN]]) == "every rank from its own"
+    assert describe_sources([[0, OWN], [0, COPY]]) == "rank(s) 1 from the copy a buddy held, the others from their own"
+    assert describe_sources([[1, OWN], [1, COPY]]) == ("rank(s) 1 from the copy a buddy held, rank(s) 0 from their "
+                                                       "own held on another node")
 
 
 def test_the_plan_falls_back_to_disk_when_a_rank_has_no_copy_or_the_disk_is_newer():
@@ -209,8 +217,8 @@ def test_a_node_replaced_with_its_memory_wiped_restores_from_the_buddys_copy_bit
 
 def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference, tmp_path):
     out, nodes = _two_nodes_killed(tmp_path)
-    for node in nodes:
-        shutil.rmtree(job_dir(node) / entry_name(COPY, 1), ignore_errors=True) if any(node.iterdir()) else None
+    for copies in [c for node in nodes for c in node.glob(f"*/{entry_name(COPY, 1)}")]:
+        shutil.rmtree(copies)  # the copy of the lost rank's snapshots, on the node that survived
     results = launch_nodes(out, nodes, "--snapshot-every", "1")
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     stdout = "".join(r.stdout for r in results)

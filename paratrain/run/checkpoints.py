@@ -147,9 +147,7 @@ class TrainingCheckpoints:
             last = last_logged_step(self.out)
             truncate_metrics(self.out, step)
             lost = max(0, last - step)
-            copies = [r for r, (holder, kind) in enumerate(plan["holders"]) if kind == "copy" or holder != r]
-            where = (f"rank(s) {', '.join(map(str, copies))} from the copy a buddy held, the others from their own"
-                     if copies else "every rank from its own")
+            where = describe_sources(plan["holders"])
             self.log(f"paratrain: resumed from the snapshots in memory at step {step} ({where}; no disk read) in "
                      f"{time.perf_counter() - start:.2f} s: {lost} step(s) lost")
         return step, tokens_seen
@@ -386,6 +384,18 @@ _LAYOUT_DEFAULTS = {"cp": 1, "ep": 1}
 def with_layout_defaults(layout: dict) -> dict:
     """A saved layout record with the degrees older checkpoints did not record filled in (they had none of them)."""
     return {**_LAYOUT_DEFAULTS, **layout}
+
+
+def describe_sources(holders: list) -> str:
+    """Where each rank's snapshot came from, by `plan_restore`'s holders: 'every rank from its own', or the ranks
+    restored from a buddy's copy and those from their own snapshot held on another node (renumbered)."""
+    copies = [r for r, (_, kind) in enumerate(holders) if kind == "copy"]
+    moved = [r for r, (holder, kind) in enumerate(holders) if kind == "rank" and holder != r]
+    parts = [f"rank(s) {', '.join(map(str, ranks))} {what}" for ranks, what in (
+        (copies, "from the copy a buddy held"), (moved, "from their own held on another node")) if ranks]
+    if not parts:
+        return "every rank from its own"
+    return ", ".join(parts) + (", the others from their own" if len(copies) + len(moved) < len(holders) else "")
 
 
 def describe_layout(layout: dict) -> str:
