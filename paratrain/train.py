@@ -252,7 +252,9 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: f
         "reserved_mem_bytes": reserved or None,  # CUDA's caching allocator; none on the CPU
         "skipped_steps": run.model.skipped_steps, "skipped_nonfinite": run.guard.bad_total,
         # The save that followed the previous step: a record is written before its own save.
-        "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s},
+        "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s,
+                             # of which the --snapshot-every snapshot's stall: the copy to host memory
+                             **({"snapshot_s": run.checkpoints.snapshot_s} if run.checkpoints.peers else {})},
         **moe_record(run, outcome.verdict),
     }
 

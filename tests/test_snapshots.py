@@ -22,10 +22,12 @@ from safetensors.torch import load_file
 from paratrain.checkpoint.snapshot import (
     COPY, OWN, buddy_of, entry_name, install, pack_files, plan_restore, sender_of, unpack_files,
 )
+from paratrain.config import Config
 from paratrain.distributed import free_port
 from paratrain.faults import FAULT_ENV, GATE_ENV
 from paratrain.metrics import StragglerWatch, read_metrics
 from paratrain.run.checkpoints import describe_sources
+from paratrain.train import train
 
 TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "64",
         "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--sample-tokens", "0",
@@ -109,6 +111,24 @@ def test_a_straggler_is_named_after_the_steps_in_a_row_and_a_noisy_rank_is_not()
         watch.describe(first, 7)
     noisy = StragglerWatch(0.2, 3, ["a", "b"])
     assert not any(noisy.observe(times)[0] for times in [[0.01, 0.05], [0.01, 0.01], [0.05, 0.01]] * 5)
+
+
+def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snapshot_when_it_finishes(tmp_path):
+    """One process, in this process: every step's snapshot is timed inside the step's checkpoint time (the stall
+    of the copy), and the finished run deletes the job's snapshot directory."""
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 1, 32, 4, 2, 64
+    cfg.data.seq_len = 32
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 4, 4, 4
+    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 0, 1, 0
+    cfg.checkpoint.every, cfg.checkpoint.snapshot_every = 0, 1
+    cfg.checkpoint.snapshot_dir = str(tmp_path / "memory")
+    cfg.run.out, cfg.run.progress = str(tmp_path / "run"), False
+    train(cfg)
+    breakdowns = [r["time_breakdown_s"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert breakdowns[0]["snapshot_s"] == 0.0  # a record tells the save after the step before it
+    assert all(0 < b["snapshot_s"] <= b["checkpoint_s"] for b in breakdowns[1:]), breakdowns
+    assert list((tmp_path / "memory").iterdir()) == []
 
 
 # -- launched -------------------------------------------------------------------------------------------------

@@ -288,6 +288,7 @@ class TrainingCheckpoints:
         """Save when due: every --checkpoint-every steps, or when the agreed clock says so (`clock_due`, the same on
         every rank), at the last step, and (synchronously) when stopping."""
         every, snapshot_every = self.policy.steps, self.cfg.checkpoint.snapshot_every
+        self.snapshot_s = 0.0
         if self.peers is not None and not stopping and step % snapshot_every == 0:
             self.snapshot_s = self.peers.save(step, *self.state(step, tokens_seen, held=True))
         if stopping or (self.policy.enabled and (last or clock_due or (every and step % every == 0))):
