@@ -34,6 +34,9 @@ TINY = ["--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2",
         "--eval-every", "0", "--no-progress"]
 
 
+STARTED = "paratrain: tiny ("  # the line rank 0 prints once the run is built and resumed, at each attempt
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -79,21 +82,26 @@ def run_mode(name: str, extra: list[str], args, workdir: Path) -> dict:
     log = open(workdir / f"{name}.log", "w")
     start = time.monotonic()
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    kills, recoveries, lost, next_kill, before = [], [], [], start + args.fault_every, None
+    kills, recoveries, lost, next_kill = [], [], [], start + args.fault_every
+    attempts, reached, resumed = 0, None, None  # after a kill: the first lines so far, the newest step recorded, the resumed step
     try:
         while time.monotonic() - start < args.budget:
             time.sleep(0.1)
-            now = time.monotonic()
-            if before is not None:  # after a kill: the first record the restart adds, one not there before
-                new = [r for r in records(out) if json.dumps(r, sort_keys=True) not in before]
-                if new:
-                    recoveries.append(now - kills[-1])
-                    lost.append(max((json.loads(r)["step"] for r in before), default=0) - (new[0]["step"] - 1))
-                    before, next_kill = None, now + args.fault_every
-            elif now >= next_kill:
+            now, steps = time.monotonic(), [r["step"] for r in records(out)]
+            if reached is not None and resumed is None:  # until the restarted job has resumed (its first line)
+                reached = max([reached, *steps])  # the survivor may record the step under way
+                if (workdir / f"{name}.log").read_text().count(STARTED) > attempts:
+                    resumed = steps[-1] if steps else 0  # metrics.jsonl cut back to the resumed step
+            elif resumed is not None and steps and steps[-1] > resumed:  # the first step after the kill
+                recoveries.append(now - kills[-1])
+                lost.append(reached - resumed)
+                reached = resumed = None
+                next_kill = now + args.fault_every
+            elif reached is None and now >= next_kill:
                 pid = worker_of_rank(process.pid, 1)
                 if pid is not None:
-                    before = {json.dumps(r, sort_keys=True) for r in records(out)}
+                    attempts = (workdir / f"{name}.log").read_text().count(STARTED)
+                    reached = max(steps, default=0)
                     os.kill(pid, signal.SIGKILL)
                     kills.append(now)
     finally:
