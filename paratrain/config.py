@@ -246,6 +246,14 @@ class CheckpointSection:
                                  "saved under any layout", flag="--resume")
     load_step: int = option(0, "with --resume auto, continue from this step's checkpoint instead of the newest "
                                "(0: the newest); newer checkpoints of the run are set aside", flag="--load-step")
+    snapshot_every: int = option(
+        0, "every N steps, each rank also writes its state to node-local memory (--snapshot-dir) in the background "
+           "and sends a copy to a buddy rank on another node; a restart restores from the newest snapshot complete on "
+           "every rank, reading no disk, unless a disk checkpoint is newer (0: off)", flag="--snapshot-every")
+    snapshot_dir: str = option(
+        "/dev/shm/paratrain", "node-local directory (memory: a tmpfs) of the --snapshot-every snapshots; the job's go "
+                              "in a subdirectory named by its run id, removed when the run finishes",
+        flag="--snapshot-dir")
     reset: str = option("", "with --resume PATH, a new stage from its model and optimizer: 'data' (a new --data), 'lr' "
                             "(the schedule again over the steps left), 'step' (count from 0), comma-separated")
 
@@ -261,6 +269,12 @@ class ReliabilitySection:
     pg_timeout_s: float = option(600.0, "seconds a collective waits for its peers before the run fails with a "
                                         "diagnostic of which rank is where (process-group timeout)",
                                  flag="--pg-timeout")
+    straggler_threshold: float = option(
+        0.2, "a rank whose compute time of a step exceeds the median of all ranks' by more than this fraction is slow; "
+             "slow for --straggler-steps steps in a row, it is named in a warning and in metrics.jsonl",
+        flag="--straggler-threshold")
+    straggler_steps: int = option(5, "steps in a row a rank must be slow (--straggler-threshold) to be named a "
+                                     "straggler", flag="--straggler-steps")
     step_timeout_s: float = option(0.0, "seconds one training step (with the checkpoint and evaluation after it) "
                                         "may take before a watchdog kills the process, so that the launcher "
                                         "restarts the job (a hang outside collectives; 0: off)",
@@ -484,7 +498,7 @@ def _check_reliability(cfg: Config) -> None:
     """The [checkpoint] and [reliability] rules (the resume path itself is checked by the trainer's preflight)."""
     c, r = cfg.checkpoint, cfg.reliability
     checkpoint_policy(c.every)
-    for name, value in [("--load-step", c.load_step),
+    for name, value in [("--load-step", c.load_step), ("--snapshot-every", c.snapshot_every),
                         ("--check-every", r.check_every)]:
         if value < 0:
             raise ConfigError(f"{name} must not be negative, got {value}")
@@ -496,6 +510,11 @@ def _check_reliability(cfg: Config) -> None:
     if c.load_step and c.resume != "auto":
         raise ConfigError(f"--load-step picks a checkpoint of the run in --out; it goes with --resume auto, "
                           f"not --resume {c.resume}")
+    if r.straggler_steps < 1:
+        raise ConfigError(f"--straggler-steps must be at least 1, got {r.straggler_steps}")
+    if not r.straggler_threshold > 0:
+        raise ConfigError(f"--straggler-threshold must be a positive fraction of the median (0.2: 20%), got "
+                          f"{r.straggler_threshold}")
     if r.max_bad_steps < 1:
         raise ConfigError(f"--max-bad-steps must be at least 1, got {r.max_bad_steps}")
     _check_timeout("--pg-timeout", r.pg_timeout_s)

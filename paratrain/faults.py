@@ -29,13 +29,17 @@ Two sorts of kind:
   `SLOW_WRITE_SECONDS` longer, to keep an async save in flight; with
   ``PARATRAIN_FAULT_GATE=PATH``, it is held until that file exists instead,
   so a test opens the gate once what must happen during the write has
-  happened, whatever the machine's load);
+  happened, whatever the machine's load); ``snap_kill_mid_write`` (SIGKILL
+  while this rank's memory snapshot of the step is half written, its shard
+  file's header there and its data not, `paratrain.checkpoint.snapshot`);
 * flags, which `maybe_fault` only reports (it returns True) and the caller
   acts on: ``nan`` (the loss becomes NaN), ``infgrad`` (one gradient element
   becomes inf), ``desync_shape`` (the step's agreement all-reduce gets a
   different shape), ``perturb`` (a replicated parameter moves by one ulp),
   ``negate_grads`` (this rank's gradients change sign before the optimizer
-  step: an engine that reduces wrongly, which `paratrain verify` must catch).
+  step: an engine that reduces wrongly, which `paratrain verify` must catch),
+  ``slow`` (this rank's forward and backward take `SLOW_STEP_SECONDS` longer:
+  a straggler, which the step's agreement names).
 """
 
 from __future__ import annotations
@@ -58,16 +62,19 @@ FAULT_ENV = "PARATRAIN_FAULT"
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 GATE_ENV = "PARATRAIN_FAULT_GATE"
 SLOW_WRITE_SECONDS = 2.0
+SLOW_STEP_SECONDS = 0.05
 # A gate nobody opens: the held write goes on after this long, so a test that forgot it ends rather than hangs.
 GATE_LIMIT_S = 300.0
 
 ACTIONS = frozenset({
     "sigkill", "raise", "hang", "hang_data", "oom",
     "ckpt_kill_after_shard", "ckpt_kill_before_commit", "kill_in_purge", "ckpt_enospc", "ckpt_slow_write",
+    "snap_kill_mid_write",
 })
-FLAGS = frozenset({"nan", "infgrad", "desync_shape", "perturb", "negate_grads"})
+FLAGS = frozenset({"nan", "infgrad", "desync_shape", "perturb", "negate_grads", "slow"})
 KINDS = ACTIONS | FLAGS
-_KILLS = frozenset({"sigkill", "ckpt_kill_after_shard", "ckpt_kill_before_commit", "kill_in_purge"})
+_KILLS = frozenset({"sigkill", "ckpt_kill_after_shard", "ckpt_kill_before_commit", "kill_in_purge",
+                    "snap_kill_mid_write"})
 _SPEC = re.compile(r"(?P<kind>[a-z_0-9]+)@rank(?P<rank>\d+):step(?P<step>\d+|\*)(?::attempt(?P<attempt>\d+|\*))?")
 # The points of a checkpoint save (the storage core's events) and the faults injected at each.
 CHECKPOINT_EVENTS = {
@@ -76,6 +83,8 @@ CHECKPOINT_EVENTS = {
     "committing": ("ckpt_kill_before_commit",),  # rank 0: index written, manifest (the commit marker) not yet
     "purging": ("kill_in_purge",),  # rank 0: an old checkpoint renamed for deletion, not yet deleted
 }
+# The same points of a memory snapshot's save (this rank's alone).
+SNAPSHOT_EVENTS = {"shard_written": (), "writing_data": ("snap_kill_mid_write",), "committing": (), "purging": ()}
 
 
 class FaultSpecError(ParatrainError, ValueError):
@@ -162,7 +171,7 @@ def maybe_fault(kind: str, rank: int, step: int, environ: Mapping[str, str] | No
 
 
 # The faults that happen inside one training step, the ones `faulty` injects.
-STEP_FAULTS = ("nan", "sigkill", "raise", "oom", "hang", "infgrad", "negate_grads", "desync_shape")
+STEP_FAULTS = ("slow", "nan", "sigkill", "raise", "oom", "hang", "infgrad", "negate_grads", "desync_shape")
 
 
 def faulty(step_fn: Callable, comm, rank: int, step: int) -> Callable:
@@ -197,7 +206,10 @@ class _FaultyModel:
         return fault_requested(kind, self._rank, self._step)
 
     def train_step(self, micro_batches, normalizer, loss_fn=None):
-        """The `nan` fault: this rank's loss (and so its gradients) become NaN."""
+        """The `slow` fault (this rank computes `SLOW_STEP_SECONDS` longer) and the `nan` fault (this rank's loss, and
+        so its gradients, become NaN)."""
+        if self._due("slow"):
+            time.sleep(SLOW_STEP_SECONDS)
         loss_fn = loss_fn or self._model.loss_fn
         if self._due("nan"):
             loss_fn = functools.partial(_nan_loss, loss_fn)
@@ -239,12 +251,13 @@ def _hold_write(gate: str | None) -> None:
         time.sleep(0.02)
 
 
-def checkpoint_events(rank: int):
+def checkpoint_events(rank: int, points: Mapping[str, tuple[str, ...]] = CHECKPOINT_EVENTS):
     """The callback a checkpoint save reports its events to: `event(name, step)` performs the faults
-    injected at that point of the save on this rank (see CHECKPOINT_EVENTS), read when it happens."""
+    injected at that point of the save on this rank (see CHECKPOINT_EVENTS; a snapshot's: SNAPSHOT_EVENTS),
+    read when it happens."""
 
     def event(name: str, step: int) -> None:
-        for kind in CHECKPOINT_EVENTS[name]:
+        for kind in points[name]:
             maybe_fault(kind, rank, step)
 
     return event

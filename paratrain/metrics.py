@@ -89,6 +89,42 @@ def expert_load(per_rank: dict[str, tuple[float, ...]], owners: list[int], data_
             "load_max_mean_worst": max(finite) if finite else None}
 
 
+# -- stragglers --------------------------------------------------------------------------------
+
+class StragglerWatch:
+    """Names a rank whose compute time exceeds the median of every rank's by more than `threshold` (a fraction)
+    for `steps` steps in a row: the step's agreement carries each rank's time, so every rank sees the same.
+
+    `observe(times)` takes a step's per-rank compute seconds and returns the stragglers of that step, each
+    {"rank", "host", "compute_s", "median_s", "steps"}: a rank is one from its `steps`-th slow step in a row
+    until a step of its is not slow. `new` says which of them were named at this step (once per run of slow steps).
+    """
+
+    def __init__(self, threshold: float, steps: int, hosts: list[str]):
+        self.threshold, self.steps, self.hosts = threshold, steps, list(hosts)
+        self.streak = [0] * len(self.hosts)
+
+    def observe(self, times) -> tuple[list[dict], list[dict]]:
+        """(the stragglers of this step, those newly named) from this step's per-rank compute seconds."""
+        times = [float(t) for t in times]
+        median = float(np.median(times))
+        stragglers = []
+        for rank, seconds in enumerate(times):
+            slow = median > 0 and seconds > median * (1 + self.threshold)
+            self.streak[rank] = self.streak[rank] + 1 if slow else 0
+            if self.streak[rank] >= self.steps:
+                stragglers.append({"rank": rank, "host": self.hosts[rank], "compute_s": seconds, "median_s": median,
+                                   "steps": self.streak[rank]})
+        return stragglers, [s for s in stragglers if s["steps"] == self.steps]
+
+    def describe(self, straggler: dict, step: int) -> str:
+        """The warning line naming one straggler."""
+        return (f"rank {straggler['rank']} on {straggler['host']} is a straggler: its compute took "
+                f"{straggler['compute_s'] * 1e3:.1f} ms at step {step} against the median's "
+                f"{straggler['median_s'] * 1e3:.1f} ms (more than {self.threshold:.0%} slower for {self.steps} steps "
+                f"in a row)")
+
+
 class MetricsLog:
     """Appends one JSON object per line and flushes it, so a crash loses no finished step.
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +103,10 @@ def loop(run: Run) -> tuple[float, float, float]:
     layers = moe_layers(model)  # a mixture of experts' layers on this rank, whose load each step's agreement carries
     moe = bool(layers or run.model_cfg.n_experts)
 
-    def counts() -> dict:  # this rank's numbers the step's agreement carries: the clock's save, a MoE's load
+    def counts(timer: StepTimer) -> dict:  # this rank's numbers the step's agreement carries: the clock's save,
+        # its compute time so far (the forward and backward, communication waits taken out), a MoE's load
         load = moe_counts(layers, run.model_cfg.n_layers, run.model_cfg.n_experts) if moe else {}
-        return {**load, "save_due": float(run.checkpoints.clock_due())}
+        return {**load, "save_due": float(run.checkpoints.clock_due()), "compute_s": timer.seconds["forward_backward"]}
 
     profiler = StepProfiler(profile_steps(cfg), run.out, run.env.rank, run.device)  # --profile-steps
     previous_lr = run.checkpoints.resumed_lr  # the step before this one's (the saved step's, after a resume)
@@ -126,9 +129,10 @@ def loop(run: Run) -> tuple[float, float, float]:
                     batches = next_batches(run)
                 step_fn = faulty(train_step, run.comm, run.env.rank, step)  # train_step itself when no fault is due
                 outcome = step_fn(model, run.optimizer, batches, t.grad_clip, timer=timer, stop=guard.stop_requested,
-                                  peak=run.memory, more_counts=counts)
+                                  peak=run.memory, more_counts=functools.partial(counts, timer))
             guard.judge(outcome.verdict)
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
+            record.update(straggler_record(run, step, outcome.verdict.per_rank["compute_s"]))
             record.update(source_record(run, position))
             if trace:  # the last profiled step: where this rank's trace of the range is
                 record["profile_trace"] = trace[0]
@@ -248,9 +252,21 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, elapsed: f
         "reserved_mem_bytes": reserved or None,  # CUDA's caching allocator; none on the CPU
         "skipped_steps": run.model.skipped_steps, "skipped_nonfinite": run.guard.bad_total,
         # The save that followed the previous step: a record is written before its own save.
-        "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s},
+        "time_breakdown_s": {**timer.breakdown(elapsed), "checkpoint_s": last_save_s,
+                             # of which the --snapshot-every snapshot's stall: the copy to host memory
+                             **({"snapshot_s": run.checkpoints.snapshot_s} if run.checkpoints.peers else {})},
         **moe_record(run, outcome.verdict),
     }
+
+
+def straggler_record(run: Run, step: int, compute_s) -> dict:
+    """{"compute_s_per_rank": every rank's compute seconds of the step, "stragglers": the ranks slow for
+    --straggler-steps in a row (`paratrain.metrics.StragglerWatch`), if any}; rank 0 warns once per straggler."""
+    stragglers, named = run.stragglers.observe(compute_s)
+    if run.env.is_main:
+        for straggler in named:
+            print(f"paratrain: warning: {run.stragglers.describe(straggler, step)}", file=sys.stderr, flush=True)
+    return {"compute_s_per_rank": [float(t) for t in compute_s], **({"stragglers": stragglers} if stragglers else {})}
 
 
 def moe_record(run: Run, verdict: Verdict) -> dict:

@@ -20,7 +20,7 @@ import torch
 
 from paratrain.parallel.model import _FLAGS
 
-# The step's agreement: its flags and the trainer's 3 counts, a column per rank (2), then a flag per master.
+# The step's agreement: its flags and at least the trainer's 3 counts, a column per rank (2), then a flag per master.
 AGREEMENT = r"all_reduce over world shape \[(\d+)\] float64"
 AGREEMENT_ROWS = (len(_FLAGS) + 3) * 2
 from safetensors.torch import load_file

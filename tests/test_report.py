@@ -86,7 +86,7 @@ def assert_figures(directory, names=FIGURES):
 
 def test_report_of_a_real_run(real_run, capsys):
     assert main(["report", str(real_run)]) == 0
-    assert_figures(real_run / "report")
+    assert_figures(real_run / "report", [*FIGURES, "ranks.png"])
     out = capsys.readouterr().out
     assert "single (dp1): 4 steps" in out
     assert "eval loss" in out and "(step 4)" in out
@@ -234,6 +234,25 @@ def test_a_mixture_of_experts_gets_its_expert_load_figure(real_run, tmp_path, ca
     assert (tmp_path / "with" / "experts.png").read_bytes().startswith(PNG_MAGIC)
     assert main(["report", str(real_run), "--out", str(tmp_path / "without")]) == 0
     assert not (tmp_path / "without" / "experts.png").exists()
+
+
+def test_each_ranks_compute_time_is_drawn_with_the_stragglers_ringed(tmp_path):
+    from paratrain.commands.report import ranks_figure
+
+    path = write_run(tmp_path / "slow")
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    with open(path / "metrics.jsonl", "w") as f:
+        for r in records:
+            r["compute_s_per_rank"] = [0.01, 0.06]
+            if r["step"] >= 3:
+                r["stragglers"] = [{"rank": 1, "host": "h", "compute_s": 0.06, "median_s": 0.035, "steps": r["step"]}]
+            f.write(json.dumps(r) + "\n")
+    run = load_run(path)
+    ax = ranks_figure([run]).axes[0]
+    assert [line.get_label() for line in ax.get_lines()] == [f"{run.label} rank 0", f"{run.label} rank 1"]
+    assert list(ax.get_lines()[1].get_ydata()) == [60.0] * 5
+    assert ax.collections[0].get_offsets().tolist() == [[3, 60.0], [4, 60.0], [5, 60.0]]
+    assert ranks_figure([load_run(write_run(tmp_path / "old"))]) is None  # a run that did not record it
 
 
 def test_a_run_without_mfu_says_why_and_named_held_out_losses_are_drawn(tmp_path):

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
 from paratrain.checkpoint.coordinator import Coordinator, LocalCoordinator, dedicated_coordinator
 from paratrain.checkpoint.format import CheckpointError
-from paratrain.checkpoint.save import EventHook, RankPayload, Shards, check_save_options, prepare_payload, run_save
+from paratrain.checkpoint.save import (
+    EventHook, PinnedStaging, RankPayload, Shards, check_save_options, prepare_payload, run_save,
+)
 
 
 class AsyncCheckpointer:
@@ -44,9 +48,10 @@ class AsyncCheckpointer:
 
     def __init__(self, root: str | os.PathLike, *, keep_latest: int | None = None,
                  coordinator: Coordinator | None = None, group: dist.ProcessGroup | None = None,
-                 on_event: EventHook = None):
+                 on_event: EventHook = None, after_commit: Callable[[int, Path | None], None] | None = None):
         check_save_options(0, keep_latest)
-        self.on_event = on_event
+        self.on_event, self.after_commit = on_event, after_commit
+        self._staging = PinnedStaging()  # this saver's host buffers: another saver's may be in flight
         self._abandoned = threading.Event()
         self._gave_up = False  # the background thread failed its save because of `abandon`
         self.root = Path(root)
@@ -66,27 +71,37 @@ class AsyncCheckpointer:
         return self._thread is not None and self._thread.is_alive()
 
     def save(self, step: int, shards: Shards, rank_state: dict | None = None, shared_state: dict | None = None,
-             *, overwrite: bool = False, assets: dict[str, bytes] | None = None) -> None:
+             *, overwrite: bool = False, assets: dict[str, bytes] | None = None) -> float:
         """Start saving checkpoint `step` (arguments as `save_checkpoint`); return once the tensors are copied.
 
         Collective like `save_checkpoint`. Waits for the previous save first
-        and raises its error, if it failed.
+        and raises its error, if it failed. Returns the seconds the copy took (what the caller's step waited
+        beyond the previous save).
         """
         self.wait()
         check_save_options(step, self.keep_latest)
+        start = time.perf_counter()
         payload = prepare_payload(self.coordinator.rank, shards, rank_state, shared_state, copy=True,
-                                  assets=assets)
+                                  staging=self._staging, assets=assets)
+        copied = time.perf_counter() - start
         self._step = step
         self._thread = threading.Thread(target=self._run, args=(step, payload, overwrite),
                                         name=f"paratrain-checkpoint-{step}", daemon=True)
         self._thread.start()
+        return copied
 
     def _run(self, step: int, payload: RankPayload, overwrite: bool) -> None:
+        path = None
         try:
-            self._last = run_save(self.root, step, payload, self.coordinator, self.keep_latest, overwrite,
-                                  self._event)
+            self._last = path = run_save(self.root, step, payload, self.coordinator, self.keep_latest, overwrite,
+                                         self._event)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by wait()
             self._error = exc
+        if self.after_commit is not None:
+            try:
+                self.after_commit(step, path)
+            except BaseException as exc:  # noqa: BLE001 - as the save's own
+                self._error = self._error or exc
 
     def _event(self, name: str, step: int) -> None:
         # The two points where a failure makes every rank give the save up cleanly: this rank's
@@ -107,7 +122,8 @@ class AsyncCheckpointer:
         still complete, whole. Returns the step of a save abandoned here (known only without peers), else None.
         """
         self._abandoned.set()
-        alone = self.coordinator.world_size == 1
+        # A save replicated to other ranks is never waited for either: the replication may wait on one that is gone.
+        alone = self.coordinator.world_size == 1 and self.after_commit is None
         if self._thread is not None and alone:
             self._thread.join()
         abandoned = alone and self._gave_up and self._error is not None

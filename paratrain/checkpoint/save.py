@@ -103,14 +103,17 @@ def check_save_options(step: int, keep_latest: int | None) -> None:
 
 
 def prepare_payload(rank: int, shards: Shards, rank_state: dict | None, shared_state: dict | None,
-                    copy: bool, assets: dict[str, bytes] | None = None) -> RankPayload:
-    """Check the shards, states and assets and encode the states; with `copy`, snapshot the tensors into CPU memory."""
+                    copy: bool, staging: PinnedStaging | None = None,
+                    assets: dict[str, bytes] | None = None) -> RankPayload:
+    """Check the shards, states and assets and encode the states; with `copy`, snapshot the tensors into CPU memory
+    (into `staging`'s buffers: one per saver, so that two savers in flight never share one)."""
+    staging = staging or _STAGING
     try:
         assets = _check_assets(assets) if rank == 0 else None
         checked = {key: _check_shard(key, value) for key, value in shards.items()}
         if copy:
-            checked = {key: (spec, _STAGING.snapshot(key, t)) for key, (spec, t) in checked.items()}
-            _STAGING.wait()
+            checked = {key: (spec, staging.snapshot(key, t)) for key, (spec, t) in checked.items()}
+            staging.wait()
         encoded_rank = encode_state(_as_dict(rank_state, "rank_state"), "rank_state")
         encoded_shared = encode_state(_as_dict(shared_state, "shared_state"), "shared_state") if rank == 0 else None
     except Exception as exc:  # noqa: BLE001 - becomes this rank's report, so that no peer waits in vain
@@ -130,7 +133,7 @@ def _check_assets(assets: dict[str, bytes] | None) -> dict[str, bytes] | None:
     return {name: bytes(data) for name, data in assets.items()}
 
 
-class _PinnedStaging:
+class PinnedStaging:
     """CPU snapshots of tensors for a save in flight. A GPU tensor is copied into page-locked memory,
     kept from one save to the next (pinning is slow), without blocking; `wait` then waits once for
     all the copies. A CPU tensor is copied as it is."""
@@ -156,7 +159,7 @@ class _PinnedStaging:
             self._pending = False
 
 
-_STAGING = _PinnedStaging()
+_STAGING = PinnedStaging()
 
 
 def _as_dict(state: dict | None, what: str) -> dict:

@@ -397,6 +397,27 @@ def experts_figure(runs: list[Run]):
     return fig
 
 
+def ranks_figure(runs: list[Run]):
+    """Each rank's compute time per step (the step's agreement carries it), the stragglers the run named ringed;
+    None when no run records it (runs older than the record)."""
+    timed = [run for run in runs if any("compute_s_per_rank" in r for r in run.records)]
+    if not timed:
+        return None
+    fig, (ax,) = _figure(1, "Compute time per rank")
+    styles = ("-", "--", ":", "-.")
+    for i, run in enumerate(timed):
+        rows = [r for r in run.records if r.get("compute_s_per_rank")]
+        for rank in range(max(len(r["compute_s_per_rank"]) for r in rows)):
+            ax.plot([r["step"] for r in rows], [1e3 * r["compute_s_per_rank"][rank] for r in rows],
+                    linestyle=styles[i % len(styles)], marker=".", label=f"{run.label} rank {rank}")
+        named = [(r["step"], 1e3 * s["compute_s"]) for r in rows for s in r.get("stragglers", [])]
+        if named:
+            ax.scatter(*zip(*named), s=90, facecolors="none", edgecolors="red", label=f"{run.label} straggler")
+    ax.set(xlabel="step", ylabel="compute (ms, communication waits excluded)", ylim=(0, None))
+    ax.legend(fontsize="small")
+    return fig
+
+
 FIGURES = {"loss.png": loss_figure, "throughput.png": throughput_figure, "memory.png": memory_figure,
            "comm.png": comm_figure}
 
@@ -409,10 +430,11 @@ def write_report(runs: list[Run], out: str | Path) -> list[Path]:
     for name, build in FIGURES.items():
         build(runs).savefig(out / name, dpi=110)
         paths.append(out / name)
-    experts = experts_figure(runs)  # only for a mixture of experts
-    if experts is not None:
-        experts.savefig(out / "experts.png", dpi=110)
-        paths.append(out / "experts.png")
+    for name, optional in (("experts.png", experts_figure), ("ranks.png", ranks_figure)):
+        figure = optional(runs)  # a mixture of experts' load; the ranks' compute times where recorded
+        if figure is not None:
+            figure.savefig(out / name, dpi=110)
+            paths.append(out / name)
     return paths + [p for p in (plot_pipeline(run, out) for run in runs) if p is not None]
 
 
@@ -422,7 +444,8 @@ def write_report(runs: list[Run], out: str | Path) -> list[Path]:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `report` subcommand to the main CLI's subparsers; returns its parser."""
     parser = subparsers.add_parser("report", help="plot and summarize finished runs", description=(
-        "Plot loss, throughput, peak memory per rank and communication per axis of one or more "
+        "Plot loss, throughput, peak memory per rank, communication per axis and compute time per rank "
+        "(stragglers ringed) of one or more "
         "run directories (several are overlaid on the same axes), draw the pipeline timeline of "
         "runs with pp > 1, and print a summary of each run."))
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="--out directory of `paratrain train`")

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from paratrain.faults import current_attempt
 from paratrain.hardware import device_peak_flops, slow_bf16_matmuls
 from paratrain.peak_memory import ProcessPeak
 from paratrain.mesh import Mesh
-from paratrain.metrics import MetricsLog, unigram_entropy
+from paratrain.metrics import MetricsLog, StragglerWatch, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.contract import TrainableModel
 from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
@@ -95,10 +96,15 @@ class Run:
     snapshots: MemorySnapshots = None
     # Every held-out set by name and a mixture's sources (`paratrain.data.mixture.TrainingData`).
     data: TrainingData = None
+    # Each rank's compute time against the median, step by step (--straggler-threshold, --straggler-steps).
+    stragglers: StragglerWatch = None
 
     def __post_init__(self):
         self.memory = self.memory or ProcessPeak(self.mesh.device)
         self.snapshots = self.snapshots or MemorySnapshots(False, self.out, self.env.rank, self.mesh.device, False)
+        self.stragglers = self.stragglers or StragglerWatch(
+            self.cfg.reliability.straggler_threshold, self.cfg.reliability.straggler_steps,
+            [socket.gethostname()] * self.env.world_size)
 
     @property
     def device(self) -> torch.device:
@@ -177,16 +183,19 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
 
         extra_state[LORA_BASE_KEY] = base_fingerprint(model)
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard, extra_state=extra_state,
-                                      assets=run_assets(cfg, tokenizer) if env.is_main else None)
+                                      assets=run_assets(cfg, tokenizer) if env.is_main else None,
+                                      local_world_size=env.local_world_size)
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
         sampler = SampleRecorder(sampler, out, env.rank, resumed)
     log = MetricsLog(out / METRICS_FILE, open_trackers(tracker_names(cfg), out, read_run_id(out), cfg.to_dict(),
                                                        purge_step=resumed + 1 if resumed else None)) \
         if env.is_main else None
+    hosts = checkpoints.coordinator.broadcast_object(checkpoints.coordinator.gather_objects(socket.gethostname()))
+    stragglers = StragglerWatch(cfg.reliability.straggler_threshold, cfg.reliability.straggler_steps, hosts)
     run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
               checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device),
-              comm=comm, snapshots=snapshots, data=data)
+              comm=comm, snapshots=snapshots, data=data, stragglers=stragglers)
     if env.is_main:
         print(describe(run), flush=True)
     return run

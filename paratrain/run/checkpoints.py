@@ -13,6 +13,12 @@ optimizer state (`paratrain.run.model_state`):
 * per-rank state: each rank's RNG states (torch's CPU and its GPU's, Python, NumPy), restored to
   the same rank when the layout is unchanged.
 
+With --snapshot-every, each rank also snapshots the same state (all the boxes it holds) into node-local
+memory with a copy on a buddy rank (`paratrain.checkpoint.snapshot`). A launch that continues its run
+(--resume auto, or a restart) restores, in this order, from: the snapshot of the newest step complete on
+every rank (each rank's own, else the copy its buddy holds), unless a disk checkpoint is newer; then the
+newest disk checkpoint. Its first line says which, and how many steps were lost.
+
 Resuming is decided once, by rank 0, which alone touches the checkpoint root
 before any save (quarantine of dead saves, `find_latest` with its full
 checksum verification, setting aside checkpoints newer than the one resumed):
@@ -40,8 +46,9 @@ from paratrain.checkpoint.format import (
     LATEST_FILE, MANIFEST_FILE, CheckpointError, CheckpointWarning, parse_step_dirname, step_dirname,
 )
 from paratrain.checkpoint.reader import CheckpointReader
+from paratrain.checkpoint.snapshot import PeerSnapshots, plan_restore
 from paratrain.run.rundir import (
-    CHECKPOINT_DIR, RUN_FILE, read_run_id, read_stored_config, set_aside_newer, truncate_metrics,
+    CHECKPOINT_DIR, RUN_FILE, last_logged_step, read_run_id, read_stored_config, set_aside_newer, truncate_metrics,
 )
 from paratrain.checkpoint.save import save_checkpoint
 from paratrain.checkpoint.store import (
@@ -49,7 +56,7 @@ from paratrain.checkpoint.store import (
 )
 from paratrain.run.model_state import check_compatible, load_model_shards, master_boxes, model_shards
 from paratrain.config import Config, ConfigError, checkpoint_policy
-from paratrain.faults import checkpoint_events, current_attempt
+from paratrain.faults import SNAPSHOT_EVENTS, checkpoint_events, current_attempt
 
 _SHARED_KEYS = ("step", "tokens_seen", "sampler", "scaler", "guard", "layout")
 RESETS = ("data", "lr", "step")  # what a new stage (--resume PATH --reset ...) starts afresh
@@ -65,7 +72,7 @@ class TrainingCheckpoints:
 
     def __init__(self, cfg: Config, rank: int, out: Path, model, optimizer, sampler, guard, *,
                  extra_state: dict | None = None, assets: dict[str, bytes] | None = None,
-                 log=functools.partial(print, flush=True)):
+                 log=functools.partial(print, flush=True), local_world_size: int = 1):
         self.cfg, self.rank, self.out, self.log = cfg, rank, Path(out), log
         self.extra_state = dict(extra_state or {})  # more shared state (the resolved model config)
         self.assets = assets  # rank 0's: the files each checkpoint carries (`paratrain.run.carried.run_assets`)
@@ -83,6 +90,12 @@ class TrainingCheckpoints:
                                         on_event=self.on_event) if c.async_save else None)
         self.policy = checkpoint_policy(c.every)
         self.last_save = _clock()  # the wall-clock policy counts from the start, then from each save
+        # --snapshot-every: this rank's snapshots in node memory, one directory per job (collective: a group)
+        self.peers = (PeerSnapshots(Path(c.snapshot_dir) / (self.run_id or "run"), rank, self.mesh.shape.world_size,
+                                    local_world_size, timeout_s=cfg.reliability.pg_timeout_s,
+                                    on_event=checkpoint_events(rank, SNAPSHOT_EVENTS)) if c.snapshot_every else None)
+        self.snapshot_s = 0.0  # what the last snapshot held the step up (the copy to host memory)
+        self._finished = False  # the last step is done: the snapshots are of no more use
         if self.policy.enabled:
             self._check_free_space()
 
@@ -93,12 +106,57 @@ class TrainingCheckpoints:
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> tuple[int, int]:
-        """Load the checkpoint this launch continues from, if any; return (step, tokens seen) to start after.
+        """Load the snapshot or checkpoint this launch continues from, if any; return (step, tokens seen) to start
+        after. Snapshots newer than that step are discarded: the run continues from it.
 
         A new stage (--resume PATH --reset ...; not a restart, which continues the stage from the run's own
         checkpoints) keeps the model and optimizer and starts afresh what --reset names: the data stream
         ('data'), the learning-rate schedule from this step ('lr'), the step count and the schedule ('step').
         """
+        c = self.cfg.checkpoint
+        own = not c.load_step and (c.resume == "auto" or current_attempt() > 0)  # the run continues itself
+        resumed = self._resume_from_memory() if self.peers is not None and own else None
+        if resumed is None:
+            resumed = self._resume_from_disk()
+        if self.peers is not None:
+            self.peers.discard_newer(resumed[0])
+        return resumed
+
+    def _resume_from_memory(self) -> tuple[int, int] | None:
+        """Restore from the snapshots when one step is complete on every rank and no disk checkpoint is newer
+        (reading nothing of the disk's but the names of its checkpoint directories); None: resume from disk."""
+        start = time.perf_counter()
+        inventories = self.coordinator.gather_objects(self.peers.inventory())
+        plan = None
+        if self.rank == 0:
+            committed = [p for p in list_checkpoints(self.root) if (p / MANIFEST_FILE).exists()]
+            plan = plan_restore(inventories, parse_step_dirname(committed[-1].name) if committed else None)
+        plan = self.coordinator.broadcast_object(plan)
+        if plan["source"] != "memory":
+            if plan["why"] and self.rank == 0:
+                self.log(f"paratrain: {plan['why']}; resuming from the newest disk checkpoint")
+            return None
+        path = self.peers.fetch(plan)
+        try:
+            reader = self._open_agreed(str(path), snapshot=True)
+        except CheckpointError as exc:
+            if self.rank == 0:
+                self.log(f"paratrain: the snapshot of step {plan['step']} cannot be restored ({exc}); resuming from "
+                         f"the newest disk checkpoint")
+            return None
+        shared, _ = self._load(reader, [], state_rank=0)
+        step, tokens_seen = reader.step, int(shared["tokens_seen"])
+        self.lr_start, self.resumed_lr = int(shared.get("lr_start", 0)), shared.get("lr")
+        if self.rank == 0:
+            last = last_logged_step(self.out)
+            truncate_metrics(self.out, step)
+            lost = max(0, last - step)
+            where = describe_sources(plan["holders"])
+            self.log(f"paratrain: resumed from the snapshots in memory at step {step} ({where}; no disk read) in "
+                     f"{time.perf_counter() - start:.2f} s: {lost} step(s) lost")
+        return step, tokens_seen
+
+    def _resume_from_disk(self) -> tuple[int, int]:
         decision = self.coordinator.broadcast_object(self._decide() if self.rank == 0 else None)
         if "error" in decision:
             raise CheckpointError(decision["error"])
@@ -107,23 +165,8 @@ class TrainingCheckpoints:
                 truncate_metrics(self.out, 0)
             return 0, 0
         reader = self._open_agreed(decision["path"])
-        shared = reader.shared_state()
-        missing = [key for key in _SHARED_KEYS if key not in shared]
-        if missing:
-            raise CheckpointError(f"{reader.path} was not saved by `paratrain train`: its shared state lacks "
-                                  f"{', '.join(missing)}")
-        base = self.extra_state.get(LORA_BASE_KEY)
-        if base is not None and shared.get(LORA_BASE_KEY, base) != base:
-            raise CheckpointError(f"{reader.path} holds adapters trained on another base model (its frozen weights "
-                                  f"differ from this run's: another --init-from, --seed or model); resume over the "
-                                  f"base it was trained on")
-        load_model_shards(self.model, self.optimizer, reader)
         stage = decision.get("reset", [])
-        if "data" not in stage:
-            self.sampler.load_state_dict(shared["sampler"])
-        self.model.load_loss_scale_state(shared["scaler"])
-        self.guard.load_state_dict(shared["guard"])
-        restored = self._restore_rng(reader, shared["layout"])
+        shared, restored = self._load(reader, stage, state_rank=self.rank)
         step, tokens_seen, self.lr_start = reader.step, int(shared["tokens_seen"]), int(shared.get("lr_start", 0))
         self.resumed_lr = None if {"lr", "step"} & set(stage) else shared.get("lr")  # a new schedule starts at 0
         if "step" in stage:
@@ -140,6 +183,26 @@ class TrainingCheckpoints:
                      f"{f' ({dropped} metrics record(s) after it dropped)' if dropped else ''}"
                      f"{self._layout_change(shared['layout'])}{rng}{new_stage}")
         return step, tokens_seen
+
+    def _load(self, reader: CheckpointReader, stage: list[str], state_rank: int) -> tuple[dict, bool]:
+        """Load the model, optimizer, sampler (unless the stage resets 'data'), loss scale, guard and, under the same
+        layout, the RNG states saved by `state_rank` from `reader`; return (its shared state, whether RNG was)."""
+        shared = reader.shared_state()
+        missing = [key for key in _SHARED_KEYS if key not in shared]
+        if missing:
+            raise CheckpointError(f"{reader.path} was not saved by `paratrain train`: its shared state lacks "
+                                  f"{', '.join(missing)}")
+        base = self.extra_state.get(LORA_BASE_KEY)
+        if base is not None and shared.get(LORA_BASE_KEY, base) != base:
+            raise CheckpointError(f"{reader.path} holds adapters trained on another base model (its frozen weights "
+                                  f"differ from this run's: another --init-from, --seed or model); resume over the "
+                                  f"base it was trained on")
+        load_model_shards(self.model, self.optimizer, reader)
+        if "data" not in stage:
+            self.sampler.load_state_dict(shared["sampler"])
+        self.model.load_loss_scale_state(shared["scaler"])
+        self.guard.load_state_dict(shared["guard"])
+        return shared, self._restore_rng(reader, shared["layout"], state_rank)
 
     def _decide(self) -> dict:
         """Rank 0: {"path": checkpoint to resume}, {} to start afresh, or {"error": message}."""
@@ -178,12 +241,20 @@ class TrainingCheckpoints:
         verify_checkpoint(c.resume)
         return Path(c.resume)
 
-    def _open_agreed(self, path: str) -> CheckpointReader:
-        """Every rank opens the checkpoint and reads its index itself; the ranks compare steps and verdicts first."""
+    def _open_agreed(self, path: str, snapshot: bool = False) -> CheckpointReader:
+        """Every rank opens the checkpoint and reads its index itself; the ranks compare steps and verdicts first.
+
+        A `snapshot` is each rank's own (`path` differs between ranks): each verifies every checksum of its own
+        (in memory: fast), and it must have the current layout (it holds the boxes of this rank alone).
+        """
         reader = step = verdict = None
         try:
-            reader = CheckpointReader(path, verify=self.rank != 0, checksums=False)  # rank 0 verified it all
+            # rank 0 verified the disk checkpoint's checksums all
+            reader = CheckpointReader(path, verify=snapshot or self.rank != 0, checksums=snapshot)
             step = reader.step
+            layout = with_layout_defaults(reader.shared_state().get("layout", {})) if snapshot else self.layout()
+            if layout != self.layout():
+                raise CheckpointError(f"it was saved by {describe_layout(layout)}, not this job's layout")
             check_compatible(self.model, reader)
         except CheckpointError as exc:
             verdict = f"rank {self.rank}: {exc}" if self.rank else str(exc)
@@ -199,10 +270,10 @@ class TrainingCheckpoints:
             raise CheckpointError(outcome)
         return reader
 
-    def _restore_rng(self, reader: CheckpointReader, saved_layout: dict) -> bool:
+    def _restore_rng(self, reader: CheckpointReader, saved_layout: dict, state_rank: int) -> bool:
         if with_layout_defaults(saved_layout) != self.layout():
             return False
-        set_rng_state(reader.rank_state(self.rank)["rng"])
+        set_rng_state(reader.rank_state(state_rank)["rng"])
         return True
 
     def _layout_change(self, saved: dict) -> str:
@@ -220,25 +291,34 @@ class TrainingCheckpoints:
     def after_step(self, step: int, tokens_seen: int, last: bool, stopping: bool, clock_due: bool = False) -> None:
         """Save when due: every --checkpoint-every steps, or when the agreed clock says so (`clock_due`, the same on
         every rank), at the last step, and (synchronously) when stopping."""
-        every = self.policy.steps
+        every, snapshot_every = self.policy.steps, self.cfg.checkpoint.snapshot_every
+        self.snapshot_s = 0.0
+        if self.peers is not None and not stopping and step % snapshot_every == 0:
+            self.snapshot_s = self.peers.save(step, *self.state(step, tokens_seen, held=True))
         if stopping or (self.policy.enabled and (last or clock_due or (every and step % every == 0))):
             self.save(step, tokens_seen, wait=stopping or last)
+        self._finished = last and not stopping
 
     def _schedule_lr(self) -> float:
         """The schedule's learning rate of the last step (a group with its own peak, Muon's, holds it scaled)."""
         group = self.optimizer.param_groups[0]
         return group["lr"] / group.get("lr_scale", 1.0)
 
-    def save(self, step: int, tokens_seen: int, wait: bool = True) -> None:
-        """Save checkpoint `step` (collective); CheckpointError on every rank if it fails."""
-        start = time.perf_counter()
-        shards = model_shards(self.model, self.optimizer)
+    def state(self, step: int, tokens_seen: int, held: bool = False) -> tuple[dict, dict, dict]:
+        """(shards, rank state, shared state) of a save after `step`: what this rank writes of the checkpoint, or
+        with `held` all it holds (its snapshot)."""
+        shards = model_shards(self.model, self.optimizer, held=held)
         shared = {"step": step, "tokens_seen": tokens_seen, "run_id": self.run_id, "config": self.cfg.to_dict(),
                   "layout": self.layout(), "scaler": self.model.loss_scale_state(),
                   "sampler": self.sampler.state_dict(), "guard": self.guard.state_dict(), "lr_start": self.lr_start,
                   "lr": self._schedule_lr(),  # the saved step's: a resume's first step compares
                   **self.extra_state}
-        rank_state = {"rng": rng_state()}
+        return shards, {"rng": rng_state()}, shared
+
+    def save(self, step: int, tokens_seen: int, wait: bool = True) -> None:
+        """Save checkpoint `step` (collective); CheckpointError on every rank if it fails."""
+        start = time.perf_counter()
+        shards, rank_state, shared = self.state(step, tokens_seen)
         if self.saver is not None:
             self.saver.save(step, shards, rank_state, shared, assets=self.assets)
             if wait:
@@ -251,9 +331,15 @@ class TrainingCheckpoints:
             self.log(f"paratrain: saved checkpoint {step_dirname(step)} ({time.perf_counter() - start:.2f} s)")
 
     def close(self) -> None:
-        """Wait for a background save in flight (raising its error)."""
+        """Wait for a background save and a snapshot in flight (raising their errors); after the last step, delete
+        this rank's snapshots."""
         if self.saver is not None:
             self.saver.close()
+        if self.peers is not None:
+            self.peers.wait()
+            if self._finished:
+                self.peers.remove()
+            self.peers.close()
 
     def __enter__(self) -> TrainingCheckpoints:
         return self
@@ -261,7 +347,10 @@ class TrainingCheckpoints:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        elif self.saver is not None:
+            return
+        if self.peers is not None:
+            self.peers.abandon()
+        if self.saver is not None:
             # The loop failed: a save in flight is given up as a crash would leave it (never
             # waited for: it may wait on a rank that is gone; a leftover temporary directory is
             # quarantined at the next start).
@@ -300,6 +389,18 @@ _LAYOUT_DEFAULTS = {"cp": 1, "ep": 1}
 def with_layout_defaults(layout: dict) -> dict:
     """A saved layout record with the degrees older checkpoints did not record filled in (they had none of them)."""
     return {**_LAYOUT_DEFAULTS, **layout}
+
+
+def describe_sources(holders: list) -> str:
+    """Where each rank's snapshot came from, by `plan_restore`'s holders: 'every rank from its own', or the ranks
+    restored from a buddy's copy and those from their own snapshot held on another node (renumbered)."""
+    copies = [r for r, (_, kind) in enumerate(holders) if kind == "copy"]
+    moved = [r for r, (holder, kind) in enumerate(holders) if kind == "rank" and holder != r]
+    parts = [f"rank(s) {', '.join(map(str, ranks))} {what}" for ranks, what in (
+        (copies, "from the copy a buddy held"), (moved, "from their own held on another node")) if ranks]
+    if not parts:
+        return "every rank from its own"
+    return ", ".join(parts) + (", the others from their own" if len(copies) + len(moved) < len(holders) else "")
 
 
 def describe_layout(layout: dict) -> str:

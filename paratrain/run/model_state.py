@@ -98,11 +98,15 @@ def _state_items(optimizer, box: MasterBox):
                                               f"neither the parameter's {list(box.master.shape)} nor a scalar")
 
 
-def model_shards(model, optimizer) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
-    """What this rank writes: {key: (ShardSpec, tensor)} for `save_checkpoint`, masters and optimizer state."""
+def model_shards(model, optimizer, held: bool = False) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
+    """What this rank writes: {key: (ShardSpec, tensor)} for `save_checkpoint`, masters and optimizer state.
+
+    With `held`, every non-empty box this rank holds, written or not (and the scalar state of each): a
+    checkpoint of this rank alone from which it reloads all it holds (a snapshot, `paratrain.checkpoint.snapshot`).
+    """
     shards = {}
     for box in master_boxes(model):
-        if not box.writer:
+        if not (box.writer or (held and not box.empty)):
             continue
         name = MODEL_PREFIX + box.name
         shards[name] = (ShardSpec(name, box.global_shape, box.offset), box.view(box.master.detach()))
@@ -110,7 +114,7 @@ def model_shards(model, optimizer) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
             state_name = f"{OPTIM_PREFIX}{box.name}/{key}"
             if elementwise:
                 shards[state_name] = (ShardSpec(state_name, box.global_shape, box.offset), box.view(value))
-            elif box.first:
+            elif box.first or held:
                 shards[state_name] = (ShardSpec(state_name, (), ()), value)
     return shards
 

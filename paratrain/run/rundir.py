@@ -212,6 +212,20 @@ def truncate_metrics(out: Path, step: int) -> int:
     return dropped
 
 
+def last_logged_step(out: Path) -> int:
+    """The step of the last complete record of metrics.jsonl (0 when there is none): how far a run got."""
+    try:
+        lines = (Path(out) / METRICS_FILE).read_text(encoding="utf-8").split("\n")[:-1]  # a cut line is no record
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line).get("step", 0))
+        except (ValueError, AttributeError):
+            continue
+    return 0
+
+
 def set_aside_newer(root: Path, step: int) -> list[str]:
     """Rename the run's checkpoints newer than `step` out of find_latest's sight (a rewind starts a new branch)."""
     moved = []

@@ -1,0 +1,290 @@
+"""Snapshots in node memory with a copy on a buddy (`paratrain.checkpoint.snapshot`) and stragglers named.
+
+The launched tests run `paratrain train` in subprocesses: one node of 2 ranks, or two "nodes" of one rank each
+(two launchers meeting at one rendezvous on this machine, each with its own --snapshot-dir as a node's memory).
+A run is killed (--max-restarts 0: the launch fails), the test does to the snapshot directories what the failure
+would (a node replaced: its directory wiped), then relaunches the same command. "Bit-equal" compares every
+step's loss as float.hex and the final weights with one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain.checkpoint.snapshot import (
+    COPY, OWN, buddy_of, entry_name, install, pack_files, plan_restore, sender_of, unpack_files,
+)
+from paratrain.config import Config
+from paratrain.distributed import free_port
+from paratrain.faults import FAULT_ENV, GATE_ENV
+from paratrain.metrics import StragglerWatch, read_metrics
+from paratrain.run.checkpoints import describe_sources
+from paratrain.train import train
+
+TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "64",
+        "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--sample-tokens", "0",
+        "--eval-every", "0", "--no-progress"]
+STEPS = 10
+ARGS = [*TINY, "--steps", str(STEPS), "--checkpoint-every", "4"]
+LAUNCH_TIMEOUT = 300
+
+
+# -- in-process: the pairing, the plan, the files --------------------------------------------------------------
+
+def test_the_buddy_is_the_same_local_rank_on_the_next_node_or_the_next_local_rank_on_one_node():
+    assert [buddy_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert [buddy_of(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [buddy_of(r, 4, 4) for r in range(4)] == [1, 2, 3, 0]
+    assert buddy_of(0, 1, 1) is None
+    for world, local in ((8, 4), (6, 2), (4, 4), (2, 1)):
+        for r in range(world):
+            assert buddy_of(r, world, local) != r and sender_of(buddy_of(r, world, local), world, local) == r
+            if world > local:
+                assert buddy_of(r, world, local) // local != r // local  # another node
+
+
+def inventory(own: dict[int, list[int]] | None = None, copy: dict[int, list[int]] | None = None) -> dict:
+    return {OWN: {str(r): s for r, s in (own or {}).items()}, COPY: {str(r): s for r, s in (copy or {}).items()}}
+
+
+def test_the_plan_takes_the_newest_step_complete_for_every_rank_from_the_nearest_copy():
+    # rank 1 died writing step 7; rank 0 holds rank 1's copies of 5 and 6, rank 1 rank 0's of 5..7
+    plan = plan_restore([inventory({0: [5, 6, 7]}, {1: [5, 6]}), inventory({1: [5, 6]}, {0: [5, 6, 7]})], 4)
+    assert plan == {"source": "memory", "step": 6, "holders": [[0, OWN], [1, OWN]]}
+    # node 1 replaced: its directory is empty, rank 1's copy is on rank 0
+    plan = plan_restore([inventory({0: [5, 6]}, {1: [5, 6]}), inventory()], 4)
+    assert plan == {"source": "memory", "step": 6, "holders": [[0, OWN], [0, COPY]]}
+    # the ranks renumbered: rank 0's own snapshot is now in rank 1's directory and rank 0 holds a copy of it
+    plan = plan_restore([inventory(copy={0: [6]}), inventory({0: [6]}, {1: [6]})], None)
+    assert plan["holders"] == [[0, COPY], [1, COPY]]
+    plan = plan_restore([inventory(), inventory({0: [6]}, {1: [6]})], None)
+    assert plan["holders"] == [[1, OWN], [1, COPY]]
+
+
+def test_the_first_line_says_where_each_ranks_snapshot_came_from():
+    assert describe_sources([[0, OWN], [1, OWN]]) == "every rank from its own"
+    assert describe_sources([[0, OWN], [0, COPY]]) == "rank(s) 1 from the copy a buddy held, the others from their own"
+    assert describe_sources([[1, OWN], [1, COPY]]) == ("rank(s) 1 from the copy a buddy held, rank(s) 0 from their "
+                                                       "own held on another node")
+
+
+def test_the_plan_falls_back_to_disk_when_a_rank_has_no_copy_or_the_disk_is_newer():
+    both_lost = plan_restore([inventory({0: [5, 6]}), inventory()], 4)
+    assert both_lost["source"] == "disk" and "rank(s) 1 have none" in both_lost["why"]
+    apart = plan_restore([inventory({0: [6]}), inventory({1: [5]})], 4)
+    assert apart["source"] == "disk" and "no step is complete on every rank" in apart["why"]
+    assert plan_restore([inventory({0: [6]}), inventory({1: [6]})], 8) == {"source": "disk", "why": ""}
+    assert plan_restore([inventory(), inventory()], None) == {"source": "disk", "why": ""}
+    assert plan_restore([inventory({0: [8]}), inventory({1: [8]})], 8)["source"] == "memory"  # a tie: memory
+
+
+def test_a_snapshot_travels_as_one_tensor_and_is_installed_whole(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    files = {"index.json": b"{}", "manifest.json": b"[]", "rank-00000.safetensors": bytes(range(256)) * 3}
+    for name, data in files.items():
+        (source / name).write_bytes(data)
+    assert unpack_files(pack_files(source)) == files
+    root = tmp_path / entry_name(COPY, 1)
+    for step in (1, 2, 3, 4):
+        install(root, step, files)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000003", "step-00000004"]
+    assert {p.name: p.read_bytes() for p in (root / "step-00000004").iterdir()} == files
+
+
+def test_a_straggler_is_named_after_the_steps_in_a_row_and_a_noisy_rank_is_not():
+    watch = StragglerWatch(0.2, 3, ["a", "b", "c"])
+    named = [watch.observe([0.010, 0.060, 0.011]) for _ in range(4)]
+    assert [len(new) for _, new in named] == [0, 0, 1, 0]  # named once, at the third slow step
+    assert [[s["rank"] for s in stragglers] for stragglers, _ in named] == [[], [], [1], [1]]
+    first = named[2][1][0]
+    assert first["host"] == "b" and first["median_s"] == 0.011 and first["compute_s"] == 0.060
+    assert "rank 1 on b is a straggler: its compute took 60.0 ms at step 7 against the median's 11.0 ms" in \
+        watch.describe(first, 7)
+    noisy = StragglerWatch(0.2, 3, ["a", "b"])
+    assert not any(noisy.observe(times)[0] for times in [[0.01, 0.05], [0.01, 0.01], [0.05, 0.01]] * 5)
+
+
+def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snapshot_when_it_finishes(tmp_path):
+    """One process, in this process: every step's snapshot is timed inside the step's checkpoint time (the stall
+    of the copy), and the finished run deletes the job's snapshot directory."""
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 1, 32, 4, 2, 64
+    cfg.data.seq_len = 32
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 4, 4, 4
+    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 0, 1, 0
+    cfg.checkpoint.every, cfg.checkpoint.snapshot_every = 0, 1
+    cfg.checkpoint.snapshot_dir = str(tmp_path / "memory")
+    cfg.run.out, cfg.run.progress = str(tmp_path / "run"), False
+    train(cfg)
+    breakdowns = [r["time_breakdown_s"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert breakdowns[0]["snapshot_s"] == 0.0  # a record tells the save after the step before it
+    assert all(0 < b["snapshot_s"] <= b["checkpoint_s"] for b in breakdowns[1:]), breakdowns
+    assert list((tmp_path / "memory").iterdir()) == []
+
+
+# -- launched -------------------------------------------------------------------------------------------------
+
+def environment(fault: str = "") -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, GATE_ENV)}
+    env["PYTHONUNBUFFERED"] = "1"
+    if fault:
+        env[FAULT_ENV] = fault
+    return env
+
+
+def launch_nodes(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
+    """One launcher per entry of `snapshot_dirs` (that node's memory), one rank each; one node: two ranks."""
+    common = [sys.executable, "-m", "paratrain", "train", *ARGS, "--out", str(out), *extra]
+    if len(snapshot_dirs) == 1:
+        commands = [[*common, "--nproc", "2", "--snapshot-dir", str(snapshot_dirs[0])]]
+    else:
+        rendezvous = ["--nnodes", str(len(snapshot_dirs)), "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                      "--rdzv-id", out.name]
+        commands = [[*common, "--nproc", "1", *rendezvous, "--snapshot-dir", str(d)] for d in snapshot_dirs]
+    processes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=environment(fault)) for c in commands]
+    results = []
+    for command, process in zip(commands, processes):
+        try:
+            stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+        finally:
+            process.kill()
+        results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
+    return results
+
+
+def assert_bit_equal(out: Path, reference: Path) -> None:
+    records, expected = read_metrics(out / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [float.hex(r["loss"]) for r in records] == [float.hex(r["loss"]) for r in expected]
+    mine, theirs = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def job_dir(snapshot_dir: Path) -> Path:
+    """The job's subdirectory of a --snapshot-dir (named by the run id)."""
+    (found,) = [p for p in snapshot_dir.iterdir() if p.is_dir()]
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted run on one node of 2 ranks, snapshotting every step: it warns of no straggler."""
+    base = tmp_path_factory.mktemp("reference")
+    (result,) = launch_nodes(base / "run", [base / "snapshots"], "--snapshot-every", "1")
+    assert result.returncode == 0, result.stderr
+    assert "straggler" not in result.stderr and "straggler" not in result.stdout
+    assert not any("stragglers" in r for r in read_metrics(base / "run" / "metrics.jsonl"))
+    assert not list((base / "snapshots").iterdir()), "a finished run leaves no snapshot in memory"
+    return base / "run"
+
+
+def _damage_disk_checkpoints(out: Path) -> int:
+    """Flip a byte in every shard of every disk checkpoint: any read of one fails its verification."""
+    shards = list((out / "checkpoints").glob("step-*/rank-*.safetensors"))
+    for shard in shards:
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    return len(shards)
+
+
+def newest_complete(entry: Path) -> int:
+    """The newest committed step of a snapshot entry (``rank-R`` or ``copy-R``); 0 when there is none."""
+    steps = [int(p.name[5:]) for p in entry.glob("step-*") if (p / "manifest.json").exists()]
+    return max(steps, default=0)
+
+
+def test_a_killed_rank_resumes_from_memory_without_reading_the_disk_bit_equal(reference, tmp_path):
+    out, snapshots = tmp_path / "run", tmp_path / "snapshots"
+    (killed,) = launch_nodes(out, [snapshots], "--snapshot-every", "1", fault="sigkill@rank1:step7")
+    assert killed.returncode != 0
+    assert _damage_disk_checkpoints(out) == 2  # step 4, both ranks' shards
+    # Step 6's snapshot was written in the background during step 7: complete, or (the kill came first) step 5's.
+    step = min(newest_complete(job_dir(snapshots) / entry_name(OWN, r)) for r in (0, 1))
+    assert step in (5, 6)
+    (result,) = launch_nodes(out, [snapshots], "--snapshot-every", "1")
+    assert result.returncode == 0, result.stderr
+    first = next(line for line in result.stdout.splitlines() if line.startswith("paratrain: resumed"))
+    assert first.startswith(f"paratrain: resumed from the snapshots in memory at step {step} (every rank from its "
+                            f"own; no disk read)") and first.endswith(f": {6 - step} step(s) lost"), first
+    assert "checksum mismatch" not in result.stderr  # the damaged disk checkpoint was never read
+    assert_bit_equal(out, reference)
+
+
+def _two_nodes_killed(tmp_path: Path) -> tuple[Path, list[Path], int]:
+    """Two nodes of one rank; rank 1 killed in step 7; its node's memory wiped (a replaced node). Returns the
+    newest step both the survivor's own snapshots and its copy of rank 1's hold."""
+    out, nodes = tmp_path / "run", [tmp_path / "node-a", tmp_path / "node-b"]
+    results = launch_nodes(out, nodes, "--snapshot-every", "1", fault="sigkill@rank1:step7")
+    assert all(r.returncode != 0 for r in results)
+    (lost,) = [d for d in nodes if (job_dir(d) / entry_name(OWN, 1)).is_dir()]
+    (held,) = [job_dir(d) for d in nodes if d != lost]
+    step = min(newest_complete(held / entry_name(OWN, 0)), newest_complete(held / entry_name(COPY, 1)))
+    assert step in (5, 6)  # step 6's copy travelled in the background during step 7: there, or step 5's
+    shutil.rmtree(lost)
+    lost.mkdir()
+    return out, nodes, step
+
+
+def test_a_node_replaced_with_its_memory_wiped_restores_from_the_buddys_copy_bit_equal(reference, tmp_path):
+    out, nodes, step = _two_nodes_killed(tmp_path)
+    results = launch_nodes(out, nodes, "--snapshot-every", "1")
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    lines = [line for r in results for line in r.stdout.splitlines() if line.startswith("paratrain: resumed")]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"paratrain: resumed from the snapshots in memory at step {step} (rank(s) 1 from the copy a buddy held"), lines
+    assert_bit_equal(out, reference)
+
+
+def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference, tmp_path):
+    out, nodes, _ = _two_nodes_killed(tmp_path)
+    for copies in [c for node in nodes for c in node.glob(f"*/{entry_name(COPY, 1)}")]:
+        shutil.rmtree(copies)  # the copy of the lost rank's snapshots, on the node that survived
+    results = launch_nodes(out, nodes, "--snapshot-every", "1")
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    stdout = "".join(r.stdout for r in results)
+    fallback = [line for line in stdout.splitlines() if "no snapshot in memory" in line]
+    assert fallback == ["paratrain: no snapshot in memory is complete on every rank: rank(s) 1 have none (own "
+                        "snapshot and buddy's copy both lost); resuming from the newest disk checkpoint"], stdout
+    assert "checkpoints/step-00000004 at step 4" in stdout and "snapshots in memory at step" not in stdout
+    assert_bit_equal(out, reference)
+
+
+def test_a_snapshot_torn_mid_write_is_never_restored(reference, tmp_path):
+    out, snapshots = tmp_path / "run", tmp_path / "snapshots"
+    (killed,) = launch_nodes(out, [snapshots], "--snapshot-every", "1", fault="snap_kill_mid_write@rank1:step7")
+    assert killed.returncode != 0
+    torn = list((job_dir(snapshots) / entry_name(OWN, 1)).glob(".tmp-step-00000007-*"))
+    assert torn and (torn[0] / "rank-00000.safetensors").exists() and not (torn[0] / "manifest.json").exists()
+    (result,) = launch_nodes(out, [snapshots], "--snapshot-every", "1")
+    assert result.returncode == 0, result.stderr
+    assert "paratrain: resumed from the snapshots in memory at step 6 (every rank from its own" in result.stdout
+    assert_bit_equal(out, reference)
+
+
+def test_an_injected_straggler_is_named_within_the_straggler_steps(tmp_path):
+    out = tmp_path / "run"
+    (result,) = launch_nodes(out, [tmp_path / "snapshots"], "--straggler-steps", "3", fault="slow@rank1:step*")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "is a straggler" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("paratrain: warning: rank 1 on ") and \
+        "more than 20% slower for 3 steps in a row" in warnings[0], result.stderr
+    records = read_metrics(out / "metrics.jsonl")
+    named = [r["step"] for r in records if "stragglers" in r]
+    assert named and all(s["rank"] == 1 for r in records for s in r.get("stragglers", []))
+    # slow by the records' own times from the first step on; the first step's start-up may hide the 50 ms
+    slow = [r["step"] for r in records if r["compute_s_per_rank"][1] > 1.2 * sum(r["compute_s_per_rank"]) / 2]
+    began = next(step for step in slow if {step, step + 1, step + 2} <= set(slow))
+    assert named[0] == began + 2 <= 4, (named, slow)
+    differences = sorted(r["compute_s_per_rank"][1] - r["compute_s_per_rank"][0] for r in records)
+    assert differences[len(differences) // 2] > 0.04  # the 50 ms the fault adds, measured by the agreement
