@@ -114,14 +114,19 @@ def reference_losses(cfg: ModelConfig, data, device) -> list[float]:
     """One plain PyTorch process: fp32 weights, autocast bf16, AdamW, global-norm clipping."""
     model = model_on_meta(cfg).to_empty(device=device)
     model.init_weights(0)
-    optimizer = adamw(model.parameters())
+    return _plain_steps(model, list(model.parameters()), data, device)
+
+
+def _plain_steps(model, trained: list, data, device) -> list[float]:
+    """The plain PyTorch steps: autocast bf16, AdamW over `trained`, global-norm clipping; the losses."""
+    optimizer = adamw(trained)
     losses = []
     for x, y in data:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -165,19 +170,7 @@ def lora_reference_losses(cfg: ModelConfig, data, device, base_dtype: str | None
     model = model_on_meta(cfg).to_empty(device=device)
     model.init_weights(0)
     convert_to_lora(model, paratrain.LoRA(LORA_RANK, base_dtype=base_dtype), torch.bfloat16)
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(adapters)
-    losses = []
-    for x, y in data:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(adapters, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return _plain_steps(model, [p for p in model.parameters() if p.requires_grad], data, device)
 
 
 def _lora_rows(device, steps: int) -> list:

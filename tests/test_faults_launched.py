@@ -64,9 +64,11 @@ def launch(out, *extra, fault: str = "", gate: Path | None = None) -> subprocess
                           env=environment(fault, gate))
 
 
-def assert_bit_equal(out: Path, reference: Path) -> None:
+def assert_bit_equal(out: Path, reference: Path, steps: int = STEPS) -> None:
+    """Every step of run `out` recorded once, with the loss of the uninterrupted `reference` to the bit, and the same
+    final weights (a launched test of other runs passes their length)."""
     records, expected = read_metrics(out / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert [float.hex(r["loss"]) for r in records] == [float.hex(r["loss"]) for r in expected]
     mine, theirs = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

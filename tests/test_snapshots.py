@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from paratrain.checkpoint.snapshot import (
     COPY, OWN, buddy_of, entry_name, install, pack_files, plan_restore, sender_of, unpack_files,
@@ -163,11 +162,9 @@ def launch_nodes(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str =
 
 
 def assert_bit_equal(out: Path, reference: Path) -> None:
-    records, expected = read_metrics(out / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert [float.hex(r["loss"]) for r in records] == [float.hex(r["loss"]) for r in expected]
-    mine, theirs = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    from test_faults_launched import assert_bit_equal as bit_equal
+
+    bit_equal(out, reference, STEPS)
 
 
 def job_dir(snapshot_dir: Path) -> Path:
