@@ -6,8 +6,8 @@ import math
 import pytest
 
 from paratrain.cli import main as cli_main
-from paratrain.plan import get_hardware
-from paratrain.plan.goodput import best_steps, failures_per_day, goodput, optimal_interval, waste
+from paratrain.plan import Layout, Workload, estimate_memory, get_hardware
+from paratrain.plan.goodput import best_steps, checkpoint_bytes, failures_per_day, goodput, optimal_interval, waste
 
 SEVEN_B = ["--model", "llama2-7b", "--dp", "8", "--zero", "1", "--seq-len", "4096", "--global-batch", "64",
            "--tokens", "100B"]
@@ -34,7 +34,8 @@ def test_optimal_interval_is_the_minimum_of_the_waste():
 
 
 @pytest.mark.parametrize("c, step, r, m", [(20.0, 3.0, 300.0, 10800.0), (0.5, 1.3, 60.0, 86400.0),
-                                           (25.0, 62.4, 320.0, 2.85e6), (1.0, 1.0, 0.0, 50.0)])
+                                           (25.0, 62.4, 320.0, 2.85e6), (1.0, 1.0, 0.0, 50.0),
+                                           (20.0, 100.0, 0.0, 10800.0)])
 def test_whole_step_interval_wastes_no_more_than_its_neighbours(c, step, r, m):
     n = best_steps(c, step, r, m)
     assert n >= 1
@@ -42,6 +43,12 @@ def test_whole_step_interval_wastes_no_more_than_its_neighbours(c, step, r, m):
     assert here <= young_daly_waste(c, (n + 1) * step, r, m)
     if n > 1:
         assert here <= young_daly_waste(c, (n - 1) * step, r, m)
+
+
+def test_the_interval_may_round_up():
+    # T_opt = sqrt(2·20·10800) = 657 s, 6.57 steps of 100 s: 6 steps waste 20/600 + 300/10800 = 0.06111,
+    # 7 steps 20/700 + 350/10800 = 0.06098
+    assert best_steps(20.0, 100.0, 0.0, 10800.0) == 7
 
 
 def test_an_optimum_shorter_than_a_step_saves_every_step():
@@ -152,3 +159,13 @@ def test_failure_options_have_help(capsys):
     help_text = capsys.readouterr().out
     for flag in ("--goodput", "--failures-per-day", "--gpu-failures-per-year", "--disk-write-gbps", "--restart-s"):
         assert flag in help_text
+
+
+@pytest.mark.parametrize("layout, per_param", [
+    (Layout(dp=8, zero=1), 2 + 12 / 8),  # bf16 parameters; fp32 master and moments sharded
+    (Layout(dp=8, zero=1, offload="optimizer"), 2 + 12 / 8),  # the same state, its optimizer in host memory
+    (Layout(dp=8, zero=3), 12 / 8),  # the fp32 shard is the parameter and the master, with its moments
+])
+def test_checkpoint_bytes_are_parameters_master_and_moments(layout, per_param):
+    psi = 8e9
+    assert checkpoint_bytes(estimate_memory(Workload.for_params(psi), layout)) == pytest.approx(per_param * psi)
