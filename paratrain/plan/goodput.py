@@ -130,7 +130,7 @@ def goodput(nbytes: float, step_s: float, failures: float, disk_bytes_per_s: flo
 
 def format_goodput(g: Goodput, days: float, cost: float | None) -> str:
     """The two strategies' intervals, goodput, and the days (and dollars) their waste adds to `days`."""
-    lines = [f"goodput under failures: {g.failures_per_day:.2f} failures per day, one every "
+    lines = [f"goodput under failures: {g.failures_per_day:.3g} failures per day, one every "
              f"{g.mtbf_s / 3600:,.2f} h (M); checkpoint {g.checkpoint_bytes / 1e9:,.2f} GB per rank (S)",
              "  waste = C/T + (T/2 + R)/M at Young/Daly's T = sqrt(2·C·M), rounded to whole steps"]
     for s, rate, extra in ((g.disk, f"{g.disk_bytes_per_s / 1e9:g} GB/s disk", ""),
