@@ -31,6 +31,10 @@ from paratrain.commands.plan_options import (
 )
 from paratrain.parallel import rules
 from paratrain.plan.budget import budget, format_budget
+from paratrain.plan.goodput import (
+    DEFAULT_DISK_GBPS, DEFAULT_GPU_FAILURES_PER_YEAR, DEFAULT_RESTART_S, checkpoint_bytes, failures_per_day,
+    format_goodput, goodput,
+)
 from paratrain.plan.hardware import DEFAULT_PROFILE, HARDWARE_PRESETS, Hardware, save_profile
 from paratrain.plan.memory import GB, LayoutError, MemoryBreakdown, PlanError, Recompute, Workload
 from paratrain.plan.moe import DEFAULT_IMBALANCE, is_moe
@@ -112,6 +116,23 @@ def _add_hardware_options(parser: argparse.ArgumentParser) -> None:
     budget_group.add_argument("--gpu-hour-price", type=float, metavar="USD",
                               help="with --tokens: price of one GPU-hour, adds the cost")
 
+    fail = parser.add_argument_group("goodput under failures (with --tokens; paratrain.plan.goodput)")
+    fail.add_argument("--goodput", action="store_true",
+                      help="with --tokens: price failures with the defaults below: goodput of disk checkpoints "
+                           "against in-memory snapshots, their Young/Daly intervals, the days and cost lost")
+    fail.add_argument("--failures-per-day", type=float, metavar="F",
+                      help="failures of the whole job per day (implies --goodput; default: the GPUs times "
+                           "--gpu-failures-per-year / 365)")
+    fail.add_argument("--gpu-failures-per-year", type=float, metavar="RATE",
+                      help=f"failures per GPU per year (implies --goodput; default {DEFAULT_GPU_FAILURES_PER_YEAR:.3f}, "
+                           "Llama 3's 419 interruptions in 54 days on 16,384 GPUs)")
+    fail.add_argument("--disk-write-gbps", type=float, metavar="GB/S",
+                      help=f"checkpoint write (and read) bandwidth per rank in GB/s, gigaBYTES, with every rank "
+                           f"writing at once (implies --goodput; default {DEFAULT_DISK_GBPS:g})")
+    fail.add_argument("--restart-s", type=float, metavar="SECONDS",
+                      help=f"a restart's time before the state is read back: processes, imports, rendezvous "
+                           f"(implies --goodput; default {DEFAULT_RESTART_S:g})")
+
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="layouts to show with --gpus (default 10)")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -150,6 +171,32 @@ def _check_modes(args) -> None:
         raise PlanError(f"--gpu-hour-price must be a non-negative number of dollars, got {args.gpu_hour_price!r}")
     if args.tokens is not None:
         parse_count(args.tokens, "--tokens")
+    _check_goodput(args)
+
+
+GOODPUT_OPTIONS = ("--failures-per-day", "--gpu-failures-per-year", "--disk-write-gbps", "--restart-s")
+
+
+def _wants_goodput(args) -> bool:
+    return args.goodput or any(getattr(args, flag[2:].replace("-", "_")) is not None for flag in GOODPUT_OPTIONS)
+
+
+def _check_goodput(args) -> None:
+    """The failure options' values; they price a token budget's time, so they need --tokens."""
+    for flag in GOODPUT_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if args.tokens is None:
+            raise PlanError(f"{flag} needs --tokens (goodput prices the budget's days and cost)")
+        positive = flag != "--restart-s"
+        if not (value > 0 if positive else value >= 0) or value == float("inf"):
+            what = "a positive" if positive else "a non-negative"
+            raise PlanError(f"{flag} must be {what} finite number, got {value!r}")
+    if args.goodput and args.tokens is None:
+        raise PlanError("--goodput needs --tokens (goodput prices the budget's days and cost)")
+    if args.failures_per_day is not None and args.gpu_failures_per_year is not None:
+        raise PlanError("give --failures-per-day or --gpu-failures-per-year, not both")
 
 
 def _run_calibrate(args) -> int:
@@ -214,10 +261,12 @@ def _run_single(args, opts: dict, workload: Workload, name: str, hardware: Hardw
     est = estimate(workload, layout, hardware, memory_limit=hardware.memory_bytes)
     reason = broken[0].message if broken else est.reason
     plan = _budget(args, est)
+    good = _goodput(args, est, hardware)
     if args.json:
         row = {**est.to_dict(hardware), "feasible": reason is None, "reason": reason}
         doc = {"mode": "estimate", **_header_dict(workload, name, hardware, layout.world_size), "layouts": [row]}
-        print(json.dumps({**doc, **({"budget": plan.as_dict()} if plan else {})}, indent=2))
+        print(json.dumps({**doc, **({"budget": plan.as_dict()} if plan else {}),
+                          **({"goodput": good.as_dict()} if good else {})}, indent=2))
         return 0
     print(_header(workload, name, hardware, layout.world_size, args))
     print(f"layout: {layout.label()}, {layout.num_microbatches(workload.global_batch)} micro-batch(es) per step")
@@ -230,6 +279,7 @@ def _run_single(args, opts: dict, workload: Workload, name: str, hardware: Hardw
     if plan:
         print()
         print(format_budget(plan))
+        _print_goodput(good, plan)
     return 0
 
 
@@ -242,6 +292,25 @@ def _budget(args, est: Estimate | None):
     return budget(est, parse_count(args.tokens, "--tokens"), args.gpu_hour_price)
 
 
+def _goodput(args, est: Estimate | None, hardware: Hardware):
+    """Disk checkpoints against snapshots for `est`'s layout, when a failure option asks for it."""
+    if est is None or args.tokens is None or not _wants_goodput(args):
+        return None
+    failures = args.failures_per_day
+    if failures is None:
+        rate = DEFAULT_GPU_FAILURES_PER_YEAR if args.gpu_failures_per_year is None else args.gpu_failures_per_year
+        failures = failures_per_day(est.layout.world_size, rate)
+    nbytes = checkpoint_bytes(est.memory)
+    disk = (DEFAULT_DISK_GBPS if args.disk_write_gbps is None else args.disk_write_gbps) * 1e9
+    restart = DEFAULT_RESTART_S if args.restart_s is None else args.restart_s
+    return goodput(nbytes, est.time.total, failures, disk, hardware.copy_seconds(nbytes), restart)
+
+
+def _print_goodput(good, plan) -> None:
+    if good is not None:
+        print(format_goodput(good, plan.days, plan.cost))
+
+
 def _run_search(args, opts: dict, workload: Workload, name: str, hardware: Hardware) -> int:
     if args.gpus < 1:
         raise PlanError(f"--gpus must be a positive integer, got {args.gpus}")
@@ -249,12 +318,14 @@ def _run_search(args, opts: dict, workload: Workload, name: str, hardware: Hardw
         raise PlanError(f"--top must be a positive integer, got {args.top}")
     result = search(workload, args.gpus, hardware, space_from_args(args, opts), top=args.top)
     plan = _budget(args, result.best)
+    good = _goodput(args, result.best, hardware)
     if args.json:
         doc = {"mode": "search", **_header_dict(workload, name, hardware, args.gpus),
                "searched": result.searched, "num_feasible": result.num_feasible,
                "num_infeasible": result.num_infeasible,
                "layouts": [e.to_dict(hardware) for e in result.ranked],
-               "infeasible": result.failure_summary(), **({"budget": plan.as_dict()} if plan else {})}
+               "infeasible": result.failure_summary(), **({"budget": plan.as_dict()} if plan else {}),
+               **({"goodput": good.as_dict()} if good else {})}
         print(json.dumps(doc, indent=2))
         return 0
     print(format_search(result, workload, name, hardware, args.gpus, args))
@@ -262,6 +333,7 @@ def _run_search(args, opts: dict, workload: Workload, name: str, hardware: Hardw
         print()
         print(f"with the best layout ({result.best.layout.label()}):")
         print(format_budget(plan))
+        _print_goodput(good, plan)
     return 0
 
 
