@@ -238,12 +238,19 @@ def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
     from paratrain.parallel.context.sdpa import ContextParallelError, ContextSharding, RingSDPA
 
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ContextParallelError, match=r"is_causal=False; call it with is_causal=True and no mask"):
+    with pytest.raises(ContextParallelError, match=r"is_causal=False and no mask; call it with is_causal=True"):
         with RingSDPA(None):
             F.scaled_dot_product_attention(q, q, q)
-    with pytest.raises(ContextParallelError, match="an attn_mask"):
-        with RingSDPA(None):
-            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    ring = Ring(_fake_cp_comm(), seq_len=8)  # rank 0 of cp 2 holds positions 0, 1, 6, 7
+    with pytest.raises(ContextParallelError, match=r"takes an attn_mask that is boolean, \[batch, 1, this rank's 4 "
+                                                   r"queries, the sequence's 8 keys\]"):
+        with RingSDPA(ring):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    later = torch.ones(8, 8, dtype=torch.bool).tril()[positions(8, 2, 0)]
+    later[1, 2] = True  # position 1 shown position 2
+    with pytest.raises(ContextParallelError, match="shows a query a key after it"):
+        with RingSDPA(ring):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=later[None, None])
     with pytest.raises(ContextParallelError, match="dropout_p=0.1"):
         with RingSDPA(None):
             F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
