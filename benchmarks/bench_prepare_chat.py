@@ -15,7 +15,9 @@ a load that drifts weighs on the rows alike):
 - `assistant, prefixes`: the template does not mark them (Qwen's as published), each assistant turn's span is
   found by rendering the conversation's prefixes (two more renders per assistant turn).
 
-The mask's cost is 1 − (tokens/s of the row) / (tokens/s of `all`). Writes benchmarks/results/prepare-chat-<time>.md
+The mask's cost is 1 − (`all`'s seconds) / (the row's seconds): by the median wall time, by the fastest round's,
+and by the median CPU time of the preparing process (all its threads), which the other work on shared cores
+leaves alone where it moves wall time by more than the effect. Writes benchmarks/results/prepare-chat-<time>.md
 and .json with the machine and its load.
 """
 
@@ -37,13 +39,13 @@ import json, re, sys, time
 from paratrain.data import prepare_corpus
 from paratrain.data.chat import ChatOptions
 from paratrain.data.prepare import open_prepared
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 out = prepare_corpus(sys.argv[1], sys.argv[2], sys.argv[3], progress=False, chat=ChatOptions(loss_on=sys.argv[4]))
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu  # cpu: every thread's, the tokenizer's too
 meta = open_prepared(out)[1]
 peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
-print(json.dumps({"seconds": seconds, "tokens": meta["num_tokens"], "conversations": meta["num_documents"],
-                  "peak_rss": peak}))
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": meta["num_tokens"],
+                  "conversations": meta["num_documents"], "peak_rss": peak}))
 """
 
 CHATML = (
@@ -125,22 +127,29 @@ def main(argv: list[str] | None = None) -> int:
             seconds = statistics.median(r["seconds"] for r in done)
             rows.append({"row": name, "tokens": done[0]["tokens"], "conversations": done[0]["conversations"],
                          "seconds": [r["seconds"] for r in done], "median_s": seconds,
+                         "cpu_seconds": [r["cpu_seconds"] for r in done],
+                         "median_cpu_s": statistics.median(r["cpu_seconds"] for r in done),
                          "tokens_per_s": done[0]["tokens"] / seconds,
                          "peak_rss_mb": max(r["peak_rss"] for r in done) / 2**20})
-    base = rows[0]["tokens_per_s"]
+    base = rows[0]
     for r in rows:
-        r["mask_cost"] = 1 - r["tokens_per_s"] / base
+        r["mask_cost"] = 1 - r["tokens_per_s"] / base["tokens_per_s"]
+        r["mask_cost_fastest"] = 1 - min(base["seconds"]) / min(r["seconds"])
+        r["mask_cost_cpu"] = 1 - base["median_cpu_s"] / r["median_cpu_s"]
     meta["load_avg_end"] = os.getloadavg()
     lines = [f"# paratrain prepare on chat data, {meta['date']}", "",
              machine_sentence(meta) + f" (the "
              f"cores are shared with other work: the spread of the rounds is shown). Corpus: "
              f"{args.conversations:,} generated conversations, {meta['corpus_bytes'] / 2**20:.0f} MB of JSON Lines; "
-             f"BPE of {args.bpe_vocab} tokens; median of {args.rounds} round(s), workers 0.", "",
-             "| loss on | conversations | tokens | s (each round) | tokens/s | the mask's cost | peak RSS MB |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"BPE of {args.bpe_vocab} tokens; median of {args.rounds} round(s), workers 0. The mask's cost, "
+             f"1 − `all`'s time / the row's: by the median wall time, by the fastest round's, and by the median CPU "
+             f"time (every thread of the process: what other work on the cores does not change).", "",
+             "| loss on | conversations | tokens | s (each round) | tokens/s | CPU s (each round) | the mask's cost: "
+             "median, fastest, CPU | peak RSS MB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['row']} | {r['conversations']:,} | {r['tokens']:,} | "
-              f"{', '.join(f'{s:.1f}' for s in r['seconds'])} | {r['tokens_per_s']:,.0f} | {r['mask_cost']:+.1%} | "
-              f"{r['peak_rss_mb']:.0f} |" for r in rows]
+              f"{', '.join(f'{s:.1f}' for s in r['seconds'])} | {r['tokens_per_s']:,.0f} | "
+              f"{', '.join(f'{s:.1f}' for s in r['cpu_seconds'])} | {r['mask_cost']:+.1%}, "
+              f"{r['mask_cost_fastest']:+.1%}, {r['mask_cost_cpu']:+.1%} | {r['peak_rss_mb']:.0f} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     write_results(args.out, "prepare-chat", now, text, {"meta": meta, "rows": rows})

@@ -73,7 +73,7 @@ class DataSection:
                                 "repeat the option for more", flag="--eval-data", repeat=True)
     document_mask: bool | None = option(
         None, "attention stays within each document of a packed sequence and positions restart per document (at "
-              "each end-of-text token; not with --pp or --cp) (default: on for chat data, off for text)")
+              "each end-of-text token; under --cp the reference model only) (default: on for chat data, off for text)")
     format: str = option("auto", "'chat' (records of messages, conversations or prompt/completion, rendered by the "
                                  "tokenizer's chat template), 'text', or 'auto': from the first record of each source",
                          flag="--format", choices=("auto", "chat", "text"))

@@ -96,11 +96,50 @@ def test_every_prefix_renders_as_transformers_renders_it(tmp_path, family):
     assert [text[a:b] for a, b in spans] == [EXPECTED[family][0][0]]
 
 
+def test_the_sandbox_lookups_a_render_makes_answer_as_a_fresh_sandbox_does():
+    """The renders' environment answers `obj.name` (plain data, loops, functions, types) as jinja2's
+    ImmutableSandboxedEnvironment does: items of a dict that are no dict attributes, its methods otherwise, the
+    unsafe ones (a mutating method, a dunder, a function's globals) refused, asked twice (the second answer
+    remembered)."""
+    from jinja2 import Undefined
+    from jinja2.runtime import LoopContext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from paratrain.data.chat import _renderer
+
+    quick, fresh = _renderer("{{ messages }}").template.environment, ImmutableSandboxedEnvironment()
+
+    def described(value):
+        if isinstance(value, Undefined):
+            return type(value).__name__, value._undefined_hint, value._undefined_name
+        return (type(value).__name__, getattr(value, "__name__", None)) if callable(value) else value
+
+    message = {"role": "user", "items": "shadowed", "content": "Hi {0}", "_hidden": 1}
+    probes = [(message, name) for name in ("role", "items", "content", "missing", "_hidden", "get", "pop", "update",
+                                          "__class__", "__init__")]
+    probes += [(message["content"], name) for name in ("strip", "format", "format_map", "__class__", "nope")]
+    probes += [(["a"], name) for name in ("append", "index", "__len__")] + [(3, "real"), (None, "x"), (True, "real")]
+    probes += [(LoopContext(iter([1, 2]), Undefined), name) for name in ("first", "index0", "_after", "__class__")]
+    probes += [(described, "__globals__"), (described, "__name__"), (dict, "mro"), (dict, "fromkeys")]
+    assert quick.getattr is not fresh.getattr  # the quick lookups are installed
+    for _ in range(2):
+        for obj, name in probes:
+            assert described(quick.getattr(obj, name)) == described(fresh.getattr(obj, name)), (obj, name)
+
+
 def test_generation_marks_give_the_mask_in_one_render_and_loss_on_selects_the_turns(tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", RECORDS[:1])
     marked = model_dir(tmp_path / "marked", "chatml", template=CHATML_GENERATION)
     documents, tokenizer, _ = _documents(prepare_corpus(data, tmp_path / "marked-out", str(marked), progress=False))
     assert _runs(*documents[0], tokenizer) == ["Paris.<|im_end|>", "Madrid.<|im_end|>"]
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from paratrain.data.chat import load_chat_template
+
+    template, messages = load_chat_template(marked), RECORDS[0]["messages"]
+    text, spans = render_jinja_template([messages], chat_template=template.text, return_assistant_tokens_mask=True,
+                                        **template.special)
+    assert template.render(messages, "x", track=True) == (text[0], [tuple(s) for s in spans[0]])
     plain = model_dir(tmp_path / "plain", "chatml")
     last = prepare_corpus(data, tmp_path / "last", str(plain), progress=False, chat=ChatOptions(loss_on="completion"))
     assert _runs(*_documents(last)[0][0], tokenizer) == ["Madrid.<|im_end|>"]

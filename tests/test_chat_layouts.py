@@ -1,4 +1,4 @@
-"""Chat data under every layout: dp2, ZeRO-3 dp2, tp2 + sp and pp2 (with the document mask, and without it) each
+"""Chat data under every layout: dp2, ZeRO-3 dp2, tp2 + sp, pp2 (with the document mask, and without it) and cp2 each
 equal one process (the error model of `paratrain.error_model`), on micro-batches whose counted tokens differ fivefold
 and more; a mixture of a chat and a text source, killed mid-epoch, resumes the same packed stream."""
 
@@ -74,7 +74,7 @@ def test_the_first_steps_micro_batches_count_very_different_numbers_of_tokens(ch
 
 @pytest.mark.parametrize("layout, extra", [("dp2", []), ("zero3_dp2", ["--zero", "3"]),
                                            ("tp2_sp", ["--tp", "2", "--sequence-parallel"]),
-                                           ("pp2", ["--pp", "2"]),
+                                           ("pp2", ["--pp", "2"]), ("cp2", ["--cp", "2"]),
                                            ("pp2_1f1b_no_mask", ["--pp", "2", "--schedule", "1f1b",
                                                                  "--no-document-mask"])])
 def test_each_layout_equals_one_process_on_chat_data(chat, tmp_path, layout, extra):
@@ -82,13 +82,6 @@ def test_each_layout_equals_one_process_on_chat_data(chat, tmp_path, layout, ext
     ref_losses, ref_params = _run(chat, tmp_path / "one", 1, *masked)
     losses, params = _run(chat, tmp_path / layout, 2, *extra)
     assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW, what=layout)
-
-
-def test_context_parallel_chat_data_needs_the_document_mask_turned_off_in_one_line(chat, tmp_path, capsys):
-    code = main(["train", *TINY, "--data", str(chat["data"]), "--tokenizer", str(chat["model"]), "--out",
-                 str(tmp_path / "r"), "--nproc", "2", "--cp", "2"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "pass --no-document-mask" in err.splitlines()[-1]
 
 
 def test_a_killed_mixture_of_chat_and_text_resumes_the_same_packed_stream(chat, tmp_path):

@@ -37,6 +37,11 @@ def test_the_kernel_is_chosen_by_device_dtype_and_head_size_in_one_place():
     assert attention_kernel("cuda", torch.float16, 36) is kernels.EXPLICIT
     assert attention_kernel("mps", torch.float32, 64) is kernels.EXPLICIT
     assert attention_kernel("cpu", torch.int8, 64) is kernels.EXPLICIT
+    # masked blocks (a document mask): CPU flash takes the mask as a bias; the CUDA ops here take none
+    assert attention_kernel("cpu", torch.bfloat16, 64, masked=True) is kernels.CPU_FLASH
+    assert attention_kernel("cuda", torch.bfloat16, 128, masked=True) is kernels.EXPLICIT
+    assert attention_kernel("cuda", torch.float32, 64, masked=True) is kernels.EXPLICIT
+    assert all(k.masks for k in (kernels.CPU_FLASH, kernels.EXPLICIT))
 
 
 @pytest.mark.parametrize("kernel", [kernels.CUDA_EFFICIENT, kernels.CUDA_FLASH], ids=lambda k: k.name)

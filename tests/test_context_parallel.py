@@ -28,7 +28,7 @@ def test_each_rank_holds_chunk_i_and_its_mirror_and_the_causal_work_is_even():
         shard_sequence(x[:, :23], 3, 0)
 
 
-def _attention_case(rank, world, heads, kv_heads, rendezvous, kernel="cpu flash"):
+def _attention_case(rank, world, heads, kv_heads, rendezvous, kernel="cpu flash", documents=False):
     from paratrain.parallel.context import kernels, ring as ring_module
 
     if kernel.startswith("cuda"):  # the CUDA calls, through CPU emulations of the ops' memory layouts
@@ -37,7 +37,7 @@ def _attention_case(rank, world, heads, kv_heads, rendezvous, kernel="cpu flash"
         cuda_ops_emulation.install()
     # "explicit": the fallback for devices and dtypes without a fused kernel, on the same ring
     chosen = {k.name: k for k in (kernels.CPU_FLASH, kernels.EXPLICIT, kernels.CUDA_EFFICIENT, kernels.CUDA_FLASH)}
-    ring_module.attention_kernel = lambda *_: chosen[kernel]
+    ring_module.attention_kernel = lambda *_, **__: chosen[kernel]
     mesh = build_mesh(MeshShape(cp=world))
     comm = Comm(mesh, rendezvous=rendezvous)
     g = torch.Generator().manual_seed(7)
@@ -45,11 +45,20 @@ def _attention_case(rank, world, heads, kv_heads, rendezvous, kernel="cpu flash"
     q, k, v = (torch.randn(b, n, s, e, generator=g) for n in (heads, kv_heads, kv_heads))
     grad = torch.randn(b, heads, s, e, generator=g)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != kv_heads)
+    mask = None
+    if documents:  # documents across the chunks' bounds, one starting a later chunk: rows a block hides wholly
+        from paratrain.models.llama import document_layout
+
+        ends = torch.zeros(b, s, dtype=torch.long)
+        ends[0, [2, 7, 8 * world - 9, 8 * world - 3]] = 1
+        ends[1, [4 * world - 1, 5 * world]] = 1
+        mask = document_layout(ends, 1)[1]
+    expected = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=heads != kv_heads)
     expected.backward(grad)
     local = [shard_sequence(t, world, rank, dim=2).requires_grad_() for t in (q, k, v)]
     ring = Ring(comm, seq_len=s)
-    out = ring_attention(*local, ring)
+    out = ring_attention(*local, ring, mask=None if mask is None else mask[:, :, positions(s, world, rank)])
     forward_bytes = comm.bytes_by_axis().get("cp", 0)
     out.backward(shard_sequence(grad, world, rank, dim=2))
     errors = [(out - shard_sequence(expected, world, rank, dim=2)).abs().max().item()]
@@ -57,16 +66,17 @@ def _attention_case(rank, world, heads, kv_heads, rendezvous, kernel="cpu flash"
     return errors, forward_bytes, comm.bytes_by_axis()["cp"] - forward_bytes
 
 
-@pytest.mark.parametrize("world, heads, kv_heads, rendezvous, kernel",
-                         [(2, 4, 2, False, "cpu flash"), (2, 2, 2, True, "cpu flash"), (4, 4, 1, False, "cpu flash"),
-                          (4, 4, 2, False, "explicit"), (2, 4, 2, False, "cuda efficient"),
-                          (2, 4, 2, False, "cuda flash")])
-def test_ring_attention_equals_causal_sdpa_forward_and_backward(world, heads, kv_heads, rendezvous, kernel):
+@pytest.mark.parametrize("world, heads, kv_heads, rendezvous, kernel, documents",
+                         [(2, 4, 2, False, "cpu flash", False), (2, 2, 2, True, "cpu flash", False),
+                          (4, 4, 1, False, "cpu flash", False), (4, 4, 2, False, "explicit", False),
+                          (2, 4, 2, False, "cuda efficient", False), (2, 4, 2, False, "cuda flash", False),
+                          (2, 4, 2, False, "cpu flash", True), (4, 4, 2, False, "explicit", True)])
+def test_ring_attention_equals_causal_sdpa_forward_and_backward(world, heads, kv_heads, rendezvous, kernel, documents):
     """fp32 within 1e-5, with the fused CPU kernel, the explicit fallback and the CUDA calls (emulated with
-    their kernels' memory layouts); K/V bytes on the cp axis as the ring's formula: forward cp−1 K/V blocks,
-    backward cp−1 K/V blocks and cp fp32 dK/dV sums (rendezvous: each transfer acknowledged, as NCCL's sends
-    wait)."""
-    results = run_on_ranks(_attention_case, world, heads, kv_heads, rendezvous, kernel, timeout=120)
+    their kernels' memory layouts), and with a document mask (the kernels that take one); K/V bytes on the cp
+    axis as the ring's formula: forward cp−1 K/V blocks, backward cp−1 K/V blocks and cp fp32 dK/dV sums
+    (rendezvous: each transfer acknowledged, as NCCL's sends wait)."""
+    results = run_on_ranks(_attention_case, world, heads, kv_heads, rendezvous, kernel, documents, timeout=120)
     block = 2 * 2 * kv_heads * 8 * 8 * 4  # K and V, B=2, Hk, 2c = 8 local tokens (of 8·cp), E=8, fp32
     for errors, forward_bytes, backward_bytes in results:
         assert max(errors) < 1e-5, errors
@@ -89,7 +99,7 @@ def _kernel_calls(rank, world):
         calls.append(("B", q.shape[2], k.shape[2], causal))
         return chosen.backward(dout, q, k, v, out, lse, causal, scale)
 
-    ring_module.attention_kernel = lambda *_: kernels.BlockKernel("recorded", forward, backward)
+    ring_module.attention_kernel = lambda *_, **__: kernels.BlockKernel("recorded", forward, backward)
     q, k, v = (torch.randn(1, 2, 2 * 4, 8, requires_grad=True) for _ in range(3))  # 2c = 8 local tokens
     ring_attention(q, k, v, Ring(Comm(build_mesh(MeshShape(cp=world))), seq_len=8 * world)).sum().backward()
     return calls
@@ -228,12 +238,19 @@ def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
     from paratrain.parallel.context.sdpa import ContextParallelError, ContextSharding, RingSDPA
 
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ContextParallelError, match=r"is_causal=False; call it with is_causal=True and no mask"):
+    with pytest.raises(ContextParallelError, match=r"is_causal=False and no mask; call it with is_causal=True"):
         with RingSDPA(None):
             F.scaled_dot_product_attention(q, q, q)
-    with pytest.raises(ContextParallelError, match="an attn_mask"):
-        with RingSDPA(None):
-            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    ring = Ring(_fake_cp_comm(), seq_len=8)  # rank 0 of cp 2 holds positions 0, 1, 6, 7
+    with pytest.raises(ContextParallelError, match=r"takes an attn_mask that is boolean, \[batch, 1, this rank's 4 "
+                                                   r"queries, the sequence's 8 keys\]"):
+        with RingSDPA(ring):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    later = torch.ones(8, 8, dtype=torch.bool).tril()[positions(8, 2, 0)]
+    later[1, 2] = True  # position 1 shown position 2
+    with pytest.raises(ContextParallelError, match="shows a query a key after it"):
+        with RingSDPA(ring):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=later[None, None])
     with pytest.raises(ContextParallelError, match="dropout_p=0.1"):
         with RingSDPA(None):
             F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)

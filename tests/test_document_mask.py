@@ -1,8 +1,8 @@
 """--document-mask: attention within each document of a packed sequence, positions restarting per document.
 
 Equal to running each document as its own sequence (fp32), in the model and through the trainer on
-one process, under tensor + sequence parallelism and under pipeline parallelism; refused in one line under
-context parallelism, which cannot run it yet.
+one process, under tensor + sequence parallelism, pipeline parallelism and context parallelism (the ring
+masks each rank's queries against the whole sequence's keys, documents crossing the chunks' bounds).
 """
 
 from __future__ import annotations
@@ -80,9 +80,11 @@ def _train(rank, world, argv):
     train(config_from_args(build_parser().parse_args(argv)))
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2", "--sequence-parallel"], ["--pp", "2"]], ids=["tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", [["--tp", "2", "--sequence-parallel"], ["--pp", "2"], ["--cp", "2"]],
+                         ids=["tp2_sp", "pp2", "cp2"])
 def test_the_trainer_masks_documents_alike_on_one_process_and_under_a_layout(documents, tmp_path, layout):
-    """Under pp2 the later stage masks by the micro-batch's token ids, which every pipeline rank holds."""
+    """Under pp2 the later stage masks by the micro-batch's token ids, which every pipeline rank holds; under cp2
+    each rank masks its chunks' queries by the whole sequences' token ids, which every cp rank holds."""
     one, tp = tmp_path / "one", tmp_path / "layout"
     assert main(["train", *TINY, "--data", str(documents), "--out", str(one)]) == 0
     run_on_ranks(_train, 2, ["train", *TINY, "--data", str(documents), "--out", str(tp), *layout], timeout=120)
@@ -91,10 +93,3 @@ def test_the_trainer_masks_documents_alike_on_one_process_and_under_a_layout(doc
     a, b, c = (read_metrics(out / "metrics.jsonl") for out in (one, tp, plain))
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
     assert a[0]["loss"] != pytest.approx(c[0]["loss"], rel=1e-6)  # the mask changes what the model computes
-
-
-def test_document_masking_is_refused_where_it_cannot_run(documents, tmp_path, capsys):
-    code = main(["train", *TINY, "--data", str(documents), "--out", str(tmp_path / "r"), "--nproc", "2", "--cp", "2"])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "--document-mask with --cp > 1" in err and len(err.strip().splitlines()) == 1

@@ -181,6 +181,9 @@ def test_what_a_family_cannot_do_under_a_layout_is_refused_in_one_line(tmp_path,
     save_family("phi3", tmp_path / "phi3")
     gemma2 = [*TRAIN, "--init-from", str(tmp_path / "gemma2"), "--nproc", "2"]
     assert "gemma2 runs transformers' eager attention" in _refusal(capsys, [*gemma2, "--cp", "2"])
+    phi3 = [*TRAIN, "--init-from", str(tmp_path / "phi3"), "--nproc", "2"]
+    assert "--document-mask with --cp 2: transformers' model builds its document mask from the chunks" in \
+        _refusal(capsys, [*phi3, "--cp", "2", "--document-mask"])
     assert "qkv_proj as 'colwise_gather_output'" in \
         _refusal(capsys, [*TRAIN, "--init-from", str(tmp_path / "phi3"), "--nproc", "2", "--tp", "2"])
 

@@ -26,6 +26,7 @@ the document mask (`--document-mask`) restarts attention and positions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -154,13 +155,11 @@ class ChatTemplate:
         sandboxed rendering; one line naming `where` for a template that raises or leaves the sandbox."""
         if not track:
             return self.render_prefixes(messages, [(len(messages), add_generation_prompt)], where)[0], []
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         with self._refusals(where):
-            rendered, spans = render_jinja_template([messages], chat_template=self.text, add_generation_prompt=
-                                                    add_generation_prompt, return_assistant_tokens_mask=True,
-                                                    **self.special)
-        return rendered[0], [tuple(s) for s in spans[0]]
+            renderer = _renderer(self.text)
+            text, spans = renderer.tracked(messages=renderer.data(messages), tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt, **renderer.data(self.special))
+        return text, [tuple(s) for s in spans]
 
     def render_prefixes(self, messages: list[dict], ends: Sequence[tuple[int, bool]], where: str) -> list[str]:
         """messages[:end] rendered (with the generation prompt where asked) for each (end, add_generation_prompt) of
@@ -168,10 +167,10 @@ class ChatTemplate:
         ImmutableSandboxedEnvironment with transformers' filters and globals, compiled once per template) given
         its own template data (plain JSON types, reasoning fields aliased), made once for every prefix."""
         with self._refusals(where):
-            template, data = _transformers_rendering()
-            messages, special = data(messages), data(self.special)
-            return [template(self.text).render(messages=messages[:end], tools=None, documents=None,
-                                               add_generation_prompt=prompt, **special) for end, prompt in ends]
+            renderer = _renderer(self.text)
+            messages, special = renderer.data(messages), renderer.data(self.special)
+            return [renderer.render(messages=messages[:end], tools=None, documents=None, add_generation_prompt=prompt,
+                                    **special) for end, prompt in ends]
 
     @contextlib.contextmanager
     def _refusals(self, where: str):
@@ -193,19 +192,93 @@ class ChatTemplate:
                             f"({type(exc).__name__}: {_first_line(exc)})") from None
 
 
-def _transformers_rendering():
-    """(compile, template data) of transformers' `render_jinja_template`, whose private pieces these are: its cached
-    compilation into the sandbox, and the conversion of what a template sees into plain data. Rendering every prefix
-    of a conversation through `render_jinja_template` itself converts the conversation again for each one (a third
-    of a prefix's render); tests/test_chat.py checks the two give the same text."""
-    from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
-                                                        _plain_template_data)
+class _Renderer:
+    """transformers' `render_jinja_template` in the pieces a conversation's prefixes share: its template compiled
+    once per template text, in transformers' environment (jinja2's ImmutableSandboxedEnvironment with its filters and
+    globals) overlaid with `_quick_lookups`, and the conversion of what a template sees into plain data (`data`),
+    whose private pieces these are. Rendering each prefix through `render_jinja_template` itself converts the
+    conversation again for each one (a third of a prefix's render); and `Template.render` merges the template's
+    globals (a chained map, walked twice) into each render's context, here merged once: the context each render
+    starts from holds the same names and values. A template that marks the assistant's turns is rendered once, by
+    transformers' tracker of its {% generation %} blocks (`tracked`). tests/test_chat.py checks that every prefix
+    renders to `render_jinja_template`'s text, and the marked spans to its spans."""
 
-    def data(value):
-        value = _plain_template_data(value)
-        return _alias_reasoning_fields(value) if isinstance(value, list) else value
+    def __init__(self, text: str):
+        from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                            _plain_template_data, _render_with_assistant_indices)
 
-    return _compile_jinja_template, data
+        environment = _compile_jinja_template(text).environment.overlay()  # its own copy: transformers' untouched
+        _quick_lookups(environment)
+        self.template = environment.from_string(text)
+        self.globals = dict(self.template.globals)
+        self._plain, self._alias = _plain_template_data, _alias_reasoning_fields
+        self._tracked = _render_with_assistant_indices
+
+    def data(self, value):
+        """`value` as transformers hands it to a template: plain JSON types, a conversation's reasoning aliased."""
+        value = self._plain(value)
+        return self._alias(value) if isinstance(value, list) else value
+
+    def render(self, **variables) -> str:
+        """The template rendered with `variables` (template data) beside its globals, as `Template.render` does."""
+        template = self.template
+        context = template.new_context({**self.globals, **variables}, shared=True)
+        return template.environment.concat(template.root_render_func(context))
+
+    def tracked(self, **variables) -> tuple[str, list]:
+        """(the render, the (start, end) of each {% generation %} block in it), by transformers' tracker."""
+        return self._tracked(self.template, **variables)
+
+
+@functools.lru_cache(maxsize=16)
+def _renderer(text: str) -> _Renderer:
+    return _Renderer(text)
+
+
+_VERDICTS_KEPT = 4096  # attribute verdicts remembered per template, at most (a template that computes names)
+
+
+def _quick_lookups(environment) -> None:
+    """The sandbox's two lookups that a chat template makes for every message, answered as jinja2's sandbox answers
+    them without its slow path (half a render's time):
+
+    - `message.role` on a plain dict: the sandbox tries the attribute first and takes the item when there is
+      none; a name that is no attribute of `dict` is the item at once (or undefined, as the sandbox's);
+    - whether an attribute is safe (`loop.first`, `text.strip`): jinja2's verdict depends on the object's type and
+      the name only (a run of isinstance checks against the unsafe types), so it is asked once per exact type of
+      plain data or loop and name; any other object is asked every time.
+
+    Installed only over jinja2's own ImmutableSandboxedEnvironment methods, whose answers these are;
+    tests/test_chat.py checks them against a fresh sandbox's."""
+    from jinja2.runtime import LoopContext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+    sandbox = type(environment)
+    if (sandbox.getattr is not SandboxedEnvironment.getattr
+            or sandbox.is_safe_attribute is not ImmutableSandboxedEnvironment.is_safe_attribute):
+        return
+    dict_attributes = frozenset(dir(dict))
+    remembered = frozenset((dict, list, str, int, float, bool, type(None), LoopContext))
+    verdicts: dict[tuple[type, str], bool] = {}
+
+    def lookup(obj, attribute):
+        if type(obj) is dict and attribute not in dict_attributes:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return environment.undefined(obj=obj, name=attribute)
+        return sandbox.getattr(environment, obj, attribute)
+
+    def is_safe_attribute(obj, attribute, value):
+        key = (type(obj), attribute)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = sandbox.is_safe_attribute(environment, obj, attribute, value)
+            if key[0] in remembered and len(verdicts) < _VERDICTS_KEPT:
+                verdicts[key] = verdict
+        return verdict
+
+    environment.getattr, environment.is_safe_attribute = lookup, is_safe_attribute
 
 
 class ChatTemplateRefused(DataError):

@@ -91,12 +91,15 @@ def apply_rotary(x_BSHE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tenso
     return x_BSHE * cos_SE.unsqueeze(-2) + rotated * sin_SE.unsqueeze(-2)
 
 
-def document_layout(tokens_BS: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions [B, S], attention mask [B, 1, S, S]) of packed documents, each ending with token `eos`.
+def document_layout(tokens_BS: torch.Tensor, eos: int,
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [B, R], attention mask [B, 1, R, S]) of packed documents, each ending with token `eos`, for the
+    queries at `rows` [R] of the sequences (None: all S of them).
 
     A document starts at a sequence's first token and after each `eos` (which belongs to the document it
     ends); positions count from 0 in each, and a query attends to the keys of its own document up to
-    itself: what running each document as its own sequence computes.
+    itself: what running each document as its own sequence computes. Context parallelism asks for the rows of
+    the tokens a rank holds, against every key of the sequence.
     """
     b, s = tokens_BS.shape
     index = torch.arange(s, device=tokens_BS.device)
@@ -104,8 +107,9 @@ def document_layout(tokens_BS: torch.Tensor, eos: int) -> tuple[torch.Tensor, to
     starts = torch.cat((torch.ones_like(ends[:, :1]), ends[:, :-1]), dim=1)
     positions = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
     document = torch.cumsum(starts, dim=1)
-    same = document[:, :, None] == document[:, None, :]
-    return positions, (same & (index[:, None] >= index[None, :]))[:, None]
+    rows = index if rows is None else rows
+    same = document[:, rows, None] == document[:, None, :]
+    return positions[:, rows], (same & (rows[:, None] >= index[None, :]))[:, None]
 
 
 class Attention(nn.Module):
@@ -122,7 +126,8 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` [B, 1, S, S]: which keys each query may attend to (`document_layout`); None: causal."""
+        """`mask` [B, 1, S, S]: which keys each query may attend to (`document_layout`); None: causal. (Under
+        context parallelism [B, 1, 2c, S], this rank's queries against the whole sequence's keys: the ring reads it.)"""
         b, s, _ = x_BSD.shape
         q_BSHE = apply_rotary(self.wq(x_BSD).view(b, s, -1, self.head_dim), cos_SE, sin_SE)
         k_BSKE = apply_rotary(self.wk(x_BSD).view(b, s, -1, self.head_dim), cos_SE, sin_SE)
@@ -208,15 +213,19 @@ class Transformer(nn.Module):
         and one without `output` returns hidden states. `positions` [S]: each token's position
         in its sequence (None: 0..S-1); context parallelism gives a rank's chunks of a sequence. With
         `config.document_eos` the documents packed in each sequence are kept apart (`document_layout`), found in
-        the token ids: on a later pipeline stage, which takes hidden states, the micro-batch's `documents` [B, S].
+        the token ids of the whole sequences, `documents` [B, S] where the forward sees part of them (a later
+        pipeline stage, which takes hidden states; context parallelism's chunks, at `positions` of them).
         """
         mask = None
         if self.config.document_eos is not None:
-            ids = tokens if self.tok_embeddings is not None else documents
+            ids = documents if documents is not None else tokens if self.tok_embeddings is not None else None
             if ids is None:
                 raise ValueError("document masking needs the token ids: a pipeline stage that takes hidden states "
                                  "takes the micro-batch's token ids as `documents`")
-            positions, mask = document_layout(ids, self.config.document_eos)
+            if positions is not None and documents is None:
+                raise ValueError("document masking of a part of each sequence (`positions`) needs the whole "
+                                 "sequences' token ids as `documents`: a document may begin in another part")
+            positions, mask = document_layout(ids, self.config.document_eos, positions)
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Recomputed each call (S·E/2 products): a cached buffer would hold garbage after
         # meta construction + to_empty, and wrappers would have one more tensor to broadcast.

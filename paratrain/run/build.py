@@ -139,12 +139,12 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
         raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
                           f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")
-    if cfg.data.document_mask is None and cfg.parallel.cp > 1:
+    if cfg.parallel.cp > 1 and cfg.data.document_mask is not False and transformers_dir(cfg) is not None:
         paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
-        document_mask(cfg, any(source_format(p, chat_options(cfg)) == "chat" for p in paths))
-    if cfg.data.document_mask and cfg.parallel.cp > 1:
-        raise ConfigError("--document-mask with --cp > 1: the context-parallel ring does not see the documents yet; "
-                          "drop one of them")
+        if cfg.data.document_mask or any(source_format(p, chat_options(cfg)) == "chat" for p in paths):
+            raise ConfigError(f"--document-mask with --cp {cfg.parallel.cp}: transformers' model builds its document "
+                              "mask from the chunks a rank holds, not the whole sequences; use the reference model "
+                              "(--backend reference, a llama/mixtral directory), --cp 1, or --no-document-mask")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
     resolve_model_config(cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
     if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
@@ -203,13 +203,9 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
 
 def document_mask(cfg: Config, chat: bool) -> bool:
     """--document-mask as given, else on for chat data (a conversation sees only itself, as alone) and off for
-    text; chat data under --cp, which cannot mask yet, must say --no-document-mask. (Under --pp every stage
-    masks: each pipeline rank holds the micro-batch's token ids.)"""
+    text. (Under --pp every stage masks, and under --cp every rank: each holds the whole micro-batch's token ids.)"""
     if cfg.data.document_mask is not None:
         return cfg.data.document_mask
-    if chat and cfg.parallel.cp > 1:
-        raise ConfigError("chat data turns --document-mask on, which --cp > 1 does not support yet; pass "
-                          "--no-document-mask (conversations packed together then see each other)")
     return chat
 
 

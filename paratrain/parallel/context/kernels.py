@@ -6,8 +6,10 @@ its queries (merged over every block): FlashAttention's backward recomputes the 
 from the lse it is given, so with the global one each block's (dq, dk, dv) are exact parts of
 the whole gradient. Every kernel takes q [B, H, Sq, E] and k, v [B, H, Sk, E] with equal heads
 (the ring expands GQA's kv heads first), contiguous, and `causal` (the top-left mask, used only
-for the rank's own block, where Sq == Sk); it returns out in q's dtype and lse [B, H, Sq] in at
-least fp32.
+for the rank's own block, where Sq == Sk) or, from the kernels that take one (`masks`), `mask`: a
+boolean [B or 1, H or 1, Sq, Sk], True where a query sees a key (a document mask's block); it
+returns out in q's dtype and lse [B, H, Sq] in at least fp32 (a row the mask hides wholly: what
+the op gives, which the ring replaces).
 
 Which kernel runs is decided here once, by `attention_kernel(device type, dtype, head size)`:
 - CPU, fp32/fp64/bf16/fp16: `aten._scaled_dot_product_flash_attention_for_cpu` and its backward.
@@ -17,7 +19,10 @@ Which kernel runs is decided here once, by `attention_kernel(device type, dtype,
   `aten._scaled_dot_product_efficient_attention` (compute_log_sumexp) and its backward.
 - anything else: explicit math (scores, mask, logsumexp) in at least fp32.
 These are private aten ops, each behind one small function (STYLE 12); the explicit
-math is their reference in tests.
+math is their reference in tests. With a mask (`attention_kernel(..., masked=True)`): CPU flash (the
+mask as an additive bias in q's dtype), else explicit math: the CUDA ops here take no mask (flash
+none, memory-efficient a bias this module does not pass), so a masked block on CUDA materializes its
+scores in fp32, [B, H, Sq, Sk] at a time.
 
 The CUDA ops' contract, which no CPU run executes (tests/test_context_kernels.py emulates it):
 - Both return out as a [B, H, S, E] view of a [B, S, H, E] buffer, and the memory-efficient
@@ -48,14 +53,18 @@ class BlockKernel:
     """A fused or explicit attention for one block: forward → (out, lse), backward from the global out and lse."""
 
     name: str
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, k, v, causal, scale)
-    backward: Callable[..., tuple[torch.Tensor, ...]]  # (dout, q, k, v, out, lse, causal, scale) → dq, dk, dv
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, k, v, causal, scale, mask=None)
+    backward: Callable[..., tuple[torch.Tensor, ...]]  # (dout, q, k, v, out, lse, causal, scale, mask=None) → dq, dk, dv
+    masks: bool = False  # whether it takes `mask`
 
 
-def attention_kernel(device_type: str, dtype: torch.dtype, head_size: int) -> BlockKernel:
-    """The one place the ring's block kernel is chosen (device, dtype, head size); explicit math where no fused op applies."""
+def attention_kernel(device_type: str, dtype: torch.dtype, head_size: int, masked: bool = False) -> BlockKernel:
+    """The one place the ring's block kernel is chosen (device, dtype, head size, whether its blocks are masked);
+    explicit math where no fused op applies."""
     if device_type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return CPU_FLASH
+    if masked:
+        return EXPLICIT
     if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_size % 8 == 0 and head_size <= 256:
         return CUDA_FLASH
     if device_type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16) and head_size % 8 == 0:
@@ -73,13 +82,20 @@ def _as_forward_out(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _cpu_forward(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the additive bias the CPU op takes (0 where seen, -inf where hidden), in q's dtype."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf"))
 
 
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+def _cpu_forward(q, k, v, causal, scale, mask=None):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                      attn_mask=_bias(mask, q.dtype), scale=scale)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
 
 
 def _unread_philox(device) -> torch.Tensor:
@@ -127,35 +143,36 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q, k, causal, scale):
+def _scores(q, k, causal, scale, mask=None):
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         rows = torch.arange(q.shape[2], device=q.device)
         scores = scores.masked_fill(rows[:, None] < rows[None, :], float("-inf"))
-    return scores
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
 
 
-def _explicit_forward(q, k, v, causal, scale):
-    """Scores materialized in at least fp32 (every query sees a key in the ring's calls, so lse is finite)."""
+def _explicit_forward(q, k, v, causal, scale, mask=None):
+    """Scores materialized in at least fp32 (without a mask every query sees a key in the ring's calls, so lse is
+    finite; a row a mask hides wholly has lse -inf and an undefined out, which the ring replaces)."""
     dtype = _compute_dtype(q.dtype)
-    scores = _scores(q.to(dtype), k.to(dtype), causal, scale)
+    scores = _scores(q.to(dtype), k.to(dtype), causal, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]), v.to(dtype)).to(q.dtype), lse
 
 
-def _explicit_backward(dout, q, k, v, out, lse, causal, scale):
+def _explicit_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     """FlashAttention's backward: P recomputed from the given lse, delta = Σ dout·out of the given out."""
     dtype = _compute_dtype(q.dtype)
     q, k, v, dout, out = (t.to(dtype) for t in (q, k, v, dout, out))
-    probs = torch.exp(_scores(q, k, causal, scale) - lse.to(dtype)[..., None])
+    probs = torch.exp(_scores(q, k, causal, scale, mask) - lse.to(dtype)[..., None])
     dscores = probs * (torch.matmul(dout, v.transpose(-1, -2)) - (dout * out).sum(-1, keepdim=True))
     dq = torch.matmul(dscores, k) * scale
     dk = torch.matmul(dscores.transpose(-1, -2), q) * scale
     return dq, dk, torch.matmul(probs.transpose(-1, -2), dout)
 
 
-CPU_FLASH = BlockKernel("cpu flash", _cpu_forward, _cpu_backward)
+CPU_FLASH = BlockKernel("cpu flash", _cpu_forward, _cpu_backward, masks=True)
 CUDA_EFFICIENT = BlockKernel("cuda efficient", _efficient_forward, _efficient_backward)
 CUDA_FLASH = BlockKernel("cuda flash", _flash_forward, _flash_backward)
-EXPLICIT = BlockKernel("explicit", _explicit_forward, _explicit_backward)
+EXPLICIT = BlockKernel("explicit", _explicit_forward, _explicit_backward, masks=True)
 

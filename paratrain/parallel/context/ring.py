@@ -29,6 +29,13 @@ per element of K/V, counted on the cp axis as sends):
   its dK/dV so far in at least fp32, which goes on to the next rank after this rank adds its part;
   after cp sends it is back with the block's owner, complete (cp sends of 2·B·Hk·2c·E·4 bytes).
 
+A mask (a document mask: `paratrain.models.llama.document_layout`) comes over the whole sequence's
+keys: [B or 1, 1, 2c, S], True where this rank's query sees a key, which must lie within the causal
+mask (`RingSDPA` checks it). Each step's call reads its block of it (the rows it computes, the
+columns of the travelling block's positions), so the parts skipped above stay skipped; a row the
+block's mask hides wholly adds nothing (its lse -inf, its out 0), and the own block still shows
+every query itself (a document holds its own tokens).
+
 GQA: query head h reads kv head h // (H / Hk) (Hugging Face's grouping and SDPA's enable_gqa), so
 K/V travel with Hk heads, never repeated. The fused ops want equal heads, so the block being
 computed on is expanded to H heads for its call only (a transient H/Hk times the block), and its
@@ -80,13 +87,14 @@ class Ring:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, H, 2c, E] over the whole sequence's K/V, of which k, v [B, Hk, 2c, E] are
-    this rank's (H a multiple of Hk); the output is this rank's [B, H, 2c, E], as SDPA's would be."""
+    this rank's (H a multiple of Hk); the output is this rank's [B, H, 2c, E], as SDPA's would be. `mask`
+    [B or 1, 1, 2c, S] (boolean, within the causal mask): which of the whole sequence's keys each query sees."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, ring, scale)
+    return _RingAttention.apply(q, k, v, ring, scale, mask)
 
 
 class Part(Enum):
@@ -112,6 +120,22 @@ class Part(Enum):
 
 def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x if rows == slice(None) else x[:, :, rows].contiguous()
+
+
+def _block_mask(mask: torch.Tensor | None, ring: Ring, source: int, rows: slice, keys: slice) -> torch.Tensor | None:
+    """The part of `mask` (over the whole sequence's keys) that one call reads: its query `rows`, and the columns of
+    the `keys` of the block `source` holds."""
+    if mask is None:
+        return None
+    return mask[:, :, rows][..., ring.positions(source, mask.device)[keys]]
+
+
+def _hidden_rows(block_out, block_lse, block_mask):
+    """A block's (out, lse) with the rows its mask hides wholly set to what adds nothing: out 0, lse -inf."""
+    if block_mask is None:
+        return block_out, block_lse
+    hidden = ~block_mask.any(-1)
+    return block_out.masked_fill(hidden[..., None], 0), block_lse.masked_fill(hidden, float("-inf"))
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -140,18 +164,21 @@ class _RingAttention(torch.autograd.Function):
     """Forward: K/V around the ring, outputs merged by lse. Backward: K/V around again, dK/dV behind them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, scale: float):
-        kernel = attention_kernel(q.device.type, q.dtype, q.shape[-1])
+    def forward(ctx, q, k, v, ring: Ring, scale: float, mask: torch.Tensor | None):
+        kernel = attention_kernel(q.device.type, q.dtype, q.shape[-1], masked=mask is not None)
         kv = torch.stack([k, v]).contiguous()  # one message per step
         c, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         q = q.contiguous()
         out = lse = None
         for step in range(ring.size):
             works, incoming = ring.pass_on(kv) if step < ring.size - 1 else ([], None)
-            part = Part.of(ring.rank, (ring.rank - step) % ring.size)
+            source = (ring.rank - step) % ring.size
+            part = Part.of(ring.rank, source)
             rows, keys = part.queries(c), part.keys(c)
+            block_mask = _block_mask(mask, ring, source, rows, keys)  # within the causal mask: it alone
             block = kernel.forward(_rows(q, rows), *(_expand(_rows(t, keys), groups) for t in kv),
-                                   part is Part.OWN, scale)
+                                   part is Part.OWN and mask is None, scale, **_masked(block_mask))
+            block = _hidden_rows(*block, block_mask)
             if out is None:  # step 0: the own block, where every query sees itself, so lse is finite
                 # Copies, never the kernel's own outputs: the merges below write into them, and under selective
                 # recomputation torch keeps the kernel's outputs to replay them (a mutated one is refused).
@@ -160,13 +187,13 @@ class _RingAttention(torch.autograd.Function):
                 out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *block)
             ring.wait(works)
             kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         ring, scale, kernel = ctx.ring, ctx.scale, ctx.kernel
         c, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dout, out_q = dout.contiguous().to(q.dtype), out.to(q.dtype)  # the kernels read them in q's dtype
@@ -175,11 +202,14 @@ class _RingAttention(torch.autograd.Function):
         dkv_works, dkv_in = [], None
         for step in range(ring.size):
             kv_works, kv_next = ring.pass_on(kv) if step < ring.size - 1 else ([], None)
-            part = Part.of(ring.rank, (ring.rank - step) % ring.size)
+            source = (ring.rank - step) % ring.size
+            part = Part.of(ring.rank, source)
             rows, keys = part.queries(c), part.keys(c)
+            block_mask = _block_mask(mask, ring, source, rows, keys)
             dq_block, dk, dv = kernel.backward(
                 _rows(dout, rows), _rows(q, rows), *(_expand(_rows(t, keys), groups) for t in kv),
-                _rows(out_q, rows), _rows(lse, rows), part is Part.OWN, scale)
+                _rows(out_q, rows), _rows(lse, rows), part is Part.OWN and mask is None, scale,
+                **_masked(block_mask))
             dq[:, :, rows] += dq_block
             dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
             dkv[0][:, :, keys], dkv[1][:, :, keys] = _fold(dk.to(out.dtype), groups), _fold(dv.to(out.dtype), groups)
@@ -189,7 +219,12 @@ class _RingAttention(torch.autograd.Function):
             ring.wait(kv_works)
             kv = kv_next
         ring.wait(dkv_works)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
+
+
+def _masked(block_mask: torch.Tensor | None) -> dict:
+    """The kernel's keyword for a block's mask: none without one (every kernel takes that)."""
+    return {} if block_mask is None else {"mask": block_mask}
 
 
 def blockwise_causal_attention(kernel: BlockKernel, q, k, v, dout, blocks: int) -> list[torch.Tensor]:

@@ -13,8 +13,11 @@ No model code changes. During the wrapped forward:
   between the two chunks' position ids as two packed sequences and builds a block mask instead of
   calling SDPA with is_causal=True;
 - every `F.scaled_dot_product_attention` call is intercepted (a `TorchFunctionMode`) and answered
-  by `ring.ring_attention` over the cp group. Only causal self-attention without a mask or dropout
-  has a ring form here: any other call ends in one line naming what to change.
+  by `ring.ring_attention` over the cp group. Causal self-attention without dropout has a ring form
+  here, and so has a boolean mask over the whole sequence's keys ([B or 1, 1, 2c, S]) within the
+  causal mask: a document mask (a model that keeps packed documents apart, `documents_from_tokens`,
+  is given the whole sequences' token ids as `documents`, and masks its chunks' queries against
+  every key). Any other call ends in one line naming what to change.
 
 The labels are split like the tokens (`ContextSharding.labels`); a loss summed over this rank's
 tokens is this rank's part of the sequence's loss, and the parts add up over the cp ranks.
@@ -56,6 +59,7 @@ class RingSDPA(TorchFunctionMode):
         self.ring = ring
         self.calls = 0
         self._token = None
+        self._checked_mask = None  # the mask last checked (every layer of a forward passes the same one)
 
     def __enter__(self):
         self._token = _ACTIVE.set(self)
@@ -74,11 +78,12 @@ class RingSDPA(TorchFunctionMode):
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
-        if attn_mask is not None or not is_causal:
+        if attn_mask is not None:
+            self._check_mask(attn_mask, query.shape[-2], is_causal)
+        elif not is_causal:
             raise ContextParallelError("context parallelism (--cp) needs causal attention: the model called "
-                                       "F.scaled_dot_product_attention with " +
-                                       ("an attn_mask" if attn_mask is not None else "is_causal=False") +
-                                       "; call it with is_causal=True and no mask, or use --cp 1")
+                                       "F.scaled_dot_product_attention with is_causal=False and no mask; call it "
+                                       "with is_causal=True, or use --cp 1")
         if dropout_p:
             raise ContextParallelError(f"context parallelism (--cp) has no attention dropout: the model called "
                                        f"F.scaled_dot_product_attention with dropout_p={dropout_p}; set it to 0 "
@@ -86,7 +91,26 @@ class RingSDPA(TorchFunctionMode):
         if query.shape[-2] != key.shape[-2]:
             raise ContextParallelError(f"context parallelism (--cp) needs self-attention over the same tokens: "
                                        f"{query.shape[-2]} queries against {key.shape[-2]} keys; use --cp 1")
-        return ring_attention(query, key, value, self.ring, scale)
+        return ring_attention(query, key, value, self.ring, scale, attn_mask)
+
+    def _check_mask(self, mask: torch.Tensor, queries: int, is_causal: bool) -> None:
+        """A mask the ring can apply: boolean, this rank's queries against the whole sequence's keys, showing no
+        query a later key (the ring skips what the causal mask hides). Checked once per mask."""
+        if mask is self._checked_mask:
+            return
+        seq_len = self.ring.seq_len
+        if is_causal or mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[-2:]) != (queries, seq_len) \
+                or mask.shape[1] != 1:
+            raise ContextParallelError(
+                "context parallelism (--cp) takes an attn_mask that is boolean, [batch, 1, this rank's "
+                f"{queries} queries, the sequence's {seq_len} keys], without is_causal (a document mask from the "
+                f"whole sequences' token ids); the model passed {mask.dtype} {list(mask.shape)}"
+                f"{' with is_causal=True' if is_causal else ''}; use --cp 1 or --no-document-mask")
+        held = self.ring.positions(self.ring.rank, mask.device)
+        if (mask & (torch.arange(seq_len, device=mask.device) > held[:, None])).any():
+            raise ContextParallelError("context parallelism (--cp) attends causally: the model's attn_mask shows a "
+                                       "query a key after it, which the ring never computes; use --cp 1")
+        self._checked_mask = mask
 
 
 def recompute_context():
@@ -133,6 +157,8 @@ class ContextSharding:
         kwargs = dict(kwargs)
         if self.mask_keyword is not None and kwargs.get(self.mask_keyword) is not None:
             kwargs[self.mask_keyword] = shard_sequence(kwargs[self.mask_keyword], self.size, self.rank)
+        if getattr(module, "documents_from_tokens", False) and kwargs.get("documents") is None:
+            kwargs["documents"] = tokens  # the whole sequences' ids: a packed document spans the chunks
         local = shard_sequence(tokens, self.size, self.rank)
         return self.local_forward(module, (local, *args[1:]), kwargs, tokens.shape[1])
 

@@ -194,16 +194,17 @@ class PipelineRunner:
 
         Under context parallelism the first stage splits the token ids (sequences of `inputs.shape[1]` tokens)
         into this rank's chunks; a later stage receives activations of those chunks already, from the stage
-        before it on the same cp rank. Every stage is given its chunks' positions and runs its attention
-        as the ring over the cp ranks of its own stage."""
+        before it on the same cp rank. Every stage is given its chunks' positions (and, masking documents, the
+        whole sequences' token ids) and runs its attention as the ring over the cp ranks of its own stage."""
         shell, x, seq_len = self.shells[stage], self.precision.cast_inputs(x), inputs.shape[1]
+        documents = {"documents": inputs.to(self.device)} if stage > 0 and getattr(shell, "documents_from_tokens",
+                                                                                   False) else {}
         if self.context is None:
-            documents = stage > 0 and getattr(shell, "documents_from_tokens", False)
-            out = shell(x, documents=inputs.to(self.device)) if documents else shell(x)
-        elif stage == 0:
+            out = shell(x, **documents)
+        elif stage == 0:  # (the split hands the whole sequences' token ids on as `documents` itself)
             out = self.context.forward(shell, (x,), {})
         else:
-            out = self.context.local_forward(shell, (x,), {}, seq_len)
+            out = self.context.local_forward(shell, (x,), documents, seq_len)
         return self._stage_output(stage, out)
 
     def _local_labels(self, labels: torch.Tensor, seq_len: int) -> torch.Tensor:
