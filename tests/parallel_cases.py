@@ -208,6 +208,31 @@ def _current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
 
 
+def third_step_window(model, optimizer, step):
+    """`TensorMemory`'s window over the third call of `step` (after two, the optimizer state exists and compiled
+    code is compiled): the peak of live tensor bytes of a whole step, and what made it up."""
+    from paratrain.peak_memory import TensorMemory
+
+    step()
+    step()
+    meter = TensorMemory()
+    with meter:
+        meter.begin(model, optimizer)
+        step()
+        return meter.end(model, optimizer)
+
+
+def plain_step(model, optimizer, x, y):
+    """One step of a parallelized model on (x, y): loss backward, clipping at 1, optimizer step."""
+    def step():
+        model.loss_fn(model(x), y).backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """‖got − want‖ / ‖want‖ in fp64 (‖got‖ for a zero `want`)."""
     got, want = got.double(), want.double()

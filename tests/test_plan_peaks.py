@@ -27,10 +27,9 @@ import torch
 from paratrain import init_mesh, parallelize
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel
-from paratrain.peak_memory import TensorMemory
 from paratrain.plan import Layout, Workload, estimate_memory
 from paratrain.testing import run_on_ranks
-from parallel_cases import batches
+from parallel_cases import batches, plain_step, third_step_window
 
 CFG = ModelConfig(vocab_size=1024, dim=128, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)
 ROWS, SEQ = 4, 128  # per data rank
@@ -51,20 +50,7 @@ def step_peak(mesh, zero: int, mode: str, x, y, compile: bool = False, fp8: str 
     model, optimizer = parallelize(model, mesh, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                                    data=DataParallel(zero=zero), precision="bf16", reduce_dtype="fp32",
                                    activation_checkpointing=mode, compile=compile, init=init, fp8=fp8)
-
-    def step():
-        model.loss_fn(model(x), y).backward()
-        model.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    step()  # the optimizer state exists, compiled code is compiled
-    meter = TensorMemory()
-    with meter:
-        meter.begin(model, optimizer)
-        step()
-        return meter.end(model, optimizer).peak_bytes
+    return third_step_window(model, optimizer, plain_step(model, optimizer, x, y)).peak_bytes
 
 
 def planned(zero: int, mode: str, dp: int = 1, compile: bool = False, fp8: str | None = None):
