@@ -148,6 +148,31 @@ def test_generation_marks_give_the_mask_in_one_render_and_loss_on_selects_the_tu
     assert mask[0] == 0 and mask[1:].all()  # every token but the first, which nothing precedes
 
 
+@pytest.mark.parametrize("template", ["plain", "generation"])
+def test_a_transformers_without_the_private_render_pieces_gives_the_same_masks(tmp_path, monkeypatch, template):
+    """Rendering leans on transformers' private pieces for speed; a transformers that moved them renders through its
+    public `render_jinja_template` and prepares the same tokens and masks."""
+    from paratrain.data import chat
+
+    def moved(text):  # what importing a private piece that transformers no longer has raises
+        raise ImportError("cannot import name '_compile_jinja_template' from 'transformers.utils.chat_template_utils'")
+
+    marks = {"template": CHATML_GENERATION} if template == "generation" else {}
+    model = model_dir(tmp_path / "model", "chatml", **marks)
+    data = write_jsonl(tmp_path / "chat.jsonl", RECORDS)
+    fast = _documents(prepare_corpus(data, tmp_path / "fast", str(model), progress=False))[0]
+    chat._renderer.cache_clear()
+    monkeypatch.setattr(chat, "_Renderer", moved)
+    try:
+        assert isinstance(chat._renderer("{{ messages }}"), chat._PublicRenderer)
+        public = _documents(prepare_corpus(data, tmp_path / "public", str(model), progress=False))[0]
+    finally:
+        chat._renderer.cache_clear()
+    assert len(public) == len(fast) == len(RECORDS) - 1
+    for (tokens, mask), (want_tokens, want_mask) in zip(public, fast):
+        assert tokens.tolist() == want_tokens.tolist() and mask.tolist() == want_mask.tolist()
+
+
 def test_text_directories_of_older_versions_read_with_every_token_a_target(tmp_path):
     text = tmp_path / "t.jsonl"
     text.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(20)))

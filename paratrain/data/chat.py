@@ -230,9 +230,34 @@ class _Renderer:
         return self._tracked(self.template, **variables)
 
 
+class _PublicRenderer:
+    """The same three answers by transformers' public `render_jinja_template` alone, one call per render: what a
+    transformers without `_Renderer`'s private pieces gets (the same texts and spans, each prefix converted again)."""
+
+    def __init__(self, text: str):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        self.text, self._render = text, render_jinja_template
+
+    def data(self, value):
+        return value  # render_jinja_template converts what it is given itself
+
+    def render(self, *, messages, tools, documents, **variables) -> str:
+        rendered, _ = self._render([messages], tools=tools, documents=documents, chat_template=self.text, **variables)
+        return rendered[0]
+
+    def tracked(self, *, messages, tools, documents, **variables) -> tuple[str, list]:
+        rendered, spans = self._render([messages], tools=tools, documents=documents, chat_template=self.text,
+                                       return_assistant_tokens_mask=True, **variables)
+        return rendered[0], spans[0]
+
+
 @functools.lru_cache(maxsize=16)
-def _renderer(text: str) -> _Renderer:
-    return _Renderer(text)
+def _renderer(text: str) -> _Renderer | _PublicRenderer:
+    try:
+        return _Renderer(text)
+    except (ImportError, AttributeError):  # a transformers whose private pieces moved: its public function, slower
+        return _PublicRenderer(text)
 
 
 _VERDICTS_KEPT = 4096  # attribute verdicts remembered per template, at most (a template that computes names)
