@@ -1,7 +1,11 @@
 """Building a training run from its config: everything the loop needs, in the order it has to be made.
 
-    layout = preflight(cfg, world_size)  # checks that need no process group (before any launch)
-    run = build(cfg, env, mesh, layout)  # run directory, data, model, optimizer, sampler, guard, checkpoints
+    plan = preflight(cfg, world_size)  # checks that need no process group (before any launch): a RunPlan
+    run = build(plan, env, mesh)  # run directory, data, model, optimizer, sampler, guard, checkpoints
+
+The preflight resolves the run once (its options' defaults, the run directory, the resume, the
+layout, the model) into a frozen `RunPlan`, which every later stage reads; the config it was given
+is never changed.
 
 The order matters and is written once, here: the run directory is claimed before anything is
 written into it; the data comes before the model (the tokenizer's vocabulary must fit); the
@@ -11,6 +15,7 @@ model and optimizer before the checkpoints that resume them; the resume before t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -111,21 +116,55 @@ class Run:
         return self.mesh.device
 
 
-def preflight(cfg: Config, world_size: int) -> CheckedLayout:
+@dataclass(frozen=True)
+class RunPlan:
+    """A run as the preflight resolved it, once, before any process group: every later stage reads it.
+
+    cfg: the options the run uses, every default resolved (the recipe's optimizer values, the batch for the
+        layout's data ranks, --resume's step directory, the run directory): a copy of the given config, which
+        stays as it was, and never changed after (config.json records it).
+    layout: the layout's verdict, its rules decided with the model and the batch
+        (`paratrain.parallel.rules.check_layout`), which `parallelize` takes as it is.
+    model_cfg: the model, resolved once (a resumed checkpoint's, --init-from's, a directory's or the named config
+        with the user's sizes); the tokenizer's vocabulary and the sequence length checked against it.
+    """
+
+    cfg: Config
+    layout: CheckedLayout
+    model_cfg: ModelConfig
+
+    @property
+    def out(self) -> str:
+        """The run directory; '' when the ranks agree on one once their job's store exists (`with_out`)."""
+        return self.cfg.run.out
+
+    @property
+    def resume(self) -> str:
+        """What the run resumes: a checkpoint's step directory, or 'auto' (the run's own newest) or 'none'."""
+        return self.cfg.checkpoint.resume
+
+    def with_out(self, out: str) -> RunPlan:
+        """The plan with the run directory the ranks agreed on (`shared_run_dir`)."""
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run,
+                                                                                                   out=out)))
+
+
+def preflight(cfg: Config, world_size: int) -> RunPlan:
     """Every check that needs neither a process group nor the tokenized data: run before launching processes.
 
-    Returns the layout, its rules decided once here (with the model and the batch): `build` hands
-    it on to `parallelize`. Also resolves the one default that every process must share, the run
-    directory, when it can without the others: one process, or a launcher that gave the job a run
-    id (else `shared_run_dir`).
+    Returns the run's plan (`RunPlan`): the layout, its rules decided once here (with the model and the batch),
+    which `build` hands on to `parallelize`; the model config; the options with their defaults resolved, among
+    them the one every process must share, the run directory, when it can without the others: one process, or a
+    launcher that gave the job a run id (else `shared_run_dir`). `cfg` itself is left as it was.
     """
-    note = resolve_resume(cfg)  # a run directory, checkpoints/, latest: the step directory it means (and its --out)
+    # a run directory, checkpoints/, latest: the step directory it means (and its --out), in a copy of the options
+    cfg, note = resolve_resume(copy.deepcopy(cfg))
     if note:
         print(f"paratrain: {note}", flush=True)
     if not cfg.run.out:
-        cfg.run.out = default_run_dir(cfg)
+        cfg.run = dataclasses.replace(cfg.run, out=default_run_dir(cfg))
     try:
-        check_values(cfg)
+        check_values(cfg)  # fills the recipe's values into the copy; `layout_spec` the batch for its data ranks
         model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
         layout = rules.check_layout(layout_spec(cfg, world_size, model_cfg), ConfigError)
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
@@ -146,35 +185,37 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
                               "mask from the chunks a rank holds, not the whole sequences; use the reference model "
                               "(--backend reference, a llama/mixtral directory), --cp 1, or --no-document-mask")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
-    resolve_model_config(cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
+    check_vocab(cfg, model_cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
     if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
         claim_run_dir(cfg, restarted=current_attempt() > 0)  # (every rank passes here before rank 0 writes)
     check_resumed_schedule(cfg)  # after the claim: another run's --out is refused first
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
     check_clients(tracker_names(cfg))  # a tracker whose client is missing refuses the run now, not after the build
     profile_steps(cfg)
-    return layout
+    return RunPlan(cfg, layout, model_cfg)
 
 
-def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
+def build(plan: RunPlan, env: DistEnv, mesh: Mesh) -> Run:
     """Claim the run directory, load the data, build the model and resume; collective (every rank calls it).
 
-    `layout` is the preflight's verdict on the layout (`preflight`), which `parallelize` takes as it is.
+    Everything is read from the preflight's `plan`: its options, its verdict on the layout (which `parallelize`
+    takes as it is) and its model config.
     """
-    t = cfg.train
+    cfg, t = plan.cfg, plan.cfg.train
     # The plan against what the GPUs have free now that the context exists, before anything is written.
-    check_free_memory(cfg, resolve_model_config(cfg, tokenizer_vocab=0), mesh)
+    check_free_memory(cfg, plan.model_cfg, mesh)
     out = prepare_run_dir(cfg, env)
     snapshots = MemorySnapshots(cfg.logging.memory_snapshot, out, env.rank, mesh.device, say_once=env.is_main)
     data = load_data(cfg, env, out)
     train_set, eval_set, tokenizer = data.train, next(iter(data.held_out.values())), data.tokenizer
-    model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
+    check_vocab(cfg, plan.model_cfg, tokenizer.vocab_size)
+    model_cfg = plan.model_cfg
     if document_mask(cfg, data.chat):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
         model_cfg = dataclasses.replace(model_cfg, document_eos=tokenizer.eos_id)
     comm = Comm(mesh)
-    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
+    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, plan.layout, comm)
     dp = mesh.size("dp")
-    accumulation = layout.accumulation
+    accumulation = plan.layout.accumulation
     sampler = data.sampler(t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
     guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
     extra_state = {MODEL_CONFIG_KEY: dataclasses.asdict(model_cfg)}
@@ -459,6 +500,12 @@ def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
         check_layout(cfg, model_cfg, "--resume")
     elif model_cfg is None:
         model_cfg = source_model_config(cfg, model_overrides(cfg))
+    check_vocab(cfg, model_cfg, tokenizer_vocab)
+    return model_cfg
+
+
+def check_vocab(cfg: Config, model_cfg: ModelConfig, tokenizer_vocab: int) -> None:
+    """ConfigError unless the tokenizer's vocabulary (0: not known yet) and --seq-len fit the model."""
     if tokenizer_vocab > model_cfg.vocab_size:
         fix = ("a tokenizer that fits" if cfg.model.init_from
                else f"--vocab-size {tokenizer_vocab} or a smaller tokenizer")
@@ -467,7 +514,6 @@ def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's max_seq_len "
                           f"{model_cfg.max_seq_len}")
-    return model_cfg
 
 
 def model_overrides(cfg: Config) -> dict:
