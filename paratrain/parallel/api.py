@@ -90,7 +90,7 @@ class DataParallel:
             raise ParallelConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         object.__setattr__(self, "grad_reduction", _enum(GradReduction, self.grad_reduction, "grad_reduction"))
         object.__setattr__(self, "offload", self.offload or None)
-        check_offload(self.offload, self.zero)
+        check_offload(self.offload)
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     checkpointing = Checkpointing.parse(activation_checkpointing)
     tensor = tensor or TensorParallel()
     pipeline = pipeline or PipelineParallel()
-    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing)
+    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing, policy.name, fp8)
     comm = comm or Comm(mesh)
     if comm.mesh is not mesh:  # each strategy below is handed the comm alone and reads its groups from comm.mesh
         raise ParallelConfigError("comm= talks over another mesh than the one given; build it as Comm(mesh)")
@@ -298,7 +298,7 @@ def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, da
         return [], None
     from paratrain.parallel.fp8 import CUDA_MIN_FEATURES, Fp8Casts, check_fp8, convert_to_fp8
 
-    check_fp8(recipe, policy.param_dtype, comm.mesh.device)
+    check_fp8(recipe, comm.mesh.device)
     casts = Fp8Casts() if data.zero < 3 else None
     # a sequence's tokens are split over cp: one scale for the whole micro-batch, as one process casts it
     agree = functools.partial(_max_over, comm, Axis.CP) if comm.mesh.size(Axis.CP) > 1 else None
@@ -452,18 +452,21 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
 
 
 def _layout_spec(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                 activation_checkpointing: int | str = 0) -> LayoutSpec:
+                 activation_checkpointing: int | str = 0, precision: str | None = None,
+                 fp8: str | None = None) -> LayoutSpec:
     """The mesh and the options as the layout rules read them (`paratrain.parallel.rules`)."""
     s = mesh.shape
     return LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
                       sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
-                      virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
+                      virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing,
+                      precision=precision, fp8=fp8, offload=data.offload)
 
 
 def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                  checked: CheckedLayout | None, activation_checkpointing: int | str = 0) -> None:
+                  checked: CheckedLayout | None, activation_checkpointing: int | str = 0, precision: str | None = None,
+                  fp8: str | None = None) -> None:
     """The layout rules on the mesh and the options, unless the caller decided them (then on the same layout)."""
-    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing)
+    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing, precision, fp8)
     if checked is None:
         rules.check_layout(layout, ParallelConfigError)
     elif not checked.describes(layout):

@@ -166,24 +166,14 @@ def preflight(cfg: Config, world_size: int) -> RunPlan:
     try:
         check_values(cfg)  # fills the recipe's values into the copy; `layout_spec` the batch for its data ranks
         model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
-        layout = rules.check_layout(layout_spec(cfg, world_size, model_cfg), ConfigError)
+        spec = dataclasses.replace(layout_spec(cfg, world_size, model_cfg),
+                                   chunked_document_mask=chunked_document_mask(cfg))
+        layout = rules.check_layout(spec, ConfigError)
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
     check_resumed_model(cfg, model_cfg)
     check_lora_targets(cfg, model_cfg)
-    if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
-        raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
-                          f"bf16 for what it does not cast")
-    if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
-        raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
-                          f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")
-    if cfg.parallel.cp > 1 and cfg.data.document_mask is not False and transformers_dir(cfg) is not None:
-        paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
-        if cfg.data.document_mask or any(source_format(p, chat_options(cfg)) == "chat" for p in paths):
-            raise ConfigError(f"--document-mask with --cp {cfg.parallel.cp}: transformers' model builds its document "
-                              "mask from the chunks a rank holds, not the whole sequences; use the reference model "
-                              "(--backend reference, a llama/mixtral directory), --cp 1, or --no-document-mask")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
     check_vocab(cfg, model_cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
     if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
@@ -240,6 +230,16 @@ def build(plan: RunPlan, env: DistEnv, mesh: Mesh) -> Run:
     if env.is_main:
         print(describe(run), flush=True)
     return run
+
+
+def chunked_document_mask(cfg: Config) -> bool:
+    """Whether, under --cp, the documents would be masked by transformers' model, which masks the chunks a rank holds
+    (the layout rule `paratrain.parallel.rules.document_mask_violations` refuses it): --document-mask given, or on by
+    default for chat data (`document_mask`)."""
+    if cfg.parallel.cp == 1 or cfg.data.document_mask is False or transformers_dir(cfg) is None:
+        return False
+    paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
+    return bool(cfg.data.document_mask) or any(source_format(p, chat_options(cfg)) == "chat" for p in paths)
 
 
 def document_mask(cfg: Config, chat: bool) -> bool:
