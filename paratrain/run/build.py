@@ -32,7 +32,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
-from paratrain.config import Config, ConfigError, check_values, layout_spec, lora_options
+from paratrain.config import Config, ConfigError, DataSection, TrainSection, check_values, layout_spec, lora_options
 from paratrain.data import DataSampler
 from paratrain.data.chat import ChatOptions
 from paratrain.data.mixture import TrainingData, load_training_data, parse_mixture
@@ -71,16 +71,16 @@ from paratrain.trackers import check_clients, open_trackers, tracker_names
 
 @dataclass
 class Run:
-    """One process's share of a training run, built and resumed, ready for the loop."""
+    """One process's share of a training run, built and resumed, ready for the loop; each thing held once (what the
+    preflight resolved is the plan's, the data sets and the tokenizer are the data's)."""
 
-    cfg: Config
+    plan: RunPlan  # the options, the layout and the model config, as the preflight resolved them
     env: DistEnv
     mesh: Mesh
-    out: Path
-    train_set: object
-    eval_set: object
-    tokenizer: object
-    model_cfg: ModelConfig
+    # The training set, every held-out set by name, a mixture's sources, the tokenizer
+    # (`paratrain.data.mixture.TrainingData`).
+    data: TrainingData
+    model_cfg: ModelConfig  # the plan's, the documents ending at the tokenizer's end-of-text where they are masked
     model: TrainableModel
     optimizer: torch.optim.Optimizer
     sampler: DataSampler  # or a SampleRecorder around it (--log-samples)
@@ -89,27 +89,46 @@ class Run:
     log: MetricsLog | None  # rank 0 only
     resumed_step: int  # the loop starts after it
     tokens_seen: int
-    accumulation: int  # micro-batches per data rank per step
     peak_flops: float | None  # of one device, for MFU: --peak-flops, else the device's (paratrain.hardware)
+    # The run's communication layer, which the model communicates through: its byte counts and blocked seconds
+    # are the metrics', its listeners the guard's. The run owns it (the model hands out none of its internals).
+    comm: Comm
+    # --memory-snapshot: CUDA's allocator history from before the model is built (`paratrain.run.profiling`).
+    snapshots: MemorySnapshots
+    # Each rank's compute time against the median, step by step (--straggler-threshold, --straggler-steps).
+    stragglers: StragglerWatch
     # The process's memory peak, window by window: one per step (read at the step's agreement), the
     # first from process start (the build), the last to the end of the run (the sample and weights).
     memory: ProcessPeak = None
-    # The run's communication layer, which the model communicates through: its byte counts and blocked seconds
-    # are the metrics', its listeners the guard's. The run owns it (the model hands out none of its internals).
-    comm: Comm = None
-    # --memory-snapshot: CUDA's allocator history from before the model is built (`paratrain.run.profiling`).
-    snapshots: MemorySnapshots = None
-    # Every held-out set by name and a mixture's sources (`paratrain.data.mixture.TrainingData`).
-    data: TrainingData = None
-    # Each rank's compute time against the median, step by step (--straggler-threshold, --straggler-steps).
-    stragglers: StragglerWatch = None
 
     def __post_init__(self):
         self.memory = self.memory or ProcessPeak(self.mesh.device)
-        self.snapshots = self.snapshots or MemorySnapshots(False, self.out, self.env.rank, self.mesh.device, False)
-        self.stragglers = self.stragglers or StragglerWatch(
-            self.cfg.reliability.straggler_threshold, self.cfg.reliability.straggler_steps,
-            [socket.gethostname()] * self.env.world_size)
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
+    @property
+    def out(self) -> Path:
+        return Path(self.plan.out)
+
+    @property
+    def train_set(self):
+        return self.data.train
+
+    @property
+    def eval_set(self):
+        """The first held-out set (--eval-data's first, else the held-out tail of the training data)."""
+        return next(iter(self.data.held_out.values()))
+
+    @property
+    def tokenizer(self):
+        return self.data.tokenizer
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per data rank per step."""
+        return self.plan.layout.accumulation
 
     @property
     def device(self) -> torch.device:
@@ -197,16 +216,13 @@ def build(plan: RunPlan, env: DistEnv, mesh: Mesh) -> Run:
     out = prepare_run_dir(cfg, env)
     snapshots = MemorySnapshots(cfg.logging.memory_snapshot, out, env.rank, mesh.device, say_once=env.is_main)
     data = load_data(cfg, env, out)
-    train_set, eval_set, tokenizer = data.train, next(iter(data.held_out.values())), data.tokenizer
-    check_vocab(cfg, plan.model_cfg, tokenizer.vocab_size)
+    check_vocab(cfg, plan.model_cfg, data.tokenizer.vocab_size)
     model_cfg = plan.model_cfg
-    if document_mask(cfg, data.chat):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
-        model_cfg = dataclasses.replace(model_cfg, document_eos=tokenizer.eos_id)
+    if document_mask(cfg.data, data.chat):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
+        model_cfg = dataclasses.replace(model_cfg, document_eos=data.tokenizer.eos_id)
     comm = Comm(mesh)
     model, optimizer = build_parallel_model(model_cfg, cfg, mesh, plan.layout, comm)
-    dp = mesh.size("dp")
-    accumulation = plan.layout.accumulation
-    sampler = data.sampler(t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
+    sampler = data.sampler(t.global_batch, mesh.coord("dp"), mesh.size("dp"), seed=t.seed)
     guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
     extra_state = {MODEL_CONFIG_KEY: dataclasses.asdict(model_cfg)}
     if cfg.lora.rank is not None:  # a checkpoint of adapters names the base they were trained on
@@ -214,7 +230,7 @@ def build(plan: RunPlan, env: DistEnv, mesh: Mesh) -> Run:
 
         extra_state[LORA_BASE_KEY] = base_fingerprint(model)
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard, extra_state=extra_state,
-                                      assets=run_assets(cfg, tokenizer) if env.is_main else None,
+                                      assets=run_assets(cfg, data.tokenizer) if env.is_main else None,
                                       local_world_size=env.local_world_size)
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
@@ -224,9 +240,8 @@ def build(plan: RunPlan, env: DistEnv, mesh: Mesh) -> Run:
         if env.is_main else None
     hosts = checkpoints.coordinator.broadcast_object(checkpoints.coordinator.gather_objects(socket.gethostname()))
     stragglers = StragglerWatch(cfg.reliability.straggler_threshold, cfg.reliability.straggler_steps, hosts)
-    run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
-              checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device),
-              comm=comm, snapshots=snapshots, data=data, stragglers=stragglers)
+    run = Run(plan, env, mesh, data, model_cfg, model, optimizer, sampler, guard, checkpoints, log, resumed,
+              tokens_seen, t.peak_flops or device_peak_flops(mesh.device), comm, snapshots, stragglers)
     if env.is_main:
         print(describe(run), flush=True)
     return run
@@ -239,14 +254,14 @@ def chunked_document_mask(cfg: Config) -> bool:
     if cfg.parallel.cp == 1 or cfg.data.document_mask is False or transformers_dir(cfg) is None:
         return False
     paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
-    return bool(cfg.data.document_mask) or any(source_format(p, chat_options(cfg)) == "chat" for p in paths)
+    return bool(cfg.data.document_mask) or any(source_format(p, chat_options(cfg.data)) == "chat" for p in paths)
 
 
-def document_mask(cfg: Config, chat: bool) -> bool:
+def document_mask(d: DataSection, chat: bool) -> bool:
     """--document-mask as given, else on for chat data (a conversation sees only itself, as alone) and off for
     text. (Under --pp every stage masks, and under --cp every rank: each holds the whole micro-batch's token ids.)"""
-    if cfg.data.document_mask is not None:
-        return cfg.data.document_mask
+    if d.document_mask is not None:
+        return d.document_mask
     return chat
 
 
@@ -325,7 +340,7 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     model = meta_model(model_cfg)  # the reference Transformer, or transformers' model of a directory
     # The trainer knows its model: it names the plan, so that no strategy has to.
     plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
-    return parallelize(model, mesh, optimizer=optimizer_factory(cfg),
+    return parallelize(model, mesh, optimizer=optimizer_factory(cfg.train),
                        # The trainer's loss is already normalized by the global token count.
                        data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM,
                                          offload=p.offload or None),
@@ -388,33 +403,31 @@ def weight_initializer(model: Transformer, cfg: Config):
     return lambda name, shape: weights.read(name).float()
 
 
-def optimizer_factory(cfg: Config):
+def optimizer_factory(t: TrainSection):
     """What parallelize builds the optimizer from: `make_optimizer` (AdamW), or with --optimizer muon the Muon recipe
     (`paratrain.parallel.muon.MuonRecipe`: Muon for the blocks' matrices, this AdamW for the rest). The schedule sets
     every group's learning rate to the AdamW one times the group's `lr_scale` (Muon's: --muon-lr / --lr)."""
-    if cfg.train.optimizer != "muon":
-        return lambda params: make_optimizer(params, cfg)
+    if t.optimizer != "muon":
+        return lambda params: make_optimizer(params, t)
     from paratrain.config import muon_options
     from paratrain.parallel.muon import MuonRecipe
 
-    t = cfg.train
     muon = muon_options(t)
     adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "weight_decay": t.weight_decay}
     return MuonRecipe(muon=muon, adamw=adamw, lr_scale=muon["lr"] / t.lr if t.lr else 1.0)
 
 
-def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
+def make_optimizer(params, t: TrainSection) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices (embeddings included), not on norm gains."""
     params = list(params)
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     # One fused kernel for the whole step where torch has one for the device: CUDA, and the CPU too (there
     # 17 ms for 27M parameters on one thread, against 77 for the default loop and 105 for foreach). Elsewhere
     # torch's default.
     fused = bool(params) and all(p.device.type in fused_optimizer_devices() for p in params) or None
-    t = cfg.train
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
@@ -477,7 +490,7 @@ def load_data(cfg: Config, env: DistEnv, out: Path) -> TrainingData:
 
     def load():
         return load_training_data(d.path, d.eval_data, spec, d.seq_len, cache, eval_fraction=d.eval_fraction,
-                                  progress=progress, text_key=d.text_key, chat=chat_options(cfg))
+                                  progress=progress, text_key=d.text_key, chat=chat_options(d))
 
     if cache is None:
         return load()
@@ -486,9 +499,8 @@ def load_data(cfg: Config, env: DistEnv, out: Path) -> TrainingData:
     return result or load()
 
 
-def chat_options(cfg: Config) -> ChatOptions:
+def chat_options(d: DataSection) -> ChatOptions:
     """How the run reads chat data (`paratrain.data.chat`): --format, --chat-template, --loss-on, --long."""
-    d = cfg.data
     return ChatOptions(format=d.format, chat_template=d.chat_template, loss_on=d.loss_on, long=d.long)
 
 
