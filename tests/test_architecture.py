@@ -24,7 +24,7 @@ from paratrain.errors import Violation
 from paratrain.mesh import Mesh, MeshShape
 from paratrain.models import get_model_config
 from paratrain.parallel import rules
-from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, parallelize
+from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, parallelize, parallelize_run
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
 from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
 from paratrain.plan import Layout, LayoutError, SearchSpace, Workload, get_hardware, search, validate_layout
@@ -261,9 +261,9 @@ def test_one_train_run_decides_its_layout_once(monkeypatch, tmp_path):
 
 def test_parallelize_refuses_a_verdict_on_another_layout():
     checked = rules.check_layout(LayoutSpec(dp=1, zero=1))
-    assert parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=1), checked=checked)[0] is not None
+    assert parallelize_run(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=1), checked=checked)[0] is not None
     with pytest.raises(ParallelConfigError, match="verdict on another layout"):
-        parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=2), checked=checked)
+        parallelize_run(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=2), checked=checked)
 
 
 def test_the_layout_enumerations_have_one_home():

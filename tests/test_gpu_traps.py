@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
+from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh
+from paratrain.parallel.api import parallelize_run
 from paratrain.checkpoint import CheckpointReader, DistCoordinator, save_checkpoint
 from paratrain.comm import Comm
 from paratrain.parallel.pipeline.schedules import ScheduleError, build_schedule
@@ -97,7 +98,7 @@ def _model(layout: Layout, mesh, comm: Comm | None = None):
     shard, bucket or buffer made on the default device instead of the mesh's stays meta and fails later."""
     with torch.device("meta"):
         model = Transformer(MODEL)
-        return parallelize(
+        return parallelize_run(
             model, mesh, optimizer=trap_adamw,
             data=DataParallel(zero=layout.zero, grad_reduction="sum", offload=layout.offload),
             tensor=TensorParallel(sequence_parallel=layout.sp), comm=comm,

@@ -25,7 +25,6 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from paratrain import compat
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
 from paratrain.parallel.materialize import to_empty
@@ -169,8 +168,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 pipeline: PipelineParallel | None = None, context: ContextParallel | None = None,
                 precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
-                comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None,
-                fp8_min_features: int | None = None, loss_chunk: int | None = None, lora: LoRA | None = None):
+                fp8: str | None = None, fp8_min_features: int | None = None, loss_chunk: int | None = None,
+                lora: LoRA | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -192,10 +191,6 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (e.g. "aot_eager": the same graphs, run by eager kernels, no code generated).
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
-    comm: the communication layer (`paratrain.comm.Comm` over `mesh`) the model runs its collectives
-        through, for a caller that reads its counters or listens to it (the trainer's metrics, step
-        timer and guard); None: the model makes its own, which it does not hand out. Every strategy
-        is handed this one object and reads its process groups from `comm.mesh`.
     fp8: None, or "tensorwise" / "rowwise": the linears of the model's blocks compute their matmuls in FP8
         (`paratrain.parallel.fp8`; with precision "bf16"); the converted names are `model.fp8_linears`.
     fp8_min_features: linears with fewer input or output features stay in the compute dtype (None: 1024 on
@@ -206,13 +201,34 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (the base stored in the compute dtype, bf16 or NF4) before any strategy applies; only the adapters train
         (their names: `model.lora_targets`). Refused in one line with a strategy that does not honour it yet
         (`paratrain.parallel.rules.unsupported_with_lora`).
+
+    The module is moved to the mesh's device (`mesh.device`: this process's GPU under CUDA), a meta
+    module materialized there; under ZeRO-3 each rank's shards are allocated there directly.
+    """
+    return parallelize_run(model, mesh, optimizer, data=data, tensor=tensor, pipeline=pipeline, context=context,
+                           precision=precision, reduce_dtype=reduce_dtype,
+                           activation_checkpointing=activation_checkpointing, compile=compile, init=init, fp8=fp8,
+                           fp8_min_features=fp8_min_features, loss_chunk=loss_chunk, lora=lora)
+
+
+def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataParallel = DataParallel(),
+                    tensor: TensorParallel | None = None, pipeline: PipelineParallel | None = None,
+                    context: ContextParallel | None = None, precision: str | Precision = "fp32",
+                    reduce_dtype: str | None = None, activation_checkpointing: int | str = 0,
+                    compile: bool | str = False, init: Callable | None = None, fp8: str | None = None,
+                    fp8_min_features: int | None = None, loss_chunk: int | None = None, lora: LoRA | None = None,
+                    comm: Comm | None = None, checked: CheckedLayout | None = None):
+    """`parallelize` for a caller that owns more of the run than the model (the trainer, a test reading counters):
+    the user's choices as `parallelize` takes them, and
+
+    comm: the communication layer (`paratrain.comm.Comm` over `mesh`) the model runs its collectives
+        through, for a caller that reads its counters or listens to it (the trainer's metrics, step
+        timer and guard); None: the model makes its own, which it does not hand out. Every strategy
+        is handed this one object and reads its process groups from `comm.mesh`.
     checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
         trainer's preflight gives it, knowing the model and the batch too), so that no rule is
         decided twice; it must describe this mesh and these options. None: the rules that the
         mesh and the options decide are checked here.
-
-    The module is moved to the mesh's device (`mesh.device`: this process's GPU under CUDA), a meta
-    module materialized there; under ZeRO-3 each rank's shards are allocated there directly.
     """
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     checkpointing = Checkpointing.parse(activation_checkpointing)
@@ -257,15 +273,11 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
     runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
     offload = _offload(engine, mesh, data, model if runner is None else None)
+    # 7. The model, and the optimizer over the masters the engine owns, built by it with its hooks around the step.
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
-                            offload=offload, loss_head=loss_head)
-    wrapped.fp8_linears = fp8_linears
-    wrapped.lora_targets = lora_targets
-    # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
-    opt = _optimizer(optimizer, wrapped, engine, data)
-    if opt is not None and fp8_casts is not None:  # the weights changed: the next micro-batch casts them again
-        opt.register_step_post_hook(fp8_casts.new_step)
-    return wrapped, opt
+                            offload=offload, loss_head=loss_head, fp8_linears=fp8_linears, lora_targets=lora_targets,
+                            optimizer=functools.partial(_optimizer, optimizer, data, fp8_casts) if optimizer else None)
+    return wrapped, wrapped.optimizer
 
 
 def _lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, init, data: DataParallel,
@@ -427,10 +439,9 @@ def _runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp
     return runner
 
 
-def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
-    """The caller's optimizer over the engine's masters, or None without a factory."""
-    if factory is None:
-        return None
+def _optimizer(factory, data: DataParallel, fp8_casts, wrapped: ParallelModel) -> torch.optim.Optimizer:
+    """The caller's optimizer over the engine's masters, with the model's hooks around its step (`ParallelModel`
+    builds it, once constructed)."""
     from paratrain.parallel.muon import Muon, build_optimizer
 
     # A whole-matrix optimizer (Muon) gets its matrices here, from the model's layout; the engines never see it.
@@ -444,12 +455,9 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
     if wrapped.offload is not None:  # the host step may be under way: its state is read when it is done
         opt.register_state_dict_pre_hook(lambda _: wrapped.offload.settle())
         opt.register_load_state_dict_pre_hook(lambda *_: wrapped.offload.settle())
-    # torch's fused Adam and AdamW divide each gradient by `grad_scale` as they read it (GradScaler's unscale):
-    # clipping through it saves a read and a write of every gradient (`ParallelModel.clip_grad_norm_`)
-    wrapped.clip_in_step = (isinstance(opt, torch.optim.Adam) and compat.steps_with_amp_scaling(opt)
-                            and all(group.get("fused") for group in opt.param_groups))
+    if fp8_casts is not None:  # the weights changed: the next micro-batch casts them again
+        opt.register_step_post_hook(fp8_casts.new_step)
     return opt
-
 
 def _layout_spec(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
                  activation_checkpointing: int | str = 0, precision: str | None = None,

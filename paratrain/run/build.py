@@ -46,7 +46,7 @@ from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, StragglerWatch, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.contract import TrainableModel
-from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize_run
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.loss import head_name
@@ -340,17 +340,17 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     model = meta_model(model_cfg)  # the reference Transformer, or transformers' model of a directory
     # The trainer knows its model: it names the plan, so that no strategy has to.
     plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
-    return parallelize(model, mesh, optimizer=optimizer_factory(cfg.train),
-                       # The trainer's loss is already normalized by the global token count.
-                       data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM,
-                                         offload=p.offload or None),
-                       tensor=TensorParallel(plan=plan, sequence_parallel=p.sequence_parallel),
-                       pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
-                       precision=p.precision, reduce_dtype=p.reduce_dtype,
-                       activation_checkpointing=p.activation_checkpointing, compile=p.compile,
-                       init=weight_initializer(model, cfg), checked=layout, comm=comm, fp8=p.fp8 or None,
-                       fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features,
-                       loss_chunk=trainer_loss_chunk(model, p.loss_chunk), lora=lora_options(cfg))
+    return parallelize_run(model, mesh, optimizer=optimizer_factory(cfg.train),
+                           # The trainer's loss is already normalized by the global token count.
+                           data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM,
+                                             offload=p.offload or None),
+                           tensor=TensorParallel(plan=plan, sequence_parallel=p.sequence_parallel),
+                           pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
+                           precision=p.precision, reduce_dtype=p.reduce_dtype,
+                           activation_checkpointing=p.activation_checkpointing, compile=p.compile,
+                           init=weight_initializer(model, cfg), checked=layout, comm=comm, fp8=p.fp8 or None,
+                           fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features,
+                           loss_chunk=trainer_loss_chunk(model, p.loss_chunk), lora=lora_options(cfg))
 
 
 def check_lora_targets(cfg: Config, model_cfg: ModelConfig) -> None:
