@@ -240,6 +240,7 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
         mesh and the options decide are checked here.
     """
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
+    checkpointing = Checkpointing.parse(activation_checkpointing)
     tensor, pipeline = tensor or TensorParallel(), pipeline or PipelineParallel()
     _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing, policy.name, fp8)
     comm = comm or Comm(mesh)
@@ -277,7 +278,7 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
     # 8. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor parallelism
     #    left them, below the module hooks the engine registers after (ZeRO-3 gathers in them, outside the
     #    compiled regions; a recompute finds whole parameters through the engine's saved-tensor hooks).
-    _apply_recompute_and_compile(model, comm, Checkpointing.parse(activation_checkpointing), compile, sharding)
+    _apply_recompute_and_compile(model, comm, checkpointing, compile, sharding)
     # 9. The loss fused into the head as tp left it, before the engine hooks onto it (ZeRO-3 gathers around it).
     loss_head = fuse_head(model, head, loss_chunk)
 
@@ -289,9 +290,10 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
     # 12. Offload: the masters the engine owns stepped in host memory.
     offload = _apply_offload(engine, mesh, data, model if runner is None else None)
     # 13. The model, complete, and the optimizer over the masters, built by it with its hooks around the step.
+    build_optimizer = functools.partial(_optimizer, optimizer, data, fp8_casts) if optimizer is not None else None
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
                             offload=offload, loss_head=loss_head, fp8_linears=fp8_linears, lora_targets=lora_targets,
-                            optimizer=functools.partial(_optimizer, optimizer, data, fp8_casts) if optimizer else None)
+                            optimizer=build_optimizer)
     return wrapped, wrapped.optimizer
 
 def _apply_lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, init: Initializer,
