@@ -242,7 +242,7 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     checkpointing = Checkpointing.parse(activation_checkpointing)
     tensor, pipeline = tensor or TensorParallel(), pipeline or PipelineParallel()
-    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing, policy.name, fp8)
+    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing, policy.name, fp8, compile)
     comm = comm or Comm(mesh)
     if comm.mesh is not mesh:  # each strategy below is handed the comm alone and reads its groups from comm.mesh
         raise ParallelConfigError("comm= talks over another mesh than the one given; build it as Comm(mesh)")
@@ -278,7 +278,7 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
     # 8. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor parallelism
     #    left them, below the module hooks the engine registers after (ZeRO-3 gathers in them, outside the
     #    compiled regions; a recompute finds whole parameters through the engine's saved-tensor hooks).
-    _apply_recompute_and_compile(model, comm, checkpointing, compile, sharding)
+    _apply_recompute_and_compile(model, comm, checkpointing, compile)
     # 9. The loss fused into the head as tp left it, before the engine hooks onto it (ZeRO-3 gathers around it).
     loss_head = fuse_head(model, head, loss_chunk)
 
@@ -386,11 +386,9 @@ def _apply_materialization(model: nn.Module, init: Initializer, device: torch.de
         _move_buffers(model, device)
 
 
-def _apply_recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpointing, compile: bool | str,
-                                 sharding) -> None:
-    if compile:
-        if sharding is not None:  # the ring answers SDPA through a function mode, which a compiled block bypasses
-            raise ParallelConfigError("compile with context parallelism (cp > 1) is not supported yet; drop one")
+def _apply_recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpointing,
+                                 compile: bool | str) -> None:
+    if compile:  # (not under context parallelism: a layout rule, `rules.compile_violations`)
         from paratrain.parallel.compile import compile_blocks
 
         compile_blocks(model, comm, checkpointing, backend="inductor" if compile is True else compile)
@@ -480,20 +478,20 @@ def _optimizer(factory, data: DataParallel, fp8_casts, wrapped: ParallelModel) -
 
 def _layout_spec(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
                  activation_checkpointing: int | str = 0, precision: str | None = None,
-                 fp8: str | None = None) -> LayoutSpec:
+                 fp8: str | None = None, compile: bool | str = False) -> LayoutSpec:
     """The mesh and the options as the layout rules read them (`paratrain.parallel.rules`)."""
     s = mesh.shape
     return LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
                       sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
                       virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing,
-                      precision=precision, fp8=fp8, offload=data.offload)
+                      precision=precision, fp8=fp8, offload=data.offload, compile=compile)
 
 
 def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
                   checked: CheckedLayout | None, activation_checkpointing: int | str = 0, precision: str | None = None,
-                  fp8: str | None = None) -> None:
+                  fp8: str | None = None, compile: bool | str = False) -> None:
     """The layout rules on the mesh and the options, unless the caller decided them (then on the same layout)."""
-    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing, precision, fp8)
+    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing, precision, fp8, compile)
     if checked is None:
         rules.check_layout(layout, ParallelConfigError)
     elif not checked.describes(layout):

@@ -157,6 +157,7 @@ class LayoutSpec:
         offload mode (None: off, or not known here).
     chunked_document_mask: the documents are masked by a model that builds its mask from the tokens a rank
         holds (transformers' models), not from whole sequences.
+    compile: the blocks are compiled (`paratrain.parallel.compile`; False, True, or a torch.compile backend).
     """
 
     dp: int
@@ -182,6 +183,7 @@ class LayoutSpec:
     fp8: str | None = None
     offload: str | None = None
     chunked_document_mask: bool = False
+    compile: bool | str = False
 
     @property
     def num_microbatches(self) -> int | None:
@@ -216,10 +218,11 @@ class CheckedLayout:
         """Whether this verdict is about `other`'s degrees and options (what `parallelize` knows of a layout)."""
         mine, theirs = self.spec, other
         return ((mine.dp, mine.tp, mine.pp, mine.cp, mine.dp_shard or mine.dp, mine.zero, mine.sequence_parallel,
-                 ScheduleName.parse(mine.schedule), mine.virtual_stages, mine.ep, mine.fp8, mine.offload)
+                 ScheduleName.parse(mine.schedule), mine.virtual_stages, mine.ep, mine.fp8, mine.offload,
+                 bool(mine.compile))
                 == (theirs.dp, theirs.tp, theirs.pp, theirs.cp, theirs.dp_shard or theirs.dp, theirs.zero,
                     theirs.sequence_parallel, ScheduleName.parse(theirs.schedule), theirs.virtual_stages, theirs.ep,
-                    theirs.fp8, theirs.offload))
+                    theirs.fp8, theirs.offload, bool(theirs.compile)))
 
 
 # -- the list ----------------------------------------------------------------------------------
@@ -238,7 +241,7 @@ def layout_violations(layout: LayoutSpec) -> list[Violation]:
             + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
             + context_parallel_violations(s.cp, s.seq_len, s.dp_shard, s.dp)
             + fp8_violations(s.fp8, s.precision) + offload_violations(s.offload, s.zero)
-            + document_mask_violations(s.cp, s.chunked_document_mask)
+            + document_mask_violations(s.cp, s.chunked_document_mask) + compile_violations(s.compile, s.cp)
             + expert_parallel_violations(s)
             + recompute_violations(s.activation_checkpointing, s.schedule, s.pp)
             # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
@@ -471,6 +474,15 @@ def document_mask_violations(cp: int, chunked_document_mask: bool) -> list[Viola
                                               "document mask from the chunks a rank holds, not the whole sequences; "
                                               "use the reference model (--backend reference, a llama/mixtral "
                                               "directory), --cp 1, or --no-document-mask")]
+    return []
+
+
+def compile_violations(compile: bool | str, cp: int) -> list[Violation]:
+    """Context parallelism answers the blocks' SDPA calls through a function mode (`paratrain.parallel.context`),
+    which a compiled block bypasses: the two do not compose yet."""
+    if compile and cp > 1:
+        return [Violation("compile_cp", f"compile with context parallelism (cp > 1) is not supported yet; drop one "
+                                        f"(--compile or --cp {cp})")]
     return []
 
 
