@@ -603,7 +603,8 @@ def layout_spec(cfg: Config, world_size: int, model_cfg=None) -> LayoutSpec:
         dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, activation_checkpointing=p.activation_checkpointing,
         dp_shard=p.dp_shard, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, world_size=world_size, model=model_cfg,
-        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len, batch_defaulted=defaulted)
+        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len, batch_defaulted=defaulted,
+        precision=p.precision, fp8=p.fp8 or None, offload=p.offload or None, compile=p.compile)
 
 
 def resolve_batch(cfg: Config, dp: int) -> None:

@@ -69,18 +69,19 @@ def train(cfg: Config) -> RunResult:
     """Train as configured; every process of the job calls this."""
     owns_group = not dist.is_initialized()
     env = detect_env()
-    layout = preflight(cfg, env.world_size)  # before any process group exists; the layout decided once
+    plan = preflight(cfg, env.world_size)  # before any process group exists; the run resolved once
     store = None
-    if not cfg.run.out:  # under torchrun without a run id: the ranks agree on one before the group exists, where
+    if not plan.out:  # under torchrun without a run id: the ranks agree on one before the group exists, where
         # NCCL's flight recorder is told where to dump (into the run, where the failure summary reads)
         store = launcher_store(env, cfg.reliability.pg_timeout_s) if owns_group else default_store()
-        cfg.run.out = shared_run_dir(cfg, store)
+        plan = plan.with_out(shared_run_dir(plan.cfg, store))
+    cfg = plan.cfg
     mesh = init_mesh(dp=cfg.parallel.dp or None, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp,
                      ep=cfg.parallel.ep,
                      dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s,
                      flight_records=flight_record_prefix(cfg), store=store)
     try:
-        run = build(cfg, env, mesh, layout)
+        run = build(plan, env, mesh)
         result = finish(run, *loop(run))
     except BaseException:
         # A worker of a launcher that fails leaves without tearing the group down: that can wait on peers still

@@ -24,7 +24,7 @@ from paratrain.errors import Violation
 from paratrain.mesh import Mesh, MeshShape
 from paratrain.models import get_model_config
 from paratrain.parallel import rules
-from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, parallelize
+from paratrain.parallel.api import DataParallel, ParallelConfigError, PipelineParallel, parallelize, parallelize_run
 from paratrain.parallel.pipeline.schedules import DEFAULT_SCHEDULE
 from paratrain.parallel.rules import ZERO_STAGES, LayoutSpec
 from paratrain.plan import Layout, LayoutError, SearchSpace, Workload, get_hardware, search, validate_layout
@@ -259,11 +259,24 @@ def test_one_train_run_decides_its_layout_once(monkeypatch, tmp_path):
     assert calls[0].model == get_model_config("tiny") and calls[0].global_batch == 2 and calls[0].seq_len == 16
 
 
+@pytest.mark.parametrize("rule", ["fp8_violations", "offload_violations", "document_mask_violations",
+                                  "compile_violations"])
+def test_the_features_rules_are_layout_rules(rule, monkeypatch, capsys, tmp_path):
+    """What a feature needs of the layout (FP8 bf16, offloaded parameters ZeRO-3, a document mask or compile under
+    cp) is decided by the rules module alone: parallelize and the trainer's preflight report what it says."""
+    monkeypatch.setattr(rules, rule, lambda *args: [Violation("probe", PROBE)])
+    with pytest.raises(ParallelConfigError, match=PROBE):
+        parallelize(nn.Linear(4, 4), _one_rank_mesh())
+    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
+    assert PROBE in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "refused before anything ran"
+
+
 def test_parallelize_refuses_a_verdict_on_another_layout():
     checked = rules.check_layout(LayoutSpec(dp=1, zero=1))
-    assert parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=1), checked=checked)[0] is not None
+    assert parallelize_run(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=1), checked=checked)[0] is not None
     with pytest.raises(ParallelConfigError, match="verdict on another layout"):
-        parallelize(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=2), checked=checked)
+        parallelize_run(nn.Linear(4, 4), _one_rank_mesh(), data=DataParallel(zero=2), checked=checked)
 
 
 def test_the_layout_enumerations_have_one_home():

@@ -427,8 +427,10 @@ def test_resume_takes_what_a_user_points_at_and_continues_the_run_with_its_own_c
     for pointer in (run, run / "checkpoints", run / "checkpoints" / "latest", run / "final"):
         cfg = Config()
         cfg.checkpoint.resume = str(pointer)
-        assert "newest complete checkpoint is step-00000006" in resolve_resume(cfg)
-        assert cfg.checkpoint.resume == str(run / "checkpoints" / "step-00000006") and cfg.run.out == str(run)
+        resolved, note = resolve_resume(cfg)
+        assert "newest complete checkpoint is step-00000006" in note
+        assert resolved.checkpoint.resume == str(run / "checkpoints" / "step-00000006") and resolved.run.out == str(run)
+        assert cfg.checkpoint.resume == str(pointer) and cfg.run.out == "", "the given config is left as it is"
     torn = next((run / "checkpoints" / "step-00000006").glob("*.safetensors"))
     torn.write_bytes(torn.read_bytes()[:-1])
     capsys.readouterr()

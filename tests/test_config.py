@@ -38,8 +38,7 @@ def resolved(*argv):
     from paratrain.run.build import preflight
 
     cfg = parse(*argv, "--no-mem-check", "--out", "unused-run-dir")
-    preflight(cfg, 1)
-    return cfg
+    return preflight(cfg, 1).cfg
 
 
 def test_a_named_model_trains_with_its_published_recipe():

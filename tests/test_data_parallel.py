@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.parallel.api import DataParallel, parallelize
+from paratrain.parallel.api import DataParallel, parallelize, parallelize_run
 from paratrain.testing import RankFailure, run_on_ranks
 from paratrain.error_model import FP32_ADAMW
 from parallel_cases import (TINY, OpRecorder, OverlapTrace, adamw, assert_matches_reference, batches, loss_sum,
@@ -247,7 +247,7 @@ def _zero2_under_cuda_policy(rank, world):
     mesh = build_mesh(MeshShape(dp=world))
     comm, net = OverlapTrace(mesh), _small_net()
     two_layers_mb = 2 * (SMALL_WIDTH * SMALL_WIDTH + SMALL_WIDTH) * 4 / 2**20
-    model, _ = parallelize(net, mesh, data=DataParallel(zero=2, bucket_mb=two_layers_mb), comm=comm)
+    model, _ = parallelize_run(net, mesh, data=DataParallel(zero=2, bucket_mb=two_layers_mb), comm=comm)
     bucket_of = {id(s.param): i for i, b in enumerate(model.engine.buckets) for s in b.slots}
     for p in net.parameters():  # a tensor hook: it runs as the gradient is computed, before the engine's hook
         p.register_hook(lambda grad, i=bucket_of[id(p)]: comm.mark("gradient", i))

@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import paratrain
 from paratrain.cli import build_parser, main
 from paratrain.commands.options import config_from_args
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel import fp8
+from paratrain.parallel.api import ParallelConfigError
 from paratrain.parallel.fp8 import (
     E4M3, E5M2, Fp8Casts, Fp8Error, check_fp8, convert_to_fp8, fp8_linear, scale_of, to_fp8,
 )
@@ -160,9 +162,9 @@ def test_a_transformers_model_converts_its_decoder_layers():
 
 def test_refusals_are_one_line(capsys, tmp_path):
     with pytest.raises(Fp8Error, match="is not a recipe"):
-        check_fp8("blockwise", torch.bfloat16, torch.device("cpu"))
-    with pytest.raises(Fp8Error, match="use precision='bf16'"):
-        check_fp8("tensorwise", torch.float32, torch.device("cpu"))
+        check_fp8("blockwise", torch.device("cpu"))
+    with pytest.raises(ParallelConfigError, match="use precision='bf16'"):  # a layout rule (`rules.fp8_violations`)
+        paratrain.parallelize(nn.Linear(4, 4), paratrain.init_mesh(), precision="fp32", fp8="tensorwise")
     for args, message in ((["--precision", "fp32"], "needs --precision bf16 (not fp32)"),
                           (["--precision", "fp16"], "needs --precision bf16 (not fp16)")):
         assert main(["train", "--fp8", "tensorwise", *args, "--steps", "1", "--out", str(tmp_path / "r")]) == 2

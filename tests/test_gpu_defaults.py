@@ -17,7 +17,7 @@ from paratrain.cli import build_parser
 from paratrain.hardware import peak_flops_of
 from paratrain.models import Transformer
 from paratrain.plan import Recompute, SearchSpace, Workload, estimate_memory, get_hardware, search
-from paratrain.run.build import default_run_dir, preflight, resolve_model_config
+from paratrain.run.build import default_run_dir, preflight
 
 RECIPES = Path(__file__).parent.parent / "configs"
 
@@ -32,7 +32,7 @@ def test_llama2_7b_zero3_bf16_on_8_gpus_resolves_sensible_defaults(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     # --mem-budget: an 80 GB GPU's, which this machine does not have (auto would take its own memory)
     cfg = _config("--model", "llama2-7b", "--zero", "3", "--precision", "bf16", "--mem-budget", "80GB")
-    preflight(cfg, world_size=8)
+    cfg = preflight(cfg, world_size=8).cfg
     assert (cfg.train.global_batch, cfg.train.micro_batch) == (16, 2), "16 sequences, one micro-batch per GPU"
     assert cfg.run.out == "", "plain torchrun gives no run id: the ranks agree on a name through its store"
     assert cfg.train.peak_flops is None  # then MFU divides by the GPU's own peak:
@@ -44,8 +44,7 @@ def test_llama2_7b_zero3_bf16_on_8_gpus_resolves_sensible_defaults(monkeypatch):
 
 def test_batch_defaults_divide_over_any_world_size():
     for world in (1, 3, 8, 24, 64):
-        cfg = _config("--model", "tiny")
-        preflight(cfg, world_size=world)
+        cfg = preflight(_config("--model", "tiny"), world_size=world).cfg
         t = cfg.train
         assert t.global_batch % (t.micro_batch * world) == 0 and t.global_batch >= 16, (world, t)
 
@@ -61,8 +60,8 @@ def test_the_run_directory_needs_no_out_under_any_launcher():
 def test_a_shipped_recipe_is_valid_and_is_the_planners_choice(recipe, world, zero, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = _config("--config", str(RECIPES / f"{recipe}.toml"), "--mem-budget", "80GB")  # the planner's check too
-    preflight(cfg, world_size=world)
-    model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
+    plan = preflight(cfg, world_size=world)
+    cfg, model_cfg = plan.cfg, plan.model_cfg
     with torch.device("meta"):  # the whole model, no memory
         model = Transformer(model_cfg)
     assert sum(p.numel() for p in model.parameters()) == model_cfg.num_params()

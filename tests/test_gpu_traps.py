@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
+from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh
+from paratrain.parallel.api import parallelize_run
 from paratrain.checkpoint import CheckpointReader, DistCoordinator, save_checkpoint
 from paratrain.comm import Comm
 from paratrain.parallel.pipeline.schedules import ScheduleError, build_schedule
@@ -97,7 +98,7 @@ def _model(layout: Layout, mesh, comm: Comm | None = None):
     shard, bucket or buffer made on the default device instead of the mesh's stays meta and fails later."""
     with torch.device("meta"):
         model = Transformer(MODEL)
-        return parallelize(
+        return parallelize_run(
             model, mesh, optimizer=trap_adamw,
             data=DataParallel(zero=layout.zero, grad_reduction="sum", offload=layout.offload),
             tensor=TensorParallel(sequence_parallel=layout.sp), comm=comm,
@@ -358,7 +359,11 @@ def test_under_plain_torchrun_the_flight_records_go_into_the_run_before_the_grou
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    outs = {}
+    outs, agreed = {}, []
+    import paratrain.train as trainer  # the run directory each rank's train() agreed on (its config is left as given)
+
+    monkeypatch.setattr(trainer, "shared_run_dir",
+                        lambda cfg, store, share=trainer.shared_run_dir: agreed.append(share(cfg, store)) or agreed[-1])
     for rank in ("0", "1"):
         for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                      "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
@@ -370,7 +375,7 @@ def test_under_plain_torchrun_the_flight_records_go_into_the_run_before_the_grou
         cfg = config_from_args(build_parser().parse_args(["train", "--model", "tiny", "--mem-budget", "16GB"]))
         with pytest.raises(Stop):
             train(cfg)
-        outs[rank] = cfg.run.out
+        outs[rank] = agreed[-1]
     assert outs == {"0": "runs/tiny-clock-of-rank-0", "1": "runs/tiny-clock-of-rank-0"}, "one run, rank 0's name"
     prefix = str(diagnostics_dir(Path(outs["0"])) / FLIGHT_PREFIX)
     expected = {"TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}

@@ -39,7 +39,7 @@ def _model(zero: int, precision: str, clip_in_step: bool = True):
     with torch.device("meta"):
         model = Transformer(CFG)
     model, optimizer = paratrain.parallelize(
-        model, paratrain.init_mesh(), optimizer=lambda params: make_optimizer(params, cfg), precision=precision,
+        model, paratrain.init_mesh(), optimizer=lambda params: make_optimizer(params, cfg.train), precision=precision,
         data=DataParallel(zero=zero, grad_reduction="sum"), init=functools.partial(Transformer(CFG).param_init, seed=0))
     model.clip_in_step = model.clip_in_step and clip_in_step
     return model, optimizer

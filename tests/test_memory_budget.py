@@ -10,7 +10,7 @@ from paratrain.cli import build_parser
 from paratrain.commands.options import config_from_args
 from paratrain.config import ConfigError
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.run.build import preflight, resolve_model_config
+from paratrain.run.build import preflight
 from paratrain.run.memory_budget import format_bytes, planned_memory
 from paratrain.testing import run_on_ranks
 
@@ -31,8 +31,8 @@ def simulate_gpu(monkeypatch, total: float, free: float | None = None) -> None:
 
 
 def plan_bytes(cfg, world_size: int) -> float:
-    preflight(cfg, world_size)  # resolves the batch defaults (with --no-mem-check: nothing else)
-    return planned_memory(cfg, resolve_model_config(cfg, 0), cfg.parallel.dp or world_size).total
+    plan = preflight(cfg, world_size)  # resolves the batch defaults (with --no-mem-check: nothing else)
+    return planned_memory(plan.cfg, plan.model_cfg, plan.cfg.parallel.dp or world_size).total
 
 
 def test_a_gpu_just_larger_than_the_plan_is_refused_before_launch(tmp_path, monkeypatch):
@@ -60,11 +60,11 @@ def _free_memory_on_ranks(rank, world_size, out, free):
     from paratrain.run.memory_budget import check_free_memory
 
     cfg = config_from_args(build_parser().parse_args(["train", "--out", out, "--zero", "3"]))
-    preflight(cfg, world_size)  # as `train` does first (on the CPU's budget: torch.cuda is real here)
+    plan = preflight(cfg, world_size)  # as `train` does first (on the CPU's budget: torch.cuda is real here)
     torch.cuda.mem_get_info = lambda device=None: (int(free[rank]), int(max(free) * 2))
     mesh = dataclasses.replace(build_mesh(MeshShape(dp=world_size)), device=torch.device("cuda", 0))
     try:
-        check_free_memory(cfg, resolve_model_config(cfg, 0), mesh)
+        check_free_memory(plan.cfg, plan.model_cfg, mesh)
     except ConfigError as e:
         return str(e)
     return None

@@ -21,7 +21,9 @@ from paratrain.faults import FAULT_ENV
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.data import offload
+from paratrain.parallel.api import ParallelConfigError
 from paratrain.parallel.data.offload import OffloadError, check_offload, host_tensors
+from paratrain.parallel.rules import LayoutRuleError, LayoutSpec, check_layout
 from paratrain.testing import run_on_ranks
 
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
@@ -211,11 +213,12 @@ def test_host_memory_comes_in_chunks_not_one_allocation_per_master(monkeypatch):
 
 def test_bad_offload_input_is_one_line(capsys):
     with pytest.raises(OffloadError, match="is not a mode"):
-        check_offload("gpu", 2)
-    with pytest.raises(OffloadError, match="needs ZeRO-3"):
-        check_offload("params", 2)
-    with pytest.raises(OffloadError, match="needs ZeRO-3"):
-        paratrain.DataParallel(zero=1, offload="params")
+        check_offload("gpu")
+    with pytest.raises(LayoutRuleError, match="needs ZeRO-3"):  # a layout rule (`rules.offload_violations`)
+        check_layout(LayoutSpec(dp=1, zero=2, offload="params"))
+    with pytest.raises(ParallelConfigError, match="needs ZeRO-3"):
+        paratrain.parallelize(torch.nn.Linear(4, 4), paratrain.init_mesh(),
+                              data=paratrain.DataParallel(zero=1, offload="params"))
     for bad, message in ((["--offload", "disk"], "is not one of"), (["--offload", "params", "--zero", "2"],
                                                                     "--offload params needs --zero 3")):
         assert main(["train", *TINY, *bad, "--out", "unused"]) == 2

@@ -10,6 +10,7 @@ from paratrain.config import Config
 from paratrain.metrics import read_metrics
 from paratrain.models import ModelConfig, Transformer
 from paratrain.mesh import MeshShape, build_mesh
+from paratrain.run.build import preflight
 from paratrain.parallel.api import DataParallel, parallelize
 from paratrain.testing import run_on_ranks
 from paratrain.train import IGNORE_INDEX, build_model, learning_rate, lr_jump, train, train_step
@@ -32,6 +33,7 @@ def small_config(out, **train_overrides) -> Config:
 
 def test_run_writes_metrics_config_and_final_weights(tmp_path):
     cfg = small_config(tmp_path / "run")
+    resolved = preflight(cfg, 1).cfg  # the options the run uses: every default resolved, `cfg` left as it is
     result = train(cfg)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7))
@@ -47,7 +49,7 @@ def test_run_writes_metrics_config_and_final_weights(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]
     assert result.final_loss == records[-1]["loss"] and result.sample
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert Config.from_dict(saved) == cfg
+    assert Config.from_dict(saved) == resolved
 
     model_cfg = ModelConfig(**json.loads((tmp_path / "run" / "final" / "model_config.json").read_text()))
     weights = load_file(tmp_path / "run" / "final" / "model.safetensors")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.parallel.api import DataParallel, parallelize
+from paratrain.parallel.api import DataParallel, parallelize, parallelize_run
 from paratrain.testing import run_on_ranks
 from paratrain.error_model import FP32_ADAMW
 from parallel_cases import (OverlapTrace, adamw, assert_matches_reference, batches, make_model, parallel_run,
@@ -40,8 +40,8 @@ def _trace_units(engine, comm: OverlapTrace) -> None:
 def _zero3_steps(rank, world):
     mesh = build_mesh(MeshShape(dp=world))
     comm = OverlapTrace(mesh)
-    model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, comm=comm,
-                                   data=DataParallel(zero=3, prefetch=True, grad_reduction="sum"))
+    model, optimizer = parallelize_run(make_model(), mesh, optimizer=adamw, comm=comm,
+                                       data=DataParallel(zero=3, prefetch=True, grad_reduction="sum"))
     _trace_units(model.engine, comm)
     # Around the engine's own hooks: "forward" before its first gather, "forward done" once it ended the forward.
     model.module.register_forward_pre_hook(lambda *_: comm.mark("forward"), prepend=True)

@@ -34,8 +34,8 @@ def run(args) -> int:
         from paratrain.launch import launch_local
         from paratrain.run.build import preflight
 
-        # Before any worker starts: no restart is burned on bad input.
-        preflight(cfg, world_size=cfg.run.nproc * cfg.run.nnodes)
+        # Before any worker starts: no restart is burned on bad input. The workers get the options it resolved.
+        cfg = preflight(cfg, world_size=cfg.run.nproc * cfg.run.nnodes).cfg
         launch_local(cfg)  # each worker calls train(cfg)
         return 0
     from paratrain.launch import PREEMPTED_EXIT

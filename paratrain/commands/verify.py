@@ -128,8 +128,9 @@ def verify(args, work: Path, log=print) -> list[Comparison]:
     # The reference computes in the layout's precision: one single-process run per precision used. Under FP8
     # each matmul's scales come from its own operands, so the reference also runs the layout's micro-batches.
     references = {_reference_key(cfg): _reference(given, work, cfg) for cfg in configs}
-    for cfg in [*references.values(), *configs]:
-        preflight(cfg, cfg.run.nproc)  # the layout rules (paratrain.parallel.rules), before anything runs
+    # The layout rules (paratrain.parallel.rules), before anything runs; each runs with the options it resolved.
+    references = {key: preflight(cfg, cfg.run.nproc).cfg for key, cfg in references.items()}
+    configs = [preflight(cfg, cfg.run.nproc).cfg for cfg in configs]
     for key, cfg in references.items():
         log(f"reference: 1 process, {' '.join(str(k) for k in key if k)}, global batch {cfg.train.global_batch}, "
             f"{cfg.train.steps} steps")

@@ -169,7 +169,8 @@ def _optimizer(name: str):
 def run(job: dict) -> None:
     from paratrain.checkpoint.files import write_safetensors
 
-    from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
+    from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh
+    from paratrain.parallel.api import parallelize_run
     from paratrain.comm import Comm
     from paratrain.faults import faulty
     from paratrain.train import train_step
@@ -180,7 +181,7 @@ def run(job: dict) -> None:
     spec = build_spec(job["factory"])
     given = functools.partial(_given, layout)  # the layout's [parallel] options, the rest left to the defaults
     comm = Comm(mesh)  # the one the model communicates through, which an injected fault uses too
-    model, optimizer = parallelize(
+    model, optimizer = parallelize_run(
         spec.module, mesh, optimizer=_optimizer(job.get("optimizer", "adamw")),
         data=DataParallel(grad_reduction="sum", **given("zero", "bucket_mb")),
         tensor=TensorParallel(plan=spec.plan, **given("sequence_parallel")),

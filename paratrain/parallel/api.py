@@ -13,6 +13,15 @@ checkpointing (`recompute`) and compilation (`compile`) apply to every layout. T
 torch optimizer the caller asked for, built over the master weights the engine owns (ZeRO: this
 rank's shard), with a pre-step hook that finishes the gradients and agrees on the step when the
 caller did not, and a post-step hook that brings the parameters up to date.
+
+The body of `parallelize_run` (the one entry: `parallelize` is it without the trainer's own
+communication layer and layout verdict) is a checklist of `_apply_…` steps, each taking the model,
+the mesh's communication layer and its own option group: the model as the user built it (LoRA,
+context parallelism's reading of the forward), this rank's share of it (pipeline split, experts,
+tensor parallelism, FP8, materialization), how each block runs (recomputation, compilation, the
+fused loss), and how the ranks train it together (the data-parallel engine, the pipeline runner,
+offload, the model and its optimizer). One `Initializer` carries each parameter's value through the
+steps that change what a rank holds.
 """
 
 from __future__ import annotations
@@ -25,10 +34,9 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from paratrain import compat
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
-from paratrain.parallel.materialize import to_empty
+from paratrain.parallel.materialize import Initializer, to_empty
 from paratrain.mesh import Axis, Mesh
 from paratrain.parallel import rules
 from paratrain.parallel.blocks import UnitSpec
@@ -90,7 +98,7 @@ class DataParallel:
             raise ParallelConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         object.__setattr__(self, "grad_reduction", _enum(GradReduction, self.grad_reduction, "grad_reduction"))
         object.__setattr__(self, "offload", self.offload or None)
-        check_offload(self.offload, self.zero)
+        check_offload(self.offload)
 
 
 @dataclass(frozen=True)
@@ -169,8 +177,8 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
                 pipeline: PipelineParallel | None = None, context: ContextParallel | None = None,
                 precision: str | Precision = "fp32", reduce_dtype: str | None = None,
                 activation_checkpointing: int | str = 0, compile: bool | str = False, init: Callable | None = None,
-                comm: Comm | None = None, checked: CheckedLayout | None = None, fp8: str | None = None,
-                fp8_min_features: int | None = None, loss_chunk: int | None = None, lora: LoRA | None = None):
+                fp8: str | None = None, fp8_min_features: int | None = None, loss_chunk: int | None = None,
+                lora: LoRA | None = None):
     """Wrap `model` for the mesh; return (model, optimizer) (optimizer None if no factory was given).
 
     optimizer: a factory called with the master tensors (e.g. partial(AdamW, lr=3e-4)); ZeRO
@@ -192,10 +200,6 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (e.g. "aot_eager": the same graphs, run by eager kernels, no code generated).
     init: the initializer `init(name, full_shape)` of a model built on the meta device (each rank
         then materializes only its slices); by default the model's own `param_init`.
-    comm: the communication layer (`paratrain.comm.Comm` over `mesh`) the model runs its collectives
-        through, for a caller that reads its counters or listens to it (the trainer's metrics, step
-        timer and guard); None: the model makes its own, which it does not hand out. Every strategy
-        is handed this one object and reads its process groups from `comm.mesh`.
     fp8: None, or "tensorwise" / "rowwise": the linears of the model's blocks compute their matmuls in FP8
         (`paratrain.parallel.fp8`; with precision "bf16"); the converted names are `model.fp8_linears`.
     fp8_min_features: linears with fewer input or output features stay in the compute dtype (None: 1024 on
@@ -206,99 +210,122 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
         (the base stored in the compute dtype, bf16 or NF4) before any strategy applies; only the adapters train
         (their names: `model.lora_targets`). Refused in one line with a strategy that does not honour it yet
         (`paratrain.parallel.rules.unsupported_with_lora`).
-    checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
-        trainer's preflight gives it, knowing the model and the batch too), so that no rule is
-        decided twice; it must describe this mesh and these options. None: the rules that the
-        mesh and the options decide are checked here.
 
     The module is moved to the mesh's device (`mesh.device`: this process's GPU under CUDA), a meta
     module materialized there; under ZeRO-3 each rank's shards are allocated there directly.
     """
+    return parallelize_run(model, mesh, optimizer, data=data, tensor=tensor, pipeline=pipeline, context=context,
+                           precision=precision, reduce_dtype=reduce_dtype,
+                           activation_checkpointing=activation_checkpointing, compile=compile, init=init, fp8=fp8,
+                           fp8_min_features=fp8_min_features, loss_chunk=loss_chunk, lora=lora)
+
+
+def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataParallel = DataParallel(),
+                    tensor: TensorParallel | None = None, pipeline: PipelineParallel | None = None,
+                    context: ContextParallel | None = None, precision: str | Precision = "fp32",
+                    reduce_dtype: str | None = None, activation_checkpointing: int | str = 0,
+                    compile: bool | str = False, init: Callable | None = None, fp8: str | None = None,
+                    fp8_min_features: int | None = None, loss_chunk: int | None = None, lora: LoRA | None = None,
+                    comm: Comm | None = None, checked: CheckedLayout | None = None):
+    """`parallelize` for a caller that owns more of the run than the model (the trainer, a test reading counters):
+    the user's choices as `parallelize` takes them, and
+
+    comm: the communication layer (`paratrain.comm.Comm` over `mesh`) the model runs its collectives
+        through, for a caller that reads its counters or listens to it (the trainer's metrics, step
+        timer and guard); None: the model makes its own, which it does not hand out. Every strategy
+        is handed this one object and reads its process groups from `comm.mesh`.
+    checked: the caller's verdict on this layout (`paratrain.parallel.rules.check_layout`, as the
+        trainer's preflight gives it, knowing the model and the batch too), so that no rule is
+        decided twice; it must describe this mesh and these options. None: the rules that the
+        mesh and the options decide are checked here.
+    """
     policy = precision if isinstance(precision, Precision) else precision_policy(precision, reduce_dtype)
     checkpointing = Checkpointing.parse(activation_checkpointing)
-    tensor = tensor or TensorParallel()
-    pipeline = pipeline or PipelineParallel()
-    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing)
+    tensor, pipeline = tensor or TensorParallel(), pipeline or PipelineParallel()
+    _check_layout(mesh, data, tensor, pipeline, checked, activation_checkpointing, policy.name, fp8, compile)
     comm = comm or Comm(mesh)
     if comm.mesh is not mesh:  # each strategy below is handed the comm alone and reads its groups from comm.mesh
         raise ParallelConfigError("comm= talks over another mesh than the one given; build it as Comm(mesh)")
-    # 0. LoRA converts the model as the user built it, before any strategy: each sees the frozen base and the adapters.
-    lora_targets, init = _lora(model, lora, comm, policy, init, data, tensor, fp8)
-    # 0a. Context parallelism reads the model as the user built it: only its forward's signature (how it
-    #    takes positions) matters, which no step below changes; it never touches the parameters.
-    sharding = _context_sharding(model, comm, context)
-    # 0b. The head the loss fuses into, named on the whole model: the split keeps names (the last stage holds it).
+    init = Initializer(init)  # each parameter's value, read through what the steps below change
+
+    # -- the model as the user built it ------------------------------------------------------------------------
+    # 1. LoRA converts it before any strategy: each sees the frozen base and the adapters.
+    lora_targets = _apply_lora(model, lora, comm, policy, init, tensor, fp8)
+    # 2. Context parallelism reads its forward's signature (how it takes positions), which no step below changes;
+    #    it never touches the parameters. The head the loss fuses into is named on the whole model too (the
+    #    pipeline's split keeps names: the last stage holds it).
+    sharding = _apply_context_parallel(model, comm, context)
     head, loss_chunk = loss_head_name(model, loss_chunk)
-    # 1. Pipeline split first: a rank keeps only its stages' layers (still on meta when built there),
-    #    and everything after works on that smaller module under the same names.
-    split = _split(model, mesh, pipeline)
+
+    # -- this rank's share of it -----------------------------------------------------------------------------------
+    # 3. Pipeline split first: a rank keeps only its stages' layers (still on meta when built there), and
+    #    everything after works on that smaller module under the same names.
+    split = _apply_pipeline_split(model, mesh, pipeline)
     model = split.module if split is not None else model
-    if init is None and any(p.is_meta for p in model.parameters()):
-        init = _default_init(model)
-    # 1b. Expert parallelism before tensor parallelism: tp materializes a meta model, and by then each MoE layer
-    #     must hold only this rank's block of experts (the initializer keeps the block of the whole).
-    expert_info, init = _expert(model, comm, init)
-    # 2. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and everything
-    #    after (recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
-    tp_info, init = _tensor(model, comm, tensor, data, split, init)
-    # 2b. FP8 swaps the class of the blocks' plain linears (their parameters stay what they are).
-    fp8_linears, fp8_casts = _fp8(model, comm, policy, fp8, data, fp8_min_features)
-    # 3. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
-    _materialize_or_move(model, init, mesh.device, data)
-    # 4. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor
-    #    parallelism left them, below the module hooks the engine registers after (ZeRO-3 gathers in
-    #    them, outside the compiled regions; a recompute finds whole parameters through the engine's
-    #    saved-tensor hooks).
-    _recompute_and_compile(model, comm, checkpointing, compile, sharding)
-    # 4b. The loss fused into the head as tp left it, before the engine hooks onto it (ZeRO-3 gathers around it).
+    init.default_to(model, _default_init)
+    # 4. Expert parallelism before tensor parallelism: tp materializes a meta model, and by then each MoE layer
+    #    must hold only this rank's block of experts.
+    expert_info = _apply_expert_parallel(model, comm, init)
+    # 5. Tensor parallelism next: it swaps modules for twins holding this rank's slices, and everything after
+    #    (FP8, recomputation, compilation, gradient buckets, ZeRO shards) must see those slices.
+    tp_info = _apply_tensor_parallel(model, comm, tensor, data, split, init)
+    # 6. FP8 swaps the class of the blocks' linears as tp left them (their parameters stay what they are).
+    fp8_linears, fp8_casts = _apply_fp8(model, comm, fp8, data, fp8_min_features)
+    # 7. Materialize what is still on meta (ZeRO-3 allocates its shards itself, in the engine).
+    _apply_materialization(model, init, mesh.device, data)
+
+    # -- how each block runs -----------------------------------------------------------------------------------------
+    # 8. Recomputation and compilation of each block: both wrap the forward of the blocks as tensor parallelism
+    #    left them, below the module hooks the engine registers after (ZeRO-3 gathers in them, outside the
+    #    compiled regions; a recompute finds whole parameters through the engine's saved-tensor hooks).
+    _apply_recompute_and_compile(model, comm, checkpointing, compile)
+    # 9. The loss fused into the head as tp left it, before the engine hooks onto it (ZeRO-3 gathers around it).
     loss_head = fuse_head(model, head, loss_chunk)
-    # 5. The data-parallel engine: it sees the final parameters it has to reduce.
-    engine = _engine(model, comm, policy, data, init, expert_info, gathers_fp8=fp8 == "tensorwise")
-    # 6. The pipeline runner last: a stage's shell shares the modules the steps above may have replaced.
-    runner = _runner(split, comm, policy, pipeline, tp_info, sharding)
-    offload = _offload(engine, mesh, data, model if runner is None else None)
+
+    # -- how the ranks train it together ---------------------------------------------------------------------------
+    # 10. The data-parallel engine: it sees the final parameters it has to reduce.
+    engine = _apply_data_parallel(model, comm, policy, data, init, expert_info, gathers_fp8=fp8 == "tensorwise")
+    # 11. The pipeline runner: a stage's shell shares the modules the steps above may have replaced.
+    runner = _apply_pipeline_runner(split, comm, policy, pipeline, tp_info, sharding)
+    # 12. Offload: the masters the engine owns stepped in host memory.
+    offload = _apply_offload(engine, mesh, data, model if runner is None else None)
+    # 13. The model, complete, and the optimizer over the masters, built by it with its hooks around the step.
+    build_optimizer = functools.partial(_optimizer, optimizer, data, fp8_casts) if optimizer is not None else None
     wrapped = ParallelModel(model, engine, comm, policy, tp_info, runner, context=sharding, expert_info=expert_info,
-                            offload=offload, loss_head=loss_head)
-    wrapped.fp8_linears = fp8_linears
-    wrapped.lora_targets = lora_targets
-    # 7. The optimizer over the masters the engine owns, with the model's hooks around its step.
-    opt = _optimizer(optimizer, wrapped, engine, data)
-    if opt is not None and fp8_casts is not None:  # the weights changed: the next micro-batch casts them again
-        opt.register_step_post_hook(fp8_casts.new_step)
-    return wrapped, opt
+                            offload=offload, loss_head=loss_head, fp8_linears=fp8_linears, lora_targets=lora_targets,
+                            optimizer=build_optimizer)
+    return wrapped, wrapped.optimizer
 
-
-def _lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, init, data: DataParallel,
-          tensor: TensorParallel, fp8) -> tuple[list[str], Callable | None]:
-    """(the names of the linears given adapters, the initializer with the adapters' values): nothing without
+def _apply_lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, init: Initializer,
+                tensor: TensorParallel, fp8) -> list[str]:
+    """The names of the linears given adapters, their values read through `init` (`LoRAValues`): none without
     `lora`; refused in one line with a strategy that does not honour it yet."""
     if lora is None:
-        return [], init
-    from paratrain.parallel.lora import LoRAError, convert_to_lora, lora_init
+        return []
+    from paratrain.parallel.lora import LoRAError, LoRAValues, convert_to_lora
 
     mesh = comm.mesh
     unsupported = rules.unsupported_with_lora(tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
                                         ep=mesh.size(Axis.EP), fp8=fp8)
     if unsupported:
         raise ParallelConfigError(rules.lora_refusal(unsupported))
-    if init is None and any(p.is_meta for p in model.parameters()):
-        init = _default_init(model)
+    init.default_to(model, _default_init)
     try:
         names = convert_to_lora(model, lora, policy.param_dtype, mesh.device)
     except LoRAError as e:
         raise ParallelConfigError(str(e)) from None
-    return names, lora_init(init, lora.seed, model, mesh.device)
+    init.through(LoRAValues(lora.seed, model, mesh.device))
+    return names
 
 
-def _fp8(model: nn.Module, comm: Comm, policy: Precision, recipe: str | None, data: DataParallel,
-         minimum: int | None):
+def _apply_fp8(model: nn.Module, comm: Comm, recipe: str | None, data: DataParallel, minimum: int | None):
     """(the names of the linears converted to FP8, where their weight casts are kept for a step): none without a
     recipe; casts kept under ZeRO-0..2, whose weights stay whole between optimizer steps."""
     if recipe is None:
         return [], None
     from paratrain.parallel.fp8 import CUDA_MIN_FEATURES, Fp8Casts, check_fp8, convert_to_fp8
 
-    check_fp8(recipe, policy.param_dtype, comm.mesh.device)
+    check_fp8(recipe, comm.mesh.device)
     casts = Fp8Casts() if data.zero < 3 else None
     # a sequence's tokens are split over cp: one scale for the whole micro-batch, as one process casts it
     agree = functools.partial(_max_over, comm, Axis.CP) if comm.mesh.size(Axis.CP) > 1 else None
@@ -312,7 +339,7 @@ def _max_over(comm: Comm, axis: Axis, amax: torch.Tensor) -> torch.Tensor:
     return amax
 
 
-def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):
+def _apply_pipeline_split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):
     """This rank's pipeline stages of `model` (a `PipelineSplit`), or None without pipeline parallelism."""
     if mesh.size(Axis.PP) == 1:
         return None
@@ -322,45 +349,46 @@ def _split(model: nn.Module, mesh: Mesh, pipeline: PipelineParallel):
                               list(pipeline.boundaries) if pipeline.boundaries is not None else None)
 
 
-def _expert(model: nn.Module, comm: Comm, init):
-    """Expert parallelism over the mesh's ep axis: (what it did or None, the initializer of the local blocks)."""
+def _apply_expert_parallel(model: nn.Module, comm: Comm, init: Initializer):
+    """Expert parallelism over the mesh's ep axis: what it did (None without), `init` read through the local blocks."""
     mesh = comm.mesh
     if mesh.size(Axis.EP) == 1:
-        return None, init
+        return None
     from paratrain.parallel.expert.sharding import apply_expert_parallel
 
     info = apply_expert_parallel(model, comm)
     if not info.names:
         raise ParallelConfigError(f"the mesh has ep={mesh.size(Axis.EP)} but {type(model).__name__} has no MoE layer; "
                                   "use ep=1 for a dense model")
-    return info, (functools.partial(info.local_init, init) if init is not None else None)
+    init.through(info.local_init)
+    return info
 
 
-def _tensor(model: nn.Module, comm: Comm, tensor: TensorParallel, data: DataParallel, split, init):
-    """Tensor parallelism applied in place: (what the plan did or None, the initializer of the local slices)."""
+def _apply_tensor_parallel(model: nn.Module, comm: Comm, tensor: TensorParallel, data: DataParallel, split,
+                           init: Initializer):
+    """Tensor parallelism applied in place: what the plan did (None without), `init` read through the local
+    slices where the model stays on meta (ZeRO-3 shards it next)."""
     if comm.mesh.size(Axis.TP) == 1 and tensor.plan is None:
-        return None, init
-    tp_info, init = _apply_tensor_parallel(model, comm, tensor.plan, tensor.sequence_parallel, init,
-                                           materialize=data.zero < 3, whole_model=split is None)
+        return None
+    tp_info = _apply_plan(model, comm, tensor.plan, tensor.sequence_parallel, init,
+                          materialize=data.zero < 3, whole_model=split is None)
     if split is not None and tensor.sequence_parallel:
         from paratrain.parallel.pipeline.stages import sequence_parallel_boundaries
 
         tp_info.handles += sequence_parallel_boundaries(split, comm, tp_info.axis)
-    return tp_info, init
+    return tp_info
 
 
-def _materialize_or_move(model: nn.Module, init, device: torch.device, data: DataParallel) -> None:
+def _apply_materialization(model: nn.Module, init: Initializer, device: torch.device, data: DataParallel) -> None:
     if data.zero < 3:
         _materialize(model, init, device)
     else:  # the parameters become shards on the device one by one; the buffers move as they are
         _move_buffers(model, device)
 
 
-def _recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpointing, compile: bool | str,
-                           sharding) -> None:
-    if compile:
-        if sharding is not None:  # the ring answers SDPA through a function mode, which a compiled block bypasses
-            raise ParallelConfigError("compile with context parallelism (cp > 1) is not supported yet; drop one")
+def _apply_recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpointing,
+                                 compile: bool | str) -> None:
+    if compile:  # (not under context parallelism: a layout rule, `rules.compile_violations`)
         from paratrain.parallel.compile import compile_blocks
 
         compile_blocks(model, comm, checkpointing, backend="inductor" if compile is True else compile)
@@ -368,8 +396,8 @@ def _recompute_and_compile(model: nn.Module, comm: Comm, checkpointing: Checkpoi
         checkpoint_blocks(model, checkpointing)
 
 
-def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel, init, expert_info=None,
-            gathers_fp8: bool = False):
+def _apply_data_parallel(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel, init: Initializer,
+                         expert_info=None, gathers_fp8: bool = False):
     """The data-parallel engine of `data.zero`'s stage over the model's final parameters; under expert parallelism
     one over the dense parameters (the data axis) and one over the experts (the ranks holding the same block), or
     under ZeRO-3 one engine sharding each kind over its own axis (`gathers_fp8`: the converted linears' weights
@@ -382,7 +410,8 @@ def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel,
         prefetch = comm.overlaps_compute() if data.prefetch is None else data.prefetch
         from paratrain.parallel.data.offload import HostShards
 
-        return FullyShardedEngine(model, comm, policy, units=data.units, init=init, grad_reduction=data.grad_reduction,
+        return FullyShardedEngine(model, comm, policy, units=data.units, init=init if init.given else None,
+                                  grad_reduction=data.grad_reduction,
                                   prefetch=prefetch,
                                   axes=dict.fromkeys(expert_info.names, REPLICATE_AXIS) if expert_info else None,
                                   shard_store=HostShards(comm.mesh.device) if data.offload == "params" else None,
@@ -401,7 +430,7 @@ def _engine(model: nn.Module, comm: Comm, policy: Precision, data: DataParallel,
                               grad_reduction=data.grad_reduction)
 
 
-def _offload(engine, mesh: Mesh, data: DataParallel, module: nn.Module | None):
+def _apply_offload(engine, mesh: Mesh, data: DataParallel, module: nn.Module | None):
     """The host masters of `data.offload`, or None (`paratrain.parallel.data.offload`); stepped by groups of
     `module`'s units, each waited for by its unit's forward (None: a pipeline stage's runner, which waits for all)."""
     if data.offload is None:
@@ -414,7 +443,7 @@ def _offload(engine, mesh: Mesh, data: DataParallel, module: nn.Module | None):
     return HostMasters(engine, mesh.device, copies=data.offload == "optimizer", module=module)
 
 
-def _runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):
+def _apply_pipeline_runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp_info, sharding):
     """The pipeline runner of this rank's stages (each stage's forward on this rank's chunks of the sequences
     under context parallelism: `sharding`), or None without pipeline parallelism."""
     if split is None:
@@ -427,10 +456,9 @@ def _runner(split, comm: Comm, policy: Precision, pipeline: PipelineParallel, tp
     return runner
 
 
-def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
-    """The caller's optimizer over the engine's masters, or None without a factory."""
-    if factory is None:
-        return None
+def _optimizer(factory, data: DataParallel, fp8_casts, wrapped: ParallelModel) -> torch.optim.Optimizer:
+    """The caller's optimizer over the engine's masters, with the model's hooks around its step (`ParallelModel`
+    builds it, once constructed)."""
     from paratrain.parallel.muon import Muon, build_optimizer
 
     # A whole-matrix optimizer (Muon) gets its matrices here, from the model's layout; the engines never see it.
@@ -444,26 +472,26 @@ def _optimizer(factory, wrapped: ParallelModel, engine, data: DataParallel):
     if wrapped.offload is not None:  # the host step may be under way: its state is read when it is done
         opt.register_state_dict_pre_hook(lambda _: wrapped.offload.settle())
         opt.register_load_state_dict_pre_hook(lambda *_: wrapped.offload.settle())
-    # torch's fused Adam and AdamW divide each gradient by `grad_scale` as they read it (GradScaler's unscale):
-    # clipping through it saves a read and a write of every gradient (`ParallelModel.clip_grad_norm_`)
-    wrapped.clip_in_step = (isinstance(opt, torch.optim.Adam) and compat.steps_with_amp_scaling(opt)
-                            and all(group.get("fused") for group in opt.param_groups))
+    if fp8_casts is not None:  # the weights changed: the next micro-batch casts them again
+        opt.register_step_post_hook(fp8_casts.new_step)
     return opt
 
-
 def _layout_spec(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                 activation_checkpointing: int | str = 0) -> LayoutSpec:
+                 activation_checkpointing: int | str = 0, precision: str | None = None,
+                 fp8: str | None = None, compile: bool | str = False) -> LayoutSpec:
     """The mesh and the options as the layout rules read them (`paratrain.parallel.rules`)."""
     s = mesh.shape
     return LayoutSpec(dp=s.dp, tp=s.tp, pp=s.pp, cp=s.cp, dp_shard=s.dp_shard, ep=s.ep, zero=data.zero,
                       sequence_parallel=tensor.sequence_parallel, schedule=pipeline.schedule,
-                      virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing)
+                      virtual_stages=pipeline.virtual_stages, activation_checkpointing=activation_checkpointing,
+                      precision=precision, fp8=fp8, offload=data.offload, compile=compile)
 
 
 def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeline: PipelineParallel,
-                  checked: CheckedLayout | None, activation_checkpointing: int | str = 0) -> None:
+                  checked: CheckedLayout | None, activation_checkpointing: int | str = 0, precision: str | None = None,
+                  fp8: str | None = None, compile: bool | str = False) -> None:
     """The layout rules on the mesh and the options, unless the caller decided them (then on the same layout)."""
-    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing)
+    layout = _layout_spec(mesh, data, tensor, pipeline, activation_checkpointing, precision, fp8, compile)
     if checked is None:
         rules.check_layout(layout, ParallelConfigError)
     elif not checked.describes(layout):
@@ -471,7 +499,7 @@ def _check_layout(mesh: Mesh, data: DataParallel, tensor: TensorParallel, pipeli
                                   "pass the one paratrain.parallel.rules.check_layout gave for this layout")
 
 
-def _context_sharding(model: nn.Module, comm: Comm, context: ContextParallel | None):
+def _apply_context_parallel(model: nn.Module, comm: Comm, context: ContextParallel | None):
     """Context parallelism's forward wrapper, or None when the mesh has one cp rank.
 
     Read from the model as the user built it, before any step above wraps it: only the forward's
@@ -513,9 +541,9 @@ def _materialize(model: nn.Module, init, device: torch.device) -> None:
         param.copy_(init(name, param.shape))
 
 
-def _apply_tensor_parallel(model: nn.Module, comm: Comm, plan, sequence_parallel: bool,
-                           init, materialize: bool, whole_model: bool):
-    """Apply the plan; return its info and the initializer the data-parallel engine gets next.
+def _apply_plan(model: nn.Module, comm: Comm, plan, sequence_parallel: bool, init: Initializer, materialize: bool,
+                whole_model: bool) -> TensorParallelInfo:
+    """Apply the plan; return its info, `init` read through the tp-local slices where ZeRO-3 follows.
 
     A meta model is materialized here, slice by slice, unless ZeRO-3 follows: then the modules
     stay on meta and ZeRO-3 gets an initializer of tp-local shapes (the slice of the full init),
@@ -532,13 +560,6 @@ def _apply_tensor_parallel(model: nn.Module, comm: Comm, plan, sequence_parallel
                                  init=init if on_meta and materialize else None, device=comm.mesh.device,
                                  sp_grad_hooks=False,  # ParallelModel reduces those grads itself
                                  strict=whole_model)  # a pipeline stage lacks the other stages' modules
-    if not on_meta or materialize:
-        return info, None
-    return info, functools.partial(_tp_local_init, init, info)
-
-
-def _tp_local_init(init, info: TensorParallelInfo, name: str, local_shape) -> torch.Tensor:
-    """This tp rank's slice of `init(name, global shape)`."""
-    shape, offset = info.global_shape(name, local_shape)
-    full = init(name, shape)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+    if on_meta and not materialize:
+        init.through(info.local_init)
+    return info

@@ -53,14 +53,11 @@ class Fp8Error(ParatrainError, ValueError):
     """FP8 asked for where it cannot run (a recipe, precision or device); the message names the fix."""
 
 
-def check_fp8(recipe: str, compute_dtype: torch.dtype, device: torch.device) -> None:
-    """Fp8Error (one line) for a recipe, compute dtype or device that FP8 training cannot use."""
+def check_fp8(recipe: str, device: torch.device) -> None:
+    """Fp8Error (one line) for a recipe or device that FP8 training cannot use (the compute precision it needs is a
+    layout rule: `paratrain.parallel.rules.fp8_violations`)."""
     if recipe not in RECIPES:
         raise Fp8Error(f"fp8={recipe!r} is not a recipe; use one of {', '.join(RECIPES)}")
-    if compute_dtype != torch.bfloat16:
-        name = str(compute_dtype).removeprefix("torch.")
-        raise Fp8Error(f"fp8={recipe!r} with {name} compute: FP8 training keeps bf16 for what it does not cast; "
-                       f"use precision='bf16'")
     if not compat.has_scaled_mm():
         raise Fp8Error(f"this torch ({torch.__version__}) has no torch._scaled_mm; FP8 needs torch 2.4 or newer")
     if device.type == "cuda":

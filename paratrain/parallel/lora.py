@@ -24,7 +24,7 @@
   and `weight_nf4_mean`, which every strategy holds as it holds other frozen parameters (ZeRO-3 shards the rows
   on whole blocks and gathers them in their 4-bit form).
 
-A model built on the meta device gets its values from the initializer `parallelize` uses (`lora_init` wraps it:
+A model built on the meta device gets its values from the initializer `parallelize` uses (`LoRAValues` is its view:
 the adapters' values come from their own seeded generators, and an NF4 base's from its weight's initial value,
 encoded on the device when its parameters are materialized, or sharded, one weight at a time).
 Which strategies honour LoRA yet: `paratrain.parallel.rules.unsupported_with_lora`.
@@ -137,33 +137,32 @@ def is_adapter(name: str) -> bool:
 NF4_PARTS = ("weight_nf4", "weight_nf4_factors", "weight_nf4_mean")  # an NF4 base's parameters (`NF4.rows`)
 
 
-def lora_init(init: Callable | None, seed: int = 0, model: nn.Module | None = None,
-              device: torch.device | None = None) -> Callable | None:
-    """The initializer `init(name, shape)` with the adapters' own values, and the NF4 bases of `model`'s LoRA
-    linears encoded (on `device`) from their weights' (None stays None)."""
-    if init is None:
-        return None
-    bases = {name: m.nf4 for name, m in lora_modules(model)} if model is not None else {}
-    encoded: dict[str, NF4] = {}  # the last weight encoded: its three parameters are asked for one after another
+class LoRAValues:
+    """What LoRA changes of the model's initial values, a view of `paratrain.parallel.materialize.Initializer`: the
+    adapters' own seeded values, and the NF4 bases of `model`'s LoRA linears encoded (on `device`) from their
+    weights' initial values; every other parameter's value is the one before LoRA (`init`)."""
 
-    def nf4_part(module: str, part: str) -> torch.Tensor:
-        if module not in encoded:
-            shape, dtype, block_size, scaler_block_size = bases[module]
-            weight = init(f"{module}.weight", shape).to(device=device, dtype=dtype)
-            encoded.clear()
-            encoded[module] = NF4.encode(weight, block_size, scaler_block_size)
-        packed = encoded[module]
-        return {"weight_nf4": packed.rows(), "weight_nf4_factors": packed.factors, "weight_nf4_mean": packed.mean}[part]
+    def __init__(self, seed: int = 0, model: nn.Module | None = None, device: torch.device | None = None):
+        self.seed, self.device = seed, device
+        self.bases = {name: m.nf4 for name, m in lora_modules(model)} if model is not None else {}
+        self.encoded: dict[str, NF4] = {}  # the last weight encoded: its three parameters are asked for in a row
 
-    def initial(name: str, shape) -> torch.Tensor:
+    def __call__(self, init: Callable, name: str, shape) -> torch.Tensor:
         module, _, part = name.rpartition(".")
         if is_adapter(name):
-            return adapter_init(name, shape, seed)
-        if part in NF4_PARTS and bases.get(module) is not None:
-            return nf4_part(module, part)
+            return adapter_init(name, shape, self.seed)
+        if part in NF4_PARTS and self.bases.get(module) is not None:
+            return self._nf4_part(init, module, part)
         return init(name, shape)
 
-    return initial
+    def _nf4_part(self, init: Callable, module: str, part: str) -> torch.Tensor:
+        if module not in self.encoded:
+            shape, dtype, block_size, scaler_block_size = self.bases[module]
+            weight = init(f"{module}.weight", shape).to(device=self.device, dtype=dtype)
+            self.encoded.clear()
+            self.encoded[module] = NF4.encode(weight, block_size, scaler_block_size)
+        packed = self.encoded[module]
+        return {"weight_nf4": packed.rows(), "weight_nf4_factors": packed.factors, "weight_nf4_mean": packed.mean}[part]
 
 
 class _NF4Matmul(torch.autograd.Function):
@@ -229,7 +228,7 @@ def convert_to_lora(model: nn.Module, lora: LoRA, compute_dtype: torch.dtype = t
 
     compute_dtype: the frozen parameters are stored in it (no master copy follows them); the adapters stay fp32
     (the data-parallel engine casts them with the other trainable parameters). device: where an NF4 base is
-    encoded (one on the meta device stays there: `lora_init` encodes it where it is materialized).
+    encoded (one on the meta device stays there: `LoRAValues` encodes it where it is materialized).
     """
     names = target_names(model, lora.targets)
     base_dtype = {None: compute_dtype, "bf16": torch.bfloat16, "nf4": compute_dtype}[lora.base_dtype]
@@ -258,7 +257,7 @@ def convert_to_lora(model: nn.Module, lora: LoRA, compute_dtype: torch.dtype = t
 
 def _encode_base(module: LoRALinear, dtype: torch.dtype, device) -> None:
     """Replace the module's base weight with its NF4 encoding (the frozen parameters `NF4_PARTS`, on `device`);
-    on the meta device, with meta parameters of their shapes (`lora_init` gives their values)."""
+    on the meta device, with meta parameters of their shapes (`LoRAValues` gives their values)."""
     weight = module.weight
     check_encodable(weight.shape, dtype)
     if weight.is_meta:

@@ -39,12 +39,13 @@ from __future__ import annotations
 import contextlib
 import math
 from enum import Enum
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain import compat
 from paratrain.comm import Comm
 from paratrain.mesh import PER_DATA_RANK, WORLD, Axis, replicated_over
 from paratrain.parallel.context.split import unshard_sequence
@@ -83,8 +84,12 @@ class ParallelModel(nn.Module):
 
     def __init__(self, module: nn.Module, engine: Engine, comm: Comm, precision: Precision,
                  tp_info: TensorParallelInfo | None = None, pipeline=None, context=None, expert_info=None,
-                 offload=None, loss_head: FusedHead | None = None):
+                 offload=None, loss_head: FusedHead | None = None, fp8_linears: Sequence[str] = (),
+                 lora_targets: Sequence[str] = (),
+                 optimizer: Callable[[ParallelModel], torch.optim.Optimizer] | None = None):
         super().__init__()
+        self.fp8_linears = list(fp8_linears)  # the linears computing their matmuls in FP8 (`paratrain.parallel.fp8`)
+        self.lora_targets = list(lora_targets)  # the linears given adapters (`paratrain.parallel.lora`)
         self.loss_head = loss_head  # `paratrain.parallel.loss.FusedHead`: the model's loss taken inside its head
         self.offload = offload  # `paratrain.parallel.data.offload.HostMasters`: the optimizer steps host masters
         # A `paratrain.parallel.expert.ExpertInfo` under expert parallelism: which parameters are blocks of experts.
@@ -109,7 +114,7 @@ class ParallelModel(nn.Module):
         self._flag_width = len(engine.masters()) if pipeline is None else \
             max(len(engine.masters()), len(pipeline.split.param_shapes))
         self._grad_norm = math.nan  # the agreed norm of the gradients as they are now (clipping scales it)
-        self.clip_in_step, self._clip = False, None  # clipping by a fused AdamW's grad_scale (`clip_grad_norm_`)
+        self._clip = None  # the clipping coefficient a fused AdamW's grad_scale applies (`clip_in_step`)
         # Which copies this rank counts (`paratrain.mesh`: rank ownership), decided once: the mesh is fixed.
         mesh = comm.mesh
         # Per group of parameters (the experts, under expert parallelism, are reduced by an engine of their own).
@@ -120,6 +125,14 @@ class ParallelModel(nn.Module):
         world = range(mesh.size(WORLD))
         self._data_ranks = [r for r in world if mesh.shape.owns(r, PER_DATA_RANK)]  # one rank per data rank
         self._loss_ranks = [r for r in world if mesh.shape.owns(r, (Axis.TP,))]  # every stage's: the last writes it
+        # The caller's optimizer over the masters, built last, over the finished model, with its hooks around the
+        # step (`_before_optimizer_step`, `_after_optimizer_step`); None without one.
+        self.optimizer = optimizer(self) if optimizer is not None else None
+        # torch's fused Adam and AdamW divide each gradient by `grad_scale` as they read it (GradScaler's unscale):
+        # clipping through it saves a read and a write of every gradient (`clip_grad_norm_`)
+        self.clip_in_step = (isinstance(self.optimizer, torch.optim.Adam)
+                             and compat.steps_with_amp_scaling(self.optimizer)
+                             and all(group.get("fused") for group in self.optimizer.param_groups))
 
     @property
     def mesh(self):

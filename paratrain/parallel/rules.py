@@ -153,6 +153,11 @@ class LayoutSpec:
         again for another (so another dp is not held to them).
     seq_len: tokens per sequence.
     activation_checkpointing: 0 / "none" off, "full", "selective", or k (every k-th block, full).
+    precision, fp8, offload: the compute precision's name ("fp32", "bf16", "fp16"), the FP8 recipe and the
+        offload mode (None: off, or not known here).
+    chunked_document_mask: the documents are masked by a model that builds its mask from the tokens a rank
+        holds (transformers' models), not from whole sequences.
+    compile: the blocks are compiled (`paratrain.parallel.compile`; False, True, or a torch.compile backend).
     """
 
     dp: int
@@ -174,6 +179,11 @@ class LayoutSpec:
     activation_checkpointing: int | str = 0
     ep: int = 1
     batch_defaulted: bool = False
+    precision: str | None = None
+    fp8: str | None = None
+    offload: str | None = None
+    chunked_document_mask: bool = False
+    compile: bool | str = False
 
     @property
     def num_microbatches(self) -> int | None:
@@ -208,9 +218,11 @@ class CheckedLayout:
         """Whether this verdict is about `other`'s degrees and options (what `parallelize` knows of a layout)."""
         mine, theirs = self.spec, other
         return ((mine.dp, mine.tp, mine.pp, mine.cp, mine.dp_shard or mine.dp, mine.zero, mine.sequence_parallel,
-                 ScheduleName.parse(mine.schedule), mine.virtual_stages, mine.ep)
+                 ScheduleName.parse(mine.schedule), mine.virtual_stages, mine.ep, mine.fp8, mine.offload,
+                 bool(mine.compile))
                 == (theirs.dp, theirs.tp, theirs.pp, theirs.cp, theirs.dp_shard or theirs.dp, theirs.zero,
-                    theirs.sequence_parallel, ScheduleName.parse(theirs.schedule), theirs.virtual_stages, theirs.ep))
+                    theirs.sequence_parallel, ScheduleName.parse(theirs.schedule), theirs.virtual_stages, theirs.ep,
+                    theirs.fp8, theirs.offload, bool(theirs.compile)))
 
 
 # -- the list ----------------------------------------------------------------------------------
@@ -220,13 +232,16 @@ def layout_violations(layout: LayoutSpec) -> list[Violation]:
 
     The order: where the ranks sit (tp within a node), then what another (dp, tp, pp) of the same
     world could fix (`divisibility_violations`), then the shard groups, ZeRO-3 with pipelines,
-    sequence and context parallelism, and the schedule.
+    sequence and context parallelism, the features that plug into the strategies (FP8, offload, a
+    document mask under cp), and the schedule.
     """
     s = layout
     return (node_violations(s.tp, s.gpus_per_node) + divisibility_violations(s)
             + shard_group_violations(s.dp, s.dp_shard, s.zero) + zero_stage_violations(s.zero, s.pp)
             + sequence_parallel_violations(s.sequence_parallel, s.tp, s.seq_len)
             + context_parallel_violations(s.cp, s.seq_len, s.dp_shard, s.dp)
+            + fp8_violations(s.fp8, s.precision) + offload_violations(s.offload, s.zero)
+            + document_mask_violations(s.cp, s.chunked_document_mask) + compile_violations(s.compile, s.cp)
             + expert_parallel_violations(s)
             + recompute_violations(s.activation_checkpointing, s.schedule, s.pp)
             # layers % pp is a divisibility rule; the schedule adds the chunks of interleaving
@@ -428,6 +443,46 @@ def context_parallel_violations(cp: int, seq_len: int | None, dp_shard: int = 0,
     if dp_shard and dp_shard < dp:
         return [Violation("cp_dp_shard", f"--cp {cp} with --dp-shard {dp_shard} is not supported yet (cp ranks' "
                                          "gradients must join the shard groups); drop --dp-shard")]
+    return []
+
+
+def fp8_violations(fp8: str | None, precision: str | None) -> list[Violation]:
+    """FP8 computes the blocks' matmuls from bf16 operands and keeps bf16 for everything it does not cast
+    (`paratrain.parallel.fp8`); which recipes and devices it runs on is that module's to check."""
+    if fp8 and precision is not None and precision != "bf16":
+        return [Violation("fp8_precision", f"--fp8 {fp8} needs --precision bf16 (not {precision}): FP8 keeps bf16 "
+                                           f"for what it does not cast (parallelize: use precision='bf16')")]
+    return []
+
+
+def offload_violations(offload: str | None, zero: int | None) -> list[Violation]:
+    """Offloading the parameters moves ZeRO-3's parameter shards to the host (`paratrain.parallel.data.offload`):
+    below ZeRO-3 there are none, every rank holds the whole parameters it computes with."""
+    if offload == "params" and zero is not None and zero != 3:
+        return [Violation("offload_zero", f"--offload params needs --zero 3 (got --zero {zero}): offloading the "
+                                          f"parameters needs ZeRO-3, whose parameters are sharded; use --offload "
+                                          f"optimizer below ZeRO-3")]
+    return []
+
+
+def document_mask_violations(cp: int, chunked_document_mask: bool) -> list[Violation]:
+    """Under context parallelism each rank holds chunks of every sequence: a document mask built from the tokens a
+    rank holds (transformers' models build theirs so) would cut the documents at the chunks' edges. The reference
+    model masks the whole sequences' documents, which every cp rank holds the token ids of."""
+    if cp > 1 and chunked_document_mask:
+        return [Violation("cp_document_mask", f"--document-mask with --cp {cp}: transformers' model builds its "
+                                              "document mask from the chunks a rank holds, not the whole sequences; "
+                                              "use the reference model (--backend reference, a llama/mixtral "
+                                              "directory), --cp 1, or --no-document-mask")]
+    return []
+
+
+def compile_violations(compile: bool | str, cp: int) -> list[Violation]:
+    """Context parallelism answers the blocks' SDPA calls through a function mode (`paratrain.parallel.context`),
+    which a compiled block bypasses: the two do not compose yet."""
+    if compile and cp > 1:
+        return [Violation("compile_cp", f"compile with context parallelism (cp > 1) is not supported yet; drop one "
+                                        f"(--compile or --cp {cp})")]
     return []
 
 

@@ -1,7 +1,11 @@
 """Building a training run from its config: everything the loop needs, in the order it has to be made.
 
-    layout = preflight(cfg, world_size)  # checks that need no process group (before any launch)
-    run = build(cfg, env, mesh, layout)  # run directory, data, model, optimizer, sampler, guard, checkpoints
+    plan = preflight(cfg, world_size)  # checks that need no process group (before any launch): a RunPlan
+    run = build(plan, env, mesh)  # run directory, data, model, optimizer, sampler, guard, checkpoints
+
+The preflight resolves the run once (its options' defaults, the run directory, the resume, the
+layout, the model) into a frozen `RunPlan`, which every later stage reads; the config it was given
+is never changed.
 
 The order matters and is written once, here: the run directory is claimed before anything is
 written into it; the data comes before the model (the tokenizer's vocabulary must fit); the
@@ -11,6 +15,7 @@ model and optimizer before the checkpoints that resume them; the resume before t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -27,7 +32,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
-from paratrain.config import Config, ConfigError, check_values, layout_spec, lora_options
+from paratrain.config import Config, ConfigError, DataSection, TrainSection, check_values, layout_spec, lora_options
 from paratrain.data import DataSampler
 from paratrain.data.chat import ChatOptions
 from paratrain.data.mixture import TrainingData, load_training_data, parse_mixture
@@ -41,7 +46,7 @@ from paratrain.mesh import Mesh
 from paratrain.metrics import MetricsLog, StragglerWatch, unigram_entropy
 from paratrain.models import ModelConfig, Transformer, get_model_config
 from paratrain.parallel.contract import TrainableModel
-from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
+from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize_run
 from paratrain.parallel.data.engine import GradReduction
 from paratrain.parallel import rules
 from paratrain.parallel.loss import head_name
@@ -66,16 +71,16 @@ from paratrain.trackers import check_clients, open_trackers, tracker_names
 
 @dataclass
 class Run:
-    """One process's share of a training run, built and resumed, ready for the loop."""
+    """One process's share of a training run, built and resumed, ready for the loop; each thing held once (what the
+    preflight resolved is the plan's, the data sets and the tokenizer are the data's)."""
 
-    cfg: Config
+    plan: RunPlan  # the options, the layout and the model config, as the preflight resolved them
     env: DistEnv
     mesh: Mesh
-    out: Path
-    train_set: object
-    eval_set: object
-    tokenizer: object
-    model_cfg: ModelConfig
+    # The training set, every held-out set by name, a mixture's sources, the tokenizer
+    # (`paratrain.data.mixture.TrainingData`).
+    data: TrainingData
+    model_cfg: ModelConfig  # the plan's, the documents ending at the tokenizer's end-of-text where they are masked
     model: TrainableModel
     optimizer: torch.optim.Optimizer
     sampler: DataSampler  # or a SampleRecorder around it (--log-samples)
@@ -84,98 +89,140 @@ class Run:
     log: MetricsLog | None  # rank 0 only
     resumed_step: int  # the loop starts after it
     tokens_seen: int
-    accumulation: int  # micro-batches per data rank per step
     peak_flops: float | None  # of one device, for MFU: --peak-flops, else the device's (paratrain.hardware)
+    # The run's communication layer, which the model communicates through: its byte counts and blocked seconds
+    # are the metrics', its listeners the guard's. The run owns it (the model hands out none of its internals).
+    comm: Comm
+    # --memory-snapshot: CUDA's allocator history from before the model is built (`paratrain.run.profiling`).
+    snapshots: MemorySnapshots
+    # Each rank's compute time against the median, step by step (--straggler-threshold, --straggler-steps).
+    stragglers: StragglerWatch
     # The process's memory peak, window by window: one per step (read at the step's agreement), the
     # first from process start (the build), the last to the end of the run (the sample and weights).
     memory: ProcessPeak = None
-    # The run's communication layer, which the model communicates through: its byte counts and blocked seconds
-    # are the metrics', its listeners the guard's. The run owns it (the model hands out none of its internals).
-    comm: Comm = None
-    # --memory-snapshot: CUDA's allocator history from before the model is built (`paratrain.run.profiling`).
-    snapshots: MemorySnapshots = None
-    # Every held-out set by name and a mixture's sources (`paratrain.data.mixture.TrainingData`).
-    data: TrainingData = None
-    # Each rank's compute time against the median, step by step (--straggler-threshold, --straggler-steps).
-    stragglers: StragglerWatch = None
 
     def __post_init__(self):
         self.memory = self.memory or ProcessPeak(self.mesh.device)
-        self.snapshots = self.snapshots or MemorySnapshots(False, self.out, self.env.rank, self.mesh.device, False)
-        self.stragglers = self.stragglers or StragglerWatch(
-            self.cfg.reliability.straggler_threshold, self.cfg.reliability.straggler_steps,
-            [socket.gethostname()] * self.env.world_size)
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
+    @property
+    def out(self) -> Path:
+        return Path(self.plan.out)
+
+    @property
+    def train_set(self):
+        return self.data.train
+
+    @property
+    def eval_set(self):
+        """The first held-out set (--eval-data's first, else the held-out tail of the training data)."""
+        return next(iter(self.data.held_out.values()))
+
+    @property
+    def tokenizer(self):
+        return self.data.tokenizer
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per data rank per step."""
+        return self.plan.layout.accumulation
 
     @property
     def device(self) -> torch.device:
         return self.mesh.device
 
 
-def preflight(cfg: Config, world_size: int) -> CheckedLayout:
+@dataclass(frozen=True)
+class RunPlan:
+    """A run as the preflight resolved it, once, before any process group: every later stage reads it.
+
+    cfg: the options the run uses, every default resolved (the recipe's optimizer values, the batch for the
+        layout's data ranks, --resume's step directory, the run directory): a copy of the given config, which
+        stays as it was, and never changed after (config.json records it).
+    layout: the layout's verdict, its rules decided with the model and the batch
+        (`paratrain.parallel.rules.check_layout`), which `parallelize` takes as it is.
+    model_cfg: the model, resolved once (a resumed checkpoint's, --init-from's, a directory's or the named config
+        with the user's sizes); the tokenizer's vocabulary and the sequence length checked against it.
+    """
+
+    cfg: Config
+    layout: CheckedLayout
+    model_cfg: ModelConfig
+
+    @property
+    def out(self) -> str:
+        """The run directory; '' when the ranks agree on one once their job's store exists (`with_out`)."""
+        return self.cfg.run.out
+
+    @property
+    def resume(self) -> str:
+        """What the run resumes: a checkpoint's step directory, or 'auto' (the run's own newest) or 'none'."""
+        return self.cfg.checkpoint.resume
+
+    def with_out(self, out: str) -> RunPlan:
+        """The plan with the run directory the ranks agreed on (`shared_run_dir`)."""
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run,
+                                                                                                   out=out)))
+
+
+def preflight(cfg: Config, world_size: int) -> RunPlan:
     """Every check that needs neither a process group nor the tokenized data: run before launching processes.
 
-    Returns the layout, its rules decided once here (with the model and the batch): `build` hands
-    it on to `parallelize`. Also resolves the one default that every process must share, the run
-    directory, when it can without the others: one process, or a launcher that gave the job a run
-    id (else `shared_run_dir`).
+    Returns the run's plan (`RunPlan`): the layout, its rules decided once here (with the model and the batch),
+    which `build` hands on to `parallelize`; the model config; the options with their defaults resolved, among
+    them the one every process must share, the run directory, when it can without the others: one process, or a
+    launcher that gave the job a run id (else `shared_run_dir`). `cfg` itself is left as it was.
     """
-    note = resolve_resume(cfg)  # a run directory, checkpoints/, latest: the step directory it means (and its --out)
+    # a run directory, checkpoints/, latest: the step directory it means (and its --out), in a copy of the options
+    cfg, note = resolve_resume(copy.deepcopy(cfg))
     if note:
         print(f"paratrain: {note}", flush=True)
     if not cfg.run.out:
-        cfg.run.out = default_run_dir(cfg)
+        cfg.run = dataclasses.replace(cfg.run, out=default_run_dir(cfg))
     try:
-        check_values(cfg)
+        check_values(cfg)  # fills the recipe's values into the copy; `layout_spec` the batch for its data ranks
         model_cfg = resolve_model_config(cfg, tokenizer_vocab=0)
-        layout = rules.check_layout(layout_spec(cfg, world_size, model_cfg), ConfigError)
+        spec = dataclasses.replace(layout_spec(cfg, world_size, model_cfg),
+                                   chunked_document_mask=chunked_document_mask(cfg))
+        layout = rules.check_layout(spec, ConfigError)
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
     check_resumed_model(cfg, model_cfg)
     check_lora_targets(cfg, model_cfg)
-    if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":
-        raise ConfigError(f"--fp8 {cfg.parallel.fp8} needs --precision bf16 (not {cfg.parallel.precision}): FP8 keeps "
-                          f"bf16 for what it does not cast")
-    if cfg.parallel.offload == "params" and cfg.parallel.zero != 3:
-        raise ConfigError(f"--offload params needs --zero 3, whose parameters are sharded (got --zero "
-                          f"{cfg.parallel.zero}); use --offload optimizer below ZeRO-3")
-    if cfg.parallel.cp > 1 and cfg.data.document_mask is not False and transformers_dir(cfg) is not None:
-        paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
-        if cfg.data.document_mask or any(source_format(p, chat_options(cfg)) == "chat" for p in paths):
-            raise ConfigError(f"--document-mask with --cp {cfg.parallel.cp}: transformers' model builds its document "
-                              "mask from the chunks a rank holds, not the whole sequences; use the reference model "
-                              "(--backend reference, a llama/mixtral directory), --cp 1, or --no-document-mask")
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it
-    resolve_model_config(cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
+    check_vocab(cfg, model_cfg, tokenizer_vocab(cfg.data.path, tokenizer_spec(cfg)))  # the tokenizer fits the model
     if cfg.run.out:  # whether this launch may use --out, decided from the directory alone, before anything is written
         claim_run_dir(cfg, restarted=current_attempt() > 0)  # (every rank passes here before rank 0 writes)
     check_resumed_schedule(cfg)  # after the claim: another run's --out is refused first
     check_memory_budget(cfg, model_cfg, layout.dp)  # the planner's estimate against the memory of one process
     check_clients(tracker_names(cfg))  # a tracker whose client is missing refuses the run now, not after the build
     profile_steps(cfg)
-    return layout
+    return RunPlan(cfg, layout, model_cfg)
 
 
-def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
+def build(plan: RunPlan, env: DistEnv, mesh: Mesh) -> Run:
     """Claim the run directory, load the data, build the model and resume; collective (every rank calls it).
 
-    `layout` is the preflight's verdict on the layout (`preflight`), which `parallelize` takes as it is.
+    Everything is read from the preflight's `plan`: its options, its verdict on the layout (which `parallelize`
+    takes as it is) and its model config.
     """
-    t = cfg.train
+    cfg, t = plan.cfg, plan.cfg.train
     # The plan against what the GPUs have free now that the context exists, before anything is written.
-    check_free_memory(cfg, resolve_model_config(cfg, tokenizer_vocab=0), mesh)
+    check_free_memory(cfg, plan.model_cfg, mesh)
     out = prepare_run_dir(cfg, env)
     snapshots = MemorySnapshots(cfg.logging.memory_snapshot, out, env.rank, mesh.device, say_once=env.is_main)
     data = load_data(cfg, env, out)
-    train_set, eval_set, tokenizer = data.train, next(iter(data.held_out.values())), data.tokenizer
-    model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    if document_mask(cfg, data.chat):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
-        model_cfg = dataclasses.replace(model_cfg, document_eos=tokenizer.eos_id)
+    check_vocab(cfg, plan.model_cfg, data.tokenizer.vocab_size)
+    model_cfg = plan.model_cfg
+    if document_mask(cfg.data, data.chat):  # the documents end at the tokenizer's end-of-text (`paratrain.models.llama`)
+        model_cfg = dataclasses.replace(model_cfg, document_eos=data.tokenizer.eos_id)
     comm = Comm(mesh)
-    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, layout, comm)
-    dp = mesh.size("dp")
-    accumulation = layout.accumulation
-    sampler = data.sampler(t.global_batch, mesh.coord("dp"), dp, seed=t.seed)
+    model, optimizer = build_parallel_model(model_cfg, cfg, mesh, plan.layout, comm)
+    sampler = data.sampler(t.global_batch, mesh.coord("dp"), mesh.size("dp"), seed=t.seed)
     guard = StepGuard(cfg.reliability, model, comm, env.rank, diagnostics_dir(out))
     extra_state = {MODEL_CONFIG_KEY: dataclasses.asdict(model_cfg)}
     if cfg.lora.rank is not None:  # a checkpoint of adapters names the base they were trained on
@@ -183,7 +230,7 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
 
         extra_state[LORA_BASE_KEY] = base_fingerprint(model)
     checkpoints = TrainingCheckpoints(cfg, env.rank, out, model, optimizer, sampler, guard, extra_state=extra_state,
-                                      assets=run_assets(cfg, tokenizer) if env.is_main else None,
+                                      assets=run_assets(cfg, data.tokenizer) if env.is_main else None,
                                       local_world_size=env.local_world_size)
     resumed, tokens_seen = checkpoints.resume()  # model, optimizer, sampler, counters: all from the checkpoint
     if cfg.run.log_samples:  # the loop's sampler writes down each step's sample ids (`paratrain.run.samples`)
@@ -193,19 +240,28 @@ def build(cfg: Config, env: DistEnv, mesh: Mesh, layout: CheckedLayout) -> Run:
         if env.is_main else None
     hosts = checkpoints.coordinator.broadcast_object(checkpoints.coordinator.gather_objects(socket.gethostname()))
     stragglers = StragglerWatch(cfg.reliability.straggler_threshold, cfg.reliability.straggler_steps, hosts)
-    run = Run(cfg, env, mesh, out, train_set, eval_set, tokenizer, model_cfg, model, optimizer, sampler, guard,
-              checkpoints, log, resumed, tokens_seen, accumulation, t.peak_flops or device_peak_flops(mesh.device),
-              comm=comm, snapshots=snapshots, data=data, stragglers=stragglers)
+    run = Run(plan, env, mesh, data, model_cfg, model, optimizer, sampler, guard, checkpoints, log, resumed,
+              tokens_seen, t.peak_flops or device_peak_flops(mesh.device), comm, snapshots, stragglers)
     if env.is_main:
         print(describe(run), flush=True)
     return run
 
 
-def document_mask(cfg: Config, chat: bool) -> bool:
+def chunked_document_mask(cfg: Config) -> bool:
+    """Whether, under --cp, the documents would be masked by transformers' model, which masks the chunks a rank holds
+    (the layout rule `paratrain.parallel.rules.document_mask_violations` refuses it): --document-mask given, or on by
+    default for chat data (`document_mask`)."""
+    if cfg.parallel.cp == 1 or cfg.data.document_mask is False or transformers_dir(cfg) is None:
+        return False
+    paths = [s.path for s in parse_mixture(cfg.data.path) or ()] or [cfg.data.path]
+    return bool(cfg.data.document_mask) or any(source_format(p, chat_options(cfg.data)) == "chat" for p in paths)
+
+
+def document_mask(d: DataSection, chat: bool) -> bool:
     """--document-mask as given, else on for chat data (a conversation sees only itself, as alone) and off for
     text. (Under --pp every stage masks, and under --cp every rank: each holds the whole micro-batch's token ids.)"""
-    if cfg.data.document_mask is not None:
-        return cfg.data.document_mask
+    if d.document_mask is not None:
+        return d.document_mask
     return chat
 
 
@@ -284,17 +340,17 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     model = meta_model(model_cfg)  # the reference Transformer, or transformers' model of a directory
     # The trainer knows its model: it names the plan, so that no strategy has to.
     plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
-    return parallelize(model, mesh, optimizer=optimizer_factory(cfg),
-                       # The trainer's loss is already normalized by the global token count.
-                       data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM,
-                                         offload=p.offload or None),
-                       tensor=TensorParallel(plan=plan, sequence_parallel=p.sequence_parallel),
-                       pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
-                       precision=p.precision, reduce_dtype=p.reduce_dtype,
-                       activation_checkpointing=p.activation_checkpointing, compile=p.compile,
-                       init=weight_initializer(model, cfg), checked=layout, comm=comm, fp8=p.fp8 or None,
-                       fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features,
-                       loss_chunk=trainer_loss_chunk(model, p.loss_chunk), lora=lora_options(cfg))
+    return parallelize_run(model, mesh, optimizer=optimizer_factory(cfg.train),
+                           # The trainer's loss is already normalized by the global token count.
+                           data=DataParallel(zero=p.zero, bucket_mb=p.bucket_mb, grad_reduction=GradReduction.SUM,
+                                             offload=p.offload or None),
+                           tensor=TensorParallel(plan=plan, sequence_parallel=p.sequence_parallel),
+                           pipeline=PipelineParallel(schedule=p.schedule, virtual_stages=p.virtual_stages),
+                           precision=p.precision, reduce_dtype=p.reduce_dtype,
+                           activation_checkpointing=p.activation_checkpointing, compile=p.compile,
+                           init=weight_initializer(model, cfg), checked=layout, comm=comm, fp8=p.fp8 or None,
+                           fp8_min_features=None if p.fp8_min_features < 0 else p.fp8_min_features,
+                           loss_chunk=trainer_loss_chunk(model, p.loss_chunk), lora=lora_options(cfg))
 
 
 def check_lora_targets(cfg: Config, model_cfg: ModelConfig) -> None:
@@ -347,33 +403,31 @@ def weight_initializer(model: Transformer, cfg: Config):
     return lambda name, shape: weights.read(name).float()
 
 
-def optimizer_factory(cfg: Config):
+def optimizer_factory(t: TrainSection):
     """What parallelize builds the optimizer from: `make_optimizer` (AdamW), or with --optimizer muon the Muon recipe
     (`paratrain.parallel.muon.MuonRecipe`: Muon for the blocks' matrices, this AdamW for the rest). The schedule sets
     every group's learning rate to the AdamW one times the group's `lr_scale` (Muon's: --muon-lr / --lr)."""
-    if cfg.train.optimizer != "muon":
-        return lambda params: make_optimizer(params, cfg)
+    if t.optimizer != "muon":
+        return lambda params: make_optimizer(params, t)
     from paratrain.config import muon_options
     from paratrain.parallel.muon import MuonRecipe
 
-    t = cfg.train
     muon = muon_options(t)
     adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "weight_decay": t.weight_decay}
     return MuonRecipe(muon=muon, adamw=adamw, lr_scale=muon["lr"] / t.lr if t.lr else 1.0)
 
 
-def make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
+def make_optimizer(params, t: TrainSection) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices (embeddings included), not on norm gains."""
     params = list(params)
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     # One fused kernel for the whole step where torch has one for the device: CUDA, and the CPU too (there
     # 17 ms for 27M parameters on one thread, against 77 for the default loop and 105 for foreach). Elsewhere
     # torch's default.
     fused = bool(params) and all(p.device.type in fused_optimizer_devices() for p in params) or None
-    t = cfg.train
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
@@ -436,7 +490,7 @@ def load_data(cfg: Config, env: DistEnv, out: Path) -> TrainingData:
 
     def load():
         return load_training_data(d.path, d.eval_data, spec, d.seq_len, cache, eval_fraction=d.eval_fraction,
-                                  progress=progress, text_key=d.text_key, chat=chat_options(cfg))
+                                  progress=progress, text_key=d.text_key, chat=chat_options(d))
 
     if cache is None:
         return load()
@@ -445,9 +499,8 @@ def load_data(cfg: Config, env: DistEnv, out: Path) -> TrainingData:
     return result or load()
 
 
-def chat_options(cfg: Config) -> ChatOptions:
+def chat_options(d: DataSection) -> ChatOptions:
     """How the run reads chat data (`paratrain.data.chat`): --format, --chat-template, --loss-on, --long."""
-    d = cfg.data
     return ChatOptions(format=d.format, chat_template=d.chat_template, loss_on=d.loss_on, long=d.long)
 
 
@@ -459,6 +512,12 @@ def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
         check_layout(cfg, model_cfg, "--resume")
     elif model_cfg is None:
         model_cfg = source_model_config(cfg, model_overrides(cfg))
+    check_vocab(cfg, model_cfg, tokenizer_vocab)
+    return model_cfg
+
+
+def check_vocab(cfg: Config, model_cfg: ModelConfig, tokenizer_vocab: int) -> None:
+    """ConfigError unless the tokenizer's vocabulary (0: not known yet) and --seq-len fit the model."""
     if tokenizer_vocab > model_cfg.vocab_size:
         fix = ("a tokenizer that fits" if cfg.model.init_from
                else f"--vocab-size {tokenizer_vocab} or a smaller tokenizer")
@@ -467,7 +526,6 @@ def resolve_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's max_seq_len "
                           f"{model_cfg.max_seq_len}")
-    return model_cfg
 
 
 def model_overrides(cfg: Config) -> dict:

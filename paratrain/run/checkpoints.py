@@ -29,6 +29,7 @@ loads, so they fail or proceed together.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import sys
@@ -410,15 +411,16 @@ def describe_layout(layout: dict) -> str:
             f"on {layout['world_size']} process(es)")
 
 
-def resolve_resume(cfg: Config) -> str:
+def resolve_resume(cfg: Config) -> tuple[Config, str]:
     """--resume as a user points at it (a run directory, its checkpoints/, its `latest`, its final/, or a step
     directory) made the step directory it means: the newest complete checkpoint, a torn newer one passed over.
-    Without --out the run continues in its own directory. Returns what was found ('' when --resume already named a
-    step directory, or auto/none); ConfigError saying why there is none."""
+    Without --out the run continues in its own directory. Returns (a new config with those two options resolved,
+    `cfg` itself when --resume already named a step directory, or auto/none; what was found, '' then); ConfigError
+    saying why there is none. `cfg` is left as it is."""
     resume = cfg.checkpoint.resume
     root = _checkpoint_root(Path(resume).expanduser()) if resume not in ("auto", "none") else None
     if root is None:
-        return ""
+        return cfg, ""
     torn = []
     for candidate in reversed(list_checkpoints(root)):
         try:
@@ -426,10 +428,10 @@ def resolve_resume(cfg: Config) -> str:
         except CheckpointError as exc:
             torn.append(f"{candidate.name} is torn ({exc})")
             continue
-        cfg.checkpoint.resume = str(candidate)
-        cfg.run.out = cfg.run.out or str(root.parent)
+        resolved = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(candidate)),
+                                       run=dataclasses.replace(cfg.run, out=cfg.run.out or str(root.parent)))
         passed = f"; {', '.join(torn)}: the one before it is used" if torn else ""
-        return f"--resume {resume}: its newest complete checkpoint is {candidate.name}{passed}"
+        return resolved, f"--resume {resume}: its newest complete checkpoint is {candidate.name}{passed}"
     raise ConfigError(_why_no_checkpoint(resume, root, torn))
 
 
@@ -473,7 +475,7 @@ _SCHEDULE = ("steps", "warmup_steps", "lr", "min_lr")
 def continue_config(cfg: Config, given: set[str]) -> Config:
     """The config of `--resume PATH`: the checkpoint's own (model, data, recipe, layout, processes) with the options
     the user gave (`given`, "section.field") over it, so that `--resume RUN` alone continues the run as it was."""
-    note = resolve_resume(cfg)
+    cfg, note = resolve_resume(cfg)
     if note:
         print(f"paratrain: {note}", flush=True)
     # Verified first, as preflight does: a damaged checkpoint is refused for what verifying finds (a file's size

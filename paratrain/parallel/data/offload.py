@@ -112,15 +112,11 @@ class OffloadError(ParatrainError, ValueError):
     """Offload asked for where it cannot run; the message names the fix."""
 
 
-def check_offload(offload: str | None, zero: int) -> None:
-    """OffloadError (one line) for an offload mode the ZeRO stage cannot use."""
-    if offload is None:
-        return
-    if offload not in OFFLOADS:
+def check_offload(offload: str | None) -> None:
+    """OffloadError (one line) for a value that is not an offload mode (which ZeRO stage a mode needs is a layout
+    rule: `paratrain.parallel.rules.offload_violations`)."""
+    if offload is not None and offload not in OFFLOADS:
         raise OffloadError(f"offload={offload!r} is not a mode; use one of {', '.join(OFFLOADS)}")
-    if offload == "params" and zero != 3:
-        raise OffloadError(f"offload='params' needs ZeRO-3 (zero=3), whose parameters are sharded; got zero={zero}: "
-                           f"use offload='optimizer' below ZeRO-3")
 
 
 def host_state_bytes(masters: int) -> int:

@@ -60,6 +60,12 @@ class TensorParallelInfo:
             shape[dim] *= self.comm.mesh.size(self.axis)
         return tuple(shape), tuple(offset)
 
+    def local_init(self, init, name: str, local_shape) -> torch.Tensor:
+        """`init(name, global shape)` of a parameter held with `local_shape`: this tp rank's slice of it."""
+        shape, offset = self.global_shape(name, local_shape)
+        full = init(name, shape)
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+
     def gather(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """The full tensor of parameter `name` from this rank's `value` (collective over tp when sharded)."""
         return gather_full(value, self.sharded.get(name), self.comm, self.axis)
