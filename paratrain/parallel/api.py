@@ -223,7 +223,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
     if comm.mesh is not mesh:  # each strategy below is handed the comm alone and reads its groups from comm.mesh
         raise ParallelConfigError("comm= talks over another mesh than the one given; build it as Comm(mesh)")
     # 0. LoRA converts the model as the user built it, before any strategy: each sees the frozen base and the adapters.
-    lora_targets, init = _lora(model, lora, comm, policy, init, data, tensor, fp8)
+    lora_targets, init = _lora(model, lora, comm, policy, init, data, fp8)
     # 0a. Context parallelism reads the model as the user built it: only its forward's signature (how it
     #    takes positions) matters, which no step below changes; it never touches the parameters.
     sharding = _context_sharding(model, comm, context)
@@ -269,7 +269,7 @@ def parallelize(model: nn.Module, mesh: Mesh, optimizer: Callable[[Iterable[torc
 
 
 def _lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, init, data: DataParallel,
-          tensor: TensorParallel, fp8) -> tuple[list[str], Callable | None]:
+          fp8) -> tuple[list[str], Callable | None]:
     """(the names of the linears given adapters, the initializer with the adapters' values): nothing without
     `lora`; refused in one line with a strategy that does not honour it yet."""
     if lora is None:
@@ -277,8 +277,7 @@ def _lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, in
     from paratrain.parallel.lora import LoRAError, convert_to_lora, lora_init
 
     mesh = comm.mesh
-    unsupported = rules.unsupported_with_lora(tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
-                                        ep=mesh.size(Axis.EP), fp8=fp8)
+    unsupported = rules.unsupported_with_lora(ep=mesh.size(Axis.EP), fp8=fp8)
     if unsupported:
         raise ParallelConfigError(rules.lora_refusal(unsupported))
     if init is None and any(p.is_meta for p in model.parameters()):
