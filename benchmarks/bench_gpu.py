@@ -22,14 +22,17 @@ Rows, most important first (a row that is not started within --budget-s is writt
      picks for 141 GB at world 1 (ZeRO stage, recomputation, optimizer offload where nothing fits without,
      micro-batch), each after plain PyTorch's compiled step (FP8 through torchao), which runs where it fits (fp32
      weights and AdamW: 128 GB before activations, so not on one H200). paratrain's loss is the fused one (the
-     default), plain PyTorch's keeps the whole logits.
+     default), plain PyTorch's keeps the whole logits. Then a QLoRA step (rank 16 on every block linear, the base
+     in NF4), eager: paratrain ZeRO-3 at world 1 in the planner's layout beside plain PyTorch over torchao's
+     NF4Tensor (`to_nf4`, `linear_nf4`) with two adapters per linear, as torchtune's QLoRA builds it; the small
+     model's two QLoRA rows too (ZeRO-3 eager).
 paratrain rows that ask for what this build's parallelize() does not take (compile=True, a recomputation
 mode by name) are written as "not available in this build"; recomputation "full" falls back to
 activation_checkpointing=1 (every block), which is full recomputation.
 
 Per row: step time min / median / max over --steps timed steps after --warmup (synchronized around each),
-tokens/s, MFU (ModelConfig.flops_per_token, PaLM's 6N + attention, over paratrain.hardware's dense bf16
-peak), peak torch.cuda.max_memory_allocated (reset after warm-up, so it covers model state and the timed
+tokens/s, MFU (ModelConfig.flops_per_token, PaLM's 6N + attention, under LoRA the planner's LoRA FLOPs, over
+paratrain.hardware's dense bf16 peak), peak torch.cuda.max_memory_allocated (reset after warm-up, so it covers model state and the timed
 steps; absolute, so it includes what earlier rows left: "allocated before"), the bytes the row left allocated
 once its model and optimizer are dropped (gc.collect, torch.cuda.empty_cache: 0 unless something holds on), and the planner's prediction (paratrain.plan
 estimate on the preset matching the device: step time and peak memory) with measured / predicted. Plain
@@ -47,6 +50,7 @@ import functools
 import gc
 import inspect
 import json
+import math
 import os
 import platform
 import shutil
@@ -80,6 +84,8 @@ class Row:
     offload: str | None = None  # paratrain's optimizer offload
     micro_batch: int | None = None  # sequences per step where the row sets it (the planner's pick), else the model's
     optimizer: str = "adamw"  # paratrain's: "muon" is the trainer's recipe (Muon for the blocks' matrices)
+    lora: int | None = None  # the adapters' rank on every block linear, the rest frozen (LoRA)
+    base_dtype: str | None = None  # with lora: how the adapted linears' frozen weights are stored ("nf4": QLoRA)
 
     @property
     def name(self) -> str:
@@ -88,7 +94,8 @@ class Row:
             (f" +{self.recompute} recompute" if self.recompute != "none" else "") + \
             (f" +offload {self.offload}" if self.offload else "") + \
             (f" +fp8 {self.fp8}" if self.fp8 else "") + (f" x{self.micro_batch}" if self.micro_batch else "") + \
-            (f" +{self.optimizer}" if self.optimizer != "adamw" else "")
+            (f" +{self.optimizer}" if self.optimizer != "adamw" else "") + \
+            (f" +{'Q' if self.base_dtype == 'nf4' else ''}LoRA r{self.lora}" if self.lora else "")
 
 
 H200_BYTES = 141e9
@@ -117,7 +124,26 @@ def llama3_rows(cfg: ModelConfig, seq: int) -> list[Row]:
         lay = best.layout
         out.append(Row("llama3", "paratrain", True, lay.zero, lay.recompute.value, fp8=fp8, offload=lay.offload,
                        micro_batch=lay.micro_batch))
-    return out
+    return out + qlora_rows("llama3", cfg, seq, hardware)
+
+
+QLORA_RANK = 16
+
+
+def qlora_rows(model: str, cfg: ModelConfig, seq: int, hardware) -> list[Row]:
+    """A QLoRA step, eager, of `cfg` on one GPU: plain PyTorch over torchao's NF4 (the micro-batch the planner picks),
+    then paratrain ZeRO-3 at world 1 in the planner's layout (recomputation, micro-batch; full recomputation at
+    micro-batch 1 where it finds none)."""
+    from paratrain.plan import Workload
+    from paratrain.plan.search import SearchSpace, search
+
+    workload = Workload.for_model(cfg, seq_len=seq, precision="bf16", reduce_dtype="fp32", lora=QLORA_RANK,
+                                  base_dtype="nf4", loss_chunk=DEFAULT_LOSS_CHUNK)
+    best = search(workload, 1, hardware, SearchSpace(zero=(3,), micro_batch=(1, 2))).best
+    lay = best.layout if best else None
+    qlora = {"lora": QLORA_RANK, "base_dtype": "nf4", "micro_batch": lay.micro_batch if lay else 1}
+    return [Row(model, "pytorch", False, **qlora),
+            Row(model, "paratrain", False, 3, lay.recompute.value if lay else "full", **qlora)]
 
 
 def rows(large: bool, llama3: tuple[ModelConfig, int] | None = None) -> list[Row]:
@@ -127,7 +153,10 @@ def rows(large: bool, llama3: tuple[ModelConfig, int] | None = None) -> list[Row
            Row("small", "paratrain", True, 0, fp8="tensorwise"), Row("small", "paratrain", True, 0, fp8="rowwise"),
            Row("small", "paratrain", True, 3, fp8="tensorwise"),  # ZeRO-3 gathers the FP8 casts
            # Muon's step against AdamW's (the rows above of the same layout): Newton-Schulz on every block matrix
-           Row("small", "paratrain", False, 0, optimizer="muon"), Row("small", "paratrain", False, 3, optimizer="muon")]
+           Row("small", "paratrain", False, 0, optimizer="muon"), Row("small", "paratrain", False, 3, optimizer="muon"),
+           # QLoRA: the frozen base in NF4 gathered in its 4-bit form, the adapters the only masters
+           Row("small", "pytorch", False, lora=QLORA_RANK, base_dtype="nf4"),
+           Row("small", "paratrain", False, 3, lora=QLORA_RANK, base_dtype="nf4")]
     out += [Row("small", "paratrain", c, z, r) for z in (0, 3) for c in (False, True) for r in ("selective", "full")]
     if large:
         out += [Row("large", "paratrain", True, 3, "selective"),
@@ -150,6 +179,10 @@ def parallelize_kwargs(row: Row) -> tuple[dict | None, str | None]:
         kwargs["fp8"] = row.fp8
     if row.offload:
         kwargs["offload"] = row.offload  # a DataParallel option, not parallelize()'s (build_paratrain)
+    if row.lora:
+        if "lora" not in params:
+            return None, f"{NOT_AVAILABLE}: parallelize() has no lora argument"
+        kwargs["lora"] = paratrain.LoRA(row.lora, base_dtype=row.base_dtype)
     if row.compile:
         if "compile" not in params:
             return None, f"{NOT_AVAILABLE}: parallelize() has no compile argument"
@@ -185,7 +218,7 @@ def predict(cfg: ModelConfig, row: Row, batch: int, seq: int, preset: str | None
     zero = row.zero if row.kind == "paratrain" else (3 if row.kind == "fsdp2" else 0)
     workload = Workload.for_model(cfg, seq_len=seq, global_batch=batch, precision="bf16", reduce_dtype="fp32",
                                   loss_chunk=loss_chunk, fp8=row.fp8,  # parallelize's defaults, and FSDP2's policy
-                                  optimizer=row.optimizer)
+                                  optimizer=row.optimizer, lora=row.lora, base_dtype=row.base_dtype)
     layout_args = {"zero": zero, "micro_batch": batch, "recompute": row.recompute, "offload": row.offload}
     notes = []
     if "compile" in {f.name for f in dataclasses.fields(Layout)}:
@@ -208,11 +241,49 @@ def compile_blocks(model) -> None:
         block.compile()
 
 
+class PlainQLoRALinear(torch.nn.Module):
+    """A linear's frozen weight as torchao's NF4Tensor (bf16, blocks of 64, double-quantized scales) computed by
+    `linear_nf4`, and two trainable fp32 adapters beside it (B at zero, scaling 2): torchtune's QLoRA linear."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int, to_nf4, linear_nf4):
+        super().__init__()
+        weight = linear.weight.detach().to(torch.bfloat16)
+        blocks = weight.numel() // 64  # scales double-quantized by 256 (fewer where a small weight has fewer blocks)
+        self.weight = torch.nn.Parameter(to_nf4(weight, 64, math.gcd(blocks, 256)), requires_grad=False)
+        self.linear_nf4 = linear_nf4
+        self.lora_a = torch.nn.Linear(linear.in_features, rank, bias=False, device=weight.device)
+        self.lora_b = torch.nn.Linear(rank, linear.out_features, bias=False, device=weight.device)
+        torch.nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x):
+        return self.linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x)) * 2.0
+
+
+def plain_qlora(model, rank: int) -> list[torch.nn.Parameter]:
+    """The model frozen in bf16, each block linear a `PlainQLoRALinear` (in place); the adapters."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+    except ImportError:
+        from torchao.dtypes.nf4tensor import linear_nf4, to_nf4  # (torchao before 0.14)
+    model.requires_grad_(False).to(torch.bfloat16)
+    for block in model.layers.values():
+        for name, module in list(block.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                parent, _, child = name.rpartition(".")
+                setattr(block.get_submodule(parent) if parent else block, child,
+                        PlainQLoRALinear(module, rank, to_nf4, linear_nf4))
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def build_plain(cfg: ModelConfig, row: Row, x, y, device):
-    """Plain PyTorch (gpu_check's step: fp32 weights, autocast bf16, fused AdamW on CUDA) or FSDP2 (bf16 params)."""
+    """Plain PyTorch (gpu_check's step: fp32 weights, autocast bf16, fused AdamW on CUDA) or FSDP2 (bf16 params);
+    with `row.lora`, QLoRA over torchao's NF4 (`plain_qlora`), AdamW over the adapters alone."""
     model = model_on_meta(cfg).to_empty(device=device)
     model._tie_weights()
     model.init_weights(0)
+    if row.lora:
+        adapters = plain_qlora(model, row.lora)
+        return plain_step(model, adamw(adapters, fused=device.type == "cuda"), x, y, device)
     if row.kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -298,11 +369,22 @@ def run_row(row: Row, cfg: ModelConfig, batch: int, seq: int, device, args, pres
         median = out["step_s"]["median"]
         out["tokens_per_s"] = batch * seq / median
         peak = device_peak_flops(device) or args.peak_flops
-        out["mfu"] = cfg.flops_per_token(seq) * batch * seq / median / peak if peak else None
+        out["mfu"] = flops_per_token(cfg, row, seq) * batch * seq / median / peak if peak else None
         p = out["predicted"]
         p["time_ratio"] = median / p["step_s"] if p["step_s"] else None
         p["memory_ratio"] = out["max_memory_allocated"] / p["peak_bytes"] if out["max_memory_allocated"] else None
     return out
+
+
+def flops_per_token(cfg: ModelConfig, row: Row, seq: int) -> float:
+    """The training FLOPs of a token: PaLM's 6N + attention, or under LoRA the planner's (no weight gradient for
+    the frozen matmuls, the adapters' added: `paratrain.plan.lora.flops_per_token`)."""
+    if not row.lora:
+        return cfg.flops_per_token(seq)
+    from paratrain.plan import Workload
+    from paratrain.plan.lora import flops_per_token as lora_flops
+
+    return lora_flops(Workload.for_model(cfg, seq_len=seq, lora=row.lora, base_dtype=row.base_dtype))
 
 
 # -- the command -----------------------------------------------------------------------------------------------

@@ -456,7 +456,7 @@ def _check_lora(cfg: Config) -> None:
     except LoRAError as e:
         raise ConfigError(str(e).replace("the LoRA rank", "--lora").replace("the LoRA alpha", "--lora-alpha")
                           .replace("the LoRA dropout", "--lora-dropout")) from None
-    unsupported = unsupported_with_lora(tp=p.tp, ep=p.ep, fp8=p.fp8)
+    unsupported = unsupported_with_lora(ep=p.ep, fp8=p.fp8)
     if unsupported:
         raise ConfigError(lora_refusal(unsupported))
 

@@ -63,7 +63,8 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
     rows = _bench_gpu(tmp_path, "--no-compile")
     ran = {r["row"]: r for r in rows if r["status"] == "ok"}
     assert {"plain PyTorch eager", "FSDP2 eager", "paratrain ZeRO-0 eager", "paratrain ZeRO-3 eager",
-            "paratrain ZeRO-0 eager +muon", "paratrain ZeRO-3 eager +muon"} <= set(ran)
+            "paratrain ZeRO-0 eager +muon", "paratrain ZeRO-3 eager +muon", "plain PyTorch eager +QLoRA r16",
+            "paratrain ZeRO-3 eager +QLoRA r16"} <= set(ran)
     for r in ran.values():
         s = r["step_s"]
         assert 0 < s["min"] <= s["median"] <= s["max"] and len(s["all"]) == 2
@@ -76,8 +77,11 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
     large = [r for r in rows if r["model"] == "large" and not r["compile"]]
     assert large and all(r["status"] == "skipped: the large model needs a CUDA device" for r in large)
     # Llama 3.1 8B: bf16 and both FP8 recipes compiled, each paratrain row in the planner's layout beside plain PyTorch
-    llama3 = [(r["kind"], r["fp8"]) for r in rows if r["model"] == "llama3"]
+    llama3 = [(r["kind"], r["fp8"]) for r in rows if r["model"] == "llama3" and not r["lora"]]
     assert llama3 == [(kind, fp8) for fp8 in (None, "tensorwise", "rowwise") for kind in ("pytorch", "paratrain")]
+    # and a QLoRA step of it, eager: paratrain ZeRO-3 at world 1 beside plain PyTorch over torchao's NF4
+    qlora = [(r["kind"], r["zero"], r["base_dtype"]) for r in rows if r["model"] == "llama3" and r["lora"]]
+    assert qlora == [("pytorch", None, "nf4"), ("paratrain", 3, "nf4")]
 
 
 def test_bench_gpu_starts_no_row_after_its_budget(tmp_path):

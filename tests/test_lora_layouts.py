@@ -1,5 +1,5 @@
-"""LoRA and QLoRA over two ranks (DDP, ZeRO-1/2/3 and hybrid sharding, the optimizer offloaded, pipeline and context parallelism) against
-one plain process: the same losses and adapters under fp32 AdamW's error model, the frozen base bit-unchanged, the
+"""LoRA and QLoRA over two ranks (DDP, ZeRO-1/2/3 and hybrid sharding, the optimizer offloaded, pipeline, context,
+tensor and sequence parallelism) against one plain process: the same losses and adapters under fp32 AdamW's error model, the frozen base bit-unchanged, the
 optimizer state of the adapters only.
 
 The reference is the model converted by `convert_to_lora` and trained by plain PyTorch (`reference_run`); every
@@ -10,12 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_cases import (adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
+from parallel_cases import (TINY, adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
                             reference_run)
 from paratrain.error_model import FP32_ADAMW
 from paratrain.mesh import MeshShape, build_mesh
-from paratrain.parallel.api import DataParallel, parallelize
+from paratrain.models import ModelConfig, Transformer
+from paratrain.parallel.api import DataParallel, TensorParallel, parallelize
 from paratrain.parallel.lora import LoRA, convert_to_lora
+from paratrain.train import train_step
 
 STEPS = 6
 # (ZeRO stage, base dtype, ranks of a shard group: 0 all of them, 1 hybrid sharding's replicas of whole shards)
@@ -24,6 +26,12 @@ CASES = [(0, None, 0), (0, "nf4", 0), (1, None, 0), (2, None, 0), (2, "nf4", 0),
 MESHES = {"pp2": MeshShape(pp=2), "cp2": MeshShape(cp=2), "dp2 offload": MeshShape(dp=2)}
 MESH_CASES = [(mesh, base_dtype) for mesh in MESHES for base_dtype in (None, "nf4")]
 LORA = dict(rank=4, alpha=8, targets=("attention.*", "w1", "w2"))
+# tp2 with sequence parallelism (ZeRO-1, and ZeRO-3 over a model built on the meta device), on a model wide enough
+# that a row-parallel linear's NF4 base splits on whole blocks of 64 (wo's and w2's 128 input features, 64 a rank):
+# (zero, base dtype, LoRA dropout)
+WIDE = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+TP_CASES = [(1, None, 0.0), (1, "nf4", 0.0), (3, "nf4", 0.0), (1, None, 0.25)]
+DROPOUT_SEED = 7  # every rank's generator and the reference's: one process's dropout masks
 
 
 def _adapters(named) -> dict[str, torch.Tensor]:
@@ -51,8 +59,6 @@ def _cases(rank, world):
                                      all(torch.equal(before[n], after[n]) for n in before) and before.keys() == after.keys(),
                                      sum(state), sum(m.numel() for m in model.masters()))
     for name, base_dtype in MESH_CASES:  # the trainer's step: its loss is the global batch's on every rank
-        from paratrain.train import train_step
-
         model, optimizer = parallelize(make_model(), build_mesh(MESHES[name]), optimizer=adamw,
                                        lora=LoRA(**LORA, base_dtype=base_dtype),
                                        data=DataParallel(zero=2, grad_reduction="sum",  # the trainer's
@@ -65,19 +71,37 @@ def _cases(rank, world):
                                      all(torch.equal(before[n], after[n]) for n in before) and before.keys() == after.keys(),
                                      sum(t.numel() for s in optimizer.state.values() for k, t in s.items() if k != "step"),
                                      sum(m.numel() for m in model.masters()))
+    for zero, base_dtype, dropout in TP_CASES:  # both ranks see every batch; each holds half of each split linear
+        with torch.device("meta"):  # ZeRO-3 as the trainer builds it: each rank materializes its slices alone
+            meta = Transformer(WIDE)
+        model, optimizer = parallelize(meta if zero == 3 else make_model(WIDE), build_mesh(MeshShape(tp=2)),
+                                       optimizer=adamw,
+                                       lora=LoRA(**LORA, base_dtype=base_dtype, dropout=dropout),
+                                       tensor=TensorParallel(sequence_parallel=True),
+                                       data=DataParallel(zero=zero, grad_reduction="sum"))
+        before = _frozen(model)
+        torch.manual_seed(DROPOUT_SEED)
+        losses = [train_step(model, optimizer, [batch], 1.0).loss for batch in batches(steps=STEPS)]
+        after = _frozen(model)
+        results["tp2 sp", zero, base_dtype, dropout] = (
+            losses, _adapters(model.full_state_dict().items()),
+            all(torch.equal(before[n], after[n]) for n in before) and before.keys() == after.keys(),
+            sum(t.numel() for s in optimizer.state.values() for k, t in s.items() if k != "step"),
+            sum(m.numel() for m in model.masters()))
     return results
 
 
 _LAUNCH, _REFERENCE = {}, {}
 
 
-def _reference(base_dtype):
-    if base_dtype not in _REFERENCE:
-        model = make_model()
-        convert_to_lora(model, LoRA(**LORA, base_dtype=base_dtype))
+def _reference(base_dtype, cfg: ModelConfig = TINY, dropout: float = 0.0):
+    if (base_dtype, cfg, dropout) not in _REFERENCE:
+        model = make_model(cfg)
+        convert_to_lora(model, LoRA(**LORA, base_dtype=base_dtype, dropout=dropout))
+        torch.manual_seed(DROPOUT_SEED)
         losses, params = reference_run(model, batches(steps=STEPS))
-        _REFERENCE[base_dtype] = losses, _adapters(params.items())
-    return _REFERENCE[base_dtype]
+        _REFERENCE[base_dtype, cfg, dropout] = losses, _adapters(params.items())
+    return _REFERENCE[base_dtype, cfg, dropout]
 
 
 @pytest.mark.parametrize("zero, base_dtype, dp_shard", CASES)
@@ -108,3 +132,19 @@ def test_pipeline_context_parallelism_and_offload_equal_one_process(mesh, base_d
     assert_matches_reference(per_rank[0][0], gathered, ref_losses, ref_adapters, FP32_ADAMW)
     total = sum(t.numel() for t in ref_adapters.values())
     assert sum(masters for *_, masters in per_rank) == total  # every adapter stepped once, on one rank
+
+
+@pytest.mark.parametrize("zero, base_dtype, dropout", TP_CASES)
+def test_tensor_and_sequence_parallelism_equal_one_process(zero, base_dtype, dropout):
+    """tp2 + sp: a column-parallel linear's B and a row-parallel one's A split with the base (an NF4 base quantized
+    whole and its blocks split), the other adapter whole on both ranks; the dropout draws one process's masks."""
+    ref_losses, ref_adapters = _reference(base_dtype, WIDE, dropout)
+    per_rank = [results["tp2 sp", zero, base_dtype, dropout] for results in launch_once(_LAUNCH, 2, _cases, timeout=300)]
+    total = sum(t.numel() for t in ref_adapters.values())
+    split = sum(t.numel() for n, t in ref_adapters.items()
+                if (".lora_B." in n) != any(f".{row}." in n for row in ("wo", "w2")))  # B of a column, A of a row
+    for rank, (losses, adapters, frozen_unchanged, state, masters) in enumerate(per_rank):
+        assert_matches_reference(losses, adapters, ref_losses, ref_adapters, FP32_ADAMW, what=f"rank {rank}")
+        assert frozen_unchanged, "a frozen tensor of the base moved"
+        whole = total - split // 2  # this rank's adapters: the split ones' halves, the others whole
+        assert masters == whole and state == 2 * masters  # (one data rank: ZeRO shards nothing)

@@ -85,3 +85,26 @@ def test_what_nf4_cannot_hold_is_refused_in_one_line(weight, match):
     with pytest.raises(NF4Error, match=match) as error:
         NF4.encode(weight)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tensor_parallel_slice_decodes_to_the_slice_of_the_whole_weight(dtype, tp):
+    """A weight quantized whole (1,152 blocks: five blocks of scales, so ranks' blocks cross factor boundaries),
+    its rows split as the tensor-parallel twins split them (`paratrain.parallel.tensor.adapters`): by output rows,
+    and by input columns ([out, in / 64, 33] split on dim 1); each part, with the whole weight's factors and mean
+    and its `layout`, decodes bit for bit to its slice of the whole weight's decoding."""
+    torch.manual_seed(tp)
+    weight = (torch.randn(96, 768) * 0.02).to(dtype)
+    whole = NF4.encode(weight)
+    decoded, rows, per_row = whole.decode(), whole.rows(), 768 // BLOCK_SIZE
+    for rank in range(tp):
+        blocks, run = rows.shape[0] // tp, per_row // tp
+        by_rows = NF4.from_rows(rows.chunk(tp, 0)[rank], whole.factors, whole.mean, (96 // tp, 768), dtype,
+                                layout=(rank * blocks, blocks, 0))
+        by_columns = NF4.from_rows(rows.reshape(96, per_row, -1).chunk(tp, 1)[rank], whole.factors, whole.mean,
+                                   (96, 768 // tp), dtype, layout=(rank * run, run, per_row))
+        assert torch.equal(by_rows.decode(), decoded.chunk(tp, 0)[rank])
+        assert torch.equal(by_columns.decode(), decoded.chunk(tp, 1)[rank])
+    shifted = NF4.from_rows(rows.chunk(tp, 0)[1], whole.factors, whole.mean, (96 // tp, 768), dtype)
+    assert not torch.equal(shifted.decode(), decoded.chunk(tp, 0)[1])  # without its layout: another block's factors

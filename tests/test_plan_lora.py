@@ -6,6 +6,8 @@ The measured side (a whole step's peak under ZeRO-3 within 10% of the plan) is `
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,13 +26,32 @@ from paratrain.plan.search import SearchSpace, search
 CFG = ModelConfig(vocab_size=256, dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=320, max_seq_len=64)
 
 
-def test_the_planners_adapters_and_base_are_the_converted_models():
-    model = Transformer(CFG)
+MOE = dataclasses.replace(CFG, n_experts=4, top_k=2, expert_ffn_dim=64)
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE, dataclasses.replace(MOE, shared_expert=True)],
+                         ids=["dense", "moe", "moe shared"])
+def test_the_planners_adapters_and_base_are_the_converted_models(cfg):
+    """The default targets: every block linear (a mixture's router and shared expert; its routed experts, grouped
+    tensors, stay frozen in the compute dtype)."""
+    model = Transformer(cfg)
     convert_to_lora(model, LoRA(8))
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     targets = sum(m.weight.numel() for name, m in model.named_modules() if hasattr(m, "lora_A"))
-    assert adapters == CFG.n_layers * plan_lora.adapter_params(CFG, 8)
-    assert targets == CFG.n_layers * plan_lora.target_params(CFG)
+    assert adapters == cfg.n_layers * plan_lora.adapter_params(cfg, 8)
+    assert targets == cfg.n_layers * plan_lora.target_params(cfg)
+    assert sum(p.numel() for p in model.layers["0"].parameters()) == plan_lora.block_params(cfg) + \
+        plan_lora.adapter_params(cfg, 8)
+
+
+def test_a_mixture_of_experts_plans_its_frozen_experts_at_the_compute_dtypes_bytes():
+    """QLoRA on a mixture: the targets in NF4, the routed experts (no linears) whole in bf16; `plan` answers."""
+    nf4 = estimate_memory(Workload.for_model(MOE, seq_len=64, lora=8, base_dtype="nf4"), Layout())
+    plain = estimate_memory(Workload.for_model(MOE, seq_len=64, lora=8), Layout())
+    targets = MOE.n_layers * plan_lora.target_params(MOE)
+    assert plain.params - nf4.params == pytest.approx(targets * (2 - nf4_bytes_per_parameter(2)))
+    assert main(["plan", "--model", "mixtral-8x7b", "--seq-len", "2048", "--lora", "16", "--base-dtype", "nf4",
+                 "--gpus", "8"]) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -40,6 +61,30 @@ def test_nf4_bytes_per_parameter_are_the_codecs(dtype):
     mean = packed.mean.nbytes
     assert (packed.nbytes() - mean) / weight.numel() == nf4_bytes_per_parameter(dtype.itemsize)
     assert packed.rows().nbytes + packed.factors.nbytes == packed.nbytes() - mean
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_tensor_parallelism_splits_the_base_and_one_adapter_of_each_linear(zero):
+    """tp2: a column-parallel linear's B and a row-parallel one's (o, down) A split with the base, the other adapter
+    whole on both ranks (as `paratrain.parallel.tensor.adapters` splits the converted model's); the frozen targets
+    and the tables halved, the norms whole."""
+    model = Transformer(CFG)
+    convert_to_lora(model, LoRA(8))
+    split = {name: (m.lora_A.weight.numel() // 2 + m.lora_B.weight.numel() if name.endswith(("wo", "w2"))
+                    else m.lora_A.weight.numel() + m.lora_B.weight.numel() // 2)
+             for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert sum(split.values()) == CFG.n_layers * plan_lora.adapter_params(CFG, 8, tp=2)
+    workload = Workload.for_model(CFG, seq_len=64, lora=8, base_dtype="nf4")
+    lora = estimate_memory(workload, Layout(dp=2, tp=2, zero=zero))
+    alone = estimate_memory(Workload.for_params(sum(split.values()), seq_len=64), Layout(dp=2, zero=zero))
+    assert (lora.grads, lora.master_weights, lora.adam_moments) == (alone.grads, alone.master_weights,
+                                                                     alone.adam_moments)
+    frozen = sum(p.numel() // (1 if name.endswith("norm.weight") else 2) for name, p in model.named_parameters()
+                 if not p.requires_grad and ".weight_nf4" not in name and not any(f"{t}.weight" == name
+                                                                                  for t in split))
+    targets = CFG.n_layers * plan_lora.target_params(CFG) / 2
+    base = (targets * nf4_bytes_per_parameter(2) + frozen * 2) / (2 if zero == 3 else 1)
+    assert lora.params == pytest.approx(alone.params + base)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -109,7 +154,7 @@ def test_seventy_billion_parameters_on_two_24_gb_gpus():
 @pytest.mark.parametrize("argv, message", [
     (["--base-dtype", "nf4"], "--base-dtype nf4 without --lora RANK"),
     (["--lora", "0"], "--lora must be a positive integer"),
-    (["--lora", "8", "--tp", "2"], "LoRA with --tp is not supported yet"),
+    (["--lora", "8", "--fp8", "tensorwise"], "LoRA with --fp8 is not supported yet"),
 ])
 def test_bad_lora_plans_are_one_line_errors(argv, message, capsys):
     assert main(["plan", "--model", "llama2-7b", "--seq-len", "2048", *argv]) == 2

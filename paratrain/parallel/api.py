@@ -250,7 +250,7 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
 
     # -- the model as the user built it ------------------------------------------------------------------------
     # 1. LoRA converts it before any strategy: each sees the frozen base and the adapters.
-    lora_targets = _apply_lora(model, lora, comm, policy, init, tensor, fp8)
+    lora_targets = _apply_lora(model, lora, comm, policy, init, fp8)
     # 2. Context parallelism reads its forward's signature (how it takes positions), which no step below changes;
     #    it never touches the parameters. The head the loss fuses into is named on the whole model too (the
     #    pipeline's split keeps names: the last stage holds it).
@@ -296,8 +296,9 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
                             optimizer=build_optimizer)
     return wrapped, wrapped.optimizer
 
+
 def _apply_lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precision, init: Initializer,
-                tensor: TensorParallel, fp8) -> list[str]:
+                fp8) -> list[str]:
     """The names of the linears given adapters, their values read through `init` (`LoRAValues`): none without
     `lora`; refused in one line with a strategy that does not honour it yet."""
     if lora is None:
@@ -305,8 +306,7 @@ def _apply_lora(model: nn.Module, lora: LoRA | None, comm: Comm, policy: Precisi
     from paratrain.parallel.lora import LoRAError, LoRAValues, convert_to_lora
 
     mesh = comm.mesh
-    unsupported = rules.unsupported_with_lora(tp=max(mesh.size(Axis.TP), 2 if tensor.plan else 1),
-                                        ep=mesh.size(Axis.EP), fp8=fp8)
+    unsupported = rules.unsupported_with_lora(ep=mesh.size(Axis.EP), fp8=fp8)
     if unsupported:
         raise ParallelConfigError(rules.lora_refusal(unsupported))
     init.default_to(model, _default_init)

@@ -152,17 +152,18 @@ class LoRAValues:
         if is_adapter(name):
             return adapter_init(name, shape, self.seed)
         if part in NF4_PARTS and self.bases.get(module) is not None:
-            return self._nf4_part(init, module, part)
+            return self._nf4_part(init, module, part, shape)
         return init(name, shape)
 
-    def _nf4_part(self, init: Callable, module: str, part: str) -> torch.Tensor:
+    def _nf4_part(self, init: Callable, module: str, part: str, shape) -> torch.Tensor:
         if module not in self.encoded:
-            shape, dtype, block_size, scaler_block_size = self.bases[module]
-            weight = init(f"{module}.weight", shape).to(device=self.device, dtype=dtype)
+            whole, dtype, block_size, scaler_block_size = self.bases[module][:4]
+            weight = init(f"{module}.weight", whole).to(device=self.device, dtype=dtype)
             self.encoded.clear()
             self.encoded[module] = NF4.encode(weight, block_size, scaler_block_size)
         packed = self.encoded[module]
-        return {"weight_nf4": packed.rows(), "weight_nf4_factors": packed.factors, "weight_nf4_mean": packed.mean}[part]
+        value = {"weight_nf4": packed.rows(), "weight_nf4_factors": packed.factors, "weight_nf4_mean": packed.mean}[part]
+        return value.reshape(shape)  # (a row-parallel split asks for the rows as [out, in / 64, 33])
 
 
 class _NF4Matmul(torch.autograd.Function):
@@ -183,7 +184,35 @@ class _NF4Matmul(torch.autograd.Function):
         return grad @ weight, None, None, None, None
 
 
-class LoRALinear(nn.Linear):
+class LoRAComputation:
+    """What a linear with a frozen base and adapters computes, whatever holds its parameters: `LoRALinear` (the
+    whole weight), and under tensor parallelism the twins of the column- and row-parallel layers
+    (`paratrain.parallel.tensor.adapters`, each holding its slice of the base and of one adapter)."""
+
+    lora_A: nn.Module
+    lora_B: nn.Module
+    lora_dropout: nn.Module
+    scaling: float
+    nf4: tuple | None = None  # an NF4 base's (shape, dtype, block size, scaler block size[, layout]); its tensors: NF4_PARTS
+
+    def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x · Wᵀ (+ bias) with the frozen base, in x's dtype (an NF4 base decoded for this matmul alone)."""
+        if self.nf4 is not None:
+            base = _NF4Matmul.apply(x, self.weight_nf4, self.weight_nf4_factors, self.weight_nf4_mean, self.nf4)
+            return base if bias is None else base + bias.to(base.dtype)
+        return F.linear(x, self.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def adapter_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapters' input: x (in the adapters' dtype) after the dropout."""
+        return self.lora_dropout(x.to(self.lora_A.weight.dtype))
+
+    def lora_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The base's output plus scaling · B · A · dropout(x), in the base output's dtype."""
+        base = self.base_matmul(x, bias)
+        return base + (self.lora_B(self.lora_A(self.adapter_input(x))) * self.scaling).to(base.dtype)
+
+
+class LoRALinear(LoRAComputation, nn.Linear):
     """An `nn.Linear` with a frozen base and trainable low-rank adapters (`convert_to_lora` makes it in place).
 
     The base weight is the parameter `weight` (frozen), or with an NF4 base the frozen parameters `NF4_PARTS`
@@ -191,17 +220,9 @@ class LoRALinear(nn.Linear):
 
     lora_A: nn.Linear
     lora_B: nn.Linear
-    scaling: float
-    nf4: tuple | None = None  # an NF4 base's (shape, dtype, block size, scaler block size); its tensors: NF4_PARTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.nf4 is not None:
-            base = _NF4Matmul.apply(x, self.weight_nf4, self.weight_nf4_factors, self.weight_nf4_mean, self.nf4)
-            base = base if self.bias is None else base + self.bias.to(base.dtype)
-        else:
-            base = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        adapted = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
-        return base + (adapted * self.scaling).to(base.dtype)
+        return self.lora_matmul(x, self.bias)
 
     def _packed(self) -> NF4:
         """The NF4 base over this module's parameters as they are now."""

@@ -24,7 +24,9 @@ A weight's bytes: numel / 2 for the codes, numel / 64 for the int8 scales, and o
 
 Held as rows (`rows`, `from_rows`): one uint8 row per block, its block_size / 2 code bytes then its scale's byte,
 beside the factors and the mean. Rows split anywhere split on whole blocks, and a block decodes from its row, the
-factors and the mean alone: so ZeRO-3 shards and gathers an NF4 weight by rows, in its 4-bit form.
+factors and the mean alone: so ZeRO-3 shards and gathers an NF4 weight by rows, in its 4-bit form. A part of the
+rows (a tensor-parallel shard: whole output rows, or of each output row the blocks of some input columns) decodes
+with the whole weight's factors and mean, given where its blocks lie in the whole weight's (`NF4.layout`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class NF4:
     dtype: torch.dtype
     block_size: int = NF4_BLOCK_SIZE
     scaler_block_size: int = NF4_SCALER_BLOCK_SIZE
+    # None: the whole weight's blocks. Else a part of a weight (a tensor-parallel shard) whose factors and mean are
+    # the whole weight's: (offset, run, stride), its block b being the whole weight's block
+    # offset + (b // run) · stride + b % run (runs of `run` blocks, `stride` apart), whose factor it decodes with.
+    layout: tuple[int, int, int] | None = None
 
     @classmethod
     @torch.no_grad()
@@ -93,21 +99,30 @@ class NF4:
 
     def block_scales(self) -> torch.Tensor:
         """Each block's scale as decoding uses it: int8 scale / its scaler block's factor + mean, in the dtype."""
-        per_scale = self.factors.repeat_interleave(self.scaler_block_size)[:self.scales.numel()]
+        if self.layout is None:
+            per_scale = self.factors.repeat_interleave(self.scaler_block_size)[:self.scales.numel()]
+        else:
+            offset, run, stride = self.layout
+            local = torch.arange(self.scales.numel(), device=self.scales.device)
+            per_scale = self.factors[(offset + local // run * stride + local % run) // self.scaler_block_size]
         return (self.scales / per_scale).to(self.dtype) + self.mean
 
     def rows(self) -> torch.Tensor:
-        """The codes and scales as uint8 [blocks, block_size / 2 + 1]: each block's codes, then its scale's byte."""
+        """The codes and scales as uint8 [blocks, block_size / 2 + 1]: each block's codes, then its scale's byte
+        (`from_rows` takes them in any shape whose last dim is that row: [out, in / block_size, ...] to split by
+        input columns)."""
         codes = self.codes.reshape(-1, self.block_size // 2)
         return torch.cat([codes, self.scales.view(torch.uint8).unsqueeze(1)], dim=1)
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor, shape: torch.Size,
                   dtype: torch.dtype, block_size: int = NF4_BLOCK_SIZE,
-                  scaler_block_size: int = NF4_SCALER_BLOCK_SIZE) -> NF4:
-        """The weight whose `rows` (views: nothing copied), factors and mean these are."""
+                  scaler_block_size: int = NF4_SCALER_BLOCK_SIZE, layout: tuple[int, int, int] | None = None) -> NF4:
+        """The weight (or with `layout`, the part of one) whose `rows` (views: nothing copied), factors and mean
+        these are."""
+        rows = rows.reshape(-1, rows.shape[-1])
         return cls(rows[:, :-1], rows[:, -1].view(torch.int8), factors, mean.reshape(()), torch.Size(shape), dtype,
-                   block_size, scaler_block_size)
+                   block_size, scaler_block_size, layout)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scales": self.scales, "factors": self.factors, "mean": self.mean}
@@ -118,7 +133,7 @@ class NF4:
     def to(self, device) -> NF4:
         moved = {name: t.to(device) for name, t in self.tensors().items()}
         return NF4(**moved, shape=self.shape, dtype=self.dtype, block_size=self.block_size,
-                   scaler_block_size=self.scaler_block_size)
+                   scaler_block_size=self.scaler_block_size, layout=self.layout)
 
 
 def check_encodable(shape, dtype: torch.dtype, block_size: int = NF4_BLOCK_SIZE) -> None:

@@ -58,24 +58,25 @@ def nf4_bytes_per_parameter(dtype_bytes: int, block_size: int = NF4_BLOCK_SIZE,
     return 0.5 + 1 / block_size + dtype_bytes / (block_size * scaler_block_size)
 
 
-def unsupported_with_lora(tp: int = 1, ep: int = 1, fp8=None) -> list[str]:
+def unsupported_with_lora(ep: int = 1, fp8=None) -> list[str]:
     """The strategies of a layout that do not honour LoRA yet, by their options' names (empty: it runs).
 
     DDP and ZeRO-1/2/3 (hybrid sharding too) reduce and shard only the parameters that train, so the adapters
     alone (ZeRO-3 shards and gathers the frozen base too, at its stored bytes, and never reduces it), and so do the
     pipeline's stages, the context-parallel ring, the optimizer's offload to the host, full and selective
-    recomputation and compiled blocks (each tested against one process). The tensor-parallel plan splits a base
-    linear and loses its adapters; expert parallelism is untested with frozen parameters; FP8 converts the same
-    linears.
+    recomputation and compiled blocks; tensor parallelism (with sequence parallelism) splits each adapter with its
+    base linear (`paratrain.parallel.tensor.adapters`; each tested against one process). Expert parallelism is
+    untested with frozen parameters; FP8 converts the same linears.
     """
-    asked = {"--tp": tp > 1, "--ep": ep > 1, "--fp8": bool(fp8)}
+    asked = {"--ep": ep > 1, "--fp8": bool(fp8)}
     return [name for name, on in asked.items() if on]
 
 
 def lora_refusal(names: list[str]) -> str:
     """The one-line refusal of LoRA with the strategies `unsupported_with_lora` named."""
-    return (f"LoRA with {', '.join(names)} is not supported yet (it runs with DDP, ZeRO-1/2/3, pipeline and context "
-            f"parallelism, offload, recomputation and compile); drop {'it' if len(names) == 1 else 'them'}")
+    return (f"LoRA with {', '.join(names)} is not supported yet (it runs with DDP, ZeRO-1/2/3, tensor, sequence, "
+            f"pipeline and context parallelism, offload, recomputation and compile); drop "
+            f"{'it' if len(names) == 1 else 'them'}")
 
 
 class Recompute(str, Enum):

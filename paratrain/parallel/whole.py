@@ -49,10 +49,12 @@ def full_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
 def frozen_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
     """Every frozen parameter (`requires_grad=False`: a LoRA base) of this rank's part of the model, whole, in its
     stored dtype, by the module's names, in the module's order (collective under ZeRO-3, which gathers each in
-    turn over the data ranks)."""
+    turn over the data ranks, and under tensor parallelism, which gathers a split one over tp: an NF4 base split by
+    input columns arrives as its rows [out, in / 64, 33], the same bytes as one process's [blocks, 33])."""
+    whole = (lambda name, value: value) if model.tp_info is None else model.tp_info.gather
     if model.engine.params_sharded and model.pipeline is None:
-        yield from model.engine.frozen_parameters()
-        return
-    for name, param in model.module.named_parameters():
-        if not param.requires_grad:
-            yield name, param.detach()
+        named = model.engine.frozen_parameters()
+    else:
+        named = ((name, param.detach()) for name, param in model.module.named_parameters() if not param.requires_grad)
+    for name, value in named:
+        yield name, whole(name, value)

@@ -36,7 +36,7 @@ def comm_buffer_parts(workload, layout, stage_params: float) -> tuple[float, flo
         return 0.0, 0.0
     replicating = 1 / lay.shard_ranks if lay.dp_replicate > 1 else 0.0  # a shard on its way between replicas
     if lay.zero == 3 and workload.lora:  # the units at their stored bytes, the adapters' gradients alone
-        gathered, grads = zero3_units(workload)
+        gathered, grads = zero3_units(workload, lay.tp)
         return ZERO3_PREFETCH_UNITS * gathered, ZERO3_PREFETCH_UNITS * grads + grads * replicating
     if lay.zero == 3:
         block = block_param_count(model)

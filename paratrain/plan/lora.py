@@ -2,13 +2,17 @@
 costs, and what its matmuls skip.
 
 The run it models is `paratrain.parallel.lora`'s with its default targets: adapters A [r, in] and B [out, r] beside
-every linear of every block (attention's q, k, v, o and the MLP's three), the rest of the model frozen.
+every linear of every block (attention's q, k, v, o and the MLP's three; in a mixture of experts the router and the
+shared expert's three, the routed experts being grouped tensors, not linears: frozen, in the compute dtype, never
+targets), the rest of the model frozen.
 
 - Model states. The adapters (r · (in + out) per linear) train as any parameters do (`model_state_bytes`: their
   masters, gradients and optimizer state, sharded by the ZeRO stage). The frozen base has no gradient, no master and
   no optimizer state: its target weights cost their stored bytes (the compute dtype's, bf16's 2, or NF4's
   `paratrain.parallel.rules.nf4_bytes_per_parameter`: about 0.52), the rest (embeddings, norms, head) the compute dtype's;
-  ZeRO-3 shards all of it over its shard group, the other stages hold it whole.
+  ZeRO-3 shards all of it over its shard group, the other stages hold it whole. Tensor parallelism splits each
+  target weight over tp and one adapter with it (B of a column-parallel linear, A of a row-parallel one: o and
+  down), the other adapter whole on every tp rank (`paratrain.parallel.tensor.adapters`).
 - Communication buffers under ZeRO-3: the gathered units at those stored bytes (an NF4 block gathers its 4-bit
   rows), the gradients in flight the adapters' alone.
 - Activations: each adapted linear also keeps A's output (b · s · r) for B's backward; a frozen matmul keeps no
@@ -25,6 +29,7 @@ from __future__ import annotations
 from paratrain.models.configs import ModelConfig
 from paratrain.parallel.rules import (LORA_BASE_DTYPES, Recompute, lora_refusal, nf4_bytes_per_parameter,
                                       unsupported_with_lora)
+from paratrain.plan import moe
 from paratrain.plan.errors import PlanError
 from paratrain.plan.model_states import (DTYPE_BYTES, ModelStates, block_param_count, layers_on_stage,
                                          model_state_bytes, stage_param_count)
@@ -43,15 +48,13 @@ def check_lora(rank: int | None, base_dtype: str | None, model: ModelConfig | No
         raise PlanError(f"--base-dtype {base_dtype!r} is not one of: {', '.join(LORA_BASE_DTYPES)}")
     if model is None:
         raise PlanError("--lora needs the model's shape (--model or --n-layers/--dim/--n-heads), not --params")
-    if model.is_moe:
-        raise PlanError("--lora: the planner models LoRA on dense models; a mixture of experts is not modelled yet")
 
 
 def run_options(model: ModelConfig, rank: int | None, base_dtype: str | None, targets: str | None) -> dict:
     """A run's LoRA options (`--lora`, `--base-dtype`, `--lora-targets`) as `Workload` fields: the planner models
     every block linear adapted, so a run naming its targets is planned with that many adapters and its base in
-    the compute dtype, and a mixture of experts as if every parameter trained (no fewer bytes than the run holds)."""
-    if not rank or model.is_moe:
+    the compute dtype (no fewer bytes than the run holds)."""
+    if not rank:
         return {}
     return {"lora": rank, "base_dtype": None if targets else (base_dtype or None)}
 
@@ -60,24 +63,39 @@ def lora_violation(workload, layout) -> str | None:
     """Why a layout cannot run `workload`'s LoRA (`paratrain.parallel.rules.unsupported_with_lora`), or None."""
     if not workload.lora:
         return None
-    unsupported = unsupported_with_lora(tp=layout.tp, ep=layout.ep, fp8=workload.fp8)
+    unsupported = unsupported_with_lora(ep=layout.ep, fp8=workload.fp8)
     return lora_refusal(unsupported) if unsupported else None
 
 
-def target_shapes(model: ModelConfig) -> list[tuple[int, int]]:
-    """(in, out) of each linear of one block: the adapted ones."""
-    h, q, kv, f = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.ffn_dim
-    return [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+def target_shapes(model: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(in, out, row-parallel) of each linear of one block, the adapted ones: q, k, v, o, and the MLP's gate, up,
+    down, or a mixture's router and shared expert's three; row-parallel: o and down split their input over tp."""
+    h, q, kv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    attention = [(h, q, False), (h, kv, False), (h, kv, False), (q, h, True)]
+    if not model.is_moe:
+        f = model.ffn_dim
+        return attention + [(h, f, False), (h, f, False), (f, h, True)]
+    f = model.expert_hidden_dim
+    return attention + [(h, model.n_experts, False)] + ([(h, f, False), (h, f, False), (f, h, True)]
+                                                         if model.shared_expert else [])
 
 
-def adapter_params(model: ModelConfig, rank: int) -> int:
-    """Adapter parameters of one block: r · (in + out) per linear."""
-    return rank * sum(i + o for i, o in target_shapes(model))
+def adapter_params(model: ModelConfig, rank: int, tp: int = 1) -> int:
+    """Adapter parameters of one block on one tp rank: r · (in + out) per linear, tp splitting B's out of a
+    column-parallel linear and A's in of a row-parallel one."""
+    return rank * sum(i // tp + o if row else i + o // tp for i, o, row in target_shapes(model))
 
 
-def target_params(model: ModelConfig) -> int:
-    """Frozen base parameters of one block's adapted linears (everything but its norms)."""
-    return block_param_count(model) - 2 * model.dim
+def target_params(model: ModelConfig, tp: int = 1) -> int:
+    """Frozen base parameters of one block's adapted linears, on one tp rank."""
+    return -(-sum(i * o for i, o, _ in target_shapes(model)) // tp)
+
+
+def block_params(model: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one block on one tp rank, as `stage_param_count` splits them, the routed experts whole on
+    every rank (LoRA runs without expert parallelism)."""
+    norms, routed = 2 * model.dim, moe.routed_params_per_layer(model)
+    return -(-(block_param_count(model) - norms) // tp) - -(-routed // tp) + routed + norms
 
 
 def base_bytes(workload) -> float:
@@ -90,10 +108,10 @@ def stage_states(workload, layout, stage: int) -> ModelStates:
     """Model states of one rank of `stage` under LoRA: the adapters', and the frozen base at its stored bytes."""
     model, lay = workload.model, layout
     layers = layers_on_stage(model.n_layers, lay.pp, stage)
-    trained = model_state_bytes(layers * adapter_params(model, workload.lora), lay.shard_ranks, lay.zero,
+    trained = model_state_bytes(layers * adapter_params(model, workload.lora, lay.tp), lay.shard_ranks, lay.zero,
                                 workload.precision, workload.reduce_dtype, lay.offload)
-    targets = layers * target_params(model)
-    rest = stage_param_count(model, 1, lay.pp, stage) - targets
+    targets = layers * target_params(model, lay.tp)
+    rest = _tables(model, lay.tp, lay.pp, stage) + layers * block_params(model, lay.tp) - targets
     frozen = (targets * base_bytes(workload) + rest * DTYPE_BYTES[workload.precision]) / \
         (lay.shard_ranks if lay.zero == 3 else 1)
     on_host = lay.offload == "params"  # ZeRO-3's shards kept on the host, the frozen ones with the rest
@@ -103,61 +121,72 @@ def stage_states(workload, layout, stage: int) -> ModelStates:
 def stage_adapters(workload, layout, stage: int) -> float:
     """Adapter parameters one rank of `stage` holds before ZeRO sharding: the ones that train."""
     return float(layers_on_stage(workload.model.n_layers, layout.pp, stage) * adapter_params(workload.model,
-                                                                                               workload.lora))
+                                                                                               workload.lora, layout.tp))
 
 
 def zero3_gathered_bytes(workload, layout, stage: int) -> float:
     """Bytes one rank of `stage` all-gathers per micro-batch under ZeRO-3: each block twice (forward, and again
     for its backward) at its stored bytes, the embedding and the head once (frozen, whole in the compute dtype:
     neither unit's backward gathers)."""
-    model, compute = workload.model, DTYPE_BYTES[workload.precision]
+    model, compute, tp = workload.model, DTYPE_BYTES[workload.precision], layout.tp
     layers = layers_on_stage(model.n_layers, layout.pp, stage)
-    block = target_params(model) * base_bytes(workload) + (2 * model.dim + adapter_params(model, workload.lora)) * \
-        compute
-    tables = stage_param_count(model, 1, layout.pp, stage) - layers * block_param_count(model)
-    return 2 * layers * block + tables * compute
+    block = target_params(model, tp) * base_bytes(workload) + (
+        block_params(model, tp) - target_params(model, tp) + adapter_params(model, workload.lora, tp)) * compute
+    return 2 * layers * block + _tables(model, tp, layout.pp, stage) * compute
 
 
-def zero3_units(workload) -> tuple[float, float]:
-    """(bytes of the largest unit gathered, bytes of one block unit's gradients) under ZeRO-3: a block holds its
-    frozen targets, norms and adapters (in the compute dtype); the root unit the frozen rest."""
+def _tables(model: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """Parameters of one tp rank of `stage` outside its blocks: the embedding, the final norm, the head."""
+    return stage_param_count(model, tp, pp, stage) - layers_on_stage(model.n_layers, pp, stage) * (
+        -(-(block_param_count(model) - 2 * model.dim) // tp) + 2 * model.dim)
+
+
+def zero3_units(workload, tp: int = 1) -> tuple[float, float]:
+    """(bytes of the largest unit gathered, bytes of one block unit's gradients) on one tp rank under ZeRO-3: a
+    block holds its frozen targets, norms and adapters (in the compute dtype); the root unit the frozen rest."""
     model, compute = workload.model, DTYPE_BYTES[workload.precision]
-    adapters = adapter_params(model, workload.lora)
-    block = target_params(model) * base_bytes(workload) + (2 * model.dim + adapters) * compute
-    root = (model.num_params() - model.n_layers * block_param_count(model)) * compute
+    adapters = adapter_params(model, workload.lora, tp)
+    block = target_params(model, tp) * base_bytes(workload) + (block_params(model, tp) - target_params(model, tp)
+                                                                + adapters) * compute
+    root = (model.num_params() - model.n_layers * block_param_count(model)) / tp * compute
     return max(block, root), adapters * DTYPE_BYTES[workload.reduce_dtype or workload.precision]
 
 
-def activation_bytes_per_layer(workload, tokens: float, recompute: Recompute, compiled: bool) -> float:
+def activation_bytes_per_layer(workload, tokens: float, recompute: Recompute, compiled: bool,
+                               sequence_split: int = 1) -> float:
     """What LoRA changes in one layer's activations as `recompute` keeps them: A's output of each adapted linear,
     kept for B's backward (a matmul's output: selective recomputation keeps it too; full keeps the layer's input
-    alone), less, where an eager block keeps its norms' normalized values (no recomputation), those of the two
-    frozen norms (no weight gradient reads them)."""
+    alone; under tensor parallelism every rank's is [tokens, r], of the whole sequence), less, where an eager block
+    keeps its norms' normalized values (no recomputation), those of the two frozen norms (no weight gradient reads
+    them; 1/`sequence_split` of the tokens each under sequence parallelism)."""
     if recompute is Recompute.FULL:
         return 0.0
     p = DTYPE_BYTES[workload.precision]
-    norms = 2 * workload.model.dim if recompute is Recompute.NONE and not compiled else 0
+    norms = 2 * workload.model.dim / sequence_split if recompute is Recompute.NONE and not compiled else 0
     return tokens * p * (len(target_shapes(workload.model)) * workload.lora - norms)
 
 
-def final_norm_bytes(workload, tokens: float) -> float:
+def final_norm_bytes(workload, tokens: float, sequence_split: int = 1) -> float:
     """What LoRA changes in the last stage's own activations: the frozen final norm's normalized value, not kept."""
-    return -tokens * DTYPE_BYTES[workload.precision] * workload.model.dim
+    return -tokens * DTYPE_BYTES[workload.precision] * workload.model.dim / sequence_split
 
 
-def decode_bytes(workload) -> float:
+def decode_bytes(workload, tp: int = 1) -> float:
     """The transient of an adapted matmul whose weight is stored narrower than it computes: the largest weight
-    decoded (NF4: with its int32 code indices) or cast to the compute dtype; 0 where it computes as stored."""
+    (its tp rank's slice) decoded (NF4: with its int32 code indices) or cast to the compute dtype; 0 where it
+    computes as stored."""
     compute = DTYPE_BYTES[workload.precision]
-    largest = max(i * o for i, o in target_shapes(workload.model))
+    largest = max(i * o for i, o, _ in target_shapes(workload.model)) / tp
     if workload.base_dtype == "nf4":
         return largest * (compute + 2)
     return largest * compute if base_bytes(workload) < compute else 0.0
 
 
 def frozen_matmul_params(model: ModelConfig) -> int:
-    """Parameters of the frozen matmuls whose weight gradient a LoRA step skips: every block linear and the head."""
-    return model.n_layers * target_params(model) + model.vocab_size * model.dim
+    """Parameters of the frozen matmuls a token passes whose weight gradient a LoRA step skips: every block linear,
+    the routed experts it is sent to (top_k of them) and the head."""
+    routed = model.top_k * moe.one_expert_params(model) if model.is_moe else 0
+    return model.n_layers * (target_params(model) + routed) + model.vocab_size * model.dim
 
 
 def flops_per_token(workload) -> float:

@@ -395,15 +395,17 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
                                                   lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
                                                   workload.moe_imbalance)
     if workload.lora:
-        per_layer += lora.activation_bytes_per_layer(workload, s // lay.cp * b, lay.recompute, lay.compile)
+        per_layer += lora.activation_bytes_per_layer(workload, s // lay.cp * b, lay.recompute, lay.compile,
+                                                     lay.tp if lay.sequence_parallel else 1)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
-    transient = max(recompute_working_bytes(workload, layout), lora.decode_bytes(workload) if workload.lora else 0.0)
+    transient = max(recompute_working_bytes(workload, layout),
+                    lora.decode_bytes(workload, lay.tp) if workload.lora else 0.0)
     if stage == lay.pp - 1:  # the loss's transient comes before any block's backward: never beside a recomputed one
         kept, loss_transient = loss_stage_bytes(s // lay.cp * b, model.dim, model.vocab_size, lay.tp,
                                                 lay.sequence_parallel, workload.precision,
                                                 workload.flash_attention and lay.cp == 1, workload.loss_chunk)
         if workload.lora:
-            kept += lora.final_norm_bytes(workload, s // lay.cp * b)
+            kept += lora.final_norm_bytes(workload, s // lay.cp * b, lay.tp if lay.sequence_parallel else 1)
         total, transient = total + kept * in_flight, max(transient, loss_transient)
     total += transient
     if lay.cp > 1:
@@ -459,7 +461,7 @@ def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelS
     """Model states of one rank of `stage`: the dense parameters ZeRO-sharded over the shard group, the
     routed experts (E/ep per layer) over their replica group (`paratrain.plan.moe.expert_shard_ranks`)."""
     w, lay = workload, layout
-    if w.lora:  # (a dense model: `lora.check_lora`)
+    if w.lora:  # (without expert parallelism: `lora.lora_violation`)
         return lora.stage_states(w, lay, stage)
     experts = stage_expert_params(w, lay, stage)
     muon = stage_muon_params(w, lay, stage, experts)  # (every routed weight is an expert's matrix)
@@ -492,8 +494,7 @@ def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakd
     """Memory of one rank of pipeline stage `stage`."""
     psi = stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
     if workload.lora:  # only the adapters have gradients to reduce
-        psi = layers_on_stage(workload.model.n_layers, layout.pp, stage) * lora.adapter_params(workload.model,
-                                                                                                workload.lora)
+        psi = lora.stage_adapters(workload, layout, stage)
     states = stage_model_states(workload, layout, stage)
     gathered, gradient_buffers = comm_buffer_parts(workload, layout, psi)
     return MemoryBreakdown(

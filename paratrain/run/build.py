@@ -355,12 +355,15 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
 
 def check_lora_targets(cfg: Config, model_cfg: ModelConfig) -> None:
     """--lora-targets against the model built on the meta device (no memory), before any process starts: a pattern
-    that matches no linear, or an NF4 base of a weight that is not whole blocks, refused in one line."""
+    that matches no linear, or an NF4 base of a weight that is not whole blocks (or that tp splits across blocks),
+    refused in one line."""
     lora = lora_options(cfg)
     if lora is None:
         return
     from paratrain.parallel.lora import LoRAError, target_names
     from paratrain.parallel.nf4 import NF4Error, check_encodable
+    from paratrain.parallel.tensor.collectives import TensorParallelError
+    from paratrain.parallel.tensor.plan import PlannedModel, check_nf4_bases
 
     model = meta_model(model_cfg)
     try:
@@ -368,7 +371,10 @@ def check_lora_targets(cfg: Config, model_cfg: ModelConfig) -> None:
         if lora.base_dtype == "nf4":
             for name in names:
                 check_encodable(model.get_submodule(name).weight.shape, torch.bfloat16)
-    except (LoRAError, NF4Error) as e:
+            if cfg.parallel.tp > 1 and isinstance(model, PlannedModel):  # split on whole blocks
+                plan = model.tensor_parallel_plan(cfg.parallel.sequence_parallel)
+                check_nf4_bases(model, plan, cfg.parallel.tp, names)
+    except (LoRAError, NF4Error, TensorParallelError) as e:
         raise ConfigError(f"--lora-targets: {e}" if lora.targets and isinstance(e, LoRAError) else str(e)) from None
 
 

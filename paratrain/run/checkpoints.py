@@ -177,7 +177,7 @@ class TrainingCheckpoints:
         if self.rank == 0:
             new_stage = f"; a new stage, {' and '.join(stage)} started afresh" if stage else ""
             dropped = truncate_metrics(self.out, step)
-            rng = "" if restored else "; RNG states not restored (the layout changed; training draws no random numbers)"
+            rng = "" if restored else "; rank 0's RNG states restored on every rank (the layout changed)"
             saved = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime((Path(reader.path) / MANIFEST_FILE).stat().st_mtime))
             self.log(f"paratrain: resumed from {reader.path} at step {reader.step} (saved {saved} by "
                      f"{describe_layout(shared['layout'])})"
@@ -186,8 +186,8 @@ class TrainingCheckpoints:
         return step, tokens_seen
 
     def _load(self, reader: CheckpointReader, stage: list[str], state_rank: int) -> tuple[dict, bool]:
-        """Load the model, optimizer, sampler (unless the stage resets 'data'), loss scale, guard and, under the same
-        layout, the RNG states saved by `state_rank` from `reader`; return (its shared state, whether RNG was)."""
+        """Load the model, optimizer, sampler (unless the stage resets 'data'), loss scale, guard and the RNG states
+        (`_restore_rng`) from `reader`; return (its shared state, whether the layout was the saved one)."""
         shared = reader.shared_state()
         missing = [key for key in _SHARED_KEYS if key not in shared]
         if missing:
@@ -272,10 +272,13 @@ class TrainingCheckpoints:
         return reader
 
     def _restore_rng(self, reader: CheckpointReader, saved_layout: dict, state_rank: int) -> bool:
-        if with_layout_defaults(saved_layout) != self.layout():
-            return False
-        set_rng_state(reader.rank_state(state_rank)["rng"])
-        return True
+        """Restore the RNG states that LoRA's dropout draws its masks from: under the saved layout each rank those
+        `state_rank` saved; under another, rank 0's on every rank (the ranks' generators agree, as at a fresh
+        start: a column-parallel adapter's input is the same on every tp rank and must get the same mask, and the
+        stream goes on from where the run stopped). Whether the layout was the saved one."""
+        same = with_layout_defaults(saved_layout) == self.layout()
+        set_rng_state(reader.rank_state(state_rank if same else 0)["rng"])
+        return same
 
     def _layout_change(self, saved: dict) -> str:
         now, saved = self.layout(), with_layout_defaults(saved)

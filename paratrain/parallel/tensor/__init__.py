@@ -7,6 +7,7 @@
   communication per pass, and the vocab-parallel cross-entropy.
 - `plan`: styles (`Colwise`, `Rowwise`, `TPRegion`, ...) and `apply_tensor_parallel`, which
   applies a plan {module-name pattern: style} to a plain model in place.
+- `adapters`: the LoRA twins of the column and row layers (each adapter split with its base linear).
 - `info`: `TensorParallelInfo` (what a plan did) and the whole-model norms that read it.
 
 Ready plans for the reference model and Hugging Face families live beside the model, in

@@ -30,7 +30,8 @@ class TensorParallelInfo:
         sharded: tp-sharded parameter name → the dim split over tp (0: colwise / vocab rows,
             1: rowwise); tied aliases included. Every other parameter is replicated over tp.
         sequence_partial: replicated parameters whose grads are partial sums over tp (under SP:
-            norms, row-parallel biases); all-reduced over tp by grad hooks unless disabled.
+            norms, row-parallel biases; with or without SP: a LoRA linear's whole adapter,
+            `paratrain.parallel.tensor.adapters`); all-reduced over tp by grad hooks unless disabled.
         vocab_sharded_logits: the model returns logits [.., V/t]; `loss_fn` handles it.
         tied: alias name → the name `named_parameters()` reports for the same tensor.
     """

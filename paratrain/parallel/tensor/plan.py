@@ -49,6 +49,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.parallel.materialize import to_empty
+from paratrain.parallel.tensor import adapters
 from paratrain.mesh import Axis
 from paratrain.parallel.tensor.info import TensorParallelInfo
 from paratrain.parallel.tensor.layers import (
@@ -107,14 +108,17 @@ class Colwise(_Style):
         _, out_features, _ = _linear(name, module, self)
         check_divisible(name, "out_features", out_features, tp)
         _refuse_fused_projection(name, module, parent, out_features)
+        adapters.check_split(name, module, tp, row_parallel=False)
 
     def split_dims(self, module):
         return {"weight": 1 if linear_features(module)[2] else 0, "bias": 0}
 
     def apply(self, name, module, ctx):
-        return ColumnParallelLinear.from_full(module, ctx.comm, ctx.axis, gather_output=self.gather_output,
-                                              sequence_parallel=ctx.sequence_parallel,
-                                              input_entered=ctx.in_region(name))
+        layer = adapters.twin(ColumnParallelLinear, module).from_full(
+            module, ctx.comm, ctx.axis, gather_output=self.gather_output, sequence_parallel=ctx.sequence_parallel,
+            input_entered=ctx.in_region(name))
+        ctx.sequence_partial += [f"{name}.{p}" for p in layer.sequence_partial_params()]
+        return layer
 
 
 def _refuse_fused_projection(name: str, module: nn.Module, parent: nn.Module, out_features: int) -> None:
@@ -136,12 +140,14 @@ class Rowwise(_Style):
     def check(self, name, module, tp, parent):
         in_features, _, _ = _linear(name, module, self)
         check_divisible(name, "in_features", in_features, tp)
+        adapters.check_split(name, module, tp, row_parallel=True)
 
     def split_dims(self, module):
         return {"weight": 0 if linear_features(module)[2] else 1}
 
     def apply(self, name, module, ctx):
-        layer = RowParallelLinear.from_full(module, ctx.comm, ctx.axis, sequence_parallel=ctx.sequence_parallel)
+        layer = adapters.twin(RowParallelLinear, module).from_full(module, ctx.comm, ctx.axis,
+                                                                   sequence_parallel=ctx.sequence_parallel)
         ctx.sequence_partial += [f"{name}.{p}" for p in layer.sequence_partial_params()]
         return layer
 
@@ -186,6 +192,9 @@ class OutputHead(_Style):
     def check(self, name, module, tp, parent):
         _expect(name, module, nn.Linear, self)
         check_divisible(name, "out_features (vocabulary)", module.out_features, tp)
+        if adapters.twin(ColumnParallelLinear, module) is not ColumnParallelLinear:
+            raise TensorParallelError(f"{name}: the output head with LoRA adapters is not split over tp yet; leave it "
+                                      "out of --lora-targets (the default adapts the blocks' linears alone)")
 
     def split_dims(self, module):
         return {"weight": 0, "bias": 0}
@@ -339,6 +348,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, Style], comm: Com
     for name, module, style in matches:
         layer = style.apply(name, module, ctx)
         if layer is not None:
+            _keep_frozen(module, layer)
             _share_tied(name, module, layer, replaced)
             _set_submodule(model, name, layer)
     sharded = _sharded_names(model)
@@ -360,6 +370,15 @@ def _all_reduced(comm: Comm, axis: Axis, grad: torch.Tensor) -> torch.Tensor:
     out = grad.clone(memory_format=torch.contiguous_format)
     comm.all_reduce(out, axis)
     return out
+
+
+def check_nf4_bases(model: nn.Module, plan: Mapping[str, Style], tp: int, names: list[str]) -> None:
+    """TensorParallelError (one line) for a linear of `names` (LoRA's targets, before they are converted) whose
+    weight, stored in NF4, the plan's `Colwise` or `Rowwise` cannot split over tp on whole blocks
+    (`adapters.check_nf4_split`): the check `apply_tensor_parallel` makes, before any process starts."""
+    for name, module, style in _match(model, plan, strict=False):
+        if name in names and isinstance(style, (Colwise, Rowwise)):
+            adapters.check_nf4_split(name, tuple(module.weight.shape), tp, isinstance(style, Rowwise))
 
 
 def _match(model: nn.Module, plan: Mapping[str, Style], strict: bool = True) -> list[tuple[str, nn.Module, Style]]:
@@ -399,6 +418,13 @@ def _check_ties(model: nn.Module, matches) -> None:
         if len({splits[n] for n in names}) > 1:
             raise TensorParallelError(f"{names[1]} is tied to {names[0]} but their styles split different dims "
                                       f"({splits[names[1]]} and {splits[names[0]]}); split tied parameters alike")
+
+
+def _keep_frozen(old: nn.Module, layer: TensorParallelLayer) -> None:
+    """A parameter the model holds frozen (`requires_grad=False`: a LoRA run's base, embeddings and head) stays
+    frozen in its shard."""
+    for pname, shard in layer.named_parameters(recurse=False):
+        shard.requires_grad_(getattr(old, pname).requires_grad)
 
 
 def _share_tied(name: str, old: nn.Module, layer: TensorParallelLayer, replaced: dict) -> None:
