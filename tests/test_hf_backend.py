@@ -184,8 +184,22 @@ def test_what_a_family_cannot_do_under_a_layout_is_refused_in_one_line(tmp_path,
     phi3 = [*TRAIN, "--init-from", str(tmp_path / "phi3"), "--nproc", "2"]
     assert "--document-mask with --cp 2: transformers' model builds its document mask from the chunks" in \
         _refusal(capsys, [*phi3, "--cp", "2", "--document-mask"])
-    assert "qkv_proj as 'colwise_gather_output'" in \
-        _refusal(capsys, [*TRAIN, "--init-from", str(tmp_path / "phi3"), "--nproc", "2", "--tp", "2"])
+    assert "--pp 2: gemma2 ties its output head to its input embedding" in _refusal(capsys, [*gemma2, "--pp", "2"])
+    qwen2 = [*TRAIN, "--init-from", str(tmp_path / "qwen2"), "--nproc", "2"]
+    save_family("qwen2", tmp_path / "qwen2")
+    assert "--ep 2: transformers' qwen2 has no mixture of experts that expert parallelism splits" in \
+        _refusal(capsys, [*qwen2, "--ep", "2"])
+    windowed = save_family("mistral_window", tmp_path / "mistral")  # a window of 32 tokens
+    assert "--cp 2: mistral attends over a sliding window of 32 tokens, shorter than --seq-len 48" in \
+        _refusal(capsys, [*TRAIN, "--init-from", str(windowed), "--nproc", "2", "--cp", "2", "--seq-len", "48"])
+    assert "--document-mask: mistral attends over a sliding window of 32 tokens" in \
+        _refusal(capsys, [*TRAIN, "--init-from", str(windowed), "--document-mask", "--seq-len", "48"])
+    import transformers
+
+    gpt2 = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    transformers.AutoModelForCausalLM.from_config(gpt2).save_pretrained(tmp_path / "gpt2")
+    assert "--pp 2: pipeline stages lay out transformers' llama, mistral" in \
+        _refusal(capsys, [*TRAIN, "--init-from", str(tmp_path / "gpt2"), "--nproc", "2", "--pp", "2"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -200,13 +214,20 @@ def test_plan_counts_the_directorys_parameters_exactly(family, tmp_path, capsys)
 
 
 def test_a_plan_without_a_counterpart_refuses_tp_naming_the_module(tmp_path):
-    """Phi-3 fuses q, k, v (and gate, up) in one projection, which its plan gathers: no column split of it."""
+    """Phi-3 fuses q, k, v (and gate, up) in one projection, which its plan splits by rows and gathers whole (the
+    module cuts the parts from the whole output), the next projection keeping its rank's features; a style paratrain
+    has none for is refused naming the module."""
     from paratrain.models.tp_plans import hf_plan
     from paratrain.parallel.tensor import TensorParallelError
 
     save_family("phi3", tmp_path)
     model, _ = _built(tmp_path)
-    with pytest.raises(TensorParallelError, match="qkv_proj as 'colwise_gather_output'"):
+    plan = hf_plan(model)
+    assert plan["model.layers.*.self_attn.qkv_proj"].gather_output and plan["model.layers.*.mlp.gate_up_proj"].gather_output
+    assert plan["model.layers.*.self_attn.o_proj"].split_input and plan["model.layers.*.mlp.down_proj"].split_input
+    model.hf_config.base_model_tp_plan = {**model.hf_config.base_model_tp_plan,
+                                          "layers.*.self_attn.qkv_proj": "colwise_interleaved"}
+    with pytest.raises(TensorParallelError, match="qkv_proj as 'colwise_interleaved'"):
         hf_plan(model)
 
 
@@ -262,3 +283,66 @@ def test_document_mask_keeps_packed_documents_apart(family, tmp_path):
         packed = model.eval()(torch.cat([first, second])[None])
         alone = torch.cat([hf(first[None]).logits, hf(second[None]).logits], dim=1)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_directorys_bos_and_eos_are_what_it_states(tmp_path, capsys):
+    """The tokenizer of a model directory: BOS / EOS as generation_config.json states them (else config.json),
+    else the one token its post-processor puts before a sequence, else a token of a known name; kept by the
+    tokenizer's saved copy (what a checkpoint carries); an id that is no token refused in one line, and a
+    tokenizer with more ids than the config's vocabulary refused before any process starts."""
+    from tokenizers import processors
+
+    from chat_fixtures import byte_tokenizer
+    from paratrain.data.tokenizer import tokenizer_from_file
+    from paratrain.errors import DataError
+
+    directory = save_family("qwen2", tmp_path / "qwen2")  # generation_config.json: bos 1, eos 2 (hf_families)
+    tok = byte_tokenizer(["<s>", "</s>", "<|im_end|>"])  # ids 256, 257, 258
+    tok.post_processor = processors.TemplateProcessing(single="<|im_end|> $A", special_tokens=[("<|im_end|>", 258)])
+    tok.save(str(directory / "tokenizer.json"))
+    stated = tokenizer_from_file(directory)
+    assert (stated.bos_id, stated.eos_id) == (1, 2)
+    copy = tmp_path / "copy"
+    stated.save(copy)
+    assert (tokenizer_from_file(copy).bos_id, tokenizer_from_file(copy).eos_id) == (1, 2)
+    (directory / "generation_config.json").unlink()
+    doc = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**doc, "bos_token_id": None, "eos_token_id": [257, 2]}))
+    fallback = tokenizer_from_file(directory)
+    assert (fallback.bos_id, fallback.eos_id) == (258, 257)  # the post-processor's, config.json's first
+    (directory / "config.json").write_text(json.dumps({**doc, "eos_token_id": 400}))
+    with pytest.raises(DataError, match="config.json: eos_token_id 400 is no token of the tokenizer beside it"):
+        tokenizer_from_file(directory)
+    (directory / "config.json").write_text(json.dumps(doc))
+    byte_tokenizer([f"<extra_{i}>" for i in range(70)]).save(str(directory / "tokenizer.json"))  # ids up to 325
+    assert "the tokenizer has 326 tokens but model" in _refusal(capsys, [*TRAIN, "--init-from", str(directory)])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_a_shard_reads_its_rows_alone(family, tmp_path):
+    """What a ZeRO-3 shard asks of a directory (sharded files with their index; the mixture's experts stored one
+    tensor per expert): its rows of each parameter, equal to those rows of the whole tensor, read alone."""
+    save_family(family, tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model, init = _built(tmp_path)
+    for name, param in model.named_parameters():
+        whole = init(name, param.shape)
+        rows = param.shape[0]
+        for lo, hi in ((0, 1), (rows // 2, rows), (1, rows - 1)):
+            assert torch.equal(init.rows(name, param.shape, lo, hi), whole[lo:hi]), (name, lo, hi)
+
+
+def test_a_fused_mixture_routed_for_expert_parallelism_computes_transformers_logits():
+    """Qwen3-MoE's fused experts made a mixture paratrain's expert parallelism splits (`route_experts`): the same
+    parameters under the same names, transformers' logits bit for bit (its loop's order of adding the experts)."""
+    from paratrain.models.hf_experts import route_experts
+    from paratrain.parallel.expert import moe_layers
+
+    hf = hf_model("qwen3_moe")
+    tokens = _tokens()
+    with torch.no_grad():
+        want = hf(tokens).logits
+        names = list(hf.state_dict())
+        assert route_experts(hf) == 2 and len(moe_layers(hf)) == 2
+        assert list(hf.state_dict()) == names
+        assert torch.equal(hf(tokens).logits, want)

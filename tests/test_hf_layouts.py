@@ -1,6 +1,7 @@
 """Every layout of a transformers model against one process: the families of `hf_families` under dp2, dp2 ZeRO-3
 (sharded loading from the directory), tp2 with sequence parallelism (the plan from the config's
-`base_model_tp_plan`) and cp2 (SDPA with position_ids), each through `parallelize` as the trainer calls it, against
+`base_model_tp_plan`), cp2 (SDPA with position_ids) and pp2 (the model laid out for stages under its own names,
+`paratrain.interop.hf_stages.LayeredCausalLM`), each through `parallelize` as the trainer calls it, against
 plain PyTorch on transformers' model of the same directory: the same global batches, AdamW and clipping, under the
 project's error model (`paratrain.error_model`). One launch of two ranks runs every case."""
 
@@ -16,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_families import VOCAB, hf_model
-from paratrain import ContextParallel, DataParallel, TensorParallel, init_mesh, parallelize
+from paratrain import ContextParallel, DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
 from paratrain.interop.hf_weights import weight_initializer
-from paratrain.models.hf import HFCausalLM, read_model_dir
+from paratrain.models.hf import read_model_dir
+from paratrain.run.hf_backend import meta_model
 from paratrain.train import train_step
 from paratrain.error_model import FP32_ADAMW_MODEL
 from parallel_cases import adamw, assert_matches_reference, batches, launch_once
@@ -32,6 +34,8 @@ class Case:
     dp: int = 1
     tp: int = 1
     cp: int = 1
+    pp: int = 1
+    ep: int = 1
     zero: int = 0
     sp: bool = False
 
@@ -40,7 +44,10 @@ CASES = {
     "qwen2_dp2": Case("qwen2", dp=2),
     **{f"{f}_dp2_zero3": Case(f, dp=2, zero=3) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
     **{f"{f}_tp2_sp": Case(f, tp=2, sp=True) for f in ("qwen2", "qwen3", "mistral", "gemma2", "qwen3_moe")},
-    **{f"{f}_cp2": Case(f, cp=2) for f in ("qwen2", "qwen3", "mistral", "phi3", "qwen3_moe")},
+    **{f"{f}_cp2": Case(f, cp=2) for f in ("qwen2", "qwen3", "mistral", "mistral_window", "phi3", "qwen3_moe")},
+    **{f"{f}_pp2": Case(f, pp=2) for f in ("qwen2", "qwen3", "mistral", "gemma2_untied", "phi3", "qwen3_moe")},
+    "qwen3_moe_dp2_ep2": Case("qwen3_moe", dp=2, ep=2),
+    "qwen3_moe_dp2_ep2_zero3": Case("qwen3_moe", dp=2, ep=2, zero=3),
 }
 _DIRS: dict[str, Path] = {}
 
@@ -56,17 +63,19 @@ def _directories() -> dict[str, Path]:
 
 
 def _run(case: Case, mesh, directory: Path):
-    model = HFCausalLM.build(read_model_dir(directory))
+    model = meta_model(read_model_dir(directory), case)  # as the trainer builds it for the layout
     pmodel, optimizer = parallelize(
         model, mesh, optimizer=functools.partial(adamw, lr=LR), data=DataParallel(zero=case.zero, grad_reduction="sum"),
         tensor=TensorParallel(sequence_parallel=case.sp), context=ContextParallel() if case.cp > 1 else None,
-        init=weight_initializer(model, str(directory), seed=0),
+        pipeline=PipelineParallel() if case.pp > 1 else None, init=weight_initializer(model, str(directory), seed=0),
         loss_chunk=0)  # the layout against one process on the same loss (the fused loss has its own equality tests)
     dp, rank = mesh.size("dp"), mesh.coord("dp")
     rows = BATCH // dp
+    micro = 1 if case.pp > 1 else rows  # a pipeline runs its rows as micro-batches, at least one per stage
     losses = []
     for x, y in batches(vocab=VOCAB, steps=STEPS, batch=BATCH, seq=SEQ):
-        outcome = train_step(pmodel, optimizer, [(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])],
+        xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        outcome = train_step(pmodel, optimizer, [(xs[i:i + micro], ys[i:i + micro]) for i in range(0, rows, micro)],
                              1.0)
         losses.append(outcome.loss)
     return {"losses": losses, "params": pmodel.full_state_dict()}
@@ -77,7 +86,8 @@ def _all_cases(rank, world, directories):
     out = {}
     for name, case in CASES.items():
         try:
-            out[name] = _run(case, init_mesh(dp=case.dp, tp=case.tp, cp=case.cp), directories[case.family])
+            out[name] = _run(case, init_mesh(dp=case.dp, tp=case.tp, cp=case.cp, pp=case.pp, ep=case.ep),
+                             directories[case.family])
         except Exception as error:  # noqa: BLE001 - re-raised by the case's test
             out[name] = {"error": f"{type(error).__name__}: {error}"}
     return out
@@ -115,29 +125,61 @@ def test_a_transformers_model_matches_one_process(name):
         assert_matches_reference(got["losses"], got["params"], ref["losses"], ref["params"], FP32_ADAMW_MODEL)
 
 
+def test_the_stages_of_a_transformers_model_compute_its_logits():
+    """Each family laid out for pipeline stages (`LayeredCausalLM`, transformers' parameter names): whole, and split
+    in two stages run one after the other, the logits of transformers' own forward, bit for bit; Gemma 2 over more
+    tokens than its sliding window (its windowed layers' mask), soft-capped by the head stage. With the documents
+    kept apart (--document-mask), the later stage given the token ids, what the unpipelined model computes."""
+    import dataclasses
+
+    from paratrain.interop.hf_stages import LayeredCausalLM
+    from paratrain.models.hf import HFCausalLM, summarize
+    from paratrain.parallel.pipeline.stages import split_for_pipeline
+
+    tokens = torch.randint(3, VOCAB, (2, 80), generator=torch.Generator().manual_seed(3))
+    tokens[:, 30] = 2  # an end of text: two documents in each row
+    for family in ("qwen2", "qwen3", "mistral", "gemma2_untied", "phi3", "qwen3_moe"):
+        hf = hf_model(family)
+        config = summarize(hf.config, hf, "")
+        with torch.no_grad():
+            want = hf(tokens).logits
+            layered = LayeredCausalLM(HFCausalLM(hf, config))
+            assert [n for n, _ in layered.named_parameters()] == [n for n, _ in hf.named_parameters()], family
+            assert torch.equal(layered(tokens), want), family
+            first, last = (split_for_pipeline(LayeredCausalLM(HFCausalLM(hf, config)), 2, rank) for rank in (0, 1))
+            assert {n for n, _ in first.module.named_parameters()}.isdisjoint(n for n, _ in last.module.named_parameters())
+            assert torch.equal(last.shell(1)(first.shell(0)(tokens)), want), family
+            documents = dataclasses.replace(config, document_eos=2)
+            first, last = (split_for_pipeline(LayeredCausalLM(HFCausalLM(hf, documents)), 2, rank) for rank in (0, 1))
+            got = last.shell(1)(first.shell(0)(tokens), documents=tokens)
+            torch.testing.assert_close(got, HFCausalLM(hf, documents)(tokens), rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3), family  # the documents were kept apart
+
+
 # -- the documentation's table, generated from the cases above ----------------------------------------------------
 
 FAMILY_NAMES = {"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma 2",
                 "phi3": "Phi-3", "qwen3_moe": "Qwen3-MoE"}
 COLUMNS = {"dp2": dict(dp=2, zero=0), "dp2 ZeRO-3": dict(dp=2, zero=3), "tp2 + sp": dict(tp=2, sp=True),
-           "cp2": dict(cp=2)}
+           "cp2": dict(cp=2), "pp2": dict(pp=2), "dp2 ep2": dict(dp=2, ep=2, zero=0)}
+# A family's variant whose case proves a layout the family itself is refused (its note says which).
+VARIANTS = {"gemma2_untied": ("gemma2", "= with its own head (a tied head: refused)"),
+            "mistral_window": ("mistral", "=")}  # (a window covering the sequence: its cp2 case)
 # What `tests/test_hf_backend.py` proves refused, in one line, before any process starts.
-REFUSED = {("gemma2", "cp2"): "refused: eager attention (soft-capped scores), no SDPA for the ring",
-           ("phi3", "tp2 + sp"): "refused: fused qkv / gate-up projections"}
+REFUSED = {("gemma2", "cp2"): "refused: eager attention (soft-capped scores), no SDPA for the ring"}
 TABLE_MARK = "<!-- hf-support-table: generated by tests/test_hf_layouts.py (support_table) -->"
 
 
 def support_table() -> str:
     """Families × layouts: "=" where a case above matches one process, the refusal where one is proven, else "·"."""
-    head = ["family", "first-step loss = transformers'", "export → from_pretrained", *COLUMNS, "pp2"]
+    head = ["family", "first-step loss = transformers'", "export → from_pretrained", *COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for family, title in FAMILY_NAMES.items():
         cells = [title, "= (1e-6)", "= (1e-5)"]
         for column, layout in COLUMNS.items():
-            proven = any(case.family == family and all(getattr(case, k) == v for k, v in layout.items())
-                         for case in CASES.values())
-            cells.append("=" if proven else REFUSED.get((family, column), "·"))
-        cells.append("refused: not in the trainer yet")
+            proven = {case.family for case in CASES.values() if case == dataclasses.replace(Case(case.family), **layout)}
+            variant = next((note for v, (f, note) in VARIANTS.items() if f == family and v in proven), None)
+            cells.append("=" if family in proven else variant or REFUSED.get((family, column), "·"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

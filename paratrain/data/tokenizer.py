@@ -7,6 +7,10 @@ uses nothing else. ``load_tokenizer`` turns a config string into one:
 - ``"bpe:N"``: a byte-level BPE with N tokens trained here on the corpus;
 - a path to a ``tokenizer.json`` (or a directory holding one): any local
   Hugging Face ``tokenizers`` file, or a file written by ``save``.
+
+A tokenizer file's BOS and EOS are what its model directory states (``generation_config.json``'s
+``bos_token_id`` / ``eos_token_id``, else ``config.json``'s; the first of a list), else the one token
+its post-processor puts before (after) a sequence, else a token of a known name (`_BOS_NAMES`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from paratrain.errors import DataError
 BPE_FILE = "tokenizer.json"
 BYTE_FILE = "byte_tokenizer.json"
 CHAT_CONFIG_FILE = "tokenizer_config.json"  # a model directory's, where its chat template is
+# A model directory's files that state its BOS and EOS ids, in the order they are read.
+SPECIALS_FILES = ("generation_config.json", "config.json")
 _BYTE_TYPE = "paratrain.byte"
 
 # Looked up in this order in tokenizer files that someone else trained, so
@@ -119,10 +125,12 @@ class BPETokenizer:
         # Max id + 1 rather than get_vocab_size(): some files leave holes in
         # the id range, and the embedding must cover every id.
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
-        self.bos_id = _find_token(backend, _BOS_NAMES)
-        self.eos_id = _find_token(backend, _EOS_NAMES)
-        self.pad_id = _find_token(backend, _PAD_NAMES)
         self.document_prefix, self.document_suffix = _template_affixes(backend)
+        # the post-processor's one token before (after) a sequence, else a token of a known name
+        self.bos_id = self.document_prefix[0] if len(self.document_prefix) == 1 else _find_token(backend, _BOS_NAMES)
+        self.eos_id = self.document_suffix[0] if len(self.document_suffix) == 1 else _find_token(backend, _EOS_NAMES)
+        self.pad_id = _find_token(backend, _PAD_NAMES)
+        self.stated: dict[str, int] = {}  # the ids a model directory stated (`stated_specials`), kept by `save`
         # The model directory's chat template (`paratrain.data.chat.ChatTemplate`, with the special tokens it is
         # rendered with), carried wherever the tokenizer is saved: a prepared directory, a run's final/, an export.
         self.chat_template = None
@@ -162,6 +170,9 @@ class BPETokenizer:
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise DataError(f"tokenizer file {str(path)!r} is not a valid tokenizer.json ({first_line})") from exc
         tokenizer = cls(backend)
+        tokenizer.stated = stated_specials(path.parent, backend)
+        tokenizer.bos_id = tokenizer.stated.get("bos_token_id", tokenizer.bos_id)
+        tokenizer.eos_id = tokenizer.stated.get("eos_token_id", tokenizer.eos_id)
         from paratrain.data.chat import load_chat_template
 
         tokenizer.chat_template = load_chat_template(path.parent)  # tokenizer_config.json's or chat_template.jinja
@@ -194,6 +205,8 @@ class BPETokenizer:
         path = Path(directory) / BPE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path))
+        if self.stated:  # the ids the model directory stated, stated again beside the copy
+            (path.parent / SPECIALS_FILES[0]).write_text(json.dumps(self.stated, indent=2) + "\n")
         if self.chat_template is not None:
             (path.parent / CHAT_CONFIG_FILE).write_text(json.dumps(self.chat_config(), indent=2) + "\n")
         return path
@@ -215,6 +228,32 @@ def _template_affixes(backend: HFTokenizer) -> tuple[tuple[int, ...], tuple[int,
         if full[start:start + len(bare)] == bare:
             return tuple(full[:start]), tuple(full[start + len(bare):])
     return (), ()  # a post-processor that rewrites the text's own ids: leave it out
+
+
+def stated_specials(directory: Path, backend: HFTokenizer) -> dict[str, int]:
+    """{"bos_token_id": id, "eos_token_id": id} as far as the first of `SPECIALS_FILES` in `directory` that states
+    them says (the first of a list); an id that is no token of the tokenizer is refused in one line."""
+    for name in SPECIALS_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DataError(f"{path}: not valid JSON ({exc})") from None
+        doc = doc if isinstance(doc, dict) else {}
+        stated = {}
+        for key in ("bos_token_id", "eos_token_id"):
+            value = doc.get(key)
+            value = value[0] if isinstance(value, list) and value else value
+            if isinstance(value, int) and not isinstance(value, bool):
+                if backend.id_to_token(value) is None:
+                    raise DataError(f"{path}: {key} {value} is no token of the tokenizer beside it "
+                                    f"({backend.get_vocab_size(with_added_tokens=True)} tokens); fix the file")
+                stated[key] = value
+        if stated:
+            return stated
+    return {}
 
 
 def _find_token(backend: HFTokenizer, names: Sequence[str]) -> int | None:

@@ -90,9 +90,9 @@ def write_hf_directory(out: Path, model_cfg: ModelConfig, shapes: dict[str, tupl
         configs = {CONFIG_FILE: hf_config(model_cfg, dtype, _token_ids(tokenizer))}
     with _replacing(out) as tmp:
         files = _write_weights(tmp, shapes, read, dtype, max_shard_bytes, entries, tensors)
-        for name, doc in configs.items():
-            (tmp / name).write_text(json.dumps(doc, indent=2) + "\n")
         tokenizer_file = _write_tokenizer(tmp, tokenizer, model_cfg) if tokenizer is not None else None
+        for name, doc in configs.items():  # after the tokenizer: the model's configs replace what it states beside it
+            (tmp / name).write_text(json.dumps(doc, indent=2) + "\n")
     return files, tokenizer_file
 
 

@@ -1,25 +1,34 @@
-"""A Hugging Face causal language model as an `nn.Sequential` of its own modules, for pipeline stages.
+"""A Hugging Face causal language model laid out for pipeline stages, from its own modules.
 
-Pipeline parallelism cuts an `nn.Sequential` between layers, and each layer hands the next one
-tensor. A `LlamaForCausalLM` is not one: its `LlamaModel` builds the causal mask and the rotary
-embeddings once and hands them to every decoder layer. `as_sequential` lays the same modules
-(the same parameters, nothing copied) out as
+Pipeline parallelism cuts a model between its decoder layers, and each stage hands the next one
+tensor. transformers' `…ForCausalLM` does not: its inner model builds the attention masks and the
+rotary embeddings once and hands them to every decoder layer. For the families whose forward is
 
-    0: embed_tokens · 1..L: DecoderBlock(decoder layer i) · L+1: norm · L+2: lm_head
+    embed_tokens → decoder layers (positions, mask of the layer's kind) → norm → lm_head (→ logit soft-cap)
 
-where each `DecoderBlock` takes the hidden states, and the token positions by the keyword
-`position_ids` (default: 0..s-1), computes the rotary embeddings from the model's own rotary
-module and calls its decoder layer without a mask, so that the layer's SDPA attention runs with
-`is_causal=True`, as `LlamaModel` calls it for an unpadded batch. Under context parallelism the
-positions of this rank's chunks reach every block by that keyword
-(`paratrain.parallel.context.sdpa`), so the Sequential also pipelines with `--cp`.
+(`SUPPORTED`, each proven against transformers' logits; the module names are those the config's
+`base_model_pp_plan` gives) the same modules (the same parameters, nothing copied) are laid out two ways:
+
+- `LayeredCausalLM`: the trainer's (`--pp`). A `paratrain.parallel.pipeline.stages.LayeredModel` whose
+  parameter names are transformers' own (``model.layers.3.self_attn.q_proj.weight``, ``lm_head.weight``),
+  so that a pipelined run's checkpoints and export are those of any other layout. Its forward takes token
+  ids, or the hidden states where a stage lacks the embedding, and returns the logits, or the hidden states
+  where it lacks the head.
+- `as_sequential`: an `nn.Sequential` of embed_tokens · DecoderBlock(layer i) · norm · lm_head
+  (· SoftCap), for `parallelize` and `verify --model-factory` users (its names are the Sequential's).
+
+Every decoder layer gets what the family's own forward gives it: the rotary embeddings of the token
+positions (by the keyword `position_ids`, default 0..s-1), and the mask of its kind (`layer_types`: full
+or sliding-window attention; a family without them: the sliding window when the config sets one) made
+by transformers' own `create_causal_mask` / `create_sliding_window_causal_mask`, which for unpadded SDPA
+attention is none (`is_causal=True`) and for eager attention (Gemma 2's soft-capped scores) the causal,
+or windowed, mask. Each layer sees the whole sequence, so a sliding window is kept under pipelining. Under
+context parallelism the positions of this rank's chunks reach every layer by that keyword
+(`paratrain.parallel.context.sdpa`).
 
 `sequential_plan` rewrites a tensor-parallel plan written for the model's own names (e.g.
-`HF_LLAMA_PLAN`) for the Sequential's.
-
-Only models whose decoder computes exactly this are accepted (`SUPPORTED`): a model that scales
-its embeddings, windows its attention or soft-caps its logits would compute something else, and
-is refused in one line.
+`HF_LLAMA_PLAN`) for the Sequential's. Another family, or a model whose pipeline plan names other
+modules, is refused in one line saying why.
 """
 
 from __future__ import annotations
@@ -30,28 +39,179 @@ import torch
 from torch import nn
 
 from paratrain.errors import ParatrainError
+from paratrain.models.hf import HFCausalLM
 
-SUPPORTED = ("llama",)  # model_type values whose forward is embed → layers(positions) → norm → lm_head
+# model_type values whose forward is embed → layers(positions, mask) → norm → lm_head (→ soft-cap), each checked
+# against transformers' logits (tests/test_hf_layouts.py)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "phi3")
+_MASKS = ("full_attention", "sliding_attention")  # the layer kinds transformers makes a mask for here
 
 
 class SequentialError(ParatrainError, ValueError):
-    """A model `as_sequential` cannot lay out; the message names why."""
+    """A model that cannot be laid out for pipeline stages; the message names why."""
+
+
+def check_layable(config) -> tuple[str, str, str]:
+    """(embedding, layers, final norm): the inner model's module names from transformers' `config`'s
+    `base_model_pp_plan`, or one line saying why the family cannot be laid out for pipeline stages."""
+    kind = config.model_type
+    if kind not in SUPPORTED:
+        raise SequentialError(f"pipeline stages lay out transformers' {', '.join(SUPPORTED)} models, whose forward "
+                              f"is embed → decoder layers → norm → head; {kind}'s is not known to be")
+    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    embed = next((name for name, (inputs, _) in plan.items() if list(inputs) == ["input_ids"]), None)
+    rest = [name for name in plan if name != embed]
+    if embed is None or len(rest) != 2:
+        raise SequentialError(f"{kind} declares no base_model_pp_plan of an embedding, the decoder layers and a "
+                              f"norm (it has {sorted(plan) or 'none'})")
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention not in ("sdpa", "eager"):
+        raise SequentialError(f"pipeline stages need attn_implementation 'sdpa' or 'eager', not {attention!r}")
+    kinds = set(layer_kinds(config))
+    if not kinds <= set(_MASKS):
+        raise SequentialError(f"{kind} has layers of kind {sorted(kinds - set(_MASKS))[0]!r}, which pipeline stages "
+                              "make no mask for")
+    return embed, rest[0], rest[1]
+
+
+def layer_kinds(config) -> list[str]:
+    """Each decoder layer's attention kind, as the family's forward picks its mask: `layer_types`, else the sliding
+    window for every layer when the config sets one."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types[:config.num_hidden_layers])
+    window = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+
+
+def layer_masks(config, hidden: torch.Tensor, attention_mask, position_ids: torch.Tensor, kinds) -> dict:
+    """{layer kind: the mask transformers gives a layer of that kind} for `hidden` [B, S, D] at `position_ids`. No
+    `attention_mask`: an unpadded batch, every token attended (given none, transformers would read a jump in the
+    positions, as context parallelism's two chunks have, as two packed sequences and mask them apart)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    if attention_mask is None:
+        attention_mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+
+    make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    return {kind: make[kind](config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                             position_ids=position_ids) for kind in set(kinds)}
+
+
+def _positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    return torch.arange(hidden.shape[1], device=hidden.device)[None] if position_ids is None else position_ids
+
+
+def _layer_output(out):
+    return out[0] if isinstance(out, tuple) else out  # transformers < 4.54 returns (hidden, ...)
+
+
+def soft_cap(config, logits: torch.Tensor) -> torch.Tensor:
+    """The logits as the family's head returns them: Gemma 2's `final_logit_softcapping` (cap · tanh(z / cap))."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+class LayeredCausalLM(HFCausalLM):
+    """An `HFCausalLM` laid out for pipeline stages (a `LayeredModel`), under transformers' parameter names.
+
+    Its ``model`` is a container of the inner model's modules with the decoder layers in a ModuleDict
+    (``model.layers.0`` …, as transformers names them); the split prunes it. `forward(tokens or hidden,
+    position_ids, attention_mask, documents)` computes what the stage holds (see the module)."""
+
+    def __init__(self, model: HFCausalLM):
+        hf = model.hf
+        embed, layers, norm = check_layable(hf.config)
+        nn.Module.__init__(self)
+        object.__setattr__(self, "hf", hf)  # as HFCausalLM holds it: not a child
+        self.config = model.config
+        prefix = hf.base_model_prefix
+        inner = getattr(hf, prefix)
+        head = next(n for n, m in hf.named_children() if m is hf.get_output_embeddings())
+        body = nn.Module()
+        for name, child in inner.named_children():
+            if name == layers:
+                child = nn.ModuleDict({str(i): child[i] for i in range(hf.config.num_hidden_layers)})
+            elif name not in (embed, norm) and any(True for _ in child.parameters()):
+                raise SequentialError(f"{hf.config.model_type}'s {prefix}.{name} holds parameters outside its "
+                                      "pipeline plan")
+            body.add_module(name, child)
+        nn.Module.__setattr__(self, prefix, body)  # not transformers' own inner model, which stays whole
+        setattr(self, head, hf.get_output_embeddings())
+        self.pipeline_layers = f"{prefix}.{layers}"
+        self.pipeline_first = (f"{prefix}.{embed}",)
+        self.pipeline_last = (f"{prefix}.{norm}", head)
+        self.parts = (prefix, embed, layers, norm, head)
+        self.kinds = layer_kinds(hf.config)
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The output head, None on a stage that does not hold it."""
+        return getattr(self, self.parts[4])
+
+    @property
+    def documents_from_tokens(self) -> bool:
+        """Whether a stage that takes hidden states needs the micro-batch's token ids (`forward`'s `documents`):
+        with `config.document_eos` (--document-mask), to keep the packed documents apart."""
+        return self.config.document_eos is not None
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of token ids [B, S] (`HFCausalLM.forward`'s); a stage without the embedding takes hidden
+        states [B, S, D], one without the head returns them. With `config.document_eos` the packed documents are
+        kept apart, found in `documents` (the whole sequences' ids) where the stage does not take the tokens."""
+        prefix, embed, layers, norm, head = self.parts
+        body = getattr(self, prefix)
+        embedding = getattr(body, embed)
+        hidden = embedding(tokens) if embedding is not None else tokens
+        if self.config.document_eos is not None:
+            ids = documents if documents is not None else tokens if embedding is not None else None
+            if ids is None:
+                raise ValueError("document masking needs the token ids: a pipeline stage that takes hidden states "
+                                 "takes the micro-batch's token ids as `documents`")
+            rows = position_ids[0] if position_ids is not None and documents is not None else None
+            position_ids, attention_mask = self.document_layout(ids, rows)
+        position_ids = _positions(hidden, position_ids)
+        blocks = getattr(body, layers)
+        kinds = [self.kinds[int(i)] for i in blocks]
+        masks = layer_masks(self.hf.config, hidden, attention_mask, position_ids, kinds)
+        rotary = body.rotary_emb(hidden, position_ids)
+        for kind, layer in zip(kinds, blocks.values()):
+            hidden = _layer_output(layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
+                                         position_embeddings=rotary))
+        final = getattr(body, norm)
+        hidden = final(hidden) if final is not None else hidden
+        output = getattr(self, head)
+        return soft_cap(self.hf.config, output(hidden)) if output is not None else hidden
 
 
 class DecoderBlock(nn.Module):
     """One Hugging Face decoder layer as a layer of a Sequential: hidden states in and out, positions by keyword."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module):
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config, kind: str = "full_attention"):
         super().__init__()
         self.layer = layer
         self.rotary = rotary  # the model's rotary embedding (buffers only), shared by every block
+        self.kind = kind
+        self.hf_config = config  # transformers' config: what its mask functions read
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        out = self.layer(hidden, attention_mask=None, position_ids=position_ids,
-                         position_embeddings=self.rotary(hidden, position_ids))
-        return out[0] if isinstance(out, tuple) else out  # transformers < 4.54 returns (hidden, ...)
+        position_ids = _positions(hidden, position_ids)
+        mask = layer_masks(self.hf_config, hidden, None, position_ids, [self.kind])[self.kind]
+        return _layer_output(self.layer(hidden, attention_mask=mask, position_ids=position_ids,
+                                        position_embeddings=self.rotary(hidden, position_ids)))
+
+
+class SoftCap(nn.Module):
+    """The head's logit soft-capping (`soft_cap`) as the last layer of a Sequential."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.hf_config = config
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return soft_cap(self.hf_config, logits)
 
 
 def as_sequential(model: nn.Module) -> nn.Sequential:
@@ -61,19 +221,19 @@ def as_sequential(model: nn.Module) -> nn.Sequential:
     if kind not in SUPPORTED:
         raise SequentialError(f"as_sequential lays out {', '.join(SUPPORTED)} models, not {kind}; write the model "
                               "as an nn.Sequential of your own, or pipeline it with pp=1")
-    inner = model.model
-    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-        raise SequentialError(f"as_sequential needs attn_implementation 'sdpa' or 'eager', not "
-                              f"{config._attn_implementation!r}")
-    blocks = [DecoderBlock(layer, inner.rotary_emb) for layer in inner.layers[:config.num_hidden_layers]]
-    return nn.Sequential(inner.embed_tokens, *blocks, inner.norm, model.lm_head)
+    embed, layers, norm = check_layable(config)
+    inner = getattr(model, model.base_model_prefix)
+    blocks = [DecoderBlock(layer, inner.rotary_emb, config, kind)
+              for layer, kind in zip(getattr(inner, layers)[:config.num_hidden_layers], layer_kinds(config))]
+    cap = [SoftCap(config)] if getattr(config, "final_logit_softcapping", None) is not None else []
+    return nn.Sequential(getattr(inner, embed), *blocks, getattr(inner, norm), model.get_output_embeddings(), *cap)
 
 
 def sequential_plan(plan: Mapping, sequential: nn.Sequential, prefix: str = "model.") -> dict:
     """`plan` (patterns over the model's names: `model.embed_tokens`, `model.layers.*…`, `lm_head`) over the
     names `as_sequential` gives the same modules."""
-    head = str(len(sequential) - 1)
-    renames = {f"{prefix}embed_tokens": "0", f"{prefix}norm": str(len(sequential) - 2), "lm_head": head}
+    head = next(str(i) for i in reversed(range(len(sequential))) if not isinstance(sequential[i], SoftCap))
+    renames = {f"{prefix}embed_tokens": "0", f"{prefix}norm": str(int(head) - 1), "lm_head": head}
     out = {}
     for pattern, style in plan.items():
         if pattern in renames:

@@ -5,7 +5,8 @@
 The tensors of `paratrain.models.hf.HFCausalLM` are found by name in one file or in the shards an index
 lists; each shape is checked against the meta-built model from the files' headers before anything is read,
 and each tensor is read with plain file reads into memory of its own (no memory map: a rank then holds what
-it keeps, never the file's pages). Fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2F, D],
+it keeps, never the file's pages). A ZeRO-3 shard asks for its rows alone (`DirectoryWeights.rows`): only
+their bytes are read. Fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2F, D],
 ``down_proj`` [E, D, F]) are read from the Hub's per-expert layout (``experts.{j}.gate_proj`` /
 ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``) as transformers converts them, or as they
 are when stored fused.
@@ -65,17 +66,19 @@ class HFWeightFiles:
             raise HFModelError(f"{self.directory}: tensor {key!r} has shape {list(stored)} but config.json implies "
                                f"{list(expected)}")
 
-    def read(self, name: str) -> torch.Tensor:
-        """Parameter `name`, whole, in fp32 (a fused expert tensor stacked from its per-expert rows)."""
+    def read(self, name: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Parameter `name` in fp32, its rows [lo, hi) along dim 0 (None: to the end; a fused expert tensor stacked
+        from the per-expert tensors of those experts): only their bytes are read."""
         keys, parts = self._sources[name]
         if len(keys) == 1:
-            return self._read(keys[0]).float()
-        rows = [torch.cat([self._read(k) for k in keys[j:j + parts]]) for j in range(0, len(keys), parts)]
+            return self._read(keys[0], lo, hi).float()
+        experts = range(len(keys) // parts)[lo:hi]
+        rows = [torch.cat([self._read(k) for k in keys[j * parts:(j + 1) * parts]]) for j in experts]
         return torch.stack(rows).float()
 
-    def _read(self, key: str) -> torch.Tensor:
-        """One stored tensor, read with plain file reads into memory of its own (no memory map: the process then
-        holds what it keeps, never the file's pages)."""
+    def _read(self, key: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows [lo, hi) of one stored tensor, read with plain file reads into memory of its own (no memory map: the
+        process then holds what it keeps, never the file's pages)."""
         file = self._stored[key][0]
         if file not in self._headers:
             self._headers[file] = _safetensors_header(self.directory / file)
@@ -85,11 +88,14 @@ class HFWeightFiles:
         if dtype is None:
             raise HFModelError(f"{self.directory / file}: tensor {key!r} has dtype {entry['dtype']}, which paratrain "
                                "does not read")
+        shape = list(entry["shape"]) or [1]  # a 0-d tensor: one row
+        lo, hi, _ = slice(lo, hi).indices(shape[0])
         begin, end = entry["data_offsets"]
-        out = torch.empty(entry["shape"], dtype=dtype, device="cpu")
-        if end > begin:
+        row_bytes = (end - begin) // shape[0] if shape[0] else 0
+        out = torch.empty([max(hi - lo, 0), *shape[1:]] if entry["shape"] else [], dtype=dtype, device="cpu")
+        if out.numel():
             with open(self.directory / file, "rb") as f:
-                f.seek(start + begin)
+                f.seek(start + begin + lo * row_bytes)
                 f.readinto(out.view(-1).view(torch.uint8).numpy())
         return out
 
@@ -106,13 +112,26 @@ def _safetensors_header(path: Path) -> tuple[int, dict]:
         return 8 + size, json.loads(f.read(size))
 
 
+class DirectoryWeights:
+    """init(name, full_shape) -> the directory's fp32 tensor; `rows(name, full_shape, lo, hi)` -> its rows [lo, hi)
+    along dim 0 alone (what a ZeRO-3 shard keeps: `paratrain.parallel.data.zero3`)."""
+
+    def __init__(self, files: HFWeightFiles):
+        self.files = files
+
+    def __call__(self, name: str, shape) -> torch.Tensor:
+        return self.files.read(name)
+
+    def rows(self, name: str, shape, lo: int, hi: int) -> torch.Tensor:
+        return self.files.read(name, lo, hi)
+
+
 def weight_initializer(model: HFCausalLM, init_from: str | None, seed: int = 0):
-    """init(name, full_shape) -> fp32 value: the directory's weights (--init-from), else transformers' own seeded
-    initialization (`paratrain.models.hf.seeded_initializer`)."""
+    """init(name, full_shape) -> fp32 value: the directory's weights (--init-from: `DirectoryWeights`, which also reads
+    rows alone), else transformers' own seeded initialization (`paratrain.models.hf.seeded_initializer`)."""
     if not init_from:
         return seeded_initializer(model, seed)
-    files = HFWeightFiles(init_from, {n: tuple(p.shape) for n, p in model.named_parameters()})
-    return lambda name, shape: files.read(name)
+    return DirectoryWeights(HFWeightFiles(init_from, {n: tuple(p.shape) for n, p in model.named_parameters()}))
 
 
 def check_weights(config: HFModelConfig, init_from: str) -> None:

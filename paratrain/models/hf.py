@@ -306,15 +306,21 @@ class HFCausalLM(nn.Module):
         positions as one sequence (not two packed ones, which it would mask apart) and calls causal SDPA."""
         mask = attention_mask
         if self.config.document_eos is not None:
-            from paratrain.models.llama import document_layout
-
-            positions, keep = document_layout(tokens, self.config.document_eos)
+            positions, mask = self.document_layout(tokens)
             position_ids = positions if position_ids is None else position_ids
-            # SDPA takes the boolean mask; eager attention adds the mask to its scores
-            mask = keep if self.config.attention == "sdpa" else \
-                torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
         return self.hf(input_ids=tokens, position_ids=position_ids, attention_mask=mask, use_cache=False,
                        return_dict=True).logits
+
+    def document_layout(self, ids: torch.Tensor, rows: torch.Tensor | None = None):
+        """(position_ids, attention mask) of the documents packed in `ids` [B, S], ended by `config.document_eos`,
+        for the queries at `rows` (None: every token; `paratrain.models.llama.document_layout`): the mask as
+        transformers' attention takes it, boolean for SDPA, added to the scores for eager attention."""
+        from paratrain.models.llama import document_layout
+
+        positions, keep = document_layout(ids, self.config.document_eos, rows)
+        if self.config.attention == "sdpa":
+            return positions, keep
+        return positions, torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
 
     @property
     def hf_config(self):

@@ -5,7 +5,7 @@ Parallel strategies act on this model from outside, so it is written to survive 
 - Head counts are read from the weight shapes in `forward`, never from the config, so a
   tensor-parallel plan can slice `wq`/`wk`/`wv`/`w1`/`w3` by output features and `wo`/`w2`
   by input features without changing this file.
-- Blocks live in a `ModuleDict` keyed "0".."L-1": a pipeline stage deletes the blocks it
+- Blocks live in a `ModuleDict` keyed "0".."L-1" (`pipeline_layers`): a pipeline stage deletes the blocks it
   does not own and the remaining parameter names stay those of the full model.
 - `tok_embeddings`, `norm` and `output` may be set to `None` by a pipeline stage (the model names
   them in `pipeline_first` and `pipeline_last`: `paratrain.parallel.pipeline.stages.LayeredModel`).
@@ -191,7 +191,8 @@ class Transformer(nn.Module):
     `model.to_empty(device=...)` then `model.init_weights(seed)`.
     """
 
-    # What a pipeline's first stage keeps before the layers and its last stage after them.
+    # The blocks a pipeline splits, what its first stage keeps before them and its last stage after them.
+    pipeline_layers = "layers"
     pipeline_first = ("tok_embeddings",)
     pipeline_last = ("norm", "output")
 

@@ -10,6 +10,7 @@ parallelism; `HF_LLAMA_PLAN` and `HF_GPT2_PLAN` are the same ideas under Hugging
 from __future__ import annotations
 
 import fnmatch
+import functools
 
 from paratrain.parallel.tensor.plan import (
     AttentionRegion, Colwise, OutputHead, PartialGradients, Rowwise, SequenceParallelNorm, SequenceShardInput, Style,
@@ -81,11 +82,14 @@ HF_GPT2_PLAN: dict[str, Style] = {
 }
 
 
-# transformers' tensor-parallel styles (a config's `base_model_tp_plan`) as paratrain's. The fused projections
-# (Phi-3's qkv_proj, gate_up_proj: "colwise_gather_output" then "rowwise_split_input") and the packed experts have
-# none: a column split would cut across the parts, so they are refused, and the experts of a mixture stay whole
-# on every tp rank (as `LLAMA_MOE_TP_PLAN` keeps the reference model's).
-_HF_STYLES = {"colwise": Colwise, "rowwise": Rowwise, "replicated_with_grad_allreduce": PartialGradients}
+# transformers' tensor-parallel styles (a config's `base_model_tp_plan`) as paratrain's. A fused projection whose
+# module cuts its output into parts (Phi-3's qkv_proj, gate_up_proj) is "colwise_gather_output": its rows split
+# over tp, its output gathered whole, so the parts are cut as on one process, and the projection after it
+# "rowwise_split_input" keeps this rank's features of that whole input. The packed experts have none: the experts
+# of a mixture stay whole on every tp rank (as `LLAMA_MOE_TP_PLAN` keeps the reference model's).
+_HF_STYLES = {"colwise": Colwise, "rowwise": Rowwise, "replicated_with_grad_allreduce": PartialGradients,
+              "colwise_gather_output": functools.partial(Colwise, gather_output=True),
+              "rowwise_split_input": functools.partial(Rowwise, split_input=True)}
 _HF_EXPERT_STYLES = ("packed_colwise", "moe_tp_experts", "local_colwise", "local_rowwise", "ep_router",
                      "grouped_gemm", "local_packed_rowwise")
 

@@ -337,7 +337,7 @@ def build_parallel_model(model_cfg: ModelConfig, cfg: Config, mesh: Mesh, layout
     run's communication layer (None: the model makes its own).
     """
     p = cfg.parallel
-    model = meta_model(model_cfg)  # the reference Transformer, or transformers' model of a directory
+    model = meta_model(model_cfg, p)  # the reference Transformer, or transformers' model of a directory
     # The trainer knows its model: it names the plan, so that no strategy has to.
     plan = model.tensor_parallel_plan(p.sequence_parallel) if p.tp > 1 else None
     return parallelize_run(model, mesh, optimizer=optimizer_factory(cfg.train),

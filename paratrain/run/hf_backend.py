@@ -81,11 +81,31 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
                           f"--seq-len {cfg.data.seq_len}, which the per-document mask does not keep; use --seq-len "
                           f"{window} or drop --document-mask")
     if p.ep > 1:
-        raise ConfigError(f"--ep {p.ep}: transformers' {kind} holds its experts fused, which expert parallelism does "
-                          "not split yet; use --ep 1 (a mixtral directory: the reference model, --backend auto)")
+        from paratrain.models.hf import HFCausalLM
+        from paratrain.models.hf_experts import EXPERT_TENSORS, fused_moe_layers
+
+        if not fused_moe_layers(HFCausalLM.build(model_cfg)):
+            raise ConfigError(f"--ep {p.ep}: transformers' {kind} has no mixture of experts that expert parallelism "
+                              f"splits (a router `gate` beside experts fused as {' and '.join(EXPERT_TENSORS)}); "
+                              "use --ep 1")
     if p.pp > 1:
-        raise ConfigError(f"--pp {p.pp}: pipeline stages of transformers' {kind} model ({flag}) are not supported by "
-                          "the trainer yet; use --pp 1 (data parallelism and ZeRO-1..3 apply)")
+        check_stages(p.pp, model_cfg)
+
+
+def check_stages(pp: int, model_cfg) -> None:
+    """Whether transformers' model of `model_cfg` can be laid out for `pp` pipeline stages
+    (`paratrain.interop.hf_stages`); one line naming why not."""
+    from paratrain.interop.hf_stages import SequentialError, check_layable
+    from paratrain.models.hf import HFCausalLM
+
+    kind = model_cfg.model_type
+    try:
+        check_layable(HFCausalLM.build(model_cfg).hf_config)  # as built: its attention implementation set
+    except SequentialError as e:
+        raise ConfigError(f"--pp {pp}: {e}; use --pp 1") from None
+    if model_cfg.tie_embeddings:
+        raise ConfigError(f"--pp {pp}: {kind} ties its output head to its input embedding (tie_word_embeddings), "
+                          "and the first and last pipeline stages would each need the one table; use --pp 1")
 
 
 def reference_dir_config(path: str):
@@ -98,13 +118,25 @@ def reference_dir_config(path: str):
         raise ConfigError(f"--model: {e}") from None
 
 
-def meta_model(model_cfg):
-    """The model of `model_cfg` on the meta device: transformers' for an `HFModelConfig`, else the reference one."""
+def meta_model(model_cfg, parallel=None):
+    """The model of `model_cfg` on the meta device: transformers' for an `HFModelConfig`, else the reference one.
+    Under `parallel` (the run's `ParallelSection`) transformers' model is made what its layout splits, under the
+    same names: with --ep its fused mixtures routed as paratrain's (`paratrain.models.hf_experts`), with --pp laid
+    out for pipeline stages (`paratrain.interop.hf_stages.LayeredCausalLM`)."""
     from paratrain.models import Transformer
     from paratrain.models.hf import HFCausalLM, HFModelConfig
 
     if isinstance(model_cfg, HFModelConfig):
-        return HFCausalLM.build(model_cfg)
+        model = HFCausalLM.build(model_cfg)
+        if parallel is not None and parallel.ep > 1:
+            from paratrain.models.hf_experts import route_experts
+
+            route_experts(model)
+        if parallel is not None and parallel.pp > 1:
+            from paratrain.interop.hf_stages import LayeredCausalLM
+
+            return LayeredCausalLM(model)
+        return model
     with torch.device("meta"):
         return Transformer(model_cfg)
 

@@ -84,7 +84,10 @@ class FullyShardedEngine:
     holds the rank's shard at rest and the full parameter only inside its
     unit's forward. Parameters on the meta device are materialized shard by
     shard with `init(name, full_shape)` (default: the reference model's
-    ``param_init`` with seed 0); real parameters are sliced from this rank's
+    ``param_init`` with seed 0), or, where the initializer can give part of
+    a value (`init.rows(name, full_shape, lo, hi)`: its rows [lo, hi) along
+    dim 0, as a model directory's files are read), with only the rows the
+    shard keeps; real parameters are sliced from this rank's
     copy, which the caller guarantees equal on every rank (same seed), so
     nothing is broadcast either way.
 
@@ -209,6 +212,14 @@ class FullyShardedEngine:
         # 200 MB model = shard + 8 MB, against shard + 58 MB the other way round).
         shard = out if out is not None else torch.empty(self._shard_shape(param.shape, axis),
                                                         dtype=self._stored_dtype(param), device=self.device)
+        rows_of = getattr(init, "rows", None) if param.is_meta and param.dim() else None
+        if rows_of is not None:  # only the rows this shard keeps are read
+            part = rows_of(name, param.shape, lo, hi)
+            if part.shape != shard.shape:
+                raise ZeroConfigError(f"init.rows({name!r}, {lo}, {hi}) returned shape {tuple(part.shape)}, "
+                                      f"expected {tuple(shard.shape)}")
+            shard.copy_(part)
+            return nn.Parameter(shard, requires_grad=param.requires_grad)
         full = init(name, param.shape) if param.is_meta else param.detach()
         if full.shape != param.shape:
             raise ZeroConfigError(f"init({name!r}) returned shape {tuple(full.shape)}, expected {tuple(param.shape)}")

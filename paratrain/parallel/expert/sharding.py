@@ -24,9 +24,10 @@ REPLICATE_AXIS = Axis.EP_REPLICATE  # the ranks holding the same block: its grad
 class MixtureOfExperts(Protocol):
     """A mixture-of-experts layer as expert parallelism reads it (the reference model's `MoE` is one).
 
-    `experts` holds the E experts stacked in tensors `w1`, `w2`, `w3`, the expert dimension first;
+    `experts` holds the E experts stacked in tensors `w1`, `w2`, `w3` (or those the layer names in
+    `expert_tensors`: transformers' fused `gate_up_proj`, `down_proj`), the expert dimension first;
     `dispatch(x_AD, counts_E)` is the step from the assignments sorted by expert to the experts'
-    outputs, which this strategy replaces; `aux_rows` and `reset_step_load` let a step average the
+    outputs (`experts(rows, counts_E, counts)` computes them), which this strategy replaces; `aux_rows` and `reset_step_load` let a step average the
     auxiliary loss over its batch and count its load from nothing (`ParallelModel.train_step`).
     """
 
@@ -84,7 +85,7 @@ def apply_expert_parallel(model: nn.Module, comm: Comm) -> ExpertInfo:
     for moe in moe_layers(model):
         local = moe.num_experts // info.ranks
         first = info.rank * local
-        for tensor in ("w1", "w2", "w3"):
+        for tensor in getattr(moe, "expert_tensors", ("w1", "w2", "w3")):
             whole = getattr(moe.experts, tensor)
             block = torch.empty(local, *whole.shape[1:], dtype=whole.dtype, device="meta") if whole.is_meta else \
                 whole.detach()[first:first + local].clone()

@@ -10,8 +10,10 @@ tensor-parallel plan, the data-parallel engine and checkpoints see ordinary name
 runs through a "shell": a light module sharing the rank's blocks that computes only that stage.
 
 Two kinds of model split: an `nn.Sequential` (by its children), and a `LayeredModel`, one that keeps
-its blocks in a `layers` ModuleDict and names the modules before and after them (the reference
-`Transformer` is one). Nothing here knows a model class: the split reads only that structure.
+its blocks in a ModuleDict and names it and the modules before and after them, each by its path in the
+model (the reference `Transformer` is one; transformers' models laid out by `paratrain.interop.hf_stages`,
+whose paths are `model.layers`, `model.embed_tokens`, … as their parameter names are). Nothing here knows a
+model class: the split reads only that structure.
 """
 
 from __future__ import annotations
@@ -35,14 +37,29 @@ class PipelineError(ParatrainError, ValueError):
 
 @runtime_checkable
 class LayeredModel(Protocol):
-    """A model split by its own layers: `layers`, a ModuleDict of the blocks "0".."n-1" run in order between the
-    modules named by `pipeline_first` (the first stage keeps them: the embedding) and `pipeline_last` (the last
-    stage keeps them: final norm, head). A stage without them holds None there, so its forward must take or
-    return hidden states where they are missing (the reference `Transformer.forward` does)."""
+    """A model split by its own layers: `pipeline_layers`, the path of a ModuleDict of the blocks "0".."n-1" run in
+    order between the modules at the paths `pipeline_first` (the first stage keeps them: the embedding) and
+    `pipeline_last` (the last stage keeps them: final norm, head); a path is dotted as a parameter name
+    (`layers`, or `model.layers` in a module `model`). A stage without them holds None there, so its forward must
+    take or return hidden states where they are missing (the reference `Transformer.forward` does)."""
 
-    layers: nn.ModuleDict
+    pipeline_layers: str
     pipeline_first: tuple[str, ...]
     pipeline_last: tuple[str, ...]
+
+
+def _layers(model: nn.Module) -> nn.ModuleDict:
+    return model.get_submodule(model.pipeline_layers)
+
+
+def _at(model: nn.Module, path: str) -> nn.Module | None:
+    parent, _, name = path.rpartition(".")
+    return getattr(model.get_submodule(parent) if parent else model, name)
+
+
+def _set(model: nn.Module, path: str, module: nn.Module | None) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
 def balanced_boundaries(costs: list[float], num_stages: int, first_extra: float = 0.0,
@@ -107,17 +124,24 @@ class StageSplit:
         if self.kind == SEQUENTIAL:
             return nn.Sequential(OrderedDict((k, self.module._modules[k]) for k in keys))
         model = self.module
-        shell = type(model).__new__(type(model))
-        nn.Module.__init__(shell)
-        for key, value in vars(model).items():  # what its forward reads besides modules (the reference model's config)
-            if not key.startswith("_") and key != "training":
-                setattr(shell, key, value)
-        for name in model.pipeline_first:
-            setattr(shell, name, getattr(model, name) if first else None)
-        shell.layers = nn.ModuleDict({k: model.layers[k] for k in keys})
-        for name in model.pipeline_last:
-            setattr(shell, name, getattr(model, name) if last else None)
-        return shell
+        kept = {model.pipeline_layers: nn.ModuleDict({k: _layers(model)[k] for k in keys})}
+        kept.update({path: _at(model, path) if first else None for path in model.pipeline_first})
+        kept.update({path: _at(model, path) if last else None for path in model.pipeline_last})
+        return _shell_of(model, kept)
+
+
+def _shell_of(module: nn.Module, kept: dict[str, nn.Module | None]) -> nn.Module:
+    """A light copy of `module` sharing its submodules, but the ones at the paths of `kept` (relative to `module`)
+    replaced by kept's (a module on the way to one is itself a light copy): what one stage computes with."""
+    shell = type(module).__new__(type(module))
+    nn.Module.__init__(shell)
+    for key, value in vars(module).items():  # what its forward reads besides modules (the reference model's config)
+        if not key.startswith("_") and key != "training":
+            shell.__dict__[key] = value  # as the module holds it: a module kept there is no child
+    for name, child in module._modules.items():
+        below = {path[len(name) + 1:]: m for path, m in kept.items() if path.startswith(name + ".")}
+        shell._modules[name] = kept[name] if name in kept else _shell_of(child, below) if below else child
+    return shell
 
 
 def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int = 1,
@@ -128,7 +152,7 @@ def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int
     or explicit `boundaries` (the first layer of each stage after the first) are given.
     """
     kind = _model_kind(model)
-    layers = list(model.layers.values()) if kind == LAYERED else list(model)
+    layers = list(_layers(model).values()) if kind == LAYERED else list(model)
     num_stages = pp * virtual_stages
     ranges = _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs)
     # the parameters that train (a frozen one, as LoRA's base, is no master, checkpoint or export tensor)
@@ -138,12 +162,12 @@ def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int
     stages = tuple(s for s in range(num_stages) if s % pp == rank)
     keep = {str(i) for s in stages for i in range(*ranges[s])}
     if kind == LAYERED:
-        for key in [k for k in model.layers if k not in keep]:
-            del model.layers[key]
-        for name in model.pipeline_first if 0 not in stages else ():
-            setattr(model, name, None)
-        for name in model.pipeline_last if num_stages - 1 not in stages else ():
-            setattr(model, name, None)
+        for key in [k for k in _layers(model) if k not in keep]:
+            del _layers(model)[key]
+        for path in model.pipeline_first if 0 not in stages else ():
+            _set(model, path, None)
+        for path in model.pipeline_last if num_stages - 1 not in stages else ():
+            _set(model, path, None)
     else:
         for key in [k for k in model._modules if k not in keep]:
             del model._modules[key]
@@ -163,17 +187,17 @@ def sequence_parallel_boundaries(split: StageSplit, comm, axis: Axis = Axis.TP) 
     from paratrain.parallel.tensor.primitives import gather_from_tp, scatter_to_tp
 
     if split.kind != LAYERED:
-        raise PipelineError("sequence parallelism with pipeline stages needs a model with a `layers` ModuleDict "
+        raise PipelineError("sequence parallelism with pipeline stages needs a model with a ModuleDict of layers "
                             "(paratrain.parallel.pipeline.stages.LayeredModel: paratrain's Transformer is one)")
     handles = []
     for stage in split.stages:
         first, last = split.ranges[stage][0], split.ranges[stage][1] - 1
         if stage > 0:
             hook = functools.partial(_first_input_to_shard, comm, axis, scatter_to_tp)
-            handles.append(split.module.layers[str(first)].register_forward_pre_hook(hook))
+            handles.append(_layers(split.module)[str(first)].register_forward_pre_hook(hook))
         if stage < split.num_stages - 1:
             hook = functools.partial(_output_to_whole, comm, axis, gather_from_tp)
-            handles.append(split.module.layers[str(last)].register_forward_hook(hook))
+            handles.append(_layers(split.module)[str(last)].register_forward_hook(hook))
     return handles
 
 
@@ -209,21 +233,21 @@ def _stage_ranges(model, kind, layers, num_stages, boundaries, layer_costs) -> l
     costs = layer_costs or [_numel(layer) for layer in layers]
     first = last = 0.0
     if kind == LAYERED and layer_costs is None:
-        first = sum(_numel(getattr(model, name)) for name in model.pipeline_first)
-        last = sum(_numel(getattr(model, name)) for name in model.pipeline_last)
+        first = sum(_numel(_at(model, path)) for path in model.pipeline_first)
+        last = sum(_numel(_at(model, path)) for path in model.pipeline_last)
     return balanced_boundaries(costs, num_stages, first, last)
 
 
 def _owning_stage(name: str, model: nn.Module, kind: str, ranges: list[tuple[int, int]]) -> int:
     """The stage holding parameter `name`: its layer's; outside the layers of a LayeredModel, the first stage
     for its `pipeline_first` modules and the last for the others."""
-    parts = name.split(".")
     if kind == LAYERED:
-        if parts[0] != "layers":
-            return 0 if parts[0] in model.pipeline_first else len(ranges) - 1
-        index = int(parts[1])
+        layers = model.pipeline_layers + "."
+        if not name.startswith(layers):
+            return 0 if any(name.startswith(path + ".") for path in model.pipeline_first) else len(ranges) - 1
+        index = int(name[len(layers):].split(".")[0])
     else:
-        index = int(parts[0])
+        index = int(name.split(".")[0])
     return next(s for s, (a, b) in enumerate(ranges) if a <= index < b)
 
 

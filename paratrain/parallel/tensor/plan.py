@@ -56,6 +56,7 @@ from paratrain.parallel.tensor.layers import (
     ColumnParallelLinear, InitFn, RowParallelLinear, TensorParallelError, TensorParallelLayer, VocabParallelEmbedding,
     check_divisible, embedding_scale, enter_tp_region, linear_features, reduce_scatter_sequence,
 )
+from paratrain.parallel.tensor.primitives import scatter_to_tp
 
 
 @dataclass
@@ -135,7 +136,13 @@ def _refuse_fused_projection(name: str, module: nn.Module, parent: nn.Module, ou
 
 @dataclass(frozen=True)
 class Rowwise(_Style):
-    """nn.Linear or Conv1D → RowParallelLinear: input features split; output all-reduced (SP: reduce-scattered)."""
+    """nn.Linear or Conv1D → RowParallelLinear: input features split; output all-reduced (SP: reduce-scattered).
+
+    `split_input`: the input arrives whole on every rank (after a `Colwise(gather_output=True)` whose output the
+    module cuts into parts, as Phi-3's fused qkv_proj and gate_up_proj: transformers' "colwise_gather_output" then
+    "rowwise_split_input"), and a forward pre-hook keeps this rank's features of it (backward: all-gather)."""
+
+    split_input: bool = False
 
     def check(self, name, module, tp, parent):
         in_features, _, _ = _linear(name, module, self)
@@ -149,6 +156,9 @@ class Rowwise(_Style):
         layer = adapters.twin(RowParallelLinear, module).from_full(module, ctx.comm, ctx.axis,
                                                                    sequence_parallel=ctx.sequence_parallel)
         ctx.sequence_partial += [f"{name}.{p}" for p in layer.sequence_partial_params()]
+        if self.split_input:
+            fn = functools.partial(scatter_to_tp, comm=ctx.comm, axis=ctx.axis, dim=-1)
+            ctx.handles.append(_input_hook(layer, fn, "input"))
         return layer
 
 
