@@ -17,13 +17,13 @@ import functools
 import pytest
 import torch
 
-from paratrain.mesh import MeshShape, build_mesh
+from paratrain.mesh import build_mesh
 from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, TensorParallel, parallelize
 from paratrain.precision import Precision
 from paratrain.error_model import FP32_ADAMW, FP64_PARITY
-from parallel_cases import (LR, TINY, adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
-                             reference_run)
+from parallel_cases import (LR, TINY, Layout, adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
+                             reference_run, variant)
 
 FP64 = Precision("fp64", torch.float64, torch.float64, torch.float64)
 FP32_LR = 1e-3
@@ -31,13 +31,12 @@ FP64_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    zero: int
-    sp: bool = False
-    tied: bool = False
-    fp64: bool = True
-    dp: int = 2
-    tp: int = 2
+class Case(Layout):
+    tied: bool = False  # the embedding and the output head share their weight
+
+    @property
+    def fp64(self) -> bool:
+        return self.precision == "fp64"
 
     @property
     def lr(self) -> float:
@@ -48,31 +47,18 @@ class Case:
         return batches()[:FP64_STEPS] if self.fp64 else batches()
 
 
-def _fp32_matrix():
-    """On 2 ranks every (sp, tied) pair; on 4 (the costly launch on 2 cores) the two ends of tp 4 and each ZeRO
-    stage of dp 2 × tp 2 under sequence parallelism (the fp64 cases above check the rest exactly)."""
-    cases = {}
-    for tp, dp in ((2, 1), (4, 1), (2, 2)):
-        for sp in (False, True):
-            for tied in (False, True):
-                for zero in ((0, 1, 3) if dp > 1 else (0,)):
-                    if dp > 1 and (not sp or (tied and zero != 3)):
-                        continue  # tied × 2D once, with the hardest stage
-                    if tp == 4 and sp != tied:
-                        continue
-                    name = f"fp32_dp{dp}_tp{tp}{'_sp' if sp else ''}{'_tied' if tied else ''}_zero{zero}"
-                    cases[name] = Case(zero, sp, tied, fp64=False, dp=dp, tp=tp)
-    return cases
+def _cases(*names: str, tied: bool = False) -> dict[str, Case]:
+    return {name + ("_tied" if tied else ""): variant(Case, name, tied=tied) for name in names}
 
 
 CASES = {
-    "dp2_tp2_zero0": Case(0),
-    "dp2_tp2_zero1": Case(1),
-    "dp2_tp2_zero2_sp": Case(2, sp=True),
-    "dp2_tp2_zero3": Case(3),
-    "dp2_tp2_zero3_sp_tied": Case(3, sp=True, tied=True),
-    "dp2_tp2_zero1_sp_tied": Case(1, sp=True, tied=True),
-    **_fp32_matrix(),
+    **_cases("dp2_tp2_fp64", "dp2_tp2_zero1_fp64", "dp2_tp2_sp_zero2_fp64", "dp2_tp2_zero3_fp64"),
+    **_cases("dp2_tp2_sp_zero3_fp64", "dp2_tp2_sp_zero1_fp64", tied=True),
+    # fp32: on 2 ranks every (sp, tied) pair; on 4 (the costly launch on 2 cores) the two ends of tp 4 and each ZeRO
+    # stage of dp 2 × tp 2 under sequence parallelism, tied × 2D once, with the hardest stage (the fp64 cases above
+    # check the rest exactly)
+    **_cases("tp2", "tp2_sp", "tp4", "dp2_tp2_sp", "dp2_tp2_sp_zero1", "dp2_tp2_sp_zero3"),
+    **_cases("tp2", "tp2_sp", "tp4_sp", "dp2_tp2_sp_zero3", tied=True),
 }
 
 
@@ -99,8 +85,8 @@ def _all_cases(rank, world):  # noqa: ARG001
     meshes: dict = {}
     results = {}
     for name, case in CASES.items():
-        if case.dp * case.tp == world:
-            shape = MeshShape(dp=case.dp, tp=case.tp)
+        if case.world == world:
+            shape = case.mesh_shape()
             mesh = meshes[shape] = meshes.get(shape) or build_mesh(shape)
             results[name] = _train(case, mesh)
     return results
@@ -111,7 +97,7 @@ _REFERENCE = {}
 
 
 def _results(name):
-    return [per_rank[name] for per_rank in launch_once(_RESULTS, CASES[name].dp * CASES[name].tp, _all_cases)]
+    return [per_rank[name] for per_rank in launch_once(_RESULTS, CASES[name].world, _all_cases)]
 
 
 def _reference(case: Case, dtype: torch.dtype):
