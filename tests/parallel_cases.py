@@ -107,7 +107,7 @@ LAYOUTS = _matrix(
     *[Layout(dp=4, dp_shard=2, tp=2, zero=z) for z in (1, 2, 3)],
     # pipelines, alone and in 3D
     *_pipelines(2, "fp64"), *_pipelines(4, "fp64"), *_pipelines(2, "fp32"), *_pipelines(4, "fp32"),
-    Layout(pp=2, microbatches=2), Layout(pp=2, microbatches=2, tp=2, sp=True),
+    Layout(pp=2, microbatches=2), Layout(pp=2, microbatches=2, tp=2, sp=True), Layout(pp=2, microbatches=2, dp=2, zero=1),
     Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=4, tp=2, sp=True, precision="fp64"),
     Layout(pp=2, microbatches=2, dp=2, tp=2, zero=1), Layout(pp=2, microbatches=2, dp=2, tp=2, zero=1, precision="fp64"),
     Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2, dp=2, tp=2, zero=2, precision="fp64"),
