@@ -113,6 +113,10 @@ LAYOUTS = _matrix(
     Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2, dp=2, tp=2, zero=2, precision="fp64"),
     Layout(pp=2, schedule="zb-h1", microbatches=2, dp=2, tp=2, sp=True, zero=1, precision="fp64"),
     *[Layout(pp=2, microbatches=2, dp=4, dp_shard=2, zero=z) for z in (1, 2)],
+    # models the project did not write (test_your_own_model): pipelines of 4 micro-batches, tp by the user's plan
+    *[Layout(pp=2, schedule=s, microbatches=4) for s in ("gpipe", "1f1b", "zb-h1")],
+    Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=4), Layout(pp=2, microbatches=4, dp=2, zero=1),
+    Layout(pp=2, microbatches=4, tp=2), *[Layout(dp=2, tp=2, zero=z) for z in (1, 3)],
     # context parallelism, alone, with recomputation, under ZeRO-3 and in pipelines
     Layout(cp=2), *[Layout(cp=2, recompute=r) for r in ("full", "selective", 2)], Layout(dp=2, cp=2, zero=3),
     *[Layout(pp=2, schedule=s, virtual_stages=2 if s == "interleaved" else 1, microbatches=4, cp=2,
