@@ -57,7 +57,8 @@ CASES = {name: variant(Case, name) for name in [
     "pp2_zb-h1_m2_dp2_tp2_sp_zero1_fp64", "pp2_1f1b_m2_hsdp2x2_zero1", "pp2_1f1b_m2_hsdp2x2_zero2"]}
 
 
-def _train(case: Case, mesh):
+def _train(case: Case, mesh, steps: int | None = None):
+    """`case` trained `steps` steps (default: the case's)."""
     with torch.device("meta"):
         model = Transformer(EIGHT_LAYERS).to(torch.float32 if case.fp32 else torch.float64)
     model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=case.lr),
@@ -68,7 +69,7 @@ def _train(case: Case, mesh):
                                    pipeline=PipelineParallel(schedule=case.schedule, virtual_stages=case.virtual_stages))
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
     losses, sent = [], []
-    for x, y in batches()[:case.steps]:
+    for x, y in batches()[:steps or case.steps]:
         rows = BATCH // dp
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
         micro = rows // case.microbatches
@@ -109,11 +110,12 @@ def _results(world: int, name: str):
 _REFERENCE: dict = {}
 
 
-def _reference(case: Case):
-    key = (case.steps, case.fp32)
+def _reference(case: Case, steps: int | None = None):
+    steps = steps or case.steps
+    key = (steps, case.fp32)
     if key not in _REFERENCE:
         model = make_model(EIGHT_LAYERS).to(torch.float32 if case.fp32 else torch.float64)
-        _REFERENCE[key] = reference_run(model, batches()[:case.steps], lr=case.lr)
+        _REFERENCE[key] = reference_run(model, batches()[:steps], lr=case.lr)
     return _REFERENCE[key]
 
 
