@@ -280,7 +280,7 @@ def documented_recipes() -> dict[str, str]:
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).parent.parent
+    root = pathlib.Path(__file__).parents[2]
     recipes = {}
     for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         text = page.read_text()

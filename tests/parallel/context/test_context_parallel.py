@@ -283,7 +283,7 @@ def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
 
 
 def _steps_under_the_meta_trap(rank, world):
-    """Two training steps at cp2 with the default device set to meta (as `tests/test_gpu_traps.py` sets it):
+    """Two training steps at cp2 with the default device set to meta (as `tests/parallel/test_gpu_traps.py` sets it):
     a split, ring buffer or exchange tensor made without naming a device lands on meta and fails."""
     import functools
 
