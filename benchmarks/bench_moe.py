@@ -16,7 +16,7 @@ with the model state in it (parameters, gradients, optimizer state) and the proc
 that step (glibc returning freed memory at once, as MALLOC_MMAP_THRESHOLD_=131072 makes it); the
 all-to-all bytes each rank sends on the ep axis in one step, counted where they reach torch.distributed
 (`paratrain.testing.Collectives`), beside the formula evaluated on that step's actual routing
-(the formula of tests/test_expert_parallel.py, for any ep: per MoE layer, forward and again backward,
+(the formula of tests/parallel/expert/test_expert_parallel.py, for any ep: per MoE layer, forward and again backward,
 the rows this rank routes to experts on other ranks plus the rows other ranks route to its experts, D fp32
 elements each, plus the forward's (ep − 1)·E/ep int64 counts; equal, not approximately equal); and the
 largest relative differences of the LM losses and of the auxiliary losses from one process's. See

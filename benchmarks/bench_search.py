@@ -3,7 +3,7 @@
     python benchmarks/bench_search.py                 # 5 rounds, median against 5 s
     python benchmarks/bench_search.py --rounds 20 --target 2
 
-The search of `tests/test_plan.py::test_search_llama2_70b_on_64_gpus` (seq 4096, global batch
+The search of `tests/plan/test_plan.py::test_search_llama2_70b_on_64_gpus` (seq 4096, global batch
 1024, 80 GB per GPU, 8 GPUs per node, top 10), timed with `time.perf_counter` over `--rounds`
 rounds after one warm-up round; min / median / max, the number of layouts searched and whether
 the median meets `--target` seconds (an interactive `paratrain plan --gpus N` answers while one

@@ -639,7 +639,7 @@ def check_fused_loss(device, dtype: torch.dtype, small: bool) -> dict:
 
 def _peak_of(device, backward, loss_of) -> dict:
     """The loss (no grad) and the peak bytes that `backward()` (a forward and its backward) adds over what exists
-    (on CUDA; the CPU's are `tests/test_fused_loss_memory.py`'s)."""
+    (on CUDA; the CPU's are `tests/parallel/test_fused_loss_memory.py`'s)."""
     with torch.no_grad():
         loss = loss_of().detach()
     if device.type != "cuda":

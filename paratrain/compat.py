@@ -8,7 +8,7 @@ kinds of torch API live here and nowhere else:
   release (GPU images often ship an older torch than the newest).
 * Private APIs (underscored modules and functions): torch may rename or drop them in any release,
   so each has one home here, with a comment saying why paratrain needs it, and a test
-  (tests/test_compat.py) that fails the day the installed torch no longer has it.
+  (tests/meta/test_compat.py) that fails the day the installed torch no longer has it.
 
 torch's ``_foreach_*`` operators are not here: they are ATen operators in torch's own namespace
 (torch.optim's foreach path), not internals of a Python module.

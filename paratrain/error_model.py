@@ -8,7 +8,7 @@ machine. What a parity test may compare is therefore what those roundings cannot
 once, with the reason; `tests/other_machines.sh` runs the parity tests under every capability this machine
 offers and reports each bound's measured worst against it (PARATRAIN_ERROR_REPORT). Every bound is at least
 10x the worst measured on AVX-512, AVX2 and the default path, and below what a wrong gradient gives
-(tests/test_parity_faults.py injects one per strategy).
+(tests/parallel/test_parity_faults.py injects one per strategy).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ FP64_PARITY = ErrorModel("fp64", 1e-10, 1e-10, "summation order only, in fp64: n
 # to the many whose gradients are well above rounding, whose steps differ by lr·O(√n·ε32); the worst tensor
 # measured is 1.1e-5 after 3 steps (context parallel), 4.2e-5 after 4 (compiled against eager, ZeRO-3 with
 # selective recomputation) and 1.6e-4 after 20 (ZeRO-3, tied, dp4, AVX2): 1.5e-4 per step. A gradient counted
-# twice moves its worst tensor by 15-120% of its norm (tests/test_parity_faults.py).
+# twice moves its worst tensor by 15-120% of its norm (tests/parallel/test_parity_faults.py).
 FP32_ADAMW = ErrorModel("fp32 AdamW", 1e-6, 1.5e-4, "reduction order under fp32 rounding, amplified by Adam's "
                                                   "per-element normalization; compared per tensor", per_step=True)
 
@@ -85,7 +85,7 @@ FP32_CHAOTIC = ErrorModel("fp32 against fp64, chaotic run", 2e-3, 5e-2, "fp32 ro
 # bf16 loss 1.2e-4 and model 5.3e-3 (both tp2 + sp), so 4e-5 and 1.8e-3 per step (a small transformers Llama's
 # dp2 ZeRO-3: 4.3e-5 and 2.4e-3). Each bound below is 10x the
 # worst measured per step; a gradient counted twice or negated on one rank moves the model by far more
-# (tests/test_parity_faults.py checks every injected fault against the bf16 bound).
+# (tests/parallel/test_parity_faults.py checks every injected fault against the bf16 bound).
 BF16_ADAMW = ErrorModel("bf16 AdamW, whole model", 4e-4, 1.8e-2,
                         "partial sums rounded to bf16 (u = 3.9e-3) where one process adds them first, amplified by "
                         "Adam's per-element normalization; compared over the whole model", scope="model",

@@ -2,7 +2,18 @@
 
 import getpass
 import os
+import sys
 import tempfile
+from pathlib import Path
+
+# Tests live in folders by room (tests/parallel/data, tests/plan, ... ) and import the shared helpers
+# (`parallel_cases`, `hf_families`, ...) and each other by bare module name; the rank processes `run_on_ranks` starts
+# unpickle test functions by module name too. Every folder of tests is on the import path, so a name resolves
+# wherever its module lives (the rank processes inherit the path).
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted({_TESTS, *(path.parent for path in _TESTS.rglob("test_*.py"))}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 # The `multirank` mark, derived from each test's code and checked as it runs (tests/process_marks.py).
 pytest_plugins = ["process_marks"]

@@ -13,11 +13,11 @@
 # and the bound's margin over the worst of them, flagged where it is under 10x. Exit status: 1 if any run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PARITY=(tests/test_data_parallel.py tests/test_zero3.py tests/test_zero3_overlap.py tests/test_hybrid_shard.py
-        tests/test_tensor_parallel.py tests/test_parallel_2d.py tests/test_pipeline.py tests/test_context_parallel.py
-        tests/test_expert_parallel.py tests/test_expert_parallel_compose.py tests/test_precision.py
-        tests/test_compile.py tests/test_your_own_model.py tests/test_parity_faults.py
-        tests/test_train.py::test_accumulation_with_uneven_masks_equals_one_batch)
+PARITY=(tests/parallel/data/test_data_parallel.py tests/parallel/data/test_zero3.py tests/parallel/data/test_zero3_overlap.py tests/parallel/data/test_hybrid_shard.py
+        tests/parallel/tensor/test_tensor_parallel.py tests/parallel/tensor/test_parallel_2d.py tests/parallel/pipeline/test_pipeline.py tests/parallel/context/test_context_parallel.py
+        tests/parallel/expert/test_expert_parallel.py tests/parallel/expert/test_expert_parallel_compose.py tests/parallel/test_precision.py
+        tests/parallel/test_compile.py tests/parallel/test_your_own_model.py tests/parallel/test_parity_faults.py
+        tests/run/test_train.py::test_accumulation_with_uneven_masks_equals_one_batch)
 capabilities=(default avx2)
 grep -qw avx512f /proc/cpuinfo 2>/dev/null && capabilities+=(avx512)
 reports=${PARATRAIN_REPORT_DIR:-$(mktemp -d)}

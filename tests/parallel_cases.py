@@ -1,6 +1,7 @@
-"""Shared pieces of the multi-rank parity tests: a tiny model, a fixed global batch, a reference run.
+"""Shared pieces of the multi-rank parity tests: the layout matrix, a tiny model, a fixed global batch, a reference run.
 
-The distributed side of every parity test runs `train_steps` on its slice of
+`LAYOUTS` names every strategy combination × precision the parity tests prove, once; each test file takes the
+entries it proves (`layouts`). The distributed side of every parity test runs `train_steps` on its slice of
 the same global batch that the single-process reference sees whole; the loss
 is the sum of token losses over the global token count on both sides.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,127 @@ from paratrain.testing import run_on_ranks
 
 TINY = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS, BATCH, SEQ, LR = 20, 8, 16, 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One entry of the layout matrix: each strategy's degree and options, and the precision.
+
+    `dp_shard`: ZeRO shards over groups of this many data ranks (hybrid sharding; 0: all); `ep` divides `dp`;
+    `microbatches`: per data rank and step; `recompute`: activation checkpointing ("full", "selective", every n-th
+    block, 0: none)."""
+
+    dp: int = 1
+    dp_shard: int = 0
+    zero: int = 0
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    cp: int = 1
+    ep: int = 1
+    recompute: str | int = 0
+    precision: str = "fp32"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def name(self) -> str:
+        """The matrix's key, e.g. `pp2_interleaved_v2_m4_dp2_tp2_sp_zero1_fp64`: degrees above 1, options set."""
+        parts = []
+        if self.pp > 1:
+            parts += [f"pp{self.pp}", self.schedule] + ([f"v{self.virtual_stages}"] if self.virtual_stages > 1 else [])
+        parts += [f"m{self.microbatches}"] if self.microbatches > 1 else []
+        if self.dp > 1:
+            parts += [f"hsdp{self.dp // self.dp_shard}x{self.dp_shard}" if self.dp_shard else f"dp{self.dp}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += ["sp"] if self.sp else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += [f"ac-{self.recompute}"] if self.recompute else []
+        parts += [self.precision] if self.precision != "fp32" else []
+        return "_".join(parts) or "one_rank"
+
+    def mesh_shape(self):
+        from paratrain.mesh import MeshShape
+
+        return MeshShape(dp=self.dp, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+
+
+def _matrix(*entries: Layout) -> dict[str, Layout]:
+    named = {layout.name: layout for layout in entries}
+    assert len(named) == len(entries), "a layout is listed twice"
+    return named
+
+
+def _pipelines(pp: int, precision: str) -> list[Layout]:
+    """Every schedule on `pp` stages, over 1 to 8 micro-batches (fp64) or 8 (fp32)."""
+    counts = (1, 2, 4, 8) if precision == "fp64" else (8,)
+    flat = [Layout(pp=pp, schedule=s, microbatches=m, precision=precision)
+            for s in ("gpipe", "1f1b", "zb-h1") for m in counts]
+    return flat + [Layout(pp=pp, schedule="interleaved", virtual_stages=2, microbatches=m, precision=precision)
+                   for m in counts if m % pp == 0 and m > 1]
+
+
+LAYOUTS = _matrix(
+    # data parallelism alone, and hybrid sharding
+    *[Layout(dp=2, zero=z) for z in (0, 1, 2, 3)],
+    *[Layout(dp=4, dp_shard=2, zero=z) for z in (1, 2, 3)], Layout(dp=4, dp_shard=2, zero=2, microbatches=2),
+    *[Layout(dp=8, dp_shard=4, zero=z) for z in (1, 2, 3)],
+    Layout(dp=2, zero=3, recompute="full"), Layout(dp=2, zero=3, recompute="selective"),
+    Layout(dp=2, zero=2, recompute="full", precision="fp16"),
+    # tensor parallelism, alone and inside data parallelism
+    Layout(tp=2), Layout(tp=2, sp=True), Layout(tp=4), Layout(tp=4, sp=True), Layout(tp=2, zero=1, precision="bf16"),
+    Layout(dp=2, tp=2), *[Layout(dp=2, tp=2, sp=True, zero=z) for z in (0, 1, 3)],
+    *[Layout(dp=2, tp=2, zero=z, precision="fp64") for z in (0, 1, 3)],
+    *[Layout(dp=2, tp=2, sp=True, zero=z, precision="fp64") for z in (1, 2, 3)],
+    *[Layout(dp=4, dp_shard=2, tp=2, zero=z) for z in (1, 2, 3)],
+    # pipelines, alone and in 3D
+    *_pipelines(2, "fp64"), *_pipelines(4, "fp64"), *_pipelines(2, "fp32"), *_pipelines(4, "fp32"),
+    Layout(pp=2, microbatches=2), Layout(pp=2, microbatches=2, tp=2, sp=True), Layout(pp=2, microbatches=2, dp=2, zero=1),
+    Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=4, tp=2, sp=True, precision="fp64"),
+    Layout(pp=2, microbatches=2, dp=2, tp=2, zero=1), Layout(pp=2, microbatches=2, dp=2, tp=2, zero=1, precision="fp64"),
+    Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2, dp=2, tp=2, zero=2, precision="fp64"),
+    Layout(pp=2, schedule="zb-h1", microbatches=2, dp=2, tp=2, sp=True, zero=1, precision="fp64"),
+    *[Layout(pp=2, microbatches=2, dp=4, dp_shard=2, zero=z) for z in (1, 2)],
+    # models the project did not write (test_your_own_model): pipelines of 4 micro-batches, tp by the user's plan
+    *[Layout(pp=2, schedule=s, microbatches=4) for s in ("gpipe", "1f1b", "zb-h1")],
+    Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=4), Layout(pp=2, microbatches=4, dp=2, zero=1),
+    Layout(pp=2, microbatches=4, tp=2), *[Layout(dp=2, tp=2, zero=z) for z in (1, 3)],
+    # context parallelism, alone, with recomputation, under ZeRO-3 and in pipelines
+    Layout(cp=2), *[Layout(cp=2, recompute=r) for r in ("full", "selective", 2)], Layout(dp=2, cp=2, zero=3),
+    *[Layout(pp=2, schedule=s, virtual_stages=2 if s == "interleaved" else 1, microbatches=4, cp=2,
+             recompute="full" if s == "zb-h1" else 0) for s in ("gpipe", "interleaved", "zb-h1")],
+    # experts, and experts composed with the other strategies
+    *[Layout(microbatches=2, dp=2, ep=2, recompute=r) for r in ("full", "selective")],
+    Layout(microbatches=2, dp=2, ep=2, precision="bf16"), Layout(microbatches=2, dp=2, ep=2, zero=3),
+    Layout(microbatches=2, dp=4, ep=2, zero=3),
+    *[Layout(pp=2, schedule=s, microbatches=2, dp=2, ep=2) for s in ("gpipe", "zb-h1")],
+    Layout(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2, dp=2, ep=2),
+)
+
+
+def layouts(*names: str) -> dict[str, Layout]:
+    """The entries of `LAYOUTS` a test file proves, by name (a name the matrix lacks is an error at collection)."""
+    missing = [name for name in names if name not in LAYOUTS]
+    assert not missing, f"not in parallel_cases.LAYOUTS: {missing}"
+    return {name: LAYOUTS[name] for name in names}
+
+
+def pipelines(pp: int, precision: str) -> list[str]:
+    """The names of every schedule's entries on `pp` stages at `precision` (fp64: 1 to 8 micro-batches; fp32: 8)."""
+    return [layout.name for layout in _pipelines(pp, precision)]
+
+
+def variant(case_type: type, name: str, /, **extra):
+    """`LAYOUTS[name]` as a test file's own case (`case_type`: a subclass of `Layout` adding what the file varies
+    besides the layout: the model, a backend...)."""
+    return case_type(**dataclasses.asdict(LAYOUTS[name]), **extra)
 
 
 class OpRecorder(TorchDispatchMode):

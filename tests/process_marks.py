@@ -80,6 +80,13 @@ def _names(node: ast.AST) -> set[str]:
 
 
 @functools.cache
+def _test_module(name: str) -> Path | None:
+    """A module of the tests by its bare name (as test modules import each other), in whichever folder it lives."""
+    found = sorted(Path(__file__).parent.rglob(f"{name}.py"))
+    return found[0] if found else None
+
+
+@functools.cache
 def _module_functions(path: Path) -> tuple[dict[str, set[str]], dict[str, Path]]:
     """A module's functions (module level and in its classes) and module-level constants with the names each refers
     to, and the names it imports from other test modules (name -> that module's path)."""
@@ -96,8 +103,8 @@ def _module_functions(path: Path) -> tuple[dict[str, set[str]], dict[str, Path]]
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             functions.setdefault(node.name, set()).update(_names(node))
         elif isinstance(node, ast.ImportFrom) and node.module:
-            source = path.parent / (node.module.split(".")[-1] + ".py")
-            if source.exists() and source != path:
+            source = _test_module(node.module.split(".")[-1])
+            if source is not None and source != path:
                 imported.update({alias.asname or alias.name: source for alias in node.names})
     return functions, imported
 

@@ -200,7 +200,7 @@ class _Renderer:
     conversation again for each one (a third of a prefix's render); and `Template.render` merges the template's
     globals (a chained map, walked twice) into each render's context, here merged once: the context each render
     starts from holds the same names and values. A template that marks the assistant's turns is rendered once, by
-    transformers' tracker of its {% generation %} blocks (`tracked`). tests/test_chat.py checks that every prefix
+    transformers' tracker of its {% generation %} blocks (`tracked`). tests/data/test_chat.py checks that every prefix
     renders to `render_jinja_template`'s text, and the marked spans to its spans."""
 
     def __init__(self, text: str):
@@ -274,7 +274,7 @@ def _quick_lookups(environment) -> None:
       plain data or loop and name; any other object is asked every time.
 
     Installed only over jinja2's own ImmutableSandboxedEnvironment methods, whose answers these are;
-    tests/test_chat.py checks them against a fresh sandbox's."""
+    tests/data/test_chat.py checks them against a fresh sandbox's."""
     from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 

@@ -42,7 +42,7 @@ from paratrain.errors import ParatrainError
 from paratrain.models.hf import HFCausalLM
 
 # model_type values whose forward is embed → layers(positions, mask) → norm → lm_head (→ soft-cap), each checked
-# against transformers' logits (tests/test_hf_layouts.py)
+# against transformers' logits (tests/parallel/test_hf_layouts.py)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "phi3")
 _MASKS = ("full_attention", "sliding_attention")  # the layer kinds transformers makes a mask for here
 

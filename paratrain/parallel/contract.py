@@ -5,7 +5,7 @@ the outside sees, as `paratrain.parallel.data.engine.Engine` says what the model
 engine. The engine, the communication layer and the loss scaler are not part of it: the
 model's own methods answer what the outside needs of them (the masters a checkpoint saves,
 the loss scaler's state, which copy of a tensor this rank owns), so that a strategy can change
-how it keeps them without the trainer noticing. `tests/test_architecture.py` checks that no
+how it keeps them without the trainer noticing. `tests/meta/test_architecture.py` checks that no
 module outside `paratrain.parallel` reaches past the contract into `.engine`, `.comm` or
 `.scaler`.
 

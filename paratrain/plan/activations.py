@@ -95,7 +95,7 @@ def block_bytes_as_run(tokens: int, hidden: int, heads: int, ffn_dim: int, tp: i
     """Bytes one Llama block (RMSNorm, attention by a flash kernel, SwiGLU) keeps for backward, per tp rank, as
     its kernels run: eager, each operator saving its own inputs, or `compiled`, inductor's partitioner saving
     what is cheapest to keep and recomputing element-wise results. p is the activation dtype's size; every
-    count is per token and was measured on paratrain's block (`tests/test_recompute.py`, exactly):
+    count is per token and was measured on paratrain's block (`tests/parallel/test_recompute.py`, exactly):
 
     - each of the two norms, eager: its input cast to fp32 (4·h), the normalized value and its scaled output
       (p·h each, the latter the next matmul's input); compiled: its input and output only (2·p·h). Under

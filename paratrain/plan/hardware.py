@@ -323,7 +323,7 @@ def _interpolate(curve: tuple[tuple[float, float], ...], size: float) -> float:
 # - H100/H200 (one chip, one set): fitted to one H200's measurements (`benchmarks/results/H200-2026-11-26.md`
 #   §4: eleven bf16 linears of 686-807 TFLOP/s, causal SDPA forward + backward at 267-433) and then to
 #   its training steps (§2 and `benchmarks/results/gpu-bench-20261126-074256.md`, the test
-#   `tests/test_plan_h200.py`):
+#   `tests/plan/test_plan_h200.py`):
 #   GEMM curve e_max 0.975, x_half 300, x_power 25,000 (every linear within 4 %: mid-sized ones at
 #   ~780, the largest at the power limit's ~690); flash attention's matmuls at 1.22 × the curve at
 #   their (s, s, d) shapes plus its operands' bytes and 85 µs per pass (each SDPA point within 3 %);

@@ -4,7 +4,7 @@ Each `PublishedRun` is a run whose layout, batch, sequence length, GPU kind and 
 per-GPU throughput were published. The planner predicts its step time with the preset of its
 GPU kind (one set of constants per kind, `paratrain.plan.hardware`, never one per run), and the
 per-GPU throughput follows with the FLOP count the source itself uses (its convention: whether
-recomputation counts, which attention FLOPs). `tests/test_plan_published.py` checks every run
+recomputation counts, which attention FLOPs). `tests/plan/test_plan_published.py` checks every run
 within ±15 %.
 
 Every run used fused kernels (Megatron's, or a compiled stack): the planner's compiled stack

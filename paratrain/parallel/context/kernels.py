@@ -24,7 +24,7 @@ mask as an additive bias in q's dtype), else explicit math: the CUDA ops here ta
 none, memory-efficient a bias this module does not pass), so a masked block on CUDA materializes its
 scores in fp32, [B, H, Sq, Sk] at a time.
 
-The CUDA ops' contract, which no CPU run executes (tests/test_context_kernels.py emulates it):
+The CUDA ops' contract, which no CPU run executes (tests/parallel/context/test_context_kernels.py emulates it):
 - Both return out as a [B, H, S, E] view of a [B, S, H, E] buffer, and the memory-efficient
   backward reads `out` at that layout whatever strides it is handed (its row stride is H·E, fixed
   in the kernel): a contiguous [B, H, S, E] out makes it read past the end (CUDA's "illegal memory

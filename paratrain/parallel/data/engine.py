@@ -45,7 +45,7 @@ class GradReduction(str, Enum):
 
 @runtime_checkable
 class Engine(Protocol):
-    """What every data-parallel engine provides; `tests/test_engine_contract.py` checks each one."""
+    """What every data-parallel engine provides; `tests/parallel/data/test_engine_contract.py` checks each one."""
 
     grads_sharded: bool
     """Each data rank holds 1/N of every gradient (ZeRO-1/2/3): a global norm sums over dp."""

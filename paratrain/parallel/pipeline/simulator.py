@@ -359,7 +359,7 @@ def schedule_traits(schedule: Schedule) -> ScheduleTraits:
 def traits_of(name: str | ScheduleName, pp: int, num_microbatches: int, virtual_stages: int = 1) -> ScheduleTraits:
     """`schedule_traits` of the schedule `build_schedule` makes, kept: the planner asks for thousands of layouts.
 
-    Not validated here, for speed: tests/test_schedules.py validates every schedule `build_schedule` makes.
+    Not validated here, for speed: tests/parallel/pipeline/test_schedules.py validates every schedule `build_schedule` makes.
     """
     return schedule_traits(build_schedule(name, pp, num_microbatches, virtual_stages))
 

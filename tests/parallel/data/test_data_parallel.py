@@ -13,8 +13,8 @@ from paratrain.mesh import MeshShape, build_mesh
 from paratrain.parallel.api import DataParallel, parallelize, parallelize_run
 from paratrain.testing import RankFailure, run_on_ranks
 from paratrain.error_model import FP32_ADAMW
-from parallel_cases import (TINY, OpRecorder, OverlapTrace, adamw, assert_matches_reference, batches, loss_sum,
-                             make_model, parallel_run, reference_run)
+from parallel_cases import (TINY, OpRecorder, OverlapTrace, adamw, assert_matches_reference, batches, launch_once,
+                             loss_sum, make_model, parallel_run, reference_run)
 
 
 STEPS = 10  # AdamW steps of every parity case: enough for a misplaced reduction to move the loss by far more than 1e-5
@@ -32,6 +32,28 @@ def _parity(rank, world, zero, micro, precision, reduction="sum"):
 
 
 STAGES = [0, 1, 2, 3]
+# The runs of `_parity` each world size makes, (zero, rows per micro-batch, precision, reduction): one launch each.
+PARITY_RUNS = {
+    1: [(zero, None, "fp32", "sum") for zero in STAGES],
+    2: [(zero, micro, precision, reduction) for zero in STAGES for micro, precision, reduction in (
+        (None, "fp32", "sum"), (1, "fp32", "sum"), (1, "fp32", "mean"), (1, "bf16", "mean"), (1, "bf16", "sum"),
+        (None, "bf16", "sum"))],
+    4: [(zero, None, "fp32", "sum") for zero in STAGES],
+}
+
+
+def _parity_runs(rank, world):
+    return {run: _parity(rank, world, *run) for run in PARITY_RUNS[world]}
+
+
+_RUNS: dict = {}
+
+
+def parity(world, zero, micro, precision, reduction="sum"):
+    """Every rank's (losses, parameters) of one `_parity` run: all the runs of a world size share one launch."""
+    return [per_rank[zero, micro, precision, reduction]
+            for per_rank in launch_once(_RUNS, world, _parity_runs, timeout=300)]
+
 
 _REFERENCE = {}
 
@@ -46,8 +68,7 @@ def reference():
 @pytest.mark.parametrize("zero", STAGES)
 def test_equivalence_with_one_process(world, zero):
     ref_losses, ref_params = reference()
-    results = run_on_ranks(_parity, world, zero, None, "fp32", timeout=120)
-    for losses, params in results:
+    for losses, params in parity(world, zero, None, "fp32"):
         assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
@@ -55,7 +76,7 @@ def test_equivalence_with_one_process(world, zero):
 def test_gradient_accumulation_equals_one_big_batch(zero):
     """k micro-batches of b rows on N ranks equal one process with batch k·b·N."""
     ref_losses, ref_params = reference()
-    losses, params = run_on_ranks(_parity, 2, zero, 1, "fp32", timeout=120)[0]
+    losses, params = parity(2, zero, 1, "fp32")[0]
     assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
@@ -64,7 +85,7 @@ def test_mean_reduction_with_accumulation_equals_one_process(zero):
     """The default reduction averages over data ranks: every micro-batch's gradient is divided once, whether
     it is the first written into a bucket or added to it (each rank's loss is N× its share of the global one)."""
     ref_losses, ref_params = reference()
-    losses, params = run_on_ranks(_parity, 2, zero, 1, "fp32", "mean", timeout=120)[0]
+    losses, params = parity(2, zero, 1, "fp32", "mean")[0]
     assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
@@ -72,8 +93,8 @@ def test_mean_reduction_with_accumulation_equals_one_process(zero):
 def test_mean_reduction_of_bf16_gradients_equals_the_sum(zero):
     """bf16 gradients reduced in fp32: widened before they are divided, and a division by 2 of a loss made
     2× larger is exact, so averaging gives the summed run's numbers exactly."""
-    mean_losses, mean_params = run_on_ranks(_parity, 2, zero, 1, "bf16", "mean", timeout=120)[0]
-    sum_losses, sum_params = run_on_ranks(_parity, 2, zero, 1, "bf16", timeout=120)[0]
+    mean_losses, mean_params = parity(2, zero, 1, "bf16", "mean")[0]
+    sum_losses, sum_params = parity(2, zero, 1, "bf16")[0]
     assert mean_losses == sum_losses
     for name, value in sum_params.items():
         torch.testing.assert_close(mean_params[name], value, rtol=0, atol=0, msg=name)
@@ -82,7 +103,7 @@ def test_mean_reduction_of_bf16_gradients_equals_the_sum(zero):
 @pytest.mark.parametrize("zero", STAGES)
 def test_bf16_tracks_fp32(zero):
     ref_losses, _ = reference()
-    losses, _ = run_on_ranks(_parity, 2, zero, None, "bf16", timeout=120)[0]
+    losses, _ = parity(2, zero, None, "bf16")[0]
     # bf16 keeps 8 bits of mantissa: after 10 steps the loss stays within 2% of fp32.
     assert losses == pytest.approx(ref_losses, rel=2e-2)
 

@@ -12,8 +12,8 @@ buckets live through the step, ZeRO-2's and ZeRO-3's reduced shards are born in 
 
 The model has the proportions of `benchmarks/gpu_check.py`'s 1b model (head dim 64 instead of 128,
 a vocabulary 8 times the width), so the shares of states, blocks and loss are the same. On CUDA
-the same accounting reproduces the H200's measured ZeRO-3 peaks (`tests/test_plan_h200.py`).
-Compiled blocks are checked in `tests/test_compile_memory.py` (its compiled runs are measured there).
+the same accounting reproduces the H200's measured ZeRO-3 peaks (`tests/plan/test_plan_h200.py`).
+Compiled blocks are checked in `tests/parallel/test_compile_memory.py` (its compiled runs are measured there).
 """
 
 from __future__ import annotations

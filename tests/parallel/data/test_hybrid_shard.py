@@ -1,8 +1,8 @@
 """Hybrid sharding (HSDP): ZeRO within groups of dp_shard ranks, replicas of the shards across groups.
 
-Every parity case is 20 AdamW steps in fp32 with gradient clipping on the same global batches as
-one process, at the fp32 learning rate of test_parallel_2d: losses and final parameters within
-1e-5. The communication of one step is counted from the tensors that reach torch.distributed
+Every parity case (the hybrid entries of `parallel_cases.LAYOUTS`) is 10 AdamW steps in fp32 with gradient
+clipping on the same global batches as one process, at the fp32 learning rate of test_parallel_2d, as the
+data-parallel parity cases: losses and final parameters within FP32_ADAMW's per-step bounds. The communication of one step is counted from the tensors that reach torch.distributed
 (`paratrain.testing.Collectives`), per mesh axis, against the theory. All cases of one world size
 share one launch.
 """
@@ -10,7 +10,6 @@ share one launch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 
 import pytest
@@ -23,38 +22,22 @@ from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, ParallelConfigError, TensorParallel, parallelize
 from paratrain.testing import Collectives
 from paratrain.error_model import FP32_ADAMW
-from parallel_cases import (TINY, adamw, assert_matches_reference, batches, launch_once, make_model, parallel_run,
-                             reference_run)
+from parallel_cases import (TINY, Layout, adamw, assert_matches_reference, batches, launch_once, layouts, make_model,
+                             parallel_run, reference_run)
 
 LR = 1e-3  # fp32: see test_parallel_2d
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    zero: int
-    dp: int
-    dp_shard: int
-    tp: int = 1
-    micro: int | None = None  # rows per micro-batch (None: one backward per step)
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp
-
-
-CASES = {
-    **{f"2x2_zero{z}": Case(z, dp=4, dp_shard=2) for z in (1, 2, 3)},
-    "2x2_zero2_accumulated": Case(2, dp=4, dp_shard=2, micro=1),
-    **{f"2x4_zero{z}": Case(z, dp=8, dp_shard=4) for z in (1, 2, 3)},
-    **{f"2x2_tp2_zero{z}": Case(z, dp=4, dp_shard=2, tp=2) for z in (1, 2, 3)},
-}
+STEPS = 10  # as test_data_parallel's parity cases: a misplaced reduction moves the loss far beyond the bound
+CASES = layouts("hsdp2x2_zero1", "hsdp2x2_zero2", "hsdp2x2_zero3", "m2_hsdp2x2_zero2", "hsdp2x4_zero1",
+                "hsdp2x4_zero2", "hsdp2x4_zero3", "hsdp2x2_tp2_zero1", "hsdp2x2_tp2_zero2", "hsdp2x2_tp2_zero3")
 
 # The communication case: Linear layers whose rows divide by every shard group here, so no padding.
 WIDTH, LAYERS = 64, 4
 PSI = LAYERS * (WIDTH * WIDTH + WIDTH)
 
 
-def _train(case: Case, mesh):
+def _train(case: Layout, mesh):
     with torch.device("meta"):
         model = Transformer(TINY)
     model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=LR), precision="fp32",
@@ -62,8 +45,9 @@ def _train(case: Case, mesh):
                                    data=DataParallel(zero=case.zero, grad_reduction="sum"),
                                    tensor=TensorParallel() if case.tp > 1 else None)
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
-    losses = parallel_run(model, optimizer, batches(), dp_rank, dp, lambda t: model.comm.all_reduce(t, "dp"),
-                          micro=case.micro)
+    rows = len(batches(steps=1)[0][0]) // dp
+    losses = parallel_run(model, optimizer, batches(steps=STEPS), dp_rank, dp, lambda t: model.comm.all_reduce(t, "dp"),
+                          micro=rows // case.microbatches)
     return losses, {k: v.double() for k, v in model.full_state_dict().items()}
 
 
@@ -87,7 +71,7 @@ def _all_cases(rank, world):  # noqa: ARG001
     results = {}
     for name, case in CASES.items():
         if case.world == world:
-            shape = MeshShape(dp=case.dp, tp=case.tp, dp_shard=case.dp_shard)
+            shape = case.mesh_shape()
             mesh = meshes[shape] = meshes.get(shape) or build_mesh(shape)
             results[name] = _train(case, mesh)
     shape = MeshShape(dp=world, dp_shard=world // 2)  # 2 replicas of world/2 shards
@@ -106,7 +90,7 @@ def _results(world: int, name: str):
 
 def _reference():
     if not _REFERENCE:
-        losses, params = reference_run(make_model(TINY), batches(), lr=LR)
+        losses, params = reference_run(make_model(TINY), batches(steps=STEPS), lr=LR)
         _REFERENCE["fp32"] = losses, {k: v.double() for k, v in params.items()}
     return _REFERENCE["fp32"]
 

@@ -1,6 +1,7 @@
 """Context parallelism: the load-balanced split, and ring attention equal to one process's causal SDPA."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from paratrain.parallel.context.split import (
     ContextSplitError, causal_pairs, positions, shard_sequence, unshard_sequence,
 )
 from paratrain.testing import run_on_ranks
+from parallel_cases import Layout, variant
 
 
 def test_each_rank_holds_chunk_i_and_its_mirror_and_the_causal_work_is_even():
@@ -137,16 +139,10 @@ def _make(kind):
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    """One layout of the parity runs: a model kind ("ref": the tiny Transformer, "ref4": with 4 layers, "hf")
-    and the degrees and options besides cp (cp = world / (dp · pp))."""
+class Case(Layout):
+    """An entry of the layout matrix with a model kind: "ref" (the tiny Transformer), "ref4" (with 4 layers), "hf"."""
 
     kind: str = "ref"
-    dp: int = 1
-    zero: int = 0
-    checkpointing: int | str = 0
-    pp: int = 1
-    schedule: str | None = None
 
 
 def _train_case(case: Case, world: int):
@@ -154,62 +150,68 @@ def _train_case(case: Case, world: int):
     from paratrain.train import train_step
     from tests.parallel_cases import adamw, batches, parallel_run
 
-    mesh = build_mesh(MeshShape(dp=case.dp, pp=case.pp, cp=world // (case.dp * case.pp)))
+    assert case.world == world, (case, world)
+    mesh = build_mesh(case.mesh_shape())
     if case.pp == 1:
         model, optimizer = parallelize(_make(case.kind), mesh, optimizer=adamw, data=DataParallel(zero=case.zero),
-                                       activation_checkpointing=case.checkpointing)
+                                       activation_checkpointing=case.recompute)
         # The engine averages over the dp × cp ranks; each backward is of a token-loss sum over the global count.
         losses = parallel_run(model, optimizer, batches(steps=3), mesh.coord("dp"), case.dp,
                               lambda t: model.comm.all_reduce(t, "dp_cp"), loss_scale=world)
-    else:  # the trainer's step: 4 micro-batches of 2 sequences through the schedule, gradients summed
-        pipeline = PipelineParallel(schedule=case.schedule, virtual_stages=2 if case.schedule == "interleaved" else 1)
+    else:  # the trainer's step: micro-batches of 2 sequences through the schedule, gradients summed
+        pipeline = PipelineParallel(schedule=case.schedule, virtual_stages=case.virtual_stages)
         model, optimizer = parallelize(_make(case.kind), mesh, optimizer=adamw, pipeline=pipeline,
                                        data=DataParallel(grad_reduction="sum"),
-                                       activation_checkpointing=case.checkpointing)
-        losses = [train_step(model, optimizer, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 1.0).loss
+                                       activation_checkpointing=case.recompute)
+        rows = 8 // case.microbatches
+        losses = [train_step(model, optimizer, [(x[i:i + rows], y[i:i + rows]) for i in range(0, 8, rows)], 1.0).loss
                   for x, y in batches(steps=3)]
     return losses, model.full_state_dict(), model.comm.summary().get("cp", {})
 
 
 def _train_cases(rank, world, cases):
-    return {case: _train_case(case, world) for case in cases}
+    return {name: _train_case(case, world) for name, case in cases.items()}
 
 
 _RESULTS = {}
 
 
-def _results(world, cases):
+def _results(world):
     if world not in _RESULTS:
+        cases = {name: case for name, case in CASES.items() if case.world == world}
         _RESULTS[world] = run_on_ranks(_train_cases, world, cases, timeout=300)
     return _RESULTS[world]
 
 
-CASES = {2: [Case(), Case("hf"), Case(checkpointing="full"), Case(checkpointing="selective"),
-             Case(checkpointing=2)],
-         4: [Case(dp=2, zero=3), Case("ref4", pp=2, schedule="gpipe"), Case("ref4", pp=2, schedule="interleaved"),
-             Case("ref4", pp=2, schedule="zb-h1", checkpointing="full")]}
+def _cases(*names: str, kind: str = "ref") -> dict[str, Case]:
+    return {(f"{kind}_" if kind != "ref" else "") + name: variant(Case, name, kind=kind) for name in names}
 
 
-def _name(case: Case, world: int) -> str:
-    cp = world // (case.dp * case.pp)
-    degrees = "".join(f"{axis}{n}_" for axis, n in (("dp", case.dp), ("pp", case.pp)) if n > 1)
-    options = [f"zero{case.zero}" if case.zero else "", case.schedule or "", f"ac-{case.checkpointing}" if case.checkpointing else ""]
-    return "_".join([f"{degrees}cp{cp}", case.kind] + [o for o in options if o])
+CASES = {**_cases("cp2", "cp2_ac-full", "cp2_ac-selective", "cp2_ac-2", "dp2_cp2_zero3"), **_cases("cp2", kind="hf"),
+         **_cases("pp2_gpipe_m4_cp2", "pp2_interleaved_v2_m4_cp2", "pp2_zb-h1_m4_cp2_ac-full", kind="ref4")}
 
 
-@pytest.mark.parametrize("world, case", [(w, c) for w, cases in CASES.items() for c in cases],
-                         ids=[_name(c, w) for w, cases in CASES.items() for c in cases])
-def test_training_with_cp_equals_one_process(world, case):
+@functools.cache
+def _reference(kind: str):
+    """One process's 3 steps of a model kind, once for every case of that kind."""
+    from tests.parallel_cases import batches, reference_run
+
+    return reference_run(_make(kind), batches(steps=3))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_with_cp_equals_one_process(name):
     """Losses and parameters after 3 steps (fp32) equal one process's on the same global batches: the
     reference model and a Hugging Face Llama with SDPA attention at cp2; cp2 with activation checkpointing
     (full, selective, every 2nd block), whose recompute runs attention through the ring again; dp2 × cp2
     under ZeRO-3; pp2 × cp2 under GPipe, interleaved (2 virtual stages) and ZB-H1 with full recomputation."""
     from paratrain.error_model import FP32_ADAMW
-    from tests.parallel_cases import assert_matches_reference, batches, reference_run
+    from tests.parallel_cases import assert_matches_reference
 
-    ref_losses, ref_params = reference_run(_make(case.kind), batches(steps=3))
-    for per_rank in _results(world, CASES[world]):
-        losses, params, cp_traffic = per_rank[case]
+    case = CASES[name]
+    ref_losses, ref_params = _reference(case.kind)
+    for per_rank in _results(case.world):
+        losses, params, cp_traffic = per_rank[name]
         assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
         assert cp_traffic["send"]["calls"] > 0  # the ring ran, on the cp axis
 
@@ -218,13 +220,13 @@ def test_a_recompute_sends_the_kv_blocks_around_the_ring_again():
     """Recomputing a block in backward runs its ring forward again: each recomputed layer adds one forward's
     K/V sends per step, (cp − 1) blocks of 2·B·Hk·2c·E·4 bytes; selective keeps the matmuls' outputs but
     no communication, so it re-sends them too."""
-    plain = _results(2, CASES[2])[0][Case()][2]["send"]["bytes"]
+    plain = _results(2)[0]["cp2"][2]["send"]["bytes"]
     # K and V; B = 8, 4 heads (on the CPU the reference model repeats its 2 kv heads before SDPA), 2c = 8 local
     # tokens of 16, E = 8; fp32
     block = 2 * 8 * 4 * 8 * 8 * 4
     steps, layers = 3, 3
     for checkpointing, recomputed in (("full", layers), ("selective", layers), (2, 2)):
-        sent = _results(2, CASES[2])[0][Case(checkpointing=checkpointing)][2]["send"]["bytes"]
+        sent = _results(2)[0][f"cp2_ac-{checkpointing}"][2]["send"]["bytes"]
         assert sent - plain == steps * recomputed * block, checkpointing
 
 
@@ -281,7 +283,7 @@ def test_attention_the_ring_cannot_run_ends_in_one_line_naming_the_fix():
 
 
 def _steps_under_the_meta_trap(rank, world):
-    """Two training steps at cp2 with the default device set to meta (as `tests/test_gpu_traps.py` sets it):
+    """Two training steps at cp2 with the default device set to meta (as `tests/parallel/test_gpu_traps.py` sets it):
     a split, ring buffer or exchange tensor made without naming a device lands on meta and fails."""
     import functools
 

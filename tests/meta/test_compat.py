@@ -21,7 +21,7 @@ from paratrain import compat
 from paratrain.cli import build_parser
 from paratrain.commands.train import config_from_args
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def test_the_installed_torch_is_one_paratrain_supports_and_every_place_states_the_same_minimum():

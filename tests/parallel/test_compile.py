@@ -1,6 +1,7 @@
 """torch.compile per block (`parallelize(..., compile=True)`) in every layout: eager's numbers, one compile, one graph.
 
-One launch of 2 ranks (each strategy alone), one of 4 (two axes) and one of 8 (3D) trains every case twice from the same initialization on the same
+One launch of 2 ranks (each strategy alone) and one of 4 (each pair of axes: dp × tp, pp × tp, pp × dp; 3D is
+their sum, proven eager by test_pipeline) trains every case twice from the same initialization on the same
 batches, eager and compiled: 4 AdamW steps, the losses and the parameters after the steps within 1e-4 of
 eager's in fp32 (bf16 and fp16 within their rounding: a compiled block rounds at other places than eager
 kernels do). Each compiled run starts from an empty dynamo cache and counts the graphs dynamo compiled: some
@@ -10,7 +11,7 @@ collectives are outside the compiled blocks, tensor-parallel collectives inside 
 Backends: inductor (C++ code generated and compiled on the CPU, the costly part: 12 cases all under inductor
 took 200 s from a cold cache on 2 cores; these 15, most on 2 ranks, take 130 s cold) for the two cases that
 exercise what only it does with paratrain's pieces, the custom collectives inside generated code (`tp2_sp`) and the min-cut partitioner under selective recomputation
-and ZeRO-3 (`dp2_zero3_selective_recompute`); `aot_eager` (dynamo and AOTAutograd's forward and backward
+and ZeRO-3 (`dp2_zero3_ac-selective`); `aot_eager` (dynamo and AOTAutograd's forward and backward
 graphs, run by eager kernels) for the rest of the matrix, which is where paratrain's hooks, buckets, gathers
 and transfers meet the compiled regions.
 
@@ -27,55 +28,40 @@ import functools
 import pytest
 import torch
 
-from paratrain import DataParallel, PipelineParallel, TensorParallel, init_mesh, parallelize
+from paratrain import DataParallel, PipelineParallel, TensorParallel, parallelize
+from paratrain.mesh import build_mesh
 from paratrain.models import Transformer
 from paratrain.train import train_step
 from paratrain.error_model import FP32_ADAMW
-from parallel_cases import TINY, adamw, assert_matches_reference, batches, launch_once, model_difference
+from parallel_cases import TINY, Layout, adamw, assert_matches_reference, batches, launch_once, model_difference, variant
 
 STEPS, ROWS, SEQ, LR = 4, 2, 16, 1e-2  # ROWS: sequences per micro-batch on every rank
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    dp_shard: int | None = None
-    sp: bool = False
+class Case(Layout):
     builder: str = "reference"
-    recompute: str | int = 0
     backend: str = "aot_eager"
-    precision: str = "fp32"
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
 
     @property
     def tolerance(self) -> float:
         return {"bf16": 2e-2, "fp16": 5e-3}[self.precision]  # fp32: paratrain.error_model.FP32_ADAMW
 
 
+def _cases(*names: str, **extra) -> dict[str, Case]:
+    prefix = f"{extra['builder']}_" if "builder" in extra else ""
+    return {prefix + name: variant(Case, name, **extra) for name in names}
+
+
 CASES = {
     # Two ranks: each strategy alone (on 2 cores a 4-rank launch compiles every graph twice as slowly).
-    "dp2": Case(dp=2),
-    "dp2_zero1": Case(dp=2, zero=1),
-    "dp2_zero2": Case(dp=2, zero=2),
-    "dp2_zero3": Case(dp=2, zero=3),
-    "tp2_sp": Case(tp=2, sp=True, backend="inductor"),
-    "pp2_1f1b": Case(pp=2),
-    "hf_llama_dp2_zero3": Case(dp=2, zero=3, builder="hf_llama"),
-    "dp2_zero3_full_recompute": Case(dp=2, zero=3, recompute="full"),
-    "dp2_zero3_selective_recompute": Case(dp=2, zero=3, recompute="selective", backend="inductor"),
-    "tp2_zero1_bf16": Case(tp=2, zero=1, precision="bf16"),
-    "dp2_zero2_fp16_full_recompute": Case(dp=2, zero=2, precision="fp16", recompute="full"),
+    # (ZeRO-1's backward launches its buckets' reductions as DDP's does: `dp2` is where they meet compiled blocks)
+    **_cases("dp2", "dp2_zero2", "dp2_zero3", "pp2_1f1b_m2", "dp2_zero3_ac-full", "tp2_zero1_bf16",
+             "dp2_zero2_ac-full_fp16"),
+    **_cases("tp2_sp", "dp2_zero3_ac-selective", backend="inductor"),
+    **_cases("dp2_zero3", builder="hf_llama"),
     # Four ranks: what needs two axes.
-    "hybrid_2x2_zero3": Case(dp=4, dp_shard=2, zero=3),
-    "dp2_tp2": Case(dp=2, tp=2),
-    "pp2_tp2_sp": Case(tp=2, pp=2, sp=True),
-    "pp2_dp2_tp2_1f1b_zero1": Case(dp=2, tp=2, pp=2, zero=1),  # 3D: the one case of the 8-rank launch
+    **_cases("hsdp2x2_zero3", "dp2_tp2", "pp2_1f1b_m2_tp2_sp", "pp2_1f1b_m2_dp2_zero1"),
 }
 
 
@@ -104,8 +90,7 @@ def _train(case: Case, mesh, compiled: bool) -> dict:
         tensor=TensorParallel(sequence_parallel=case.sp) if case.tp > 1 else None,
         pipeline=PipelineParallel(schedule="1f1b") if case.pp > 1 else None)
     dp, rank = mesh.size("dp"), mesh.coord("dp")
-    micro_batches = 2 if case.pp > 1 else 1
-    rows = ROWS * micro_batches
+    rows = ROWS * case.microbatches
     stats = torch._dynamo.utils.counters
     breaks_before = sum(stats["graph_break"].values())
     graphs, losses = [stats["stats"]["unique_graphs"]], []
@@ -126,7 +111,7 @@ def _all_cases(rank, world):  # noqa: ARG001
     for name, case in CASES.items():
         if case.world != world:
             continue
-        mesh = init_mesh(dp=case.dp, tp=case.tp, pp=case.pp, dp_shard=case.dp_shard)
+        mesh = build_mesh(case.mesh_shape())
         eager = _train(case, mesh, compiled=False)
         torch._dynamo.reset()  # each case compiles its own blocks (from inductor's caches when it can)
         results[name] = eager, _train(case, mesh, compiled=True)

@@ -5,7 +5,7 @@ the same sequences (one row of 2048 tokens each), so a rank at cp holds 2048/cp 
 `TensorMemory` (every storage from the operator that made it until it is freed): the bytes a forward leaves
 alive, which is everything backward will read (what autograd saved, and the logits), the peak of activation
 memory in a step. Within 15% of 1/cp of cp 1's, as the issue's acceptance asks; the planner's
-`stage_activation_bytes` says the same ratio (`tests/test_plan_context.py`).
+`stage_activation_bytes` says the same ratio (`tests/plan/test_plan_context.py`).
 
 The same launch generates: `causal_logits` (what `paratrain train` samples text with) of a prompt whose length
 2·cp does not divide equals cp 1's on every rank.

@@ -1,11 +1,12 @@
 """Pipeline parallelism against one process: every schedule, pp 2 and 4, 1 to 8 micro-batches, 3D.
 
-Each case trains 20 AdamW steps (clipping included) of the same global batches as one process,
-with uneven target counts per row, so the token-weighted loss over micro-batches is exercised.
-fp64 makes the comparison exact (1e-9); one fp32 case per schedule holds the 1e-5 bound against
-one fp32 process at lr 1e-3 (at 1e-2 this 8-layer toy is chaotic in fp32: 8 micro-batches of one
-row round differently from one batch of 8, and by step 20 that shows at ~4e-5 whatever the
-schedule). All cases of one world size share one launch.
+The pipeline entries of `parallel_cases.LAYOUTS`. Each case trains AdamW steps (clipping included) of the same
+global batches as one process, with uneven target counts per row, so the token-weighted loss over micro-batches
+is exercised. fp64 makes the comparison exact (1e-9): 3 steps show a schedule right (a wrong gradient moves the
+second step's loss and the parameters by far more; the second step's transfers are the steady ones). One fp32
+case per schedule holds FP32_ADAMW's bound over 6 steps against one fp32 process at lr 1e-3 (at 1e-2 this
+8-layer toy is chaotic in fp32: 8 micro-batches of one row round differently from one batch of 8, and by step
+20 that shows at ~4e-5 whatever the schedule). All cases of one world size share one launch.
 """
 
 from __future__ import annotations
@@ -26,58 +27,38 @@ from paratrain.parallel.pipeline.schedules import ScheduleError
 from paratrain.precision import DTYPES, Precision
 from paratrain.testing import run_on_ranks
 from paratrain.error_model import FP32_ADAMW, FP64_PARITY
-from parallel_cases import (BATCH, LR, SEQ, TINY, adamw, assert_matches_reference, batches, launch_once, make_model,
-                             reference_run)
+from parallel_cases import (BATCH, LR, SEQ, TINY, Layout, adamw, assert_matches_reference, batches, launch_once,
+                             make_model, pipelines, reference_run, variant)
 
 FP64 = Precision("fp64", torch.float64, torch.float64, torch.float64)
 EIGHT_LAYERS = dataclasses.replace(TINY, n_layers=8)
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    pp: int
-    schedule: str
-    microbatches: int
-    virtual_stages: int = 1
-    dp: int = 1
-    tp: int = 1
-    zero: int = 0
-    sp: bool = False
-    steps: int = 6  # fp64 agrees with one process to 1e-9 at every step: a few steps show the schedule right
-    fp32: bool = False  # else fp64, where agreement with one process is exact (1e-9)
-    dp_shard: int = 0  # hybrid sharding: ZeRO shards over groups of this many data ranks (0: all)
+class Case(Layout):
+    @property
+    def fp32(self) -> bool:
+        return self.precision == "fp32"  # else fp64, where agreement with one process is exact (1e-9)
+
+    @property
+    def steps(self) -> int:
+        return 6 if self.fp32 else 3
 
     @property
     def lr(self) -> float:
         return 1e-3 if self.fp32 else LR
 
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.tp
+
+CASES = {name: variant(Case, name) for name in [
+    *pipelines(2, "fp64"), *pipelines(4, "fp64"), *pipelines(2, "fp32"), *pipelines(4, "fp32"),
+    "pp2_interleaved_v2_m4_tp2_sp_fp64",  # on 4 ranks: tensor parallelism with sequence parallelism across stages
+    # 3D, on 8 ranks; hybrid sharding inside each stage: 2 replicas × 2 shards of ZeRO-1/2
+    "pp2_1f1b_m2_dp2_tp2_zero1_fp64", "pp2_interleaved_v2_m2_dp2_tp2_zero2_fp64", "pp2_1f1b_m2_dp2_tp2_zero1",
+    "pp2_zb-h1_m2_dp2_tp2_sp_zero1_fp64", "pp2_1f1b_m2_hsdp2x2_zero1", "pp2_1f1b_m2_hsdp2x2_zero2"]}
 
 
-def _cases(pp):
-    cases = {f"pp{pp}_{s}_m{m}": Case(pp, s, m) for s in ("gpipe", "1f1b", "zb-h1") for m in (1, 2, 4, 8)}
-    cases.update({f"pp{pp}_interleaved_v2_m{m}": Case(pp, "interleaved", m, 2) for m in (2, 4, 8) if m % pp == 0})
-    # The acceptance bound in fp32 (1e-5 of one fp32 process), one case per schedule.
-    cases.update({f"fp32_pp{pp}_{s}_m8": Case(pp, s, 8, 2 if s == "interleaved" else 1, fp32=True)
-                  for s in ("gpipe", "1f1b", "interleaved", "zb-h1")})
-    if pp == 2:  # on 4 ranks: pipeline × tensor parallel with sequence parallelism across stage boundaries
-        cases["pp2_tp2_sp_interleaved_m4"] = Case(2, "interleaved", 4, 2, tp=2, sp=True)
-    return cases
-
-
-CASES = {**_cases(2), **_cases(4),
-         **{"pp2_dp2_tp2_1f1b_zero1": Case(2, "1f1b", 2, dp=2, tp=2, zero=1),
-             "pp2_dp2_tp2_interleaved_zero2": Case(2, "interleaved", 2, 2, dp=2, tp=2, zero=2, steps=5),
-             "fp32_pp2_dp2_tp2_1f1b_zero1": Case(2, "1f1b", 2, dp=2, tp=2, zero=1, fp32=True),
-             "pp2_dp2_tp2_sp_zb-h1_zero1": Case(2, "zb-h1", 2, dp=2, tp=2, zero=1, sp=True, steps=5),
-             # hybrid sharding inside each stage: 2 replicas × 2 shards of ZeRO-1/2
-             **{f"fp32_pp2_hsdp2x2_1f1b_zero{z}": Case(2, "1f1b", 2, dp=4, zero=z, dp_shard=2, fp32=True)
-                for z in (1, 2)}}}
-
-
-def _train(case: Case, mesh):
+def _train(case: Case, mesh, steps: int | None = None):
+    """`case` trained `steps` steps (default: the case's)."""
     with torch.device("meta"):
         model = Transformer(EIGHT_LAYERS).to(torch.float32 if case.fp32 else torch.float64)
     model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=case.lr),
@@ -88,7 +69,7 @@ def _train(case: Case, mesh):
                                    pipeline=PipelineParallel(schedule=case.schedule, virtual_stages=case.virtual_stages))
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
     losses, sent = [], []
-    for x, y in batches()[:case.steps]:
+    for x, y in batches()[:steps or case.steps]:
         rows = BATCH // dp
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
         micro = rows // case.microbatches
@@ -114,7 +95,7 @@ def _all_cases(rank, world):
     for name, case in CASES.items():
         if case.world != world:
             continue
-        mesh = build_mesh(MeshShape(pp=case.pp, dp=case.dp, tp=case.tp, dp_shard=case.dp_shard))
+        mesh = build_mesh(case.mesh_shape())
         results[name] = _train(case, mesh)
     return results
 
@@ -129,11 +110,12 @@ def _results(world: int, name: str):
 _REFERENCE: dict = {}
 
 
-def _reference(case: Case):
-    key = (case.steps, case.fp32)
+def _reference(case: Case, steps: int | None = None):
+    steps = steps or case.steps
+    key = (steps, case.fp32)
     if key not in _REFERENCE:
         model = make_model(EIGHT_LAYERS).to(torch.float32 if case.fp32 else torch.float64)
-        _REFERENCE[key] = reference_run(model, batches()[:case.steps], lr=case.lr)
+        _REFERENCE[key] = reference_run(model, batches()[:steps], lr=case.lr)
     return _REFERENCE[key]
 
 
@@ -146,8 +128,9 @@ def test_pipeline_matches_one_process(name):
         assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW if case.fp32 else FP64_PARITY)
 
 
-@pytest.mark.parametrize("name", ["pp2_1f1b_m4", "pp4_gpipe_m8", "pp2_interleaved_v2_m4", "pp4_interleaved_v2_m8",
-                                  "pp4_zb-h1_m2", "pp2_tp2_sp_interleaved_m4", "pp2_dp2_tp2_1f1b_zero1"])
+@pytest.mark.parametrize("name", ["pp2_1f1b_m4_fp64", "pp4_gpipe_m8_fp64", "pp2_interleaved_v2_m4_fp64",
+                                  "pp4_interleaved_v2_m8_fp64", "pp4_zb-h1_m2_fp64", "pp2_interleaved_v2_m4_tp2_sp_fp64",
+                                  "pp2_1f1b_m2_dp2_tp2_zero1_fp64"])
 def test_point_to_point_bytes_match_theory(name):
     """Summed over one pipeline: 2·(v·p − 1)·m·b·s·h elements per step (activations and their grads), each tp
     rank sending 1/t of them and all-gathering what it receives over tp (Megatron's scatter/gather)."""

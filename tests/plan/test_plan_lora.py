@@ -1,7 +1,7 @@
 """`paratrain plan --lora RANK [--base-dtype bf16|nf4]`: the planner's LoRA against the converted model and the NF4
 codec, the model states of a frozen base, the step a frozen base shortens, and the 70B-on-two-24-GB question.
 
-The measured side (a whole step's peak under ZeRO-3 within 10% of the plan) is `tests/test_lora_memory.py`.
+The measured side (a whole step's peak under ZeRO-3 within 10% of the plan) is `tests/parallel/test_lora_memory.py`.
 """
 
 from __future__ import annotations

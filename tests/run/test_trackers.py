@@ -21,8 +21,7 @@ from paratrain.run.build import preflight
 from paratrain.testing import run_on_ranks
 from paratrain.train import train
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train import small_config  # noqa: E402
+from test_train import small_config
 
 
 def _killed_and_resumed(out: Path, **logging):

@@ -1,7 +1,6 @@
 """--tensorboard: the trainer's metrics.jsonl records, also as TensorBoard scalars (rank 0, beside the file)."""
 
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -10,8 +9,7 @@ from paratrain.errors import ParatrainError
 from paratrain.metrics import read_metrics
 from paratrain.train import train
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train import small_config  # noqa: E402
+from test_train import small_config
 
 
 def test_tensorboard_scalars_equal_the_metrics_records(tmp_path):

@@ -19,7 +19,7 @@ from paratrain.models import Transformer
 from paratrain.plan import Recompute, SearchSpace, Workload, estimate_memory, get_hardware, search
 from paratrain.run.build import default_run_dir, preflight
 
-RECIPES = Path(__file__).parent.parent / "configs"
+RECIPES = Path(__file__).parents[2] / "configs"
 
 
 def _config(*argv):

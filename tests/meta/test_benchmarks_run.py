@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+BENCHMARKS = sorted((Path(__file__).parents[2] / "benchmarks").glob("*.py"))
 
 
 # One fresh interpreter answers every script's --help (each run as __main__, as `python script.py --help` runs
@@ -48,7 +48,7 @@ def test_benchmark_answers_help(script, help_answers):
 
 
 def _bench_gpu(tmp_path, *args):
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_gpu.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_gpu.py"
     result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "tiny", "--steps", "2",
                              "--warmup", "1", "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -94,8 +94,8 @@ def test_bench_gpu_repredicts_a_past_gpu_run_on_its_calibrated_profile():
     rows within ±10% (the calibration's acceptance; the profile predates the host's costs, so the recomputation
     rows take the preset's estimate of them, `paratrain.plan.hardware`); a planner change that breaks that shows
     here, on any machine."""
-    results = Path(__file__).parent.parent / "benchmarks" / "results"
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_gpu.py"
+    results = Path(__file__).parents[2] / "benchmarks" / "results"
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_gpu.py"
     out = subprocess.run([sys.executable, str(script), "--repredict", str(results / "gpu-bench-20261128-040307.json"),
                           "--profile", str(results / "gpu-check-20261128-035855-profile.json")],
                          capture_output=True, text=True, timeout=120)
@@ -126,7 +126,7 @@ GPU_CHECK_ROWS = {
 def test_gpu_check_dry_run_on_cpu_names_every_row_and_passes(tmp_path):
     """The one command to run first on a GPU machine, small on the CPU: every row runs (the 2-GPU rows say why
     they do not) and passes, so what breaks it shows here before a GPU session is spent on it."""
-    script = Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
     result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "tiny", "--steps", "1",
                              "--check-steps", "2", "--train-steps", "8", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=600)
@@ -141,7 +141,7 @@ def test_gpu_check_dry_run_on_cpu_names_every_row_and_passes(tmp_path):
 
 def test_bench_offload_dry_run_on_cpu_writes_every_row(tmp_path):
     """The offload benchmark, small on the CPU: every row is measured and written, so a GPU session only runs it."""
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_offload.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_offload.py"
     result = subprocess.run([sys.executable, str(script), "--params", "65536", "--copy-mb", "1", "--steps", "1",
                              "--seq", "32", "--batch", "1", "--rounds", "1", "--hardware", "h100-80gb",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -156,7 +156,7 @@ def test_bench_offload_dry_run_on_cpu_writes_every_row(tmp_path):
 def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_path):
     """The FP8 convergence benchmark, small on the CPU: every recipe runs for every seed, its difference from bf16
     of the same seed is summarized with its spread and a verdict, and both files are written."""
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_fp8_convergence.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_fp8_convergence.py"
     result = subprocess.run([sys.executable, str(script), "--seeds", "2", "--steps", "3", "--batch", "2", "--seq", "32",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -2,7 +2,7 @@
 
 - The planner: the peak of live tensor bytes of a whole step (forward, backward, clipping, optimizer step, after two
   warm-up steps) is `paratrain plan --lora RANK [--base-dtype nf4]`'s total within 10%, on the model of
-  `tests/test_plan_peaks.py` (whose plain ZeRO-3 peaks the planner predicts as well), in bf16.
+  `tests/plan/test_plan_peaks.py` (whose plain ZeRO-3 peaks the planner predicts as well), in bf16.
 - QLoRA's base: the frozen NF4 weights a rank holds cost at most 0.6 bytes per parameter of its share (Ψ / N), and
   no storage alive at the step's peak is as large as a bf16 copy of the rank's share of the base (half the whole
   base's), on a model whose linears outweigh everything else: the base is gathered in 4 bits unit by unit and each

@@ -16,7 +16,7 @@ import pytest
 
 from paratrain.cli import build_parser
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # Options of the tools the pages show beside paratrain's own: torchrun's, Slurm's srun's, tensorboard's.

@@ -72,7 +72,7 @@ def test_hardware_without_fp8_is_refused_in_one_line(capsys):
 
 def test_zero3_gathers_the_tensorwise_linears_weights_in_one_byte():
     """ZeRO-3 with tensorwise FP8 gathers the blocks' linears' weights as their e4m3 casts (the engine:
-    `tests/test_fp8.py`, counted): the gather bytes drop by one byte per such weight; rowwise and tp gather bf16."""
+    `tests/parallel/test_fp8.py`, counted): the gather bytes drop by one byte per such weight; rowwise and tp gather bf16."""
     from paratrain.plan.collectives import dp_collectives
 
     model = get_model_config("llama2-7b")

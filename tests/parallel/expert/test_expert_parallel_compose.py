@@ -25,8 +25,8 @@ from paratrain.parallel.api import DataParallel, PipelineParallel, parallelize
 from paratrain.parallel.expert import moe_layers
 from paratrain.testing import Collectives
 from paratrain.error_model import FP32_ADAMW
-from parallel_cases import (adamw, assert_matches_reference, batches, launch_once, make_model, model_difference,
-                             reference_run)
+from parallel_cases import (Layout, adamw, assert_matches_reference, batches, launch_once, make_model, model_difference,
+                             reference_run, variant)
 from test_expert_parallel import MOE
 
 STEPS, BATCH, LR = 4, 8, 1e-2
@@ -34,35 +34,21 @@ MOE4 = dataclasses.replace(MOE, n_layers=4)  # interleaved pp2 × v2: a layer pe
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    dp: int = 2
-    ep: int = 2
-    pp: int = 1
-    zero: int = 0
-    checkpointing: str = "none"
-    precision: str = "fp32"
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    micro: int = 2  # rows per micro-batch
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.pp
-
+class Case(Layout):
     @property
     def config(self):
         return MOE4 if self.pp > 1 else MOE
 
 
 CASES = {
-    "checkpoint_full": Case(checkpointing="full"),
-    "checkpoint_selective": Case(checkpointing="selective"),
-    "bf16": Case(precision="bf16"),
-    "zero3": Case(zero=3),
-    "gpipe": Case(pp=2, schedule="gpipe"),
-    "zb-h1": Case(pp=2, schedule="zb-h1"),
-    "interleaved": Case(pp=2, schedule="interleaved", virtual_stages=2),
-    "dp4_zero3": Case(dp=4, zero=3, micro=1),
+    "checkpoint_full": variant(Case, "m2_dp2_ep2_ac-full"),
+    "checkpoint_selective": variant(Case, "m2_dp2_ep2_ac-selective"),
+    "bf16": variant(Case, "m2_dp2_ep2_bf16"),
+    "zero3": variant(Case, "m2_dp2_ep2_zero3"),
+    "gpipe": variant(Case, "pp2_gpipe_m2_dp2_ep2"),
+    "zb-h1": variant(Case, "pp2_zb-h1_m2_dp2_ep2"),
+    "interleaved": variant(Case, "pp2_interleaved_v2_m2_dp2_ep2"),
+    "dp4_zero3": variant(Case, "m2_dp4_ep2_zero3"),
 }
 
 
@@ -72,11 +58,11 @@ def _train(case: Case, mesh):
     model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=LR), precision=case.precision,
                                    init=lambda name, shape: Transformer(case.config).param_init(name, shape, 0),
                                    data=DataParallel(zero=case.zero, grad_reduction="sum"),
-                                   activation_checkpointing=case.checkpointing,
+                                   activation_checkpointing=case.recompute,
                                    pipeline=PipelineParallel(schedule=case.schedule, virtual_stages=case.virtual_stages))
     losses = []
     for x, y in batches(steps=STEPS, batch=BATCH):
-        micro_batches = _my_micro_batches(x, y, mesh, case.micro)
+        micro_batches = _my_micro_batches(x, y, mesh, BATCH // case.dp // case.microbatches)
         tokens = float((y != -100).sum())
         loss_sum = model.train_step(micro_batches, tokens).loss_sum
         model.clip_grad_norm_(1.0)
@@ -113,7 +99,7 @@ def _all_cases(rank, world):  # noqa: ARG001
     results = {}
     for name, case in CASES.items():
         if case.world == world:
-            results[name] = _train(case, build_mesh(MeshShape(dp=case.dp, ep=case.ep, pp=case.pp)))
+            results[name] = _train(case, build_mesh(case.mesh_shape()))
     if world == 2:
         mesh = build_mesh(MeshShape(dp=2, ep=2))
         results["load"] = {mode: _step_load(mesh, mode) for mode in ("none", "full", "selective")}
@@ -121,7 +107,7 @@ def _all_cases(rank, world):  # noqa: ARG001
 
 
 def _one_process_bf16(rank, world):  # noqa: ARG001
-    return _train(Case(dp=1, ep=1, precision="bf16"), build_mesh(MeshShape()))
+    return _train(Case(precision="bf16", microbatches=4), build_mesh(MeshShape()))
 
 
 _CACHE: dict = {}

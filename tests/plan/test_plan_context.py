@@ -3,7 +3,7 @@
 Pure arithmetic (no processes), against the formulas the ring states (`paratrain.parallel.context.ring`):
 per attention call, forward cp − 1 sends of one K/V block of 2·B·Hk·2c·E·s bytes, backward cp − 1 K/V
 sends and cp fp32 dK/dV sends. The measured side (peak activation bytes per rank, K/V bytes sent) is
-`tests/test_context_parallel.py` and `tests/test_plan_vs_measured.py`.
+`tests/parallel/context/test_context_parallel.py` and `tests/plan/test_plan_vs_measured.py`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from paratrain.parallel.tensor import Colwise, OutputHead, Rowwise, TPRegion, Vo
 from paratrain.testing import run_on_ranks
 from paratrain.train import train_step
 from paratrain.error_model import FP32_ADAMW_MODEL
-from parallel_cases import adamw, assert_matches_reference, batches, launch_once
+from parallel_cases import Layout, adamw, assert_matches_reference, batches, launch_once, variant
 
 V, H, SEQ, BATCH, STEPS, LR = 64, 32, 16, 8, 5, 1e-2
 
@@ -71,19 +71,9 @@ def model_factory() -> ModelSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    builder: str  # "sequential", "llama", "gpt2"
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
+class Case(Layout):
+    builder: str = "sequential"  # "sequential", "llama", "gpt2"
     custom_loss: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
 
 
 def hf_llama():
@@ -107,16 +97,16 @@ def hf_gpt2():
 
 BUILDERS = {"sequential": sequential_model, "llama": hf_llama, "gpt2": hf_gpt2}
 PLANS = {"sequential": SEQUENTIAL_PLAN, "llama": HF_LLAMA_PLAN, "gpt2": HF_GPT2_PLAN}
-CASES = {
-    **{f"pp2_{s}": Case("sequential", pp=2, schedule=s) for s in ("gpipe", "1f1b", "zb-h1")},
-    "pp2_interleaved_v2": Case("sequential", pp=2, schedule="interleaved", virtual_stages=2),
-    "pp2_custom_loss": Case("sequential", pp=2, custom_loss=True),
-    "pp2_dp2_zero1": Case("sequential", pp=2, dp=2, zero=1),
-    "pp2_tp2_user_plan": Case("sequential", pp=2, tp=2),
-    "llama_tp2": Case("llama", tp=2),
-    "llama_dp2_tp2_zero1": Case("llama", dp=2, tp=2, zero=1),
-    "llama_dp2_tp2_zero3": Case("llama", dp=2, tp=2, zero=3),
-    "gpt2_tp2": Case("gpt2", tp=2),
+CASES = {  # pipelines run 2·pp micro-batches per data rank
+    **{f"pp2_{s}": variant(Case, f"pp2_{s}_m4") for s in ("gpipe", "1f1b", "zb-h1")},
+    "pp2_interleaved_v2": variant(Case, "pp2_interleaved_v2_m4"),
+    "pp2_custom_loss": variant(Case, "pp2_1f1b_m4", custom_loss=True),
+    "pp2_dp2_zero1": variant(Case, "pp2_1f1b_m4_dp2_zero1"),
+    "pp2_tp2_user_plan": variant(Case, "pp2_1f1b_m4_tp2"),
+    "llama_tp2": variant(Case, "tp2", builder="llama"),
+    "llama_dp2_tp2_zero1": variant(Case, "dp2_tp2_zero1", builder="llama"),
+    "llama_dp2_tp2_zero3": variant(Case, "dp2_tp2_zero3", builder="llama"),
+    "gpt2_tp2": variant(Case, "tp2", builder="gpt2"),
 }
 PROBE = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(99))
 
@@ -133,7 +123,7 @@ def _run(case: Case, mesh):
         pipeline=PipelineParallel(schedule=case.schedule, virtual_stages=case.virtual_stages))
     dp, rank = mesh.size("dp"), mesh.coord("dp")
     rows = BATCH // dp
-    micro = rows // (2 * case.pp) if case.pp > 1 else rows  # 2·pp micro-batches through a pipeline
+    micro = rows // case.microbatches
     losses, tp_calls = [], []
     for step, (x, y) in enumerate(batches(vocab=V, steps=STEPS, batch=BATCH, seq=SEQ), start=1):
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
@@ -150,12 +140,19 @@ def _all_cases(rank, world):
     out = {}
     for name, case in CASES.items():
         if case.world == world:
-            out[name] = _run(case, init_mesh(dp=case.dp, tp=case.tp, pp=case.pp))
+            out[name] = _run(case, init_mesh(dp=case.dp, tp=case.tp, pp=case.pp, dp_shard=case.dp_shard or None))
     return out
 
 
 def _reference(case: Case) -> dict:
-    """One process, plain PyTorch: the whole global batch, the same loss, AdamW and clipping."""
+    """One process, plain PyTorch: the whole global batch, the same loss, AdamW and clipping (once per model and
+    loss: every layout of it compares with the same run)."""
+    return _one_process(case.builder, case.custom_loss)
+
+
+@functools.cache
+def _one_process(builder: str, custom_loss: bool) -> dict:
+    case = Case(builder=builder, custom_loss=custom_loss)
     model = BUILDERS[case.builder]()
     optimizer = adamw(list(model.parameters()), lr=LR)
     loss_fn = _loss_fn(case) or (lambda out, y: F.cross_entropy(out.flatten(0, 1).float(), y.flatten(),
@@ -283,7 +280,7 @@ def documented_recipes() -> dict[str, str]:
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).parent.parent
+    root = pathlib.Path(__file__).parents[2]
     recipes = {}
     for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         text = page.read_text()

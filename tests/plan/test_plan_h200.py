@@ -18,8 +18,8 @@ from paratrain.models.configs import ModelConfig, get_model_config
 from paratrain.plan import HARDWARE_PRESETS, Layout, Recompute, Workload, estimate_memory, step_time
 from paratrain.plan.hardware import GemmCurve
 
-TABLE = Path(__file__).parent / "data" / "h200_steps.md"
-PEAKS = Path(__file__).parent / "data" / "h200_peaks.md"
+TABLE = Path(__file__).parent.parent / "data" / "h200_steps.md"
+PEAKS = Path(__file__).parent.parent / "data" / "h200_peaks.md"
 ONE_B = ModelConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632,
                     max_seq_len=2048)  # benchmarks/gpu_check.py's SIZES["1b"]
 TOLERANCE = 0.10
@@ -62,7 +62,7 @@ def test_h200_preset_predicts_the_measured_step_within_10_percent(row):
 @pytest.mark.parametrize("row", measured_steps(PEAKS), ids=lambda r: r["source"])
 def test_the_planner_predicts_the_measured_peak_within_5_percent(row):
     """The activations counted as paratrain's block runs, the loss's backward, the gradients born as backward frees
-    the activations (one micro-batch, ZeRO-3): the accounting that `tests/test_plan_peaks.py` checks against whole
+    the activations (one micro-batch, ZeRO-3): the accounting that `tests/plan/test_plan_peaks.py` checks against whole
     steps measured on the CPU. Within 5% (measured 0.98-1.02): Korthikanti's GPT block (34·s·b·h) with every
     gradient added to the activations' peak was 1.06 and 0.94 off the first and third rows."""
     measured = (float(row["peak_gib"]) - float(row["held_gib"])) * 2**30
