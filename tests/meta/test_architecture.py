@@ -405,12 +405,14 @@ def test_the_engine_protocol_holds_the_strategys_verbs_only():
 # -- one training step's path through the code --------------------------------------------------------
 
 # The most paratrain files one train_step may pass through, per layout (the loss, fused into the head, one of them:
-# parallel/loss.py): (ZeRO stage, parallelize's options, files). FP8 and offload add their own modules only.
+# parallel/loss.py): (ZeRO stage, parallelize's options, ranks, files). The reference model's own file is one of
+# them. FP8 and offload add their own modules only; a pipeline its runner, schedule and exchanges.
 STEP_FILES = {
-    "ddp": (0, {}, 11),
-    "zero3": (3, {}, 13),
-    "zero3_fp8": (3, {"precision": "bf16", "fp8": "tensorwise"}, 14),
-    "zero3_offload": (3, {"offload": "optimizer"}, 15),
+    "ddp": (0, {}, 2, 11),
+    "zero3": (3, {}, 2, 13),
+    "zero3_fp8": (3, {"precision": "bf16", "fp8": "tensorwise"}, 2, 14),
+    "zero3_offload": (3, {"offload": "optimizer"}, 2, 15),
+    "1f1b_over_ddp": (0, {"pp": 2}, 4, 14),
 }
 
 
@@ -423,14 +425,17 @@ def _step_files(rank: int, world: int, zero: int, options: dict) -> list[str]:
     from paratrain.train import train_step
 
     options = dict(options)
-    offload = options.pop("offload", None)
-    mesh = paratrain.init_mesh(dp=world)
+    offload, pp = options.pop("offload", None), options.pop("pp", 1)
+    if pp > 1:
+        options["pipeline"] = PipelineParallel(schedule="1f1b")
+    mesh = paratrain.init_mesh(dp=world // pp, pp=pp)
     with warnings.catch_warnings():  # (offload on the CPU says it saves nothing here)
         warnings.simplefilter("ignore")
         model, optimizer = parallelize(make_model(), mesh, optimizer=adamw,
                                        data=DataParallel(zero=zero, offload=offload), **options)
     x, y = batches()[0]
-    mine = [(x[rank::world], y[rank::world])]
+    replicas, replica = world // pp, mesh.coord("dp")
+    mine = [(x[replica::replicas], y[replica::replicas])]
     train_step(model, optimizer, mine, 1.0)  # the first step makes its lazy state
     seen = set()
 
@@ -450,8 +455,8 @@ def _step_files(rank: int, world: int, zero: int, options: dict) -> list[str]:
 def test_one_train_step_passes_through_few_files(layout):
     from paratrain.testing import run_on_ranks
 
-    zero, options, most = STEP_FILES[layout]
-    files = run_on_ranks(_step_files, 2, zero, options, timeout=120)[0]
+    zero, options, world, most = STEP_FILES[layout]
+    files = run_on_ranks(_step_files, world, zero, options, timeout=120)[-1]  # the last rank: a pipeline's loss
     assert "parallel/model.py" in files and "train.py" in files, files  # the profile saw the step
     assert len(files) <= most, f"{len(files)} files: {files}"
     assert "faults.py" not in files, "fault injection wraps the step from outside"
