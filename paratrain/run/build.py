@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.checkpoint.snapshot import parse_buddies
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
 from paratrain.config import Config, ConfigError, check_values, layout_spec, lora_options
@@ -131,6 +132,7 @@ def preflight(cfg: Config, world_size: int) -> CheckedLayout:
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
+    parse_buddies(cfg.checkpoint.snapshot_buddy, world_size)  # --snapshot-buddy pairs this job's ranks
     check_resumed_model(cfg, model_cfg)
     check_lora_targets(cfg, model_cfg)
     if cfg.parallel.fp8 and cfg.parallel.precision != "bf16":

@@ -93,7 +93,8 @@ class TrainingCheckpoints:
         # --snapshot-every: this rank's snapshots in node memory, one directory per job (collective: a group)
         self.peers = (PeerSnapshots(Path(c.snapshot_dir) / (self.run_id or "run"), rank, self.mesh.shape.world_size,
                                     local_world_size, timeout_s=cfg.reliability.pg_timeout_s,
-                                    on_event=checkpoint_events(rank, SNAPSHOT_EVENTS)) if c.snapshot_every else None)
+                                    on_event=checkpoint_events(rank, SNAPSHOT_EVENTS), buddy_rule=c.snapshot_buddy)
+                      if c.snapshot_every else None)
         self.snapshot_s = 0.0  # what the last snapshot held the step up (the copy to host memory)
         self._finished = False  # the last step is done: the snapshots are of no more use
         if self.policy.enabled:
