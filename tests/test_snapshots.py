@@ -154,7 +154,14 @@ def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snap
     cfg.checkpoint.snapshot_dir = str(tmp_path / "memory")
     cfg.run.out, cfg.run.progress = str(tmp_path / "run"), False
     train(cfg)
-    breakdowns = [r["time_breakdown_s"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    # The launch's way to its first step, in the first record alone: each point after the one before it.
+    times = records[0]["launch_times"]
+    order = ["process", "train", "group", "resume", "resumed", "first_step"]
+    assert set(times) == set(order) and [times[k] for k in order] == sorted(times.values())
+    assert times["first_step"] - times["resume"] < times["first_step"] - times["process"]
+    assert not any("launch_times" in r for r in records[1:])
+    breakdowns = [r["time_breakdown_s"] for r in records]
     assert breakdowns[0]["snapshot_s"] == 0.0  # a record tells the save after the step before it
     assert all(0 < b["snapshot_s"] <= b["checkpoint_s"] for b in breakdowns[1:]), breakdowns
     assert list((tmp_path / "memory").iterdir()) == []

@@ -114,6 +114,7 @@ class TrainingCheckpoints:
         checkpoints) keeps the model and optimizer and starts afresh what --reset names: the data stream
         ('data'), the learning-rate schedule from this step ('lr'), the step count and the schedule ('step').
         """
+        self.resume_window = [time.time(), None]  # when the restore began and ended (`paratrain.metrics.LaunchTimes`)
         c = self.cfg.checkpoint
         own = not c.load_step and (c.resume == "auto" or current_attempt() > 0)  # the run continues itself
         resumed = self._resume_from_memory() if self.peers is not None and own else None
@@ -121,6 +122,7 @@ class TrainingCheckpoints:
             resumed = self._resume_from_disk()
         if self.peers is not None:
             self.peers.discard_newer(resumed[0])
+        self.resume_window[1] = time.time()
         return resumed
 
     def _resume_from_memory(self) -> tuple[int, int] | None:
