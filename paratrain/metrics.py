@@ -215,13 +215,13 @@ class StepTimer:
 # -- where a launch's time to its first step goes -----------------------------------------------
 
 def process_start_time() -> float | None:
-    """This process's creation as a `time.time()` (Linux's /proc: a worker forked by the launcher's server), or None."""
+    """This process's creation as a `time.time()`, to 1/100 s (Linux's /proc: ticks since boot, set against the
+    boot-time clock now; a worker forked by the launcher's server), or None."""
     try:
         stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
