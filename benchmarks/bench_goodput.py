@@ -2,22 +2,32 @@
 
     python benchmarks/bench_goodput.py                                  # 10 minutes per mode, a kill every 60 s
     python benchmarks/bench_goodput.py --budget 180 --fault-every 40    # shorter
+    python benchmarks/bench_goodput.py --modes snapshots --lock /tmp/x  # one mode, holding a lock while it runs
 
-Each mode runs `paratrain train --nproc 2 --max-restarts N` (one node of two CPU ranks) for a fixed wall-clock
-budget; every --fault-every seconds this script kills rank 1's worker with SIGKILL, from outside, and the
-launcher restarts the job, which resumes as it would after a real failure. Modes: "disk" (checkpoints at
---disk-every, the trainer's default interval unless given) and "snapshots" (the same, plus --snapshot-every K).
+Each mode runs `paratrain train --nproc 2 --max-restarts N` (one node of two CPU ranks) on a corpus tokenized
+once (`paratrain prepare`) for a fixed wall-clock budget; every --fault-every seconds this script kills rank 1's
+process with SIGKILL, from outside, and the launcher restarts the job, which resumes as it would after a real
+failure. Modes: "disk" (checkpoints at --disk-every, the trainer's default interval unless given) and "snapshots"
+(the same, plus --snapshot-every K, in /dev/shm: memory). --lock holds a file's lock during each mode (a machine
+shared with other measurements: one mode at a time).
 
-Measured, per mode: goodput = the step time of the steps that survive in metrics.jsonl (each step once, the last
-attempt's) over the wall time; the steps lost per failure (the last step recorded before the kill minus the step
-the restart resumed from); the time from each kill to the first step recorded after it. The next kill comes
+Measured, per mode: goodput = the steps that survive in metrics.jsonl (each step once, the last attempt's) times
+the failure-free wall time per step (the first mode's pace before its first kill: a step's share of the loop's
+own work included, and no snapshot's cost) over the wall time; the steps lost per failure (the last step recorded
+before the kill minus the step the restart resumed from); the time from each kill to the first step after it,
+and where it goes: the old workers' exit, the launcher's restart, the new workers' imports, their rendezvous,
+the run's build, the restore and the first step (the restarted job's first record carries the times of these
+points: `launch_times`). The first kill comes --fault-every seconds after the first step, each next one
 --fault-every seconds after the run recovered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
+import math
 import os
 import signal
 import statistics
@@ -32,9 +42,6 @@ from common import doc_parser, fmt_load, machine, write_results
 TINY = ["--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "128",
         "--seq-len", "64", "--global-batch", "8", "--micro-batch", "4", "--sample-tokens", "0",
         "--eval-every", "0", "--no-progress"]
-
-
-STARTED = "paratrain: tiny ("  # the line rank 0 prints once the run is built and resumed, at each attempt
 
 
 def descendants(pid: int) -> list[int]:
@@ -67,99 +74,286 @@ def worker_of_rank(launcher: int, rank: int) -> int | None:
     return None
 
 
-def records(out: Path) -> list[dict]:
+class MetricsTail:
+    """metrics.jsonl read as it grows: only the new complete lines are parsed at each `poll`; the file replaced (a
+    resume cuts it back to the resumed step) is read again whole."""
+
+    def __init__(self, path: Path):
+        self.path, self.records, self._inode, self._offset, self._partial = path, [], None, 0, b""
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self._inode:
+                    self.records, self._inode, self._offset, self._partial = [], inode, 0, b""
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return self.records
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        self.records += [json.loads(line) for line in lines if line.strip()]
+        return self.records
+
+    @property
+    def last_step(self) -> int:
+        return self.records[-1]["step"] if self.records else 0
+
+
+def workers(launcher: int) -> list[int]:
+    """The launcher's training processes (those holding a fingerprint file open)."""
+    found = []
+    for pid in descendants(launcher):
+        try:
+            if any(os.readlink(fd).endswith(".ring") for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
     try:
-        lines = (out / "metrics.jsonl").read_text().split("\n")[:-1]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
-        return []
-    return [json.loads(line) for line in lines if line.strip()]
+        return False
 
 
-def run_mode(name: str, extra: list[str], args, workdir: Path) -> dict:
-    out = workdir / name
-    command = [sys.executable, "-m", "paratrain", "train", *TINY, "--steps", "1000000", "--nproc", "2",
-               "--max-restarts", "1000", "--snapshot-dir", str(workdir / "memory"), "--out", str(out), *extra]
-    log = open(workdir / f"{name}.log", "w")
-    start = time.monotonic()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    kills, recoveries, lost, next_kill = [], [], [], start + args.fault_every
-    attempts, reached, resumed = 0, None, None  # after a kill: the first lines so far, the newest step recorded, the resumed step
-    try:
-        while time.monotonic() - start < args.budget:
-            time.sleep(0.1)
-            now, steps = time.monotonic(), [r["step"] for r in records(out)]
-            if reached is not None and resumed is None:  # until the restarted job has resumed (its first line)
-                reached = max([reached, *steps])  # the survivor may record the step under way
-                if (workdir / f"{name}.log").read_text().count(STARTED) > attempts:
-                    resumed = steps[-1] if steps else 0  # metrics.jsonl cut back to the resumed step
-            elif resumed is not None and steps and steps[-1] > resumed:  # the first step after the kill
-                recoveries.append(now - kills[-1])
-                lost.append(reached - resumed)
-                reached = resumed = None
-                next_kill = now + args.fault_every
-            elif reached is None and now >= next_kill:
-                pid = worker_of_rank(process.pid, 1)
-                if pid is not None:
-                    attempts = (workdir / f"{name}.log").read_text().count(STARTED)
-                    reached = max(steps, default=0)
-                    os.kill(pid, signal.SIGKILL)
-                    kills.append(now)
-    finally:
-        wall = time.monotonic() - start
+# Where the time from a kill to the first step after it goes: each phase ends at a point the restarted job's first
+# record carries (`launch_times`, rank 0's: paratrain.metrics.LaunchTimes), the first at the old workers' exit.
+PHASES = [
+    ("detect and stop", "the kill until every worker of the failed attempt has exited"),
+    ("restart processes", "the launcher's restart: its rendezvous, the new workers forked"),
+    ("imports", "a new worker's start until the trainer runs"),
+    ("rendezvous", "the workers' process group"),
+    ("build", "data, model, optimizer, checkpoint and snapshot groups"),
+    ("restore", "the snapshot or checkpoint found, agreed on, read"),
+    ("first step", "the first step after the restore"),
+]
+
+
+def breakdown(kill: float, gone: float, times: dict) -> dict[str, float]:
+    points = [kill, gone, times["process"] or times["train"], times["train"], times["group"], times["resume"],
+              times["resumed"], times["first_step"]]
+    return {name: points[i + 1] - points[i] for i, (name, _) in enumerate(PHASES)}
+
+
+def command(name: str, extra: list[str], workdir: Path, memory: Path) -> list[str]:
+    return [sys.executable, "-m", "paratrain", "train", *TINY, "--data", str(workdir / "data"), "--steps", "1000000",
+            "--nproc", "2", "--max-restarts", "1000", "--out", str(workdir / name), "--snapshot-dir",
+            str(memory / name), *extra]
+
+
+class Job:
+    """The launcher of one mode's run (a list: one launcher per node) and its log."""
+
+    def __init__(self, commands: list[list[str]], logs: list[Path]):
+        self.commands, self.logs, self.processes = commands, logs, [None] * len(commands)
+        for node in range(len(commands)):
+            self.start(node)
+
+    def start(self, node: int) -> None:
+        with open(self.logs[node], "a") as log:
+            # Unbuffered: a line is in the log when it is printed, not lost when the run is killed at the end.
+            self.processes[node] = subprocess.Popen(self.commands[node], stdout=log, stderr=subprocess.STDOUT,
+                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def workers(self) -> list[int]:
+        return [pid for process in self.processes for pid in workers(process.pid)]
+
+    def log_sizes(self) -> list[int]:
+        return [path.stat().st_size if path.exists() else 0 for path in self.logs]
+
+    def said_since(self, sizes: list[int], prefix: str, until: list[int] | None = None) -> list[str]:
+        """The lines of the logs from `sizes` (to `until`) that start with `prefix`."""
+        found = []
+        for node, (path, size) in enumerate(zip(self.logs, sizes)):
+            with open(path, "rb") as f:
+                f.seek(size)
+                text = f.read(until[node] - size if until else -1).decode(errors="replace")
+            found += [line.strip() for line in text.splitlines() if line.startswith(prefix)]
+        return found
+
+    def kill_tree(self, node: int) -> None:
+        process = self.processes[node]
         for pid in [process.pid, *descendants(process.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         process.wait()
-        log.close()
-    kept = records(out)
-    useful = sum(r["step_time_s"] for r in kept)
-    return {"mode": name, "command": " ".join(command[1:]), "wall_s": wall, "steps_kept": len(kept),
-            "useful_s": useful, "goodput": useful / wall, "kills": len(kills), "lost_per_failure": lost,
-            "recovery_s": recoveries}
+
+    def close(self) -> None:
+        for node in range(len(self.processes)):
+            self.kill_tree(node)
+
+
+def inject(job: Job) -> list[int] | None:
+    """SIGKILL rank 1's training process; return the training processes the failure ends (each to wait for), or
+    None when no rank 1 runs yet."""
+    victim = worker_of_rank(job.processes[0].pid, 1)
+    if victim is None:
+        return None
+    ended = job.workers()
+    os.kill(victim, signal.SIGKILL)
+    return ended
+
+
+def run_mode(name: str, extra: list[str], args, workdir: Path, memory: Path) -> dict:
+    commands = [command(name, extra, workdir, memory)]
+    load_start, start = os.getloadavg(), time.monotonic()
+    job = Job(commands, [workdir / f"{name}-node{n}.log" for n in range(len(commands))])
+    tail = MetricsTail(workdir / name / "metrics.jsonl")
+    failures, next_kill, kill = [], math.inf, None  # the first fault comes --fault-every after the first step
+    clean = None  # (seconds, steps) from the first step recorded to the first kill: the failure-free pace
+    first_seen = None
+    try:
+        while time.monotonic() - start < args.budget and not (args.max_kills and len(failures) >= args.max_kills):
+            time.sleep(0.05)
+            records, now = tail.poll(), time.monotonic()
+            if first_seen is None and records:
+                first_seen, next_kill = (now, tail.last_step), now + args.fault_every
+            if kill is not None:  # waiting for the restarted job's first step
+                first = next((r for r in records if "launch_times" in r and r["launch_times"]["train"] > kill["at"]),
+                             None)
+                if first is not None:
+                    kill.update(resumed=first["step"] - 1, phases=breakdown(kill["at"], kill["gone"],
+                                                                            first["launch_times"]))
+                    kill["lost"] = kill["reached"] - kill["resumed"]
+                    kill["recovery_s"] = first["launch_times"]["first_step"] - kill["at"]
+                    failures.append(kill)
+                    kill, next_kill = None, now + args.fault_every
+            elif now >= next_kill and records:  # the job is stepping
+                at, sizes = time.time(), job.log_sizes()
+                ended = inject(job)
+                if ended is None:
+                    continue
+                if clean is None and first_seen is not None:
+                    clean = (now - first_seen[0], tail.last_step - first_seen[1])
+                kill = {"at": at, "log_at": sizes}
+                while any(alive(pid) for pid in ended) and time.time() - at < 60:
+                    time.sleep(0.005)
+                kill["gone"] = time.time()
+                tail.poll()
+                kill["reached"] = tail.last_step  # the survivor may have recorded the step under way
+    finally:
+        wall = time.monotonic() - start
+        job.close()
+    for failure, after in zip(failures, [*failures[1:], None]):  # what each restart said it resumed from
+        said = job.said_since(failure.pop("log_at"), "paratrain: resumed", after and after["log_at"])
+        failure["resumed_from"] = said[0] if said else "a fresh start (nothing to resume from)"
+    kept = tail.poll()
+    if clean is None and first_seen is not None:  # no kill: the whole run
+        clean = (wall - (first_seen[0] - start), tail.last_step - first_seen[1])
+    return {"mode": name, "commands": [" ".join(c[1:]) for c in commands], "wall_s": wall,
+            "steps_kept": len(kept), "step_time_s": sum(r["step_time_s"] for r in kept),
+            "clean_s_per_step": clean[0] / clean[1] if clean and clean[1] else None,
+            "kills": len(failures) + (kill is not None), "failures": failures,
+            "load_start": load_start, "load_end": os.getloadavg()}
+
+
+MODES = {"disk": lambda args: ["--checkpoint-every", args.disk_every],
+         "snapshots": lambda args: ["--checkpoint-every", args.disk_every, "--snapshot-every", str(args.snapshot_every)]}
+
+
+@contextlib.contextmanager
+def holding(lock: str | None):
+    """The exclusive flock of `lock` held (none: nothing): a machine others measure on too."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def main() -> None:
     p = doc_parser(__doc__)
     p.add_argument("--budget", type=float, default=600, help="wall-clock seconds of each mode")
-    p.add_argument("--fault-every", type=float, default=60, help="seconds between kills of rank 1")
-    p.add_argument("--snapshot-every", type=int, default=1, help="K of the snapshots mode")
+    p.add_argument("--fault-every", type=float, default=60,
+                   help="seconds from a recovery (at first from the first step) to the next fault")
+    # Young/Daly's interval, sqrt(2 C M): a snapshot's cost C about 30 ms of these steps' time (K = 20 slowed the
+    # 30 ms step by 1.5 ms), M = 60 s between faults: 1.9 s, about 60 steps; 50 keeps the steps lost below it.
+    p.add_argument("--snapshot-every", type=int, default=50, help="K of the snapshots mode")
     p.add_argument("--disk-every", default="30m", help="--checkpoint-every of both modes (the trainer's default)")
+    p.add_argument("--max-kills", type=int, default=0,
+                   help="end a mode once this many kills have been recovered from (0: run out the budget)")
+    p.add_argument("--modes", default="disk,snapshots", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--lock", default="", help="a file whose exclusive lock (flock) each mode holds while it runs")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory of the results")
     args = p.parse_args()
+    modes = args.modes.split(",")
+    if not modes or set(modes) - set(MODES):
+        p.error(f"--modes {args.modes}: expected a comma-separated list of {', '.join(MODES)}")
     now = datetime.datetime.now(datetime.timezone.utc)
-    load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
-        rows = [run_mode(name, extra, args, Path(tmp)) for name, extra in (
-            ("disk", ["--checkpoint-every", args.disk_every]),
-            ("snapshots", ["--checkpoint-every", args.disk_every, "--snapshot-every", str(args.snapshot_every)]))]
-    load_end = os.getloadavg()
+    rows = []
+    # The node's memory, as the trainer's default --snapshot-dir is: a tmpfs where there is one.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="bench-goodput-", dir=shm) as memory:
+        # Tokenized once, as a production run's corpus is (`paratrain prepare`): a launch maps it, not re-reads text.
+        subprocess.run([sys.executable, "-m", "paratrain", "prepare", "--out", str(Path(tmp) / "data")], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for name in modes:
+            with holding(args.lock):
+                rows.append(run_mode(name, MODES[name](args), args, Path(tmp), Path(memory)))
+    text = report(rows, args, now)
+    print(text)
+    write_results(args.out, "goodput", now, text, {"rows": rows, "machine": machine(), "args": vars(args)})
+
+
+def report(rows: list[dict], args, now: datetime.datetime) -> str:
+    """The results in markdown: goodput per mode, the lost steps, where a failure's time goes."""
     m = machine()
+    # The failure-free pace: the wall time per step of the first mode (disk: no snapshot) before its first kill.
+    pace = rows[0]["clean_s_per_step"] or float("nan")
     lines = [f"# Goodput under failures ({now:%Y-%m-%d %H:%M} UTC)", "",
              f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; load average "
-             f"{fmt_load(load_start)} at the start, {fmt_load(load_end)} at the end. One node of 2 CPU ranks, "
-             f"rank 1 killed every {args.fault_every:g} s for {args.budget:g} s per mode, checkpoints every "
-             f"{args.disk_every}, snapshots every {args.snapshot_every} step(s).", "",
-             "| mode | goodput | steps kept | kills | steps lost per failure | kill to next step (s) |",
-             "|---|---|---|---|---|---|"]
+             + "; ".join(f"{r['mode']} {fmt_load(r['load_start'])} at the start, {fmt_load(r['load_end'])} at the end"
+                         for r in rows)
+             + f". One node of 2 CPU ranks, rank 1's process killed with SIGKILL every {args.fault_every:g} s (after "
+             f"the previous recovery) for "
+             f"{args.budget:g} s per mode, disk checkpoints every {args.disk_every}, snapshots "
+             f"every {args.snapshot_every} step(s).", "",
+             f"Goodput: the steps kept (each once) times the failure-free wall time per step ({pace * 1e3:.1f} ms: "
+             f"the {rows[0]['mode']} mode's pace before its first kill), over the wall time (the first start "
+             f"included); beside it the steps' own step_time_s summed over the wall time.", "",
+             "| mode | goodput | by own step times | steps kept | kills | steps lost per failure | kill to next step (s) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        recovery = f"{statistics.median(r['recovery_s']):.1f} median" if r["recovery_s"] else "—"
-        lines.append(f"| {r['mode']} | {r['goodput']:.3f} | {r['steps_kept']} | {r['kills']} | "
-                     f"{', '.join(map(str, r['lost_per_failure'])) or '—'} | {recovery} |")
-    ratio = rows[1]["goodput"] / rows[0]["goodput"] if rows[0]["goodput"] else float("inf")
-    # A step of the snapshots mode is slower (its background writes share the cores): its steps counted at the
-    # disk mode's mean step time say what the snapshots' own cost leaves of the run.
-    clean_s = rows[0]["useful_s"] / rows[0]["steps_kept"] if rows[0]["steps_kept"] else float("nan")
+        r["goodput"] = r["steps_kept"] * pace / r["wall_s"]
+        r["goodput_own_step_time"] = r["step_time_s"] / r["wall_s"]
+        lost = [f["lost"] for f in r["failures"]]
+        recovery = [f["recovery_s"] for f in r["failures"]]
+        lines.append(f"| {r['mode']} | {r['goodput']:.3f} | {r['goodput_own_step_time']:.3f} | {r['steps_kept']} | "
+                     f"{r['kills']} | {', '.join(map(str, lost)) or '—'} | "
+                     + (f"{statistics.median(recovery):.2f} median, {min(recovery):.2f}–{max(recovery):.2f}"
+                        if recovery else "—") + " |")
     for r in rows:
-        r["goodput_at_disk_step"] = r["steps_kept"] * clean_s / r["wall_s"]
-    lines += ["", f"snapshots / disk goodput: {ratio:.2f}x; counting every kept step at the disk mode's mean step "
-                  f"time ({clean_s * 1e3:.1f} ms): {rows[0]['goodput_at_disk_step']:.3f} and "
-                  f"{rows[1]['goodput_at_disk_step']:.3f}", ""]
-    text = "\n".join(lines)
-    print(text)
-    write_results(args.out, "goodput", now, text, {"rows": rows, "machine": m, "load_start": load_start,
-                                                     "load_end": load_end, "args": vars(args)})
+        if r["mode"] == "snapshots" and r["failures"]:
+            most = max(f["lost"] for f in r["failures"])
+            lines += ["", f"snapshots: at most {most} step(s) lost per failure, K = {args.snapshot_every} "
+                          f"({'within' if most <= args.snapshot_every else 'beyond'} K); restored from memory "
+                          f"{sum('snapshots in memory' in f['resumed_from'] for f in r['failures'])} of "
+                          f"{len(r['failures'])} times"]
+    if len(rows) > 1 and rows[0]["goodput"]:
+        lines += ["", f"{rows[1]['mode']} / {rows[0]['mode']} goodput: {rows[1]['goodput'] / rows[0]['goodput']:.2f}x"]
+    lines += ["", "Where a failure's time goes, from the kill to the first step after it (median seconds per failure):",
+              "", "| phase | what | " + " | ".join(r["mode"] for r in rows) + " |",
+              "|---|---|" + "---|" * len(rows)]
+    for name, what in PHASES:
+        cells = [f"{statistics.median(f['phases'][name] for f in r['failures']):.3f}" if r["failures"] else "—"
+                 for r in rows]
+        lines.append(f"| {name} | {what} | " + " | ".join(cells) + " |")
+    cells = [f"{statistics.median(f['lost'] for f in r['failures']) * pace:.3f}" if r["failures"] else "—" for r in rows]
+    lines += [f"| steps redone | the lost steps at the failure-free pace | " + " | ".join(cells) + " |", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

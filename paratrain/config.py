@@ -254,6 +254,11 @@ class CheckpointSection:
         "/dev/shm/paratrain", "node-local directory (memory: a tmpfs) of the --snapshot-every snapshots; the job's go "
                               "in a subdirectory named by its run id, removed when the run finishes",
         flag="--snapshot-dir")
+    snapshot_buddy: str = option(
+        "next-node", "which rank holds each rank's --snapshot-every copy: 'next-node' (the same local rank on the next "
+                     "node; on one node the next local rank), 'next-rank' (rank r + 1), or a map of every rank to its "
+                     "buddy, RANK:BUDDY comma-separated (e.g. 0:2,1:3,2:0,3:1; each rank holds one copy)",
+        flag="--snapshot-buddy")
     reset: str = option("", "with --resume PATH, a new stage from its model and optimizer: 'data' (a new --data), 'lr' "
                             "(the schedule again over the steps left), 'step' (count from 0), comma-separated")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -209,3 +210,33 @@ class StepTimer:
         accounted = sum(self.seconds.values()) + self._blocked()
         result["other_s"] = max(0.0, step_time_s - accounted)
         return result
+
+
+# -- where a launch's time to its first step goes -----------------------------------------------
+
+def process_start_time() -> float | None:
+    """This process's creation as a `time.time()`, to 1/100 s (Linux's /proc: ticks since boot, set against the
+    boot-time clock now; a worker forked by the launcher's server), or None."""
+    try:
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class LaunchTimes:
+    """The wall-clock times (`time.time()`) of a launch's way to its first step, which the first step's record
+    carries as `launch_times`: `process` (created; to 1/100 s), `train` (the trainer entered: imports done),
+    `group` (the process group up: the rendezvous of the workers), `resume` (run built: data, model, optimizer),
+    `resumed` (restored from a snapshot or checkpoint, or started afresh), `first_step` (the first step done)."""
+
+    def __init__(self):
+        self.times = {"process": process_start_time(), "train": time.time()}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        self.times[name] = time.time() if at is None else at
+
+    def record(self) -> dict:
+        self.mark("first_step")
+        return {"launch_times": dict(self.times)}

@@ -30,7 +30,9 @@ from paratrain.compat import default_store
 from paratrain.distributed import detect_env, launcher_store, shutdown
 from paratrain.faults import fault_requested, faulty, maybe_fault
 from paratrain.mesh import PER_DATA_RANK, WORLD, init_mesh
-from paratrain.metrics import StepTimer, expert_load, mfu, moe_counts, moe_layers, perplexity, unigram_entropy
+from paratrain.metrics import (
+    LaunchTimes, StepTimer, expert_load, mfu, moe_counts, moe_layers, perplexity, unigram_entropy,
+)
 from paratrain.models import ModelConfig, generate
 from paratrain.parallel.contract import IGNORE_INDEX, TrainableModel, Verdict
 from paratrain.peak_memory import ProcessPeak
@@ -67,6 +69,7 @@ class StepOutcome:
 
 def train(cfg: Config) -> RunResult:
     """Train as configured; every process of the job calls this."""
+    launch = LaunchTimes()  # where the time to the first step goes, carried by its record
     owns_group = not dist.is_initialized()
     env = detect_env()
     plan = preflight(cfg, env.world_size)  # before any process group exists; the run resolved once
@@ -80,9 +83,12 @@ def train(cfg: Config) -> RunResult:
                      ep=cfg.parallel.ep,
                      dp_shard=cfg.parallel.dp_shard or None, timeout_s=cfg.reliability.pg_timeout_s,
                      flight_records=flight_record_prefix(cfg), store=store)
+    launch.mark("group")
     try:
         run = build(plan, env, mesh)
-        result = finish(run, *loop(run))
+        for name, at in zip(("resume", "resumed"), run.checkpoints.resume_window):
+            launch.mark(name, at)
+        result = finish(run, *loop(run, launch))
     except BaseException:
         # A worker of a launcher that fails leaves without tearing the group down: that can wait on peers still
         # inside a collective, and the launcher names as the cause the rank whose error it records first.
@@ -94,8 +100,9 @@ def train(cfg: Config) -> RunResult:
     return result
 
 
-def loop(run: Run) -> tuple[float, float, float]:
-    """Every step from the one after the resumed one; returns (first loss, last loss, last eval loss)."""
+def loop(run: Run, launch: LaunchTimes | None = None) -> tuple[float, float, float]:
+    """Every step from the one after the resumed one; returns (first loss, last loss, last eval loss). The first
+    step's record carries `launch`'s times."""
     cfg, t, model, guard = run.cfg, run.cfg.train, run.model, run.guard
     bar = tqdm(total=t.steps, initial=run.resumed_step, desc="train", dynamic_ncols=True,
                disable=not (run.env.is_main and cfg.run.progress))
@@ -135,6 +142,8 @@ def loop(run: Run) -> tuple[float, float, float]:
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             record.update(straggler_record(run, step, outcome.verdict.per_rank["compute_s"]))
             record.update(source_record(run, position))
+            if launch is not None and step == run.resumed_step + 1:
+                record.update(launch.record())
             if trace:  # the last profiled step: where this rank's trace of the range is
                 record["profile_trace"] = trace[0]
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss

@@ -18,9 +18,11 @@ background, sends the committed files to its buddy and receives its sender's, ov
 A received copy is written under a temporary name and renamed into place whole, and an own snapshot commits
 as a checkpoint does (manifest last): a snapshot torn by a crash mid-write is never complete, so never read.
 
-The buddy of rank r is the rank of the same local rank on the next node (node n = r // local world size; the
-last node's buddy node is the first): its copy survives the loss of r's whole node. On a single node the buddy
-is the next local rank, which survives the loss of a process, not of the node. A job of one process has no buddy.
+The buddy of rank r is by default (--snapshot-buddy next-node) the rank of the same local rank on the next node
+(node n = r // local world size; the last node's buddy node is the first): its copy survives the loss of r's
+whole node. On a single node the buddy is the next local rank, which survives the loss of a process, not of the
+node. --snapshot-buddy next-rank pairs r with r + 1 wherever it runs; an explicit map ("0:2,1:3,2:0,3:1") pairs
+as it says (every rank once, one copy held per rank). A job of one process has no buddy.
 
 Every rank keeps its newest `KEPT` snapshots and as many copies: the ranks snapshot at the same steps, and a rank
 starts a snapshot only once its previous one is over, so when one rank has committed step s + 2k the slowest has
@@ -50,26 +52,83 @@ from paratrain.checkpoint.coordinator import LocalCoordinator
 from paratrain.checkpoint.format import TEMP_PREFIX, CheckpointError, parse_step_dirname, step_dirname
 from paratrain.checkpoint.save import EventHook, Shards
 from paratrain.checkpoint.store import apply_retention, list_checkpoints, quarantine_incomplete, verify_checkpoint
+from paratrain.errors import ParatrainError
 
 KEPT = 3
 OWN, COPY = "rank", "copy"
 _SIZE_TAG, _DATA_TAG = 7301, 7302  # point-to-point tags of a file set's length and its bytes
 
 
-def buddy_of(rank: int, world_size: int, local_world_size: int) -> int | None:
-    """The rank that holds `rank`'s copy: same local rank on the next node, or the next local rank on one node."""
+# --snapshot-buddy: who holds each rank's copy. A rule by name, or an explicit map "0:2,1:3,2:0,3:1" (rank:buddy).
+BUDDY_RULES = {
+    "next-node": "the same local rank on the next node (the last node's: the first's); on one node the next local rank",
+    "next-rank": "rank r + 1 (the last rank's: rank 0), wherever it runs",
+}
+DEFAULT_BUDDY = "next-node"
+
+
+class BuddyError(ParatrainError, ValueError):
+    """--snapshot-buddy names no pairing: an unknown rule, or a map that is not one buddy per rank."""
+
+
+def parse_buddies(rule: str, world_size: int | None = None) -> str | dict[int, int]:
+    """--snapshot-buddy's value: a rule's name, or the map's {rank: buddy}, which must pair every rank 0..n-1 with
+    another, each rank holding one copy (a permutation without a fixed point) and, given `world_size`, n equal to
+    it. Raises BuddyError, one line."""
+    text = rule.strip()
+    if text in BUDDY_RULES:
+        return text
+    if ":" not in text:
+        raise BuddyError(f"--snapshot-buddy {rule!r}: expected {' or '.join(BUDDY_RULES)}, or a map of every rank "
+                         f"to its buddy such as 0:1,1:0")
+    pairs: dict[int, int] = {}
+    for item in text.split(","):
+        rank, _, buddy = item.strip().partition(":")
+        if not (rank.strip().isdigit() and buddy.strip().isdigit()):
+            raise BuddyError(f"--snapshot-buddy {rule!r}: {item.strip()!r} is not RANK:BUDDY (two whole numbers)")
+        if int(rank) in pairs:
+            raise BuddyError(f"--snapshot-buddy {rule!r}: rank {int(rank)} is given two buddies")
+        pairs[int(rank)] = int(buddy)
+    n, why = len(pairs), ""
+    if set(pairs) != set(range(n)):
+        why = f"the ranks must be 0 to {n - 1}, each once"
+    elif sorted(pairs.values()) != list(range(n)):
+        held = sorted(b for b in set(pairs.values()) if list(pairs.values()).count(b) > 1 or b >= n)
+        why = f"each rank holds one copy, but rank(s) {_ranks(held)} would hold several or are no rank of the map"
+    elif any(r == b for r, b in pairs.items()):
+        why = f"rank(s) {_ranks([r for r, b in pairs.items() if r == b])} would hold their own copy"
+    elif world_size is not None and n != world_size:
+        why = f"it pairs {n} rank(s), the job has {world_size}"
+    if why:
+        raise BuddyError(f"--snapshot-buddy {rule!r}: {why}")
+    return pairs
+
+
+def buddies(world_size: int, local_world_size: int, rule: str = DEFAULT_BUDDY) -> list[int | None]:
+    """Every rank's buddy, the rank that holds its copy, by --snapshot-buddy `rule`; None for a job of one process."""
     if world_size <= 1:
-        return None
+        return [None] * world_size
+    parsed = parse_buddies(rule, world_size)
+    if isinstance(parsed, dict):
+        return [parsed[r] for r in range(world_size)]
+    if parsed == "next-rank":
+        return [(r + 1) % world_size for r in range(world_size)]
     local = max(1, min(local_world_size, world_size))
-    nodes, node, local_rank = world_size // local, rank // local, rank % local
+    nodes = world_size // local
     if nodes > 1:
-        return ((node + 1) % nodes) * local + local_rank
-    return node * local + (local_rank + 1) % local
+        return [((r // local + 1) % nodes) * local + r % local for r in range(world_size)]
+    return [(r + 1) % local for r in range(world_size)]
 
 
-def sender_of(rank: int, world_size: int, local_world_size: int) -> int | None:
+def buddy_of(rank: int, world_size: int, local_world_size: int, rule: str = DEFAULT_BUDDY) -> int | None:
+    """The rank that holds `rank`'s copy."""
+    return buddies(world_size, local_world_size, rule)[rank]
+
+
+def sender_of(rank: int, world_size: int, local_world_size: int, rule: str = DEFAULT_BUDDY) -> int | None:
     """The rank whose copy `rank` holds (the one whose buddy it is)."""
-    return next((r for r in range(world_size) if buddy_of(r, world_size, local_world_size) == rank), None)
+    found = buddies(world_size, local_world_size, rule)
+    return found.index(rank) if rank in found else None
 
 
 def entry_name(kind: str, rank: int) -> str:
@@ -85,10 +144,10 @@ class PeerSnapshots:
     """
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, local_world_size: int, *,
-                 timeout_s: float = 600.0, on_event: EventHook = None):
+                 timeout_s: float = 600.0, on_event: EventHook = None, buddy_rule: str = DEFAULT_BUDDY):
         self.dir, self.rank, self.world_size = Path(directory), rank, world_size
-        self.buddy = buddy_of(rank, world_size, local_world_size)
-        self.sender = sender_of(rank, world_size, local_world_size)
+        self.buddy = buddy_of(rank, world_size, local_world_size, buddy_rule)
+        self.sender = sender_of(rank, world_size, local_world_size, buddy_rule)
         self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                       if world_size > 1 and dist.is_initialized() else None)
         self.own_root = self.dir / entry_name(OWN, rank)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.checkpoint.snapshot import parse_buddies
 from paratrain.comm import Comm
 from paratrain.compat import fused_optimizer_devices
 from paratrain.config import Config, ConfigError, DataSection, TrainSection, check_values, layout_spec, lora_options
@@ -191,6 +192,7 @@ def preflight(cfg: Config, world_size: int) -> RunPlan:
     except ParatrainError as e:  # after a relaunch on fewer processes: name the checkpoint's layout too
         raise explain_layout_error(cfg, e) from None
     check_resume_option(cfg)
+    parse_buddies(cfg.checkpoint.snapshot_buddy, world_size)  # --snapshot-buddy pairs this job's ranks
     check_resumed_model(cfg, model_cfg)
     check_lora_targets(cfg, model_cfg)
     check_paths(cfg, tokenizer_spec(cfg))  # --out, --data, --tokenizer: each what the run needs of it

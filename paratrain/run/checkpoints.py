@@ -94,7 +94,8 @@ class TrainingCheckpoints:
         # --snapshot-every: this rank's snapshots in node memory, one directory per job (collective: a group)
         self.peers = (PeerSnapshots(Path(c.snapshot_dir) / (self.run_id or "run"), rank, self.mesh.shape.world_size,
                                     local_world_size, timeout_s=cfg.reliability.pg_timeout_s,
-                                    on_event=checkpoint_events(rank, SNAPSHOT_EVENTS)) if c.snapshot_every else None)
+                                    on_event=checkpoint_events(rank, SNAPSHOT_EVENTS), buddy_rule=c.snapshot_buddy)
+                      if c.snapshot_every else None)
         self.snapshot_s = 0.0  # what the last snapshot held the step up (the copy to host memory)
         self._finished = False  # the last step is done: the snapshots are of no more use
         if self.policy.enabled:
@@ -114,6 +115,7 @@ class TrainingCheckpoints:
         checkpoints) keeps the model and optimizer and starts afresh what --reset names: the data stream
         ('data'), the learning-rate schedule from this step ('lr'), the step count and the schedule ('step').
         """
+        self.resume_window = [time.time(), None]  # when the restore began and ended (`paratrain.metrics.LaunchTimes`)
         c = self.cfg.checkpoint
         own = not c.load_step and (c.resume == "auto" or current_attempt() > 0)  # the run continues itself
         resumed = self._resume_from_memory() if self.peers is not None and own else None
@@ -121,6 +123,7 @@ class TrainingCheckpoints:
             resumed = self._resume_from_disk()
         if self.peers is not None:
             self.peers.discard_newer(resumed[0])
+        self.resume_window[1] = time.time()
         return resumed
 
     def _resume_from_memory(self) -> tuple[int, int] | None:

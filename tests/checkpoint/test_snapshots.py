@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from paratrain.checkpoint.snapshot import (
-    COPY, OWN, buddy_of, entry_name, install, pack_files, plan_restore, sender_of, unpack_files,
+    COPY, OWN, BuddyError, buddies, buddy_of, entry_name, install, pack_files, parse_buddies, plan_restore, sender_of,
+    unpack_files,
 )
 from paratrain.config import Config
 from paratrain.distributed import free_port
@@ -48,6 +49,35 @@ def test_the_buddy_is_the_same_local_rank_on_the_next_node_or_the_next_local_ran
             assert buddy_of(r, world, local) != r and sender_of(buddy_of(r, world, local), world, local) == r
             if world > local:
                 assert buddy_of(r, world, local) // local != r // local  # another node
+
+
+def test_the_pairing_is_overridden_by_a_rule_or_an_explicit_map():
+    assert [buddy_of(r, 8, 4, "next-rank") for r in range(8)] == [1, 2, 3, 4, 5, 6, 7, 0]
+    pairs = "0:2, 1:3,2:0,3:1"
+    assert [buddy_of(r, 4, 2, pairs) for r in range(4)] == [2, 3, 0, 1]
+    assert [buddy_of(r, 4, 4, pairs) for r in range(4)] == [2, 3, 0, 1]  # a map pairs as it says, whatever the nodes
+    assert [sender_of(r, 3, 3, "0:2,1:0,2:1") for r in range(3)] == [1, 2, 0]
+    assert parse_buddies("next-node") == "next-node" and parse_buddies("1:0,0:1", 2) == {0: 1, 1: 0}
+    assert buddy_of(0, 1, 1, "0:1,1:0") is None  # one process: no buddy, whatever the rule
+
+
+@pytest.mark.parametrize("rule, world, message", [
+    ("next-door", None, "--snapshot-buddy 'next-door': expected next-node or next-rank, or a map of every rank"),
+    ("0:1,1", None, "--snapshot-buddy '0:1,1': '1' is not RANK:BUDDY (two whole numbers)"),
+    ("0:1,0:2,2:0", None, "rank 0 is given two buddies"),
+    ("0:1,2:0", None, "the ranks must be 0 to 1, each once"),
+    ("0:1,1:1", None, "each rank holds one copy, but rank(s) 1 would hold several or are no rank of the map"),
+    ("0:5,1:0", None, "rank(s) 5 would hold several or are no rank of the map"),
+    ("0:0,1:1", None, "rank(s) 0, 1 would hold their own copy"),
+    ("0:1,1:0", 4, "--snapshot-buddy '0:1,1:0': it pairs 2 rank(s), the job has 4"),
+])
+def test_a_pairing_that_is_not_one_buddy_per_rank_is_refused_in_one_line(rule, world, message):
+    with pytest.raises(BuddyError) as refused:
+        parse_buddies(rule, world)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    if world:
+        with pytest.raises(BuddyError):
+            buddies(world, world, rule)
 
 
 def inventory(own: dict[int, list[int]] | None = None, copy: dict[int, list[int]] | None = None) -> dict:
@@ -124,7 +154,14 @@ def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snap
     cfg.checkpoint.snapshot_dir = str(tmp_path / "memory")
     cfg.run.out, cfg.run.progress = str(tmp_path / "run"), False
     train(cfg)
-    breakdowns = [r["time_breakdown_s"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    # The launch's way to its first step, in the first record alone: each point after the one before it.
+    times = records[0]["launch_times"]
+    order = ["process", "train", "group", "resume", "resumed", "first_step"]
+    assert set(times) == set(order) and [times[k] for k in order] == sorted(times.values())
+    assert times["first_step"] - times["resume"] < times["first_step"] - times["process"]
+    assert not any("launch_times" in r for r in records[1:])
+    breakdowns = [r["time_breakdown_s"] for r in records]
     assert breakdowns[0]["snapshot_s"] == 0.0  # a record tells the save after the step before it
     assert all(0 < b["snapshot_s"] <= b["checkpoint_s"] for b in breakdowns[1:]), breakdowns
     assert list((tmp_path / "memory").iterdir()) == []
@@ -255,6 +292,29 @@ def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference
                         "snapshot and buddy's copy both lost); resuming from the newest disk checkpoint"], stdout
     assert "checkpoints/step-00000004 at step 4" in stdout and "snapshots in memory at step" not in stdout
     assert_bit_equal(out, reference)
+
+
+def test_an_overridden_pairing_places_each_copy_on_its_named_buddy_and_restores_from_it(tmp_path):
+    """Three nodes of one rank, --snapshot-buddy 0:2,1:0,2:1 (the default would pair 0 with 1): each node holds the
+    copy of the rank the map names; rank 0 killed and its node wiped, the job resumes with rank 0's snapshot from
+    the copy on rank 2's node."""
+    out, nodes = tmp_path / "run", [tmp_path / f"node-{n}" for n in "abc"]
+    three = ["--snapshot-every", "1", "--snapshot-buddy", "0:2,1:0,2:1", "--global-batch", "6", "--steps", "6"]
+    results = launch_nodes(out, nodes, *three, fault="sigkill@rank0:step5")
+    assert all(r.returncode != 0 for r in results)
+    held = {}  # the rank whose node it is -> the ranks whose copies it holds
+    for node in nodes:
+        entries = [p.name for p in job_dir(node).iterdir()]
+        (own,) = [int(name[5:]) for name in entries if name.startswith(OWN)]
+        held[own] = sorted(int(name[5:]) for name in entries if name.startswith(COPY))
+    assert held == {0: [1], 1: [2], 2: [0]}
+    (lost,) = [d for d in nodes if (job_dir(d) / entry_name(OWN, 0)).is_dir()]
+    shutil.rmtree(lost)
+    lost.mkdir()
+    results = launch_nodes(out, nodes, *three)
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    lines = [line for r in results for line in r.stdout.splitlines() if line.startswith("paratrain: resumed")]
+    assert len(lines) == 1 and "rank(s) 0 from the copy a buddy held" in lines[0], lines
 
 
 def test_a_snapshot_torn_mid_write_is_never_restored(reference, tmp_path):

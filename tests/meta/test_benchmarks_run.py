@@ -190,3 +190,22 @@ def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_p
                            (["--seq", "16", "--seeds", "0"], "its --seq is 32, this run's 16")]:
         refused = subprocess.run([*dry, *extra, "--include", str(path)], capture_output=True, text=True, timeout=300)
         assert refused.returncode == 1 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+
+
+def test_bench_goodput_dry_run_splits_a_recovery_from_memory_into_its_phases(tmp_path):
+    """The goodput benchmark cut to one kill of the snapshots mode, 3 s into the run (past its first snapshots):
+    the restart resumes from memory, a failure's phases add up to the time from the kill to the first step after
+    it, and both files are written."""
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_goodput.py"
+    result = subprocess.run([sys.executable, str(script), "--modes", "snapshots", "--budget", "200", "--fault-every",
+                             "3", "--max-kills", "1", "--snapshot-every", "2", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("goodput-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    (failure,) = row["failures"]
+    assert row["kills"] == 1 and row["steps_kept"] > failure["resumed"] and 0 <= failure["lost"] <= 3
+    assert failure["resumed_from"].startswith("paratrain: resumed from the snapshots in memory at step "), failure
+    assert sum(failure["phases"].values()) == pytest.approx(failure["recovery_s"])
+    assert failure["phases"]["detect and stop"] > 0 and failure["phases"]["first step"] > 0
+    assert "| detect and stop |" in path.with_suffix(".md").read_text()

@@ -91,6 +91,8 @@ def paratrain(*argv, timeout=120):
     (["--step-timeout", "-1"], "--step-timeout must be positive seconds up to 604800 (a week) (or 0: no watchdog)"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT and --rdzv-id ID"),
     (["--snapshot-every", "-1"], "--snapshot-every must not be negative, got -1"),
+    (["--snapshot-buddy", "next-door"], "--snapshot-buddy 'next-door': expected next-node or next-rank, or a map"),
+    (["--snapshot-buddy", "0:1,1:0"], "--snapshot-buddy '0:1,1:0': it pairs 2 rank(s), the job has 1"),
     (["--straggler-steps", "0"], "--straggler-steps must be at least 1, got 0"),
     (["--straggler-threshold", "0"], "--straggler-threshold must be a positive fraction of the median (0.2: 20%)"),
     (["--rdzv-endpoint", "somewhere"], "--rdzv-endpoint 'somewhere' is not HOST:PORT"),
