@@ -87,7 +87,10 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
                           f"--resume auto to continue it")
     if resume == "auto":
         checkpoints = list_checkpoints(out / CHECKPOINT_DIR)
-        if not checkpoints:
+        # With snapshots on, a launch that is no restart may still continue the run from the ranks' memory: a node
+        # that replaces a lost one starts its agent afresh (attempt 0) while the other nodes' agents restart, and
+        # the snapshot restore, agreed by every rank, decides what is continued.
+        if not checkpoints and not (cfg.checkpoint.snapshot_every and not (out / "final").is_dir()):
             raise ConfigError(f"--out {out} already holds a run and it has no checkpoint to resume; choose "
                               f"another --out or pass --overwrite")
         difference = config_difference(read_stored_config(out), cfg.to_dict())

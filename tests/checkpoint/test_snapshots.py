@@ -9,6 +9,7 @@ step's loss as float.hex and the final weights with one uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -165,6 +166,41 @@ def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snap
     assert breakdowns[0]["snapshot_s"] == 0.0  # a record tells the save after the step before it
     assert all(0 < b["snapshot_s"] <= b["checkpoint_s"] for b in breakdowns[1:]), breakdowns
     assert list((tmp_path / "memory").iterdir()) == []
+
+
+def test_a_launch_that_is_no_restart_continues_a_run_that_has_snapshots_but_no_checkpoint(tmp_path):
+    """A node replacing a lost one starts its agent afresh (attempt 0) while the other nodes' agents restart: with
+    snapshots on, its ranks continue the run in --out (the snapshot restore decides from where) rather than refuse it
+    for lacking a disk checkpoint; without snapshots, another run's --out, or a finished run, are refused as
+    before."""
+    from paratrain.config import ConfigError
+    from paratrain.run.rundir import claim_run_dir
+
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 1, 32, 4, 2, 64
+    cfg.data.seq_len = 32
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 2, 4, 4
+    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 0, 1, 0
+    cfg.checkpoint.every, cfg.checkpoint.snapshot_every = 0, 1
+    cfg.checkpoint.snapshot_dir = str(tmp_path / "memory")
+    cfg.run.out, cfg.run.progress = str(tmp_path / "run"), False
+    train(cfg)
+    out = tmp_path / "run"
+    cfg = Config.from_dict(json.loads((out / "config.json").read_text()))  # the options as the run resolved them
+    shutil.move(out / "final", tmp_path / "final")  # as a run killed before its first disk checkpoint leaves it
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    assert claim_run_dir(cfg, restarted=False).fresh is False
+    without = Config.from_dict(cfg.to_dict())
+    without.checkpoint.snapshot_every = 0
+    with pytest.raises(ConfigError, match="has no checkpoint to resume"):
+        claim_run_dir(without, restarted=False)
+    other = Config.from_dict(cfg.to_dict())
+    other.train.lr = cfg.train.lr * 2
+    with pytest.raises(ConfigError, match="holds another run"):
+        claim_run_dir(other, restarted=False)
+    shutil.move(tmp_path / "final", out / "final")  # finished: nothing to continue
+    with pytest.raises(ConfigError, match="has no checkpoint to resume"):
+        claim_run_dir(cfg, restarted=False)
 
 
 # -- launched -------------------------------------------------------------------------------------------------
