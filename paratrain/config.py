@@ -182,9 +182,11 @@ class LoraSection:
                               "pattern also matches a name's end after a dot, as PEFT's target_modules: 'wq,wv', "
                               "'layers.0.*') (default: every linear inside the blocks, not the head or embeddings)",
                           flag="--lora-targets")
-    base_dtype: str = option("", "how the frozen base weights of the targets are stored: 'bf16', or 'nf4' (QLoRA: 4-bit "
-                                 "NormalFloat, blocks of 64 with double-quantized scales, decoded for each matmul) "
-                                 "(default: the compute dtype)", flag="--base-dtype", choices=("", "bf16", "nf4"))
+    base_dtype: str = option("", "how the frozen base weights of the targets are stored: 'bf16', 'nf4' (QLoRA: 4-bit "
+                                 "NormalFloat, blocks of 64 with double-quantized scales, decoded for each matmul) or "
+                                 "'fp8' (float8 e4m3 bytes with one scale per output row, decoded for each matmul) "
+                                 "(default: the compute dtype)", flag="--base-dtype",
+                             choices=("", "bf16", "nf4", "fp8"))
 
 
 @dataclass

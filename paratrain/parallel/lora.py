@@ -22,7 +22,10 @@
   matmul only, in forward and again in backward, so no decoded weight outlives its matmul. An NF4 weight is three
   frozen parameters: `weight_nf4` (its rows, `NF4.rows`: a block's codes and scale each), `weight_nf4_factors`
   and `weight_nf4_mean`, which every strategy holds as it holds other frozen parameters (ZeRO-3 shards the rows
-  on whole blocks and gathers them in their 4-bit form).
+  on whole blocks and gathers them in their 4-bit form). "fp8" stores each as float8 e4m3 bytes with one scale per
+  output row (its absmax / 448, in the compute dtype): the frozen parameters `weight_fp8` (uint8, [out, in]) and
+  `weight_fp8_scale` ([out, 1]), decoded for each matmul as NF4 is; one byte per element, twice NF4's, with
+  e4m3's three mantissa bits for every element instead of NF4's sixteen levels per block.
 
 A model built on the meta device gets its values from the initializer `parallelize` uses (`LoRAValues` is its view:
 the adapters' values come from their own seeded generators, and an NF4 base's from its weight's initial value,
@@ -60,7 +63,7 @@ class LoRA:
 
     rank: the adapters' inner dimension r (> 0). alpha: the scaling's numerator (None: 2 · rank), the adapters'
     output multiplied by alpha / rank. dropout: on the adapters' input, in training. targets: module-name
-    patterns (None: every linear inside the blocks). base_dtype: None (the compute dtype), "bf16" or "nf4".
+    patterns (None: every linear inside the blocks). base_dtype: None (the compute dtype), "bf16", "nf4" or "fp8".
     seed: the adapters' initialization.
     """
 
@@ -87,7 +90,8 @@ class LoRA:
             if not self.targets:
                 raise LoRAError("the LoRA targets are empty; name module patterns, or None for every block linear")
         if self.base_dtype not in (None, *LORA_BASE_DTYPES):
-            raise LoRAError(f"base_dtype={self.base_dtype!r}: use None (the compute dtype), 'bf16' or 'nf4'")
+            raise LoRAError(f"base_dtype={self.base_dtype!r}: use None (the compute dtype), 'bf16', 'nf4' or "
+                            f"'fp8'")
 
     @property
     def scaling(self) -> float:
@@ -135,6 +139,23 @@ def is_adapter(name: str) -> bool:
 
 
 NF4_PARTS = ("weight_nf4", "weight_nf4_factors", "weight_nf4_mean")  # an NF4 base's parameters (`NF4.rows`)
+FP8_PARTS = ("weight_fp8", "weight_fp8_scale")  # an FP8 base's parameters: e4m3 bytes, one scale per output row
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+
+
+def encode_fp8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 bytes as uint8 [out, in], the scale of each output row [out, 1] in `dtype`) of a weight: each row divided
+    by its scale (its absmax / 448, rounded to `dtype`; 1 for a row of zeros) and rounded to the nearest e4m3."""
+    scale = (weight.detach().float().abs().amax(dim=1, keepdim=True) / FP8_MAX).to(dtype)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (weight.detach().float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8), scale
+
+
+def decode_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight `encode_fp8` encoded, in `dtype`: each e4m3 value times its row's scale (element by element, so a
+    slice of rows or columns decodes to the slice of the whole)."""
+    return codes.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
 
 
 class LoRAValues:
@@ -145,7 +166,9 @@ class LoRAValues:
     def __init__(self, seed: int = 0, model: nn.Module | None = None, device: torch.device | None = None):
         self.seed, self.device = seed, device
         self.bases = {name: m.nf4 for name, m in lora_modules(model)} if model is not None else {}
-        self.encoded: dict[str, NF4] = {}  # the last weight encoded: its three parameters are asked for in a row
+        self.fp8_bases = {name: m.fp8 for name, m in lora_modules(model)} if model is not None else {}
+        # the last weight encoded (NF4, or FP8's bytes and scales): its parameters are asked for in a row
+        self.encoded: dict[str, NF4 | tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, init: Callable, name: str, shape) -> torch.Tensor:
         module, _, part = name.rpartition(".")
@@ -153,6 +176,12 @@ class LoRAValues:
             return adapter_init(name, shape, self.seed)
         if part in NF4_PARTS and self.bases.get(module) is not None:
             return self._nf4_part(init, module, part, shape)
+        if part in FP8_PARTS and self.fp8_bases.get(module) is not None:
+            if module not in self.encoded:
+                whole, dtype = self.fp8_bases[module][:2]
+                self.encoded.clear()
+                self.encoded[module] = encode_fp8(init(f"{module}.weight", whole).to(device=self.device), dtype)
+            return self.encoded[module][FP8_PARTS.index(part)]
         return init(name, shape)
 
     def _nf4_part(self, init: Callable, module: str, part: str, shape) -> torch.Tensor:
@@ -184,6 +213,20 @@ class _NF4Matmul(torch.autograd.Function):
         return grad @ weight, None, None, None, None
 
 
+class _Fp8Matmul(torch.autograd.Function):
+    """x · Wᵀ with W held as e4m3 bytes and row scales (`encode_fp8`): decoded for the forward's matmul and again for
+    the backward's, as `_NF4Matmul` does; W takes no gradient, and nothing decoded is saved between them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor):
+        ctx.save_for_backward(codes, scale)
+        return F.linear(x, decode_fp8(codes, scale, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ decode_fp8(*ctx.saved_tensors, grad.dtype), None, None
+
+
 class LoRAComputation:
     """What a linear with a frozen base and adapters computes, whatever holds its parameters: `LoRALinear` (the
     whole weight), and under tensor parallelism the twins of the column- and row-parallel layers
@@ -194,11 +237,13 @@ class LoRAComputation:
     lora_dropout: nn.Module
     scaling: float
     nf4: tuple | None = None  # an NF4 base's (shape, dtype, block size, scaler block size[, layout]); its tensors: NF4_PARTS
+    fp8: tuple | None = None  # an FP8 base's (shape, dtype); its tensors: FP8_PARTS
 
     def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x · Wᵀ (+ bias) with the frozen base, in x's dtype (an NF4 base decoded for this matmul alone)."""
-        if self.nf4 is not None:
-            base = _NF4Matmul.apply(x, self.weight_nf4, self.weight_nf4_factors, self.weight_nf4_mean, self.nf4)
+        """x · Wᵀ (+ bias) with the frozen base, in x's dtype (an NF4 or FP8 base decoded for this matmul alone)."""
+        if self.nf4 is not None or self.fp8 is not None:
+            base = (_NF4Matmul.apply(x, self.weight_nf4, self.weight_nf4_factors, self.weight_nf4_mean, self.nf4)
+                    if self.nf4 is not None else _Fp8Matmul.apply(x, self.weight_fp8, self.weight_fp8_scale))
             return base if bias is None else base + bias.to(base.dtype)
         return F.linear(x, self.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
@@ -229,8 +274,13 @@ class LoRALinear(LoRAComputation, nn.Linear):
         return NF4.from_rows(self.weight_nf4, self.weight_nf4_factors, self.weight_nf4_mean, *self.nf4)
 
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The frozen base weight as the forward uses it (an NF4 base decoded), in `dtype` if given."""
-        weight = self._packed().decode() if self.nf4 is not None else self.weight.detach()
+        """The frozen base weight as the forward uses it (an NF4 or FP8 base decoded), in `dtype` if given."""
+        if self.nf4 is not None:
+            weight = self._packed().decode()
+        elif self.fp8 is not None:
+            weight = decode_fp8(self.weight_fp8, self.weight_fp8_scale, self.fp8[1])
+        else:
+            weight = self.weight.detach()
         return weight if dtype is None else weight.to(dtype)
 
     def delta_weight(self) -> torch.Tensor:
@@ -238,8 +288,13 @@ class LoRALinear(LoRAComputation, nn.Linear):
         return (self.lora_B.weight.detach().float() @ self.lora_A.weight.detach().float()) * self.scaling
 
     def extra_repr(self) -> str:
-        base = "nf4" if self.nf4 is not None else str(self.weight.dtype).removeprefix("torch.")
-        return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}, base={base}"
+        rank = self.lora_A.out_features
+        return f"{super().extra_repr()}, rank={rank}, scaling={self.scaling:g}, base={stored(self)}"
+
+
+def stored(module: LoRAComputation) -> str:
+    """How a LoRA linear holds its frozen base: "nf4", "fp8" or its weight's dtype."""
+    return "nf4" if module.nf4 is not None else "fp8" if module.fp8 is not None else str(module.weight.dtype)[6:]
 
 
 @torch.no_grad()
@@ -252,7 +307,7 @@ def convert_to_lora(model: nn.Module, lora: LoRA, compute_dtype: torch.dtype = t
     encoded (one on the meta device stays there: `LoRAValues` encodes it where it is materialized).
     """
     names = target_names(model, lora.targets)
-    base_dtype = {None: compute_dtype, "bf16": torch.bfloat16, "nf4": compute_dtype}[lora.base_dtype]
+    base_dtype = torch.bfloat16 if lora.base_dtype == "bf16" else compute_dtype  # (NF4's and FP8's scales: compute)
     for param in model.parameters():
         param.requires_grad_(False)
         if param.is_floating_point() and param.dtype != compute_dtype:
@@ -271,6 +326,8 @@ def convert_to_lora(model: nn.Module, lora: LoRA, compute_dtype: torch.dtype = t
             setattr(module, adapter, linear)
         if lora.base_dtype == "nf4":
             _encode_base(module, base_dtype, device or weight.device)
+        elif lora.base_dtype == "fp8":
+            _encode_fp8_base(module, base_dtype, device or weight.device)
         elif weight.dtype != base_dtype:
             weight.data = weight.data.to(base_dtype)
     return names
@@ -294,6 +351,21 @@ def _encode_base(module: LoRALinear, dtype: torch.dtype, device) -> None:
     for name, tensor in zip(NF4_PARTS, parts):
         module.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
     module.nf4 = (weight.shape, dtype, NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+
+
+def _encode_fp8_base(module: LoRALinear, dtype: torch.dtype, device) -> None:
+    """Replace the module's base weight with its e4m3 bytes and row scales (the frozen parameters `FP8_PARTS`, on
+    `device`); on the meta device, with meta parameters of their shapes (`LoRAValues` gives their values)."""
+    weight = module.weight
+    if weight.is_meta:
+        parts = (torch.empty(weight.shape, dtype=torch.uint8, device="meta"),
+                 torch.empty(weight.shape[0], 1, dtype=dtype, device="meta"))
+    else:
+        parts = encode_fp8(weight.detach().to(device), dtype)
+    del module.weight
+    for name, tensor in zip(FP8_PARTS, parts):
+        module.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+    module.fp8 = (weight.shape, dtype)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:

@@ -46,7 +46,7 @@ FP8_CUDA_MIN_FEATURES = 1024
 DEFAULT_LOSS_CHUNK = 1024
 # LoRA's frozen base (`paratrain.parallel.lora`): how its adapted weights may be stored, and the NF4 format's blocks
 # (`paratrain.parallel.nf4`): here so the planner needs no torch.
-LORA_BASE_DTYPES = ("bf16", "nf4")
+LORA_BASE_DTYPES = ("bf16", "nf4", "fp8")
 NF4_BLOCK_SIZE = 64  # elements a block's absmax scales
 NF4_SCALER_BLOCK_SIZE = 256  # block scales one double-quantization factor scales
 

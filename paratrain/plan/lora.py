@@ -101,7 +101,8 @@ def block_params(model: ModelConfig, tp: int = 1) -> int:
 def base_bytes(workload) -> float:
     """Bytes per parameter of an adapted linear's frozen weight as stored."""
     compute = DTYPE_BYTES[workload.precision]
-    return {None: compute, "bf16": 2, "nf4": nf4_bytes_per_parameter(compute)}[workload.base_dtype]
+    # fp8: one byte each, and one scale per output row (a few thousandths of a byte per element: not counted)
+    return {None: compute, "bf16": 2, "nf4": nf4_bytes_per_parameter(compute), "fp8": 1}[workload.base_dtype]
 
 
 def stage_states(workload, layout, stage: int) -> ModelStates:

@@ -107,7 +107,7 @@ class Workload:
         lora: None, or the rank of low-rank adapters on every block linear of a frozen model (`paratrain.plan.lora`:
             only the adapters train; the base costs its stored bytes).
         base_dtype: with `lora`, how the adapted linears' frozen weights are stored: None (the compute dtype),
-            "bf16" or "nf4" (QLoRA).
+            "bf16", "nf4" (QLoRA) or "fp8" (e4m3 bytes, a scale per row).
         moe_imbalance: the load imbalance a MoE model's routing is assumed to have: tokens the
             busiest expert rank receives over the mean (`paratrain.plan.moe`); ≥ 1, unused by a
             dense model.

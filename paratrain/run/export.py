@@ -313,7 +313,8 @@ def export_adapter(source: str | os.PathLike, out_dir: str | os.PathLike, *, dty
 def merged_weights(src: ExportSource, model_cfg, stored: dict, read: Callable) -> tuple[dict, Callable]:
     """(name → shape, read(name)) of a LoRA source's whole model merged: each parameter its base value as the run
     held it (the run's initializer: its seed or --init-from; cast to the compute dtype, a target's to its base
-    dtype, NF4 decoded) in fp32, an adapted weight plus (B · A) · alpha / rank."""
+    dtype, NF4 or FP8 decoded) in fp32, an adapted weight plus (B · A) · alpha / rank."""
+    from paratrain.parallel.lora import decode_fp8, encode_fp8
     from paratrain.parallel.nf4 import NF4
     from paratrain.precision import precision_policy
     from paratrain.run.build import meta_model, weight_initializer
@@ -331,6 +332,8 @@ def merged_weights(src: ExportSource, model_cfg, stored: dict, read: Callable) -
             return base.float()
         if lora.base_dtype == "nf4":
             base = NF4.encode(base).decode()
+        elif lora.base_dtype == "fp8":
+            base = decode_fp8(*encode_fp8(base, compute), compute)
         elif lora.base_dtype == "bf16":
             base = base.to(torch.bfloat16)
         a, b = pairs[module]

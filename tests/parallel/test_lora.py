@@ -18,11 +18,12 @@ from paratrain.cli import main
 from paratrain.mesh import Mesh, MeshShape
 from paratrain.metrics import read_metrics
 from paratrain.parallel.api import DataParallel, ParallelConfigError, parallelize
-from paratrain.parallel.lora import LoRA, LoRAError, LoRALinear, convert_to_lora, target_names
+from paratrain.parallel.lora import (LoRA, LoRAError, LoRALinear, convert_to_lora, decode_fp8, encode_fp8,
+                                     target_names)
 from paratrain.parallel.nf4 import NF4
 from paratrain.train import train_step
 
-BASES = [None, "bf16", "nf4"]
+BASES = [None, "bf16", "nf4", "fp8"]
 
 
 def _one_rank_mesh() -> Mesh:
@@ -30,7 +31,7 @@ def _one_rank_mesh() -> Mesh:
 
 
 def _base_as_stored(model: nn.Module, base_dtype: str | None) -> nn.Module:
-    """The base model whose target linears hold the weights the LoRA model's base holds (bf16- or NF4-rounded)."""
+    """The base model whose target linears hold the weights the LoRA model's base holds (bf16-, NF4- or FP8-rounded)."""
     for name in target_names(model, None):
         linear = model.get_submodule(name)
         with torch.no_grad():
@@ -38,6 +39,8 @@ def _base_as_stored(model: nn.Module, base_dtype: str | None) -> nn.Module:
                 linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
             elif base_dtype == "nf4":
                 linear.weight.copy_(NF4.encode(linear.weight).decode())
+            elif base_dtype == "fp8":
+                linear.weight.copy_(decode_fp8(*encode_fp8(linear.weight, torch.float32), torch.float32))
     return model
 
 
@@ -61,6 +64,7 @@ def test_only_the_adapters_train_and_hold_optimizer_state(base_dtype, zero):
     assert len(adapters) == 2 * 21 and all(".lora_A." in n or ".lora_B." in n for n in adapters)
     linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
     assert len(linears) == 21 and all((m.nf4 is not None) == (base_dtype == "nf4") for m in linears)
+    assert all((m.fp8 is not None) == (base_dtype == "fp8") for m in linears)
     assert all(m.weight.dtype == torch.bfloat16 for m in linears) if base_dtype == "bf16" else True
     for x, y in batches(steps=3):
         train_step(model, optimizer, [(x, y)], 1.0)
@@ -91,6 +95,26 @@ def test_an_nf4_base_keeps_no_decoded_weight_for_backward():
 
     assert saved_base_weights(None) > 10, "the hook sees the saved weights (of the linears whose input needs a gradient)"
     assert saved_base_weights("nf4") == 0
+    assert saved_base_weights("fp8") == 0
+
+
+def test_an_fp8_base_rounds_each_element_to_e4m3_at_its_rows_scale_and_decodes_slices_as_the_whole():
+    """Each element is its row's scale (absmax / 448) times the nearest e4m3 value: within e4m3's half step (2⁻⁴ of
+    the value, 2⁻¹⁰ of the scale below e4m3's normals), the row's largest exactly ±448 · scale; a row or column
+    slice of the bytes and scales decodes to that slice of the whole, as tensor parallelism splits them."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 192) * torch.logspace(-3, 1, 96).unsqueeze(1)
+    weight[5] = 0.0  # a row of zeros: scale 1, zeros back
+    codes, scale = encode_fp8(weight, torch.float32)
+    assert codes.dtype == torch.uint8 and codes.shape == weight.shape and scale.shape == (96, 1)
+    decoded = decode_fp8(codes, scale, torch.float32)
+    bound = torch.maximum(weight.abs() * 2 ** -4, scale * 2 ** -10)
+    assert ((decoded - weight).abs() <= bound).all() and decoded[5].eq(0).all() and scale[5].item() == 1.0
+    rows = [r for r in range(96) if r != 5]
+    assert torch.equal(decoded[rows].abs().amax(dim=1), (scale[rows] * 448).squeeze(1))
+    whole = decode_fp8(codes, scale, torch.bfloat16)
+    assert torch.equal(decode_fp8(codes[48:], scale[48:], torch.bfloat16), whole[48:])
+    assert torch.equal(decode_fp8(codes[:, 96:], scale, torch.bfloat16), whole[:, 96:])
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])

@@ -22,7 +22,7 @@ from paratrain.train import train_step
 STEPS = 6
 # (ZeRO stage, base dtype, ranks of a shard group: 0 all of them, 1 hybrid sharding's replicas of whole shards)
 CASES = [(0, None, 0), (0, "nf4", 0), (1, None, 0), (2, None, 0), (2, "nf4", 0), (3, None, 0), (3, "bf16", 0),
-         (3, "nf4", 0), (3, None, 1), (3, "nf4", 1)]
+         (3, "nf4", 0), (3, "fp8", 0), (3, None, 1), (3, "nf4", 1)]
 MESHES = {"pp2": MeshShape(pp=2), "cp2": MeshShape(cp=2), "dp2 offload": MeshShape(dp=2)}
 MESH_CASES = [(mesh, base_dtype) for mesh in MESHES for base_dtype in (None, "nf4")]
 LORA = dict(rank=4, alpha=8, targets=("attention.*", "w1", "w2"))
@@ -30,7 +30,7 @@ LORA = dict(rank=4, alpha=8, targets=("attention.*", "w1", "w2"))
 # that a row-parallel linear's NF4 base splits on whole blocks of 64 (wo's and w2's 128 input features, 64 a rank):
 # (zero, base dtype, LoRA dropout)
 WIDE = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
-TP_CASES = [(1, None, 0.0), (1, "nf4", 0.0), (3, "nf4", 0.0), (1, None, 0.25)]
+TP_CASES = [(1, None, 0.0), (1, "nf4", 0.0), (3, "nf4", 0.0), (1, None, 0.25), (1, "fp8", 0.0), (3, "fp8", 0.0)]
 DROPOUT_SEED = 7  # every rank's generator and the reference's: one process's dropout masks
 
 

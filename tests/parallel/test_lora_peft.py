@@ -31,13 +31,13 @@ def runs(tmp_path_factory):
     return root
 
 
-def _ours(root) -> torch.nn.Module:
+def _ours(root, run: str = "lora", base_dtype: str | None = None) -> torch.nn.Module:
     """paratrain's reference model of the base with the run's adapters, as it trained them."""
     cfg, state = import_hf(root / "base")
     model = Transformer(cfg)
     model.load_state_dict(state)
-    convert_to_lora(model, LoRA(4, alpha=12, targets=("wq", "wv", "w1", "w2")))
-    adapters = load_file(root / "lora" / "final" / "model.safetensors")
+    convert_to_lora(model, LoRA(4, alpha=12, targets=("wq", "wv", "w1", "w2"), base_dtype=base_dtype))
+    adapters = load_file(root / run / "final" / "model.safetensors")
     assert len(adapters) == 2 * 2 * 4 and all(".lora_" in n for n in adapters)
     missing, unexpected = model.load_state_dict(adapters, strict=False)
     assert not unexpected and all(".lora_" not in n for n in missing)
@@ -83,6 +83,22 @@ def test_the_merged_export_equals_peft_merge_and_unload(runs):
     tokens = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens).logits, _ours(runs)(tokens), rtol=0, atol=1e-5)
+
+
+def test_the_merged_export_of_an_fp8_base_computes_what_the_run_computed(runs):
+    """`--base-dtype fp8`: the merged weights are the base as the run held it (e4m3 at its rows' scales, decoded) plus
+    the adapters' product, so transformers' model of the merged export computes the run's logits."""
+    import transformers
+    fp8 = runs / "lora-fp8"
+    assert main(["train", *RUN, *LORA, "--base-dtype", "fp8", "--steps", "3", "--init-from", str(runs / "base"),
+                 "--out", str(fp8)]) == 0
+    assert main(["export", str(fp8), str(runs / "merged-fp8"), "--merge"]) == 0
+    ours = transformers.LlamaForCausalLM.from_pretrained(runs / "merged-fp8", attn_implementation="eager").eval()
+    tokens = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = _ours(runs, "lora-fp8", "fp8")(tokens)
+        torch.testing.assert_close(ours(tokens).logits, want, rtol=0, atol=1e-5)
+        assert (_ours(runs, "lora-fp8")(tokens) - want).abs().max() > 1e-4, "the fp8 base differs from the fp32 one"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -26,6 +26,11 @@ input columns (its rows laid out [out, in / 64, 33] and split on dim 1: whole bl
 64). The factors of the double quantization and the mean stay whole on every rank (one factor per 16384
 elements); each rank decodes its blocks with their own factors (`NF4.layout`), so its slice of the decoded weight
 is bit for bit the slice of one process's.
+
+An FP8 base (e4m3 bytes and one scale per output row, `paratrain.parallel.lora.encode_fp8`) is encoded whole too and
+split as the weight it encodes: its bytes along the weight's tp dim, its row scales with the rows (a column layer's)
+or whole (a row layer's, whose every rank holds every row); its decode is element by element, so each rank's slice
+is bit for bit the slice of one process's.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Axis
-from paratrain.parallel.lora import NF4_PARTS, LoRAComputation, LoRALinear
+from paratrain.parallel.lora import FP8_PARTS, NF4_PARTS, LoRAComputation, LoRALinear, stored
 from paratrain.parallel.rules import NF4_BLOCK_SIZE
 from paratrain.parallel.tensor.collectives import TensorParallelError
 from paratrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer
@@ -70,7 +75,8 @@ class _LoRAParallel(LoRAComputation):
     @classmethod
     def from_full(cls, linear: LoRALinear, comm: Comm, axis: Axis = Axis.TP, **options):
         """This rank's twin of `linear`: its slice of the base and of the split adapter, the other adapter whole."""
-        dtype = linear.nf4[1] if linear.nf4 is not None else linear.weight.dtype
+        held = linear.nf4 or linear.fp8
+        dtype = held[1] if held is not None else linear.weight.dtype
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, comm, axis,
                     device=linear.lora_A.weight.device, dtype=dtype, **options)
         layer.scaling, layer.lora_dropout = linear.scaling, linear.lora_dropout
@@ -82,6 +88,8 @@ class _LoRAParallel(LoRAComputation):
                     if adapter == layer.split_adapter else full)
         if linear.nf4 is not None:
             layer._hold_nf4(linear)
+        elif linear.fp8 is not None:
+            layer._hold_fp8(linear)
         layer._load_full(linear)
         return layer  # (its base frozen as the model's: `apply_tensor_parallel`)
 
@@ -99,6 +107,22 @@ class _LoRAParallel(LoRAComputation):
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         shape, dtype, block_size, scaler_block_size = linear.nf4[:4]
         self.nf4 = (self.local_shape(shape), dtype, block_size, scaler_block_size, self.nf4_layout(shape, block_size))
+
+    def _hold_fp8(self, linear: LoRALinear) -> None:
+        """The base as this rank's e4m3 bytes (split as the weight) and row scales (split with the rows, if they are),
+        in place of `weight`."""
+        del self.weight
+        dim = self.shard_dims.pop("weight")
+        self.shard_dims["weight_fp8"] = dim
+        if dim == 0:
+            self.shard_dims["weight_fp8_scale"] = 0
+        shape, dtype = linear.fp8[:2]
+        local = self.local_shape(shape)
+        codes = torch.empty(local, dtype=torch.uint8, device=linear.weight_fp8.device)
+        scale = torch.empty(local[0], 1, dtype=dtype, device=linear.weight_fp8.device)
+        for name, tensor in zip(FP8_PARTS, (codes, scale)):
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        self.fp8 = (local, dtype)
 
     @torch.no_grad()
     def _load_full(self, module: nn.Module) -> None:
@@ -126,8 +150,8 @@ class _LoRAParallel(LoRAComputation):
         return [*super().sequence_partial_params(), f"{whole}.weight"]
 
     def extra_repr(self) -> str:
-        base = "nf4" if self.nf4 is not None else str(self.weight.dtype).removeprefix("torch.")
-        return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}, base={base}"
+        rank = self.lora_A.out_features
+        return f"{super().extra_repr()}, rank={rank}, scaling={self.scaling:g}, base={stored(self)}"
 
 
 class LoRAColumnParallelLinear(_LoRAParallel, ColumnParallelLinear):
