@@ -143,17 +143,23 @@ def test_a_straggler_is_named_after_the_steps_in_a_row_and_a_noisy_rank_is_not()
     assert not any(noisy.observe(times)[0] for times in [[0.01, 0.05], [0.01, 0.01], [0.05, 0.01]] * 5)
 
 
-def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snapshot_when_it_finishes(tmp_path):
-    """One process, in this process: every step's snapshot is timed inside the step's checkpoint time (the stall
-    of the copy), and the finished run deletes the job's snapshot directory."""
+def _snapshotting_run(tmp_path: Path, steps: int) -> Config:
+    """One process of a one-layer model, a snapshot every step in tmp_path/memory, no disk checkpoint."""
     cfg = Config()
     cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 1, 32, 4, 2, 64
     cfg.data.seq_len = 32
-    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 4, 4, 4
+    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = steps, 4, 4
     cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 0, 1, 0
     cfg.checkpoint.every, cfg.checkpoint.snapshot_every = 0, 1
     cfg.checkpoint.snapshot_dir = str(tmp_path / "memory")
     cfg.run.out, cfg.run.progress = str(tmp_path / "run"), False
+    return cfg
+
+
+def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snapshot_when_it_finishes(tmp_path):
+    """One process, in this process: every step's snapshot is timed inside the step's checkpoint time (the stall
+    of the copy), and the finished run deletes the job's snapshot directory."""
+    cfg = _snapshotting_run(tmp_path, steps=4)
     train(cfg)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     # The launch's way to its first step, in the first record alone: each point after the one before it.
@@ -176,14 +182,7 @@ def test_a_launch_that_is_no_restart_continues_a_run_that_has_snapshots_but_no_c
     from paratrain.config import ConfigError
     from paratrain.run.rundir import claim_run_dir
 
-    cfg = Config()
-    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 1, 32, 4, 2, 64
-    cfg.data.seq_len = 32
-    cfg.train.steps, cfg.train.global_batch, cfg.train.micro_batch = 2, 4, 4
-    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.sample_tokens = 0, 1, 0
-    cfg.checkpoint.every, cfg.checkpoint.snapshot_every = 0, 1
-    cfg.checkpoint.snapshot_dir = str(tmp_path / "memory")
-    cfg.run.out, cfg.run.progress = str(tmp_path / "run"), False
+    cfg = _snapshotting_run(tmp_path, steps=2)
     train(cfg)
     out = tmp_path / "run"
     cfg = Config.from_dict(json.loads((out / "config.json").read_text()))  # the options as the run resolved them
