@@ -196,7 +196,7 @@ def test_bench_goodput_dry_run_splits_a_recovery_from_memory_into_its_phases(tmp
     """The goodput benchmark cut to one kill of the snapshots mode, 3 s into the run (past its first snapshots):
     the restart resumes from memory, a failure's phases add up to the time from the kill to the first step after
     it, and both files are written."""
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_goodput.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_goodput.py"
     result = subprocess.run([sys.executable, str(script), "--modes", "snapshots", "--budget", "200", "--fault-every",
                              "3", "--max-kills", "1", "--snapshot-every", "2", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
