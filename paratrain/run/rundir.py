@@ -86,18 +86,18 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
         raise ConfigError(f"--out {out} already holds a run; choose another --out, pass --overwrite, or "
                           f"--resume auto to continue it")
     if resume == "auto":
-        checkpoints = list_checkpoints(out / CHECKPOINT_DIR)
-        # With snapshots on, a launch that is no restart may still continue the run from the ranks' memory: a node
-        # that replaces a lost one starts its agent afresh (attempt 0) while the other nodes' agents restart, and
-        # the snapshot restore, agreed by every rank, decides what is continued.
-        if not checkpoints and not (cfg.checkpoint.snapshot_every and not (out / "final").is_dir()):
+        checkpoints, finished = list_checkpoints(out / CHECKPOINT_DIR), (out / "final").is_dir()
+        # With snapshots on, a launch that is no restart may still continue an unfinished run from the ranks' memory:
+        # a node that replaces a lost one starts its agent afresh (attempt 0) while the other nodes' agents restart,
+        # and the snapshot restore, agreed by every rank, decides what is continued.
+        if not checkpoints and (finished or not cfg.checkpoint.snapshot_every):
             raise ConfigError(f"--out {out} already holds a run and it has no checkpoint to resume; choose "
                               f"another --out or pass --overwrite")
         difference = config_difference(read_stored_config(out), cfg.to_dict())
         if difference:
             raise ConfigError(f"--out {out} holds another run ({difference}); choose another --out, pass "
                               f"--overwrite, or --resume <checkpoint> to start a new run from its weights")
-        newest = _finished_step(checkpoints, cfg.train.steps) if (out / "final").is_dir() else 0
+        newest = _finished_step(checkpoints, cfg.train.steps) if finished else 0
         if newest and not 0 < cfg.checkpoint.load_step < newest:
             # Checkpoints by default leave a finished run one: --resume auto would run no step of it (a 'nan' loss)
             raise ConfigError(f"--out {out} already holds a run, finished at step {newest} (its weights in "
