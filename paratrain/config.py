@@ -204,6 +204,9 @@ class RunSection:
                               "fresh one)")
     join_timeout_s: float = option(600.0, "seconds the launcher waits for every node to join the rendezvous",
                                    flag="--join-timeout")
+    node_timeout_s: int = option(15, "seconds without a heartbeat from a node's launcher after which the rendezvous "
+                                     "counts the node lost and goes on without it (a node started in its place "
+                                     "joins then); heartbeats every third of it", flag="--node-timeout")
     mem_budget: str = option("auto", "memory one process may use, which the planner's estimate for this layout "
                                      "must fit: 'auto' (CUDA: the device's memory less the CUDA context and NCCL's "
                                      "buffers, then its free memory once the process groups exist; CPU: this "
@@ -584,6 +587,9 @@ def _check_launch(cfg: Config) -> None:
     if r.rdzv_endpoint and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", r.rdzv_endpoint):
         raise ConfigError(f"--rdzv-endpoint {r.rdzv_endpoint!r} is not HOST:PORT")
     _check_timeout("--join-timeout", r.join_timeout_s)
+    if not 3 <= r.node_timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(f"--node-timeout must be whole seconds from 3 (a heartbeat a second) up to "
+                          f"{MAX_TIMEOUT_S:g}, got {r.node_timeout_s}")
 
 
 def layout_spec(cfg: Config, world_size: int, model_cfg=None) -> LayoutSpec:

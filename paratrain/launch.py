@@ -7,8 +7,10 @@ c10d rendezvous bound to the loopback interface. The c10d store is not
 authenticated: it must never listen on a public interface. With ``--nnodes M``
 each node's launcher meets the others at ``--rdzv-endpoint`` under
 ``--rdzv-id``; a rendezvous that does not fill within ``--join-timeout`` ends
-with one line. With ``--step-timeout``, the launcher runs the timer server
-that kills a worker which made no progress (`paratrain.run.watchdog`).
+with one line, and a node whose launcher sent no heartbeat for ``--node-timeout``
+seconds is dropped from it, so that one started in its place can join. With
+``--step-timeout``, the launcher runs the timer server that kills a worker which
+made no progress (`paratrain.run.watchdog`).
 """
 
 from __future__ import annotations
@@ -111,11 +113,12 @@ def _forked(entry, state: dict, *args):
 def launch_config(cfg: Config):
     """torch's elastic `LaunchConfig`: this node's processes, the rendezvous of the job's nodes, restarts."""
     r = cfg.run
-    return _node_config(r.nproc, r.max_restarts, r.nnodes, r.rdzv_id, r.rdzv_endpoint, r.join_timeout_s)
+    return _node_config(r.nproc, r.max_restarts, r.nnodes, r.rdzv_id, r.rdzv_endpoint, r.join_timeout_s,
+                        r.node_timeout_s)
 
 
 def _node_config(nproc: int, max_restarts: int, nnodes: int = 1, rdzv_id: str | None = None,
-                 endpoint: str | None = None, join_timeout_s: float = 60):
+                 endpoint: str | None = None, join_timeout_s: float = 60, node_timeout_s: int = 15):
     return elastic_launch_config(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -123,7 +126,7 @@ def _node_config(nproc: int, max_restarts: int, nnodes: int = 1, rdzv_id: str | 
         run_id=rdzv_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint or f"127.0.0.1:{free_port()}",
-        rdzv_configs={"join_timeout": join_timeout_s},
+        rdzv_configs={"join_timeout": join_timeout_s, **heartbeats(node_timeout_s)},
         max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="forkserver",  # workers forked from one process that imported torch (paratrain.forkserver)
@@ -131,6 +134,14 @@ def _node_config(nproc: int, max_restarts: int, nnodes: int = 1, rdzv_id: str | 
         local_addr="127.0.0.1" if nnodes == 1 else None,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,  # newer than torch 2.11, whose agent waits 30 s too
     )
+
+
+def heartbeats(node_timeout_s: int) -> dict[str, int]:
+    """The rendezvous' keep-alive settings for --node-timeout: a heartbeat every third of it (whole seconds, torch's
+    unit), and the node lost after three missed. A lost node stays a participant of the last round until then: the
+    other nodes' restarted agents and a node started in its place wait for it to expire before a new round forms."""
+    interval = max(1, node_timeout_s // 3)
+    return {"keep_alive_interval": interval, "keep_alive_max_attempt": max(1, round(node_timeout_s / interval))}
 
 
 def describe_rendezvous_failure(error: RendezvousError, launch, nnodes: int) -> str:

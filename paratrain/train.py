@@ -142,8 +142,8 @@ def loop(run: Run, launch: LaunchTimes | None = None) -> tuple[float, float, flo
             record = step_record(run, step, lr, outcome, time.perf_counter() - start, timer, last_save_s)
             record.update(straggler_record(run, step, outcome.verdict.per_rank["compute_s"]))
             record.update(source_record(run, position))
-            if launch is not None and step == run.resumed_step + 1:
-                record.update(launch.record())
+            if launch is not None and step == run.resumed_step + 1:  # and what the launch restored from
+                record.update(launch.record(), restored_from=run.checkpoints.restored)
             if trace:  # the last profiled step: where this rank's trace of the range is
                 record["profile_trace"] = trace[0]
             loss, first_loss = outcome.loss, outcome.loss if step == run.resumed_step + 1 else first_loss

@@ -116,6 +116,7 @@ class TrainingCheckpoints:
         ('data'), the learning-rate schedule from this step ('lr'), the step count and the schedule ('step').
         """
         self.resume_window = [time.time(), None]  # when the restore began and ended (`paratrain.metrics.LaunchTimes`)
+        self.restored = {"source": "none"}  # what it restored from (the first step's record carries it)
         c = self.cfg.checkpoint
         own = not c.load_step and (c.resume == "auto" or current_attempt() > 0)  # the run continues itself
         resumed = self._resume_from_memory() if self.peers is not None and own else None
@@ -151,6 +152,7 @@ class TrainingCheckpoints:
         shared, _ = self._load(reader, [], state_rank=0)
         step, tokens_seen = reader.step, int(shared["tokens_seen"])
         self.lr_start, self.resumed_lr = int(shared.get("lr_start", 0)), shared.get("lr")
+        self.restored = {"source": "snapshots", "step": step, "ranks": restored_ranks(plan["holders"])}
         if self.rank == 0:
             last = last_logged_step(self.out)
             truncate_metrics(self.out, step)
@@ -167,12 +169,14 @@ class TrainingCheckpoints:
         if "path" not in decision:
             if self.rank == 0:
                 truncate_metrics(self.out, 0)
+            self.restored = {"source": "none"}
             return 0, 0
         reader = self._open_agreed(decision["path"])
         stage = decision.get("reset", [])
         shared, restored = self._load(reader, stage, state_rank=self.rank)
         step, tokens_seen, self.lr_start = reader.step, int(shared["tokens_seen"]), int(shared.get("lr_start", 0))
         self.resumed_lr = None if {"lr", "step"} & set(stage) else shared.get("lr")  # a new schedule starts at 0
+        self.restored = {"source": "disk", "step": reader.step, "path": str(reader.path)}
         if "step" in stage:
             step, tokens_seen, self.lr_start = 0, 0, 0
         elif "lr" in stage:
@@ -396,6 +400,12 @@ _LAYOUT_DEFAULTS = {"cp": 1, "ep": 1}
 def with_layout_defaults(layout: dict) -> dict:
     """A saved layout record with the degrees older checkpoints did not record filled in (they had none of them)."""
     return {**_LAYOUT_DEFAULTS, **layout}
+
+
+def restored_ranks(holders: list) -> list[str]:
+    """Where each rank's snapshot came from, by `plan_restore`'s holders: 'own' (its own directory), 'copy' (the
+    copy a buddy held) or 'moved' (its own snapshot, held on another node: the ranks were renumbered)."""
+    return ["copy" if kind == "copy" else "own" if holder == r else "moved" for r, (holder, kind) in enumerate(holders)]
 
 
 def describe_sources(holders: list) -> str:

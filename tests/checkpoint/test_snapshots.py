@@ -9,11 +9,15 @@ step's loss as float.hex and the final weights with one uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -313,6 +317,76 @@ def test_a_node_replaced_with_its_memory_wiped_restores_from_the_buddys_copy_bit
     assert len(lines) == 1 and lines[0].startswith(
         f"paratrain: resumed from the snapshots in memory at step {step} (rank(s) 1 from the copy a buddy held"), lines
     assert_bit_equal(out, reference)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it (a node lost: nothing leaves the rendezvous gracefully)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [process.pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def test_a_node_lost_mid_run_is_replaced_by_a_fresh_launcher_while_the_other_restarts(reference, tmp_path):
+    """Two nodes of one rank, live: the second node's launcher and worker SIGKILLed while rank 1 hangs in step 7,
+    its memory wiped, a fresh launcher started in its place (its agent's attempt 0, a launch that is no restart)
+    while the first node's agent restarts its worker. They meet in a new rendezvous round once the lost node's
+    heartbeat expires (--node-timeout 3), rank 1 restores from the copy its buddy held, and the run ends bit-equal
+    to an uninterrupted one; its first record after the restore says where each rank's state came from."""
+    out, nodes = tmp_path / "run", [tmp_path / "node-a", tmp_path / "node-b"]
+    port = free_port()
+    command = [sys.executable, "-m", "paratrain", "train", *ARGS, "--out", str(out), "--snapshot-every", "1",
+               "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "replaced",
+               "--node-timeout", "3", "--max-restarts", "1"]
+
+    def start(node: int, fault: str = "") -> subprocess.Popen:
+        return subprocess.Popen([*command, "--snapshot-dir", str(nodes[node])], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=environment(fault))
+
+    first = start(0)
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while not _listening(port):  # node 0's launcher hosts the rendezvous store: the lost node must not be its host
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.1)
+    second = start(1, fault="hang@rank1:step7")  # started second: the higher node rank, rank 1
+    replacement = None
+    try:
+        while not (out / "metrics.jsonl").exists() or not any(r["step"] == 6 for r in read_metrics(out / "metrics.jsonl")):
+            assert first.poll() is None and second.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert (job_dir(nodes[1]) / entry_name(OWN, 1)).is_dir()
+        _kill_tree(second)
+        shutil.rmtree(nodes[1])
+        nodes[1].mkdir()
+        replacement = start(1)
+        results = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in (first, replacement)]
+    finally:
+        for process in (first, second, replacement):
+            if process is not None and process.poll() is None:
+                _kill_tree(process)
+    assert first.returncode == 0 and replacement.returncode == 0, [stderr for _, stderr in results]
+    lines = [line for stdout, _ in results for line in stdout.splitlines() if line.startswith("paratrain: resumed")]
+    assert len(lines) == 1 and "(rank(s) 1 from the copy a buddy held, the others from their own; no disk read)" \
+        in lines[0], lines
+    step = int(lines[0].split(" at step ")[1].split()[0])
+    restored = [(r["step"], r["restored_from"]) for r in read_metrics(out / "metrics.jsonl") if "restored_from" in r]
+    assert restored == [(1, {"source": "none"}), (step + 1, {"source": "snapshots", "step": step,
+                                                             "ranks": ["own", "copy"]})], restored
+    assert_bit_equal(out, reference)
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
 
 
 def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference, tmp_path):

@@ -56,6 +56,32 @@ def test_paratrain_train_nproc_2_builds_its_launch_config_on_a_torch_without_shu
     assert isinstance(config, older) and config.nproc_per_node == 2 and config.start_method == "forkserver"
 
 
+@pytest.mark.parametrize("node_timeout, interval", [(15, 5), (3, 1), (10, 3)])
+def test_node_timeout_is_torchs_rendezvous_heartbeat_expiry(node_timeout, interval):
+    """--node-timeout reaches torch's c10d rendezvous as the keep-alive it reads: a heartbeat every third of it
+    (whole seconds), a node expired after about --node-timeout without one (15 s: torch's own default)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    import paratrain.launch as launch
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["train", "--model", "tiny", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400",
+         "--rdzv-id", "job", "--node-timeout", str(node_timeout)]))
+    config = launch.launch_config(cfg)
+    params = RendezvousParameters(backend="c10d", endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                  min_nodes=2, max_nodes=2, **config.rdzv_configs)
+    store = dist.HashStore()
+    settings = create_handler(store, C10dRendezvousBackend(store, "job"), params)._settings
+    assert settings.keep_alive_interval == datetime.timedelta(seconds=interval)
+    expiry = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+    assert abs(expiry - node_timeout) <= interval / 2
+
+
 def test_the_launch_config_keeps_newer_fields_where_torch_has_them_and_refuses_unknown_ones():
     from torch.distributed.launcher.api import LaunchConfig
 

@@ -97,6 +97,7 @@ def paratrain(*argv, timeout=120):
     (["--straggler-threshold", "0"], "--straggler-threshold must be a positive fraction of the median (0.2: 20%)"),
     (["--rdzv-endpoint", "somewhere"], "--rdzv-endpoint 'somewhere' is not HOST:PORT"),
     (["--join-timeout", "0"], "--join-timeout must be positive seconds"),
+    (["--node-timeout", "2"], "--node-timeout must be whole seconds from 3 (a heartbeat a second)"),
     (["--vocab-size", "100"], "the tokenizer has 259 tokens but model 'tiny' only 100"),
     (["--data", ":0.5"], "(a mixture is WEIGHT:SOURCE for every source"),
     # The batch left to its defaults is resolved again for another dp: the nearest layout is offered, not a batch
