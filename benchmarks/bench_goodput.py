@@ -1,21 +1,29 @@
-"""Goodput under failures: a run killed every T seconds, restarted from disk checkpoints alone or from snapshots.
+"""Goodput under failures: a run hit by a fault every T seconds, restarted from disk checkpoints alone or from snapshots.
 
-    python benchmarks/bench_goodput.py                                  # 10 minutes per mode, a kill every 60 s
+    python benchmarks/bench_goodput.py                                  # 10 minutes per mode and fault
     python benchmarks/bench_goodput.py --budget 180 --fault-every 40    # shorter
-    python benchmarks/bench_goodput.py --modes snapshots --lock /tmp/x  # one mode, holding a lock while it runs
+    python benchmarks/bench_goodput.py --faults node --lock /tmp/x      # the node fault, holding a lock per mode
 
-Each mode runs `paratrain train --nproc 2 --max-restarts N` (one node of two CPU ranks) on a corpus tokenized
-once (`paratrain prepare`) for a fixed wall-clock budget; every --fault-every seconds this script kills rank 1's
-process with SIGKILL, from outside, and the launcher restarts the job, which resumes as it would after a real
-failure. Modes: "disk" (checkpoints at --disk-every, the trainer's default interval unless given) and "snapshots"
-(the same, plus --snapshot-every K, in /dev/shm: memory). --lock holds a file's lock during each mode (a machine
-shared with other measurements: one mode at a time).
+Each mode runs `paratrain train --max-restarts N` on a corpus tokenized once (`paratrain prepare`) for a fixed
+wall-clock budget, under each fault (--faults), every --fault-every seconds, injected from outside:
+- rank: one node of two CPU ranks (`--nproc 2`); rank 1's process killed with SIGKILL, and the launcher restarts
+  the job, which resumes as it would after a real failure;
+- node: two nodes of two CPU ranks on this machine (two launchers, `--nnodes 2 --nproc 2`, meeting at a c10d
+  rendezvous on the loopback whose store node 0's launcher hosts; each node its own --snapshot-dir, its memory,
+  and the buddy of each rank the same local rank on the other node); the second node lost: its launcher and every
+  process under it SIGKILLed, its --snapshot-dir wiped, and a fresh launcher started in its place (a replaced
+  node: its agent's attempt 0), while the first node's launcher restarts its workers. They meet once the lost
+  node's heartbeat has expired (--node-timeout 3), and the replaced node's ranks restore from their buddies' copies.
+Modes: "disk" (checkpoints at --disk-every, the trainer's default interval unless given) and "snapshots" (the same,
+plus --snapshot-every K, in /dev/shm: memory). --lock holds a file's lock during each mode (a machine shared with
+other measurements: one mode at a time).
 
-Measured, per mode: goodput = the steps that survive in metrics.jsonl (each step once, the last attempt's) times
-the failure-free wall time per step (the first mode's pace before its first kill: a step's share of the loop's
-own work included, and no snapshot's cost) over the wall time; the steps lost per failure (the last step recorded
-before the kill minus the step the restart resumed from); the time from each kill to the first step after it,
-and where it goes: the old workers' exit, the launcher's restart, the new workers' imports, their rendezvous,
+Measured, per mode and fault: goodput = the steps that survive in metrics.jsonl (each step once, the last
+attempt's) times the failure-free wall time per step (the first mode's pace under the same fault before its first
+kill: a step's share of the loop's own work included, and no snapshot's cost) over the wall time; the steps lost
+per failure (the last step recorded before the kill minus the step the restart resumed from); where each rank
+restored from (the restarted job's first record: `restored_from`); the time from each kill to the first step after
+it, and where it goes: the old workers' exit, the launcher's restart, the new workers' imports, their rendezvous,
 the run's build, the restore and the first step (the restarted job's first record carries the times of these
 points: `launch_times`). The first kill comes --fault-every seconds after the first step, each next one
 --fault-every seconds after the run recovered.
@@ -29,7 +37,9 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +50,7 @@ from pathlib import Path
 from common import doc_parser, fmt_load, machine, write_results
 
 TINY = ["--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "128",
-        "--seq-len", "64", "--global-batch", "8", "--micro-batch", "4", "--sample-tokens", "0",
+        "--seq-len", "64", "--global-batch", "8", "--sample-tokens", "0",
         "--eval-every", "0", "--no-progress"]
 
 
@@ -141,10 +151,36 @@ def breakdown(kill: float, gone: float, times: dict) -> dict[str, float]:
     return {name: points[i + 1] - points[i] for i, (name, _) in enumerate(PHASES)}
 
 
-def command(name: str, extra: list[str], workdir: Path, memory: Path) -> list[str]:
-    return [sys.executable, "-m", "paratrain", "train", *TINY, "--data", str(workdir / "data"), "--steps", "1000000",
-            "--nproc", "2", "--max-restarts", "1000", "--out", str(workdir / name), "--snapshot-dir",
-            str(memory / name), *extra]
+def commands(run: str, extra: list[str], workdir: Path, memory: Path, nodes: int) -> list[list[str]]:
+    """Each node's launcher of one run, `nodes` of 2 ranks: one, or several meeting at a rendezvous on the loopback
+    (the job's id `run`), each with its own --snapshot-dir (that node's memory, `node_memory`). The global batch
+    of 8 sequences is the same on any number of nodes (a micro-batch of 4 // nodes per rank)."""
+    common = [sys.executable, "-m", "paratrain", "train", *TINY, "--data", str(workdir / "data"), "--steps", "1000000",
+              "--micro-batch", str(4 // nodes), "--nproc", "2", "--max-restarts", "1000", "--out", str(workdir / run), *extra]
+    if nodes == 1:
+        return [[*common, "--snapshot-dir", str(node_memory(memory, run, 0))]]
+    with socket.socket() as s:  # a free port for the rendezvous; node 0's launcher hosts its store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [[*common, "--nnodes", str(nodes), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run,
+             "--node-timeout", "3", "--snapshot-dir", str(node_memory(memory, run, node))] for node in range(nodes)]
+
+
+def node_memory(memory: Path, run: str, node: int) -> Path:
+    return memory / run / f"node{node}"
+
+
+def endpoint_of(command: list[str]) -> tuple[str, int] | None:
+    if "--rdzv-endpoint" not in command:
+        return None
+    host, port = command[command.index("--rdzv-endpoint") + 1].rsplit(":", 1)
+    return host, int(port)
+
+
+def listening(address: tuple[str, int]) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(address, timeout=1):
+        return True
+    return False
 
 
 class Job:
@@ -154,6 +190,15 @@ class Job:
         self.commands, self.logs, self.processes = commands, logs, [None] * len(commands)
         for node in range(len(commands)):
             self.start(node)
+            endpoint = endpoint_of(commands[node])
+            # Node 0's launcher binds the rendezvous store before another starts: the store lives with node 0 (the
+            # node a node fault never kills), not with whichever launcher came first.
+            deadline = time.monotonic() + 120
+            while endpoint and node == 0 and not listening(endpoint) and time.monotonic() < deadline:
+                if self.processes[0].poll() is not None:
+                    said = logs[0].read_text().strip().splitlines()[-1:] if logs[0].exists() else []
+                    raise SystemExit(f"node 0's launcher exited ({self.processes[0].returncode}): {' '.join(said)}")
+                time.sleep(0.1)
 
     def start(self, node: int) -> None:
         with open(self.logs[node], "a") as log:
@@ -191,7 +236,7 @@ class Job:
             self.kill_tree(node)
 
 
-def inject(job: Job) -> list[int] | None:
+def kill_rank(job: Job, memory: Path) -> list[int] | None:
     """SIGKILL rank 1's training process; return the training processes the failure ends (each to wait for), or
     None when no rank 1 runs yet."""
     victim = worker_of_rank(job.processes[0].pid, 1)
@@ -202,11 +247,34 @@ def inject(job: Job) -> list[int] | None:
     return ended
 
 
-def run_mode(name: str, extra: list[str], args, workdir: Path, memory: Path) -> dict:
-    commands = [command(name, extra, workdir, memory)]
+def kill_node(job: Job, memory: Path) -> list[int] | None:
+    """The last node lost: its launcher and every process under it SIGKILLed, its memory (--snapshot-dir) wiped,
+    and a fresh launcher started in its place (a replaced node: its agent's attempt 0) while the other nodes'
+    launchers restart their workers. Returns the training processes the failure ends, or None when the node runs
+    none yet."""
+    node = len(job.processes) - 1
+    if not workers(job.processes[node].pid):
+        return None
+    ended = job.workers()
+    job.kill_tree(node)
+    shutil.rmtree(memory)
+    memory.mkdir()
+    job.start(node)
+    return ended
+
+
+FAULTS = {"rank": kill_rank, "node": kill_node}
+NODES = {"rank": 1, "node": 2}  # the nodes of 2 ranks each fault's run has
+
+
+def run_mode(name: str, fault: str, extra: list[str], args, workdir: Path, memory: Path) -> dict:
+    run = f"{name}-{fault}"
+    launchers = commands(run, extra, workdir, memory, NODES[fault])
+    for node in range(len(launchers)):
+        node_memory(memory, run, node).mkdir(parents=True)
     load_start, start = os.getloadavg(), time.monotonic()
-    job = Job(commands, [workdir / f"{name}-node{n}.log" for n in range(len(commands))])
-    tail = MetricsTail(workdir / name / "metrics.jsonl")
+    job = Job(launchers, [workdir / f"{run}-node{n}.log" for n in range(len(launchers))])
+    tail = MetricsTail(workdir / run / "metrics.jsonl")
     failures, next_kill, kill = [], math.inf, None  # the first fault comes --fault-every after the first step
     clean = None  # (seconds, steps) from the first step recorded to the first kill: the failure-free pace
     first_seen = None
@@ -224,11 +292,12 @@ def run_mode(name: str, extra: list[str], args, workdir: Path, memory: Path) -> 
                                                                             first["launch_times"]))
                     kill["lost"] = kill["reached"] - kill["resumed"]
                     kill["recovery_s"] = first["launch_times"]["first_step"] - kill["at"]
+                    kill["restored"] = first.get("restored_from")
                     failures.append(kill)
                     kill, next_kill = None, now + args.fault_every
             elif now >= next_kill and records:  # the job is stepping
                 at, sizes = time.time(), job.log_sizes()
-                ended = inject(job)
+                ended = FAULTS[fault](job, node_memory(memory, run, len(launchers) - 1))
                 if ended is None:
                     continue
                 if clean is None and first_seen is not None:
@@ -248,7 +317,7 @@ def run_mode(name: str, extra: list[str], args, workdir: Path, memory: Path) -> 
     kept = tail.poll()
     if clean is None and first_seen is not None:  # no kill: the whole run
         clean = (wall - (first_seen[0] - start), tail.last_step - first_seen[1])
-    return {"mode": name, "commands": [" ".join(c[1:]) for c in commands], "wall_s": wall,
+    return {"mode": name, "fault": fault, "commands": [" ".join(c[1:]) for c in launchers], "wall_s": wall,
             "steps_kept": len(kept), "step_time_s": sum(r["step_time_s"] for r in kept),
             "clean_s_per_step": clean[0] / clean[1] if clean and clean[1] else None,
             "kills": len(failures) + (kill is not None), "failures": failures,
@@ -285,12 +354,18 @@ def main() -> None:
     p.add_argument("--max-kills", type=int, default=0,
                    help="end a mode once this many kills have been recovered from (0: run out the budget)")
     p.add_argument("--modes", default="disk,snapshots", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--faults", default="rank,node",
+                   help="comma-separated, of rank (rank 1's process killed, one node of 2 ranks) and node (the "
+                        "second of 2 nodes of 2 ranks killed, launcher and workers, its memory wiped and a fresh "
+                        "launcher started in its place); each mode runs under each fault")
     p.add_argument("--lock", default="", help="a file whose exclusive lock (flock) each mode holds while it runs")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory of the results")
     args = p.parse_args()
-    modes = args.modes.split(",")
+    modes, faults = args.modes.split(","), args.faults.split(",")
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes {args.modes}: expected a comma-separated list of {', '.join(MODES)}")
+    if not faults or set(faults) - set(FAULTS):
+        p.error(f"--faults {args.faults}: expected a comma-separated list of {', '.join(FAULTS)}")
     now = datetime.datetime.now(datetime.timezone.utc)
     rows = []
     # The node's memory, as the trainer's default --snapshot-dir is: a tmpfs where there is one.
@@ -300,58 +375,79 @@ def main() -> None:
         # Tokenized once, as a production run's corpus is (`paratrain prepare`): a launch maps it, not re-reads text.
         subprocess.run([sys.executable, "-m", "paratrain", "prepare", "--out", str(Path(tmp) / "data")], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for name in modes:
-            with holding(args.lock):
-                rows.append(run_mode(name, MODES[name](args), args, Path(tmp), Path(memory)))
+        for fault in faults:
+            for name in modes:
+                with holding(args.lock):
+                    rows.append(run_mode(name, fault, MODES[name](args), args, Path(tmp), Path(memory)))
     text = report(rows, args, now)
     print(text)
     write_results(args.out, "goodput", now, text, {"rows": rows, "machine": machine(), "args": vars(args)})
 
 
+FAULT_TEXT = {"rank": "one node of 2 CPU ranks, rank 1's process killed with SIGKILL",
+              "node": "two nodes of 2 CPU ranks (two launchers meeting at a rendezvous on the loopback, each its own "
+                      "--snapshot-dir), the second node killed (its launcher and every process under it, SIGKILL), "
+                      "its --snapshot-dir wiped and a fresh launcher started in its place"}
+
+
+def restored_text(failure: dict) -> str:
+    """Where a restart's ranks restored from, by its first record's `restored_from`."""
+    restored = failure.get("restored") or {}
+    if restored.get("source") != "snapshots":
+        return restored.get("source", "?")
+    ranks = restored["ranks"]
+    kinds = {kind: [r for r, k in enumerate(ranks) if k == kind] for kind in dict.fromkeys(ranks)}
+    return "memory: " + ", ".join(f"{kind} {','.join(map(str, rs))}" for kind, rs in kinds.items())
+
+
 def report(rows: list[dict], args, now: datetime.datetime) -> str:
-    """The results in markdown: goodput per mode, the lost steps, where a failure's time goes."""
+    """The results in markdown: goodput per mode and fault, the lost steps, where a failure's time goes."""
     m = machine()
-    # The failure-free pace: the wall time per step of the first mode (disk: no snapshot) before its first kill.
-    pace = rows[0]["clean_s_per_step"] or float("nan")
     lines = [f"# Goodput under failures ({now:%Y-%m-%d %H:%M} UTC)", "",
              f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; load average "
-             + "; ".join(f"{r['mode']} {fmt_load(r['load_start'])} at the start, {fmt_load(r['load_end'])} at the end"
-                         for r in rows)
-             + f". One node of 2 CPU ranks, rank 1's process killed with SIGKILL every {args.fault_every:g} s (after "
-             f"the previous recovery) for "
-             f"{args.budget:g} s per mode, disk checkpoints every {args.disk_every}, snapshots "
-             f"every {args.snapshot_every} step(s).", "",
-             f"Goodput: the steps kept (each once) times the failure-free wall time per step ({pace * 1e3:.1f} ms: "
-             f"the {rows[0]['mode']} mode's pace before its first kill), over the wall time (the first start "
-             f"included); beside it the steps' own step_time_s summed over the wall time.", "",
-             "| mode | goodput | by own step times | steps kept | kills | steps lost per failure | kill to next step (s) |",
-             "|---|---|---|---|---|---|---|"]
+             + "; ".join(f"{r['mode']}/{r['fault']} {fmt_load(r['load_start'])} at the start, "
+                         f"{fmt_load(r['load_end'])} at the end" for r in rows)
+             + f". A fault every {args.fault_every:g} s (after the previous recovery) for {args.budget:g} s per mode "
+             f"and fault, disk checkpoints every {args.disk_every}, snapshots every {args.snapshot_every} step(s). "
+             + " ".join(f"Fault {f}: {FAULT_TEXT[f]}." for f in dict.fromkeys(r["fault"] for r in rows)), "",
+             "Goodput: the steps kept (each once) times the failure-free wall time per step (the first mode's pace "
+             "under the same fault before its first kill), over the wall time (the first start included); beside "
+             "it the steps' own step_time_s summed over the wall time.", "",
+             "| fault | mode | pace (ms/step) | goodput | by own step times | steps kept | kills | steps lost per failure "
+             "| kill to next step (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    paces = {}
     for r in rows:
+        paces.setdefault(r["fault"], r["clean_s_per_step"] or float("nan"))
+        pace = r["pace_s"] = paces[r["fault"]]
         r["goodput"] = r["steps_kept"] * pace / r["wall_s"]
         r["goodput_own_step_time"] = r["step_time_s"] / r["wall_s"]
         lost = [f["lost"] for f in r["failures"]]
         recovery = [f["recovery_s"] for f in r["failures"]]
-        lines.append(f"| {r['mode']} | {r['goodput']:.3f} | {r['goodput_own_step_time']:.3f} | {r['steps_kept']} | "
-                     f"{r['kills']} | {', '.join(map(str, lost)) or '—'} | "
+        lines.append(f"| {r['fault']} | {r['mode']} | {pace * 1e3:.1f} | {r['goodput']:.3f} | "
+                     f"{r['goodput_own_step_time']:.3f} | {r['steps_kept']} | {r['kills']} | "
+                     f"{', '.join(map(str, lost)) or '—'} | "
                      + (f"{statistics.median(recovery):.2f} median, {min(recovery):.2f}–{max(recovery):.2f}"
                         if recovery else "—") + " |")
+    lines.append("")
     for r in rows:
         if r["mode"] == "snapshots" and r["failures"]:
             most = max(f["lost"] for f in r["failures"])
-            lines += ["", f"snapshots: at most {most} step(s) lost per failure, K = {args.snapshot_every} "
-                          f"({'within' if most <= args.snapshot_every else 'beyond'} K); restored from memory "
-                          f"{sum('snapshots in memory' in f['resumed_from'] for f in r['failures'])} of "
-                          f"{len(r['failures'])} times"]
-    if len(rows) > 1 and rows[0]["goodput"]:
-        lines += ["", f"{rows[1]['mode']} / {rows[0]['mode']} goodput: {rows[1]['goodput'] / rows[0]['goodput']:.2f}x"]
+            lines.append(f"- {r['fault']}, snapshots: at most {most} step(s) lost per failure, K = {args.snapshot_every} "
+                         f"({'within' if most <= args.snapshot_every else 'beyond'} K); restored per failure (rank "
+                         f"by rank: own = its node's memory, copy = the buddy's copy): "
+                         + "; ".join(restored_text(f) for f in r["failures"]))
+        base = next(b for b in rows if b["fault"] == r["fault"])
+        if base is not r and base["goodput"]:
+            lines.append(f"- {r['fault']}: {r['mode']} / {base['mode']} goodput {r['goodput'] / base['goodput']:.2f}x")
     lines += ["", "Where a failure's time goes, from the kill to the first step after it (median seconds per failure):",
-              "", "| phase | what | " + " | ".join(r["mode"] for r in rows) + " |",
+              "", "| phase | what | " + " | ".join(f"{r['mode']}/{r['fault']}" for r in rows) + " |",
               "|---|---|" + "---|" * len(rows)]
     for name, what in PHASES:
         cells = [f"{statistics.median(f['phases'][name] for f in r['failures']):.3f}" if r["failures"] else "—"
                  for r in rows]
         lines.append(f"| {name} | {what} | " + " | ".join(cells) + " |")
-    cells = [f"{statistics.median(f['lost'] for f in r['failures']) * pace:.3f}" if r["failures"] else "—" for r in rows]
+    cells = [f"{statistics.median(f['lost'] for f in r['failures']) * r['pace_s']:.3f}" if r["failures"] else "—"
+             for r in rows]
     lines += [f"| steps redone | the lost steps at the failure-free pace | " + " | ".join(cells) + " |", ""]
     return "\n".join(lines)
 

@@ -193,19 +193,41 @@ def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_p
 
 
 def test_bench_goodput_dry_run_splits_a_recovery_from_memory_into_its_phases(tmp_path):
-    """The goodput benchmark cut to one kill of the snapshots mode, 3 s into the run (past its first snapshots):
-    the restart resumes from memory, a failure's phases add up to the time from the kill to the first step after
-    it, and both files are written."""
+    """The goodput benchmark cut to one kill of rank 1 in the snapshots mode: the restart resumes from memory, every
+    rank from its own, a failure's phases add up to the time from the kill to the first step after it, and both
+    files are written."""
+    failure, _ = _goodput_dry_run(tmp_path, "rank")
+    assert failure["resumed_from"].startswith("paratrain: resumed from the snapshots in memory at step "), failure
+    assert failure["restored"]["ranks"] == ["own", "own"]
+
+
+def _goodput_dry_run(tmp_path, fault: str) -> tuple[dict, str]:
+    """bench_goodput.py cut to one fault of the snapshots mode, 3 s into the run (past its first snapshots), K = 2:
+    the failure's record (its phases checked) and the report."""
     script = Path(__file__).parents[2] / "benchmarks" / "bench_goodput.py"
-    result = subprocess.run([sys.executable, str(script), "--modes", "snapshots", "--budget", "200", "--fault-every",
-                             "3", "--max-kills", "1", "--snapshot-every", "2", "--out", str(tmp_path)],
+    result = subprocess.run([sys.executable, str(script), "--modes", "snapshots", "--faults", fault, "--budget", "200",
+                             "--fault-every", "3", "--max-kills", "1", "--snapshot-every", "2", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     (path,) = tmp_path.glob("goodput-*.json")
     (row,) = json.loads(path.read_text())["rows"]
     (failure,) = row["failures"]
-    assert row["kills"] == 1 and row["steps_kept"] > failure["resumed"] and 0 <= failure["lost"] <= 3
-    assert failure["resumed_from"].startswith("paratrain: resumed from the snapshots in memory at step "), failure
+    assert row["fault"] == fault and row["kills"] == 1 and row["steps_kept"] > failure["resumed"]
+    assert 0 <= failure["lost"] <= 3  # at most 2K - 1 finished steps redone
+    assert failure["restored"]["source"] == "snapshots" and failure["restored"]["step"] == failure["resumed"]
     assert sum(failure["phases"].values()) == pytest.approx(failure["recovery_s"])
     assert failure["phases"]["detect and stop"] > 0 and failure["phases"]["first step"] > 0
-    assert "| detect and stop |" in path.with_suffix(".md").read_text()
+    text = path.with_suffix(".md").read_text()
+    assert "| detect and stop |" in text
+    return failure, text
+
+
+def test_bench_goodput_dry_run_replaces_a_lost_node_whose_ranks_restore_from_their_buddys_copy(tmp_path):
+    """The node fault cut to one kill: two nodes of 2 ranks, the second's launcher and workers SIGKILLed, its
+    memory wiped and a fresh launcher started in its place; the job goes on from memory, the replaced node's ranks
+    (2 and 3) from the copies their buddies on the first node held."""
+    failure, text = _goodput_dry_run(tmp_path, "node")
+    assert failure["restored"]["ranks"] == ["own", "own", "copy", "copy"], failure
+    assert "(rank(s) 2, 3 from the copy a buddy held, the others from their own; no disk read)" in \
+        failure["resumed_from"], failure
+    assert "memory: own 0,1, copy 2,3" in text
