@@ -87,10 +87,11 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
                           f"--resume auto to continue it")
     if resume == "auto":
         checkpoints, finished = list_checkpoints(out / CHECKPOINT_DIR), (out / "final").is_dir()
-        # With snapshots on, a launch that is no restart may still continue an unfinished run from the ranks' memory:
-        # a node that replaces a lost one starts its agent afresh (attempt 0) while the other nodes' agents restart,
-        # and the snapshot restore, agreed by every rank, decides what is continued.
-        if not checkpoints and (finished or not cfg.checkpoint.snapshot_every):
+        # A launch that is no restart may still continue an unfinished run without a checkpoint when a node that
+        # replaces a lost one can be it: one of several nodes starts its agent afresh (attempt 0) while the other
+        # nodes' agents restart, and the restore every rank agrees on (the snapshots in memory, else the start)
+        # decides what is continued; on one node, with snapshots on, their restore does.
+        if not checkpoints and (finished or not (cfg.checkpoint.snapshot_every or several_nodes(cfg))):
             raise ConfigError(f"--out {out} already holds a run and it has no checkpoint to resume; choose "
                               f"another --out or pass --overwrite")
         difference = config_difference(read_stored_config(out), cfg.to_dict())
@@ -110,6 +111,12 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
                           f"continue the run in {out} with --resume auto, resume into another --out, or pass "
                           f"--overwrite to replace it")
     return RunClaim(out, fresh=False, wipe=(DIAGNOSTICS_DIR,))
+
+
+def several_nodes(cfg: Config, environ=os.environ) -> bool:
+    """Whether the job spans several nodes: `paratrain train --nnodes`, or a launcher's ranks beyond one node's."""
+    world, local = environ.get("WORLD_SIZE"), environ.get("LOCAL_WORLD_SIZE")
+    return cfg.run.nnodes > 1 or bool(world and local and int(world) > int(local))
 
 
 def _finished_step(checkpoints: list[Path], steps: int) -> int:

@@ -178,11 +178,11 @@ def test_a_run_snapshots_each_step_within_its_checkpoint_time_and_leaves_no_snap
     assert list((tmp_path / "memory").iterdir()) == []
 
 
-def test_a_launch_that_is_no_restart_continues_a_run_that_has_snapshots_but_no_checkpoint(tmp_path):
+def test_a_launch_that_is_no_restart_continues_a_run_that_has_snapshots_but_no_checkpoint(tmp_path, monkeypatch):
     """A node replacing a lost one starts its agent afresh (attempt 0) while the other nodes' agents restart: with
-    snapshots on, its ranks continue the run in --out (the snapshot restore decides from where) rather than refuse it
-    for lacking a disk checkpoint; without snapshots, another run's --out, or a finished run, are refused as
-    before."""
+    snapshots on, or on several nodes (--nnodes, or a launcher's world beyond its node's ranks), its ranks continue
+    the run in --out (the restore decides from where) rather than refuse it for lacking a disk checkpoint; one node
+    without snapshots, another run's --out, or a finished run, are refused as before."""
     from paratrain.config import ConfigError
     from paratrain.run.rundir import claim_run_dir
 
@@ -195,6 +195,15 @@ def test_a_launch_that_is_no_restart_continues_a_run_that_has_snapshots_but_no_c
     assert claim_run_dir(cfg, restarted=False).fresh is False
     without = Config.from_dict(cfg.to_dict())
     without.checkpoint.snapshot_every = 0
+    with pytest.raises(ConfigError, match="has no checkpoint to resume"):
+        claim_run_dir(without, restarted=False)
+    nodes = Config.from_dict(without.to_dict())
+    nodes.run.nnodes, nodes.run.rdzv_endpoint, nodes.run.rdzv_id = 2, "127.0.0.1:29400", "job"
+    assert claim_run_dir(nodes, restarted=False).fresh is False
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # under torchrun: 2 of the job's 4 ranks on this node
+    assert claim_run_dir(without, restarted=False).fresh is False
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="has no checkpoint to resume"):
         claim_run_dir(without, restarted=False)
     other = Config.from_dict(cfg.to_dict())
