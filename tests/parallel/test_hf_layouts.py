@@ -22,10 +22,12 @@ from paratrain.interop.hf_weights import weight_initializer
 from paratrain.models.hf import read_model_dir
 from paratrain.run.hf_backend import meta_model
 from paratrain.train import train_step
-from paratrain.error_model import FP32_ADAMW_MODEL
+from paratrain.error_model import FP32_ADAMW_MODEL_STRAY, FP64_PARITY
+from paratrain.precision import Precision
 from parallel_cases import adamw, assert_matches_reference, batches, launch_once
 
 SEQ, BATCH, STEPS, LR = 16, 4, 2, 1e-2
+FP64 = Precision("fp64", torch.float64, torch.float64, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +40,14 @@ class Case:
     ep: int = 1
     zero: int = 0
     sp: bool = False
+    fp64: bool = False  # model, optimizer and loss in fp64: the exact proof of a layout (`FP64_PARITY`)
 
 
 CASES = {
     "qwen2_dp2": Case("qwen2", dp=2),
     **{f"{f}_dp2_zero3": Case(f, dp=2, zero=3) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
-    **{f"{f}_tp2_sp": Case(f, tp=2, sp=True) for f in ("qwen2", "qwen3", "mistral", "gemma2", "qwen3_moe")},
+    **{f"{f}_tp2_sp": Case(f, tp=2, sp=True) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
+    "phi3_tp2_sp_fp64": Case("phi3", tp=2, sp=True, fp64=True),  # the fused qkv_proj and gate_up_proj split exactly
     **{f"{f}_cp2": Case(f, cp=2) for f in ("qwen2", "qwen3", "mistral", "mistral_window", "phi3", "qwen3_moe")},
     **{f"{f}_pp2": Case(f, pp=2) for f in ("qwen2", "qwen3", "mistral", "gemma2_untied", "phi3", "qwen3_moe")},
     "qwen3_moe_dp2_ep2": Case("qwen3_moe", dp=2, ep=2),
@@ -64,11 +68,14 @@ def _directories() -> dict[str, Path]:
 
 def _run(case: Case, mesh, directory: Path):
     model = meta_model(read_model_dir(directory), case)  # as the trainer builds it for the layout
+    if case.fp64:
+        model = model.to(torch.float64)
     pmodel, optimizer = parallelize(
         model, mesh, optimizer=functools.partial(adamw, lr=LR), data=DataParallel(zero=case.zero, grad_reduction="sum"),
         tensor=TensorParallel(sequence_parallel=case.sp), context=ContextParallel() if case.cp > 1 else None,
         pipeline=PipelineParallel() if case.pp > 1 else None, init=weight_initializer(model, str(directory), seed=0),
-        loss_chunk=0)  # the layout against one process on the same loss (the fused loss has its own equality tests)
+        loss_chunk=0,  # the layout against one process on the same loss (the fused loss has its own equality tests)
+        precision=FP64 if case.fp64 else "fp32")
     dp, rank = mesh.size("dp"), mesh.coord("dp")
     rows = BATCH // dp
     micro = 1 if case.pp > 1 else rows  # a pipeline runs its rows as micro-batches, at least one per stage
@@ -93,16 +100,17 @@ def _all_cases(rank, world, directories):
     return out
 
 
-def _reference(family: str) -> dict:
-    """One process, plain PyTorch on transformers' model loaded from the same directory."""
+def _reference(family: str, dtype: torch.dtype = torch.float32) -> dict:
+    """One process, plain PyTorch on transformers' model loaded from the same directory, in `dtype`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(_directories()[family], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(_directories()[family], dtype=dtype)
     optimizer = adamw(list(model.parameters()), lr=LR)
     losses = []
     for x, y in batches(vocab=VOCAB, steps=STEPS, batch=BATCH, seq=SEQ):
         logits = model(x).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+        logits = logits.flatten(0, 1).to(torch.promote_types(dtype, torch.float32))
+        loss = F.cross_entropy(logits, y.flatten(), ignore_index=-100, reduction="sum")
         loss = loss / (y != -100).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -118,11 +126,13 @@ _RESULTS: dict = {}
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_transformers_model_matches_one_process(name):
-    ref = _reference(CASES[name].family)
+    case = CASES[name]
+    ref = _reference(case.family, torch.float64 if case.fp64 else torch.float32)
     for per_rank in launch_once(_RESULTS, 2, _all_cases, _directories(), timeout=900):
         got = per_rank[name]
         assert "error" not in got, got.get("error")
-        assert_matches_reference(got["losses"], got["params"], ref["losses"], ref["params"], FP32_ADAMW_MODEL)
+        assert_matches_reference(got["losses"], got["params"], ref["losses"], ref["params"],
+                                 FP64_PARITY if case.fp64 else FP32_ADAMW_MODEL_STRAY)
 
 
 def test_the_stages_of_a_transformers_model_compute_its_logits():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from paratrain.comm import Comm
-from paratrain.error_model import BF16_ADAMW, FP32_ADAMW, FP64_PARITY
+from paratrain.error_model import BF16_ADAMW, FP32_ADAMW, FP32_ADAMW_MODEL_STRAY, FP64_PARITY
 from parallel_cases import assert_matches_reference, batches, launch_once
 
 # The pipeline's faulty run trains 6 steps, not its parity case's 3 (exact in fp64, where 3 show a wrong gradient):
@@ -159,6 +159,10 @@ def test_a_gradient_counted_twice_fails_the_parity_comparison(strategy, monkeypa
         # the parameters alone show it too
         with pytest.raises(AssertionError, match="off by .* of its norm"):
             assert_matches_reference(ref_losses, params, ref_losses, ref_params, model, f"{strategy} with the fault")
+        # with the two elements farthest apart set aside (as the transformers layouts are judged), the rest shows it
+        with pytest.raises(AssertionError, match="the model off by"):
+            assert_matches_reference(ref_losses, params, ref_losses, ref_params, FP32_ADAMW_MODEL_STRAY,
+                                     f"{strategy} with the fault")
         # and the bf16 bound `paratrain verify` judges a bf16 layout by (the whole model, 10x looser per step) fails it
         with pytest.raises(AssertionError, match="off by"):
             assert_matches_reference(losses, params, ref_losses, ref_params, BF16_ADAMW, f"{strategy} with the fault")
