@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.compat import all_gather_single as _all_gather, reduce_scatter_single as _reduce_scatter
-from paratrain.mesh import WORLD, Axis, Mesh
+from paratrain.mesh import WORLD, Axis, AxisGroup, Mesh
 
 SUM = dist.ReduceOp.SUM
 
@@ -68,6 +68,9 @@ class Comm:
 
     def __init__(self, mesh: Mesh, history: int = 64, rendezvous: bool = False):
         self.mesh = mesh
+        # This rank's group, size, coordinate and ranks on every axis, resolved once: a collective reads them
+        # here (the mesh is fixed, and a `Comm` talks over one mesh).
+        self.axes: dict[Axis, AxisGroup] = {axis: mesh.on(axis) for axis in Axis}
         self.rendezvous = rendezvous
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
@@ -114,16 +117,14 @@ class Comm:
         return dict(out)
 
     # -- collectives ------------------------------------------------------
-    def _group(self, axis: Axis) -> tuple[dist.ProcessGroup | None, int]:
-        return self.mesh.group(axis), self.mesh.size(axis)
-
     def all_reduce(self, tensor: torch.Tensor, axis: Axis, op=SUM, async_op: bool = False):
         """In-place all-reduce of `tensor` over `axis`."""
-        group, n = self._group(axis)
-        if n == 1:
+        on = self.axes[axis]
+        if on.size == 1:
             return None
+        n = on.size
         self._count("all_reduce", axis, tensor, 2 * _nbytes(tensor) * (n - 1) / n)
-        return self._issue(axis, async_op, dist.all_reduce, tensor, op=op, group=group)
+        return self._issue(axis, async_op, dist.all_reduce, tensor, op=op, group=on.group)
 
     def all_reduce_mesh(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over every rank of the mesh (one collective over the world); returns it."""
@@ -134,7 +135,7 @@ class Comm:
     def all_reduce_coalesced(self, tensors: list[torch.Tensor], axis: Axis) -> None:
         """Sum several tensors in place over `axis` with one flat all-reduce (one call instead of one each)."""
         tensors = [t for t in tensors if t.numel()]
-        if not tensors or self.mesh.size(axis) == 1:
+        if not tensors or self.axes[axis].size == 1:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.mesh.device)  # (offloaded ones: from the host)
         self.all_reduce(flat, axis)
@@ -146,13 +147,14 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: Axis, op=SUM,
                        async_op: bool = False):
         """Reduce `input` (N equal chunks along dim 0) over `axis`; chunk i lands in rank i's `output`."""
-        group, n = self._group(axis)
+        on = self.axes[axis]
+        group, n = on.group, on.size
         if n == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return None
         self._count("reduce_scatter", axis, input, _nbytes(input) * (n - 1) / n)
-        if _is_own_chunk(output, input, self.mesh.coord(axis)) and dist.get_backend(group) == "gloo":
+        if _is_own_chunk(output, input, on.coord) and dist.get_backend(group) == "gloo":
             # gloo's reduce-scatter sends what its all-reduce of the input sends (counted on the loopback
             # device: 2·S·(n−1) bytes in all, for both), then copies the rank's chunk out. In place, the
             # all-reduce alone leaves that chunk reduced, with no copy. NCCL reduce-scatters for real.
@@ -161,7 +163,8 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: Axis, async_op: bool = False):
         """Gather every rank's `input` over `axis` into `output` (N chunks along dim 0, in axis order)."""
-        group, n = self._group(axis)
+        on = self.axes[axis]
+        group, n = on.group, on.size
         if n == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
@@ -172,32 +175,32 @@ class Comm:
             # bytes (counted on the loopback device: S·(n−1) in all, for both; 12 MB, 2 ranks: 5.8-10.3
             # ms against 3.7). Each rank's chunk is broadcast from it, into its place in `output`.
             chunks = output.view(n, -1)
-            mine = chunks[self.mesh.coord(axis)]
+            mine = chunks[on.coord]
             if mine.data_ptr() != input.data_ptr():
                 mine.copy_(input.reshape(-1))
-            return self._issue(axis, async_op, _broadcast_chunks, chunks, self.mesh.ranks(axis), group=group)
+            return self._issue(axis, async_op, _broadcast_chunks, chunks, on.ranks, group=group)
         return self._issue(axis, async_op, _all_gather, output, input, group=group)
 
     def broadcast(self, tensor: torch.Tensor, axis: Axis, src: int = 0, async_op: bool = False):
         """Broadcast from the rank at index `src` of this rank's `axis` group."""
-        group, n = self._group(axis)
-        if n == 1:
+        on = self.axes[axis]
+        if on.size == 1:
             return None
         self._count("broadcast", axis, tensor, _nbytes(tensor))
-        return self._issue(axis, async_op, dist.broadcast, tensor, src=self.mesh.ranks(axis)[src], group=group)
+        return self._issue(axis, async_op, dist.broadcast, tensor, src=on.ranks[src], group=on.group)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                    input_splits: list[int], axis: Axis) -> None:
         """Rows input_splits[i] of `input` (dim 0, in order) to the i-th rank of `axis`; output_splits[i] rows from
         it into `output`. Counted: the rows sent to the other ranks (a rank's own rows stay in memory)."""
-        group, n = self._group(axis)
-        if n == 1:
+        on = self.axes[axis]
+        if on.size == 1:
             output.copy_(input)
             return
         row_bytes = input[0:1].numel() * input.element_size() if input.dim() > 1 else input.element_size()
-        sent = (sum(input_splits) - input_splits[self.mesh.coord(axis)]) * row_bytes
+        sent = (sum(input_splits) - input_splits[on.coord]) * row_bytes
         self._count("all_to_all", axis, input, sent)
-        self._issue(axis, False, dist.all_to_all_single, output, input, output_splits, input_splits, group=group)
+        self._issue(axis, False, dist.all_to_all_single, output, input, output_splits, input_splits, group=on.group)
 
     def overlaps_compute(self) -> bool:
         """Whether communication runs beside compute on the mesh's device: the one policy of what overlaps.
@@ -277,7 +280,7 @@ class Comm:
         self.settle_sends(axis)
         if not sends and not receives:
             return
-        ranks, group = self.mesh.ranks(axis), self.mesh.group(axis)
+        ranks, group = self.axes[axis].ranks, self.axes[axis].group
         ops = [dist.P2POp(dist.isend, t, ranks[peer], group) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, ranks[peer], group) for t, peer in receives]
         heard = [torch.zeros(1, device=self.mesh.device) for _ in sends] if self.rendezvous else []
@@ -300,7 +303,7 @@ class Comm:
             self.exchange(sends, receives, axis)
             return []
         self.settle_sends(axis)
-        ranks, group = self.mesh.ranks(axis), self.mesh.group(axis)
+        ranks, group = self.axes[axis].ranks, self.axes[axis].group
         ops = [dist.P2POp(dist.isend, t, ranks[peer], group) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, ranks[peer], group) for t, peer in receives]
         for t, _ in sends:

@@ -215,6 +215,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@dataclass(frozen=True)
+class AxisGroup:
+    """This rank's group on one axis of a mesh, resolved once (`Mesh.on`): what a collective over the axis reads
+    on every call, as plain values, so that issuing one asks the mesh nothing."""
+
+    axis: Axis
+    group: dist.ProcessGroup | None  # None: the axis has one rank here, there is no group to talk in
+    size: int
+    coord: int  # this rank's index in `ranks`
+    ranks: tuple[int, ...]  # the global ranks of the group, in axis order
+
+
 @dataclass
 class Mesh:
     """A MeshShape bound to this process: its rank, coordinates and one process group per axis."""
@@ -254,6 +266,11 @@ class Mesh:
         if axis == WORLD:
             return list(range(self.shape.world_size))
         return next(g for g in self.shape.groups(axis) if self.rank in g)
+
+    def on(self, axis: Axis) -> AxisGroup:
+        """This rank's group on `axis` with its size, this rank's coordinate and the group's ranks, resolved now
+        (a `Comm` resolves each axis once, when it is made)."""
+        return AxisGroup(axis, self.group(axis), self.size(axis), self.coord(axis), tuple(self.ranks(axis)))
 
     def owns(self, replicated_over: tuple[Axis, ...]) -> bool:
         """Whether this rank counts or writes a tensor held alike along `replicated_over` (`MeshShape.owns`)."""

@@ -122,7 +122,10 @@ class ParallelModel(nn.Module):
         self._sharded = {expert: (group.grads_sharded, group.params_sharded) for group, expert in self._groups}
         self._owns_grad = {(expert, tp_sharded): mesh.owns(replicated_over(self._sharded[expert][0], tp_sharded, expert))
                            for expert in self._sharded for tp_sharded in (True, False)}  # split over tp or not
-        world = range(mesh.size(WORLD))
+        # The axes a step reads (its rows over dp, the agreement's columns over the world and rows per stage),
+        # as the communication layer resolved them once.
+        self._dp, self._pp, self._world = (comm.axes[axis] for axis in (Axis.DP, Axis.PP, WORLD))
+        world = range(self._world.size)
         self._data_ranks = [r for r in world if mesh.shape.owns(r, PER_DATA_RANK)]  # one rank per data rank
         self._loss_ranks = [r for r in world if mesh.shape.owns(r, (Axis.TP,))]  # every stage's: the last writes it
         # The caller's optimizer over the masters, built last, over the finished model, with its hooks around the
@@ -257,7 +260,7 @@ class ParallelModel(nn.Module):
         """
         loss_fn = loss_fn or self.loss_fn
         self._phase = _Phase.BACKWARD
-        rows = sum(inputs.shape[0] for inputs, _ in micro_batches) * self.mesh.size(Axis.DP)
+        rows = sum(inputs.shape[0] for inputs, _ in micro_batches) * self._dp.size
         for layer in self._moe:  # and each layer's expert load counts this step's forwards
             layer.aux_rows = rows
             layer.reset_step_load()
@@ -322,11 +325,11 @@ class ParallelModel(nn.Module):
         self.finish_gradients()
         result = result if result is not None else self._result
         counts = counts or {}
-        world, rank = self.mesh.size(WORLD), self.mesh.rank
+        world, rank = self._world.size, self.mesh.rank
         rows = len(_FLAGS) + len(counts)
         # Rows of one column per rank, then one row of per-master flags per pipeline stage.
-        flags_at = rows * world + self.mesh.coord(Axis.PP) * self._flag_width
-        flat = torch.zeros(rows * world + self.mesh.size(Axis.PP) * self._flag_width, dtype=torch.float64,
+        flags_at = rows * world + self._pp.coord * self._flag_width
+        flat = torch.zeros(rows * world + self._pp.size * self._flag_width, dtype=torch.float64,
                            device=self.device)
         table = flat[:rows * world].view(rows, world)
         if result is not None:
@@ -346,7 +349,7 @@ class ParallelModel(nn.Module):
         table_host = [host[i * world:(i + 1) * world] for i in range(rows)]
         verdict = self._decide(table_host, list(counts))
         if result is not None and self.pipeline is not None:  # the last stage's sum, on every stage (no sync)
-            result.loss_sum.fill_(math.fsum(table_host[3][r] for r in self.mesh.ranks(Axis.PP)))
+            result.loss_sum.fill_(math.fsum(table_host[3][r] for r in self._pp.ranks))
         unused = [i for i, count in enumerate(host[flags_at:flags_at + len(used)]) if count == 0]
         self.engine.drop_gradients(list(range(len(used))) if verdict.skip else unused)
         self.verdict, self._phase, self._grad_norm = verdict, _Phase.AGREED, verdict.grad_norm

@@ -406,13 +406,15 @@ def test_the_engine_protocol_holds_the_strategys_verbs_only():
 
 # The most paratrain files one train_step may pass through, per layout (the loss, fused into the head, one of them:
 # parallel/loss.py): (ZeRO stage, parallelize's options, ranks, files). The reference model's own file is one of
-# them. FP8 and offload add their own modules only; a pipeline its runner, schedule and exchanges.
+# them. FP8 and offload add their own modules only; a pipeline its runner, schedule and exchanges. The mesh is not
+# one: each axis's group, size, coordinate and ranks are resolved once (`Comm.axes`), and ZeRO-3's row split once
+# per unit (`FlatParam`), not asked of mesh.py and shard.py per collective and per parameter.
 STEP_FILES = {
-    "ddp": (0, {}, 2, 11),
-    "zero3": (3, {}, 2, 13),
-    "zero3_fp8": (3, {"precision": "bf16", "fp8": "tensorwise"}, 2, 14),
-    "zero3_offload": (3, {"offload": "optimizer"}, 2, 15),
-    "1f1b_over_ddp": (0, {"pp": 2}, 4, 14),
+    "ddp": (0, {}, 2, 9),
+    "zero3": (3, {}, 2, 10),
+    "zero3_fp8": (3, {"precision": "bf16", "fp8": "tensorwise"}, 2, 11),
+    "zero3_offload": (3, {"offload": "optimizer"}, 2, 12),
+    "1f1b_over_ddp": (0, {"pp": 2}, 4, 12),
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paratrain.comm import Comm
-from paratrain.mesh import PER_DATA_RANK, WORLD, MeshError, MeshShape, build_mesh, replicated_over
+from paratrain.mesh import PER_DATA_RANK, WORLD, Axis, Mesh, MeshError, MeshShape, build_mesh, replicated_over
 from paratrain.testing import Collectives, run_on_ranks
 
 
@@ -112,6 +112,22 @@ def test_comm_counts_ring_bytes_and_results_are_right():
     # copies), and still counted as the reduce-scatter it stands for.
     assert in_place_right
     assert list(issued.values()) == [2 * 16000 * 3 / 4] and counted == {"calls": 2, "bytes": 2 * 4 * 4000 * 3 // 4}
+
+
+def test_each_comm_resolves_its_own_meshs_axes_once_and_alike():
+    """What a collective reads per axis (`Comm.axes`) is what the mesh answers, on every axis of a mesh whose data
+    axis is split twice (hybrid shards, expert blocks) and flattened with cp, for each of two meshes in one process."""
+    shapes = [MeshShape(pp=2, dp=4, cp=2, tp=2, dp_shard=2, ep=2), MeshShape(dp=2, tp=2)]
+    for shape in shapes:
+        comms = [Comm(Mesh(shape=shape, rank=rank, groups={axis: f"{axis}@{rank}" for axis in shape.axes}))
+                 for rank in range(shape.world_size)]
+        for rank, comm in enumerate(comms):
+            mesh = comm.mesh
+            for axis in Axis:
+                on = comm.axes[axis]
+                assert (on.group, on.size, on.coord, list(on.ranks)) == \
+                    (mesh.group(axis), mesh.size(axis), mesh.coord(axis), mesh.ranks(axis)), (shape, rank, axis)
+                assert on.ranks[on.coord] == rank and len(on.ranks) == on.size
 
 
 def _world_groups(rank, world):

@@ -66,8 +66,8 @@ from paratrain.compat import at_backward_end, backward_pass_id
 from paratrain.mesh import Axis
 from paratrain.parallel.data.buckets import (Bucket, InFlight, Slot, all_gather_parameters, make_buckets, new_buffer,
                                             storage_bytes)
-from paratrain.parallel.data.engine import GradReduction, add_to_master, used_flags, weak_hook
-from paratrain.parallel.norm import sum_of_squares, sum_of_squares_flat
+from paratrain.parallel.data.engine import (GradReduction, add_to_master, sum_of_squares, sum_of_squares_flat,
+                                            used_flags, weak_hook)
 from paratrain.parallel.data.replicas import ReplicaSum, make_replicas
 from paratrain.parallel.data.shard import as_rows, chunk_tiles
 from paratrain.precision import Precision

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from paratrain.parallel.norm import sum_of_squares
+from paratrain.parallel.data.engine import sum_of_squares
 
 
 class GroupedEngine:

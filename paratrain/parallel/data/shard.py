@@ -39,34 +39,44 @@ def padded_chunk_numel(shape: torch.Size, n: int) -> int:
     return rows_per_rank(d0, n) * rest
 
 
+# How a tensor's rows lie in its padded chunks, as index expressions over plain slices: a layout computed once
+# (`row_tiles`) and applied to each step's fresh buffers. A tile is (rows, shape, part): `rows[rows_slice]` (the
+# tensor as [d0, width]) reshaped to `shape` is `chunks[part]` (the [N, c·width] columns that hold it).
+Tile = tuple[slice, tuple[int, int], tuple[slice, slice]]
+
+
+def row_tiles(d0: int, n: int, width: int) -> tuple[list[Tile], list[tuple[slice, slice]]]:
+    """(tiles, padding) of a tensor of `d0` rows of `width` elements in its `n` padded chunks of c rows each.
+
+    The ranks whose c rows are all real take one rectangular tile; a last, partly filled rank a second one.
+    The padding is the parts of the chunks (`chunks[part]`) that hold no row, each non-empty.
+    """
+    c = rows_per_rank(d0, n)
+    if c == 0:
+        return [], []
+    whole, tail = divmod(d0, c)
+    tiles = [(slice(0, whole * c), (whole, c * width), (slice(0, whole), slice(0, c * width)))]
+    pads = []
+    if tail:
+        tiles.append((slice(whole * c, d0), (1, tail * width), (slice(whole, whole + 1), slice(0, tail * width))))
+        pads.append((slice(whole, whole + 1), slice(tail * width, c * width)))
+        whole += 1
+    if whole < n:
+        pads.append((slice(whole, n), slice(0, c * width)))
+    return tiles, pads if width else []
+
+
 def chunk_tiles(rows: torch.Tensor, chunks: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Matching (rows part, chunks part) pairs of a tensor's rows and its padded chunks.
+    """Matching (rows part, chunks part) pairs of a tensor's rows and its padded chunks (`row_tiles`).
 
     `rows` is the tensor as [d0, rest] (`as_rows`), `chunks` the [N, c·rest] columns of a flat
-    [N, C] communication buffer that hold it (chunk r: rank r's rows, then padding). The ranks
-    whose c rows are all real take one rectangular copy; a last, partly filled rank a second one.
+    [N, C] communication buffer that hold it (chunk r: rank r's rows, then padding).
     """
     d0, rest = rows.shape
-    c = rows_per_rank(d0, chunks.shape[0])
-    if c == 0:
-        return []
-    whole, tail = divmod(d0, c)
-    pairs = [(rows[:whole * c].reshape(whole, c * rest), chunks[:whole])]
-    if tail:
-        pairs.append((rows[whole * c:].reshape(-1), chunks[whole, :tail * rest]))
-    return pairs
+    tiles, _ = row_tiles(d0, chunks.shape[0], rest)
+    return [(rows[part].reshape(shape), chunks[columns]) for part, shape, columns in tiles]
 
 
 def chunk_padding(d0: int, rest: int, chunks: torch.Tensor) -> list[torch.Tensor]:
     """The parts of `chunks` (as in `chunk_tiles`) that hold no row: the padding to zero."""
-    c = rows_per_rank(d0, chunks.shape[0])
-    if c == 0:
-        return []
-    whole, tail = divmod(d0, c)
-    pads = []
-    if tail:
-        pads.append(chunks[whole, tail * rest:])
-        whole += 1
-    if whole < chunks.shape[0]:
-        pads.append(chunks[whole:])
-    return [p for p in pads if p.numel()]
+    return [chunks[part] for part in row_tiles(d0, chunks.shape[0], rest)[1]]

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.errors import ParatrainError
 from paratrain.mesh import Axis
-from paratrain.parallel.data.shard import chunk_padding, chunk_tiles, rows_per_rank
+from paratrain.parallel.data.shard import Tile, row_tiles, rows_per_rank
 
 
 class ZeroConfigError(ParatrainError, ValueError):
@@ -143,31 +143,39 @@ def parameter_slots(model: nn.Module, unit_ids: set[int]) -> dict[int, list[tupl
 
 @dataclass(frozen=True)
 class FlatParam:
-    """One parameter's place in its unit's flat buffers."""
+    """One parameter's place in its unit's flat buffers, and how its rows split over the unit's ranks
+    (`shard.row_tiles`), computed once: the layout never changes, each step applies it to fresh buffers."""
 
     index: int          # the engine's parameter index (its master)
     shape: torch.Size   # full shape
+    num_ranks: int      # the ranks its rows are split over
     chunk_offset: int   # element offset inside one rank's chunk of the reduce-scatter (a frozen one: none, -1)
     gather_dtype: torch.dtype  # what it is gathered as: the compute dtype, or its codec's
     chunk_byte: int     # byte offset inside one rank's chunk of the all-gather
     full_byte: int      # byte offset inside the full-parameter buffer
     codec: GatherCodec | None = None  # None: its values in the compute dtype
+    # Derived from the above when it is made:
+    rows: int = field(init=False, compare=False)  # the parameter as rows × rest (a 0-d one: one row of one element)
+    rest: int = field(init=False, compare=False)
+    chunk_numel: int = field(init=False, compare=False)  # elements of one rank's chunk (its rows, then padding)
+    tiles: list[Tile] = field(init=False, compare=False)  # its rows of elements ↔ the reduce-scatter's columns
+    padding: list[tuple[slice, slice]] = field(init=False, compare=False)  # ... and the columns that hold no row
+    gathered_tiles: list[Tile] = field(init=False, compare=False)  # its rows of bytes ↔ the gathered columns
+
+    def __post_init__(self):
+        shape = row_shape(self.shape)
+        rows, rest = shape[0], math.prod(shape[1:])
+        tiles, padding = row_tiles(rows, self.num_ranks, rest)
+        derived = {"rows": rows, "rest": rest, "chunk_numel": rows_per_rank(rows, self.num_ranks) * rest,
+                   "tiles": tiles, "padding": padding,
+                   "gathered_tiles": row_tiles(rows, self.num_ranks, rest * self.gather_dtype.itemsize)[0]}
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @property
     def trains(self) -> bool:
         """Whether its gradient is reduce-scattered (a frozen parameter has none)."""
         return self.chunk_offset >= 0
-
-    @property
-    def rows(self) -> int:
-        return row_shape(self.shape)[0]
-
-    @property
-    def rest(self) -> int:
-        return math.prod(row_shape(self.shape)[1:])
-
-    def chunk_numel(self, num_ranks: int) -> int:
-        return rows_per_rank(self.rows, num_ranks) * self.rest
 
 
 class Unit:
@@ -201,10 +209,11 @@ class Unit:
             codec, trains = codecs.get(i), shards[i].requires_grad
             dtype = codec.dtype(gather_dtype) if codec is not None else \
                 gather_dtype if trains else frozen_gather_dtype(shards[i].dtype, gather_dtype)
-            fp = FlatParam(i, full_shapes[i], chunk_offset if trains else -1, dtype, chunk_byte, full_byte, codec)
+            fp = FlatParam(i, full_shapes[i], num_ranks, chunk_offset if trains else -1, dtype, chunk_byte, full_byte,
+                           codec)
             self.params.append(fp)
-            chunk_offset += fp.chunk_numel(num_ranks) if trains else 0
-            chunk_byte += -(-fp.chunk_numel(num_ranks) * dtype.itemsize // align) * align
+            chunk_offset += fp.chunk_numel if trains else 0
+            chunk_byte += -(-fp.chunk_numel * dtype.itemsize // align) * align
             full_byte += -(-math.prod(fp.shape) * dtype.itemsize // align) * align
         # chunk_numel: elements of one rank's chunk of the reduce-scatter (0: every parameter frozen)
         self.chunk_numel, self.chunk_bytes, self.full_bytes = chunk_offset, chunk_byte, full_byte
@@ -254,7 +263,7 @@ class Unit:
         dsts, srcs = [], []  # one foreach copy (a cast, in mixed precision) for the parameters no codec encodes
         for fp, shard in zip(self.params, self.shards):
             n = shard.numel()
-            values = chunk[fp.chunk_byte:fp.chunk_byte + fp.chunk_numel(self.num_ranks) * fp.gather_dtype.itemsize]
+            values = chunk[fp.chunk_byte:fp.chunk_byte + fp.chunk_numel * fp.gather_dtype.itemsize]
             values = values.view(fp.gather_dtype)
             rows = shard.detach().reshape(-1).to(device, non_blocking=True)  # (shards on the host: copied here)
             if fp.codec is not None:  # the compute dtype's values encoded, as a whole parameter's would be
@@ -287,9 +296,9 @@ class Unit:
         for fp in self.params:
             size = fp.gather_dtype.itemsize
             rows2d = full[fp.full_byte:fp.full_byte + math.prod(fp.shape) * size].view(fp.rows, fp.rest * size)
-            part = chunks[:, fp.chunk_byte:fp.chunk_byte + fp.chunk_numel(self.num_ranks) * size]
-            for dst, src in chunk_tiles(rows2d, part):
-                dst.copy_(src)
+            part = chunks[:, fp.chunk_byte:fp.chunk_byte + fp.chunk_numel * size]
+            for rows, shape, columns in fp.gathered_tiles:
+                rows2d[rows].view(shape).copy_(part[columns])
         self.full = full
 
     @property
@@ -350,14 +359,16 @@ class Unit:
         for fp, grad in zip(self.params, grads):
             if not fp.trains:
                 continue
-            part = flat[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel(self.num_ranks)]
+            part = flat[:, fp.chunk_offset:fp.chunk_offset + fp.chunk_numel]
             if grad is None:
                 part.zero_()
                 continue
-            for src, dst in chunk_tiles(grad.reshape(fp.rows, fp.rest), part):
+            grad = grad.reshape(fp.rows, fp.rest)
+            for rows, shape, columns in fp.tiles:
+                src, dst = grad[rows].reshape(shape), part[columns]
                 torch.div(src, divide_by, out=dst) if divide_by != 1 else dst.copy_(src)
-            for pad in chunk_padding(fp.rows, fp.rest, part):
-                pad.zero_()
+            for columns in fp.padding:
+                part[columns].zero_()
         return flat.view(-1)
 
     def shard_pieces(self, chunk: torch.Tensor):

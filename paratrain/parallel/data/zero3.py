@@ -64,8 +64,7 @@ from torch import nn
 from paratrain.comm import Comm
 from paratrain.compat import in_backward
 from paratrain.mesh import Axis
-from paratrain.parallel.data.engine import GradReduction, used_flags, weak_hook
-from paratrain.parallel.norm import sum_of_squares
+from paratrain.parallel.data.engine import GradReduction, sum_of_squares, used_flags, weak_hook
 from paratrain.parallel.data.replicas import ReplicaSum
 from paratrain.parallel.data.shard import row_range
 from paratrain.parallel.data.groups import MasterGroup

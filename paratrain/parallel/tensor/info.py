@@ -15,7 +15,7 @@ from torch import nn
 
 from paratrain.comm import Comm
 from paratrain.mesh import Axis
-from paratrain.parallel.norm import sum_of_squares
+from paratrain.parallel.data.engine import sum_of_squares
 from paratrain.parallel.tensor.layers import gather_full, vocab_parallel_cross_entropy
 from paratrain.precision import cross_entropy
 

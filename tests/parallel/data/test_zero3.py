@@ -24,7 +24,7 @@ from paratrain.comm import Comm
 from paratrain.mesh import Mesh, MeshShape, build_mesh
 from paratrain.models import ModelConfig, Transformer
 from paratrain.models.llama import Attention, FeedForward
-from paratrain.parallel.data.shard import row_range
+from paratrain.parallel.data.shard import row_range, row_tiles, rows_per_rank
 from paratrain.parallel.data.zero3 import FullyShardedEngine, ZeroConfigError
 from paratrain.parallel.data.units import row_shape
 from paratrain.peak_memory import ProcessPeak, return_freed_memory
@@ -451,6 +451,29 @@ def _gathering(engine: FullyShardedEngine) -> FullyShardedEngine:
 
 def _solo_mesh() -> Mesh:
     return Mesh(shape=MeshShape(), rank=0, groups={"pp": None, "dp": None, "tp": None})
+
+
+def test_the_row_split_a_unit_holds_puts_each_ranks_rows_in_its_chunk_and_pads_the_rest():
+    """`row_tiles` (computed once per parameter of a unit) against `row_range`: chunk r is rank r's real rows, then
+    zeros, every element of the chunks written once, by a tile or as padding (short tensors, empty trailing ranks)."""
+    for d0 in range(10):
+        for width in (1, 3):
+            for n in range(1, 6):
+                c = rows_per_rank(d0, n)
+                rows = torch.arange(1.0, d0 * width + 1).view(d0, width)
+                chunks, writes = torch.full((n, c * width), -1.0), torch.zeros(n, c * width)
+                tiles, padding = row_tiles(d0, n, width)
+                for part, shape, columns in tiles:
+                    chunks[columns] = rows[part].reshape(shape)
+                    writes[columns] += 1
+                for columns in padding:
+                    chunks[columns] = 0.0
+                    writes[columns] += 1
+                assert (writes == 1).all(), (d0, width, n)
+                for rank in range(n):
+                    lo, hi = row_range(d0, n, rank)
+                    expected = torch.cat([rows[lo:hi].reshape(-1), torch.zeros((c - (hi - lo)) * width)])
+                    assert torch.equal(chunks[rank], expected), (d0, width, n, rank)
 
 
 def test_default_units_are_blocks_and_each_module_with_parameters_outside_them():
