@@ -234,6 +234,18 @@ def test_tied_embeddings_across_stages_are_shared_copies():
         split(4, 0)
 
 
+def test_the_layout_rules_refuse_a_tied_head_beyond_two_stages():
+    """The trainer's and the planner's rule (`rules.pipeline_model_violations`): a tied head at pp 2 (any virtual
+    stages) runs, at pp 4 it is refused in one line naming the fix; an untied one runs at both."""
+    from paratrain.parallel.rules import LayoutSpec, LayoutRuleError, check_layout
+
+    tied = dataclasses.replace(EIGHT_LAYERS, tie_embeddings=True)
+    for model, pp in ((tied, 2), (EIGHT_LAYERS, 4)):
+        check_layout(LayoutSpec(dp=1, tp=1, pp=pp, world_size=pp, model=model, global_batch=8, micro_batch=1))
+    with pytest.raises(LayoutRuleError, match="tied to the embedding.*use pp 2"):
+        check_layout(LayoutSpec(dp=1, tp=1, pp=4, world_size=4, model=tied, global_batch=8, micro_batch=1))
+
+
 def _errors(rank, world):
     mesh = build_mesh(MeshShape(pp=2))
     out = []
