@@ -266,16 +266,18 @@ def adamw(params, lr: float = LR, **options):
 
 
 def reference_run(model: nn.Module, data, clip: float = 1.0, micro: int | None = None, lr: float = LR,
-                  optimizers: list | None = None):
+                  optimizers: list | None = None, norms: list | None = None):
     """Single process, whole global batch: per-step losses and final parameters. `optimizers`: what steps the model,
-    in order (default: AdamW over every parameter)."""
+    in order (default: AdamW over every parameter); `norms`, given, gets each step's gradient norm before clipping."""
     optimizers = optimizers or [adamw(list(model.parameters()), lr=lr)]
     losses = []
     for x, y in data:
         tokens = (y != -100).sum()
         loss = loss_sum(model, x, y) / tokens
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if norms is not None:
+            norms.append(norm.item())
         for optimizer in optimizers:
             optimizer.step()
         model.zero_grad(set_to_none=True)

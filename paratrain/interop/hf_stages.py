@@ -6,8 +6,8 @@ rotary embeddings once and hands them to every decoder layer. For the families w
 
     embed_tokens → decoder layers (positions, mask of the layer's kind) → norm → lm_head (→ logit soft-cap)
 
-(`SUPPORTED`, each proven against transformers' logits; the module names are those the config's
-`base_model_pp_plan` gives) the same modules (the same parameters, nothing copied) are laid out two ways:
+(`paratrain.models.hf.PIPELINE_FAMILIES`, each proven against transformers' logits; the module names are those
+the config's `base_model_pp_plan` gives) the same modules (the same parameters, nothing copied) are laid out two ways:
 
 - `LayeredCausalLM`: the trainer's (`--pp`). A `paratrain.parallel.pipeline.stages.LayeredModel` whose
   parameter names are transformers' own (``model.layers.3.self_attn.q_proj.weight``, ``lm_head.weight``),
@@ -38,51 +38,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from paratrain.errors import ParatrainError
-from paratrain.models.hf import HFCausalLM
-
-# model_type values whose forward is embed → layers(positions, mask) → norm → lm_head (→ soft-cap), each checked
-# against transformers' logits (tests/parallel/test_hf_layouts.py)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "phi3")
-_MASKS = ("full_attention", "sliding_attention")  # the layer kinds transformers makes a mask for here
-
-
-class SequentialError(ParatrainError, ValueError):
-    """A model that cannot be laid out for pipeline stages; the message names why."""
-
-
-def check_layable(config) -> tuple[str, str, str]:
-    """(embedding, layers, final norm): the inner model's module names from transformers' `config`'s
-    `base_model_pp_plan`, or one line saying why the family cannot be laid out for pipeline stages."""
-    kind = config.model_type
-    if kind not in SUPPORTED:
-        raise SequentialError(f"pipeline stages lay out transformers' {', '.join(SUPPORTED)} models, whose forward "
-                              f"is embed → decoder layers → norm → head; {kind}'s is not known to be")
-    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    embed = next((name for name, (inputs, _) in plan.items() if list(inputs) == ["input_ids"]), None)
-    rest = [name for name in plan if name != embed]
-    if embed is None or len(rest) != 2:
-        raise SequentialError(f"{kind} declares no base_model_pp_plan of an embedding, the decoder layers and a "
-                              f"norm (it has {sorted(plan) or 'none'})")
-    attention = getattr(config, "_attn_implementation", None) or "sdpa"
-    if attention not in ("sdpa", "eager"):
-        raise SequentialError(f"pipeline stages need attn_implementation 'sdpa' or 'eager', not {attention!r}")
-    kinds = set(layer_kinds(config))
-    if not kinds <= set(_MASKS):
-        raise SequentialError(f"{kind} has layers of kind {sorted(kinds - set(_MASKS))[0]!r}, which pipeline stages "
-                              "make no mask for")
-    return embed, rest[0], rest[1]
-
-
-def layer_kinds(config) -> list[str]:
-    """Each decoder layer's attention kind, as the family's forward picks its mask: `layer_types`, else the sliding
-    window for every layer when the config sets one."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return list(types[:config.num_hidden_layers])
-    window = getattr(config, "sliding_window", None) is not None
-    return ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
-
+from paratrain.models.hf import PIPELINE_FAMILIES, HFCausalLM, SequentialError, check_layable, layer_kinds
 
 def layer_masks(config, hidden: torch.Tensor, attention_mask, position_ids: torch.Tensor, kinds) -> dict:
     """{layer kind: the mask transformers gives a layer of that kind} for `hidden` [B, S, D] at `position_ids`. No
@@ -215,12 +171,12 @@ class SoftCap(nn.Module):
 
 
 def as_sequential(model: nn.Module) -> nn.Sequential:
-    """`model` (a Hugging Face causal LM of a `SUPPORTED` type) as an nn.Sequential sharing its modules."""
+    """`model` (a Hugging Face causal LM of a `PIPELINE_FAMILIES` type) as an nn.Sequential sharing its modules."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", type(model).__name__)
-    if kind not in SUPPORTED:
-        raise SequentialError(f"as_sequential lays out {', '.join(SUPPORTED)} models, not {kind}; write the model "
-                              "as an nn.Sequential of your own, or pipeline it with pp=1")
+    if kind not in PIPELINE_FAMILIES:
+        raise SequentialError(f"as_sequential lays out {', '.join(PIPELINE_FAMILIES)} models, not {kind}; write the "
+                              "model as an nn.Sequential of your own, or pipeline it with pp=1")
     embed, layers, norm = check_layable(config)
     inner = getattr(model, model.base_model_prefix)
     blocks = [DecoderBlock(layer, inner.rotary_emb, config, kind)

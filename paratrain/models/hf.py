@@ -151,6 +151,9 @@ class HFModelConfig(ExpertShape):
     # rebuilds the model, and `export` writes its config.json, without the directory it came from.
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     attention: str = "sdpa"  # transformers' attention implementation the model runs ("eager" where it has no SDPA)
+    # Why pipeline stages cannot lay the model out (`check_layable`), None when they can:
+    # the one rule the trainer and the planner read (`paratrain.parallel.rules.pipeline_model_violations`).
+    pipeline_refusal: str | None = None
 
     def num_params(self) -> int:
         """Exact parameter count of the model (a tied table once)."""
@@ -214,6 +217,11 @@ def summarize(config, model: nn.Module, directory: str) -> HFModelConfig:
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     active = params - (expert_params * (n_experts - top_k) // n_experts if n_experts else 0)
     window = get("sliding_window")
+    try:
+        check_layable(model.config)  # as built: its attention implementation set
+        refusal = None
+    except SequentialError as e:
+        refusal = str(e)
     return HFModelConfig(
         directory=directory, model_type=config.model_type, vocab_size=get("vocab_size"), dim=dim,
         n_layers=get("num_hidden_layers"), n_heads=heads, n_kv_heads=get("num_key_value_heads", default=heads),
@@ -223,7 +231,52 @@ def summarize(config, model: nn.Module, directory: str) -> HFModelConfig:
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), params=params, active_params=active,
         n_experts=n_experts, top_k=top_k, sliding_window=window if window and _uses_window(text) else None,
         tp_plan=bool(getattr(text, "base_model_tp_plan", None)), hf_config=json.loads(config.to_json_string()),
-        attention=model.config._attn_implementation)
+        attention=model.config._attn_implementation, pipeline_refusal=refusal)
+
+
+# The families pipeline stages lay out (`paratrain.interop.hf_stages.LayeredCausalLM`), read from transformers' config
+# alone, so that the config the trainer and the planner read says it (`HFModelConfig.pipeline_refusal`):
+# model_type values whose forward is embed → layers(positions, mask) → norm → lm_head (→ soft-cap), each checked
+# against transformers' logits (tests/parallel/test_hf_layouts.py)
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "phi3")
+_MASKS = ("full_attention", "sliding_attention")  # the layer kinds transformers makes a mask for here
+
+
+class SequentialError(ParatrainError, ValueError):
+    """A model that cannot be laid out for pipeline stages; the message names why."""
+
+
+def check_layable(config) -> tuple[str, str, str]:
+    """(embedding, layers, final norm): the inner model's module names from transformers' `config`'s
+    `base_model_pp_plan`, or one line saying why the family cannot be laid out for pipeline stages."""
+    kind = config.model_type
+    if kind not in PIPELINE_FAMILIES:
+        raise SequentialError(f"pipeline stages lay out transformers' {', '.join(PIPELINE_FAMILIES)} models, whose "
+                              f"forward is embed → decoder layers → norm → head; {kind}'s is not known to be")
+    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    embed = next((name for name, (inputs, _) in plan.items() if list(inputs) == ["input_ids"]), None)
+    rest = [name for name in plan if name != embed]
+    if embed is None or len(rest) != 2:
+        raise SequentialError(f"{kind} declares no base_model_pp_plan of an embedding, the decoder layers and a "
+                              f"norm (it has {sorted(plan) or 'none'})")
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention not in ("sdpa", "eager"):
+        raise SequentialError(f"pipeline stages need attn_implementation 'sdpa' or 'eager', not {attention!r}")
+    kinds = set(layer_kinds(config))
+    if not kinds <= set(_MASKS):
+        raise SequentialError(f"{kind} has layers of kind {sorted(kinds - set(_MASKS))[0]!r}, which pipeline stages "
+                              "make no mask for")
+    return embed, rest[0], rest[1]
+
+
+def layer_kinds(config) -> list[str]:
+    """Each decoder layer's attention kind, as the family's forward picks its mask: `layer_types`, else the sliding
+    window for every layer when the config sets one."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types[:config.num_hidden_layers])
+    window = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
 
 
 def _uses_window(text) -> bool:

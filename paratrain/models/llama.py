@@ -284,9 +284,6 @@ class Transformer(nn.Module):
         """
         if name.endswith(EXPERT_TENSORS):
             return self.param_init_experts(name, shape, seed, range(shape[0]))
-        if self.config.tie_embeddings and name == "output.weight":
-            # A stage that holds only the output projection still gets the shared table.
-            name = "tok_embeddings.weight"
         return init_parameter(name, shape, seed, std=self.param_init_std(name))
 
     def param_init_experts(self, name: str, shape, seed: int, experts: range) -> torch.Tensor:

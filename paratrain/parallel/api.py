@@ -263,6 +263,8 @@ def parallelize_run(model: nn.Module, mesh: Mesh, optimizer=None, *, data: DataP
     split = _apply_pipeline_split(model, mesh, pipeline)
     model = split.module if split is not None else model
     init.default_to(model, _default_init)
+    if split is not None and split.shared:  # a copy of a tied table on the last stage starts as the table
+        init.through(lambda inner, name, shape: inner(split.shared.get(name, name), shape))
     # 4. Expert parallelism before tensor parallelism: tp materializes a meta model, and by then each MoE layer
     #    must hold only this rank's block of experts.
     expert_info = _apply_expert_parallel(model, comm, init)

@@ -126,6 +126,9 @@ class TrainableModel(Protocol):
     def replicated_over(self, name: str, *, at_rest: bool = False) -> tuple[str, ...]:
         """The axes along which ranks hold equal copies of a parameter's master (or, at rest, of the parameter)."""
 
+    def whole_name(self, name: str) -> str:
+        """The whole model's name of this rank's parameter `name` (a tied head's copy goes by its embedding's)."""
+
     def parameters_from_masters(self) -> None:
         """The parameters brought up to date with masters written from outside (a loaded checkpoint)."""
 

@@ -14,7 +14,8 @@ What each step does:
    count; every backward but the last runs under `no_sync()`. With pipeline parallelism the
    schedule interleaves the micro-batches' passes instead (`pipeline.PipelineRunner`).
 2. `finish_gradients`: the engine waits for its reductions and sets the master gradients; under sequence
-   parallelism the partial gradients of replicated parameters are summed over tp; fp16 ones unscaled.
+   parallelism the partial gradients of replicated parameters are summed over tp; under pipeline parallelism
+   those of the copies of a parameter several pipeline ranks hold (a tied head) over pp; fp16 ones unscaled.
 3. `agree`: this rank's squared gradient norm is taken on the device (it is inf or nan exactly when a
    gradient is), then one all-reduce over every rank of the mesh carries each rank's flags (its own
    loss non-finite, its gradients non-finite, a stop request), the loss (a pipeline's from its last
@@ -50,7 +51,7 @@ from paratrain.comm import Comm
 from paratrain.mesh import PER_DATA_RANK, WORLD, Axis, replicated_over
 from paratrain.parallel.context.split import unshard_sequence
 from paratrain.parallel.contract import IGNORE_INDEX, LossFn, StepResult, Verdict, optimizer_state_bytes
-from paratrain.parallel.data.engine import Engine
+from paratrain.parallel.data.engine import Engine, sum_of_squares_flat
 from paratrain.parallel import whole
 from paratrain.parallel.expert.sharding import moe_layers
 from paratrain.parallel.loss import FusedHead
@@ -104,6 +105,10 @@ class ParallelModel(nn.Module):
         self.precision = precision
         self.tp_info = tp_info
         self.pipeline = pipeline  # a PipelineRunner when this rank holds pipeline stages
+        # This rank's copies of parameters every pipeline rank holds one of (`StageSplit.shared`: a tied head), by
+        # their name here → the whole model's; the copy on pp rank 0 is the one a norm or a checkpoint counts.
+        self._shared = pipeline.split.shared if pipeline is not None else {}
+        self._counted_elsewhere = set(self._shared) if comm.mesh.coord(Axis.PP) != 0 else set()
         self.scaler = LossScaler(enabled=precision.needs_loss_scaling)
         self.verdict: Verdict | None = None  # of the step under way, once agreed
         self._result: StepResult | None = None  # train_step's, for an agreement its caller does not pass it to
@@ -288,6 +293,8 @@ class ParallelModel(nn.Module):
             return
         self._used = self.engine.finish_gradients()
         self._reduce_sequence_partial_grads()
+        if self._shared:  # each copy of a tied head's table gets the one gradient: the sum of the stages' parts
+            self.pipeline.sum_shared_gradients(self.engine.master_names(), self.engine.masters())
         grads = self.grads()
         if grads and self.scaler.enabled:  # × 1/scale is exact: the scale is a power of two
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -362,7 +369,8 @@ class ParallelModel(nn.Module):
         gradient counts on the rank that owns its copies (`Mesh.owns`): every stage's, a
         tensor-parallel shard on each tp rank, a replicated one on tp rank 0; gradients sharded over
         the data axis (ZeRO) on each rank of one replica (dp_replicate 0), whole ones (DDP) on data
-        rank 0 only. None: this rank's count elsewhere.
+        rank 0 only; a parameter every pipeline rank holds a copy of (a tied head), on pp rank 0 only.
+        None: this rank's count elsewhere.
         """
         parts = [self._group_grad_sq(engine, expert) for engine, expert in self._groups]
         own = sum(p[0] for p in parts)
@@ -371,11 +379,15 @@ class ParallelModel(nn.Module):
 
     def _group_grad_sq(self, engine, expert: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_grad_sq` of one group of parameters (all but experts, or the experts: copies along other axes)."""
+        elsewhere = [m.grad for n, m in zip(engine.master_names(), engine.masters())
+                     if n in self._counted_elsewhere and m.grad is not None]
         if self.tp_info is None:
             own = engine.local_grad_sq_sum()
-            return own, own if self._owns_grad[expert, False] else None
-        named = zip(engine.master_names(), engine.masters())
-        sharded, replicated = tp_norm_sq_parts(((n, m.grad) for n, m in named if m.grad is not None), self.tp_info)
+            counted = own - sum_of_squares_flat([g.reshape(-1) for g in elsewhere], own.device) if elsewhere else own
+            return own, counted if self._owns_grad[expert, False] else None
+        named = [(n, m.grad) for n, m in zip(engine.master_names(), engine.masters())  # (a copy counted elsewhere
+                 if m.grad is not None and n not in self._counted_elsewhere]              # is checked there too)
+        sharded, replicated = tp_norm_sq_parts(named, self.tp_info)
         own = sharded + replicated
         if not self._owns_grad[expert, True]:  # no tp shard counts here, so no tp-replicated gradient either
             return own, None
@@ -475,7 +487,13 @@ class ParallelModel(nn.Module):
         (ZeRO-1/2 shard the masters, not the parameters). `Mesh.owns` says which copy counts."""
         expert = self.expert_info is not None and name in self.expert_info.names
         data_sharded = self._sharded[expert][1 if at_rest else 0]
-        return replicated_over(data_sharded, self.tp_info is not None and name in self.tp_info.sharded, expert)
+        axes = replicated_over(data_sharded, self.tp_info is not None and name in self.tp_info.sharded, expert)
+        return axes + ((Axis.PP,) if name in self._shared else ())
+
+    def whole_name(self, name: str) -> str:
+        """The whole model's name of this rank's parameter `name`, the one a checkpoint knows: a tied head's copy on
+        the last pipeline stage goes by its embedding's (`StageSplit.shared`)."""
+        return self._shared.get(name, name)
 
     def loss_scale_state(self) -> dict:
         """The fp16 loss scaler's state (scale, clean and skipped steps), for a checkpoint."""

@@ -256,7 +256,8 @@ def divisibility_violations(layout: LayoutSpec) -> list[Violation]:
     s = layout
     out = world_violations(s.world_size, s.dp, s.tp, s.pp, s.cp) + shape_violations(s.params_only, s.tp, s.pp)
     if s.model is not None:
-        out += llama_tp_violations(s.model, s.tp) + layer_violations(s.model.n_layers, s.pp)
+        out += (llama_tp_violations(s.model, s.tp) + layer_violations(s.model.n_layers, s.pp)
+                + pipeline_model_violations(s.model, s.pp))
     return out + batch_violations(s.global_batch, s.micro_batch, s.dp)
 
 
@@ -359,6 +360,22 @@ def layer_violations(n_layers: int, pp: int) -> list[Violation]:
     """Each pipeline stage holds the same number of layers."""
     if n_layers % pp:
         return [Violation("layers_pp", f"layers {n_layers} not divisible by pp {pp}")]
+    return []
+
+
+def pipeline_model_violations(model, pp: int) -> list[Violation]:
+    """What of the model pipeline stages cannot split: a transformers family they do not lay out (its
+    `pipeline_refusal`, `paratrain.models.hf.check_layable`'s reason), and a head tied to the embedding on
+    more than 2 stages (the copies of the table on the first and last stage have their gradients summed over the
+    pp axis, `paratrain.parallel.pipeline.stages.StageSplit.shared`, which then holds only them)."""
+    if pp == 1:
+        return []
+    refusal = getattr(model, "pipeline_refusal", None)
+    if refusal:
+        return [Violation("pp_model", f"{refusal}; use pp 1")]
+    if pp > 2 and getattr(model, "tie_embeddings", False):
+        return [Violation("pp_tied", f"the output head is tied to the embedding, whose two copies (first and last "
+                                     f"stage) pp {pp} would not hold alone; use pp 2 (or untie the head)")]
     return []
 
 

@@ -412,6 +412,23 @@ def sync_collectives(layout: Layout) -> dict[str, list[Collective]]:
     return {"world": [Collective("all_reduce", 64.0, layout.world_size)]}
 
 
+def tied_table_collectives(workload: Workload, layout: Layout) -> dict[str, list[Collective]]:
+    """The step's all-reduce over pp of a tied head's table gradient (empty without one, or without pipelines).
+
+    The first and the last stage each hold a copy of the table; after the data-parallel reduction their master
+    gradients are summed over pp (`paratrain.parallel.pipeline.runner.PipelineRunner.sum_shared_gradients`): V·h/tp
+    fp32 values per rank (the table split by vocabulary under tp), ZeRO's rows of them under ZeRO-1/2. Once per
+    step, on the critical path between the last backward and the step.
+    """
+    model = workload.model
+    if model is None or layout.pp == 1 or not getattr(model, "tie_embeddings", False):
+        return {}
+    rows = -(-model.vocab_size // layout.tp)
+    if layout.zero:
+        rows = -(-rows // layout.shard_ranks)
+    return {"pp": [Collective("all_reduce", 4.0 * rows * model.dim, layout.pp)]}
+
+
 def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
     """Bytes one rank sends per step on each axis (the busiest rank of that axis).
 
@@ -432,4 +449,6 @@ def comm_bytes_per_rank(workload: Workload, layout: Layout) -> dict[str, int]:
         out["pp"] = max(out["pp"], m * sum(c.bytes_sent for c in pp_sends(workload, layout, stage)))
         if layout.cp > 1:
             out["cp"] = max(out["cp"], m * sum(c.bytes_sent for c in cp_sends(workload, layout, stage)))
+    for axis, collectives in tied_table_collectives(workload, layout).items():  # (on the end stages: the busiest)
+        out[axis] += sum(c.bytes_sent for c in collectives)
     return {axis: int(round(value)) for axis, value in out.items()}

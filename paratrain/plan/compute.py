@@ -28,6 +28,7 @@ from paratrain.plan.collectives import (
     ring_sends,
     stage_psi,
     sync_collectives,
+    tied_table_collectives,
     tp_collectives,
 )
 from paratrain.plan.hardware import (
@@ -114,7 +115,8 @@ class StepTime:
     dp_comm: data-parallel time not hidden behind compute (`dp_comm_total` is all of it).
     optimizer: the (memory-bound) optimizer step, with gradient clipping, and the other passes over
         the parameters (`per_microbatch_bytes_per_param`).
-    sync: the step's small agreement collectives (flags, loss, the global gradient norm).
+    sync: the step's small agreement collectives (flags, loss, the global gradient norm), and under pp the sum of a
+        tied head's two table gradients (`tied_table_collectives`).
     dp_comm_by_axis: `dp_comm` split over the data axes (`Layout.data_axes`, and with ep > 1 the
         experts' replica axis), summing to it: what `paratrain report` sets beside the runtime's
         exposed time per axis.
@@ -424,7 +426,8 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     data = max(stages, key=lambda s: sum(s.dp_exposed.values()))  # the stage whose data-parallel time shows most
     axes = (*lay.data_axes, moe.EXPERT_DATA_AXIS) if moe.EXPERT_DATA_AXIS in data.dp_exposed else lay.data_axes
     dp_by_axis = {axis: data.dp_exposed.get(axis, 0.0) for axis in axes}
-    sync = sum(collective_seconds(hardware, lay, axis, c) for axis, c in sync_collectives(lay).items())
+    sync = sum(collective_seconds(hardware, lay, axis, c)
+               for calls in (sync_collectives(lay), tied_table_collectives(workload, lay)) for axis, c in calls.items())
     return StepTime(
         compute=m * slowest.compute, tp_comm=m * slowest.tp, pp_comm=m * slowest.pp, cp_comm=m * slowest.cp,
         bubble=pipeline_traits(lay.schedule, lay.pp, m, lay.chunks).bubble * slowest.per_mb,

@@ -191,9 +191,10 @@ class StepGuard:
     # -- replicas --------------------------------------------------------------------------
     def _replicated(self) -> list[tuple[str, list[torch.Tensor]]]:
         """(axis, the parameters held now that are equal across it) for dp and cp (whole parameters: DDP,
-        ZeRO-1/2), dp_replicate (ZeRO-3's shards under hybrid sharding) and tp (those tensor parallelism does
-        not split): each parameter under every axis `ParallelModel.replicated_over` names for it at rest."""
-        over = {"dp": [], "cp": [], "dp_replicate": [], "tp": []}
+        ZeRO-1/2), dp_replicate (ZeRO-3's shards under hybrid sharding), tp (those tensor parallelism does
+        not split) and pp (the copies of a tied head): each parameter under every axis
+        `ParallelModel.replicated_over` names for it at rest."""
+        over = {"dp": [], "cp": [], "dp_replicate": [], "tp": [], "pp": []}
         for name, param in self.model.module.named_parameters():
             for axis in self.model.replicated_over(name, at_rest=True):
                 over[axis].append(param)

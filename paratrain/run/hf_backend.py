@@ -88,24 +88,11 @@ def check_layout(cfg: Config, model_cfg, flag: str) -> None:
             raise ConfigError(f"--ep {p.ep}: transformers' {kind} has no mixture of experts that expert parallelism "
                               f"splits (a router `gate` beside experts fused as {' and '.join(EXPERT_TENSORS)}); "
                               "use --ep 1")
-    if p.pp > 1:
-        check_stages(p.pp, model_cfg)
+    from paratrain.parallel.rules import pipeline_model_violations
 
-
-def check_stages(pp: int, model_cfg) -> None:
-    """Whether transformers' model of `model_cfg` can be laid out for `pp` pipeline stages
-    (`paratrain.interop.hf_stages`); one line naming why not."""
-    from paratrain.interop.hf_stages import SequentialError, check_layable
-    from paratrain.models.hf import HFCausalLM
-
-    kind = model_cfg.model_type
-    try:
-        check_layable(HFCausalLM.build(model_cfg).hf_config)  # as built: its attention implementation set
-    except SequentialError as e:
-        raise ConfigError(f"--pp {pp}: {e}; use --pp 1") from None
-    if model_cfg.tie_embeddings:
-        raise ConfigError(f"--pp {pp}: {kind} ties its output head to its input embedding (tie_word_embeddings), "
-                          "and the first and last pipeline stages would each need the one table; use --pp 1")
+    broken = pipeline_model_violations(model_cfg, p.pp)  # (before the shape rules: they read its fields)
+    if broken:
+        raise ConfigError(f"--pp {p.pp}: {broken[0].message}")
 
 
 def reference_dir_config(path: str):

@@ -76,8 +76,9 @@ def master_boxes(model) -> list[MasterBox]:
             offset, shape = (tp_offset[0] + lo, *tp_offset[1:]), (hi - lo, *local_shape[1:])
         else:  # a 0-d parameter: ZeRO shards it as one row of one element
             global_shape, offset, shape = (), (), ()
-        writer = mesh.owns(model.replicated_over(name)) and hi > lo
-        boxes.append(MasterBox(name, master, tuple(global_shape), tuple(offset), tuple(shape), hi == lo, writer))
+        writer = mesh.owns(model.replicated_over(name)) and hi > lo  # (a tied head's copies: pp rank 0's)
+        boxes.append(MasterBox(model.whole_name(name), master, tuple(global_shape), tuple(offset), tuple(shape),
+                               hi == lo, writer))
     return boxes
 
 

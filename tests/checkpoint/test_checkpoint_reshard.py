@@ -59,6 +59,11 @@ MOE = dataclasses.replace(TINY, n_layers=2, n_experts=4, top_k=2, expert_ffn_dim
 MOE_LAYOUTS = [ONE, Layout("dp2_zero1", dp=2, zero=1), Layout("dp2_ep2_zero1", dp=2, ep=2, zero=1),
                Layout("dp4_ep2_zero1", dp=4, ep=2, zero=1), Layout("dp2_ep2_zero3", dp=2, ep=2, zero=3)]
 
+# A head tied to the embedding: under pp each end stage holds a copy of the table, saved once under the whole
+# model's name (by the first stage) and loaded into both copies; one process and pp2 load each other's checkpoints.
+TIED = dataclasses.replace(TINY, tie_embeddings=True)
+TIED_LAYOUTS = [ONE, Layout("pp2", pp=2), Layout("pp2_dp2_zero1", pp=2, dp=2, zero=1)]
+
 
 def build(layout: Layout, seed: int = 0, config=TINY):
     mesh = build_mesh(MeshShape(dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_shard=layout.dp_shard, ep=layout.ep))
@@ -157,6 +162,16 @@ def test_moe_checkpoints_load_across_expert_parallelism(tmp_path):
         reader = CheckpointReader(next((tmp_path / layout).glob("step-*")))
         for name in ("model/layers.0.feed_forward.experts.w1", "optim/layers.1.feed_forward.experts.w2/exp_avg_sq"):
             assert sorted(tuple(box.offset) for box in reader.boxes(name)) == boxes, (layout, name, reader.boxes(name))
+
+
+def test_a_tied_head_checkpoints_once_across_pipeline_stages(tmp_path):
+    _check_matrix(tmp_path, TIED_LAYOUTS, TIED)
+    for layout in ("pp2", "pp2_dp2_zero1"):
+        reader = CheckpointReader(next((tmp_path / layout).glob("step-*")))
+        names = set(reader.names())
+        assert "model/tok_embeddings.weight" in names and not any("output.weight" in name for name in names)
+        boxes = [tuple(box.offset) for box in reader.boxes("optim/tok_embeddings.weight/exp_avg")]
+        assert sorted(boxes) == ([(0, 0)] if layout == "pp2" else [(0, 0), (32, 0)]), boxes  # written once each
 
 
 def _load_error(model, optimizer, path) -> str:

@@ -184,7 +184,6 @@ def test_what_a_family_cannot_do_under_a_layout_is_refused_in_one_line(tmp_path,
     phi3 = [*TRAIN, "--init-from", str(tmp_path / "phi3"), "--nproc", "2"]
     assert "--document-mask with --cp 2: transformers' model builds its document mask from the chunks" in \
         _refusal(capsys, [*phi3, "--cp", "2", "--document-mask"])
-    assert "--pp 2: gemma2 ties its output head to its input embedding" in _refusal(capsys, [*gemma2, "--pp", "2"])
     qwen2 = [*TRAIN, "--init-from", str(tmp_path / "qwen2"), "--nproc", "2"]
     save_family("qwen2", tmp_path / "qwen2")
     assert "--ep 2: transformers' qwen2 has no mixture of experts that expert parallelism splits" in \
@@ -200,6 +199,30 @@ def test_what_a_family_cannot_do_under_a_layout_is_refused_in_one_line(tmp_path,
     transformers.AutoModelForCausalLM.from_config(gpt2).save_pretrained(tmp_path / "gpt2")
     assert "--pp 2: pipeline stages lay out transformers' llama, mistral" in \
         _refusal(capsys, [*TRAIN, "--init-from", str(tmp_path / "gpt2"), "--nproc", "2", "--pp", "2"])
+
+
+def test_plan_proposes_pipeline_stages_only_where_the_trainer_lays_them_out(tmp_path, capsys):
+    """`plan --model DIR` reads the trainer's rule (`rules.pipeline_model_violations`): a family pipeline stages do
+    not lay out (Gemma 1) gets no --pp layout, every one refused for that reason; Gemma 2 (its head tied to the
+    embedding) gets pp 2."""
+    import transformers
+
+    from hf_families import _COMMON
+
+    gemma = transformers.GemmaConfig(**{**_COMMON, "head_dim": 8})
+    transformers.AutoModelForCausalLM.from_config(gemma).save_pretrained(tmp_path / "gemma")
+    save_family("gemma2", tmp_path / "gemma2")
+    searched = {}
+    for family in ("gemma", "gemma2"):
+        capsys.readouterr()
+        assert main(["plan", "--model", str(tmp_path / family), "--gpus", "4", "--seq-len", "32", "--global-batch",
+                     "8", "--top", "1000", "--json"]) == 0  # every feasible layout
+        searched[family] = json.loads(capsys.readouterr().out)
+    assert searched["gemma"]["layouts"] and {layout["pp"] for layout in searched["gemma"]["layouts"]} == {1}
+    refused = {entry["rule"]: entry for entry in searched["gemma"]["infeasible"]}
+    assert "gemma's is not known to be" in refused["pp_model"]["summary"]
+    assert searched["gemma2"]["workload"]["config"]["tie_embeddings"]
+    assert 2 in {layout["pp"] for layout in searched["gemma2"]["layouts"]}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -149,13 +149,8 @@ def test_tied_embeddings_share_one_parameter_after_materialization():
     assert model.output.weight is model.tok_embeddings.weight
     names = [n for n, _ in model.named_parameters()]
     assert "output.weight" not in names and "tok_embeddings.weight" in names
-    # A last pipeline stage holding only the output gets the shared table's values.
-    with torch.device("meta"):
-        last = Transformer(config)
-    last.tok_embeddings = None
-    last.to_empty(device="cpu")
-    last.init_weights(0)
-    assert torch.equal(last.output.weight, model.tok_embeddings.weight)
+    # (a last pipeline stage's copy of the table is initialized under the whole model's name by the split:
+    # tests/parallel/pipeline/test_pipeline.py, the tied cases)
 
 
 # ---- forward ----

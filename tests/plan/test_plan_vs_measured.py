@@ -86,6 +86,8 @@ LAYOUTS_4 = {  # name: (Layout, global batch rows per micro-batch on each data r
     "dp2_tp2_sp_zero3": Layout(dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch=BATCH // 2),
     "pp4_1f1b": Layout(pp=4, micro_batch=2),
     "pp2_dp2_gpipe_zero1": Layout(pp=2, dp=2, zero=1, micro_batch=2, schedule=ScheduleName.GPIPE),
+    # a head tied to the embedding: the table's ZeRO-1 rows of gradient summed over pp once per step
+    "pp2_dp2_gpipe_zero1_tied": Layout(pp=2, dp=2, zero=1, micro_batch=2, schedule=ScheduleName.GPIPE),
     "pp2_tp2_sp_interleaved": Layout(pp=2, tp=2, sequence_parallel=True, micro_batch=2,
                                      schedule=ScheduleName.INTERLEAVED, virtual_stages=2),
     # the ring's K/V sends on cp, ZeRO-1 over the dp × cp ranks on dp_cp
@@ -93,17 +95,19 @@ LAYOUTS_4 = {  # name: (Layout, global batch rows per micro-batch on each data r
 }
 
 
-def _config_for(layout: Layout):
+def _config_for(layout: Layout, name: str = ""):
+    if name.endswith("_tied"):
+        return dataclasses.replace(EIGHT_LAYERS, tie_embeddings=True)
     if layout.cp > 1:  # the reference model repeats K/V to the query heads before SDPA on the CPU: the ring carries
         return dataclasses.replace(EIGHT_LAYERS, n_kv_heads=EIGHT_LAYERS.n_heads)  # H heads, which Hk = H plans
     return dataclasses.replace(EIGHT_LAYERS, n_heads=8, n_kv_heads=4) if layout.tp == 4 else EIGHT_LAYERS
 
 
-def _measure_layout(layout: Layout):
+def _measure_layout(layout: Layout, name: str):
     """Two steps; comm bytes per axis of the second (pipeline shapes are agreed in the first) and model state."""
     mesh = build_mesh(MeshShape(pp=layout.pp, dp=layout.dp, tp=layout.tp, cp=layout.cp))
     with torch.device("meta"):
-        model = Transformer(_config_for(layout))
+        model = Transformer(_config_for(layout, name))
     model, optimizer = parallelize(model, mesh, optimizer=adamw, init=lambda name,
                                    shape: model.param_init(name, shape, 0),
                                    data=DataParallel(zero=layout.zero, grad_reduction="sum"),
@@ -129,7 +133,7 @@ def _measure_layout(layout: Layout):
 
 
 def _measure_layouts(rank, world):
-    return {name: _measure_layout(layout) for name, layout in LAYOUTS_4.items()}
+    return {name: _measure_layout(layout, name) for name, layout in LAYOUTS_4.items()}
 
 
 _LAYOUT_RESULTS: dict = {}
@@ -140,7 +144,7 @@ def test_tensor_and_pipeline_layouts_match_the_planner(name):
     """Per axis, the busiest rank's bytes per step; per rank, params + grads + optimizer state (incl. master)."""
     layout = LAYOUTS_4[name]
     per_rank = [result[name] for result in launch_once(_LAYOUT_RESULTS, 4, _measure_layouts)]
-    workload = Workload.for_model(_config_for(layout), seq_len=SEQ, global_batch=BATCH, precision="fp32",
+    workload = Workload.for_model(_config_for(layout, name), seq_len=SEQ, global_batch=BATCH, precision="fp32",
                                   reduce_dtype="fp32")
     planned_comm = comm_bytes_per_rank(workload, layout)
     for axis in planned_comm:  # dp (dp_cp under cp), tp, pp, and cp under cp

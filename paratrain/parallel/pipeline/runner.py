@@ -370,6 +370,21 @@ class PipelineRunner:
         return logits
 
     @torch.no_grad()
+    def sum_shared_gradients(self, names: list[str], masters: list[torch.Tensor]) -> None:
+        """Sum over pp the gradients of this rank's copies of a parameter every pipeline rank holds one of
+        (`StageSplit.shared`: a head tied to the embedding, Megatron's embedding group), in the whole model's name
+        order, after the data-parallel reduction: each copy then holds the whole model's gradient of the one
+        parameter and takes the same step. The copies of a rank and its pp peers (the same dp and tp coordinates)
+        are alike: the same tp slice, the same ZeRO rows (`paratrain.parallel.data.shard`), so master gradients,
+        whole or sharded, are summed as they are. One all-reduce per step."""
+        shared = self.split.shared
+        copies = sorted(((shared[n], m) for n, m in zip(names, masters) if n in shared), key=lambda c: c[0])
+        for _, master in copies:
+            if master.grad is None:  # no part reached this copy: its peer's is the sum
+                master.grad = torch.zeros_like(master)
+        self.comm.all_reduce_coalesced([master.grad for _, master in copies], Axis.PP)
+
+    @torch.no_grad()
     def stage_parameters(self, local: dict[str, torch.Tensor], whole) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter of the whole model, one at a time: the stage holding it makes it whole
         (`whole(name, value)`, over tp) and broadcasts it over pp (collective: every rank iterates)."""

@@ -18,6 +18,7 @@ model class: the split reads only that structure.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -112,6 +113,11 @@ class StageSplit:
     module: nn.Module
     param_owner: dict[str, int]  # every trainable parameter name of the whole model → the stage holding it
     param_shapes: dict[str, torch.Size]
+    # A parameter that stages on every pipeline rank use (a head tied to the embedding: Megatron's "embedding
+    # group"): its name on this rank → its name in the whole model. Each rank holds a copy, initialized and loaded
+    # alike under the whole model's name; their gradients are summed over pp before the norm and the step
+    # (`ParallelModel.finish_gradients`), the norm and a checkpoint count the copy of pp rank 0 alone.
+    shared: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -158,8 +164,8 @@ def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int
     # the parameters that train (a frozen one, as LoRA's base, is no master, checkpoint or export tensor)
     names = {name: p for name, p in model.named_parameters() if p.requires_grad}
     owner = {name: _owning_stage(name, model, kind, ranges) for name in names}
-    _check_no_shared_across_stages(model, kind, ranges)
     stages = tuple(s for s in range(num_stages) if s % pp == rank)
+    shared = _shared_across_ranks(model, kind, ranges, pp, stages)
     keep = {str(i) for s in stages for i in range(*ranges[s])}
     if kind == LAYERED:
         for key in [k for k in _layers(model) if k not in keep]:
@@ -171,7 +177,7 @@ def split_for_pipeline(model: nn.Module, pp: int, rank: int, virtual_stages: int
     else:
         for key in [k for k in model._modules if k not in keep]:
             del model._modules[key]
-    return StageSplit(kind, ranges, stages, model, owner, {n: p.shape for n, p in names.items()})
+    return StageSplit(kind, ranges, stages, model, owner, {n: p.shape for n, p in names.items()}, shared)
 
 
 def sequence_parallel_boundaries(split: StageSplit, comm, axis: Axis = Axis.TP) -> list:
@@ -251,14 +257,26 @@ def _owning_stage(name: str, model: nn.Module, kind: str, ranges: list[tuple[int
     return next(s for s, (a, b) in enumerate(ranges) if a <= index < b)
 
 
-def _check_no_shared_across_stages(model: nn.Module, kind: str, ranges: list[tuple[int, int]]) -> None:
-    """A parameter used by two stages would need its gradients summed across them: refuse it."""
-    seen: dict[int, tuple[str, int]] = {}
+def _shared_across_ranks(model: nn.Module, kind: str, ranges: list[tuple[int, int]], pp: int,
+                         stages: tuple[int, ...]) -> dict[str, str]:
+    """{name on this rank: name in the whole model} of each trainable parameter that stages on several pipeline
+    ranks use (`StageSplit.shared`). Stages of one rank share the one parameter: nothing to sum. The copies' sum
+    rides the pp axis, so every pipeline rank must hold one (pp = 2 for a tied head): other cases are refused."""
+    uses: dict[int, list[tuple[str, int]]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        stage = _owning_stage(name, model, kind, ranges)
-        other, other_stage = seen.setdefault(id(param), (name, stage))
-        if other_stage != stage:
-            raise PipelineError(f"{name} is the same parameter as {other} but they fall on pipeline stages "
-                                f"{stage} and {other_stage}; untie them (e.g. --tie-embeddings false) or use pp=1")
-
-
+        if param.requires_grad:
+            uses.setdefault(id(param), []).append((name, _owning_stage(name, model, kind, ranges)))
+    shared = {}
+    for named in uses.values():
+        ranks = {stage % pp for _, stage in named}
+        if len(ranks) == 1:
+            continue
+        (whole, stage), (other, other_stage) = named[0], next(u for u in named if u[1] % pp != named[0][1] % pp)
+        if len(ranks) != pp:
+            raise PipelineError(f"{other} is the same parameter as {whole} but they fall on pipeline stages "
+                                f"{other_stage} and {stage}, on {len(ranks)} of the {pp} pipeline ranks; its "
+                                f"gradient is summed over the pp axis, which needs a copy on every pipeline rank: "
+                                f"use --pp 2 (or pp=1), or untie them (e.g. --tie-embeddings false)")
+        local = next(name for name, stage in named if stage in stages)
+        shared[local] = whole
+    return shared

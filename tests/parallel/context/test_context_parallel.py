@@ -357,7 +357,8 @@ def test_verify_passes_the_cp_layouts_on_a_hugging_face_llama_through_the_model_
 
 
 def test_as_sequential_computes_the_hugging_face_models_logits():
-    from paratrain.interop.hf_stages import SequentialError, as_sequential
+    from paratrain.interop.hf_stages import as_sequential
+    from paratrain.models.hf import SequentialError
 
     model = _hf_model()
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -36,6 +36,12 @@ EIGHT_LAYERS = dataclasses.replace(TINY, n_layers=8)
 
 @dataclasses.dataclass(frozen=True)
 class Case(Layout):
+    tied: bool = False  # the head tied to the embedding: a copy of the table on the first and the last stage
+
+    @property
+    def config(self):
+        return dataclasses.replace(EIGHT_LAYERS, tie_embeddings=self.tied)
+
     @property
     def fp32(self) -> bool:
         return self.precision == "fp32"  # else fp64, where agreement with one process is exact (1e-9)
@@ -55,12 +61,19 @@ CASES = {name: variant(Case, name) for name in [
     # 3D, on 8 ranks; hybrid sharding inside each stage: 2 replicas × 2 shards of ZeRO-1/2
     "pp2_1f1b_m2_dp2_tp2_zero1_fp64", "pp2_interleaved_v2_m2_dp2_tp2_zero2_fp64", "pp2_1f1b_m2_dp2_tp2_zero1",
     "pp2_zb-h1_m2_dp2_tp2_sp_zero1_fp64", "pp2_1f1b_m2_hsdp2x2_zero1", "pp2_1f1b_m2_hsdp2x2_zero2"]}
+# A tied head (Megatron's embedding group): each end stage holds a copy of the table; their gradients summed over pp.
+# 1F1B and interleaved (the copies on ranks 0 and 1 of 2 whatever the chunks), under DDP, ZeRO-1 and ZeRO-2 with tp.
+TIED = [f"{name}_tied" for name in ("pp2_1f1b_m4_fp64", "pp2_interleaved_v2_m4_fp64", "pp2_1f1b_m2_dp2_zero1",
+                                     "pp2_1f1b_m2_dp2_tp2_zero1_fp64", "pp2_interleaved_v2_m2_dp2_tp2_zero2_fp64")]
+CASES.update({name: variant(Case, name.removesuffix("_tied"), tied=True) for name in TIED})
+CASES["pp2_1f1b_m2_dp2_fp64_tied"] = Case(pp=2, microbatches=2, dp=2, precision="fp64", tied=True)  # DDP
+TIED.append("pp2_1f1b_m2_dp2_fp64_tied")
 
 
 def _train(case: Case, mesh, steps: int | None = None):
     """`case` trained `steps` steps (default: the case's)."""
     with torch.device("meta"):
-        model = Transformer(EIGHT_LAYERS).to(torch.float32 if case.fp32 else torch.float64)
+        model = Transformer(case.config).to(torch.float32 if case.fp32 else torch.float64)
     model, optimizer = parallelize(model, mesh, optimizer=functools.partial(adamw, lr=case.lr),
                                    precision="fp32" if case.fp32 else FP64, init=lambda name,
                                    shape: model.param_init(name, shape, 0),
@@ -68,7 +81,7 @@ def _train(case: Case, mesh, steps: int | None = None):
                                    tensor=TensorParallel(sequence_parallel=case.sp),
                                    pipeline=PipelineParallel(schedule=case.schedule, virtual_stages=case.virtual_stages))
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
-    losses, sent = [], []
+    losses, sent, norms = [], [], []
     for x, y in batches()[:steps or case.steps]:
         rows = BATCH // dp
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
@@ -80,14 +93,15 @@ def _train(case: Case, mesh, steps: int | None = None):
         summary = model.comm.summary()  # of the forward and backward passes
         transfers = (summary.get("pp", {}).get("send", {}).get("bytes", 0),
                      summary.get("tp", {}).get("all_gather", {}).get("bytes", 0))
-        model.clip_grad_norm_(1.0)
+        norms.append(model.clip_grad_norm_(1.0).item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reductions = {axis: kinds["all_reduce"]["calls"] for axis, kinds in model.comm.summary().items()
                       if "all_reduce" in kinds}  # the whole step's
         sent.append((*transfers, reductions))
         losses.append(model.comm_sum(loss_sum.double()).item() / tokens)
-    return losses, model.full_state_dict(), sent
+    copies = {n: model.module.get_parameter(n).detach().clone() for n in model.pipeline.split.shared}
+    return losses, model.full_state_dict(), sent, norms, copies
 
 
 def _all_cases(rank, world):
@@ -112,18 +126,19 @@ _REFERENCE: dict = {}
 
 def _reference(case: Case, steps: int | None = None):
     steps = steps or case.steps
-    key = (steps, case.fp32)
+    key = (steps, case.fp32, case.tied)
     if key not in _REFERENCE:
-        model = make_model(EIGHT_LAYERS).to(torch.float32 if case.fp32 else torch.float64)
-        _REFERENCE[key] = reference_run(model, batches()[:steps], lr=case.lr)
+        model = make_model(case.config).to(torch.float32 if case.fp32 else torch.float64)
+        norms = []
+        _REFERENCE[key] = (*reference_run(model, batches()[:steps], lr=case.lr, norms=norms), norms)
     return _REFERENCE[key]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_matches_one_process(name):
     case = CASES[name]
-    ref_losses, ref_params = _reference(case)
-    for losses, params, _ in _results(case.world, name):
+    ref_losses, ref_params, _ = _reference(case)
+    for losses, params, *_ in _results(case.world, name):
         assert params.keys() == ref_params.keys()
         assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW if case.fp32 else FP64_PARITY)
 
@@ -137,7 +152,7 @@ def test_point_to_point_bytes_match_theory(name):
     case = CASES[name]
     b, h, stages = BATCH // (case.dp * case.microbatches), EIGHT_LAYERS.dim, case.pp * case.virtual_stages
     boundary = 2 * (stages - 1) * case.microbatches * b * SEQ * h * (4 if case.fp32 else 8)
-    per_rank = [sent for i, (_, _, sent) in enumerate(_results(case.world, name)) if i % (case.dp * case.tp) == 0]
+    per_rank = [sent for i, (_, _, sent, *_) in enumerate(_results(case.world, name)) if i % (case.dp * case.tp) == 0]
     assert sum(sent[1][0] for sent in per_rank) == boundary // case.tp  # step 2: shapes were agreed at step 1
     # + one 8-int header per boundary, at the first step: a gradient has its activation's shape
     assert sum(sent[0][0] for sent in per_rank) == boundary // case.tp + (stages - 1) * 8 * 8
@@ -147,9 +162,32 @@ def test_point_to_point_bytes_match_theory(name):
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.dp == c.tp == 1])
 def test_a_step_reduces_once_over_the_mesh(name):
-    """The loss of the last stage reaches the other stages in the step's agreement: no all-reduce of its own."""
-    for i, (_, _, sent) in enumerate(_results(CASES[name].world, name)):
-        assert [step[2] for step in sent] == [{"world": 1}] * len(sent), f"rank {i}"
+    """The loss of the last stage reaches the other stages in the step's agreement: no all-reduce of its own. A tied
+    head adds one all-reduce over pp: its two copies' gradients summed."""
+    once = {"world": 1, **({"pp": 1} if CASES[name].tied else {})}
+    for i, (_, _, sent, *_) in enumerate(_results(CASES[name].world, name)):
+        assert [step[2] for step in sent] == [once] * len(sent), f"rank {i}"
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_tied_head_copies_take_one_gradient_counted_once(name):
+    """A tied table's two copies: their gradients summed over pp (skipping the sum, each copy steps on its own stage's
+    part: the parameters leave one process's, and the copies differ), the norm counting the table once (counted on
+    both stages, the norm is off by the table's part: FP64 makes that visible at any step), the copies bit-equal
+    after every step, each rank's copy the one its pp peer (same dp and tp coordinates) holds; the whole model has
+    the table once."""
+    case = CASES[name]
+    ref_norms = _reference(case)[2]
+    results = _results(case.world, name)
+    half = case.world // 2  # pp is the slowest axis: rank i and i + half are pp peers
+    for rank, (_, params, _, norms, copies) in enumerate(results):
+        bound = 1e-9 if not case.fp32 else 1e-4
+        assert max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)) <= bound, (rank, norms, ref_norms)
+        assert set(copies) == {"tok_embeddings.weight" if rank < half else "output.weight"}, copies.keys()
+    for rank in range(half):
+        first, last = results[rank][4]["tok_embeddings.weight"], results[rank + half][4]["output.weight"]
+        assert torch.equal(first, last), f"the copies on ranks {rank} and {rank + half} differ"
+    assert "output.weight" not in results[0][1]
 
 
 # -- splitting and errors (no processes) ----------------------------------------------------------
@@ -181,11 +219,33 @@ def test_sequential_split_and_explicit_boundaries():
     assert list(split.module._modules) == ["0", "1"] and split.ranges == [(0, 2), (2, 6)]
 
 
-def test_tied_embeddings_across_stages_are_refused():
-    with torch.device("meta"):
-        model = Transformer(dataclasses.replace(EIGHT_LAYERS, tie_embeddings=True))
-    with pytest.raises(PipelineError, match="untie them"):
-        split_for_pipeline(model, pp=2, rank=0)
+def test_tied_embeddings_across_stages_are_shared_copies():
+    """A tied head at pp=2: each end rank holds a copy, named by the whole model's name; at pp=4 the middle ranks
+    hold none, and the sum over pp would need them: refused in one line."""
+    def split(pp, rank, virtual=1):
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(EIGHT_LAYERS, tie_embeddings=True))
+        return split_for_pipeline(model, pp=pp, rank=rank, virtual_stages=virtual)
+
+    first, last = split(2, 0), split(2, 1)
+    assert first.shared == {"tok_embeddings.weight": "tok_embeddings.weight"}
+    assert last.shared == {"output.weight": "tok_embeddings.weight"}
+    assert "output.weight" not in last.param_owner and last.param_owner["tok_embeddings.weight"] == 0
+    assert split(2, 1, virtual=2).shared == {"output.weight": "tok_embeddings.weight"}
+    with pytest.raises(PipelineError, match="needs a copy on every pipeline rank"):
+        split(4, 0)
+
+
+def test_the_layout_rules_refuse_a_tied_head_beyond_two_stages():
+    """The trainer's and the planner's rule (`rules.pipeline_model_violations`): a tied head at pp 2 (any virtual
+    stages) runs, at pp 4 it is refused in one line naming the fix; an untied one runs at both."""
+    from paratrain.parallel.rules import LayoutSpec, LayoutRuleError, check_layout
+
+    tied = dataclasses.replace(EIGHT_LAYERS, tie_embeddings=True)
+    for model, pp in ((tied, 2), (EIGHT_LAYERS, 4)):
+        check_layout(LayoutSpec(dp=1, tp=1, pp=pp, world_size=pp, model=model, global_batch=8, micro_batch=1))
+    with pytest.raises(LayoutRuleError, match="tied to the embedding.*use pp 2"):
+        check_layout(LayoutSpec(dp=1, tp=1, pp=4, world_size=4, model=tied, global_batch=8, micro_batch=1))
 
 
 def _errors(rank, world):
