@@ -409,19 +409,16 @@ def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, m
     """`paratrain verify --optimizer muon` at its default tolerance (fp32, Newton–Schulz in bf16 in every run):
     ZeRO-3 against one process PASSes; rank 1 negating its gradients FAILs. (Every other layout's Muon is held to
     torch's in one process by the tests above; this is verify's own path, its bound and its verdict.) The model: a
-    Llama directory of `tiny`'s vocabulary at a quarter of its width, trained from scratch; on a CPU without bf16
-    matrix units, Newton–Schulz's bf16 products on `tiny`'s 256 x 688 matrices take seconds a step."""
-    transformers = pytest.importorskip("transformers")
+    small Llama directory trained from scratch; on a CPU without bf16 matrix units, Newton–Schulz's bf16 products
+    on `tiny`'s 256 x 688 matrices take seconds a step."""
+    pytest.importorskip("transformers")
+    from hf_families import save_llama_config
     from paratrain.cli import main
     from paratrain.faults import FAULT_ENV
     from test_verify import SMALL
 
-    model = tmp_path / "llama"
-    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=64).save_pretrained(model)
     assert SMALL[:2] == ["--model", "tiny"]
-    verify = ["verify", "--model", str(model), *SMALL[2:], "--optimizer", "muon"]
+    verify = ["verify", "--model", str(save_llama_config(tmp_path / "llama")), *SMALL[2:], "--optimizer", "muon"]
     assert main([*verify, "--layouts", "dp2,zero3"]) == 0, capsys.readouterr().out
     table = capsys.readouterr().out.split("layout ")[-1].splitlines()
     assert [line.split()[5] for line in table[1:]] == ["PASS"], table
