@@ -60,6 +60,14 @@ def save_family(family: str, directory: Path, seed: int = 0, max_shard_size: str
     return Path(directory)
 
 
+def save_llama_config(directory: Path) -> Path:
+    """A Llama of the families' shape, its config.json alone: the directory `--model DIR` trains from scratch."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**_COMMON).save_pretrained(directory)
+    return Path(directory)
+
+
 def hf_loss(model, tokens: torch.Tensor) -> float:
     """transformers' own loss of `tokens` (labels = the tokens, shifted inside the model)."""
     with torch.no_grad():

@@ -405,18 +405,24 @@ def test_a_killed_muon_run_resumes_bit_equal(tmp_path, layout):
 # -- verify --------------------------------------------------------------------------------------------------
 
 @pytest.mark.multirank
-def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch):
+def test_verify_with_muon_passes_a_sound_layout_and_fails_a_broken_one(capsys, monkeypatch, tmp_path):
     """`paratrain verify --optimizer muon` at its default tolerance (fp32, Newton–Schulz in bf16 in every run):
     ZeRO-3 against one process PASSes; rank 1 negating its gradients FAILs. (Every other layout's Muon is held to
-    torch's in one process by the tests above; this is verify's own path, its bound and its verdict.)"""
+    torch's in one process by the tests above; this is verify's own path, its bound and its verdict.) The model: a
+    small Llama directory trained from scratch; on a CPU without bf16 matrix units, Newton–Schulz's bf16 products
+    on `tiny`'s 256 x 688 matrices take seconds a step."""
+    pytest.importorskip("transformers")
+    from hf_families import save_llama_config
     from paratrain.cli import main
     from paratrain.faults import FAULT_ENV
     from test_verify import SMALL
 
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero3", "--optimizer", "muon"]) == 0, capsys.readouterr().out
+    assert SMALL[:2] == ["--model", "tiny"]
+    verify = ["verify", "--model", str(save_llama_config(tmp_path / "llama")), *SMALL[2:], "--optimizer", "muon"]
+    assert main([*verify, "--layouts", "dp2,zero3"]) == 0, capsys.readouterr().out
     table = capsys.readouterr().out.split("layout ")[-1].splitlines()
     assert [line.split()[5] for line in table[1:]] == ["PASS"], table
     monkeypatch.setenv(FAULT_ENV, "negate_grads@rank1:step*")
-    assert main(["verify", *SMALL, "--layouts", "dp2,zero2", "--optimizer", "muon"]) == 1
+    assert main([*verify, "--layouts", "dp2,zero2"]) == 1
     row = capsys.readouterr().out.splitlines()[-1].split()
     assert row[0] == "dp2,zero2" and row[5] == "FAIL", row
