@@ -44,7 +44,7 @@ class Case:
 
 
 CASES = {
-    "qwen2_dp2": Case("qwen2", dp=2),
+    **{f"{f}_dp2": Case(f, dp=2) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
     **{f"{f}_dp2_zero3": Case(f, dp=2, zero=3) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
     **{f"{f}_tp2_sp": Case(f, tp=2, sp=True) for f in ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "qwen3_moe")},
     "phi3_tp2_sp_fp64": Case("phi3", tp=2, sp=True, fp64=True),  # the fused qkv_proj and gate_up_proj split exactly
