@@ -35,6 +35,7 @@ from pathlib import Path
 from paratrain.checkpoint.format import parse_step_dirname
 from paratrain.checkpoint.store import list_checkpoints, read_index
 from paratrain.config import Config, ConfigError
+from paratrain.distributed import detect_env
 from paratrain.trackers import MLFLOW_DIR, TENSORBOARD_DIR, TRACKERS_FILE, WANDB_DIR
 
 RUN_FILE = "run.json"
@@ -113,10 +114,11 @@ def claim_run_dir(cfg: Config, restarted: bool) -> RunClaim:
     return RunClaim(out, fresh=False, wipe=(DIAGNOSTICS_DIR,))
 
 
-def several_nodes(cfg: Config, environ=os.environ) -> bool:
-    """Whether the job spans several nodes: `paratrain train --nnodes`, or a launcher's ranks beyond one node's."""
-    world, local = environ.get("WORLD_SIZE"), environ.get("LOCAL_WORLD_SIZE")
-    return cfg.run.nnodes > 1 or bool(world and local and int(world) > int(local))
+def several_nodes(cfg: Config) -> bool:
+    """Whether the job spans several nodes: `paratrain train --nnodes`, or a launcher's (torchrun's, Slurm's) ranks
+    beyond one node's (`detect_env`)."""
+    env = detect_env()
+    return cfg.run.nnodes > 1 or env.world_size > env.local_world_size
 
 
 def _finished_step(checkpoints: list[Path], steps: int) -> int:

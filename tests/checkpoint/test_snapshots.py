@@ -200,6 +200,7 @@ def test_a_launch_that_is_no_restart_continues_a_run_that_has_snapshots_but_no_c
     nodes = Config.from_dict(without.to_dict())
     nodes.run.nnodes, nodes.run.rdzv_endpoint, nodes.run.rdzv_id = 2, "127.0.0.1:29400", "job"
     assert claim_run_dir(nodes, restarted=False).fresh is False
+    monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # under torchrun: 2 of the job's 4 ranks on this node
     assert claim_run_dir(without, restarted=False).fresh is False
