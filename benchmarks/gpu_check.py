@@ -1029,6 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="sequences per throughput step (default 4)")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     parser.add_argument("--only", metavar="TEXT", default=None, help="run only the rows whose name contains TEXT")
+    parser.add_argument("--skip", metavar="TEXT", default=None, help="leave out the rows whose name contains TEXT")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1046,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
     checks = [(n, c) for n, c in rows(device, args, stem.with_name(stem.name + "-profile.json"))
-              if args.only is None or args.only in n]
+              if (args.only is None or args.only in n) and (args.skip is None or args.skip not in n)]
     start = time.perf_counter()
     results["rows"] = run_rows(checks)
     results["total_s"] = time.perf_counter() - start

@@ -12,6 +12,14 @@ derived here, once, for every test module:
   and added to `STARTERS`. Tools that libraries run on the side (a font cache's `fc-list`, `git`) are not ranks;
   neither is the pool of compile workers Inductor keeps for the whole session (the first test to compile would
   otherwise be charged for it).
+
+The marked tests run in one group, one after another on one worker (their ranks want the cores to themselves). A
+test that starts one process at a time and no ranks (a command or a benchmark script run as a subprocess) needs one
+core, as an in-process test does: marked `single_process` by hand, it runs beside the others on any worker. The mark
+is checked as the test runs: a watcher samples the test's process tree ten times a second, and a test that ever has
+two Python processes working under it at once (a leaf of the tree: ranks, a launcher's workers) fails, naming the
+count. `PARATRAIN_TEST_PROCESSES=FILE` writes each marked test's largest count to FILE, to find the tests the mark
+fits.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ import multiprocessing.process
 import os
 import re
 import subprocess
+import threading
 import traceback
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 MARK = "multirank"
+SINGLE = "single_process"
 # Names and strings whose use starts processes: the rank harness, the launcher, subprocesses, and the commands that
 # launch ranks or workers when a test calls the command line in-process (`main(["verify", ...])`).
 STARTERS = frozenset({
@@ -38,6 +49,9 @@ _PYTHON = re.compile(r"^(python[\d.]*|paratrain|torchrun)$")
 
 _started = 0
 _STARTED_BEFORE = pytest.StashKey[int]()
+# Processes a test does not start itself: multiprocessing's forkserver and resource tracker, Inductor's compile
+# workers. Each is a leaf of the tree while it waits.
+_MACHINERY = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker", b"torch/_inductor/compile_worker")
 
 
 def _runs_python(popen, args, *rest, **kwargs) -> bool:
@@ -54,6 +68,69 @@ def _count_starts(start, counts=lambda *args, **kwargs: True):
             _started += 1
         return start(*args, **kwargs)
     return counted
+
+
+def _working_processes(root: int) -> int:
+    """How many Python processes under `root` start none of their own (the machinery above left out): two ranks
+    are two, a launcher with one worker is one, a command that runs ranks under it is as many as its ranks."""
+    parents = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                    fields = stat.read()
+            except OSError:  # it exited while being read
+                continue
+            parents[int(entry.name)] = int(fields[fields.rindex(b")") + 2:].split()[1])
+    children = defaultdict(list)
+    for pid, parent in parents.items():
+        children[parent].append(pid)
+    leaves, stack = [], list(children[root])
+    while stack:
+        pid = stack.pop()
+        if children[pid]:
+            stack.extend(children[pid])
+        else:
+            leaves.append(pid)
+    def command(pid: int) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                return cmdline.read()
+        except OSError:  # it exited
+            return b""
+
+    count = 0
+    for pid in leaves:
+        words = command(pid).split(b"\0")
+        # A rank forked from the forkserver carries the server's command line; the server itself is the one whose
+        # parent is not a server.
+        machinery = any(part in word for word in words for part in _MACHINERY) and \
+            not (b"multiprocessing.forkserver" in command(pid) and b"multiprocessing.forkserver" in command(parents[pid]))
+        if words[0] and _PYTHON.match(os.path.basename(words[0].decode(errors="replace"))) and not machinery:
+            count += 1
+    return count
+
+
+class _Watch(threading.Thread):
+    """The largest number of working processes under this one while a test runs, sampled ten times a second."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.most = 0
+        self._done = threading.Event()
+
+    def run(self):
+        while not self._done.wait(0.1):
+            self.most = max(self.most, _working_processes(os.getpid()))
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if self.is_alive():
+            self.join()
 
 
 def pytest_configure(config):
@@ -130,28 +207,55 @@ def pytest_collection_modifyitems(items):
     """Mark every collected test whose code reaches a process starter, and give each test its group for pytest-xdist's
     `--dist loadgroup`: the marked tests one group (they run one after another on one worker, each with the cores
     to itself as far as the other worker's single-threaded test leaves them: their ranks, the launcher's timeouts
-    and the fault tests' clocks are tuned for that), every other test its module's (a module's fixtures are made
-    once, on one worker)."""
+    and the fault tests' clocks are tuned for that), every other test, `single_process` ones included, its module's
+    (a module's fixtures are made once, on one worker)."""
     for item in items:
         function = getattr(item, "function", None)
         if function is not None and not item.get_closest_marker(MARK) and \
                 function.__name__ in _starters(Path(str(item.fspath))):
             item.add_marker(MARK)
-        group = MARK if item.get_closest_marker(MARK) else Path(str(item.fspath)).name
+        lane = item.get_closest_marker(MARK) and not item.get_closest_marker(SINGLE)
+        group = MARK if lane else Path(str(item.fspath)).name
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+_WATCH = pytest.StashKey[_Watch]()
+
+
+def _watched(item) -> bool:
+    """A `single_process` test is watched to check its mark; with PARATRAIN_TEST_PROCESSES set, every marked one."""
+    return bool(item.get_closest_marker(SINGLE) or (os.environ.get("PARATRAIN_TEST_PROCESSES")
+                                                    and item.get_closest_marker(MARK))) and os.path.isdir("/proc")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     item.stash[_STARTED_BEFORE] = _started  # a module's fixture may start the ranks in its first test's setup
+    if _watched(item):  # from the setup on, for the same reason
+        item.stash[_WATCH] = _Watch().__enter__()
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     result = yield  # a test that fails is reported as it failed, not for its mark
+    watch = item.stash.get(_WATCH, None)
+    if watch is not None:
+        watch.__exit__()
+        if log := os.environ.get("PARATRAIN_TEST_PROCESSES"):
+            with open(log, "a") as out:
+                out.write(f"{watch.most}\t{item.nodeid}\n")
+        if item.get_closest_marker(SINGLE) and watch.most > 1:
+            pytest.fail(f"{item.nodeid} is marked {SINGLE!r} but ran {watch.most} Python processes at once: it "
+                        f"belongs in the {MARK!r} lane (remove the mark)", pytrace=False)
     started = _started - item.stash.get(_STARTED_BEFORE, _started)
     if started and not item.get_closest_marker(MARK):
         pytest.fail(f"{item.nodeid} started {started} process(es) but is not marked {MARK!r}: add its starter to "
                     f"STARTERS in tests/process_marks.py (or mark the test)", pytrace=False)
     return result
+
+
+def pytest_runtest_teardown(item):
+    watch = item.stash.get(_WATCH, None)
+    if watch is not None:  # a setup that failed leaves no call to stop it
+        watch.__exit__()

@@ -40,6 +40,7 @@ def help_answers():
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.single_process
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
 def test_benchmark_answers_help(script, help_answers):
     answer = help_answers[str(script)]
@@ -57,6 +58,7 @@ def _bench_gpu(tmp_path, *args):
     return json.loads(path.read_text())["rows"]
 
 
+@pytest.mark.single_process
 def test_bench_gpu_dry_run_on_cpu(tmp_path):
     """The GPU benchmark's rows run end to end on a tiny model on the CPU (compiled rows left out: inductor's
     CPU compilation alone takes longer than the rest); rows this build cannot run say so instead of failing."""
@@ -84,11 +86,13 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
     assert qlora == [("pytorch", None, "nf4"), ("paratrain", 3, "nf4")]
 
 
+@pytest.mark.single_process
 def test_bench_gpu_starts_no_row_after_its_budget(tmp_path):
     rows = _bench_gpu(tmp_path, "--budget-s", "0")
     assert rows and all(r["status"].startswith("skipped: budget spent") for r in rows)
 
 
+@pytest.mark.single_process
 def test_bench_gpu_repredicts_a_past_gpu_run_on_its_calibrated_profile():
     """The H200 run of 2026-11-28 against today's planner on the profile gpu_check calibrated there: all fifteen 1B
     rows within ±10% (the calibration's acceptance; the profile predates the host's costs, so the recomputation
@@ -123,22 +127,39 @@ GPU_CHECK_ROWS = {
 }
 
 
-def test_gpu_check_dry_run_on_cpu_names_every_row_and_passes(tmp_path):
-    """The one command to run first on a GPU machine, small on the CPU: every row runs (the 2-GPU rows say why
-    they do not) and passes, so what breaks it shows here before a GPU session is spent on it."""
+# The row that starts ranks on the CPU (calibration measures collectives on two); the others run in one process.
+CALIBRATE_ROW = "plan --calibrate --quick"
+
+
+def _gpu_check_dry_run(tmp_path, *rows: str) -> dict:
     script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
     result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "tiny", "--steps", "1",
-                             "--check-steps", "2", "--train-steps", "8", "--out", str(tmp_path)],
+                             "--check-steps", "2", "--train-steps", "8", "--out", str(tmp_path), *rows],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     (path,) = tmp_path.glob("gpu-check-*[0-9].json")
-    rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}
-    assert set(rows) == GPU_CHECK_ROWS
+    return {r["row"]: r for r in json.loads(path.read_text())["rows"]}
+
+
+@pytest.mark.single_process
+def test_gpu_check_dry_run_on_cpu_names_every_row_and_passes(tmp_path):
+    """The one command to run first on a GPU machine, small on the CPU: every row runs (the 2-GPU rows say why
+    they do not) and passes, so what breaks it shows here before a GPU session is spent on it. The calibration
+    row, which starts two ranks on the CPU, runs on its own below, so that this long run needs one core."""
+    rows = _gpu_check_dry_run(tmp_path, "--skip", CALIBRATE_ROW)
+    assert set(rows) == GPU_CHECK_ROWS - {CALIBRATE_ROW}
     assert {name for name, r in rows.items() if r["status"] == "SKIP"} == {"ring attention cp2", "world 2 NCCL layouts"}
     assert all(r["status"] == "PASS" for name, r in rows.items() if r["status"] != "SKIP"), rows
     assert rows["ring kernels fp32"]["kernel"] == "cpu flash" and rows["compile ZeRO-3"]["graphs"] > 0
 
 
+def test_gpu_check_calibration_row_on_cpu_passes(tmp_path):
+    rows = _gpu_check_dry_run(tmp_path, "--only", CALIBRATE_ROW)
+    assert set(rows) == {CALIBRATE_ROW} and rows[CALIBRATE_ROW]["status"] == "PASS", rows
+    assert rows[CALIBRATE_ROW]["host"]["host_op_s"] > 0
+
+
+@pytest.mark.single_process
 def test_bench_offload_dry_run_on_cpu_writes_every_row(tmp_path):
     """The offload benchmark, small on the CPU: every row is measured and written, so a GPU session only runs it."""
     script = Path(__file__).parents[2] / "benchmarks" / "bench_offload.py"
@@ -153,6 +174,7 @@ def test_bench_offload_dry_run_on_cpu_writes_every_row(tmp_path):
     assert all(r["predicted_s"] > 0 and r["median_s"] > 0 for r in data["steps"])
 
 
+@pytest.mark.single_process
 def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_path):
     """The FP8 convergence benchmark, small on the CPU: every recipe runs for every seed, its difference from bf16
     of the same seed is summarized with its spread and a verdict, and both files are written."""
