@@ -11,8 +11,9 @@ peak is the same from the second on), within 10%, for bf16 at one rank (ZeRO-0 a
 no, full and selective recomputation) and at two data ranks (every ZeRO stage: DDP's and ZeRO-1's
 buckets live through the step, ZeRO-2's and ZeRO-3's reduced shards are born in backward).
 
-The model has the proportions of `benchmarks/gpu_check.py`'s 1b model (head dim 64 instead of 128,
-a vocabulary 8 times the width), so the shares of states, blocks and loss are the same. On CUDA
+The model has the widths of `benchmarks/gpu_check.py`'s 1b model (head dim 64 instead of 128), two
+blocks and a vocabulary 4 times the width: depth and vocabulary halved together keep the shares of
+states, blocks and loss that four blocks and a vocabulary 8 times the width have, for half the work. On CUDA
 the same accounting reproduces the H200's measured ZeRO-3 peaks (`tests/plan/test_plan_h200.py`).
 Compiled blocks are checked in `tests/parallel/test_compile_memory.py` (its compiled runs are measured there).
 """
@@ -32,7 +33,7 @@ from paratrain.plan import Layout, Workload, estimate_memory
 from paratrain.testing import run_on_ranks
 from parallel_cases import batches, plain_step
 
-CFG = ModelConfig(vocab_size=1024, dim=128, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)
+CFG = ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)
 ROWS, SEQ = 4, 128  # per data rank
 TOLERANCE = 0.10
 ONE_RANK = [(zero, mode) for zero in (0, 3) for mode in ("none", "full", "selective")]
