@@ -13,6 +13,7 @@ Large Transformer Models", §4 and Table 2), see `layer_activation_bytes`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -387,16 +388,7 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     s, b = workload.seq_len, lay.micro_batch
     m = lay.num_microbatches(workload.global_batch)
     in_flight = in_flight_microbatches(lay.schedule, lay.pp, m, lay.chunks, stage)
-    per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, lay.tp, lay.sequence_parallel,
-                                       lay.recompute, workload.precision, kv_heads=model.n_kv_heads,
-                                       ffn_dim=model.ffn_dim, cp=lay.cp, flash=workload.flash_attention,
-                                       compiled=lay.compile)
-    per_layer += moe.layer_activation_delta_bytes(model, s // lay.cp * b, lay.tp, lay.recompute is Recompute.SELECTIVE,
-                                                  lay.recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
-                                                  workload.moe_imbalance)
-    if workload.lora:
-        per_layer += lora.activation_bytes_per_layer(workload, s // lay.cp * b, lay.recompute, lay.compile,
-                                                     lay.tp if lay.sequence_parallel else 1)
+    per_layer = _layer_bytes(workload, b, lay.tp, lay.cp, lay.sequence_parallel, lay.recompute, lay.compile)
     total = per_layer * layers_on_stage(model.n_layers, lay.pp, stage) * in_flight
     transient = max(recompute_working_bytes(workload, layout),
                     lora.decode_bytes(workload, lay.tp) if workload.lora else 0.0)
@@ -411,6 +403,24 @@ def stage_activation_bytes(workload: Workload, layout: Layout, stage: int) -> fl
     if lay.cp > 1:
         total += ring_in_flight_bytes(model, b, s // lay.cp, lay.tp, workload.param_bytes, workload.flash_attention)
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_bytes(workload: Workload, b: int, tp: int, cp: int, sequence_parallel: bool, recompute: Recompute,
+                 compiled: bool) -> float:
+    """One layer's activations for one micro-batch of `b` sequences (`stage_activation_bytes`): the same on every
+    stage, and for every layout of a search that splits the same way."""
+    model, s = workload.model, workload.seq_len
+    per_layer = layer_activation_bytes(s, b, model.dim, model.n_heads, tp, sequence_parallel, recompute,
+                                       workload.precision, kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim, cp=cp,
+                                       flash=workload.flash_attention, compiled=compiled)
+    per_layer += moe.layer_activation_delta_bytes(model, s // cp * b, tp, recompute is Recompute.SELECTIVE,
+                                                  recompute is Recompute.FULL, DTYPE_BYTES[workload.precision],
+                                                  workload.moe_imbalance)
+    if workload.lora:
+        per_layer += lora.activation_bytes_per_layer(workload, s // cp * b, recompute, compiled,
+                                                     tp if sequence_parallel else 1)
+    return per_layer
 
 
 def recompute_working_bytes(workload: Workload, layout: Layout) -> float:
@@ -441,20 +451,30 @@ def gradients_meet_activations(workload: Workload, layout: Layout) -> bool:
 
 def stage_expert_params(workload: Workload, layout: Layout, stage: int) -> float:
     """Routed-expert parameters one rank of `stage` holds: its layers' E/ep experts, 3·h·f each (0 if dense)."""
+    return _expert_params(workload, layout.pp, layout.ep, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expert_params(workload: Workload, pp: int, ep: int, stage: int) -> float:
     model = workload.model
     if not moe.is_moe(model):
         return 0.0
-    layers = layers_on_stage(model.n_layers, layout.pp, stage)
-    return float(layers * model.n_experts // layout.ep * moe.one_expert_params(model))
+    layers = layers_on_stage(model.n_layers, pp, stage)
+    return float(layers * model.n_experts // ep * moe.one_expert_params(model))
 
 
 def stage_dense_params(workload: Workload, layout: Layout, stage: int) -> float:
     """Parameters one rank of `stage` holds outside the routed experts, tp-split as `stage_param_count` says."""
+    return _dense_params(workload, layout.tp, layout.pp, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense_params(workload: Workload, tp: int, pp: int, stage: int) -> float:
     if workload.model is None:
-        return workload.num_params / (layout.tp * layout.pp)
+        return workload.num_params / (tp * pp)
     model = workload.model
-    routed = layers_on_stage(model.n_layers, layout.pp, stage) * -(-moe.routed_params_per_layer(model) // layout.tp)
-    return float(stage_param_count(model, layout.tp, layout.pp, stage) - routed)
+    routed = layers_on_stage(model.n_layers, pp, stage) * -(-moe.routed_params_per_layer(model) // tp)
+    return float(stage_param_count(model, tp, pp, stage) - routed)
 
 
 def stage_model_states(workload: Workload, layout: Layout, stage: int) -> ModelStates:
@@ -490,13 +510,41 @@ def fp8_cast_bytes(workload: Workload, layout: Layout, stage: int) -> float:
     return stage_fp8_weights(workload, layout, stage) if layout.zero < 3 else 0.0
 
 
+# What a stage's model states and communication buffers read of a layout: its degrees and its ZeRO and bucket
+# options, which every micro-batch size, recomputation mode and sequence-parallel choice of a search shares.
+_STATE_FIELDS = ("dp", "cp", "tp", "pp", "ep", "dp_shard", "zero", "offload", "bucket_mb")
+_STATES: dict[tuple, tuple[ModelStates, float, float]] = {}
+_STATES_KEPT = 4096
+
+
+def stage_states_and_buffers(workload: Workload, layout: Layout, stage: int) -> tuple[ModelStates, float, float]:
+    """(`stage_model_states`, gathered parameters, gradient buffers (`comm_buffer_parts`)) of one rank of `stage`,
+    computed once per workload, stage and `_STATE_FIELDS` of the layout (a search asks for them per candidate)."""
+    key = (workload, stage, *(getattr(layout, name) for name in _STATE_FIELDS))
+    found = _STATES.get(key)
+    if found is None:
+        psi = stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
+        if workload.lora:  # only the adapters have gradients to reduce
+            psi = lora.stage_adapters(workload, layout, stage)
+        found = (stage_model_states(workload, layout, stage), *comm_buffer_parts(workload, layout, psi))
+        if len(_STATES) >= _STATES_KEPT:
+            _STATES.clear()
+        _STATES[key] = found
+    return found
+
+
+def clear_caches() -> None:
+    """Forget every quantity computed once and kept (`stage_states_and_buffers`, the stages' parameter counts, a
+    layer's activations)."""
+    _STATES.clear()
+    _dense_params.cache_clear()
+    _expert_params.cache_clear()
+    _layer_bytes.cache_clear()
+
+
 def stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     """Memory of one rank of pipeline stage `stage`."""
-    psi = stage_dense_params(workload, layout, stage) + stage_expert_params(workload, layout, stage)
-    if workload.lora:  # only the adapters have gradients to reduce
-        psi = lora.stage_adapters(workload, layout, stage)
-    states = stage_model_states(workload, layout, stage)
-    gathered, gradient_buffers = comm_buffer_parts(workload, layout, psi)
+    states, gathered, gradient_buffers = stage_states_and_buffers(workload, layout, stage)
     return MemoryBreakdown(
         stage=stage, params=states.params, grads=states.grads, master_weights=states.master_weights,
         adam_moments=states.adam_moments, activations=stage_activation_bytes(workload, layout, stage),

@@ -15,6 +15,7 @@ from paratrain.plan import (
     PlanError,
     Recompute,
     ScheduleName,
+    SearchSpace,
     Workload,
     comm_bytes_per_rank,
     estimate,
@@ -513,3 +514,36 @@ def test_plan_assumes_the_models_pretraining_length_and_says_so(capsys):
     assert "seq 2048," in first and "assumed" not in first, first
     assert get_model_config("llama2-7b").pretraining_seq_len == 4096
     assert get_model_config("llama3.2-1b").pretraining_seq_len == 8192
+
+
+@pytest.mark.parametrize("model, options", [("tiny-moe", {}), ("tiny", {"lora": 8, "base_dtype": "nf4"})])
+def test_the_search_ranks_as_a_direct_evaluation_of_every_candidate_would(model, options):
+    """The search computes what candidates of the same degrees share once (`plan.memory.stage_states_and_buffers`,
+    a stage's parameters, a layer's activations); every candidate estimated afresh, nothing kept from another,
+    gets the same memory, time, FLOPs and communication, the same ranking and the same memory failures."""
+    from paratrain.plan.memory import clear_caches
+
+    workload = Workload.for_model(get_model_config(model), seq_len=256, global_batch=16, **options)
+    totals = []
+    for lay in (Layout(dp=4, zero=3, micro_batch=4), Layout(tp=2, pp=2, micro_batch=4)):
+        clear_caches()
+        totals.append(estimate_memory(workload, lay).total)
+    hardware = get_hardware("h100-80gb", memory_bytes=sum(totals) / 2, gpus_per_node=4)
+    clear_caches()
+    result = search(workload, 4, hardware, SearchSpace(micro_batch=(1, 4)))
+    assert result.ranked and result.failures["memory"]
+    assert result.searched == result.num_feasible + result.num_infeasible
+    fresh = []
+    for found in result.ranked:
+        clear_caches()
+        direct = estimate(workload, found.layout, hardware, hardware.memory_bytes)
+        assert direct == found and direct.feasible
+        fresh.append(direct)
+    assert sorted(fresh, key=lambda e: (e.time.total, e.memory.total)) == result.ranked
+    for lay, reason in result.failures["memory"]:
+        clear_caches()
+        memory = estimate_memory(workload, lay)
+        assert memory.total > hardware.memory_bytes and reason == f"needs {memory.total / GB:.1f} GB > " \
+                                                                  f"{hardware.memory_bytes / GB:g} GB"
+    layouts = [e.layout for e in result.ranked] + [lay for items in result.failures.values() for lay, _ in items]
+    assert len(set(layouts)) == len(layouts) == result.searched

@@ -20,7 +20,6 @@ from paratrain.models import Transformer
 from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParallel, parallelize
 from paratrain.plan import Layout, Workload, comm_bytes_per_rank, estimate_memory
 from paratrain.plan.memory import ScheduleName
-from paratrain.testing import run_on_ranks
 from parallel_cases import BATCH, SEQ, TINY, adamw, batches, launch_once
 from test_data_parallel import _one_measured_step
 
@@ -30,19 +29,29 @@ CASES = [(zero, precision, reduce_dtype) for precision, reduce_dtype in
 WORLDS = [2, 4]
 TOLERANCE = 0.10
 
-_MEASURED: dict[int, list] = {}
+_MEASURED: dict = {}
 
 
 def _measure_all(rank, world):
-    """Every case in one launch (a launch costs seconds; a case milliseconds)."""
-    return [_one_measured_step(rank, world, zero, precision, reduce_dtype) for zero, precision, reduce_dtype in CASES]
+    """Every case of this file that runs on `world` ranks, in one launch (a launch costs seconds; a case
+    milliseconds): the data-parallel cases, and on 4 ranks the tensor and pipeline layouts, on 2 ZeRO-3's."""
+    out = {"dp": [_one_measured_step(rank, world, zero, precision, reduce_dtype)
+                  for zero, precision, reduce_dtype in CASES]}
+    if world == 4:
+        out["layouts"] = {name: _measure_layout(layout, name) for name, layout in LAYOUTS_4.items()}
+    if world == 2:
+        out["zero3"] = [_zero3_step(*case) for case in ZERO3_CASES]
+    return out
+
+
+def launched(world: int) -> list[dict]:
+    """Every rank's `_measure_all` on `world` ranks, launched once."""
+    return launch_once(_MEASURED, world, _measure_all, timeout=300)
 
 
 def measured(world: int) -> dict[tuple, tuple[int, dict]]:
     """{case: (dp bytes sent by rank 0, rank 0's resident model state)} for `world` ranks."""
-    if world not in _MEASURED:
-        _MEASURED[world] = run_on_ranks(_measure_all, world, timeout=300)[0]
-    return dict(zip(CASES, _MEASURED[world]))
+    return dict(zip(CASES, launched(world)[0]["dp"]))
 
 
 def planned(world: int, zero: int, precision: str, reduce_dtype: str) -> tuple[dict[str, float], float]:
@@ -132,18 +141,11 @@ def _measure_layout(layout: Layout, name: str):
     return model.comm.bytes_by_axis(), resident
 
 
-def _measure_layouts(rank, world):
-    return {name: _measure_layout(layout, name) for name, layout in LAYOUTS_4.items()}
-
-
-_LAYOUT_RESULTS: dict = {}
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
 def test_tensor_and_pipeline_layouts_match_the_planner(name):
     """Per axis, the busiest rank's bytes per step; per rank, params + grads + optimizer state (incl. master)."""
     layout = LAYOUTS_4[name]
-    per_rank = [result[name] for result in launch_once(_LAYOUT_RESULTS, 4, _measure_layouts)]
+    per_rank = [result["layouts"][name] for result in launched(4)]
     workload = Workload.for_model(_config_for(layout, name), seq_len=SEQ, global_batch=BATCH, precision="fp32",
                                   reduce_dtype="fp32")
     planned_comm = comm_bytes_per_rank(workload, layout)
@@ -186,19 +188,12 @@ def _zero3_step(tied: bool, precision: str, fp8: str | None):
     return model.comm.bytes_by_axis()
 
 
-def _zero3_all(rank, world):  # noqa: ARG001
-    return [_zero3_step(*case) for case in ZERO3_CASES]
-
-
-_ZERO3: dict = {}
-
-
 @pytest.mark.parametrize("case", ZERO3_CASES, ids=lambda c: f"{'tied' if c[0] else 'untied'}-{c[1]}-{c[2] or 'no fp8'}")
 def test_zero3_bytes_per_axis_match_the_planner_tied_or_not(case):
     """The embedding and the head are ZeRO-3 units of their own, each gathered once per micro-batch (the embedding's
     backward reads only its indices, the head stays gathered into its backward); a tied table is in both units."""
     tied, precision, fp8 = case
-    measured = launch_once(_ZERO3, 2, _zero3_all)[0][ZERO3_CASES.index(case)]
+    measured = launched(2)[0]["zero3"][ZERO3_CASES.index(case)]
     workload = Workload.for_model(dataclasses.replace(TINY, tie_embeddings=tied), seq_len=SEQ, global_batch=BATCH,
                                   precision=precision, reduce_dtype="fp32", fp8=fp8, fp8_min_features=0)
     planned = comm_bytes_per_rank(workload, Layout(dp=2, zero=3, micro_batch=BATCH // 4))
