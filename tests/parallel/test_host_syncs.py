@@ -42,7 +42,7 @@ LAYOUTS = {
     "dp4_shard2_zero3": (1, 4, 1, 3, False, "1f1b", 1, 2),
     "dp2_shard2_tp2_zero2": (1, 4, 2, 2, False, "1f1b", 1, 2),
 }
-STEPS = 4
+STEPS = 3  # two warm-up steps, then the step whose syncs are counted
 CLIP = 0.5  # below every step's norm: each step clips, so the norm decides the update
 CFG = TINY.__class__(**{**TINY.__dict__, "n_layers": 4})
 _CACHE: dict = {}
