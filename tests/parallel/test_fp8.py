@@ -20,6 +20,7 @@ from paratrain.parallel.fp8 import (
     E4M3, E5M2, Fp8Casts, Fp8Error, check_fp8, convert_to_fp8, fp8_linear, scale_of, to_fp8,
 )
 from paratrain.testing import run_on_ranks
+from parallel_cases import launch_once
 
 
 @pytest.fixture(autouse=True)
@@ -177,46 +178,70 @@ TINY = ["--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2",
         "--no-progress", "--steps", "4", "--precision", "bf16", "--fp8", "tensorwise"]
 
 
-def _train(rank, world, argv):
+RECIPES = [("tensorwise", [], 5e-3), ("tensorwise", ["--sequence-parallel"], 5e-3), ("rowwise", [], 2e-2)]
+
+
+def _tp_name(recipe: str, extra: list[str]) -> str:
+    return f"tp2_{recipe}" + ("_sp" if "--sequence-parallel" in extra else "")
+
+
+# Every two-rank run of the tests below, by name: one launch trains them all, one after the other.
+TWO_RANKS = {**{f"zero{zero}": [*TINY, "--zero", str(zero)] for zero in (0, 1, 2, 3)},
+             **{_tp_name(recipe, extra): [*TINY[:-1], recipe, "--tp", "2", *extra]
+                for recipe, extra, _ in RECIPES},
+             "cp2": [*TINY, "--cp", "2"]}
+_TWO_RANKS: dict = {}
+_ONE_PROCESS: dict = {}
+
+
+def _train_all(rank, world, root):  # noqa: ARG001
     from paratrain.train import train
 
-    train(config_from_args(build_parser().parse_args(argv)))
+    for name, argv in TWO_RANKS.items():
+        train(config_from_args(build_parser().parse_args(["train", *argv, "--out", f"{root}/{name}"])))
+
+
+def _two_ranks(tmp_path_factory, name: str) -> list[dict]:
+    """The metrics of `TWO_RANKS[name]` trained on two ranks."""
+    root = tmp_path_factory.getbasetemp() / "fp8-two-ranks"
+    launch_once(_TWO_RANKS, 2, _train_all, str(root), timeout=600)
+    return read_metrics(root / name / "metrics.jsonl")
+
+
+def _one_process(tmp_path_factory, argv: list[str]) -> list[dict]:
+    """The metrics of `argv` trained in this process (once per command: several tests compare against one run)."""
+    if tuple(argv) not in _ONE_PROCESS:
+        out = tmp_path_factory.mktemp("fp8-one") / "run"
+        assert main(["train", *argv, "--out", str(out)]) == 0
+        _ONE_PROCESS[tuple(argv)] = read_metrics(out / "metrics.jsonl")
+    return _ONE_PROCESS[tuple(argv)]
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_two_ranks_equal_one_fp8_process_under_every_zero_stage(tmp_path, zero):
+def test_two_ranks_equal_one_fp8_process_under_every_zero_stage(tmp_path_factory, zero):
     """The same micro-batches cast alike (each matmul's scales come from its own operands), so two data ranks
     with a micro-batch each equal one process accumulating both."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["train", *TINY, "--zero", str(zero), "--out", str(one)]) == 0
-    run_on_ranks(_train, 2, ["train", *TINY, "--zero", str(zero), "--out", str(two)], timeout=120)
-    a, b = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    a = _one_process(tmp_path_factory, [*TINY, "--zero", str(zero)])
+    b = _two_ranks(tmp_path_factory, f"zero{zero}")
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=5e-3)
     assert a[-1]["loss"] < a[0]["loss"]
 
 
-@pytest.mark.parametrize("recipe, extra, tol", [("tensorwise", [], 5e-3), ("tensorwise", ["--sequence-parallel"], 5e-3),
-                                                ("rowwise", [], 2e-2)])
-def test_tensor_parallel_fp8_equals_one_process(tmp_path, recipe, extra, tol):
+@pytest.mark.parametrize("recipe, extra, tol", RECIPES)
+def test_tensor_parallel_fp8_equals_one_process(tmp_path_factory, recipe, extra, tol):
     """Under tp2 each shard's matmul is in FP8; tensorwise scales are agreed over the tp group (a max-reduction
     of the amaxes), so every shard casts as the whole tensor would: the losses of one process. Rowwise scales
     its rows along a sharded reduction by the shard's own amax (no communication): close, not equal."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    argv = [*TINY[:-1], recipe]
-    assert main(["train", *argv, "--out", str(one)]) == 0
-    run_on_ranks(_train, 2, ["train", *argv, "--tp", "2", *extra, "--out", str(two)], timeout=120)
-    a, b = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    a = _one_process(tmp_path_factory, [*TINY[:-1], recipe])
+    b = _two_ranks(tmp_path_factory, _tp_name(recipe, extra))
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=tol)
 
 
-def test_context_parallel_fp8_agrees_its_scales_over_the_sequence(tmp_path):
+def test_context_parallel_fp8_agrees_its_scales_over_the_sequence(tmp_path_factory):
     """Under cp2 each rank holds half of every sequence's tokens: the tensorwise amaxes are agreed over cp, so each
     rank casts with the whole micro-batch's scale. The ring computes attention in another order than one process
     does, and FP8's coarse grid turns those roundings into larger ones: equal to one FP8 process within 1e-2."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["train", *TINY, "--out", str(one)]) == 0
-    run_on_ranks(_train, 2, ["train", *TINY, "--cp", "2", "--out", str(two)], timeout=120)
-    a, b = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    a, b = _one_process(tmp_path_factory, TINY), _two_ranks(tmp_path_factory, "cp2")
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-2)
 
 
@@ -329,9 +354,12 @@ def _gathered_bytes(rank, world, recipe):
     return gathered, after
 
 
+def _gathered_bytes_of_both(rank, world):
+    return _gathered_bytes(rank, world, "tensorwise"), _gathered_bytes(rank, world, None)
+
+
 def test_zero3_fp8_gathers_send_half_the_bytes_of_bf16_gathers():
-    fp8_runs = run_on_ranks(_gathered_bytes, 2, "tensorwise", timeout=120)
-    bf16_runs = run_on_ranks(_gathered_bytes, 2, None, timeout=120)
+    fp8_runs, bf16_runs = zip(*run_on_ranks(_gathered_bytes_of_both, 2, timeout=120))
     assert fp8_runs[0][0] > 0 and fp8_runs[0][0] == bf16_runs[0][0] / 2
     assert fp8_runs[0][1] == pytest.approx(bf16_runs[0][1], rel=0.1)  # FP8's numbers, near bf16's
 

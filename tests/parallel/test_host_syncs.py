@@ -42,7 +42,7 @@ LAYOUTS = {
     "dp4_shard2_zero3": (1, 4, 1, 3, False, "1f1b", 1, 2),
     "dp2_shard2_tp2_zero2": (1, 4, 2, 2, False, "1f1b", 1, 2),
 }
-STEPS = 4
+STEPS, WARM_UP = 3, 2  # the syncs of the steps after the warm-up ones are counted
 CLIP = 0.5  # below every step's norm: each step clips, so the norm decides the update
 CFG = TINY.__class__(**{**TINY.__dict__, "n_layers": 4})
 _CACHE: dict = {}
@@ -62,13 +62,16 @@ def _count(layout) -> tuple[list[list[str]], list[float]]:
     for step, (x, y) in enumerate(batches(steps=STEPS), start=1):
         x, y = (t[mesh.coord("dp") * rows:(mesh.coord("dp") + 1) * rows] for t in (x, y))
         micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, rows, 2)]
-        # The batch, and the optimizer's step counters (CPU tensors unless capturable/fused), live on the host.
-        steps = tuple(state["step"] for state in optimizer.state.values() if "step" in state)
-        with HostSyncs(host=tuple(t for pair in micro for t in pair) + steps) as syncs:
+        if step <= WARM_UP:
             outcome = train_step(model, optimizer, micro, CLIP)
-        counts.append(syncs.calls)
+        else:
+            # The batch, and the optimizer's step counters (CPU tensors unless capturable/fused), live on the host.
+            steps = tuple(state["step"] for state in optimizer.state.values() if "step" in state)
+            with HostSyncs(host=tuple(t for pair in micro for t in pair) + steps) as syncs:
+                outcome = train_step(model, optimizer, micro, CLIP)
+            counts.append(syncs.calls)
         norms.append(outcome.grad_norm)
-    return counts[2:], norms
+    return counts, norms
 
 
 def _count_all(rank, world, names):

@@ -13,6 +13,7 @@ from paratrain.parallel.api import DataParallel, PipelineParallel, TensorParalle
 from paratrain.parallel.muon import MuonRecipe
 from paratrain.parallel.rules import newton_schulz_flops as ns_flops
 from paratrain.precision import Precision
+from paratrain.testing import run_on_ranks
 from paratrain.models import Transformer
 from paratrain.parallel.expert import moe_layers
 from test_data_parallel import _hf_model  # the Llama of transformers, built from a config
@@ -20,7 +21,7 @@ import parallel_cases
 from paratrain.error_model import FP64_PARITY
 from parallel_cases import TINY, assert_matches_reference, batches, launch_once, loss_sum, make_model, parallel_run
 
-STEPS = 4
+STEPS = 3
 
 # The parity runs are in fp64. Newton–Schulz rounds its input to bf16 (ε = 2⁻⁸) whatever the dtype: in fp32 a
 # gradient that another reduction order moves by its last bit flips some of those roundings, and the
@@ -382,24 +383,48 @@ def test_newton_schulz_work_is_split_over_four_data_ranks():
 
 # -- the trainer: a killed run resumes bit-equal ------------------------------------------------------------
 
+KILLED = {"zero1": ("--zero", "1"), "zero2_offload": ("--zero", "2", "--offload", "optimizer")}
+KILLED_STEPS = 8  # the kill in step 7, the resume from step 4's checkpoint, one step after the killed one
+
+
+def _uninterrupted_runs(rank, world, runs):  # noqa: ARG001
+    """Each command's `train(cfg)` straight through on these ranks, as each worker of `--nproc 2` runs it."""
+    from paratrain.cli import build_parser
+    from paratrain.commands.options import config_from_args
+    from paratrain.train import train
+
+    for argv in runs:
+        train(config_from_args(build_parser().parse_args(argv)))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of each layout of `KILLED`, all in one launch of 2 ranks: `root / layout`."""
+    from test_faults_launched import command
+
+    root = tmp_path_factory.mktemp("muon-uninterrupted")
+    runs = [command(root / name, "--optimizer", "muon", *layout, "--steps", str(KILLED_STEPS))[3:]
+            for name, layout in KILLED.items()]
+    run_on_ranks(_uninterrupted_runs, 2, runs, timeout=300)
+    return root
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("--zero", "1"), ("--zero", "2", "--offload", "optimizer")],
-                         ids=["zero1", "zero2_offload"])
-def test_a_killed_muon_run_resumes_bit_equal(tmp_path, layout):
+@pytest.mark.parametrize("layout", list(KILLED))
+def test_a_killed_muon_run_resumes_bit_equal(uninterrupted, tmp_path, layout):
     """`paratrain train --nproc 2 --optimizer muon --zero 1` (and ZeRO-2 with the optimizer offloaded): rank 1
     SIGKILLed in step 7, the launcher restarts the job from the step-4 checkpoint (Muon's momentum saved
     layout-free, as rows of each matrix; from the host under offload), and every loss and the final weights equal
-    an uninterrupted run's to the bit."""
+    an uninterrupted run's of the same options on two ranks to the bit."""
     from test_faults_launched import assert_bit_equal, launch
 
-    reference, out = tmp_path / "reference", tmp_path / "run"
-    assert launch(reference, "--optimizer", "muon", *layout).returncode == 0
-    result = launch(out, "--optimizer", "muon", *layout, "--max-restarts", "1", fault="sigkill@rank1:step7")
+    out = tmp_path / "run"
+    result = launch(out, "--optimizer", "muon", *KILLED[layout], "--steps", str(KILLED_STEPS), "--max-restarts", "1",
+                    fault="sigkill@rank1:step7")
     assert result.returncode == 0, result.stderr
     assert "checkpoints/step-00000004 at step 4" in result.stdout
-    assert_bit_equal(out, reference)
-
+    assert_bit_equal(out, uninterrupted / layout, steps=KILLED_STEPS)
 
 
 # -- verify --------------------------------------------------------------------------------------------------

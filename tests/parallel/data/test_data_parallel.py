@@ -17,7 +17,7 @@ from parallel_cases import (TINY, OpRecorder, OverlapTrace, adamw, assert_matche
                              loss_sum, make_model, parallel_run, reference_run)
 
 
-STEPS = 10  # AdamW steps of every parity case: enough for a misplaced reduction to move the loss by far more than 1e-5
+STEPS = 5  # AdamW steps of every parity case: enough for a misplaced reduction to move the loss by far more than 1e-5
 
 
 def _parity(rank, world, zero, micro, precision, reduction="sum"):
@@ -56,6 +56,21 @@ def parity(world, zero, micro, precision, reduction="sum"):
 
 
 _REFERENCE = {}
+
+
+def _each_stage(rank, world, fn, zeros):
+    """`fn(rank, world, zero)` for each ZeRO stage of `zeros`, one after the other on these ranks."""
+    return {zero: fn(rank, world, zero) for zero in zeros}
+
+
+_STAGES: dict = {}
+
+
+def per_stage(fn, zero: int, zeros=tuple(STAGES), world: int = 2) -> list:
+    """Every rank's `fn(rank, world, zero)`; the runs of all `zeros` share one launch per `fn` and world (a
+    launch costs more than these runs)."""
+    cache = _STAGES.setdefault((fn.__name__, world), {})
+    return [per_rank[zero] for per_rank in launch_once(cache, world, _each_stage, fn, tuple(zeros), timeout=300)]
 
 
 def reference():
@@ -104,7 +119,7 @@ def test_mean_reduction_of_bf16_gradients_equals_the_sum(zero):
 def test_bf16_tracks_fp32(zero):
     ref_losses, _ = reference()
     losses, _ = parity(2, zero, None, "bf16")[0]
-    # bf16 keeps 8 bits of mantissa: after 10 steps the loss stays within 2% of fp32.
+    # bf16 keeps 8 bits of mantissa: step by step the loss stays within 2% of fp32.
     assert losses == pytest.approx(ref_losses, rel=2e-2)
 
 
@@ -141,7 +156,7 @@ def _plain_parity(rank, world, zero):
 @pytest.mark.parametrize("zero", STAGES)
 def test_a_model_that_is_not_paratrains(zero):
     ref_losses, ref_params = reference_run(PlainModel(), batches(steps=STEPS))
-    losses, params = run_on_ranks(_plain_parity, 2, zero, timeout=120)[0]
+    losses, params = per_stage(_plain_parity, zero)[0]
     assert torch.equal(params["unused"], ref_params["unused"]), "no gradient anywhere: never updated"
     assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
@@ -181,7 +196,7 @@ def test_a_parameter_one_rank_reached_is_updated_on_every_rank(zero):
     """The used flags are summed over the data ranks: a rank whose backward did not reach a parameter still
     applies the gradient the other rank's backward made (and drops nothing another rank needs)."""
     ref_losses, ref_params = reference_run(BranchModel(), batches(steps=STEPS))
-    results = run_on_ranks(_branch_parity, 2, zero, timeout=120)
+    results = per_stage(_branch_parity, zero, zeros=(0, 1, 2))
     taken = [r[2] for r in results]
     assert any(a != b for a, b in zip(*taken)), "some step must take the branch on one rank only"
     for losses, params, _ in results:
@@ -208,7 +223,7 @@ def _hf_parity(rank, world, zero):
 @pytest.mark.parametrize("zero", [s for s in STAGES if s in (0, 3)])
 def test_a_hugging_face_model(zero):
     ref_losses, ref_params = reference_run(_hf_model(), batches(steps=5))
-    losses, params = run_on_ranks(_hf_parity, 2, zero, timeout=120)[0]
+    losses, params = per_stage(_hf_parity, zero, zeros=(0, 3))[0]
     assert_matches_reference(losses, params, ref_losses, ref_params, FP32_ADAMW)
 
 
@@ -232,6 +247,10 @@ def _one_measured_step(rank, world, zero, precision, reduce_dtype):
     return model.comm.bytes_by_axis().get("dp", 0), resident
 
 
+def _one_fp32_step(rank, world, zero):
+    return _one_measured_step(rank, world, zero, "fp32", None)
+
+
 PSI = TINY.num_params()
 
 
@@ -240,7 +259,7 @@ PSI = TINY.num_params()
 def test_communication_bytes_match_theory(world, zero):
     """2Ψ (N−1)/N; ZeRO-3 3Ψ (N−1)/N less the tables its backward does not gather: the embedding (its
     backward reads only the indices) and the output head (still gathered from its forward)."""
-    sent, _ = run_on_ranks(_one_measured_step, world, zero, "fp32", None, timeout=120)[0]
+    sent, _ = per_stage(_one_fp32_step, zero, world=world)[0]
     elements = (3 * PSI - 2 * TINY.vocab_size * TINY.dim if zero == 3 else 2 * PSI) * (world - 1) / world
     assert sent == pytest.approx(elements * 4, rel=0.05)
 
@@ -323,7 +342,7 @@ def test_accumulation_holds_each_gradient_once(zero):
     """Under no_sync DDP / ZeRO-1 add every micro-batch into the buckets: no .grad beside them (one copy,
     Ψ·4 bytes). ZeRO-2 reduces each backward as the context exits and keeps only its shard (Ψ·4/N)."""
     psi = sum(p.numel() for p in make_model().parameters())
-    for in_grad, grad_bytes in run_on_ranks(_grads_during_accumulation, 2, zero, timeout=120):
+    for in_grad, grad_bytes in per_stage(_grads_during_accumulation, zero, zeros=(0, 1, 2)):
         assert in_grad == []
         expected = psi * 4 / (2 if zero == 2 else 1)
         assert grad_bytes == pytest.approx(expected, rel=0.05)  # padding of row chunks only
@@ -380,7 +399,7 @@ def test_small_gradients_are_written_a_batch_at_a_time(zero):
         for micro in range(2):
             x, y = _small_rows(rank, micro)
             (((reference(x) - y) ** 2).sum() / world).backward()
-    for writes, grads in run_on_ranks(_small_gradient_writes, world, zero, timeout=120):
+    for writes, grads in per_stage(_small_gradient_writes, zero, zeros=(0, 1, 2), world=world):
         # A handful per backward (ZeRO-2's own copies and adds of the reduced shard included): one per
         # parameter would be 64 in each.
         assert sum(writes.values()) <= 4 * 2, writes

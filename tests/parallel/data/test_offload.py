@@ -25,6 +25,7 @@ from paratrain.parallel.api import ParallelConfigError
 from paratrain.parallel.data.offload import OffloadError, check_offload, host_tensors
 from paratrain.parallel.rules import LayoutRuleError, LayoutSpec, check_layout
 from paratrain.testing import run_on_ranks
+from parallel_cases import launch_once
 
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
 pytestmark = pytest.mark.filterwarnings("ignore:offload on the CPU")
@@ -226,22 +227,30 @@ def test_bad_offload_input_is_one_line(capsys):
         assert message in err and "\n" not in err
 
 
-def _train_pair(rank, world, argv, out, mode):
-    """The same run without and with offload, one after the other, on these ranks."""
+# The layouts whose runs with and without offload must agree: all trained in one launch of 2 ranks.
+PAIRS = {"zero1": (["--zero", "1"], "optimizer"), "zero2": (["--zero", "2"], "optimizer"),
+         "zero3": (["--zero", "3"], "optimizer"), "tp2": (["--tp", "2"], "optimizer"),
+         "zero2_bf16": (["--zero", "2", "--precision", "bf16"], "optimizer"),
+         "zero3_params": (["--zero", "3"], "params"),
+         "zero3_tp2_sp_params": (["--zero", "3", "--tp", "2", "--sequence-parallel"], "params")}
+_PAIRS: dict = {}
+
+
+def _train_pairs(rank, world, root):
+    """For each of `PAIRS`, the same run without and with offload, one after the other, on these ranks."""
     from paratrain.train import train
 
-    for name, extra in (("plain", []), ("offload", ["--offload", mode])):
-        train(config_from_args(build_parser().parse_args([*argv, *extra, "--out", f"{out}/{name}"])))
+    for name, (layout, mode) in PAIRS.items():
+        for run, extra in (("plain", []), ("offload", ["--offload", mode])):
+            argv = ["train", *TINY, *layout, *extra, "--out", f"{root}/{name}/{run}"]
+            train(config_from_args(build_parser().parse_args(argv)))
 
 
-@pytest.mark.parametrize("layout, mode", [(["--zero", "1"], "optimizer"), (["--zero", "2"], "optimizer"),
-                                          (["--zero", "3"], "optimizer"), (["--tp", "2"], "optimizer"),
-                                          (["--zero", "2", "--precision", "bf16"], "optimizer"),
-                                          (["--zero", "3"], "params"),
-                                          (["--zero", "3", "--tp", "2", "--sequence-parallel"], "params")])
-def test_two_ranks_with_offload_equal_two_ranks_without(tmp_path, layout, mode):
-    run_on_ranks(_train_pair, 2, ["train", *TINY, *layout], str(tmp_path), mode, timeout=180)
-    plain, offload = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("plain", "offload"))
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_two_ranks_with_offload_equal_two_ranks_without(tmp_path_factory, name):
+    root = tmp_path_factory.getbasetemp() / "offload-pairs"
+    launch_once(_PAIRS, 2, _train_pairs, str(root), timeout=600)
+    plain, offload = (read_metrics(root / name / run / "metrics.jsonl") for run in ("plain", "offload"))
     assert [r["loss"] for r in offload] == pytest.approx([r["loss"] for r in plain], rel=1e-6, abs=0)
     assert [r["grad_norm"] for r in offload] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-6)
 
@@ -263,23 +272,23 @@ def test_verify_passes_every_layout_with_offload(capsys, optimizer, layouts, tmp
 
 
 def test_a_killed_offloaded_run_resumes_bit_exact(tmp_path):
-    """Two ranks under the launcher with the optimizer on the host, rank 1 SIGKILLed in step 10: the restart loads
-    the host masters and state from the last committed checkpoint (step 8's, or step 4's while step 8's is still
+    """Two ranks under the launcher with the optimizer on the host, rank 1 SIGKILLed in step 5: the restart loads
+    the host masters and state from the last committed checkpoint (step 4's, or step 2's while step 4's is still
     being written in the background) and ends where a run straight through ends, bit for bit. The save copies the
     host state before the next step moves it, and waits for a host step under way first."""
-    argv = ["train", *TINY, "--steps", "12", "--zero", "2", "--offload", "optimizer", "--checkpoint-every", "4",
+    argv = ["train", *TINY, "--steps", "6", "--zero", "2", "--offload", "optimizer", "--checkpoint-every", "2",
             "--checkpoint-async", "--nproc", "2", "--max-restarts", "1"]
     runs, output = {}, {}
-    for name, fault in (("whole", None), ("killed", "sigkill@rank1:step10")):
+    for name, fault in (("whole", None), ("killed", "sigkill@rank1:step5")):
         env = {**os.environ, **({FAULT_ENV: fault} if fault else {})}
         result = subprocess.run([sys.executable, "-m", "paratrain", *argv, "--out", str(tmp_path / name)],
                                 capture_output=True, text=True, env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name], output[name] = read_metrics(tmp_path / name / "metrics.jsonl"), result.stdout + result.stderr
     assert "resumed from" in output["killed"] and "resumed from" not in output["whole"]
-    assert [r["step"] for r in runs["killed"]] == list(range(1, 13))
+    assert [r["step"] for r in runs["killed"]] == list(range(1, 7))
     assert [r["loss"] for r in runs["killed"]] == [r["loss"] for r in runs["whole"]]
-    final = [CheckpointReader(tmp_path / name / "checkpoints" / "step-00000012") for name in ("whole", "killed")]
+    final = [CheckpointReader(tmp_path / name / "checkpoints" / "step-00000006") for name in ("whole", "killed")]
     names = sorted(final[0].names())
     assert names == sorted(final[1].names()) and any(n.endswith("/exp_avg_sq") for n in names)
     for key in names:
