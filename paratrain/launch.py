@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import elastic_launch
 
 from paratrain import forkserver
-from paratrain.compat import elastic_launch_config
+from paratrain.compat import elastic_launch_config, name_rendezvous_events_by_frame
 from paratrain.config import Config
 from paratrain.distributed import free_port
 from paratrain.errors import RunFailure, one_line_warnings
@@ -100,6 +100,7 @@ def _launch(launch, entry, *args) -> None:
     # The agent logs each failure as a multi-line traceback of its own
     # internals; the one line from describe_failure says what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    name_rendezvous_events_by_frame()
     forkserver.start()  # running, its preload set, before the agent asks for workers
     elastic_launch(launch, _forked)(entry, forkserver.launcher_state(), *args)
 

@@ -28,7 +28,9 @@ from paratrain.train import train_step
 
 from parallel_cases import TINY, adamw, batches, make_model
 
-SAVE_AT, STEPS_AFTER, MICRO = 3, 5, 2
+# Two steps after the load: the first's loss reads the loaded weights, the second's the update the loaded
+# optimizer state made.
+SAVE_AT, STEPS_AFTER, MICRO = 3, 2, 2
 DATA = batches(vocab=TINY.vocab_size, steps=SAVE_AT + STEPS_AFTER, batch=8, seq=16)
 
 

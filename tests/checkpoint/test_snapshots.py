@@ -304,23 +304,39 @@ def test_a_killed_rank_resumes_from_memory_without_reading_the_disk_bit_equal(re
     assert_bit_equal(out, reference)
 
 
-def _two_nodes_killed(tmp_path: Path) -> tuple[Path, list[Path], int]:
-    """Two nodes of one rank; rank 1 killed in step 7; its node's memory wiped (a replaced node). Returns the
-    newest step both the survivor's own snapshots and its copy of rank 1's hold."""
-    out, nodes = tmp_path / "run", [tmp_path / "node-a", tmp_path / "node-b"]
+@pytest.fixture(scope="module")
+def two_nodes_killed(tmp_path_factory) -> tuple[Path, int]:
+    """Two nodes of one rank; rank 1 killed in step 7, once for the module: the directory that holds the run and
+    both nodes' memory (`live`) and a copy of it as the kill left it (`killed`), and the newest step both the
+    survivor's own snapshots and its copy of rank 1's hold."""
+    base = tmp_path_factory.mktemp("two-nodes")
+    live = base / "live"
+    out, nodes = live / "run", [live / "node-a", live / "node-b"]
     results = launch_nodes(out, nodes, "--snapshot-every", "1", fault="sigkill@rank1:step7")
     assert all(r.returncode != 0 for r in results)
-    (lost,) = [d for d in nodes if (job_dir(d) / entry_name(OWN, 1)).is_dir()]
-    (held,) = [job_dir(d) for d in nodes if d != lost]
+    (held,) = [job_dir(d) for d in nodes if not (job_dir(d) / entry_name(OWN, 1)).is_dir()]
     step = min(newest_complete(held / entry_name(OWN, 0)), newest_complete(held / entry_name(COPY, 1)))
     assert step in (5, 6)  # step 6's copy travelled in the background during step 7: there, or step 5's
+    shutil.copytree(live, base / "killed", symlinks=True)
+    return base, step
+
+
+def _two_nodes_killed(two_nodes_killed: tuple[Path, int]) -> tuple[Path, list[Path], int]:
+    """The killed two-node run back in its own paths as the kill left it, rank 1's node memory wiped (a replaced
+    node). Returns the run, the nodes' memory and the newest step the survivor holds for both ranks."""
+    base, step = two_nodes_killed
+    live = base / "live"
+    shutil.rmtree(live)
+    shutil.copytree(base / "killed", live, symlinks=True)
+    out, nodes = live / "run", [live / "node-a", live / "node-b"]
+    (lost,) = [d for d in nodes if (job_dir(d) / entry_name(OWN, 1)).is_dir()]
     shutil.rmtree(lost)
     lost.mkdir()
     return out, nodes, step
 
 
-def test_a_node_replaced_with_its_memory_wiped_restores_from_the_buddys_copy_bit_equal(reference, tmp_path):
-    out, nodes, step = _two_nodes_killed(tmp_path)
+def test_a_node_replaced_with_its_memory_wiped_restores_from_the_buddys_copy_bit_equal(reference, two_nodes_killed):
+    out, nodes, step = _two_nodes_killed(two_nodes_killed)
     results = launch_nodes(out, nodes, "--snapshot-every", "1")
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     lines = [line for r in results for line in r.stdout.splitlines() if line.startswith("paratrain: resumed")]
@@ -399,8 +415,8 @@ def _listening(port: int) -> bool:
     return False
 
 
-def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference, tmp_path):
-    out, nodes, _ = _two_nodes_killed(tmp_path)
+def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference, two_nodes_killed):
+    out, nodes, _ = _two_nodes_killed(two_nodes_killed)
     for copies in [c for node in nodes for c in node.glob(f"*/{entry_name(COPY, 1)}")]:
         shutil.rmtree(copies)  # the copy of the lost rank's snapshots, on the node that survived
     results = launch_nodes(out, nodes, "--snapshot-every", "1")

@@ -92,6 +92,25 @@ def test_the_launch_config_keeps_newer_fields_where_torch_has_them_and_refuses_u
         compat.elastic_launch_config(min_nodes=1, max_nodes=1, nproc_per_node=2, shutdown_timout=7)
 
 
+
+def test_rendezvous_events_are_named_by_the_frame_as_torchs_stack_walk_names_them(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torchs = dynamic_rendezvous.get_method_name
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs)  # restored after the test
+
+    def record():  # as DynamicRendezvousHandler._record asks for the name of the method that called it
+        return dynamic_rendezvous.get_method_name(), dynamic_rendezvous.get_method_name(1)
+
+    def next_rendezvous():
+        return record()
+
+    expected = next_rendezvous()
+    compat.name_rendezvous_events_by_frame()
+    assert dynamic_rendezvous.get_method_name is not torchs
+    assert next_rendezvous() == expected == ("next_rendezvous", "record")
+    assert dynamic_rendezvous.get_method_name(10_000) == torchs(10_000) == "no_method_name"
+
 # -- collectives --------------------------------------------------------------------------------------
 
 def test_the_flat_collectives_are_torchs_newer_names_where_it_has_them_else_the_older(monkeypatch):

@@ -40,6 +40,9 @@ ARGS = [*TINY, "--steps", str(STEPS), "--checkpoint-every", "4", "--nproc", "2"]
 # cores. Tests that check a run did not wait for a long timeout set that timeout beyond this one.
 LAUNCH_TIMEOUT = 300
 LONG_PG_TIMEOUT = "600"
+# The process-group timeout a hung rank is named within: each of steps 1 to 4 and the save of step 4 keeps the two
+# ranks well under it apart on a loaded machine; the hung rank sleeps an hour.
+HANG_PG_TIMEOUT = 7
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +156,7 @@ def _steps_logged(out: Path) -> int:
 
 def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_path):
     out = tmp_path / "run"
-    result = launch(out, "--pg-timeout", "10", fault="hang@rank1:step5")
+    result = launch(out, "--pg-timeout", str(HANG_PG_TIMEOUT), fault="hang@rank1:step5")
     ended = time.time()
     assert result.returncode == 1
     line = summary(result)
@@ -164,9 +167,10 @@ def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_pat
     assert waited and int(waited.group(1)) > AGREEMENT_ROWS, line
     assert "it is at step 5, hung or dead outside a collective (error: " in line and "Timed out" in line
     # Timed from rank 0's record of step 4 (then it saves step 4 and waits in step 5's agreement), not from
-    # the launch, whose start-up is what a loaded machine slows: the 10 s, then a stop of a second or two.
+    # the launch, whose start-up is what a loaded machine slows: the timeout, then a stop of a second or two.
     waited = ended - (out / "metrics.jsonl").stat().st_mtime
-    assert 10 <= waited < 10 + 20, f"{waited:.1f} s from step 4's record to the end: the timeout and the stop, no more"
+    assert HANG_PG_TIMEOUT <= waited < HANG_PG_TIMEOUT + 20, \
+        f"{waited:.1f} s from step 4's record to the end: the timeout and the stop, no more"
 
 
 def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
