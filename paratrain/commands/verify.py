@@ -59,8 +59,9 @@ from paratrain.verify import (KNOWN, Comparison, VerifyError, compare, micro_bat
                               parse_layout)
 
 # The options shared with `paratrain train` (the trainer's flags and help) and verify's defaults of them.
-SHARED = ("model.name", "train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.path",
-          "train.seed", "train.optimizer")
+SHARED = ("model.name", "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+          "train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.path", "train.seed",
+          "train.optimizer")
 LAYOUT_OPTIONS = ("parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.zero",
                   "parallel.sequence_parallel", "parallel.precision", "parallel.reduce_dtype", "parallel.schedule",
                   "parallel.virtual_stages", "parallel.activation_checkpointing", "parallel.bucket_mb", "parallel.fp8",

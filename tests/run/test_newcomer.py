@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+from paratrain.cli import main
 from paratrain.faults import FAULT_ENV
 from paratrain.metrics import read_metrics
 
@@ -73,9 +74,9 @@ def test_a_first_fine_tune_checkpoints_resumes_and_exports_without_being_told(tm
     train = ["train", "--init-from", str(hf), "--data", str(tmp_path / "a"), "--nproc", "2", "--zero", "3",
              "--steps", str(STEPS), *SHAPE]
 
+    # The uninterrupted reference launches its ranks from this process (the same launcher, no interpreter to start).
     reference = tmp_path / "reference"
-    code, _, err = _run(*train, "--out", str(reference))
-    assert code == 0, err
+    assert main([*train, "--out", str(reference)]) == 0
     expected = read_metrics(reference / "metrics.jsonl")
 
     # Preempted mid-run: the launcher's SIGTERM reaches the ranks, which finish the step and save it.
@@ -115,8 +116,7 @@ def test_a_first_fine_tune_checkpoints_resumes_and_exports_without_being_told(tm
     assert [r["lr"] for r in records] == [r["lr"] for r in expected]
     assert max(r["lr"] for r in records) <= 2e-5  # the fine-tuning recipe's peak
 
-    code, _, err = _run("export", str(run), str(tmp_path / "export"))
-    assert code == 0, err
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
     tokens = torch.randint(0, 259, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -152,20 +152,38 @@ def test_accumulation_with_uneven_masks_equals_one_batch():
                              dict(enumerate(whole)), FP32_ADAMW)
 
 
-def _train_on_ranks(rank, world_size, out, accumulate, zero):
-    cfg = small_config(out, steps=4, micro_batch=8 // world_size // accumulate)
-    cfg.parallel.zero = zero
-    result = train(cfg)
-    return result.final_loss
+ZERO_STAGES = [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_two_processes_match_one(tmp_path, zero):
+def _train_on_ranks(rank, world_size, root, accumulate):
+    """A run for every ZeRO stage, one after another on the same ranks, each in its own directory."""
+    for zero in ZERO_STAGES:
+        cfg = small_config(f"{root}/zero{zero}", steps=4, micro_batch=8 // world_size // accumulate)
+        cfg.parallel.zero = zero
+        train(cfg)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The metrics of one process trained as the two-rank runs are: one run for every ZeRO stage."""
+    out = tmp_path_factory.mktemp("one")
+    train(small_config(out, steps=4))
+    return read_metrics(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The directory holding each ZeRO stage's run on two data ranks with accumulation, all in one launch."""
+    root = tmp_path_factory.mktemp("two")
+    run_on_ranks(_train_on_ranks, 2, str(root), 2, timeout=240)
+    return root
+
+
+@pytest.mark.parametrize("zero", ZERO_STAGES)
+def test_two_processes_match_one(one_process, two_processes, zero):
     """Two data ranks with accumulation give the losses of one process with the same global batch."""
-    train(small_config(tmp_path / "one", steps=4))
-    reference = read_metrics(tmp_path / "one" / "metrics.jsonl")
-    run_on_ranks(_train_on_ranks, 2, str(tmp_path / "two"), 2, zero, timeout=120)
-    records = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    reference = one_process
+    records = read_metrics(two_processes / f"zero{zero}" / "metrics.jsonl")
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
     assert all(r["comm_bytes"]["dp"] > 0 and len(r["peak_mem_bytes_per_rank"]) == 2 for r in records)
     assert "dp" not in reference[0]["comm_bytes"], "one process communicates nothing"
@@ -222,13 +240,33 @@ LAYOUTS = {
 }
 
 
+def _train_layouts(rank, world_size, root):
+    """Every layout's run, one after another on the same 4 ranks, each in its own directory."""
+    return {name: _train_layout(rank, world_size, f"{root}/{name}", parallel) for name, parallel in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def one_process_four_layers(tmp_path_factory):
+    """One process's run of the four-layer model and its metrics: the reference of every layout."""
+    out = tmp_path_factory.mktemp("one_four_layers")
+    return train(_four_layers(out)), read_metrics(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """The runs of every layout in one launch of 4 ranks (each rank process pays seconds of start-up): the
+    directory holding each layout's run, and each rank's results by layout."""
+    root = tmp_path_factory.mktemp("four")
+    return root, run_on_ranks(_train_layouts, 4, str(root), timeout=300)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_parallel_trainer_matches_one_process(tmp_path, name):
+def test_parallel_trainer_matches_one_process(one_process_four_layers, four_ranks, name):
     """`paratrain train` on 4 ranks: the losses and eval loss of one process, one text sample on every rank."""
-    one = train(_four_layers(tmp_path / "one"))
-    reference = read_metrics(tmp_path / "one" / "metrics.jsonl")
-    results = run_on_ranks(_train_layout, 4, str(tmp_path / "four"), LAYOUTS[name], timeout=180)
-    records = read_metrics(tmp_path / "four" / "metrics.jsonl")
+    one, reference = one_process_four_layers
+    root, by_rank = four_ranks
+    results = [layouts[name] for layouts in by_rank]
+    records = read_metrics(root / name / "metrics.jsonl")
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
     assert [eval_loss for _, eval_loss in results] == pytest.approx([one.eval_loss] * 4, rel=1e-5)
     axes = {axis for axis in ("dp", "tp", "pp") if LAYOUTS[name].get(axis, 1) > 1 or axis == "dp" and

@@ -22,9 +22,10 @@ from paratrain.verify import (
     parse_layout,
 )
 
-# A small corpus (the json package's sources) keeps each launched process's data loading short.
-SMALL = ["--model", "tiny", "--steps", "3", "--global-batch", "8", "--seq-len", "32", "--data",
-         str(Path(json.__file__).parent)]
+# A small corpus (the json package's sources) keeps each launched process's data loading short; a model narrower
+# than `tiny` (bf16 matmuls on a CPU cost seconds a step at its width) keeps each step short.
+SMALL = ["--model", "tiny", "--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "128",
+         "--steps", "3", "--global-batch", "8", "--seq-len", "32", "--data", str(Path(json.__file__).parent)]
 
 
 def test_layouts_parse_into_parallel_overrides():
