@@ -111,6 +111,7 @@ def test_an_interrupted_prepare_continues_after_its_finished_files(tmp_path, cap
     assert "continuing" not in capsys.readouterr().err
 
 
+@pytest.mark.single_process
 def test_a_dataset_by_its_hub_name_streams_and_an_unreachable_one_is_refused_in_one_line(tmp_path):
     """`hf:NAME[:CONFIG][:SPLIT]` streams through `datasets.load_dataset(..., streaming=True)`; a local directory
     laid out as a hub repository stands in for the hub here (no network). Offline, a hub name ends in one line."""
@@ -204,6 +205,7 @@ print(status("VmHWM") - baseline)
 ALLOWED = 48 * 2**20  # the working memory prepare may use beyond its imports
 
 
+@pytest.mark.single_process
 def test_a_corpus_four_times_the_allowed_memory_prepares_under_it(tmp_path):
     """A 192 MB corpus, four times the 48 MB of working memory allowed: prepare's peak resident memory beyond its
     imports stays under the 48 MB (one batch of records and its tokens at a time, never a file or the stream)."""

@@ -155,6 +155,7 @@ def exit_code(argv) -> int:
         return e.code
 
 
+@pytest.mark.single_process
 def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
     result = paratrain("train", "--model", "nope", timeout=60)
     assert result.returncode == 2
@@ -170,6 +171,7 @@ def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.single_process
 @pytest.mark.parametrize("case", ["occupied out", "tokenizer larger than the model", "layout"])
 def test_a_launch_refuses_in_the_launching_process_before_any_rank_starts(case, tmp_path):
     """Exit 2 with one line, within 5 s of the command, nothing written into --out: the refusals a worker would
