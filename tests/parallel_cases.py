@@ -333,13 +333,14 @@ def _current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
 
 
-def third_step_window(model, optimizer, step):
-    """`TensorMemory`'s window over the third call of `step` (after two, the optimizer state exists and compiled
-    code is compiled): the peak of live tensor bytes of a whole step, and what made it up."""
+def step_window(model, optimizer, step, warm_up: int = 2):
+    """`TensorMemory`'s window over one call of `step` after `warm_up` calls (after two, the optimizer state exists
+    and compiled code is compiled; an eager step's second peak is its every later one's): the peak of live tensor
+    bytes of a whole step, and what made it up."""
     from paratrain.peak_memory import TensorMemory
 
-    step()
-    step()
+    for _ in range(warm_up):
+        step()
     meter = TensorMemory()
     with meter:
         meter.begin(model, optimizer)

@@ -33,7 +33,7 @@ from paratrain import init_mesh, parallelize
 from paratrain.models import ModelConfig, Transformer
 from paratrain.plan import Layout, Workload, estimate_memory
 from paratrain.testing import run_on_ranks
-from parallel_cases import batches, third_step_window
+from parallel_cases import batches, step_window
 
 CFG = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=64)
 ROWS, SEQ = 4, 64
@@ -48,7 +48,7 @@ def _model() -> Transformer:
 
 
 def _peak(model, optimizer, step) -> tuple[int, dict[str, int]]:
-    window = third_step_window(model, optimizer, step)
+    window = step_window(model, optimizer, step)
     return window.peak_bytes, window.by_category
 
 

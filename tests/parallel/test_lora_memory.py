@@ -23,7 +23,7 @@ from paratrain.parallel.api import DataParallel
 from paratrain.parallel.lora import LoRA
 from paratrain.plan import Layout, Workload, estimate_memory
 from paratrain.plan.lora import target_params
-from parallel_cases import batches, launch_once, plain_step, third_step_window
+from parallel_cases import batches, launch_once, plain_step, step_window
 
 CFG = ModelConfig(vocab_size=1024, dim=128, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)
 WIDE = ModelConfig(vocab_size=64, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=704, max_seq_len=64)
@@ -43,7 +43,7 @@ def _step_peak(mesh, cfg: ModelConfig, base_dtype: str | None, rows: int, seq: i
                                    lora=LoRA(RANK, base_dtype=base_dtype))
     x, y = (t[mesh.rank * rows:(mesh.rank + 1) * rows]
             for t in batches(vocab=cfg.vocab_size, steps=1, batch=rows * WORLD, seq=seq)[0])
-    window = third_step_window(model, optimizer, plain_step(model, optimizer, x, y))
+    window = step_window(model, optimizer, plain_step(model, optimizer, x, y))
     nf4 = sum(p.nbytes for n, p in model.module.named_parameters() if ".weight_nf4" in n)
     return window.peak_bytes, window.largest, nf4
 

@@ -31,7 +31,7 @@ from paratrain.models import ModelConfig, Transformer
 from paratrain.parallel.api import DataParallel
 from paratrain.plan import Layout, Workload, estimate_memory
 from paratrain.testing import run_on_ranks
-from parallel_cases import batches, plain_step
+from parallel_cases import batches, plain_step, step_window
 
 CFG = ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=352, max_seq_len=128)
 ROWS, SEQ = 4, 128  # per data rank
@@ -40,21 +40,6 @@ ONE_RANK = [(zero, mode) for zero in (0, 3) for mode in ("none", "full", "select
 TWO_RANKS = [(zero, "none") for zero in (0, 1, 2, 3)]
 FP8 = [(0, "none", "tensorwise"), (0, "selective", "tensorwise"), (3, "selective", "tensorwise"),
        (0, "selective", "rowwise")]
-
-
-def step_window(model, optimizer, step, warm_up: int):
-    """`TensorMemory`'s window over one call of `step` after `warm_up` calls: the peak of live tensor bytes of a
-    whole step once the optimizer state exists (an eager step's second peak is its every later one's; compiled code
-    is compiled by the second step)."""
-    from paratrain.peak_memory import TensorMemory
-
-    for _ in range(warm_up):
-        step()
-    meter = TensorMemory()
-    with meter:
-        meter.begin(model, optimizer)
-        step()
-        return meter.end(model, optimizer)
 
 
 def step_peak(mesh, zero: int, mode: str, x, y, compile: bool = False, fp8: str | None = None) -> int:
