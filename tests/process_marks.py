@@ -51,7 +51,8 @@ _started = 0
 _STARTED_BEFORE = pytest.StashKey[int]()
 # Processes a test does not start itself: multiprocessing's forkserver and resource tracker, Inductor's compile
 # workers. Each is a leaf of the tree while it waits.
-_MACHINERY = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker", b"torch/_inductor/compile_worker")
+_FORKSERVER = b"multiprocessing.forkserver"
+_MACHINERY = (_FORKSERVER, b"multiprocessing.resource_tracker", b"torch/_inductor/compile_worker")
 
 
 def _runs_python(popen, args, *rest, **kwargs) -> bool:
@@ -92,45 +93,47 @@ def _working_processes(root: int) -> int:
             stack.extend(children[pid])
         else:
             leaves.append(pid)
-    def command(pid: int) -> bytes:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                return cmdline.read()
-        except OSError:  # it exited
-            return b""
-
     count = 0
     for pid in leaves:
-        words = command(pid).split(b"\0")
-        # A rank forked from the forkserver carries the server's command line; the server itself is the one whose
-        # parent is not a server.
-        machinery = any(part in word for word in words for part in _MACHINERY) and \
-            not (b"multiprocessing.forkserver" in command(pid) and b"multiprocessing.forkserver" in command(parents[pid]))
-        if words[0] and _PYTHON.match(os.path.basename(words[0].decode(errors="replace"))) and not machinery:
+        line = _command(pid)
+        program = line.split(b"\0")[0].decode(errors="replace")
+        if not program or not _PYTHON.match(os.path.basename(program)):
+            continue
+        # A rank forked from the forkserver carries the server's command line; the server is the one whose parent
+        # is not a server.
+        forked_rank = _FORKSERVER in line and _FORKSERVER in _command(parents[pid])
+        if forked_rank or not any(part in line for part in _MACHINERY):
             count += 1
     return count
 
 
+def _command(pid: int) -> bytes:
+    """A process's command line, its words separated by NUL bytes; empty once it has exited."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return b""
+
+
 class _Watch(threading.Thread):
-    """The largest number of working processes under this one while a test runs, sampled ten times a second."""
+    """The largest number of working processes under this one while a test runs, sampled ten times a second from
+    its start until `stop()`."""
 
     def __init__(self):
         super().__init__(daemon=True)
         self.most = 0
         self._done = threading.Event()
+        self.start()
 
     def run(self):
         while not self._done.wait(0.1):
             self.most = max(self.most, _working_processes(os.getpid()))
 
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
+    def stop(self):
+        """End the sampling (again: a no-op)."""
         self._done.set()
-        if self.is_alive():
-            self.join()
+        self.join()
 
 
 def pytest_configure(config):
@@ -232,7 +235,7 @@ def _watched(item) -> bool:
 def pytest_runtest_setup(item):
     item.stash[_STARTED_BEFORE] = _started  # a module's fixture may start the ranks in its first test's setup
     if _watched(item):  # from the setup on, for the same reason
-        item.stash[_WATCH] = _Watch().__enter__()
+        item.stash[_WATCH] = _Watch()
     return (yield)
 
 
@@ -241,7 +244,7 @@ def pytest_runtest_call(item):
     result = yield  # a test that fails is reported as it failed, not for its mark
     watch = item.stash.get(_WATCH, None)
     if watch is not None:
-        watch.__exit__()
+        watch.stop()
         if log := os.environ.get("PARATRAIN_TEST_PROCESSES"):
             with open(log, "a") as out:
                 out.write(f"{watch.most}\t{item.nodeid}\n")
@@ -258,4 +261,4 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item):
     watch = item.stash.get(_WATCH, None)
     if watch is not None:  # a setup that failed leaves no call to stop it
-        watch.__exit__()
+        watch.stop()
