@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 
 from paratrain.distributed import FORK_SAFE_CUDA_CHECK
@@ -72,6 +73,21 @@ def start(*extra: str) -> multiprocessing.context.BaseContext:
     ctx = context(*extra)
     multiprocessing.forkserver.ensure_running()
     return ctx
+
+
+def running() -> bool:
+    """Whether this process started a worker server that is still its to use (`start`)."""
+    return multiprocessing.forkserver._forkserver._forkserver_pid is not None
+
+
+def stop() -> None:
+    """End the worker server this process started, at once, even while its preload still runs: a launch refused
+    before any worker started leaves no server behind (nor the seconds of one core its preload would still take,
+    with the server's memory). A no-op when none is running."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        os.kill(server._forkserver_pid, signal.SIGKILL)  # it has forked nothing: nothing of its own to end
+        server._stop()  # reaps it, closes the pipe that kept it alive, removes its socket
 
 
 def launcher_state() -> dict:

@@ -30,12 +30,18 @@ def run(args) -> int:
         from paratrain import forkserver
 
         # The workers' server imports torch on one core while this process imports it on another.
+        started_here = not forkserver.running()
         forkserver.start()
         from paratrain.launch import launch_local
         from paratrain.run.build import preflight
 
         # Before any worker starts: no restart is burned on bad input. The workers get the options it resolved.
-        cfg = preflight(cfg, world_size=cfg.run.nproc * cfg.run.nnodes).cfg
+        try:
+            cfg = preflight(cfg, world_size=cfg.run.nproc * cfg.run.nnodes).cfg
+        except BaseException:
+            if started_here:  # refused: the server this launch started goes, mid-preload (a caller's own stays)
+                forkserver.stop()
+            raise
         launch_local(cfg)  # each worker calls train(cfg)
         return 0
     from paratrain.launch import PREEMPTED_EXIT

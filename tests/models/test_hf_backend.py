@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_families import FAMILIES, VOCAB, hf_loss, hf_model, save_family
-from paratrain import DataParallel, init_mesh, parallelize
+from paratrain import DataParallel, forkserver, init_mesh, parallelize
 from paratrain.cli import main
 from paratrain.metrics import read_metrics
 from paratrain.interop.hf_weights import weight_initializer
@@ -144,10 +144,13 @@ def test_a_checkpoint_resumes_and_exports_with_its_model_directory_gone(tmp_path
 
 
 def _refusal(capsys, argv) -> str:
+    """A refused command's one line; a refused launch (--nproc) leaves no worker server of its own behind."""
     capsys.readouterr()
+    had_server = forkserver.running()
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err, err
+    assert forkserver.running() == had_server
     return err
 
 

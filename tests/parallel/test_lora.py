@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from parallel_cases import adamw, batches, loss_sum, make_model
+from paratrain import forkserver
 from paratrain.cli import main
 from paratrain.mesh import Mesh, MeshShape
 from paratrain.metrics import read_metrics
@@ -218,10 +219,11 @@ RUN = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", 
     (["--lora", "4", "--lora-alpha", "-1"], "--lora-alpha must be positive"),
 ])
 def test_the_trainer_refuses_in_one_line_before_anything_runs(argv, message, capsys, tmp_path):
+    had_server = forkserver.running()  # a refused launch (--nproc 2) stops the worker server it started
     assert main(["train", "--steps", "1", "--out", str(tmp_path / "run"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and forkserver.running() == had_server
 
 
 @pytest.mark.parametrize("base_dtype", [None, "nf4"])

@@ -174,8 +174,9 @@ def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
 @pytest.mark.single_process
 @pytest.mark.parametrize("case", ["occupied out", "tokenizer larger than the model", "layout"])
 def test_a_launch_refuses_in_the_launching_process_before_any_rank_starts(case, tmp_path):
-    """Exit 2 with one line, within 5 s of the command, nothing written into --out: the refusals a worker would
-    otherwise make after the launch (and leave run.json behind)."""
+    """Exit 2 with one line, within seconds of the command, nothing written into --out: the refusals a worker would
+    otherwise make after the launch (and leave run.json behind). The worker server the command started goes with
+    the refusal: stopped mid-preload and reaped by the command, its processor time counts below."""
     out = tmp_path / "run"
     argv = {"occupied out": [], "tokenizer larger than the model": ["--vocab-size", "100"],
             "layout": ["--tp", "3"]}[case]
@@ -184,8 +185,9 @@ def test_a_launch_refuses_in_the_launching_process_before_any_rank_starts(case, 
         (out / "run.json").write_text('{"run_id": "earlier"}\n')
         (out / "metrics.jsonl").write_text('{"step": 1}\n')
     before = sorted((p.name, p.read_text()) for p in out.iterdir()) if out.exists() else None
-    # The command's processor time, not its wall time: on a loaded machine (this suite's peers) the wall time
-    # measures the load; on an idle one the two agree.
+    # The processor time of the command and of the server it reaped, not the wall time: on a loaded machine (this
+    # suite's peers) the wall time measures the load; on an idle one the two agree. Each imports torch once (~3 s
+    # of one core); a launch that went ahead would add its workers' start, their failure and the restarts.
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = paratrain("train", "--nproc", "2", "--steps", "2", "--out", str(out), *argv, *SMALL, timeout=120)
     now = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -193,7 +195,7 @@ def test_a_launch_refuses_in_the_launching_process_before_any_rank_starts(case, 
     assert result.returncode == 2 and result.stderr.startswith("paratrain train: error: "), result.stderr
     assert result.stderr.count("\n") == 1 and "rank" not in result.stderr, result.stderr
     assert (sorted((p.name, p.read_text()) for p in out.iterdir()) if out.exists() else None) == before
-    assert elapsed < 5, f"refused after {elapsed:.1f} s of processor time"
+    assert elapsed < 9, f"refused after {elapsed:.1f} s of processor time"
 
 
 def test_help_documents_every_option(capsys):
