@@ -142,21 +142,22 @@ def pytest_configure(config):
     subprocess.Popen.__init__ = _count_starts(subprocess.Popen.__init__, _runs_python)
 
 
+def _name_of(node: ast.AST) -> str | None:
+    """The name or string one node refers to (a parameter's name: the fixture it asks for), if any."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, (ast.arg, ast.keyword)):
+        return node.arg
+    return None
+
+
 def _names(node: ast.AST) -> set[str]:
-    """Every name and string a function's body refers to, and the fixtures its parameters name."""
-    names = set()
-    for child in ast.walk(node):
-        if isinstance(child, ast.Constant) and isinstance(child.value, str):
-            names.add(child.value)
-        elif isinstance(child, ast.Name):
-            names.add(child.id)
-        elif isinstance(child, ast.Attribute):
-            names.add(child.attr)
-        elif isinstance(child, ast.arg):
-            names.add(child.arg)
-        elif isinstance(child, ast.keyword) and child.arg:
-            names.add(child.arg)
-    return names
+    """Every name and string a subtree refers to."""
+    return {name for child in ast.walk(node) if (name := _name_of(child)) is not None}
 
 
 @functools.cache
@@ -169,7 +170,10 @@ def _test_module(name: str) -> Path | None:
 @functools.cache
 def _module_functions(path: Path) -> tuple[dict[str, set[str]], dict[str, Path]]:
     """A module's functions (module level and in its classes) and module-level constants with the names each refers
-    to, and the names it imports from other test modules (name -> that module's path)."""
+    to, and the names it imports from other test modules (name -> that module's path).
+
+    One walk of the module: each name is added to every function around it (nested functions' names are their
+    enclosing function's too), so no function's subtree is walked twice."""
     tree = ast.parse(path.read_text(), str(path))
     functions: dict[str, set[str]] = {}
     imported: dict[str, Path] = {}
@@ -179,13 +183,19 @@ def _module_functions(path: Path) -> tuple[dict[str, set[str]], dict[str, Path]]
             for target in targets:
                 if isinstance(target, ast.Name):
                     functions.setdefault(target.id, set()).update(_names(node.value or target))
-    for node in ast.walk(tree):
+    stack = [(tree, ())]
+    while stack:
+        node, around = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            functions.setdefault(node.name, set()).update(_names(node))
+            around = (*around, functions.setdefault(node.name, set()))
+        elif around and (name := _name_of(node)) is not None:
+            for names in around:
+                names.add(name)
         elif isinstance(node, ast.ImportFrom) and node.module:
             source = _test_module(node.module.split(".")[-1])
             if source is not None and source != path:
                 imported.update({alias.asname or alias.name: source for alias in node.names})
+        stack.extend((child, around) for child in ast.iter_child_nodes(node))
     return functions, imported
 
 
