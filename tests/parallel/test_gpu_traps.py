@@ -56,8 +56,6 @@ def _torch_adam_steps_on_the_default_device() -> bool:
 
 trap_adamw = functools.partial(adamw, fused=True) if _torch_adam_steps_on_the_default_device() else adamw
 
-MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -73,6 +71,15 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+
+def _config(layout: Layout) -> ModelConfig:
+    """MODEL with a block per pipeline stage (two at least): what a layout allocates per block is the same in every
+    block, so more blocks than stages add steps' work and no allocation site."""
+    return dataclasses.replace(MODEL, n_layers=max(MODEL.n_layers, layout.pp * layout.virtual_stages))
 
 
 MATRIX = {
@@ -97,7 +104,7 @@ def _model(layout: Layout, mesh, comm: Comm | None = None):
     """The reference model built on meta and parallelized with the default device set to meta as well: a
     shard, bucket or buffer made on the default device instead of the mesh's stays meta and fails later."""
     with torch.device("meta"):
-        model = Transformer(MODEL)
+        model = Transformer(_config(layout))
         return parallelize_run(
             model, mesh, optimizer=trap_adamw,
             data=DataParallel(zero=layout.zero, grad_reduction="sum", offload=layout.offload),
