@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fp8_convergence.py              # 8 seeds x 100 steps of tiny, ~35 min on 2 quiet cores
     ATEN_CPU_CAPABILITY=default python benchmarks/bench_fp8_convergence.py   # on torch's plain CPU kernels
-    python benchmarks/bench_fp8_convergence.py --seeds 2 --steps 3 --batch 2 --seq 32   # a dry run
+    python benchmarks/bench_fp8_convergence.py --seeds 2 --steps 3 --batch 2 --seq 32 --eval-batches 1   # a dry run
     python benchmarks/bench_fp8_convergence.py --first-seed 8 --recipes tensorwise --include results/fp8-....json
                                                             # 8 more seeds of one recipe, reported with the earlier
 
@@ -56,7 +56,8 @@ def train_once(recipe: str, seed: int, args, work: Path) -> dict:
     and shown only if the run fails."""
     out = work / f"{recipe}-seed{seed}"
     argv = ["train", "--model", args.model, "--precision", "bf16", "--steps", str(args.steps), "--seq-len",
-            str(args.seq), "--sample-tokens", "0", "--eval-every", "0", "--no-progress", "--seed", str(seed),
+            str(args.seq), "--sample-tokens", "0", "--eval-every", "0", "--eval-batches", str(args.eval_batches),
+            "--no-progress", "--seed", str(seed),
             *recipe_args(recipe, args.batch), "--out", str(out)]
     records, seconds = train_in_process(argv, out, f"{recipe} seed {seed}")
     losses = [r["loss"] for r in records]
@@ -151,6 +152,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--last", type=int, default=10, help="the metric: the mean of this many last step losses")
     parser.add_argument("--bar", type=float, default=0.05, help="nats the mean difference may reach")
+    parser.add_argument("--eval-batches", type=int, default=8,
+                        help="held-out batches of the final evaluation (its loss is reported beside the metric)")
     parser.add_argument("--model", default="tiny", help="named model config")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES,
                         help="run beside bf16 for every seed")
