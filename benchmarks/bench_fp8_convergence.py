@@ -35,8 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from common import doc_parser, fmt_load, machine, train_in_process, write_results
 
 REFERENCE = "bf16"
@@ -173,11 +171,12 @@ def parse_args(argv: list[str] | None):
 SAME = ("model", "steps", "batch", "seq")  # the settings runs must share to be compared
 
 
-def included_runs(paths: list[str], args, meta: dict) -> tuple[list[dict], list[dict]]:
+def included_runs(paths: list[str], args) -> tuple[list[dict], list[dict]]:
     """The runs of earlier results that join this invocation's (their metric recomputed with --last), and a line of
-    facts on each file; a file of other settings or torch, or a run twice: one-line exit. The CPU kernel path may
-    differ: a seed's runs are all made by one invocation, so every difference is taken between runs on one path
-    (a path moves single runs, not the expected difference), and the report names each file's path."""
+    facts on each file (with its torch, which `check_torch` compares with this run's); a file of other settings, or
+    a run twice: one-line exit. The CPU kernel path may differ: a seed's runs are all made by one invocation, so
+    every difference is taken between runs on one path (a path moves single runs, not the expected difference), and
+    the report names each file's path."""
     runs, facts = [], []
     for path in paths:
         try:
@@ -189,9 +188,6 @@ def included_runs(paths: list[str], args, meta: dict) -> tuple[list[dict], list[
             if earlier["args"][key] != getattr(args, key):
                 raise SystemExit(f"--include {path}: its --{key} is {earlier['args'][key]}, this run's "
                                  f"{getattr(args, key)}; runs of other settings do not compare")
-        if earlier["machine"]["torch"] != meta["machine"]["torch"]:
-            raise SystemExit(f"--include {path}: torch {earlier['machine']['torch']}, this run's "
-                             f"{meta['machine']['torch']}")
         for run in their_runs:
             if any((r["recipe"], r["seed"]) == (run["recipe"], run["seed"]) for r in runs):
                 raise SystemExit(f"--include {path}: {run['recipe']} seed {run['seed']} is in an earlier --include "
@@ -200,22 +196,34 @@ def included_runs(paths: list[str], args, meta: dict) -> tuple[list[dict], list[
         runs += their_runs
         facts.append({"file": Path(path).name, "date": earlier["date"], "wall_s": earlier["wall_s"],
                       "seeds": sorted({r["seed"] for r in their_runs}), "cpu_capability": earlier["cpu_capability"],
-                      "aten_cpu_capability": earlier["aten_cpu_capability"]})
+                      "aten_cpu_capability": earlier["aten_cpu_capability"], "torch": earlier["machine"]["torch"]})
     return runs, facts
+
+
+def check_torch(paths: list[str], facts: list[dict], meta: dict) -> None:
+    """An included file (`paths`, their `facts` in order) of another torch: one-line exit."""
+    for path, fact in zip(paths, facts):
+        if fact["torch"] != meta["machine"]["torch"]:
+            raise SystemExit(f"--include {path}: torch {fact['torch']}, this run's {meta['machine']['torch']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     now = datetime.datetime.now()
-    meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": os.getloadavg(),
-            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "args": vars(args)}
-    runs, meta["included"] = included_runs(args.include, args, meta)
+    load_start = os.getloadavg()
+    # What refuses the invocation comes before torch is imported: a refusal is a moment, not an import.
+    runs, included = included_runs(args.include, args)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     twice = {(r["recipe"], r["seed"]) for r in runs} & {(name, s) for s in seeds for name in (REFERENCE, *args.recipes)}
     if twice:
         raise SystemExit(f"seed {min(twice)[1]} ran already in --include; start at a new --first-seed")
+    import torch
+
+    meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": load_start,
+            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "args": vars(args), "included": included}
+    check_torch(args.include, included, meta)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
