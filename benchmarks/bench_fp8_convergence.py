@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fp8_convergence.py              # 8 seeds x 100 steps of tiny, ~35 min on 2 quiet cores
     ATEN_CPU_CAPABILITY=default python benchmarks/bench_fp8_convergence.py   # on torch's plain CPU kernels
-    python benchmarks/bench_fp8_convergence.py --seeds 2 --steps 3 --batch 2 --seq 32   # a dry run
+    python benchmarks/bench_fp8_convergence.py --seeds 2 --steps 3 --batch 2 --seq 32 --eval-batches 1   # a dry run
     python benchmarks/bench_fp8_convergence.py --first-seed 8 --recipes tensorwise --include results/fp8-....json
                                                             # 8 more seeds of one recipe, reported with the earlier
 
@@ -35,8 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from common import doc_parser, fmt_load, machine, train_in_process, write_results
 
 REFERENCE = "bf16"
@@ -56,7 +54,8 @@ def train_once(recipe: str, seed: int, args, work: Path) -> dict:
     and shown only if the run fails."""
     out = work / f"{recipe}-seed{seed}"
     argv = ["train", "--model", args.model, "--precision", "bf16", "--steps", str(args.steps), "--seq-len",
-            str(args.seq), "--sample-tokens", "0", "--eval-every", "0", "--no-progress", "--seed", str(seed),
+            str(args.seq), "--sample-tokens", "0", "--eval-every", "0", "--eval-batches", str(args.eval_batches),
+            "--no-progress", "--seed", str(seed),
             *recipe_args(recipe, args.batch), "--out", str(out)]
     records, seconds = train_in_process(argv, out, f"{recipe} seed {seed}")
     losses = [r["loss"] for r in records]
@@ -151,6 +150,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--last", type=int, default=10, help="the metric: the mean of this many last step losses")
     parser.add_argument("--bar", type=float, default=0.05, help="nats the mean difference may reach")
+    parser.add_argument("--eval-batches", type=int, default=8,
+                        help="held-out batches of the final evaluation (its loss is reported beside the metric)")
     parser.add_argument("--model", default="tiny", help="named model config")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES,
                         help="run beside bf16 for every seed")
@@ -170,11 +171,12 @@ def parse_args(argv: list[str] | None):
 SAME = ("model", "steps", "batch", "seq")  # the settings runs must share to be compared
 
 
-def included_runs(paths: list[str], args, meta: dict) -> tuple[list[dict], list[dict]]:
+def included_runs(paths: list[str], args) -> tuple[list[dict], list[dict]]:
     """The runs of earlier results that join this invocation's (their metric recomputed with --last), and a line of
-    facts on each file; a file of other settings or torch, or a run twice: one-line exit. The CPU kernel path may
-    differ: a seed's runs are all made by one invocation, so every difference is taken between runs on one path
-    (a path moves single runs, not the expected difference), and the report names each file's path."""
+    facts on each file (with its torch, which `check_torch` compares with this run's); a file of other settings, or
+    a run twice: one-line exit. The CPU kernel path may differ: a seed's runs are all made by one invocation, so
+    every difference is taken between runs on one path (a path moves single runs, not the expected difference), and
+    the report names each file's path."""
     runs, facts = [], []
     for path in paths:
         try:
@@ -186,9 +188,6 @@ def included_runs(paths: list[str], args, meta: dict) -> tuple[list[dict], list[
             if earlier["args"][key] != getattr(args, key):
                 raise SystemExit(f"--include {path}: its --{key} is {earlier['args'][key]}, this run's "
                                  f"{getattr(args, key)}; runs of other settings do not compare")
-        if earlier["machine"]["torch"] != meta["machine"]["torch"]:
-            raise SystemExit(f"--include {path}: torch {earlier['machine']['torch']}, this run's "
-                             f"{meta['machine']['torch']}")
         for run in their_runs:
             if any((r["recipe"], r["seed"]) == (run["recipe"], run["seed"]) for r in runs):
                 raise SystemExit(f"--include {path}: {run['recipe']} seed {run['seed']} is in an earlier --include "
@@ -197,22 +196,34 @@ def included_runs(paths: list[str], args, meta: dict) -> tuple[list[dict], list[
         runs += their_runs
         facts.append({"file": Path(path).name, "date": earlier["date"], "wall_s": earlier["wall_s"],
                       "seeds": sorted({r["seed"] for r in their_runs}), "cpu_capability": earlier["cpu_capability"],
-                      "aten_cpu_capability": earlier["aten_cpu_capability"]})
+                      "aten_cpu_capability": earlier["aten_cpu_capability"], "torch": earlier["machine"]["torch"]})
     return runs, facts
+
+
+def check_torch(paths: list[str], facts: list[dict], meta: dict) -> None:
+    """An included file (`paths`, their `facts` in order) of another torch: one-line exit."""
+    for path, fact in zip(paths, facts):
+        if fact["torch"] != meta["machine"]["torch"]:
+            raise SystemExit(f"--include {path}: torch {fact['torch']}, this run's {meta['machine']['torch']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     now = datetime.datetime.now()
-    meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": os.getloadavg(),
-            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "args": vars(args)}
-    runs, meta["included"] = included_runs(args.include, args, meta)
+    load_start = os.getloadavg()
+    # What refuses the invocation comes before torch is imported: a refusal is a moment, not an import.
+    runs, included = included_runs(args.include, args)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     twice = {(r["recipe"], r["seed"]) for r in runs} & {(name, s) for s in seeds for name in (REFERENCE, *args.recipes)}
     if twice:
         raise SystemExit(f"seed {min(twice)[1]} ran already in --include; start at a new --first-seed")
+    import torch
+
+    meta = {"date": now.isoformat(timespec="seconds"), "machine": machine(), "load_avg_start": load_start,
+            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "args": vars(args), "included": included}
+    check_torch(args.include, included, meta)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:

@@ -490,11 +490,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["status"].startswith("error") for r in results["rows"]) else 0
 
 
+def _qwen3_row(kind: str) -> dict:
+    """The name and the fields every row records of the Qwen3 row of `kind` (the planner does not predict it)."""
+    name = f"transformers Qwen3 {'plain PyTorch' if kind == 'pytorch' else 'paratrain ZeRO-0'} compiled"
+    return {"row": name, "model": "qwen3", "kind": kind, "compile": True, "zero": 0 if kind == "paratrain" else None,
+            "recompute": "none"}
+
+
 def transformers_rows(device, args, left_s: float) -> list[dict]:
     """A Qwen3-shaped transformers model (`paratrain.models.hf`: transformers' own modules, QK norms, head_dim 128) of
     ~1B parameters, batch --batch x seq --seq, bf16, every decoder layer compiled: plain PyTorch (the same module,
     autocast bf16, fused AdamW, clipping) against paratrain ZeRO-0 on it. Target: paratrain's median step ≤ 1.0x
     plain PyTorch's (the ratio is in the second row's detail)."""
+    if left_s <= 0 or args.no_compile:  # neither row runs: nothing is built, transformers not imported
+        return [{**_qwen3_row(kind), "status": "skipped: " + ("--no-compile" if args.no_compile else "budget spent")}
+                for kind in ("pytorch", "paratrain")]
     import tempfile
 
     import transformers
@@ -520,18 +530,14 @@ def transformers_rows(device, args, left_s: float) -> list[dict]:
     x, y = tokens[:, :-1], tokens[:, 1:]
     out = []
     for kind in ("pytorch", "paratrain"):
-        name = f"transformers Qwen3 {'plain PyTorch' if kind == 'pytorch' else 'paratrain ZeRO-0'} compiled"
-        fields = {"model": "qwen3", "kind": kind, "compile": True, "zero": 0 if kind == "paratrain" else None,
-                  "recompute": "none"}  # what every row records (the planner does not predict this one)
-        if left_s <= 0 or args.no_compile:
-            out.append({"row": name, **fields, "status": "skipped: " + ("--no-compile" if args.no_compile else
-                                                                          "budget spent")})
+        if left_s <= 0:
+            out.append({**_qwen3_row(kind), "status": "skipped: budget spent"})
             continue
         start = time.perf_counter()
         model_cfg = read_model_dir(directory)
         model = HFCausalLM.build(model_cfg)
         init = weight_initializer(model, None, seed=0)
-        row = {"row": name, **fields, "params": model_cfg.params, "batch": args.batch, "seq": seq,
+        row = {**_qwen3_row(kind), "params": model_cfg.params, "batch": args.batch, "seq": seq,
                "allocated_before": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
                "predicted": {"step_s": None, "time_ratio": None, "peak_bytes": None, "memory_ratio": None}}
         try:

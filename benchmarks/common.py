@@ -25,17 +25,16 @@ import re
 import statistics
 import sys
 
-import torch
-import torch.nn.functional as F
-
-from paratrain.models import ModelConfig, Transformer
-
 MB = 2**20
 
 
 # ---------------------------------------------------------------- the model, its data, its state
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     """Meta construction, then materialize and initialize: identical values for every variant."""
+    import torch
+
+    from paratrain.models import Transformer
+
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
@@ -44,23 +43,31 @@ def build_model(cfg: ModelConfig, seed: int) -> Transformer:
 
 
 def model_config(args) -> ModelConfig:
+    from paratrain.models import ModelConfig
+
     return ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                        n_kv_heads=args.kv_heads, ffn_dim=args.ffn, max_seq_len=args.seq)
 
 
 def global_batch(step: int, world: int, args) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s global batch (micro_batch × world rows), the same for every variant."""
+    import torch
+
     g = torch.Generator().manual_seed(args.seed * 100003 + step)
     shape = (args.micro_batch * world, args.seq)
     return torch.randint(0, args.vocab, shape, generator=g), torch.randint(0, args.vocab, shape, generator=g)
 
 
 def adamw_factory(args):
+    import torch
+
     return functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay)
 
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (DTensors: their local shard); views count once."""
+    import torch
+
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None or not torch.is_tensor(t):
@@ -73,6 +80,8 @@ def storage_bytes(tensors) -> int:
 
 def optimizer_tensors(opt) -> list[torch.Tensor]:
     """Optimizer state tensors (Adam's moments), not the scalar step counters."""
+    import torch
+
     return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
@@ -90,6 +99,11 @@ def warm_process(args) -> None:
     forward/backward/step pages in tens of MB of libtorch code, which would otherwise
     dominate the peak of a small model. A tiny model runs one step before the peak is reset.
     """
+    import torch
+    import torch.nn.functional as F
+
+    from paratrain.models import ModelConfig
+
     if importlib.util.find_spec("paratrain.parallel.data.zero3") is not None:
         importlib.import_module("paratrain.parallel.data.zero3")
     tiny = build_model(ModelConfig(vocab_size=args.vocab, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
@@ -186,6 +200,8 @@ def failure_notes(rows: list[dict], label) -> list[str]:
 
 
 def machine() -> dict:
+    import torch
+
     cpu = "unknown"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         found = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)

@@ -80,6 +80,10 @@ SIZES = {
                       max_seq_len=2048),
 }
 CHECK = ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=256, max_seq_len=128)
+# The CPU dry run's: the same rows and code paths on half CHECK's width and depth and a quarter of its batch (bf16
+# matmuls take slow kernels on a CPU); a GPU runs CHECK.
+CHECK_CPU = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+CHECK_BATCH = {"cuda": (8, 64), "cpu": (4, 32)}  # sequences x tokens per step of the equivalence rows
 LAYOUTS_1 = {"ddp": {}, "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3}, "tp1_plan": {"tp": 1}}
 LAYOUTS_2 = {**{f"dp2_zero{z}": {"dp": 2, "zero": z} for z in range(4)}, "tp2": {"tp": 2},
              "tp2_sp": {"tp": 2, "sp": True},
@@ -97,6 +101,16 @@ def batches(cfg: ModelConfig, steps: int, batch: int, seq: int, device) -> list[
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
         out.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
     return out
+
+
+def check_model(device) -> ModelConfig:
+    """The equivalence rows' model on `device`: CHECK on a GPU, CHECK_CPU on the CPU."""
+    return CHECK if device.type == "cuda" else CHECK_CPU
+
+
+def check_batches(device, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` batches of the equivalence rows' model and batch on `device`."""
+    return batches(check_model(device), steps, *CHECK_BATCH[device.type], device)
 
 
 def model_on_meta(cfg: ModelConfig) -> Transformer:
@@ -174,11 +188,11 @@ def lora_reference_losses(cfg: ModelConfig, data, device, base_dtype: str | None
 
 
 def _lora_rows(device, steps: int) -> list:
-    data = batches(CHECK, steps, 8, 64, device)
+    cfg, data = check_model(device), check_batches(device, steps)
 
     def row(base_dtype, zero):
-        losses = paratrain_losses(CHECK, data, {"zero": zero, "base_dtype": base_dtype})
-        diff = relative_difference(losses, lora_reference_losses(CHECK, data, device, base_dtype))
+        losses = paratrain_losses(cfg, data, {"zero": zero, "base_dtype": base_dtype})
+        diff = relative_difference(losses, lora_reference_losses(cfg, data, device, base_dtype))
         return {"passed": diff <= TOL, "losses": losses, "rel_diff": diff,
                 "detail": f"loss rel diff {diff:.1e} vs one plain PyTorch process (tol {TOL:g})"}
 
@@ -190,11 +204,11 @@ def relative_difference(a: list[float], b: list[float]) -> float:
 
 
 def check_world1(device, steps: int) -> dict:
-    data = batches(CHECK, steps, 8, 64, device)
-    reference = reference_losses(CHECK, data, device)
+    cfg, data = check_model(device), check_batches(device, steps)
+    reference = reference_losses(cfg, data, device)
     out = {}
     for name, layout in LAYOUTS_1.items():
-        losses = paratrain_losses(CHECK, data, layout)
+        losses = paratrain_losses(cfg, data, layout)
         out[name] = {"losses": losses, "rel_diff": relative_difference(losses, reference)}
     return {"reference": reference, "layouts": out}
 
@@ -203,8 +217,8 @@ def _world2_worker(job: dict) -> None:
     """Each of 2 processes (the elastic agent's): one layout over NCCL; rank 0 writes its losses."""
     from paratrain.distributed import shutdown
 
-    data = batches(CHECK, job["steps"], 8, 64, torch.device("cuda", int(os.environ["LOCAL_RANK"])))
-    losses = paratrain_losses(CHECK, data, job["layout"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    losses = paratrain_losses(check_model(device), check_batches(device, job["steps"]), job["layout"])
     if int(os.environ["RANK"]) == 0:
         Path(job["out"]).write_text(json.dumps(losses))
     shutdown()
@@ -213,7 +227,7 @@ def _world2_worker(job: dict) -> None:
 def check_world2(device, steps: int) -> dict:
     from paratrain.launch import launch_processes
 
-    reference = reference_losses(CHECK, batches(CHECK, steps, 8, 64, device), device)
+    reference = reference_losses(check_model(device), check_batches(device, steps), device)
     out = {}
     with tempfile.TemporaryDirectory() as work:
         for name, layout in LAYOUTS_2.items():
@@ -239,13 +253,13 @@ def check_checkpoint(device, steps: int, fused: bool = False) -> dict:
     from paratrain.run.model_state import load_model_shards, model_shards
     from paratrain.train import train_step
 
-    data = batches(CHECK, steps + 2, 8, 64, device)
+    cfg, data = check_model(device), check_batches(device, steps + 2)
 
     def build():
-        return paratrain.parallelize(model_on_meta(CHECK), paratrain.init_mesh(),
+        return paratrain.parallelize(model_on_meta(cfg), paratrain.init_mesh(),
                                      optimizer=functools.partial(adamw, fused=fused), precision="bf16",
                                      data=DataParallel(zero=3, grad_reduction="sum"),
-                                     init=functools.partial(model_on_meta(CHECK).param_init, seed=0))
+                                     init=functools.partial(model_on_meta(cfg).param_init, seed=0))
 
     model, optimizer = build()
     with tempfile.TemporaryDirectory() as root:
@@ -268,20 +282,20 @@ def check_release(device, steps: int) -> dict:
     both are dropped and gc.collect() ran, above where they stood before the build."""
     from paratrain.train import train_step
 
-    out = {}
+    out, cfg = {}, check_model(device)
     for zero in range(4):
         meter = TensorMemory() if device.type == "cpu" else contextlib.nullcontext()
         with meter:
             def allocated() -> int:
                 return torch.cuda.memory_allocated(device) if device.type == "cuda" else meter.total
 
-            data = batches(CHECK, steps, 8, 64, device)  # made (and seen by the meter) before the count starts
+            data = check_batches(device, steps)  # made (and seen by the meter) before the count starts
             gc.collect()
             before = allocated()
             model, optimizer = paratrain.parallelize(
-                model_on_meta(CHECK), paratrain.init_mesh(), optimizer=adamw, precision="bf16",
+                model_on_meta(cfg), paratrain.init_mesh(), optimizer=adamw, precision="bf16",
                 data=DataParallel(zero=zero, grad_reduction="sum"),
-                init=functools.partial(model_on_meta(CHECK).param_init, seed=0))
+                init=functools.partial(model_on_meta(cfg).param_init, seed=0))
             for x, y in data:
                 train_step(model, optimizer, [(x, y)], 1.0)
             built = allocated() - before
@@ -433,12 +447,13 @@ def check_grouped_experts(device) -> dict:
     from paratrain import compat
     from paratrain.models.moe import GroupedExperts
 
+    dim, hidden = (256, 512) if device.type == "cuda" else (64, 128)  # the CPU dry run's bf16 kernels are slow
     torch.manual_seed(0)
-    experts = GroupedExperts(8, 256, 512).to(device, torch.bfloat16)
+    experts = GroupedExperts(8, dim, hidden).to(device, torch.bfloat16)
     for w in experts.parameters():
         torch.nn.init.normal_(w, std=0.05)
     counts = [37, 0, 120, 64, 5, 200, 90, 44]
-    x = torch.randn(sum(counts), 256, device=device, dtype=torch.bfloat16)
+    x = torch.randn(sum(counts), dim, device=device, dtype=torch.bfloat16)
     counts_e = torch.tensor(counts, device=device)
     grad = torch.randn_like(x)
 
@@ -459,10 +474,12 @@ def check_grouped_experts(device) -> dict:
             "detail": f"{how}; out, dx, dw1, dw3, dw2 max {max(errors):.1e} (tol {tol:g})"}
 
 
-def _small_batch(device) -> list[str]:
-    """The training rows' batch on the CPU dry run: the row checks the path (launcher, snapshots, experts), and
-    tiny's default batch (16 x 256 tokens) makes it take half a minute there; on a GPU the defaults run."""
-    return [] if device.type == "cuda" else ["--global-batch", "4", "--seq-len", "64"]
+def _small_run(device) -> list[str]:
+    """The training rows' batch on the CPU dry run, one held-out batch at the end and no sample: the row checks the
+    path (launcher, snapshots, experts), and tiny's default batch (16 x 256 tokens) makes it take half a minute
+    there; on a GPU the defaults run."""
+    return [] if device.type == "cuda" else ["--global-batch", "4", "--seq-len", "64", "--eval-every", "0",
+                                             "--eval-batches", "1", "--sample-tokens", "0"]
 
 
 def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -476,11 +493,15 @@ def _losses_of_run(run_dir: Path) -> list[float]:
 
 
 def check_tiny_moe(device, steps: int) -> dict:
+    """`paratrain train --model tiny-moe` (one process: the command trains in the process that runs it, here this
+    one, whose torch and trainer are imported already) learns."""
+    from paratrain.cli import main as paratrain_main
+
     with tempfile.TemporaryDirectory() as work:
-        result = _run_cli(["train", "--model", "tiny-moe", "--steps", str(steps), "--out", f"{work}/run",
-                           "--log-every", "1", *_small_batch(device)], timeout=600)
-        if result.returncode:
-            return {"passed": False, "detail": (result.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+        code = paratrain_main(["train", "--model", "tiny-moe", "--steps", str(steps), "--out", f"{work}/run",
+                               "--log-every", "1", "--no-progress", *_small_run(device)])
+        if code:
+            return {"passed": False, "detail": f"paratrain train exited {code}"}
         losses = _losses_of_run(Path(work) / "run")
     return {"passed": losses[-1] < losses[0] - 0.5, "losses": losses,
             "detail": f"{steps} steps: loss {losses[0]:.2f} -> {losses[-1]:.2f} (must fall by 0.5 nats)"}
@@ -493,12 +514,12 @@ def _graph_breaks() -> int:
 def check_compile(device, zero: int, steps: int) -> dict:
     """ZeRO-`zero` with compile=True against the same layout eager, bf16; no graph break. On the CPU the
     aot_eager backend stands in for inductor (the same graphs, no kernel compilation)."""
-    data = batches(CHECK, steps, 8, 64, device)
-    eager = paratrain_losses(CHECK, data, {"zero": zero})
+    cfg, data = check_model(device), check_batches(device, steps)
+    eager = paratrain_losses(cfg, data, {"zero": zero})
     torch._dynamo.reset()
     stats = torch._dynamo.utils.counters
     before, graphs_before = _graph_breaks(), stats["stats"]["unique_graphs"]
-    compiled = paratrain_losses(CHECK, data, {"zero": zero, "compile": True if device.type == "cuda" else "aot_eager"})
+    compiled = paratrain_losses(cfg, data, {"zero": zero, "compile": True if device.type == "cuda" else "aot_eager"})
     breaks, graphs = _graph_breaks() - before, stats["stats"]["unique_graphs"] - graphs_before
     diff = relative_difference(compiled, eager)
     return {"passed": diff <= TOL and breaks == 0 and graphs > 0, "rel_diff": diff, "graph_breaks": breaks,
@@ -506,9 +527,9 @@ def check_compile(device, zero: int, steps: int) -> dict:
 
 
 def check_selective(device, steps: int) -> dict:
-    data = batches(CHECK, steps, 8, 64, device)
-    none = paratrain_losses(CHECK, data, {"zero": 0})
-    selective = paratrain_losses(CHECK, data, {"zero": 0, "recompute": "selective"})
+    cfg, data = check_model(device), check_batches(device, steps)
+    none = paratrain_losses(cfg, data, {"zero": 0})
+    selective = paratrain_losses(cfg, data, {"zero": 0, "recompute": "selective"})
     diff = relative_difference(selective, none)
     return {"passed": diff <= TOL, "rel_diff": diff, "detail": f"loss rel diff {diff:.1e} (tol {TOL:g})"}
 
@@ -572,11 +593,11 @@ def check_fp8(device, steps: int) -> dict:
                     dequantized(dy.t(), E4M3, 1, True) @ dequantized(x, E4M3, 0, True))
         worst = max(rel(got, ref) for got, ref in zip((y, x.grad, w.grad), want))
         same, reference = torchao_matches(recipe, x, w, dy, (y, x.grad, w.grad))
-        data = batches(CHECK, steps, 8, 64, device)
+        cfg, data = check_model(device), check_batches(device, steps)
         losses = {}
         for name in ("bf16", recipe):
             torch.manual_seed(0)
-            model = Transformer(CHECK).to(device=device, dtype=torch.bfloat16)
+            model = Transformer(cfg).to(device=device, dtype=torch.bfloat16)
             converted = convert_to_fp8(model, recipe) if name != "bf16" else []
             optimizer = adamw(model.parameters())
             losses[name] = []
@@ -587,7 +608,7 @@ def check_fp8(device, steps: int) -> dict:
                 optimizer.zero_grad()
                 losses[name].append(loss.item())
         diff = relative_difference(losses[recipe], losses["bf16"])
-        passed &= worst <= 1e-2 and diff <= 0.05 and len(converted) == CHECK.n_layers * 7 and same is not False
+        passed &= worst <= 1e-2 and diff <= 0.05 and len(converted) == cfg.n_layers * 7 and same is not False
         details.append(f"{recipe}: matmuls vs emulation {worst:.1e} (tol 1e-2), {reference}, {len(converted)} "
                        f"linears, loss vs bf16 {diff:.1e} (tol 0.05)")
     return {"passed": passed, "detail": "; ".join(details)}
@@ -711,10 +732,10 @@ def torchao_matches(recipe: str, x, w, dy, ours) -> tuple[bool | None, str]:
 def check_fp8_zero3(device, steps: int) -> dict:
     """ZeRO-3 gathering the FP8 linears' weights as their e4m3 casts (scales agreed over the shards), compiled and
     with selective recomputation, against ZeRO-0 casting its whole bf16 weights, eager: the same casts."""
-    data = batches(CHECK, steps, 8, 64, device)
-    whole = paratrain_losses(CHECK, data, {"zero": 0, "fp8": "tensorwise"})
+    cfg, data = check_model(device), check_batches(device, steps)
+    whole = paratrain_losses(cfg, data, {"zero": 0, "fp8": "tensorwise"})
     torch._dynamo.reset()
-    gathered = paratrain_losses(CHECK, data, {"zero": 3, "fp8": "tensorwise", "recompute": "selective",
+    gathered = paratrain_losses(cfg, data, {"zero": 3, "fp8": "tensorwise", "recompute": "selective",
                                               "compile": True if device.type == "cuda" else "aot_eager"})
     diff = relative_difference(gathered, whole)
     return {"passed": diff <= 2e-2, "rel_diff": diff, "detail": f"loss rel diff {diff:.1e} (tol 2e-2)"}
@@ -724,11 +745,11 @@ def check_offload(device, steps: int) -> dict:
     """The optimizer offloaded (pinned host masters, gradients out on a copy stream, the host's fused AdamW, the
     values back into the parameters) against the device's own step, ZeRO-0 and ZeRO-3: the same losses but for
     the two AdamW kernels' roundings; and the masters really on the host, pinned on CUDA."""
-    data = batches(CHECK, steps, 8, 64, device)
+    cfg, data = check_model(device), check_batches(device, steps)
     details, worst = [], 0.0
     for zero in (0, 3):
-        on_device = paratrain_losses(CHECK, data, {"zero": zero})
-        offloaded = paratrain_losses(CHECK, data, {"zero": zero, "offload": "optimizer"})
+        on_device = paratrain_losses(cfg, data, {"zero": zero})
+        offloaded = paratrain_losses(cfg, data, {"zero": zero, "offload": "optimizer"})
         diff = relative_difference(offloaded, on_device)
         worst = max(worst, diff)
         details.append(f"ZeRO-{zero} loss rel diff {diff:.1e}")
@@ -805,7 +826,7 @@ def check_launcher(device, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as work:
         cfg = config_from_args(build_parser().parse_args(
             ["train", "--model", "tiny", "--steps", str(steps), "--out", f"{work}/run", "--log-every", "1",
-             *_small_batch(device)]))
+             *_small_run(device)]))
         launch_local(cfg)
         losses = _losses_of_run(Path(work) / "run")
     return {"passed": len(losses) == steps and losses[-1] < losses[0], "losses": losses,
@@ -826,7 +847,7 @@ def check_memory_snapshot(device) -> dict:
     def run(out: str):
         train(config_from_args(build_parser().parse_args(
             ["train", "--model", "tiny", "--steps", "2", "--out", out, "--memory-snapshot", "--no-progress",
-             *_small_batch(device)])))
+             *_small_run(device)])))
 
     with tempfile.TemporaryDirectory() as work:
         run(f"{work}/ok")
@@ -847,11 +868,11 @@ def check_memory_snapshot(device) -> dict:
 
 
 def _world1_rows(device, steps: int) -> list:
-    data = batches(CHECK, steps, 8, 64, device)
-    reference = functools.cache(lambda: reference_losses(CHECK, data, device))
+    cfg, data = check_model(device), check_batches(device, steps)
+    reference = functools.cache(lambda: reference_losses(cfg, data, device))
 
     def row(layout):
-        losses = paratrain_losses(CHECK, data, layout)
+        losses = paratrain_losses(cfg, data, layout)
         diff = relative_difference(losses, reference())
         return {"passed": diff <= TOL, "losses": losses, "rel_diff": diff,
                 "detail": f"loss rel diff {diff:.1e} vs one plain PyTorch process (tol {TOL:g})"}
@@ -941,7 +962,9 @@ def check_transformers_qwen3(device, steps: int) -> dict:
         reference.append(loss.item())
     del plain, optimizer
     backend = True if device.type == "cuda" else "aot_eager"
-    layouts = {f"zero{z}": {"zero": z} for z in range(4)}
+    # At world 1 ZeRO-1 and -2 compile ZeRO-0's layer graphs (what they shard is outside them): the CPU dry run
+    # leaves them to the GPU
+    layouts = {f"zero{z}": {"zero": z} for z in ((0, 1, 2, 3) if device.type == "cuda" else (0, 3))}
     layouts.update({"tp1 plan": {"tp": True}, "selective": {"recompute": "selective"}, "full": {"recompute": "full"}})
     if device.type == "cuda":
         layouts["fp8 tensorwise"] = {"fp8": "tensorwise"}

@@ -180,7 +180,8 @@ def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_p
     of the same seed is summarized with its spread and a verdict, and both files are written."""
     script = Path(__file__).parents[2] / "benchmarks" / "bench_fp8_convergence.py"
     result = subprocess.run([sys.executable, str(script), "--seeds", "2", "--steps", "3", "--batch", "2", "--seq", "32",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                             "--eval-batches", "1", "--out", str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     (path,) = tmp_path.glob("fp8-convergence-*.json")
     text = path.with_suffix(".md").read_text()
@@ -198,7 +199,8 @@ def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_p
     assert data["meta"]["cpu_capability"] and "seed-to-seed std" in text
 
     # more seeds of one recipe later, reported with the earlier ones; a seed run twice or other settings refused
-    dry = [sys.executable, str(script), "--steps", "3", "--batch", "2", "--out", str(tmp_path / "more")]
+    dry = [sys.executable, str(script), "--steps", "3", "--batch", "2", "--eval-batches", "1",
+           "--out", str(tmp_path / "more")]
     more = subprocess.run([*dry, "--seq", "32", "--first-seed", "2", "--seeds", "1", "--recipes", "tensorwise",
                            "--include", str(path)], capture_output=True, text=True, timeout=300)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-2000:]
@@ -214,41 +216,47 @@ def test_bench_fp8_convergence_dry_run_on_cpu_pairs_every_recipe_with_bf16(tmp_p
         assert refused.returncode == 1 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
 
 
-def test_bench_goodput_dry_run_splits_a_recovery_from_memory_into_its_phases(tmp_path):
+@pytest.fixture(scope="module")
+def goodput_dry_run(tmp_path_factory) -> dict[str, tuple[dict, str]]:
+    """bench_goodput.py cut to one fault of each kind in the snapshots mode, 3 s into the run (past its first
+    snapshots), K = 2, both from one invocation (one corpus prepared): per fault, the failure's record (its phases
+    checked) and the report."""
+    out = tmp_path_factory.mktemp("goodput")
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_goodput.py"
+    result = subprocess.run([sys.executable, str(script), "--modes", "snapshots", "--faults", "rank,node", "--budget",
+                             "200", "--fault-every", "3", "--max-kills", "1", "--snapshot-every", "2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    (path,) = out.glob("goodput-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    text = path.with_suffix(".md").read_text()
+    assert [row["fault"] for row in rows] == ["rank", "node"] and "| detect and stop |" in text
+    failures = {}
+    for row in rows:
+        (failure,) = row["failures"]
+        assert row["kills"] == 1 and row["steps_kept"] > failure["resumed"]
+        assert 0 <= failure["lost"] <= 3  # at most 2K - 1 finished steps redone
+        assert failure["restored"]["source"] == "snapshots" and failure["restored"]["step"] == failure["resumed"]
+        assert sum(failure["phases"].values()) == pytest.approx(failure["recovery_s"])
+        assert failure["phases"]["detect and stop"] > 0 and failure["phases"]["first step"] > 0
+        failures[row["fault"]] = failure
+    return {fault: (failure, text) for fault, failure in failures.items()}
+
+
+def test_bench_goodput_dry_run_splits_a_recovery_from_memory_into_its_phases(goodput_dry_run):
     """The goodput benchmark cut to one kill of rank 1 in the snapshots mode: the restart resumes from memory, every
     rank from its own, a failure's phases add up to the time from the kill to the first step after it, and both
     files are written."""
-    failure, _ = _goodput_dry_run(tmp_path, "rank")
+    failure, _ = goodput_dry_run["rank"]
     assert failure["resumed_from"].startswith("paratrain: resumed from the snapshots in memory at step "), failure
     assert failure["restored"]["ranks"] == ["own", "own"]
 
 
-def _goodput_dry_run(tmp_path, fault: str) -> tuple[dict, str]:
-    """bench_goodput.py cut to one fault of the snapshots mode, 3 s into the run (past its first snapshots), K = 2:
-    the failure's record (its phases checked) and the report."""
-    script = Path(__file__).parents[2] / "benchmarks" / "bench_goodput.py"
-    result = subprocess.run([sys.executable, str(script), "--modes", "snapshots", "--faults", fault, "--budget", "200",
-                             "--fault-every", "3", "--max-kills", "1", "--snapshot-every", "2", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    (path,) = tmp_path.glob("goodput-*.json")
-    (row,) = json.loads(path.read_text())["rows"]
-    (failure,) = row["failures"]
-    assert row["fault"] == fault and row["kills"] == 1 and row["steps_kept"] > failure["resumed"]
-    assert 0 <= failure["lost"] <= 3  # at most 2K - 1 finished steps redone
-    assert failure["restored"]["source"] == "snapshots" and failure["restored"]["step"] == failure["resumed"]
-    assert sum(failure["phases"].values()) == pytest.approx(failure["recovery_s"])
-    assert failure["phases"]["detect and stop"] > 0 and failure["phases"]["first step"] > 0
-    text = path.with_suffix(".md").read_text()
-    assert "| detect and stop |" in text
-    return failure, text
-
-
-def test_bench_goodput_dry_run_replaces_a_lost_node_whose_ranks_restore_from_their_buddys_copy(tmp_path):
+def test_bench_goodput_dry_run_replaces_a_lost_node_whose_ranks_restore_from_their_buddys_copy(goodput_dry_run):
     """The node fault cut to one kill: two nodes of 2 ranks, the second's launcher and workers SIGKILLed, its
     memory wiped and a fresh launcher started in its place; the job goes on from memory, the replaced node's ranks
     (2 and 3) from the copies their buddies on the first node held."""
-    failure, text = _goodput_dry_run(tmp_path, "node")
+    failure, text = goodput_dry_run["node"]
     assert failure["restored"]["ranks"] == ["own", "own", "copy", "copy"], failure
     assert "(rank(s) 2, 3 from the copy a buddy held, the others from their own; no disk read)" in \
         failure["resumed_from"], failure
