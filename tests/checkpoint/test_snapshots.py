@@ -3,8 +3,9 @@
 The launched tests run `paratrain train` in subprocesses: one node of 2 ranks, or two "nodes" of one rank each
 (two launchers meeting at one rendezvous on this machine, each with its own --snapshot-dir as a node's memory).
 A run is killed (--max-restarts 0: the launch fails), the test does to the snapshot directories what the failure
-would (a node replaced: its directory wiped), then relaunches the same command. "Bit-equal" compares every
-step's loss as float.hex and the final weights with one uninterrupted run.
+would (a node replaced: its directory wiped), then relaunches the same command. A killed run's output is not read:
+its first node's launcher runs in the test's process (`kill_nodes_here`), without an interpreter to start.
+"Bit-equal" compares every step's loss as float.hex and the final weights with one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -226,25 +227,43 @@ def environment(fault: str = "") -> dict:
     return env
 
 
-def launch_nodes(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str = "") -> list[subprocess.CompletedProcess]:
-    """One launcher per entry of `snapshot_dirs` (that node's memory), one rank each; one node: two ranks."""
+def node_commands(out: Path, snapshot_dirs: list[Path], *extra: str) -> list[list[str]]:
+    """One launcher's command per entry of `snapshot_dirs` (that node's memory), one rank each; one node: two ranks."""
     common = [sys.executable, "-m", "paratrain", "train", *ARGS, "--out", str(out), *extra]
     if len(snapshot_dirs) == 1:
-        commands = [[*common, "--nproc", "2", "--snapshot-dir", str(snapshot_dirs[0])]]
-    else:
-        rendezvous = ["--nnodes", str(len(snapshot_dirs)), "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                      "--rdzv-id", out.name]
-        commands = [[*common, "--nproc", "1", *rendezvous, "--snapshot-dir", str(d)] for d in snapshot_dirs]
+        return [[*common, "--nproc", "2", "--snapshot-dir", str(snapshot_dirs[0])]]
+    rendezvous = ["--nnodes", str(len(snapshot_dirs)), "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                  "--rdzv-id", out.name]
+    return [[*common, "--nproc", "1", *rendezvous, "--snapshot-dir", str(d)] for d in snapshot_dirs]
+
+
+def launch_nodes(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str = "",
+                 here: bool = False) -> list[subprocess.CompletedProcess]:
+    """`node_commands`' launchers, each in its own process; `here`: the first in this process (`run_here`) once
+    the others are started, its result its exit code alone."""
+    from test_faults_launched import run_here
+
+    commands = node_commands(out, snapshot_dirs, *extra)
+    started = commands[1:] if here else commands
     processes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=environment(fault)) for c in commands]
+                                  env=environment(fault)) for c in started]
     results = []
-    for command, process in zip(commands, processes):
-        try:
+    try:
+        if here:
+            results.append(subprocess.CompletedProcess(commands[0], run_here(commands[0][3:], fault)))
+        for command, process in zip(started, processes):
             stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
-        finally:
+            results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
             process.kill()
-        results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
     return results
+
+
+def kill_nodes_here(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str) -> None:
+    """`launch_nodes(..., here=True)` of a run that `fault` ends on every node (--max-restarts 0)."""
+    results = launch_nodes(out, snapshot_dirs, *extra, fault=fault, here=True)
+    assert all(r.returncode != 0 for r in results), [r.stderr for r in results]
 
 
 def assert_bit_equal(out: Path, reference: Path) -> None:
@@ -287,10 +306,27 @@ def newest_complete(entry: Path) -> int:
     return max(steps, default=0)
 
 
-def test_a_killed_rank_resumes_from_memory_without_reading_the_disk_bit_equal(reference, tmp_path):
-    out, snapshots = tmp_path / "run", tmp_path / "snapshots"
-    (killed,) = launch_nodes(out, [snapshots], "--snapshot-every", "1", fault="sigkill@rank1:step7")
-    assert killed.returncode != 0
+@pytest.fixture(scope="module")
+def one_node_killed(tmp_path_factory) -> Path:
+    """One node of 2 ranks, rank 1 killed in step 7, once for the module: the directory that holds the run and the
+    node's memory (`live`) and a copy of it as the kill left it (`killed`)."""
+    base = tmp_path_factory.mktemp("one-node")
+    kill_nodes_here(base / "live" / "run", [base / "live" / "snapshots"], "--snapshot-every", "1",
+                    fault="sigkill@rank1:step7")
+    shutil.copytree(base / "live", base / "killed", symlinks=True)
+    return base
+
+
+def _as_killed(base: Path, nodes: list[str]) -> tuple[Path, list[Path]]:
+    """A killed run of `base` back in its own paths (`live`) as the kill left it: the run and the nodes' memory."""
+    live = base / "live"
+    shutil.rmtree(live)
+    shutil.copytree(base / "killed", live, symlinks=True)
+    return live / "run", [live / node for node in nodes]
+
+
+def test_a_killed_rank_resumes_from_memory_without_reading_the_disk_bit_equal(reference, one_node_killed):
+    out, (snapshots,) = _as_killed(one_node_killed, ["snapshots"])
     assert _damage_disk_checkpoints(out) == 2  # step 4, both ranks' shards
     # Step 6's snapshot was written in the background during step 7: complete, or (the kill came first) step 5's.
     step = min(newest_complete(job_dir(snapshots) / entry_name(OWN, r)) for r in (0, 1))
@@ -312,8 +348,7 @@ def two_nodes_killed(tmp_path_factory) -> tuple[Path, int]:
     base = tmp_path_factory.mktemp("two-nodes")
     live = base / "live"
     out, nodes = live / "run", [live / "node-a", live / "node-b"]
-    results = launch_nodes(out, nodes, "--snapshot-every", "1", fault="sigkill@rank1:step7")
-    assert all(r.returncode != 0 for r in results)
+    kill_nodes_here(out, nodes, "--snapshot-every", "1", fault="sigkill@rank1:step7")
     (held,) = [job_dir(d) for d in nodes if not (job_dir(d) / entry_name(OWN, 1)).is_dir()]
     step = min(newest_complete(held / entry_name(OWN, 0)), newest_complete(held / entry_name(COPY, 1)))
     assert step in (5, 6)  # step 6's copy travelled in the background during step 7: there, or step 5's
@@ -325,10 +360,7 @@ def _two_nodes_killed(two_nodes_killed: tuple[Path, int]) -> tuple[Path, list[Pa
     """The killed two-node run back in its own paths as the kill left it, rank 1's node memory wiped (a replaced
     node). Returns the run, the nodes' memory and the newest step the survivor holds for both ranks."""
     base, step = two_nodes_killed
-    live = base / "live"
-    shutil.rmtree(live)
-    shutil.copytree(base / "killed", live, symlinks=True)
-    out, nodes = live / "run", [live / "node-a", live / "node-b"]
+    out, nodes = _as_killed(base, ["node-a", "node-b"])
     (lost,) = [d for d in nodes if (job_dir(d) / entry_name(OWN, 1)).is_dir()]
     shutil.rmtree(lost)
     lost.mkdir()
@@ -415,10 +447,12 @@ def _listening(port: int) -> bool:
     return False
 
 
-def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference, two_nodes_killed):
-    out, nodes, _ = _two_nodes_killed(two_nodes_killed)
-    for copies in [c for node in nodes for c in node.glob(f"*/{entry_name(COPY, 1)}")]:
-        shutil.rmtree(copies)  # the copy of the lost rank's snapshots, on the node that survived
+def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference, one_node_killed):
+    """On one node of 2 ranks: rank 1's snapshots and the copy rank 0 holds of them lost, the plan falls back to
+    the disk as it does for a lost node whose buddy's copy is lost too (the plan reads ranks, not nodes)."""
+    out, nodes = _as_killed(one_node_killed, ["snapshots"])
+    for lost in (entry_name(OWN, 1), entry_name(COPY, 1)):
+        shutil.rmtree(job_dir(nodes[0]) / lost)
     results = launch_nodes(out, nodes, "--snapshot-every", "1")
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     stdout = "".join(r.stdout for r in results)
@@ -435,8 +469,7 @@ def test_an_overridden_pairing_places_each_copy_on_its_named_buddy_and_restores_
     the copy on rank 2's node."""
     out, nodes = tmp_path / "run", [tmp_path / f"node-{n}" for n in "abc"]
     three = ["--snapshot-every", "1", "--snapshot-buddy", "0:2,1:0,2:1", "--global-batch", "6", "--steps", "6"]
-    results = launch_nodes(out, nodes, *three, fault="sigkill@rank0:step5")
-    assert all(r.returncode != 0 for r in results)
+    kill_nodes_here(out, nodes, *three, fault="sigkill@rank0:step5")
     held = {}  # the rank whose node it is -> the ranks whose copies it holds
     for node in nodes:
         entries = [p.name for p in job_dir(node).iterdir()]
@@ -454,8 +487,7 @@ def test_an_overridden_pairing_places_each_copy_on_its_named_buddy_and_restores_
 
 def test_a_snapshot_torn_mid_write_is_never_restored(reference, tmp_path):
     out, snapshots = tmp_path / "run", tmp_path / "snapshots"
-    (killed,) = launch_nodes(out, [snapshots], "--snapshot-every", "1", fault="snap_kill_mid_write@rank1:step7")
-    assert killed.returncode != 0
+    kill_nodes_here(out, [snapshots], "--snapshot-every", "1", fault="snap_kill_mid_write@rank1:step7")
     torn = list((job_dir(snapshots) / entry_name(OWN, 1)).glob(".tmp-step-00000007-*"))
     assert torn and (torn[0] / "rank-00000.safetensors").exists() and not (torn[0] / "manifest.json").exists()
     (result,) = launch_nodes(out, [snapshots], "--snapshot-every", "1")

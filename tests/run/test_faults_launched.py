@@ -1,5 +1,9 @@
 """Real faults under the real launcher: `paratrain train --nproc 2` in a subprocess, one injected fault each.
 
+A run whose ranks' output no test reads (an uninterrupted reference, a failure the launcher's one line explains)
+is launched from this process instead (`launch_here`): the same launcher and ranks, without an interpreter that
+imports torch again.
+
 "Bit-equal" compares, with one uninterrupted run of the same command, the loss of every step
 as float.hex and the final weights (final/model.safetensors) with torch.equal.
 """
@@ -44,7 +48,7 @@ LONG_PG_TIMEOUT = "600"
 # ranks well under it apart on a loaded machine; the hung rank sleeps an hour.
 HANG_PG_TIMEOUT = 7
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
 def command(out, *extra) -> list[str]:
@@ -67,6 +71,24 @@ def launch(out, *extra, fault: str = "", gate: Path | None = None) -> subprocess
                           env=environment(fault, gate))
 
 
+def run_here(argv: list[str], fault: str = "") -> int:
+    """`paratrain ARGV` from this process (`paratrain.cli.main`), `fault` injected: its exit code. A launcher's
+    output reaches this process's stdout and stderr (`capfd`); its ranks', forked from the fork server, do not."""
+    from paratrain.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(GATE_ENV, raising=False)
+        patch.delenv(FAULT_ENV, raising=False)
+        if fault:
+            patch.setenv(FAULT_ENV, fault)
+        return main(argv)
+
+
+def launch_here(out, *extra, fault: str = "") -> int:
+    """`launch`'s run from this process (`run_here`): its exit code."""
+    return run_here(command(out, *extra)[3:], fault)
+
+
 def assert_bit_equal(out: Path, reference: Path, steps: int = STEPS) -> None:
     """Every step of run `out` recorded once, with the loss of the uninterrupted `reference` to the bit, and the same
     final weights (a launched test of other runs passes their length)."""
@@ -80,8 +102,7 @@ def assert_bit_equal(out: Path, reference: Path, steps: int = STEPS) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference") / "run"
-    result = launch(out)
-    assert result.returncode == 0, result.stderr
+    assert launch_here(out) == 0
     return out
 
 
@@ -154,12 +175,12 @@ def _steps_logged(out: Path) -> int:
         return 0
 
 
-def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_path):
+def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_path, capfd):
     out = tmp_path / "run"
-    result = launch(out, "--pg-timeout", str(HANG_PG_TIMEOUT), fault="hang@rank1:step5")
+    code = launch_here(out, "--pg-timeout", str(HANG_PG_TIMEOUT), fault="hang@rank1:step5")
     ended = time.time()
-    assert result.returncode == 1
-    line = summary(result)
+    assert code == 1
+    line = summary(capfd.readouterr().err)
     assert line.startswith("paratrain train: rank 0 exited with code 1: CollectiveFailure: rank 0 failed at step 5, "
                            "its last collective #"), line
     # rank 0 waits in the step's agreement (one all-reduce over the whole mesh), which rank 1 never reached
@@ -180,13 +201,13 @@ def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
     assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 " + AGREEMENT
                      + r" \(step 4\) vs rank\(s\) \[1\] #\1 all_reduce over world shape \[64, 2\] float64 \(step 4\)",
                      result.stderr), result.stderr
-    last = summary(result)  # from rank 1's error, or when it was stopped first, from the fingerprint files
+    last = summary(result.stderr)  # from rank 1's error, or when it was stopped first, from the fingerprint files
     assert last.startswith("paratrain train: rank 0 was killed by SIGABRT: ") and "collectives diverged" in last, last
 
 
-def summary(result: subprocess.CompletedProcess) -> str:
-    """The launcher's one-line account of the failure."""
-    return next(line for line in result.stderr.splitlines() if line.startswith("paratrain train: "))
+def summary(stderr: str) -> str:
+    """The launcher's one-line account of the failure, from its standard error."""
+    return next(line for line in stderr.splitlines() if line.startswith("paratrain train: "))
 
 
 def test_a_fault_on_every_attempt_ends_after_the_allowed_restarts(tmp_path):
@@ -220,7 +241,7 @@ def test_a_kill_while_an_async_save_is_in_flight_leaves_latest_and_retention_alo
     # The gate never opens: rank 0's save of step 8 is held until the kill in step 9.
     result = launch(out, *args, fault="ckpt_slow_write@rank0:step8,sigkill@rank0:step9", gate=tmp_path / "shut")
     assert result.returncode == 1, result.stderr
-    assert summary(result).startswith("paratrain train: rank 0 was killed by SIGKILL"), result.stderr
+    assert summary(result.stderr).startswith("paratrain train: rank 0 was killed by SIGKILL"), result.stderr
     root = out / "checkpoints"
     assert list(root.glob(".tmp-step-00000008-*")), "the save of step 8 was in flight when its process died"
     # Committed, step 8 would be `latest` and retention would have purged step 4.
@@ -257,12 +278,11 @@ def test_killed_and_resumed_runs_read_exactly_the_samples_of_an_uninterrupted_ru
     """Four kills in one launch (steps 3, 6, 9 mid-epoch, 11 across an epoch boundary), resumed each time."""
     args = ("--data", str(small_corpus(tmp_path)), "--checkpoint-every", "2", "--log-samples")
     reference_out, out = tmp_path / "reference", tmp_path / "run"
-    reference = launch(reference_out, *args)
-    assert reference.returncode == 0, reference.stderr
-    assert "14 training sequences" in reference.stdout
+    assert launch_here(reference_out, *args) == 0
     kills = "sigkill@rank1:step3,sigkill@rank0:step6:attempt1,sigkill@rank1:step9:attempt2,sigkill@rank0:step11:attempt3"
     result = launch(out, *args, "--max-restarts", "4", fault=kills)
     assert result.returncode == 0, result.stderr
+    assert "14 training sequences" in result.stdout
     for step in (2, 4, 8, 10):
         assert f"checkpoints/step-{step:08d} at step {step}" in result.stdout
     batches, attempts = global_batches(out)
@@ -309,12 +329,13 @@ def test_without_a_launcher_the_step_watchdog_ends_the_hung_process_itself(tmp_p
     assert 2 <= waited < 2 + 20, f"{waited:.1f} s from step 2's record to the kill"
 
 
-def test_out_of_memory_on_one_rank_ends_every_rank_promptly_with_a_hint(tmp_path):
+def test_out_of_memory_on_one_rank_ends_every_rank_promptly_with_a_hint(tmp_path, capfd):
     """A MemoryError on rank 1 mid-step, rank 0 waiting for it in the step's agreement (a 600 s timeout)."""
     # The process-group timeout is beyond the launch's: a rank that waited for it would not end in time.
-    result = launch(tmp_path / "run", "--pg-timeout", LONG_PG_TIMEOUT, fault="oom@rank1:step4")
-    assert result.returncode == 1
-    line = summary(result)
+    start = time.monotonic()
+    assert launch_here(tmp_path / "run", "--pg-timeout", LONG_PG_TIMEOUT, fault="oom@rank1:step4") == 1
+    assert time.monotonic() - start < LAUNCH_TIMEOUT
+    line = summary(capfd.readouterr().err)
     assert line.startswith("paratrain train: rank 1 exited with code 1: OutOfMemory: rank 1 ran out of memory at "
                            "step 4 (injected fault: out of memory at rank 1, step 4); lower --micro-batch"), line
     assert line.endswith("`paratrain plan` estimates each layout's memory"), line
@@ -323,20 +344,21 @@ def test_out_of_memory_on_one_rank_ends_every_rank_promptly_with_a_hint(tmp_path
     assert (tmp_path / "run" / "diagnostics" / "attempt-0" / "failed-rank-1").exists()
 
 
-def test_a_rendezvous_that_never_fills_ends_with_one_line(tmp_path):
-    """--nnodes 2 and a single launcher: the c10d rendezvous gives up after --join-timeout."""
+def test_a_rendezvous_that_never_fills_ends_with_one_line(tmp_path, capfd):
+    """--nnodes 2 and a single launcher, in this process: the c10d rendezvous gives up after --join-timeout."""
+    from paratrain.cli import main
+
     endpoint = f"127.0.0.1:{free_port()}"
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "paratrain", "train", *TINY, "--steps", "2", "--nproc", "1",
-                             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "lonely",
-                             "--join-timeout", "3", "--out", str(tmp_path / "run")],
-                            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=environment(""))
+    code = main(["train", *TINY, "--steps", "2", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
+                 "--rdzv-id", "lonely", "--join-timeout", "3", "--out", str(tmp_path / "run")])
     elapsed = time.monotonic() - start
-    assert result.returncode == 1
-    assert result.stderr.strip() == (
+    stderr = capfd.readouterr().err
+    assert code == 1
+    assert stderr.strip() == (
         f"paratrain train: the rendezvous at {endpoint} (--rdzv-id lonely) timed out after 3 s (--join-timeout) "
         f"before all 2 node(s) (--nnodes) joined; start `paratrain train` with the same --nnodes, --rdzv-endpoint "
-        f"and --rdzv-id on every node, or lower --nnodes"), result.stderr
-    # At least the join timeout; and not torch's default 600 s, which the launch's timeout would have cut short.
-    assert elapsed >= 3, f"{elapsed:.1f} s"
+        f"and --rdzv-id on every node, or lower --nnodes"), stderr
+    # At least the join timeout; and not torch's default 600 s.
+    assert 3 <= elapsed < LAUNCH_TIMEOUT, f"{elapsed:.1f} s"
     assert not (tmp_path / "run").exists(), "no worker ever started"

@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.multirank
 
-STEPS = 40
+STEPS = 20
 SHAPE = ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--sample-tokens", "0", "--eval-every", "0",
          "--no-progress"]
 TIMEOUT = 300
@@ -69,8 +69,7 @@ def test_a_first_fine_tune_checkpoints_resumes_and_exports_without_being_told(tm
     transformers.LlamaForCausalLM(config).save_pretrained(hf)
     for name, words in (("a", "the quick brown fox jumps over the lazy dog"), ("b", "pack my box with five jugs")):
         _corpus(tmp_path / f"{name}.jsonl", words)
-        code, _, err = _run("prepare", "--data", str(tmp_path / f"{name}.jsonl"), "--out", str(tmp_path / name))
-        assert code == 0, err
+        assert main(["prepare", "--data", str(tmp_path / f"{name}.jsonl"), "--out", str(tmp_path / name)]) == 0
     train = ["train", "--init-from", str(hf), "--data", str(tmp_path / "a"), "--nproc", "2", "--zero", "3",
              "--steps", str(STEPS), *SHAPE]
 
