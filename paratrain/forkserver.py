@@ -84,9 +84,9 @@ def stop() -> None:
     """End the worker server this process started, at once, even while its preload still runs: a launch refused
     before any worker started leaves no server behind (nor the seconds of one core its preload would still take,
     with the server's memory). A no-op when none is running."""
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:
-        os.kill(server._forkserver_pid, signal.SIGKILL)  # it has forked nothing: nothing of its own to end
+    if running():
+        server = multiprocessing.forkserver._forkserver
+        os.kill(server._forkserver_pid, signal.SIGKILL)  # before any worker: nothing of its own to end
         server._stop()  # reaps it, closes the pipe that kept it alive, removes its socket
 
 

@@ -346,12 +346,10 @@ def test_out_of_memory_on_one_rank_ends_every_rank_promptly_with_a_hint(tmp_path
 
 def test_a_rendezvous_that_never_fills_ends_with_one_line(tmp_path, capfd):
     """--nnodes 2 and a single launcher, in this process: the c10d rendezvous gives up after --join-timeout."""
-    from paratrain.cli import main
-
     endpoint = f"127.0.0.1:{free_port()}"
     start = time.monotonic()
-    code = main(["train", *TINY, "--steps", "2", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
-                 "--rdzv-id", "lonely", "--join-timeout", "3", "--out", str(tmp_path / "run")])
+    code = run_here(["train", *TINY, "--steps", "2", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
+                     "--rdzv-id", "lonely", "--join-timeout", "3", "--out", str(tmp_path / "run")])
     elapsed = time.monotonic() - start
     stderr = capfd.readouterr().err
     assert code == 1
