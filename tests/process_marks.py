@@ -13,7 +13,10 @@ derived here, once, for every test module:
   neither is the pool of compile workers Inductor keeps for the whole session (the first test to compile would
   otherwise be charged for it).
 
-The marked tests run in one group, one after another on one worker (their ranks want the cores to themselves). A
+The marked tests run in two lanes, each one test after another on one worker (`LANES`): the parity, memory and
+compile tests of `tests/parallel/`, whose ranks compute and compare with no clock tighter than a hang bound, and
+the rest (the launcher, fault, checkpoint and benchmark tests, whose clocks allow for a loaded machine). One lane
+alone leaves a third of the second core idle while its ranks start, meet and wait; two keep both cores busy. A
 test that starts one process at a time and no ranks (a command or a benchmark script run as a subprocess) needs one
 core, as an in-process test does: marked `single_process` by hand, it runs beside the others on any worker. The mark
 is checked as the test runs: a watcher samples the test's process tree ten times a second, and a test that ever has
@@ -46,6 +49,9 @@ STARTERS = frozenset({
     "check_call", "check_output", "verify", "--calibrate", "--workers", "workers", "wandb",
 })
 _PYTHON = re.compile(r"^(python[\d.]*|paratrain|torchrun)$")
+
+# The rooms whose marked tests form the second lane (`pytest_collection_modifyitems`), by their folder under tests/.
+COMPUTE_LANE = ("parallel",)
 
 _started = 0
 _STARTED_BEFORE = pytest.StashKey[int]()
@@ -218,18 +224,25 @@ def _starters(path: Path) -> frozenset[str]:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups to name the tests' scopes
 def pytest_collection_modifyitems(items):
     """Mark every collected test whose code reaches a process starter, and give each test its group for pytest-xdist's
-    `--dist loadgroup`: the marked tests one group (they run one after another on one worker, each with the cores
-    to itself as far as the other worker's single-threaded test leaves them: their ranks, the launcher's timeouts
-    and the fault tests' clocks are tuned for that), every other test, `single_process` ones included, its module's
-    (a module's fixtures are made once, on one worker)."""
+    `--dist loadgroup`: the marked tests one of two lanes (`lane`; each runs one test after another on one worker,
+    the two side by side, and pytest-xdist starts the largest groups first), every other test, `single_process`
+    ones included, its module's (a module's fixtures are made once, on one worker)."""
     for item in items:
         function = getattr(item, "function", None)
         if function is not None and not item.get_closest_marker(MARK) and \
                 function.__name__ in _starters(Path(str(item.fspath))):
             item.add_marker(MARK)
-        lane = item.get_closest_marker(MARK) and not item.get_closest_marker(SINGLE)
-        group = MARK if lane else Path(str(item.fspath)).name
+        ranks = item.get_closest_marker(MARK) and not item.get_closest_marker(SINGLE)
+        group = lane(Path(str(item.fspath))) if ranks else Path(str(item.fspath)).name
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def lane(path: Path) -> str:
+    """The lane of a marked test module: the compute lane for the rooms in `COMPUTE_LANE` (their ranks only compute
+    and compare, so they share the cores with the other lane's), the clocked lane for the rest (launches, faults,
+    timeouts: tuned for the cores one lane leaves them)."""
+    room = path.relative_to(Path(__file__).parent).parts[0]
+    return f"{MARK}-compute" if room in COMPUTE_LANE else f"{MARK}-clocked"
 
 
 _WATCH = pytest.StashKey[_Watch]()

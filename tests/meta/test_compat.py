@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import re
 from datetime import timedelta
@@ -96,7 +97,11 @@ def test_the_launch_config_keeps_newer_fields_where_torch_has_them_and_refuses_u
 def test_rendezvous_events_are_named_by_the_frame_as_torchs_stack_walk_names_them(monkeypatch):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    torchs = dynamic_rendezvous.get_method_name
+    # torch's own, from its module's code: a launch from this process (another test's) may have replaced it already.
+    spec = importlib.util.find_spec(dynamic_rendezvous.__name__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    torchs = fresh.get_method_name
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs)  # restored after the test
 
     def record():  # as DynamicRendezvousHandler._record asks for the name of the method that called it
