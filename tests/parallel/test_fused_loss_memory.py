@@ -6,9 +6,13 @@ width and few layers, so the loss is most of the step, as it is of Llama 3.1 8B'
 - a whole step (`train_step`, clipping, AdamW) peaks lower by at least the fp32 logits no longer held;
 - the planner's peak with the fused loss (`Workload(loss_chunk=...)`) is within 10% of the measured step's.
 
-The suite's shape is 4 × 128 tokens in chunks of 64 (8 chunks, as the default 1,024-token chunks cut a micro-batch of
-4 × 2,048), in fp32: the whole logits of 4 × 2,048 tokens would take 13 GB of the CPU's memory in one step, and its bf16
-matmuls are 8 times slower than fp32's. `benchmarks/gpu_check.py`'s "fused loss" rows measure Llama 3.1 8B's own head.
+The suite's shape is 4 × 32 tokens in chunks of 16 (8 chunks, as the default 1,024-token chunks cut a micro-batch of
+4 × 2,048) over a width of 16, in fp32: the whole logits of 4 × 2,048 tokens would take 13 GB of the CPU's memory in
+one step, and its bf16 matmuls are 8 times slower than fp32's. What the checks compare keeps its proportions at any
+size with 8 tokens per unit of width and 8 chunks: the fp32 logits (tokens × vocabulary) are 8 times the head's
+weight (vocabulary × width), a chunk's logits an eighth of the whole, and the blocks' activations (tokens × width) a
+small fraction of the logits; the CPU's work is the logits' (tokens × vocabulary), so the width and the tokens are
+small and the vocabulary is Llama 3's. `benchmarks/gpu_check.py`'s "fused loss" rows measure Llama 3.1 8B's own head.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from paratrain.peak_memory import TensorMemory
 from paratrain.plan import Layout, Workload, estimate_memory
 from paratrain.precision import DTYPES, cross_entropy
 
-LLAMA3_SMALL = ModelConfig(vocab_size=128_256, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=224,
-                           max_seq_len=256, rope_theta=500_000.0)
-ROWS, SEQ, CHUNK = 4, 128, 64
+LLAMA3_SMALL = ModelConfig(vocab_size=128_256, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=56,
+                           max_seq_len=64, rope_theta=500_000.0)
+ROWS, SEQ, CHUNK = 4, 32, 16
 PRECISION = "fp32"  # the CPU's bf16 matmuls are 8 times slower than its fp32 ones; the GPU rows run bf16
 TOLERANCE = 0.10
 
@@ -65,10 +69,20 @@ def loss_share(chunk: int, cfg: ModelConfig = LLAMA3_SMALL, rows: int = ROWS, se
     return window.peak_bytes - window.start_bytes
 
 
+def _left_alive() -> int:
+    """Bytes of the tensors alive in this process now (what earlier tests in a pytest worker left behind)."""
+    meter = TensorMemory()
+    with meter:
+        meter.begin()
+        return meter.end().start_bytes
+
+
 def step_peak(mesh, chunk: int, cfg: ModelConfig = LLAMA3_SMALL, rows: int = ROWS, seq: int = SEQ) -> int:
     """Peak live tensor bytes of `parallelize`'s second step (one micro-batch, clipping, AdamW; the first made the
-    optimizer's state), the loss fused in chunks of `chunk` tokens (0: the whole logits)."""
+    optimizer's state), the loss fused in chunks of `chunk` tokens (0: the whole logits); the tensors alive before
+    the model was built are not the step's (a window counts every tensor alive in the process)."""
     gc.collect()
+    before = _left_alive()
     with torch.device("meta"):
         model = Transformer(cfg)
     # torch's fused AdamW (a GPU run's): the CPU's foreach one adds a temporary the size of the parameters
@@ -88,7 +102,7 @@ def step_peak(mesh, chunk: int, cfg: ModelConfig = LLAMA3_SMALL, rows: int = ROW
     with meter:
         meter.begin(model, optimizer)
         step()
-        return meter.end(model, optimizer).peak_bytes
+        return meter.end(model, optimizer).peak_bytes - before
 
 
 def planned(chunk: int, cfg: ModelConfig = LLAMA3_SMALL, rows: int = ROWS, seq: int = SEQ):

@@ -132,6 +132,12 @@ def test_recomputed_blocks_train_the_adapters_as_stored_activations_do(recompute
     assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
+# Two targets of each block: wq, whose input comes from a frozen norm (no gradient flows into the first block: the
+# embedding is frozen), and w2, whose input carries one (from the adapters before it). A block compiles once for each
+# (an input with and one without a gradient: two graphs); tracing costs in proportion to the adapted linears.
+COMPILED_TARGETS = ("wq", "w2")
+
+
 @pytest.mark.parametrize("option, base_dtype", [({"compile": "aot_eager"}, "nf4"),  # NF4's autograd function inside
                                                 ({"data": DataParallel(offload="optimizer")}, None),
                                                 ({"data": DataParallel(offload="optimizer")}, "nf4")],
@@ -139,7 +145,7 @@ def test_recomputed_blocks_train_the_adapters_as_stored_activations_do(recompute
 def test_compiled_blocks_and_the_offloaded_optimizer_train_the_adapters_as_eager_does(option, base_dtype):
     def run(**options):
         model, optimizer = parallelize(make_model(), _one_rank_mesh(), optimizer=adamw,
-                                       lora=LoRA(4, base_dtype=base_dtype), **options)
+                                       lora=LoRA(4, base_dtype=base_dtype, targets=COMPILED_TARGETS), **options)
         losses = [train_step(model, optimizer, [(x, y)], 1.0).loss for x, y in batches(steps=3)]
         return losses, {n: t.clone() for n, t in model.full_state_dict().items() if ".lora_" in n}, model
 
@@ -147,7 +153,7 @@ def test_compiled_blocks_and_the_offloaded_optimizer_train_the_adapters_as_eager
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # offload on the CPU says it saves no memory here
         losses, got, model = run(**option)
-    assert len(model.masters()) == len(want) == 2 * 21, "masters of the adapters only"
+    assert len(model.masters()) == len(want) == 2 * 3 * len(COMPILED_TARGETS), "masters of the adapters only"
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert want.keys() == got.keys()
     for name in want:

@@ -466,7 +466,7 @@ def _plan_json(capsys, *argv):
 ])
 def test_the_planners_spellings_and_the_trainers_give_the_same_plan(capsys, old, new):
     model = [] if "--layers" in old else ["--model", "llama2-7b"]
-    for mode in (["--dp", "2", "--tp", "2", "--global-batch", "8"], ["--gpus", "8", "--global-batch", "64"]):
+    for mode in (["--dp", "2", "--tp", "2", "--global-batch", "8"], ["--gpus", "4", "--global-batch", "16"]):
         planned = [_plan_json(capsys, *model, *mode, *spelling) for spelling in (old, new)]
         assert planned[0] == planned[1]
     if old[0] == "--seq":

@@ -77,6 +77,16 @@ def test_communication_is_drawn_against_the_planners_estimate(tmp_path):
     assert labels == ["estimate of paratrain plan", "zero2 (dp2,zero2)"]
 
 
+@pytest.fixture
+def only_the_optional_figures(monkeypatch):
+    """`write_report` draws the figures of some runs only (experts, ranks, the pipeline's timeline) and skips the four
+    every report draws (`test_report_of_a_real_run` and the overlay test check those): for the tests that check the
+    others or the summary."""
+    from paratrain.commands import report
+
+    monkeypatch.setattr(report, "FIGURES", {})
+
+
 def assert_figures(directory, names=FIGURES):
     for name in names:
         data = (directory / name).read_bytes()
@@ -127,7 +137,7 @@ def test_runs_with_the_same_directory_name_are_told_apart(tmp_path):
     assert [r.name for r in runs] == ["a/run", "b/run"]
 
 
-def test_pipeline_runs_get_a_timeline(tmp_path, capsys):
+def test_pipeline_runs_get_a_timeline(tmp_path, capsys, only_the_optional_figures):
     run = write_run(tmp_path / "pp", dp=2, pp=2)
     assert main(["report", str(run)]) == 0
     assert_figures(run / "report", ["pipeline-pp.png"])
@@ -200,7 +210,8 @@ def test_summary_puts_the_predicted_step_next_to_the_measured_medians(tmp_path):
     assert "data, checkpoint, other                 0.005           -" in text
 
 
-def test_prediction_needs_a_profile_and_takes_the_calibrated_one_by_default(tmp_path, capsys, monkeypatch):
+def test_prediction_needs_a_profile_and_takes_the_calibrated_one_by_default(tmp_path, capsys, monkeypatch,
+                                                                            only_the_optional_figures):
     import dataclasses
 
     import paratrain.plan
@@ -221,7 +232,7 @@ def test_prediction_needs_a_profile_and_takes_the_calibrated_one_by_default(tmp_
     assert "hardware profile" in err and "does not exist" in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_mixture_of_experts_gets_its_expert_load_figure(real_run, tmp_path, capsys):
+def test_a_mixture_of_experts_gets_its_expert_load_figure(real_run, tmp_path, capsys, only_the_optional_figures):
     """The load per layer and the aux loss of each step, from the metrics' `moe` entries; none for a dense run."""
     moe = write_run(tmp_path / "moe", dp=2, zero=1)
     records = [json.loads(line) for line in (moe / "metrics.jsonl").read_text().splitlines()]
