@@ -2,7 +2,8 @@
 
     python benchmarks/bench_fp8_convergence.py              # 8 seeds x 100 steps of tiny, ~35 min on 2 quiet cores
     ATEN_CPU_CAPABILITY=default python benchmarks/bench_fp8_convergence.py   # on torch's plain CPU kernels
-    python benchmarks/bench_fp8_convergence.py --seeds 2 --steps 3 --batch 2 --seq 32 --eval-batches 1   # a dry run
+    python benchmarks/bench_fp8_convergence.py --seeds 2 --steps 2 --batch 2 --seq 32 --eval-batches 1 --n-layers 1 \
+        --dim 64                                            # a dry run
     python benchmarks/bench_fp8_convergence.py --first-seed 8 --recipes tensorwise --include results/fp8-....json
                                                             # 8 more seeds of one recipe, reported with the earlier
 
@@ -49,13 +50,19 @@ def recipe_args(recipe: str, batch: int) -> list[str]:
     return ["--global-batch", str(batch), "--micro-batch", str(micro), *fp8]
 
 
+def model_args(args) -> list[str]:
+    """The trainer's overrides of the named model's depth and width, where given (a dry run's smaller model)."""
+    return [*(["--n-layers", str(args.n_layers)] if args.n_layers else []),
+            *(["--dim", str(args.dim)] if args.dim else [])]
+
+
 def train_once(recipe: str, seed: int, args, work: Path) -> dict:
     """One run of the trainer; its step losses, wall time and final eval loss. The trainer's own output is kept
     and shown only if the run fails."""
     out = work / f"{recipe}-seed{seed}"
     argv = ["train", "--model", args.model, "--precision", "bf16", "--steps", str(args.steps), "--seq-len",
             str(args.seq), "--sample-tokens", "0", "--eval-every", "0", "--eval-batches", str(args.eval_batches),
-            "--no-progress", "--seed", str(seed),
+            "--no-progress", "--seed", str(seed), *model_args(args),
             *recipe_args(recipe, args.batch), "--out", str(out)]
     records, seconds = train_in_process(argv, out, f"{recipe} seed {seed}")
     losses = [r["loss"] for r in records]
@@ -110,7 +117,8 @@ def report(meta: dict, args, runs: list[dict], result: dict) -> str:
              f"{m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}, Python {m['python']}; CPU kernel path "
              f"{meta['cpu_capability']} (ATEN_CPU_CAPABILITY {kernel}); load average {fmt_load(meta['load_avg_start'])}"
              f" at the start, {fmt_load(meta['load_avg_end'])} at the end; {meta['wall_s'] / 60:.1f} min in all.", "",
-             f"Model {args.model}, {args.steps} steps of {args.batch} x {args.seq} tokens, --precision bf16, seeds "
+             f"Model {' '.join([args.model, *model_args(args)])}, {args.steps} steps of {args.batch} x {args.seq} "
+             f"tokens, --precision bf16, seeds "
              f"{', '.join(map(str, result['seeds']))}. Metric: the mean of the last {last} step losses; "
              f"difference = recipe - bf16 of the same seed. Bar: |mean difference| <= {args.bar} nats.", "",
              *[f"With the runs of {inc['file']} (seeds {', '.join(map(str, inc['seeds']))}; {inc['date']}, "
@@ -153,6 +161,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--eval-batches", type=int, default=8,
                         help="held-out batches of the final evaluation (its loss is reported beside the metric)")
     parser.add_argument("--model", default="tiny", help="named model config")
+    parser.add_argument("--n-layers", type=int, default=None, help="blocks of the model (default: the named config's)")
+    parser.add_argument("--dim", type=int, default=None, help="hidden size of the model (default: the named config's)")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES,
                         help="run beside bf16 for every seed")
     parser.add_argument("--include", nargs="+", default=[], metavar="JSON",
@@ -168,7 +178,7 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-SAME = ("model", "steps", "batch", "seq")  # the settings runs must share to be compared
+SAME = ("model", "n_layers", "dim", "steps", "batch", "seq")  # the settings runs must share to be compared
 
 
 def included_runs(paths: list[str], args) -> tuple[list[dict], list[dict]]:
@@ -185,9 +195,9 @@ def included_runs(paths: list[str], args) -> tuple[list[dict], list[dict]]:
         except (OSError, ValueError, KeyError) as exc:
             raise SystemExit(f"--include {path}: not a result of this benchmark ({exc})") from None
         for key in SAME:
-            if earlier["args"][key] != getattr(args, key):
-                raise SystemExit(f"--include {path}: its --{key} is {earlier['args'][key]}, this run's "
-                                 f"{getattr(args, key)}; runs of other settings do not compare")
+            if earlier["args"].get(key) != getattr(args, key):  # (a file from before --n-layers/--dim: None)
+                raise SystemExit(f"--include {path}: its --{key.replace('_', '-')} is {earlier['args'].get(key)}, "
+                                 f"this run's {getattr(args, key)}; runs of other settings do not compare")
         for run in their_runs:
             if any((r["recipe"], r["seed"]) == (run["recipe"], run["seed"]) for r in runs):
                 raise SystemExit(f"--include {path}: {run['recipe']} seed {run['seed']} is in an earlier --include "

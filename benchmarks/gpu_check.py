@@ -54,6 +54,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import io
 import json
 import os
 import platform
@@ -283,26 +284,33 @@ def check_release(device, steps: int) -> dict:
     from paratrain.train import train_step
 
     out, cfg = {}, check_model(device)
-    for zero in range(4):
-        meter = TensorMemory() if device.type == "cpu" else contextlib.nullcontext()
-        with meter:
-            def allocated() -> int:
-                return torch.cuda.memory_allocated(device) if device.type == "cuda" else meter.total
+    # What lives now is no build's: the collections below look at what came after it alone (a full one walks every
+    # object of the process, the earlier rows' compiled code included, for a second each).
+    gc.collect()
+    gc.freeze()
+    try:
+        for zero in range(4):
+            meter = TensorMemory() if device.type == "cpu" else contextlib.nullcontext()
+            with meter:
+                def allocated() -> int:
+                    return torch.cuda.memory_allocated(device) if device.type == "cuda" else meter.total
 
-            data = check_batches(device, steps)  # made (and seen by the meter) before the count starts
-            gc.collect()
-            before = allocated()
-            model, optimizer = paratrain.parallelize(
-                model_on_meta(cfg), paratrain.init_mesh(), optimizer=adamw, precision="bf16",
-                data=DataParallel(zero=zero, grad_reduction="sum"),
-                init=functools.partial(model_on_meta(cfg).param_init, seed=0))
-            for x, y in data:
-                train_step(model, optimizer, [(x, y)], 1.0)
-            built = allocated() - before
-            del model, optimizer
-            gc.collect()
-            left = allocated() - before
-        out[f"zero{zero}"] = {"built_bytes": built, "left_bytes": left, "freed": left <= LEFT_TOL * built}
+                data = check_batches(device, steps)  # made (and seen by the meter) before the count starts
+                gc.collect()
+                before = allocated()
+                model, optimizer = paratrain.parallelize(
+                    model_on_meta(cfg), paratrain.init_mesh(), optimizer=adamw, precision="bf16",
+                    data=DataParallel(zero=zero, grad_reduction="sum"),
+                    init=functools.partial(model_on_meta(cfg).param_init, seed=0))
+                for x, y in data:
+                    train_step(model, optimizer, [(x, y)], 1.0)
+                built = allocated() - before
+                del model, optimizer
+                gc.collect()
+                left = allocated() - before
+            out[f"zero{zero}"] = {"built_bytes": built, "left_bytes": left, "freed": left <= LEFT_TOL * built}
+    finally:
+        gc.unfreeze()
     return out
 
 
@@ -475,16 +483,29 @@ def check_grouped_experts(device) -> dict:
 
 
 def _small_run(device) -> list[str]:
-    """The training rows' batch on the CPU dry run, one held-out batch at the end and no sample: the row checks the
-    path (launcher, snapshots, experts), and tiny's default batch (16 x 256 tokens) makes it take half a minute
-    there; on a GPU the defaults run."""
-    return [] if device.type == "cuda" else ["--global-batch", "4", "--seq-len", "64", "--eval-every", "0",
-                                             "--eval-batches", "1", "--sample-tokens", "0"]
+    """The training rows' batch on the CPU dry run, two blocks, one held-out batch at the end and no sample: the row
+    checks the path (launcher, snapshots, experts), and tiny's default batch (16 x 256 tokens) makes it take half a
+    minute there; on a GPU the defaults run."""
+    return [] if device.type == "cuda" else ["--global-batch", "4", "--seq-len", "64", "--n-layers", "2",
+                                             "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0"]
 
 
 def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "paratrain", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _cli_here(args: list[str]) -> tuple[int, str]:
+    """`paratrain ARGS` in this process: its exit status and what it printed."""
+    from paratrain.cli import main as paratrain_main
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        try:
+            code = paratrain_main(args)
+        except SystemExit as e:  # bad arguments: argparse's exit
+            code = e.code if isinstance(e.code, int) else 1
+    return code, said.getvalue()
 
 
 def _losses_of_run(run_dir: Path) -> list[float]:
@@ -797,9 +818,13 @@ def check_offload_muon(device, steps: int) -> dict:
 
 def check_calibrate(device, profile: Path) -> dict:
     args = ["plan", "--calibrate", "--quick", "--out", str(profile)]
-    result = _run_cli(args + ([] if device.type == "cuda" else ["--nproc", "2"]), timeout=600)
-    if result.returncode or not profile.exists():
-        return {"passed": False, "detail": (result.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+    if device.type == "cuda":  # its own process: a CUDA context of this one would sit on GPU 0 beside the ranks'
+        result = _run_cli(args, timeout=600)
+        code, said = result.returncode, result.stderr
+    else:  # the CPU dry run: in this process, whose torch is imported already; the two ranks its worker server's
+        code, said = _cli_here([*args, "--nproc", "2"])
+    if code or not profile.exists():
+        return {"passed": False, "detail": (said.strip().splitlines() or ["(no output)"])[-1][:300]}
     data = json.loads(profile.read_text())
     links = data.get("pcie_bytes_per_s", 0) > 0 or device.type != "cuda"  # the host link, measured on a GPU
     # the host's time per eager operation and what recomputation and ZeRO-3 add: measured here, where the GPU
@@ -962,12 +987,16 @@ def check_transformers_qwen3(device, steps: int) -> dict:
         reference.append(loss.item())
     del plain, optimizer
     backend = True if device.type == "cuda" else "aot_eager"
-    # At world 1 ZeRO-1 and -2 compile ZeRO-0's layer graphs (what they shard is outside them): the CPU dry run
-    # leaves them to the GPU
-    layouts = {f"zero{z}": {"zero": z} for z in ((0, 1, 2, 3) if device.type == "cuda" else (0, 3))}
-    layouts.update({"tp1 plan": {"tp": True}, "selective": {"recompute": "selective"}, "full": {"recompute": "full"}})
     if device.type == "cuda":
-        layouts["fp8 tensorwise"] = {"fp8": "tensorwise"}
+        layouts = {f"zero{z}": {"zero": z} for z in (0, 1, 2, 3)}
+        layouts.update({"tp1 plan": {"tp": True}, "selective": {"recompute": "selective"},
+                        "full": {"recompute": "full"}, "fp8 tensorwise": {"fp8": "tensorwise"}})
+    else:
+        # The CPU dry run compiles each option once, two of them together (every compilation, aot_eager's
+        # included, is seconds of a CPU): ZeRO-3 with selective recomputation, the tp plan with full; at world 1
+        # ZeRO-1 and -2 compile ZeRO-0's layer graphs (what they shard is outside them): left to the GPU.
+        layouts = {"zero0": {"zero": 0}, "zero3 selective": {"zero": 3, "recompute": "selective"},
+                   "tp1 plan full": {"tp": True, "recompute": "full"}}
     worst, details, breaks = 0.0, [], _graph_breaks()
     for name, layout in layouts.items():
         model = HFCausalLM.build(read_model_dir(directory))
