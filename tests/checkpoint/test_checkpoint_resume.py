@@ -180,13 +180,15 @@ SPLIT_RUNS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPLIT_RUNS))
-def test_a_run_continues_exactly_across_expert_and_context_parallelism(name, tmp_path, capsys):
+def test_a_run_continues_exactly_across_expert_and_context_parallelism(name, base_run, tmp_path, capsys):
     """Two ranks that each hold half of the experts (--ep 2: a mixture of experts) or half of every sequence
     (--cp 2) lose what one process loses; resumed by one process from their step-4 checkpoint, the run goes on
-    losing the same, and the log names the layout it left."""
+    losing the same, and the log names the layout it left. The one process's run of the dense model is the
+    module's `base_run` (the same command)."""
     model, layout, axis, degrees, described = SPLIT_RUNS[name]
-    one, split = tmp_path / "one", tmp_path / name
-    assert main(["train", *RUN, "--out", str(one), *model]) == 0
+    one, split = (tmp_path / "one" if model else base_run), tmp_path / name
+    if model:
+        assert main(["train", *RUN, "--out", str(one), *model]) == 0
     run_on_ranks(_resume, 2, str(split), *model, *layout, timeout=120)
     expected = [r["loss"] for r in read_metrics(one / "metrics.jsonl")]
     records = read_metrics(split / "metrics.jsonl")
@@ -278,12 +280,23 @@ def _guards(rank, world, root):
     results["rng"] = (torch.equal(torch.get_rng_state(), saved),
                       torch.equal(saved, CheckpointReader(root / "rng" / "checkpoints" / "step-00000002")
                                   .rank_state(rank)["rng"]["torch"]))
-    return {k: v if isinstance(v, (str, tuple)) else "finished" for k, v in results.items()}
+    results = {k: v if isinstance(v, (str, tuple)) else "finished" for k, v in results.items()}
+    # pp2, the `nan` fault on the last stage (rank 1): whether either stage aborted
+    results["pp"] = _train(root / "pp", "--pp", "2", "--checkpoint-every", "6", fault="nan@rank1:step3")
+    return results
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The step guards' runs on two ranks, one launch for the module: their directory and each rank's results."""
+    root = tmp_path_factory.mktemp("guards")
+    return root, run_on_ranks(_guards, 2, str(root), timeout=240)
 
 
 @pytest.mark.slow
-def test_step_guards_on_two_ranks(tmp_path):
-    results = run_on_ranks(_guards, 2, str(tmp_path), timeout=240)
+def test_step_guards_on_two_ranks(guarded):
+    tmp_path, results = guarded
+    results = [{k: v for k, v in r.items() if k != "pp"} for r in results]
     assert results[0] == results[1], "every rank takes the same decisions"
     r = results[0]
     assert r["skip"] == "finished"
@@ -303,14 +316,11 @@ def test_step_guards_on_two_ranks(tmp_path):
     assert not torch.equal(*rng)
 
 
-def _pipeline_guard(rank, world, root):
-    return _train(Path(root) / "pp", "--pp", "2", "--checkpoint-every", "6", fault="nan@rank1:step3")
-
-
 @pytest.mark.slow
-def test_the_non_finite_guard_fires_in_a_pipeline_run(tmp_path):
+def test_the_non_finite_guard_fires_in_a_pipeline_run(guarded):
     """pp2, the `nan` fault on the last stage (rank 1): step 3 is skipped on every rank, both stages."""
-    results = run_on_ranks(_pipeline_guard, 2, str(tmp_path), timeout=240)
+    tmp_path, results = guarded
+    results = [r["pp"] for r in results]
     assert all(not isinstance(r, str) for r in results), results  # neither rank aborted
     records = read_metrics(tmp_path / "pp" / "metrics.jsonl")
     assert [x["skipped_nonfinite"] for x in records] == [0, 0, 1, 1, 1, 1]
