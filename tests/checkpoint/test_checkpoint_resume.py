@@ -1,8 +1,8 @@
 """The trainer's checkpoints without a launcher: resume, damaged checkpoints, refusals, disk full, and the step guards.
 
-One-process runs call `paratrain train` in this process (`cli.main`); the two-rank guards
-(non-finite steps, diverged replicas, per-rank RNG state) run `train()` on `run_on_ranks`, one
-launch for all of them. The faults are real: PARATRAIN_FAULT, damaged files.
+One-process runs call `paratrain train` in this process (`cli.main`); the two-rank runs (resumes on
+other layouts, and the guards: non-finite steps, diverged replicas, per-rank RNG state) run `train()`
+on `run_on_ranks`, one launch for all of them. The faults are real: PARATRAIN_FAULT, damaged files.
 """
 
 from __future__ import annotations
@@ -139,12 +139,9 @@ def _resume(rank, world, out, *extra):
 
 
 @pytest.mark.slow
-def test_a_run_continues_exactly_on_another_number_of_data_ranks(base_run, tmp_path):
+def test_a_run_continues_exactly_on_another_number_of_data_ranks(base_run, on_two_ranks):
     """Saved by one process at step 4, resumed by two: the same global batches, so the same losses."""
-    out = tmp_path / "run"
-    shutil.copytree(base_run, out)
-    shutil.rmtree(out / "checkpoints" / "step-00000008")
-    run_on_ranks(_resume, 2, str(out), timeout=120)
+    out = on_two_ranks["dp"]
     records, expected = read_metrics(out / "metrics.jsonl"), read_metrics(base_run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 9))
     assert loss_hex(out)[:4] == loss_hex(base_run)[:4]
@@ -180,14 +177,16 @@ SPLIT_RUNS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPLIT_RUNS))
-def test_a_run_continues_exactly_across_expert_and_context_parallelism(name, tmp_path, capsys):
+def test_a_run_continues_exactly_across_expert_and_context_parallelism(name, base_run, on_two_ranks, tmp_path,
+                                                                       capsys):
     """Two ranks that each hold half of the experts (--ep 2: a mixture of experts) or half of every sequence
     (--cp 2) lose what one process loses; resumed by one process from their step-4 checkpoint, the run goes on
-    losing the same, and the log names the layout it left."""
+    losing the same, and the log names the layout it left. The one process's run of the dense model is the
+    module's `base_run` (the same command)."""
     model, layout, axis, degrees, described = SPLIT_RUNS[name]
-    one, split = tmp_path / "one", tmp_path / name
-    assert main(["train", *RUN, "--out", str(one), *model]) == 0
-    run_on_ranks(_resume, 2, str(split), *model, *layout, timeout=120)
+    one, split = (tmp_path / "one" if model else base_run), on_two_ranks[name]
+    if model:
+        assert main(["train", *RUN, "--out", str(one), *model]) == 0
     expected = [r["loss"] for r in read_metrics(one / "metrics.jsonl")]
     records = read_metrics(split / "metrics.jsonl")
     assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
@@ -278,12 +277,37 @@ def _guards(rank, world, root):
     results["rng"] = (torch.equal(torch.get_rng_state(), saved),
                       torch.equal(saved, CheckpointReader(root / "rng" / "checkpoints" / "step-00000002")
                                   .rank_state(rank)["rng"]["torch"]))
-    return {k: v if isinstance(v, (str, tuple)) else "finished" for k, v in results.items()}
+    results = {k: v if isinstance(v, (str, tuple)) else "finished" for k, v in results.items()}
+    # pp2, the `nan` fault on the last stage (rank 1): whether either stage aborted
+    results["pp"] = _train(root / "pp", "--pp", "2", "--checkpoint-every", "6", fault="nan@rank1:step3")
+    return results
+
+
+def _on_two_ranks(rank, world, runs, root):
+    """Each of `runs` (its --out, then its options), then the step guards' runs in `root`."""
+    for out, *extra in runs:
+        _resume(rank, world, out, *extra)
+    return _guards(rank, world, root)
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(base_run, tmp_path_factory) -> dict:
+    """The module's runs on two ranks, one launch: `base_run` resumed from step 4 ("dp"), each of SPLIT_RUNS from
+    the start (by name), and the step guards' runs ("guards": their directory and each rank's results)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    runs = {"dp": root / "dp", **{name: root / name for name in SPLIT_RUNS}}
+    shutil.copytree(base_run, runs["dp"])
+    shutil.rmtree(runs["dp"] / "checkpoints" / "step-00000008")
+    options = [(str(runs["dp"]),), *[(str(runs[name]), *model, *layout)
+                                     for name, (model, layout, *_) in SPLIT_RUNS.items()]]
+    results = run_on_ranks(_on_two_ranks, 2, options, str(root / "guards"), timeout=480)
+    return {**runs, "guards": (root / "guards", results)}
 
 
 @pytest.mark.slow
-def test_step_guards_on_two_ranks(tmp_path):
-    results = run_on_ranks(_guards, 2, str(tmp_path), timeout=240)
+def test_step_guards_on_two_ranks(on_two_ranks):
+    tmp_path, results = on_two_ranks["guards"]
+    results = [{k: v for k, v in r.items() if k != "pp"} for r in results]
     assert results[0] == results[1], "every rank takes the same decisions"
     r = results[0]
     assert r["skip"] == "finished"
@@ -303,14 +327,11 @@ def test_step_guards_on_two_ranks(tmp_path):
     assert not torch.equal(*rng)
 
 
-def _pipeline_guard(rank, world, root):
-    return _train(Path(root) / "pp", "--pp", "2", "--checkpoint-every", "6", fault="nan@rank1:step3")
-
-
 @pytest.mark.slow
-def test_the_non_finite_guard_fires_in_a_pipeline_run(tmp_path):
+def test_the_non_finite_guard_fires_in_a_pipeline_run(on_two_ranks):
     """pp2, the `nan` fault on the last stage (rank 1): step 3 is skipped on every rank, both stages."""
-    results = run_on_ranks(_pipeline_guard, 2, str(tmp_path), timeout=240)
+    tmp_path, results = on_two_ranks["guards"]
+    results = [r["pp"] for r in results]
     assert all(not isinstance(r, str) for r in results), results  # neither rank aborted
     records = read_metrics(tmp_path / "pp" / "metrics.jsonl")
     assert [x["skipped_nonfinite"] for x in records] == [0, 0, 1, 1, 1, 1]

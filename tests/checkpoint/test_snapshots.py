@@ -1,10 +1,11 @@
 """Snapshots in node memory with a copy on a buddy (`paratrain.checkpoint.snapshot`) and stragglers named.
 
-The launched tests run `paratrain train` in subprocesses: one node of 2 ranks, or two "nodes" of one rank each
-(two launchers meeting at one rendezvous on this machine, each with its own --snapshot-dir as a node's memory).
+The launched tests run `paratrain train` in subprocesses: one node of 2 ranks, or two or three "nodes" of one rank
+each (launchers meeting at one rendezvous on this machine, each with its own --snapshot-dir as a node's memory).
 A run is killed (--max-restarts 0: the launch fails), the test does to the snapshot directories what the failure
-would (a node replaced: its directory wiped), then relaunches the same command. A killed run's output is not read:
-its first node's launcher runs in the test's process (`kill_nodes_here`), without an interpreter to start.
+would (a node replaced: its directory wiped), then relaunches the same command. A run whose output is not read (a
+killed one, an uninterrupted reference) has every node's launcher in the test's process (`launch_nodes_here`),
+without an interpreter to start.
 "Bit-equal" compares every step's loss as float.hex and the final weights with one uninterrupted run.
 """
 
@@ -18,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -237,21 +239,15 @@ def node_commands(out: Path, snapshot_dirs: list[Path], *extra: str) -> list[lis
     return [[*common, "--nproc", "1", *rendezvous, "--snapshot-dir", str(d)] for d in snapshot_dirs]
 
 
-def launch_nodes(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str = "",
-                 here: bool = False) -> list[subprocess.CompletedProcess]:
-    """`node_commands`' launchers, each in its own process; `here`: the first in this process (`run_here`) once
-    the others are started, its result its exit code alone."""
-    from test_faults_launched import run_here
-
+def launch_nodes(out: Path, snapshot_dirs: list[Path], *extra: str,
+                 fault: str = "") -> list[subprocess.CompletedProcess]:
+    """`node_commands`' launchers, each in its own process (its output read)."""
     commands = node_commands(out, snapshot_dirs, *extra)
-    started = commands[1:] if here else commands
     processes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=environment(fault)) for c in started]
+                                  env=environment(fault)) for c in commands]
     results = []
     try:
-        if here:
-            results.append(subprocess.CompletedProcess(commands[0], run_here(commands[0][3:], fault)))
-        for command, process in zip(started, processes):
+        for command, process in zip(commands, processes):
             stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
             results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
     finally:
@@ -260,16 +256,45 @@ def launch_nodes(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str =
     return results
 
 
+def launch_nodes_here(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str = "") -> list[int]:
+    """`node_commands`' launchers all in this process, their exit codes: the first on this thread, each other on a
+    thread of its own (torch's agent installs its signal handlers from the main thread alone; these launchers get
+    no signal). Their ranks' output is not read."""
+    from paratrain.cli import main
+
+    commands = node_commands(out, snapshot_dirs, *extra)
+    codes: dict[int, int] = {}
+
+    def node(n: int) -> None:
+        codes[n] = main(commands[n][3:])
+
+    with pytest.MonkeyPatch.context() as patch:  # one environment for every node's launcher
+        patch.delenv(GATE_ENV, raising=False)
+        patch.delenv(FAULT_ENV, raising=False)
+        if fault:
+            patch.setenv(FAULT_ENV, fault)
+        others = [threading.Thread(target=node, args=(n,), daemon=True) for n in range(1, len(commands))]
+        for thread in others:
+            thread.start()
+        try:
+            node(0)
+        finally:
+            for thread in others:
+                thread.join(LAUNCH_TIMEOUT)
+    assert sorted(codes) == list(range(len(commands))), codes
+    return [codes[n] for n in range(len(commands))]
+
+
 def kill_nodes_here(out: Path, snapshot_dirs: list[Path], *extra: str, fault: str) -> None:
-    """`launch_nodes(..., here=True)` of a run that `fault` ends on every node (--max-restarts 0)."""
-    results = launch_nodes(out, snapshot_dirs, *extra, fault=fault, here=True)
-    assert all(r.returncode != 0 for r in results), [r.stderr for r in results]
+    """`launch_nodes_here` of a run that `fault` ends on every node (--max-restarts 0)."""
+    codes = launch_nodes_here(out, snapshot_dirs, *extra, fault=fault)
+    assert all(codes), codes
 
 
-def assert_bit_equal(out: Path, reference: Path) -> None:
+def assert_bit_equal(out: Path, reference: Path, steps: int = STEPS) -> None:
     from test_faults_launched import assert_bit_equal as bit_equal
 
-    bit_equal(out, reference, STEPS)
+    bit_equal(out, reference, steps)
 
 
 def job_dir(snapshot_dir: Path) -> Path:
@@ -337,43 +362,6 @@ def test_a_killed_rank_resumes_from_memory_without_reading_the_disk_bit_equal(re
     assert first.startswith(f"paratrain: resumed from the snapshots in memory at step {step} (every rank from its "
                             f"own; no disk read)") and first.endswith(f": {6 - step} step(s) lost"), first
     assert "checksum mismatch" not in result.stderr  # the damaged disk checkpoint was never read
-    assert_bit_equal(out, reference)
-
-
-@pytest.fixture(scope="module")
-def two_nodes_killed(tmp_path_factory) -> tuple[Path, int]:
-    """Two nodes of one rank; rank 1 killed in step 7, once for the module: the directory that holds the run and
-    both nodes' memory (`live`) and a copy of it as the kill left it (`killed`), and the newest step both the
-    survivor's own snapshots and its copy of rank 1's hold."""
-    base = tmp_path_factory.mktemp("two-nodes")
-    live = base / "live"
-    out, nodes = live / "run", [live / "node-a", live / "node-b"]
-    kill_nodes_here(out, nodes, "--snapshot-every", "1", fault="sigkill@rank1:step7")
-    (held,) = [job_dir(d) for d in nodes if not (job_dir(d) / entry_name(OWN, 1)).is_dir()]
-    step = min(newest_complete(held / entry_name(OWN, 0)), newest_complete(held / entry_name(COPY, 1)))
-    assert step in (5, 6)  # step 6's copy travelled in the background during step 7: there, or step 5's
-    shutil.copytree(live, base / "killed", symlinks=True)
-    return base, step
-
-
-def _two_nodes_killed(two_nodes_killed: tuple[Path, int]) -> tuple[Path, list[Path], int]:
-    """The killed two-node run back in its own paths as the kill left it, rank 1's node memory wiped (a replaced
-    node). Returns the run, the nodes' memory and the newest step the survivor holds for both ranks."""
-    base, step = two_nodes_killed
-    out, nodes = _as_killed(base, ["node-a", "node-b"])
-    (lost,) = [d for d in nodes if (job_dir(d) / entry_name(OWN, 1)).is_dir()]
-    shutil.rmtree(lost)
-    lost.mkdir()
-    return out, nodes, step
-
-
-def test_a_node_replaced_with_its_memory_wiped_restores_from_the_buddys_copy_bit_equal(reference, two_nodes_killed):
-    out, nodes, step = _two_nodes_killed(two_nodes_killed)
-    results = launch_nodes(out, nodes, "--snapshot-every", "1")
-    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
-    lines = [line for r in results for line in r.stdout.splitlines() if line.startswith("paratrain: resumed")]
-    assert len(lines) == 1 and lines[0].startswith(
-        f"paratrain: resumed from the snapshots in memory at step {step} (rank(s) 1 from the copy a buddy held"), lines
     assert_bit_equal(out, reference)
 
 
@@ -463,26 +451,34 @@ def test_both_copies_lost_fall_back_to_the_disk_checkpoint_in_one_line(reference
     assert_bit_equal(out, reference)
 
 
-def test_an_overridden_pairing_places_each_copy_on_its_named_buddy_and_restores_from_it(tmp_path):
+def test_a_node_replaced_with_its_memory_wiped_restores_from_the_copy_on_its_named_buddy_bit_equal(tmp_path):
     """Three nodes of one rank, --snapshot-buddy 0:2,1:0,2:1 (the default would pair 0 with 1): each node holds the
-    copy of the rank the map names; rank 0 killed and its node wiped, the job resumes with rank 0's snapshot from
-    the copy on rank 2's node."""
+    copy of the rank the map names. Rank 0 killed in step 5, its node replaced (its memory wiped) and every node's
+    launcher started again: rank 0's snapshot comes from the copy on rank 2's node, the others' from their own, and
+    the run ends bit-equal to an uninterrupted one on the same three nodes."""
     out, nodes = tmp_path / "run", [tmp_path / f"node-{n}" for n in "abc"]
     three = ["--snapshot-every", "1", "--snapshot-buddy", "0:2,1:0,2:1", "--global-batch", "6", "--steps", "6"]
+    reference = tmp_path / "reference"
+    assert launch_nodes_here(reference / "run", [reference / f"node-{n}" for n in "abc"], *three) == [0, 0, 0]
     kill_nodes_here(out, nodes, *three, fault="sigkill@rank0:step5")
-    held = {}  # the rank whose node it is -> the ranks whose copies it holds
+    held, node_of = {}, {}  # the rank whose node it is -> the ranks whose copies it holds; -> its node's job directory
     for node in nodes:
         entries = [p.name for p in job_dir(node).iterdir()]
         (own,) = [int(name[5:]) for name in entries if name.startswith(OWN)]
-        held[own] = sorted(int(name[5:]) for name in entries if name.startswith(COPY))
+        held[own], node_of[own] = sorted(int(name[5:]) for name in entries if name.startswith(COPY)), job_dir(node)
     assert held == {0: [1], 1: [2], 2: [0]}
-    (lost,) = [d for d in nodes if (job_dir(d) / entry_name(OWN, 0)).is_dir()]
+    # The newest step the survivors hold for every rank: rank 0's copy on rank 2's node, ranks 1 and 2 their own.
+    step = min(newest_complete(node_of[2] / entry_name(COPY, 0)), newest_complete(node_of[1] / entry_name(OWN, 1)),
+               newest_complete(node_of[2] / entry_name(OWN, 2)))
+    lost = node_of[0].parent
     shutil.rmtree(lost)
     lost.mkdir()
     results = launch_nodes(out, nodes, *three)
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     lines = [line for r in results for line in r.stdout.splitlines() if line.startswith("paratrain: resumed")]
-    assert len(lines) == 1 and "rank(s) 0 from the copy a buddy held" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"paratrain: resumed from the snapshots in memory at step {step} (rank(s) 0 from the copy a buddy held"), lines
+    assert_bit_equal(out, reference / "run", 6)
 
 
 def test_a_snapshot_torn_mid_write_is_never_restored(reference, tmp_path):

@@ -182,13 +182,20 @@ def _optimizer_steps(checkpoint: Path) -> float:
     return float(reader.read(name))
 
 
+@pytest.fixture(scope="module")
+def first_stage(corpora, tmp_path_factory) -> Path:
+    """A mixture run's step-4 checkpoint, six steps planned, so that a stage that keeps the schedule ('data')
+    continues it as it was. Each stage reads it and writes only its own --out."""
+    first = tmp_path_factory.mktemp("first") / "run"
+    assert main(_argv(corpora, first, "--steps", "6", "--checkpoint-every", "4")) == 0
+    return first / "checkpoints" / "step-00000004"
+
+
 @pytest.mark.parametrize("reset, steps, schedule_start", [("data", [5, 6], 0), ("data,lr", [5, 6], 4),
                                                             ("data,step", [1, 2, 3, 4, 5, 6], 0)])
-def test_a_new_stage_continues_the_model_and_optimizer_on_new_data(corpora, tmp_path, reset, steps, schedule_start):
-    first, stage = tmp_path / "first", tmp_path / "stage"
-    # Six steps planned, so that a stage that keeps the schedule ('data') continues it as it was.
-    assert main(_argv(corpora, first, "--steps", "6", "--checkpoint-every", "4")) == 0
-    checkpoint = first / "checkpoints" / "step-00000004"
+def test_a_new_stage_continues_the_model_and_optimizer_on_new_data(corpora, first_stage, tmp_path, reset, steps,
+                                                                   schedule_start):
+    checkpoint, stage = first_stage, tmp_path / "stage"
     argv = ["train", *TINY, "--data", str(corpora["wiki"]), "--steps", "6", "--checkpoint-every", "6"]
     assert main([*argv, "--resume", str(checkpoint), "--reset", reset, "--out", str(stage)]) == 0
     records = read_metrics(stage / "metrics.jsonl")

@@ -71,9 +71,10 @@ def launch(out, *extra, fault: str = "", gate: Path | None = None) -> subprocess
                           env=environment(fault, gate))
 
 
-def run_here(argv: list[str], fault: str = "") -> int:
-    """`paratrain ARGV` from this process (`paratrain.cli.main`), `fault` injected: its exit code. A launcher's
-    output reaches this process's stdout and stderr (`capfd`); its ranks', forked from the fork server, do not."""
+def run_here(argv: list[str], fault: str = "", gate: Path | None = None) -> int:
+    """`paratrain ARGV` from this process (`paratrain.cli.main`), `fault` injected (and `gate`, as `environment`):
+    its exit code. A launcher's output reaches this process's stdout and stderr (`capfd`); its ranks', forked from
+    the fork server, do not."""
     from paratrain.cli import main
 
     with pytest.MonkeyPatch.context() as patch:
@@ -81,12 +82,14 @@ def run_here(argv: list[str], fault: str = "") -> int:
         patch.delenv(FAULT_ENV, raising=False)
         if fault:
             patch.setenv(FAULT_ENV, fault)
+        if gate is not None:
+            patch.setenv(GATE_ENV, str(gate))
         return main(argv)
 
 
-def launch_here(out, *extra, fault: str = "") -> int:
+def launch_here(out, *extra, fault: str = "", gate: Path | None = None) -> int:
     """`launch`'s run from this process (`run_here`): its exit code."""
-    return run_here(command(out, *extra)[3:], fault)
+    return run_here(command(out, *extra)[3:], fault, gate)
 
 
 def assert_bit_equal(out: Path, reference: Path, steps: int = STEPS) -> None:
@@ -194,14 +197,16 @@ def test_a_rank_hung_in_a_step_ends_the_run_within_the_timeout_naming_it(tmp_pat
         f"{waited:.1f} s from step 4's record to the end: the timeout and the stop, no more"
 
 
-def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path):
-    result = launch(tmp_path / "run", "--pg-timeout", "10", fault="desync_shape@rank1:step4")
-    assert result.returncode == 1
+def test_a_collective_of_another_shape_on_one_rank_is_named(tmp_path, capfd):
+    """Launched from this process: what is read is the launcher's line."""
+    code = launch_here(tmp_path / "run", "--pg-timeout", "10", fault="desync_shape@rank1:step4")
+    stderr = capfd.readouterr().err
+    assert code == 1, stderr
     # gloo aborts the rank that receives more than it expects; the other explains.
     assert re.search(r"collectives diverged at call #(\d+): rank\(s\) \[0\] #\1 " + AGREEMENT
                      + r" \(step 4\) vs rank\(s\) \[1\] #\1 all_reduce over world shape \[64, 2\] float64 \(step 4\)",
-                     result.stderr), result.stderr
-    last = summary(result.stderr)  # from rank 1's error, or when it was stopped first, from the fingerprint files
+                     stderr), stderr
+    last = summary(stderr)  # from rank 1's error, or when it was stopped first, from the fingerprint files
     assert last.startswith("paratrain train: rank 0 was killed by SIGABRT: ") and "collectives diverged" in last, last
 
 
@@ -210,13 +215,15 @@ def summary(stderr: str) -> str:
     return next(line for line in stderr.splitlines() if line.startswith("paratrain train: "))
 
 
-def test_a_fault_on_every_attempt_ends_after_the_allowed_restarts(tmp_path):
-    """--max-restarts 2 and a rank that fails on every attempt: exactly 3 attempts, exit 1, our message."""
+def test_a_fault_on_every_attempt_ends_after_the_allowed_restarts(tmp_path, capfd):
+    """--max-restarts 2 and a rank that fails on every attempt: exactly 3 attempts, exit 1, our message (the
+    launcher's, in this process)."""
     out = tmp_path / "run"
-    result = launch(out, "--max-restarts", "2", fault="raise@rank1:step3:attempt*")
-    assert result.returncode == 1, result.stderr
+    code = launch_here(out, "--max-restarts", "2", fault="raise@rank1:step3:attempt*")
+    stderr = capfd.readouterr().err
+    assert code == 1, stderr
     assert sorted(p.name for p in (out / "diagnostics").iterdir()) == ["attempt-0", "attempt-1", "attempt-2"]
-    ours = [line for line in result.stderr.splitlines() if line.startswith("paratrain train: ")]
+    ours = [line for line in stderr.splitlines() if line.startswith("paratrain train: ")]
     assert len(ours) == 1 and "rank 1" in ours[0] and "injected fault: raise at rank 1, step 3" in ours[0], ours
     assert not list((out / "checkpoints").glob("step-*")), "no checkpoint before step 4"
 
@@ -235,13 +242,15 @@ def test_a_kill_while_purging_old_checkpoints_keeps_the_newest_and_resumes_bit_e
 
 # -- rows 4, 13, 16 and 24 of the fault plan ---------------------------------------------------------
 
-def test_a_kill_while_an_async_save_is_in_flight_leaves_latest_and_retention_alone(reference, tmp_path):
-    """Rank 0's shard of step 8 is held; rank 0 is killed in step 9, that save still in flight."""
+def test_a_kill_while_an_async_save_is_in_flight_leaves_latest_and_retention_alone(reference, tmp_path, capfd):
+    """Rank 0's shard of step 8 is held; rank 0 is killed in step 9, that save still in flight (launched from this
+    process: only the launcher's line is read); the relaunch, whose ranks' output is read, in a subprocess."""
     out, args = tmp_path / "run", ("--checkpoint-async", "--checkpoint-every", "2", "--keep-latest", "2")
     # The gate never opens: rank 0's save of step 8 is held until the kill in step 9.
-    result = launch(out, *args, fault="ckpt_slow_write@rank0:step8,sigkill@rank0:step9", gate=tmp_path / "shut")
-    assert result.returncode == 1, result.stderr
-    assert summary(result.stderr).startswith("paratrain train: rank 0 was killed by SIGKILL"), result.stderr
+    code = launch_here(out, *args, fault="ckpt_slow_write@rank0:step8,sigkill@rank0:step9", gate=tmp_path / "shut")
+    stderr = capfd.readouterr().err
+    assert code == 1, stderr
+    assert summary(stderr).startswith("paratrain train: rank 0 was killed by SIGKILL"), stderr
     root = out / "checkpoints"
     assert list(root.glob(".tmp-step-00000008-*")), "the save of step 8 was in flight when its process died"
     # Committed, step 8 would be `latest` and retention would have purged step 4.

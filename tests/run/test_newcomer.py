@@ -58,7 +58,7 @@ def _steps(run) -> int:
         return 0
 
 
-def test_a_first_fine_tune_checkpoints_resumes_and_exports_without_being_told(tmp_path):
+def test_a_first_fine_tune_checkpoints_resumes_and_exports_without_being_told(tmp_path, capfd):
     hf = tmp_path / "llama"
     config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
@@ -106,8 +106,10 @@ def test_a_first_fine_tune_checkpoints_resumes_and_exports_without_being_told(tm
     assert [float.hex(r["loss"]) for r in records] == [float.hex(r["loss"]) for r in expected[:killed_at - 1]]
 
     # A new stage on other data from the newest checkpoint the default policy wrote (the SIGTERM's): the schedule
-    # goes on as if unbroken.
-    code, out, err = _run("train", "--resume", str(run), "--reset", "data", "--data", str(tmp_path / "b"))
+    # goes on as if unbroken. Launched from this process: the line read is the launcher's.
+    capfd.readouterr()
+    code = main(["train", "--resume", str(run), "--reset", "data", "--data", str(tmp_path / "b")])
+    out, err = capfd.readouterr()
     assert code == 0, err
     assert f"newest complete checkpoint is step-{preempted:08d}" in out, out
     records = read_metrics(run / "metrics.jsonl")
