@@ -473,7 +473,9 @@ def test_a_node_replaced_with_its_memory_wiped_restores_from_the_copy_on_its_nam
     lost = node_of[0].parent
     shutil.rmtree(lost)
     lost.mkdir()
-    results = launch_nodes(out, nodes, *three)
+    # The rendezvous numbers the nodes in the order of their launchers' process ids (the killed run's shared one
+    # process, where its threads' order decided): started in the order of the ranks they held, each node takes its own.
+    results = launch_nodes(out, [node_of[rank].parent for rank in sorted(node_of)], *three)
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     lines = [line for r in results for line in r.stdout.splitlines() if line.startswith("paratrain: resumed")]
     assert len(lines) == 1 and lines[0].startswith(
