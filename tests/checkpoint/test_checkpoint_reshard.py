@@ -4,9 +4,11 @@ Every layout trains SAVE_AT steps of the same global batches from the same initi
 saves; every other layout (and one process) loads each checkpoint, which must give back the
 saved parameters bit for bit, then trains STEPS_AFTER more steps, which must equal those of a
 single process that never changed layout (fp32, rel 1e-5). One launch per world size and
-phase: the runs of one world size share their processes. A mixture of experts has its own,
-smaller matrix across expert parallelism (`MOE_LAYOUTS`). Loaded optimizer state lands where
-torch's own `load_state_dict` puts it, for every kind of optimizer, on the host and off it.
+phase: the runs of one world size share their processes. The model has two blocks (one per
+stage at pp2): each load reads, compares and trains every tensor, and more blocks add only more
+of the same tensors. A mixture of experts has its own, smaller matrix across expert parallelism
+(`MOE_LAYOUTS`). Loaded optimizer state lands where torch's own `load_state_dict` puts it, for
+every kind of optimizer, on the host and off it.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from paratrain.train import train_step
 
 from parallel_cases import TINY, adamw, batches, make_model
 
-# Two steps after the load: the first's loss reads the loaded weights, the second's the update the loaded
-# optimizer state made.
-SAVE_AT, STEPS_AFTER, MICRO = 3, 2, 2
-DATA = batches(vocab=TINY.vocab_size, steps=SAVE_AT + STEPS_AFTER, batch=8, seq=16)
+# Saved after one step, when every kind of optimizer state exists (Adam's moments and step count). Two steps after
+# the load: the first's loss reads the loaded weights, the second's the update the loaded optimizer state made.
+SAVE_AT, STEPS_AFTER, MICRO = 1, 2, 2
+MODEL = dataclasses.replace(TINY, n_layers=2)
+DATA = batches(vocab=MODEL.vocab_size, steps=SAVE_AT + STEPS_AFTER, batch=8, seq=16)
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,13 @@ LAYOUTS = [ONE, Layout("dp4_zero1", dp=4, zero=1), Layout("dp2_zero3", dp=2, zer
 # Checkpoints are layout-free across expert parallelism: a MoE model's expert tensors, saved as [E/ep, ...]
 # blocks at offset ep_rank·E/ep (their optimizer state ZeRO-sharded over ep_replicate, under ZeRO-3 the blocks
 # too), load into one process, plain data parallelism and ep2 alike.
-MOE = dataclasses.replace(TINY, n_layers=2, n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.1)
+MOE = dataclasses.replace(MODEL, n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.1)
 MOE_LAYOUTS = [ONE, Layout("dp2_zero1", dp=2, zero=1), Layout("dp2_ep2_zero1", dp=2, ep=2, zero=1),
                Layout("dp4_ep2_zero1", dp=4, ep=2, zero=1), Layout("dp2_ep2_zero3", dp=2, ep=2, zero=3)]
 
 # A head tied to the embedding: under pp each end stage holds a copy of the table, saved once under the whole
 # model's name (by the first stage) and loaded into both copies; one process and pp2 load each other's checkpoints.
-TIED = dataclasses.replace(TINY, tie_embeddings=True)
+TIED = dataclasses.replace(MODEL, tie_embeddings=True)
 TIED_LAYOUTS = [ONE, Layout("pp2", pp=2), Layout("pp2_dp2_zero1", pp=2, dp=2, zero=1)]
 
 
@@ -146,7 +149,7 @@ def _check_matrix(root: Path, layouts: list[Layout], config) -> None:
 
 @pytest.mark.slow
 def test_every_layout_loads_every_other_layouts_checkpoint(tmp_path):
-    _check_matrix(tmp_path, LAYOUTS, TINY)
+    _check_matrix(tmp_path, LAYOUTS, MODEL)
     # Hybrid sharding saves each box once: the second replica of the shards writes nothing, so the
     # checkpoint is the one two ranks of plain ZeRO-3 write, box for box.
     hybrid, plain = (CheckpointReader(next((tmp_path / name).glob("step-*")))

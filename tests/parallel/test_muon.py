@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -385,6 +387,9 @@ def test_newton_schulz_work_is_split_over_four_data_ranks():
 
 KILLED = {"zero1": ("--zero", "1"), "zero2_offload": ("--zero", "2", "--offload", "optimizer")}
 KILLED_STEPS = 8  # the kill in step 7, the resume from step 4's checkpoint, one step after the killed one
+# A small corpus (the json package's sources) and one held-out batch: the default corpus's load and statistics, and
+# eight held-out batches, cost each run seconds the comparison of its steps does not need.
+KILLED_DATA = ("--data", str(Path(json.__file__).parent), "--eval-batches", "1")
 
 
 def _uninterrupted_runs(rank, world, runs):  # noqa: ARG001
@@ -403,7 +408,7 @@ def uninterrupted(tmp_path_factory):
     from test_faults_launched import command
 
     root = tmp_path_factory.mktemp("muon-uninterrupted")
-    runs = [command(root / name, "--optimizer", "muon", *layout, "--steps", str(KILLED_STEPS))[3:]
+    runs = [command(root / name, "--optimizer", "muon", *layout, *KILLED_DATA, "--steps", str(KILLED_STEPS))[3:]
             for name, layout in KILLED.items()]
     run_on_ranks(_uninterrupted_runs, 2, runs, timeout=300)
     return root
@@ -420,7 +425,7 @@ def test_a_killed_muon_run_resumes_bit_equal(uninterrupted, tmp_path, layout):
     from test_faults_launched import assert_bit_equal, launch
 
     out = tmp_path / "run"
-    result = launch(out, "--optimizer", "muon", *KILLED[layout], "--steps", str(KILLED_STEPS), "--max-restarts", "1",
+    result = launch(out, "--optimizer", "muon", *KILLED[layout], *KILLED_DATA, "--steps", str(KILLED_STEPS), "--max-restarts", "1",
                     fault="sigkill@rank1:step7")
     assert result.returncode == 0, result.stderr
     assert "checkpoints/step-00000004 at step 4" in result.stdout

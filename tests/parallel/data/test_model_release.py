@@ -9,6 +9,7 @@ it is freed, so after the drop the live tensor bytes are back to none.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 import weakref
@@ -30,15 +31,17 @@ LAYOUTS = {
     "pp2_zero1": (2, {"pp": 2}, 1),
 }
 PRECISIONS = ("fp32", "bf16", "fp16")
+# Two blocks, one per stage at pp2: each kind of tensor a model makes, fewer of each to build and step.
+MODEL = dataclasses.replace(TINY, n_layers=2)
 
 
 def _build_step_drop(mesh, zero: int, precision: str) -> dict:
     """Build, take one step, drop model and optimizer: what was alive, and what still is."""
     meter = TensorMemory()
     with meter:
-        model, optimizer = parallelize(make_model(), mesh, optimizer=adamw, precision=precision,
+        model, optimizer = parallelize(make_model(MODEL), mesh, optimizer=adamw, precision=precision,
                                        data=DataParallel(zero=zero, grad_reduction="sum"))
-        x, y = batches(vocab=TINY.vocab_size, steps=1, batch=4)[0]
+        x, y = batches(vocab=MODEL.vocab_size, steps=1, batch=4)[0]
         model.train_step([(x[:2], y[:2]), (x[2:], y[2:])], float((y != -100).sum()))
         optimizer.step()
         optimizer.zero_grad()

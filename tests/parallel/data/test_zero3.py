@@ -34,7 +34,7 @@ from paratrain.error_model import FP32_ADAMW, FP64_PARITY, ErrorModel
 from parallel_cases import assert_matches_reference
 
 SEED = 3
-STEPS = 10
+STEPS = 5
 LR = 1e-2
 MAX_NORM = 1.0  # clips some steps of the transformers, every step of the plain net
 BATCH, SEQ = 8, 8  # global batch: 8 sequences of 8 predicted tokens, split over the dp ranks

@@ -4,9 +4,11 @@ The pipeline entries of `parallel_cases.LAYOUTS`. Each case trains AdamW steps (
 global batches as one process, with uneven target counts per row, so the token-weighted loss over micro-batches
 is exercised. fp64 makes the comparison exact (1e-9): 3 steps show a schedule right (a wrong gradient moves the
 second step's loss and the parameters by far more; the second step's transfers are the steady ones). One fp32
-case per schedule holds FP32_ADAMW's bound over the same 3 steps against one fp32 process at lr 1e-3 (at 1e-2 this
+case per schedule holds FP32_ADAMW's bound over the same 3 steps against one fp32 process at lr 1e-3 (at 1e-2 an
 8-layer toy is chaotic in fp32: 8 micro-batches of one row round differently from one batch of 8, and by step
-20 that shows at ~4e-5 whatever the schedule). All cases of one world size share one launch.
+20 that shows at ~4e-5 whatever the schedule). Each case's model has one block per model chunk (pp × virtual
+stages): a schedule moves the same boundary tensors whatever a chunk computes, and more blocks only cost each
+micro-batch more. All cases of one world size share one launch.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class Case(Layout):
 
     @property
     def config(self):
-        return dataclasses.replace(EIGHT_LAYERS, tie_embeddings=self.tied)
+        """One block per model chunk, on each of the pp × virtual stages."""
+        return dataclasses.replace(TINY, n_layers=self.pp * self.virtual_stages, tie_embeddings=self.tied)
 
     @property
     def fp32(self) -> bool:
@@ -126,7 +129,7 @@ _REFERENCE: dict = {}
 
 def _reference(case: Case, steps: int | None = None):
     steps = steps or case.steps
-    key = (steps, case.fp32, case.tied)
+    key = (steps, case.fp32, case.config)
     if key not in _REFERENCE:
         model = make_model(case.config).to(torch.float32 if case.fp32 else torch.float64)
         norms = []
@@ -150,7 +153,7 @@ def test_point_to_point_bytes_match_theory(name):
     """Summed over one pipeline: 2·(v·p − 1)·m·b·s·h elements per step (activations and their grads), each tp
     rank sending 1/t of them and all-gathering what it receives over tp (Megatron's scatter/gather)."""
     case = CASES[name]
-    b, h, stages = BATCH // (case.dp * case.microbatches), EIGHT_LAYERS.dim, case.pp * case.virtual_stages
+    b, h, stages = BATCH // (case.dp * case.microbatches), case.config.dim, case.pp * case.virtual_stages
     boundary = 2 * (stages - 1) * case.microbatches * b * SEQ * h * (4 if case.fp32 else 8)
     per_rank = [sent for i, (_, _, sent, *_) in enumerate(_results(case.world, name)) if i % (case.dp * case.tp) == 0]
     assert sum(sent[1][0] for sent in per_rank) == boundary // case.tp  # step 2: shapes were agreed at step 1
