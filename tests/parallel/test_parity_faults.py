@@ -12,6 +12,7 @@ their bounds; the worst tensor off by 15% (pipeline) to 120% (tensor parallel) o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 
@@ -24,8 +25,18 @@ from parallel_cases import assert_matches_reference, batches, launch_once
 
 # The pipeline's faulty run trains 6 steps, not its parity case's 3 (exact in fp64, where 3 show a wrong gradient):
 # the bf16 bound `paratrain verify` judges by grows with the steps, and a doubled input gradient of one stage
-# outgrows it only after more than 3.
+# outgrows it only after more than 3. Its model has 8 blocks (4 a stage), not the parity case's 2: under one block
+# a stage the doubled gradient reaches too few weights to outgrow that bound in 6 steps.
 PIPELINE_STEPS = 6
+PIPELINE_BLOCKS = 8
+
+
+
+def _pipeline_case():
+    """The 1F1B parity case with `PIPELINE_BLOCKS` blocks."""
+    import test_pipeline
+
+    return dataclasses.replace(test_pipeline.CASES["pp2_1f1b_m4_fp64"], blocks=PIPELINE_BLOCKS)
 
 
 @contextlib.contextmanager
@@ -107,7 +118,7 @@ def _faulty_runs(rank, world):  # noqa: ARG001
     with _doubled_gradient_on_rank_0(primitives, "_all_reduce_grad", 0) as fired:
         runs["tensor parallel"] = (test_tensor_parallel._train_case(rank, world, test_tensor_parallel.FP32["tp2_tp_untied"]),
                                    fired[0])
-    case = test_pipeline.CASES["pp2_1f1b_m4_fp64"]
+    case = _pipeline_case()
     with _twice_on(1, "exchange", "pp", sent=True) as fired:  # rank 1, the last stage, sends input gradients
         losses, params, *_ = test_pipeline._train(case, build_mesh(MeshShape(pp=2)), steps=PIPELINE_STEPS)
         runs["pipeline (1F1B)"] = (losses, params), fired[0]
@@ -137,7 +148,7 @@ def _references() -> dict:
         "ZeRO-3": (dense, FP32_ADAMW),
         "tensor parallel": (test_tensor_parallel._reference(test_tensor_parallel._config(2, run.tied), run.dtype,
                                                             run.steps), FP32_ADAMW),
-        "pipeline (1F1B)": (test_pipeline._reference(test_pipeline.CASES["pp2_1f1b_m4_fp64"], PIPELINE_STEPS)[:2],
+        "pipeline (1F1B)": (test_pipeline._reference(_pipeline_case(), PIPELINE_STEPS)[:2],
                             FP64_PARITY),
         "context parallel": (test_context_parallel._reference("ref"), FP32_ADAMW),
         "expert parallel": (test_expert_parallel._reference(), FP32_ADAMW),

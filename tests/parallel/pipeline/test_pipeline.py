@@ -39,11 +39,13 @@ EIGHT_LAYERS = dataclasses.replace(TINY, n_layers=8)
 @dataclasses.dataclass(frozen=True)
 class Case(Layout):
     tied: bool = False  # the head tied to the embedding: a copy of the table on the first and the last stage
+    blocks: int = 0  # the model's blocks; 0: one per model chunk
 
     @property
     def config(self):
-        """One block per model chunk, on each of the pp × virtual stages."""
-        return dataclasses.replace(TINY, n_layers=self.pp * self.virtual_stages, tie_embeddings=self.tied)
+        """`blocks` blocks, by default one per model chunk, on each of the pp × virtual stages."""
+        return dataclasses.replace(TINY, n_layers=self.blocks or self.pp * self.virtual_stages,
+                                   tie_embeddings=self.tied)
 
     @property
     def fp32(self) -> bool:
