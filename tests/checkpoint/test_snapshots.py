@@ -32,10 +32,10 @@ from paratrain.checkpoint.snapshot import (
 )
 from paratrain.config import Config
 from paratrain.distributed import free_port
-from paratrain.faults import FAULT_ENV, GATE_ENV
 from paratrain.metrics import StragglerWatch, read_metrics
 from paratrain.run.checkpoints import describe_sources
 from paratrain.train import train
+from test_faults_launched import assert_bit_equal as bit_equal, environment, injected
 
 TINY = ["--n-layers", "2", "--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "64",
         "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--sample-tokens", "0",
@@ -221,14 +221,6 @@ def test_a_launch_that_is_no_restart_continues_a_run_that_has_snapshots_but_no_c
 
 # -- launched -------------------------------------------------------------------------------------------------
 
-def environment(fault: str = "") -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, GATE_ENV)}
-    env["PYTHONUNBUFFERED"] = "1"
-    if fault:
-        env[FAULT_ENV] = fault
-    return env
-
-
 def node_commands(out: Path, snapshot_dirs: list[Path], *extra: str) -> list[list[str]]:
     """One launcher's command per entry of `snapshot_dirs` (that node's memory), one rank each; one node: two ranks."""
     common = [sys.executable, "-m", "paratrain", "train", *ARGS, "--out", str(out), *extra]
@@ -268,11 +260,7 @@ def launch_nodes_here(out: Path, snapshot_dirs: list[Path], *extra: str, fault: 
     def node(n: int) -> None:
         codes[n] = main(commands[n][3:])
 
-    with pytest.MonkeyPatch.context() as patch:  # one environment for every node's launcher
-        patch.delenv(GATE_ENV, raising=False)
-        patch.delenv(FAULT_ENV, raising=False)
-        if fault:
-            patch.setenv(FAULT_ENV, fault)
+    with injected(fault):  # one environment for every node's launcher
         others = [threading.Thread(target=node, args=(n,), daemon=True) for n in range(1, len(commands))]
         for thread in others:
             thread.start()
@@ -292,8 +280,6 @@ def kill_nodes_here(out: Path, snapshot_dirs: list[Path], *extra: str, fault: st
 
 
 def assert_bit_equal(out: Path, reference: Path, steps: int = STEPS) -> None:
-    from test_faults_launched import assert_bit_equal as bit_equal
-
     bit_equal(out, reference, steps)
 
 

@@ -10,6 +10,7 @@ as float.hex and the final weights (final/model.safetensors) with torch.equal.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -71,12 +72,10 @@ def launch(out, *extra, fault: str = "", gate: Path | None = None) -> subprocess
                           env=environment(fault, gate))
 
 
-def run_here(argv: list[str], fault: str = "", gate: Path | None = None) -> int:
-    """`paratrain ARGV` from this process (`paratrain.cli.main`), `fault` injected (and `gate`, as `environment`):
-    its exit code. A launcher's output reaches this process's stdout and stderr (`capfd`); its ranks', forked from
-    the fork server, do not."""
-    from paratrain.cli import main
-
+@contextlib.contextmanager
+def injected(fault: str = "", gate: Path | None = None):
+    """While the block runs, this process's environment with `fault` injected and `gate` set, as `environment`
+    gives a subprocess: for launchers run in this process."""
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(GATE_ENV, raising=False)
         patch.delenv(FAULT_ENV, raising=False)
@@ -84,6 +83,16 @@ def run_here(argv: list[str], fault: str = "", gate: Path | None = None) -> int:
             patch.setenv(FAULT_ENV, fault)
         if gate is not None:
             patch.setenv(GATE_ENV, str(gate))
+        yield
+
+
+def run_here(argv: list[str], fault: str = "", gate: Path | None = None) -> int:
+    """`paratrain ARGV` from this process (`paratrain.cli.main`), `fault` injected (and `gate`, as `environment`):
+    its exit code. A launcher's output reaches this process's stdout and stderr (`capfd`); its ranks', forked from
+    the fork server, do not."""
+    from paratrain.cli import main
+
+    with injected(fault, gate):
         return main(argv)
 
 
