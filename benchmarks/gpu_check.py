@@ -516,13 +516,11 @@ def _losses_of_run(run_dir: Path) -> list[float]:
 def check_tiny_moe(device, steps: int) -> dict:
     """`paratrain train --model tiny-moe` (one process: the command trains in the process that runs it, here this
     one, whose torch and trainer are imported already) learns."""
-    from paratrain.cli import main as paratrain_main
-
     with tempfile.TemporaryDirectory() as work:
-        code = paratrain_main(["train", "--model", "tiny-moe", "--steps", str(steps), "--out", f"{work}/run",
-                               "--log-every", "1", "--no-progress", *_small_run(device)])
+        code, said = _cli_here(["train", "--model", "tiny-moe", "--steps", str(steps), "--out", f"{work}/run",
+                                "--log-every", "1", "--no-progress", *_small_run(device)])
         if code:
-            return {"passed": False, "detail": f"paratrain train exited {code}"}
+            return {"passed": False, "detail": (said.strip().splitlines() or ["(no output)"])[-1][:300]}
         losses = _losses_of_run(Path(work) / "run")
     return {"passed": losses[-1] < losses[0] - 0.5, "losses": losses,
             "detail": f"{steps} steps: loss {losses[0]:.2f} -> {losses[-1]:.2f} (must fall by 0.5 nats)"}
