@@ -13,7 +13,7 @@ derived here, once, for every test module:
   neither is the pool of compile workers Inductor keeps for the whole session (the first test to compile would
   otherwise be charged for it).
 
-The marked tests run in two lanes, each one test after another on one worker (`LANES`): the parity, memory and
+The marked tests run in two lanes, each one test after another on one worker (`lane`): the parity, memory and
 compile tests of `tests/parallel/`, whose ranks compute and compare with no clock tighter than a hang bound, and
 the rest (the launcher, fault, checkpoint and benchmark tests, whose clocks allow for a loaded machine). One lane
 alone leaves a third of the second core idle while its ranks start, meet and wait; two keep both cores busy. A
@@ -239,8 +239,8 @@ def pytest_collection_modifyitems(items):
 
 def lane(path: Path) -> str:
     """The lane of a marked test module: the compute lane for the rooms in `COMPUTE_LANE` (their ranks only compute
-    and compare, so they share the cores with the other lane's), the clocked lane for the rest (launches, faults,
-    timeouts: tuned for the cores one lane leaves them)."""
+    and compare), the clocked lane for the rest (launches, faults, timeouts, with clocks that allow for a machine
+    the other lane loads)."""
     room = path.relative_to(Path(__file__).parent).parts[0]
     return f"{MARK}-compute" if room in COMPUTE_LANE else f"{MARK}-clocked"
 
